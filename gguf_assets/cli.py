@@ -1,0 +1,177 @@
+"""gguf-trainer: create a project, run the demo, run the pipeline, open the UI, auto-resume."""
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from gguf_assets.lib.layout import REPORT_JSON, ProjectPaths
+from gguf_assets.lib.settings import PROJECT_FILE, Settings, SettingsError, load_settings, write_project_file
+
+INIT_HEADER = """gguf_assets project settings. Every key is documented in docs/settings.md.
+Materials are hub repo ids (owner/name, optionally @revision) or local folders (relative to this folder).
+The HF token is read from the HF_TOKEN environment variable and never stored here."""
+
+
+def cmd_init(args: argparse.Namespace) -> int:
+    paths = ProjectPaths.of(args.project)
+    if paths.project_file.exists() and not args.force:
+        print(f"{paths.project_file} already exists; edit it, or pass --force to overwrite it with defaults.",
+              file=sys.stderr)
+        return 1
+    paths.root.mkdir(parents=True, exist_ok=True)
+    write_project_file(paths.root, Settings(), header=INIT_HEADER)
+    from gguf_assets.runner import prepare_instance
+
+    prepare_instance(paths)
+    print(f"created {paths.project_file}\nset materials.teacher, materials.student and materials.datasets, then run:\n"
+          f"  gguf-trainer run {paths.root}")
+    return 0
+
+
+def _print_status(paths: ProjectPaths) -> None:
+    from gguf_assets.lib.pipeline import project_status
+
+    for s in project_status(paths, load_settings(paths.root)):
+        print(f"  {s.stage:<12} {s.state:<8} {s.detail}")
+
+
+def _run(paths: ProjectPaths) -> int:
+    from gguf_assets.runner import PipelineFailed, run_pipeline
+
+    try:
+        run_pipeline(paths)
+    except PipelineFailed as exc:
+        print(f"pipeline failed: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _print_results(paths: ProjectPaths) -> None:
+    from gguf_assets.lib import atomic
+
+    settings = load_settings(paths.root)
+    report_file = paths.output_dir(settings) / REPORT_JSON
+    if report_file.is_file():
+        report = atomic.read_json(report_file)
+        print(f"GGUF:    {report['gguf_path']}")
+        print(f"report:  {report_file}")
+        cosine = report["val_centred_cosine"] if report["val_centred_cosine"] is not None else report["val_centred_cosine_torch"]
+        print(f"val centred cosine: {cosine:.4f}  ({report['verdict']})")
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    paths = ProjectPaths.of(args.project)
+    load_settings(paths.root)  # fail fast on a bad project.yaml
+    code = _run(paths)
+    _print_status(paths)
+    if code == 0:
+        _print_results(paths)
+    return code
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    paths = ProjectPaths.of(args.project)
+    _print_status(paths)
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from gguf_assets.lib.demo import build_demo_materials, demo_settings
+
+    start = time.perf_counter()
+    paths = ProjectPaths.of(args.project)
+    if not paths.project_file.exists():
+        demo_root = paths.root / "materials" / "demo"
+        print(f"building the tiny demo models and prompts in {demo_root} …")
+        build_demo_materials(demo_root, seed=args.seed)
+        write_project_file(paths.root, demo_settings(steps=args.steps),
+                           header="gguf_assets demo project: tiny random-weight Qwen3-MoE teacher, Qwen3 student.\n"
+                                  + INIT_HEADER)
+    else:
+        print(f"{paths.project_file} exists; continuing that project")
+    code = _run(paths)
+    _print_status(paths)
+    if code == 0:
+        _print_results(paths)
+        print(f"demo wall time: {time.perf_counter() - start:.0f} s")
+    return code
+
+
+def cmd_ui(args: argparse.Namespace) -> int:
+    from gguf_assets.runner import prepare_instance
+
+    paths = ProjectPaths.of(args.project)
+    load_settings(paths.root)
+    prepare_instance(paths)
+    command = ["dagster", "dev", "-m", "gguf_assets.definitions", "--host", args.host, "--port", str(args.port)]
+    print(f"Dagster UI for {paths.root} on http://{args.host}:{args.port} (Ctrl-C to stop)")
+    return subprocess.call(command, env=os.environ.copy())
+
+
+def cmd_auto_resume(project: str) -> int:
+    paths = ProjectPaths.of(project)
+    settings = load_settings(paths.root)
+    print(f"project {paths.root}:")
+    _print_status(paths)
+    if not settings.output.auto_resume:
+        print("output.auto_resume is false: reporting only")
+        return 0
+    return cmd_run(argparse.Namespace(project=project))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gguf-trainer", description=__doc__)
+    parser.add_argument("--auto-resume", metavar="PROJECT", help="continue the project's pipeline (start at boot)")
+    sub = parser.add_subparsers(dest="command")
+    p = sub.add_parser("init", help="create a project folder with a commented project.yaml")
+    p.add_argument("project")
+    p.add_argument("--force", action="store_true", help="overwrite an existing project.yaml")
+    p.set_defaults(func=cmd_init)
+    p = sub.add_parser("demo", help="build the tiny demo project and run the whole pipeline on it")
+    p.add_argument("project", nargs="?", default="demo-project")
+    p.add_argument("--steps", type=int, default=400, help="training steps (default 400)")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_demo)
+    p = sub.add_parser("run", help="materialize everything missing or stale, through Dagster")
+    p.add_argument("project")
+    p.set_defaults(func=cmd_run)
+    p = sub.add_parser("status", help="show which stages are current, stale or missing")
+    p.add_argument("project")
+    p.set_defaults(func=cmd_status)
+    p = sub.add_parser("ui", help="open the Dagster UI for a project")
+    p.add_argument("project")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=3000)
+    p.set_defaults(func=cmd_ui)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.auto_resume:
+            return cmd_auto_resume(args.auto_resume)
+        if not args.command:
+            parser.print_help()
+            return 2
+        return args.func(args)
+    except SettingsError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # library errors already name the file/key and the fix
+        from gguf_assets.lib.corpus import CorpusError
+        from gguf_assets.lib.lock import ProjectLocked
+        from gguf_assets.lib.materials import MaterialsError
+
+        if isinstance(exc, (CorpusError, MaterialsError, ProjectLocked)):
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

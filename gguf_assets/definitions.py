@@ -1,0 +1,15 @@
+"""The one Definitions object (what workspace.yaml and `dagster -m` load).
+
+The project folder comes from the GGUF_ASSETS_PROJECT environment variable, which
+gguf-trainer sets; the per-project resource hands it to every asset.
+"""
+
+import dagster as dg
+
+from gguf_assets.defs import corpus, materials, output, precompute, training
+from gguf_assets.defs.resources import PROJECT_ENV, ProjectResource
+
+defs = dg.Definitions(
+    assets=dg.load_assets_from_modules([materials, corpus, precompute, training, output]),
+    resources={"project": ProjectResource(project_dir=dg.EnvVar(PROJECT_ENV))},
+)

@@ -1,0 +1,22 @@
+"""Materials: teacher, student, prompt datasets, optional vision encoder, each pinned."""
+
+
+import dagster as dg
+
+from gguf_assets.defs.resources import ProjectResource
+from gguf_assets.lib.materials import resolve_materials
+
+
+@dg.asset(group_name="materials", description="Teacher, student, prompt datasets and the optional vision "
+          "encoder, each a local folder or hub repo pinned to the commit (or content hash) it resolved to.")
+def materials(context: dg.AssetExecutionContext, project: ProjectResource) -> dg.MaterializeResult:
+    manifest = resolve_materials(project.paths(), project.settings())
+    metadata: dict = {"manifest": dg.MetadataValue.path(str(project.paths().materials_manifest))}
+    rows = ["| role | source | pinned to | files | MiB |", "|---|---|---|---|---|"]
+    entries = [manifest[r] for r in ("teacher", "student", "vision_encoder") if manifest[r]] + manifest["datasets"]
+    for e in entries:
+        rows.append(f"| {e['role']} | `{e['source']}` | `{e['commit']}` | {e['files']} | {e['bytes'] / 2**20:.1f} |")
+        metadata[f"{e['role']}_commit"] = e["commit"]
+    metadata["materials"] = dg.MetadataValue.md("\n".join(rows))
+    metadata["total_mib"] = sum(e["bytes"] for e in entries) / 2**20
+    return dg.MaterializeResult(metadata=metadata)

@@ -1,0 +1,54 @@
+"""Output: the f16 GGUF export and its evaluation report."""
+
+
+from pathlib import Path
+
+import dagster as dg
+
+from gguf_assets.defs.materials import materials
+from gguf_assets.defs.precompute import val_shards
+from gguf_assets.defs.resources import ProjectResource
+from gguf_assets.defs.training import adapter
+from gguf_assets.lib import atomic
+from gguf_assets.lib.export import export_adapter
+from gguf_assets.lib.gguf_eval import evaluate_gguf
+from gguf_assets.lib.materials import load_manifest
+from gguf_assets.lib.pipeline import gguf_path, report_fingerprint, shard_fingerprints
+from gguf_assets.lib.report import build_report
+from gguf_assets.lib.shards import plan_shards
+
+
+@dg.asset(group_name="output", deps=[adapter, materials], description="The adapter as an f16 GGUF: "
+          "matrices f16; norms, biases and target statistics f32; self-describing metadata (docs/gguf_layout.md).")
+def gguf(context: dg.AssetExecutionContext, project: ProjectResource) -> dg.MaterializeResult:
+    paths, settings = project.paths(), project.settings()
+    summary = export_adapter(paths, settings, load_manifest(paths), atomic.read_json(paths.adapter_manifest))
+    rows = ["| file | bytes | sha256 |", "|---|---|---|"]
+    rows += [f"| `{p}` | {summary['bytes']} | `{summary['sha256']}` |" for p in [summary["path"], *summary["copies"]]]
+    return dg.MaterializeResult(metadata={
+        "path": dg.MetadataValue.path(summary["path"]), "bytes": summary["bytes"], "sha256": summary["sha256"],
+        "tensors": summary["tensor_count"], "f16_tensors": summary["f16_count"], "f32_tensors": summary["f32_count"],
+        "kept_f32": ", ".join(summary["kept_f32"]) or "none",
+        "exported_files": dg.MetadataValue.md("\n".join(rows)),
+    })
+
+
+@dg.asset(group_name="output", deps=[gguf, val_shards], description="Evaluation of the exported GGUF on the "
+          "val shards by an independent numpy reader, with the verdict, advice and how to use it in ggk.")
+def eval_report(context: dg.AssetExecutionContext, project: ProjectResource) -> dg.MaterializeResult:
+    paths, settings = project.paths(), project.settings()
+    materials_manifest = load_manifest(paths)
+    target = gguf_path(paths, settings)
+    sidecar = atomic.read_json(target.with_suffix(".json"))
+    folders = [plan.folder(paths) for plan in plan_shards(paths, settings, materials_manifest, "val")]
+    evaluation = evaluate_gguf(target, folders) if settings.output.evaluate else None
+    fingerprint = report_fingerprint(settings, sidecar["sha256"],
+                                     shard_fingerprints(paths, settings, materials_manifest, "val"))
+    report = build_report(paths, settings, materials_manifest, sidecar, evaluation, fingerprint=fingerprint)
+    md = (paths.output_dir(settings) / "report.md").read_text(encoding="utf-8")
+    metadata = {"report_json": dg.MetadataValue.path(str(paths.output_dir(settings) / "report.json")),
+                "report": dg.MetadataValue.md(md), "gguf_sha256": report["gguf_sha256"]}
+    for key in ("val_centred_cosine", "val_centred_cosine_torch", "empty_prompt_cosine"):
+        if report[key] is not None:
+            metadata[key] = float(report[key])
+    return dg.MaterializeResult(metadata=metadata)

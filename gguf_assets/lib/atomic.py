@@ -1,0 +1,138 @@
+"""Atomic file writes: temp file in the same folder, fsync, rename, fsync the folder.
+
+A kill -9 at any instant leaves either the old file or the new one, never a torn one,
+which is what lets every stage resume from the project folder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+TEMP_PREFIX = ".tmp-"
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def fsync_dir(folder: Path) -> None:
+    """Persist a rename: the directory entry lives in the parent folder."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_path(final: Path) -> Iterator[Path]:
+    """Yield a temp path beside ``final``; on success it is fsynced and renamed over it.
+
+    The caller (or a library such as safetensors/gguf) writes the temp path however it
+    likes. On any exception the temp file is removed and ``final`` is untouched.
+    """
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=TEMP_PREFIX + final.name + ".", dir=final.parent)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        # mkstemp creates 0600; give the final file the usual umask-based mode instead.
+        os.chmod(tmp, 0o666 & ~_umask())
+        yield tmp
+        with open(tmp, "rb+") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, final)
+        fsync_dir(final.parent)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        raise
+
+
+def write_bytes(final: Path, data: bytes) -> None:
+    with atomic_path(final) as tmp:
+        tmp.write_bytes(data)
+
+
+def write_text(final: Path, text: str) -> None:
+    write_bytes(final, text.encode("utf-8"))
+
+
+def write_json(final: Path, obj: Any) -> None:
+    write_text(final, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def read_json(path: Path) -> Any:
+    return json.loads(Path(path).read_text(encoding="utf-8"))
+
+
+@contextlib.contextmanager
+def atomic_dir(final: Path) -> Iterator[Path]:
+    """Yield a temp folder; on success it replaces ``final`` as a whole.
+
+    Used for checkpoints: a folder is either complete or absent.
+    """
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=TEMP_PREFIX + final.name + ".", dir=final.parent))
+    try:
+        os.chmod(tmp, 0o777 & ~_umask())
+        yield tmp
+        for child in tmp.iterdir():
+            with open(child, "rb") as fh:
+                os.fsync(fh.fileno())
+        fsync_dir(tmp)
+        if final.exists():
+            # Rename the old folder aside first so no instant exists with neither complete.
+            old = final.with_name(TEMP_PREFIX + final.name + ".old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+        fsync_dir(final.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def remove_stale_temps(folder: Path) -> int:
+    """Delete temp files/folders a killed writer left behind. Returns how many."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return 0
+    removed = 0
+    for child in folder.iterdir():
+        if child.name.startswith(TEMP_PREFIX):
+            if child.is_dir():
+                shutil.rmtree(child, ignore_errors=True)
+            else:
+                child.unlink(missing_ok=True)
+            removed += 1
+    return removed
+
+
+def sha256_file(path: Path, *, chunk_bytes: int = 8 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(chunk_bytes):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def fingerprint(obj: Any) -> str:
+    """A stable short hash of a JSON-able description of settings and inputs."""
+    blob = json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]

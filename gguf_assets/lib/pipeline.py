@@ -1,0 +1,133 @@
+"""What is done and what is not: the fingerprints that chain the stages, and the project status.
+
+Each stage's output records the fingerprint of everything it was made from. A stage is
+current when its recorded fingerprint equals the one computed from the current settings
+and upstream outputs; otherwise it is missing or stale and is recomputed, never reused.
+`gguf-trainer run` and `--auto-resume` use this to launch only the work that is left.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gguf_assets.lib import atomic
+from gguf_assets.lib.layout import SPLITS, ProjectPaths
+from gguf_assets.lib.materials import manifest_is_current, pins
+from gguf_assets.lib.settings import Settings
+
+STAGES = ("materials", "corpus", "train_shards", "val_shards", "adapter", "gguf", "eval_report")
+GGUF_SUFFIX = ".gguf"
+
+
+def corpus_fingerprint(paths: ProjectPaths, settings: Settings, materials: dict) -> str:
+    local = []
+    for value in settings.corpus.local_prompt_files:
+        file = paths.resolve_local(value)
+        local.append([value, atomic.sha256_file(file) if file.is_file() else None])
+    datasets = [[d["source"], d["commit"], d.get("text_field")] for d in materials.get("datasets", [])]
+    return atomic.fingerprint({"corpus": settings.section_dict("corpus"), "datasets": datasets, "local": local,
+                               "format": 1})
+
+
+def corpus_is_current(paths: ProjectPaths, settings: Settings, materials: dict) -> bool:
+    if not paths.corpus_manifest.is_file():
+        return False
+    manifest = atomic.read_json(paths.corpus_manifest)
+    if manifest.get("fingerprint") != corpus_fingerprint(paths, settings, materials):
+        return False
+    return all(paths.corpus_file(s).is_file() and atomic.sha256_file(paths.corpus_file(s)) == manifest["splits"][s]["sha256"]
+               for s in SPLITS)
+
+
+def shard_fingerprints(paths: ProjectPaths, settings: Settings, materials: dict, split: str) -> list[str]:
+    from gguf_assets.lib.shards import halves_for_mode, plan_shards
+
+    halves = halves_for_mode(settings.precompute.mode)
+    return [":".join(plan.fingerprints[h] for h in halves) for plan in plan_shards(paths, settings, materials, split)]
+
+
+def adapter_fingerprint(paths: ProjectPaths, settings: Settings, materials: dict) -> str:
+    from gguf_assets.lib.train import training_fingerprint
+
+    return training_fingerprint(settings, shard_fingerprints(paths, settings, materials, "train"),
+                                shard_fingerprints(paths, settings, materials, "val"))
+
+
+def gguf_path(paths: ProjectPaths, settings: Settings) -> "Path":
+    return paths.output_dir(settings) / f"{settings.output.adapter_name}{GGUF_SUFFIX}"
+
+
+def gguf_fingerprint(settings: Settings, materials: dict, adapter_fp: str) -> str:
+    return atomic.fingerprint({"adapter": adapter_fp, "name": settings.output.adapter_name,
+                               "student": pins(materials, "student"), "teacher": pins(materials, "teacher"),
+                               "template": settings.precompute.prompt_template,
+                               "vision": [pins(materials, "vision_encoder"), settings.output.export_vision_encoder],
+                               "format": 1})
+
+
+def report_fingerprint(settings: Settings, gguf_sha256: str, val_fps: list[str]) -> str:
+    return atomic.fingerprint({"gguf": gguf_sha256, "val": val_fps, "evaluate": settings.output.evaluate,
+                               "ggk_command": settings.output.ggk_command, "format": 1})
+
+
+def recorded_fingerprint(sidecar: "Path") -> str | None:
+    try:
+        return atomic.read_json(sidecar).get("fingerprint")
+    except (OSError, ValueError):
+        return None
+
+
+@dataclass(frozen=True)
+class StageState:
+    stage: str
+    state: str  # current | missing | stale | blocked
+    detail: str = ""
+
+
+def project_status(paths: ProjectPaths, settings: Settings) -> list[StageState]:
+    """The state of every stage, in pipeline order. Later stages are 'blocked' behind unfinished ones."""
+    from gguf_assets.lib.shards import plan_shards, shard_status
+
+    out: list[StageState] = []
+
+    def blocked_rest(after: str) -> list[StageState]:
+        return [StageState(s, "blocked", f"waits for {after}") for s in STAGES[STAGES.index(after) + 1:]]
+
+    if not manifest_is_current(paths, settings):
+        state = "stale" if paths.materials_manifest.is_file() else "missing"
+        return [StageState("materials", state)] + blocked_rest("materials")
+    out.append(StageState("materials", "current"))
+    materials = atomic.read_json(paths.materials_manifest)
+    if not corpus_is_current(paths, settings, materials):
+        state = "stale" if paths.corpus_manifest.is_file() else "missing"
+        return out + [StageState("corpus", state)] + blocked_rest("corpus")
+    out.append(StageState("corpus", "current"))
+    unfinished = False
+    for split in SPLITS:
+        plans = plan_shards(paths, settings, materials, split)
+        todo = [p.key for p in plans if set(shard_status(paths, settings, p).values()) != {"current"}]
+        state = "current" if not todo else ("missing" if len(todo) == len(plans) else "stale")
+        out.append(StageState(f"{split}_shards", state, f"{len(plans) - len(todo)}/{len(plans)} shards current"))
+        unfinished |= bool(todo)
+    if unfinished:
+        return out + blocked_rest("val_shards")
+    if settings.precompute.mode != "teacher+student":
+        return out + [StageState(s, "blocked", f"precompute.mode is {settings.precompute.mode!r}; training needs "
+                                 "teacher+student") for s in STAGES[STAGES.index("adapter"):]]
+    adapter_fp = adapter_fingerprint(paths, settings, materials)
+    if recorded_fingerprint(paths.adapter_manifest) != adapter_fp:
+        return out + [StageState("adapter", "stale" if paths.adapter_manifest.is_file() else "missing")] + blocked_rest("adapter")
+    out.append(StageState("adapter", "current"))
+    gguf = gguf_path(paths, settings)
+    sidecar = gguf.with_suffix(".json")
+    if recorded_fingerprint(sidecar) != gguf_fingerprint(settings, materials, adapter_fp) or not gguf.is_file():
+        return out + [StageState("gguf", "stale" if sidecar.is_file() else "missing")] + blocked_rest("gguf")
+    out.append(StageState("gguf", "current"))
+    from gguf_assets.lib.layout import REPORT_JSON
+
+    report = paths.output_dir(settings) / REPORT_JSON
+    expected = report_fingerprint(settings, atomic.read_json(sidecar)["sha256"],
+                                  shard_fingerprints(paths, settings, materials, "val"))
+    out.append(StageState("eval_report", "current" if recorded_fingerprint(report) == expected else
+                          ("stale" if report.is_file() else "missing")))
+    return out

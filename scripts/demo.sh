@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# Set up, then run the whole pipeline through Dagster on the built-in tiny demo project.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+exec .venv/bin/gguf-trainer demo "${1:-demo-project}" "${@:2}"

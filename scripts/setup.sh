@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Create .venv and install the project with its test extras. Re-running is cheap: it
+# reinstalls only when pyproject.toml changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -c 'import sys; assert sys.version_info >= (3, 11), "Python 3.11+ is needed"'
+  "$PYTHON" -m venv .venv
+fi
+stamp=.venv/.gguf_assets-installed
+want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  .venv/bin/pip install --quiet --upgrade pip
+  # torch first and pinned: on the CPU machines this project runs on, 2.13.0 is a local CPU wheel,
+  # while an unpinned torch would pull a multi-GB CUDA build.
+  .venv/bin/pip install --quiet "torch==2.13.0"
+  .venv/bin/pip install --quiet -e '.[test]'
+  echo "$want" > "$stamp"
+fi
