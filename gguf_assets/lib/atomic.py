@@ -89,9 +89,14 @@ def atomic_dir(final: Path) -> Iterator[Path]:
     try:
         os.chmod(tmp, 0o777 & ~_umask())
         yield tmp
-        for child in tmp.iterdir():
-            with open(child, "rb") as fh:
-                os.fsync(fh.fileno())
+        for child in sorted(tmp.rglob("*")):  # subfolders too: open(dir, "rb") would raise
+            if child.is_symlink():
+                continue
+            if child.is_dir():
+                fsync_dir(child)
+            else:
+                with open(child, "rb") as fh:
+                    os.fsync(fh.fileno())
         fsync_dir(tmp)
         if final.exists():
             # Rename the old folder aside first so no instant exists with neither complete.

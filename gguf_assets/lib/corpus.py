@@ -55,7 +55,11 @@ def _read_txt(file: Path) -> Iterator[str]:
 
 
 def _read_json(file: Path, text_field: str) -> Iterator[str]:
-    data = json.loads(file.read_text(encoding="utf-8-sig"))
+    try:
+        data = json.loads(file.read_text(encoding="utf-8-sig"))
+    except json.JSONDecodeError as exc:
+        raise CorpusError(f"{file}:{exc.lineno}: not valid JSON ({exc.msg}). A .json prompt file must hold a list "
+                          f"of strings or objects with {text_field!r}.") from None
     if not isinstance(data, list):
         raise CorpusError(f"{file}: a .json prompt file must hold a list of strings or objects with {text_field!r}.")
     for i, item in enumerate(data):
@@ -76,7 +80,22 @@ def read_prompt_file(file: Path, *, text_field: str = "text") -> Iterator[str]:
         else:
             yield from _read_txt(file)
     except UnicodeDecodeError as exc:
-        raise CorpusError(f"{file}: not UTF-8 (bad byte at offset {exc.start}). Re-save the file as UTF-8.") from None
+        raise CorpusError(f"{file}: not UTF-8 (bad byte at offset {_bad_byte_offset(file, exc.start)}). "
+                          "Re-save the file as UTF-8.") from None
+
+
+def _bad_byte_offset(file: Path, fallback: int) -> int:
+    """Offset of the first invalid UTF-8 byte in the whole file.
+
+    A text-mode reader decodes in chunks, so its UnicodeDecodeError.start is relative to
+    the chunk, not the file; decoding the bytes again (only on this error path) gives the
+    real offset. A BOM is valid UTF-8, so offsets count it like any other bytes.
+    """
+    try:
+        file.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return exc.start
+    return fallback
 
 
 def _dataset_files(folder: Path) -> list[Path]:

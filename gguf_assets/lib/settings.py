@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -194,6 +195,10 @@ def _where(path: Path, lines: dict[str, int], key: str) -> str:
     return f"{path}:{line}" if line else str(path)
 
 
+# A number in exponent form without a dot (2e-4, 1E+3), which YAML 1.1 leaves a string.
+_EXPONENT_FLOAT = re.compile(r"^[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)[eE][-+]?[0-9]+$")
+
+
 def _check_value(section: str, f: dataclasses.Field, value: Any) -> Any:
     """Return the normalized value or raise ValueError with what is allowed."""
     meta, kind = f.metadata, f.metadata.get("kind")
@@ -228,6 +233,8 @@ def _check_value(section: str, f: dataclasses.Field, value: Any) -> Any:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ValueError("must be an integer")
     elif expected is float:
+        if isinstance(value, str) and _EXPONENT_FLOAT.match(value.strip()):
+            value = float(value)  # YAML 1.1 (PyYAML) reads `2e-4` as a string; it is plainly a number
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError("must be a number")
         value = float(value)

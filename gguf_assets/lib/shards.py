@@ -50,7 +50,7 @@ def half_fingerprint(half: str, settings: Settings, materials: dict, shard_promp
     """Everything a half depends on. Batch sizes and devices are left out: they change speed, not results."""
     m, p = settings.materials, settings.precompute
     if half == "teacher":
-        source = {"mock": True, "tokenizer": pins(materials, "student")} if p.mock_teacher else {
+        source = {"mock": True, "student": pins(materials, "student")} if p.mock_teacher else {
             "teacher": pins(materials, "teacher"), "query_rows": [m.query_rows_file, m.query_rows_tensor],
             "layer": m.teacher_layer}
         deps = {**source, "dtype": "f16"}
@@ -130,12 +130,12 @@ class ShardBuilder:
     def teacher(self):
         if self._teacher is None:
             from gguf_assets.lib.teacher import HFTeacher, MockTeacher
-            from gguf_assets.lib.student import load_tokenizer
 
             p = self.settings.precompute
             if p.mock_teacher:
-                tok = load_tokenizer(Path(self.materials["student"]["path"]), self.settings)
-                self._teacher = MockTeacher(tok, template=p.prompt_template)
+                student = self.student()
+                self._teacher = MockTeacher(student.tokenizer, student.model.get_input_embeddings().weight,
+                                            template=p.prompt_template)
             else:
                 self._teacher = HFTeacher(Path(self.materials["teacher"]["path"]), self.settings, self.device)
         return self._teacher

@@ -116,19 +116,22 @@ def placement_kwargs(p, device: torch.device) -> dict:
 class MockTeacher:
     """Dev smoke test: synthetic targets that are a deterministic, learnable function of the text.
 
-    target = tanh(mean token embedding @ A) @ B + base, with fixed random A, B, base and a
-    fixed random table over the student's token ids. A bag of words is something the adapter
-    can learn from the student's states, so smoke tests can assert learning.
+    target = tanh(f @ A) @ B + base, where f is the mean of the student's own input-embedding
+    rows over the prompt's tokens (rescaled), and A, B, base are fixed random matrices. The
+    student's states carry exactly that information, so an adapter can learn it and smoke
+    tests can assert learning. The targets depend on the student's embeddings; the shard
+    fingerprint records that.
     """
 
-    def __init__(self, tokenizer, *, template: str, n_query: int = MOCK_QUERY_ROWS, dim: int = MOCK_DIM) -> None:
+    def __init__(self, tokenizer, embeddings: torch.Tensor, *, template: str, n_query: int = MOCK_QUERY_ROWS,
+                 dim: int = MOCK_DIM) -> None:
         self.tokenizer = tokenizer
         self.template = template
         self.n_query, self.dim = n_query, dim
+        self.embeddings = embeddings.detach().float() / embeddings.detach().float().std()
         g = torch.Generator().manual_seed(MOCK_SEED)
-        vocab = len(tokenizer)
-        self.table = torch.randn(vocab, 32, generator=g)
-        self.a = torch.randn(32, 32, generator=g) / 32**0.5 * 3
+        width = self.embeddings.shape[1]
+        self.a = torch.randn(width, 32, generator=g) / width**0.5 * 3
         self.b = torch.randn(32, n_query * dim, generator=g) / 32**0.5
         self.base = torch.randn(n_query, dim, generator=g) * 0.5
 
@@ -137,8 +140,8 @@ class MockTeacher:
         out = torch.empty(len(prompts), self.n_query, self.dim)
         for i, prompt in enumerate(prompts):
             ids = self.tokenizer(apply_template(self.template, prompt), add_special_tokens=True)["input_ids"]
-            h = self.table[ids].mean(0) if ids else torch.zeros(32)
-            out[i] = (torch.tanh(h @ self.a) @ self.b).view(self.n_query, self.dim) + self.base
+            f = self.embeddings[ids].mean(0) if ids else torch.zeros(self.embeddings.shape[1])
+            out[i] = (torch.tanh(f @ self.a) @ self.b).view(self.n_query, self.dim) + self.base
         return out
 
 

@@ -1,0 +1,29 @@
+"""The Definitions load, and lib/ stays free of dagster."""
+
+import ast
+from pathlib import Path
+
+import gguf_assets
+
+LIB = Path(gguf_assets.__file__).parent / "lib"
+
+
+def test_definitions_load_with_every_asset_and_group():
+    from gguf_assets.definitions import defs
+
+    graph = defs.resolve_asset_graph()
+    keys = {k.to_user_string() for k in graph.get_all_asset_keys()}
+    assert keys == {"materials", "corpus", "train_shards", "val_shards", "adapter", "gguf", "eval_report"}
+    groups = {k.to_user_string(): graph.get(k).group_name for k in graph.get_all_asset_keys()}
+    assert groups["train_shards"] == "precompute" and groups["adapter"] == "training" and groups["gguf"] == "output"
+    assert graph.get(next(k for k in graph.get_all_asset_keys() if k.to_user_string() == "adapter")).pools == {"gpu"}
+
+
+def test_lib_never_imports_dagster():
+    offenders = []
+    for file in LIB.glob("*.py"):
+        for node in ast.walk(ast.parse(file.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            offenders += [f"{file.name}: {n}" for n in names if n.split(".")[0] == "dagster"]
+    assert offenders == []

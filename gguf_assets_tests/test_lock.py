@@ -1,0 +1,129 @@
+"""Tests for the one-pipeline-per-project flock (gguf_assets.lib.lock)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from gguf_assets.lib.lock import ProjectLock, ProjectLocked
+
+# A child process that takes the lock, says so, then waits for a line on stdin (or is killed).
+HOLDER = textwrap.dedent("""
+    import sys
+    from gguf_assets.lib.lock import ProjectLock
+    with ProjectLock(sys.argv[1]):
+        print("locked", flush=True)
+        sys.stdin.readline()
+    print("released", flush=True)
+""")
+
+# A child process that tries to take the lock once and reports what happened.
+TRY = textwrap.dedent("""
+    import sys
+    from gguf_assets.lib.lock import ProjectLock, ProjectLocked
+    try:
+        with ProjectLock(sys.argv[1]):
+            print("acquired", flush=True)
+    except ProjectLocked as exc:
+        print("refused:", exc, flush=True)
+""")
+
+
+def _start_holder(lock_file: Path) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(lock_file)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    line = proc.stdout.readline().strip()
+    if line != "locked":
+        proc.kill()
+        proc.wait(timeout=10)
+        pytest.fail(f"holder process did not take the lock (said {line!r})")
+    return proc
+
+
+def _try_in_child(lock_file: Path) -> str:
+    done = subprocess.run([sys.executable, "-c", TRY, str(lock_file)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+@pytest.fixture
+def lock_file(tmp_path) -> Path:
+    return tmp_path / "project" / ".pipeline.lock"
+
+
+def test_lock_held_by_another_process_is_refused_naming_its_pid(lock_file):
+    holder = _start_holder(lock_file)
+    try:
+        with pytest.raises(ProjectLocked) as info:
+            with ProjectLock(lock_file):
+                pytest.fail("took a lock another process holds")
+        msg = str(info.value)
+        assert f"pid {holder.pid}" in msg
+        assert str(lock_file.parent) in msg
+        assert json.loads(lock_file.read_text())["pid"] == holder.pid
+    finally:
+        holder.stdin.write("\n")
+        holder.stdin.flush()
+        assert holder.stdout.readline().strip() == "released"
+        holder.wait(timeout=10)
+    # Released cleanly: now this process gets it, and writes its own pid.
+    with ProjectLock(lock_file):
+        assert json.loads(lock_file.read_text())["pid"] == os.getpid()
+
+
+def test_lock_held_here_refuses_another_process(lock_file):
+    with ProjectLock(lock_file):
+        out = _try_in_child(lock_file)
+        assert out.startswith("refused:") and f"pid {os.getpid()}" in out
+    assert _try_in_child(lock_file) == "acquired"
+
+
+def test_reentry_in_the_same_process_nests(lock_file):
+    outer = ProjectLock(lock_file)
+    with outer:
+        with ProjectLock(lock_file):  # a second object on the same file (e.g. an asset step inside `run`)
+            with ProjectLock(lock_file.parent / "." / lock_file.name):  # same file, other spelling
+                assert _try_in_child(lock_file).startswith("refused:")
+            assert _try_in_child(lock_file).startswith("refused:")
+        # The inner exits must not have released the outer hold.
+        assert _try_in_child(lock_file).startswith("refused:")
+    assert _try_in_child(lock_file) == "acquired"
+
+
+def test_lock_can_be_taken_again_after_release(lock_file):
+    for _ in range(3):
+        with ProjectLock(lock_file):
+            pass
+    with ProjectLock(lock_file):
+        assert _try_in_child(lock_file).startswith("refused:")
+
+
+def test_lock_of_a_killed_process_is_taken_over(lock_file):
+    holder = _start_holder(lock_file)
+    os.kill(holder.pid, signal.SIGKILL)
+    assert holder.wait(timeout=10) == -signal.SIGKILL
+    holder.stdout.close()
+    holder.stdin.close()
+    assert json.loads(lock_file.read_text())["pid"] == holder.pid  # the dead holder's record is left behind
+    with ProjectLock(lock_file):
+        assert json.loads(lock_file.read_text())["pid"] == os.getpid()
+
+
+def test_different_projects_do_not_block_each_other(tmp_path):
+    a, b = tmp_path / "a" / ".pipeline.lock", tmp_path / "b" / ".pipeline.lock"
+    holder = _start_holder(a)
+    try:
+        with ProjectLock(b):
+            assert b.is_file()
+    finally:
+        holder.kill()
+        holder.wait(timeout=10)
+        holder.stdout.close()
+        holder.stdin.close()

@@ -1,0 +1,73 @@
+"""The whole DAG through real Dagster materializations on a temp project and DAGSTER_HOME."""
+
+import dagster as dg
+
+from gguf_assets.lib import atomic
+from gguf_assets.lib.layout import REPORT_JSON
+from gguf_assets.lib.settings import load_settings, replace, write_project_file
+from gguf_assets.runner import run_pipeline
+
+ASSETS = ("materials", "corpus", "train_shards", "val_shards", "adapter", "gguf", "eval_report")
+
+
+def _file_digests(folder):
+    return {p.relative_to(folder).as_posix(): atomic.sha256_file(p) for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_demo_dag_end_to_end_then_memoized_then_student_change(make_project):
+    paths = make_project(steps=120)
+    status = run_pipeline(paths, echo=lambda _: None)
+    assert {s.stage: s.state for s in status} == {a: "current" for a in ASSETS}
+
+    settings = load_settings(paths.root)
+    report = atomic.read_json(paths.output_dir(settings) / REPORT_JSON)
+    for key in ("val_centred_cosine", "empty_prompt_cosine", "gguf_path", "gguf_sha256", "val_centred_cosine_torch"):
+        assert report[key] is not None, key
+    assert atomic.sha256_file(report["gguf_path"]) == report["gguf_sha256"]
+    # The numpy reading of the GGUF agrees with the torch checkpoint.
+    assert abs(report["val_centred_cosine"] - report["val_centred_cosine_torch"]) < 1e-3
+    adapter_meta = atomic.read_json(paths.root / atomic.read_json(paths.adapter_manifest)["run_dir"] / "final" / "meta.json")
+    untrained = adapter_meta["untrained_val_centred_cosine"]
+    assert report["val_centred_cosine"] > untrained + 0.15, (report["val_centred_cosine"], untrained)
+    assert (paths.output_dir(settings) / "report.md").read_text().count("Use it in ggk") == 1
+
+    # Every asset and every shard partition is recorded in the project's own Dagster instance.
+    instance = dg.DagsterInstance.get()
+    assert str(paths.dagster_home) in str(instance.root_directory)
+    for name in ASSETS:
+        assert instance.get_latest_materialization_event(dg.AssetKey(name)) is not None, name
+    for split, n in (("train", 4), ("val", 1)):
+        keys = instance.get_dynamic_partitions(f"{split}_shards")
+        assert len(keys) == n
+        materialized = instance.get_materialized_partitions(dg.AssetKey(f"{split}_shards"))
+        assert set(keys) <= materialized
+
+    # A second run has nothing to do: no new Dagster run is launched.
+    runs_before = len(instance.get_run_records())
+    run_pipeline(paths, echo=lambda _: None)
+    assert len(instance.get_run_records()) == runs_before
+
+    # Changing the student (here: its layer) recomputes the student halves only.
+    teacher_before = {p: _file_digests(p) for p in sorted((paths.root / "shards").glob("*/*"))}
+    teacher_files = {p: atomic.sha256_file(p / "teacher.safetensors") for p in teacher_before}
+    student_files = {p: atomic.sha256_file(p / "student.safetensors") for p in teacher_before}
+    mtimes = {p: (p / "teacher.safetensors").stat().st_mtime_ns for p in teacher_before}
+    write_project_file(paths.root, replace(settings, materials={"student_layer": 1}, training={"steps": 20}))
+    status = run_pipeline(paths, echo=lambda _: None)
+    assert all(s.state == "current" for s in status)
+    for shard in teacher_before:
+        assert atomic.sha256_file(shard / "teacher.safetensors") == teacher_files[shard]
+        assert (shard / "teacher.safetensors").stat().st_mtime_ns == mtimes[shard]
+        assert atomic.sha256_file(shard / "student.safetensors") != student_files[shard]
+    new_report = atomic.read_json(paths.output_dir(settings) / REPORT_JSON)
+    assert new_report["gguf_sha256"] != report["gguf_sha256"]
+
+
+def test_mock_teacher_smoke_learns(make_project):
+    paths = make_project(steps=100, mock_teacher=True)
+    run_pipeline(paths, echo=lambda _: None)
+    settings = load_settings(paths.root)
+    report = atomic.read_json(paths.output_dir(settings) / REPORT_JSON)
+    meta = atomic.read_json(paths.root / atomic.read_json(paths.adapter_manifest)["run_dir"] / "final" / "meta.json")
+    assert meta["shape"]["target_dim"] == 64 and meta["shape"]["query_rows"] == 256
+    assert report["val_centred_cosine"] > meta["untrained_val_centred_cosine"] + 0.3
