@@ -50,7 +50,8 @@ def half_fingerprint(half: str, settings: Settings, materials: dict, shard_promp
     """Everything a half depends on. Batch sizes and devices are left out: they change speed, not results."""
     m, p = settings.materials, settings.precompute
     if half == "teacher":
-        source = {"mock": True, "student": pins(materials, "student")} if p.mock_teacher else {
+        source = {"mock": True, "student": pins(materials, "student"), "student_layer": m.student_layer,
+                  "student_dtype": p.student_dtype} if p.mock_teacher else {
             "teacher": pins(materials, "teacher"), "query_rows": [m.query_rows_file, m.query_rows_tensor],
             "layer": m.teacher_layer}
         deps = {**source, "dtype": "f16"}
@@ -133,9 +134,7 @@ class ShardBuilder:
 
             p = self.settings.precompute
             if p.mock_teacher:
-                student = self.student()
-                self._teacher = MockTeacher(student.tokenizer, student.model.get_input_embeddings().weight,
-                                            template=p.prompt_template)
+                self._teacher = MockTeacher(self.student())
             else:
                 self._teacher = HFTeacher(Path(self.materials["teacher"]["path"]), self.settings, self.device)
         return self._teacher

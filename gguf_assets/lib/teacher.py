@@ -116,32 +116,31 @@ def placement_kwargs(p, device: torch.device) -> dict:
 class MockTeacher:
     """Dev smoke test: synthetic targets that are a deterministic, learnable function of the text.
 
-    target = tanh(f @ A) @ B + base, where f is the mean of the student's own input-embedding
-    rows over the prompt's tokens (rescaled), and A, B, base are fixed random matrices. The
-    student's states carry exactly that information, so an adapter can learn it and smoke
-    tests can assert learning. The targets depend on the student's embeddings; the shard
-    fingerprint records that.
+    target[q] = gain[q] * tanh(f @ A) @ B + base[q], where f is the mean of the student's hidden
+    states over the prompt's tokens (rescaled to unit variance) and A, B, gain, base are fixed
+    random values (the gain makes query rows differ, as a real teacher's do).
+    The adapter sees exactly those states, so it can learn the mapping and smoke tests can
+    assert learning; the targets therefore depend on the student (the fingerprint says so).
     """
 
-    def __init__(self, tokenizer, embeddings: torch.Tensor, *, template: str, n_query: int = MOCK_QUERY_ROWS,
-                 dim: int = MOCK_DIM) -> None:
-        self.tokenizer = tokenizer
-        self.template = template
+    def __init__(self, student, *, n_query: int = MOCK_QUERY_ROWS, dim: int = MOCK_DIM) -> None:
+        self.student = student
         self.n_query, self.dim = n_query, dim
-        self.embeddings = embeddings.detach().float() / embeddings.detach().float().std()
         g = torch.Generator().manual_seed(MOCK_SEED)
-        width = self.embeddings.shape[1]
+        width = student.dim
         self.a = torch.randn(width, 32, generator=g) / width**0.5 * 3
-        self.b = torch.randn(32, n_query * dim, generator=g) / 32**0.5
+        self.b = torch.randn(32, dim, generator=g) / 32**0.5
+        self.gain = 0.5 + torch.rand(n_query, 1, generator=g)
         self.base = torch.randn(n_query, dim, generator=g) * 0.5
 
     @torch.inference_mode()
     def encode(self, prompts: list[str]) -> torch.Tensor:
+        states, _ = self.student.encode(prompts)
         out = torch.empty(len(prompts), self.n_query, self.dim)
-        for i, prompt in enumerate(prompts):
-            ids = self.tokenizer(apply_template(self.template, prompt), add_special_tokens=True)["input_ids"]
-            f = self.embeddings[ids].mean(0) if ids else torch.zeros(self.embeddings.shape[1])
-            out[i] = (torch.tanh(f @ self.a) @ self.b).view(self.n_query, self.dim) + self.base
+        for i, s in enumerate(states):
+            s = s.float()
+            f = s.mean(0) / s.std().clamp_min(1e-6) if s.shape[0] > 1 else torch.zeros(self.student.dim)
+            out[i] = self.gain * (torch.tanh(f @ self.a) @ self.b) + self.base
         return out
 
 
