@@ -4,10 +4,15 @@ The project folder comes from the GGUF_ASSETS_PROJECT environment variable, whic
 gguf-trainer sets; the per-project resource hands it to every asset.
 """
 
+import warnings
+
 import dagster as dg
 
-from gguf_assets.defs import corpus, materials, output, precompute, training
-from gguf_assets.defs.resources import PROJECT_ENV, ProjectResource
+# backfill_policy is marked beta; single-run backfills are what keep thousands of shards in one run.
+warnings.filterwarnings("ignore", category=dg.BetaWarning)
+
+from gguf_assets.defs import corpus  # noqa: E402, materials, output, precompute, training
+from gguf_assets.defs.resources import PROJECT_ENV  # noqa: E402, ProjectResource
 
 defs = dg.Definitions(
     assets=dg.load_assets_from_modules([materials, corpus, precompute, training, output]),

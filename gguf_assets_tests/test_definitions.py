@@ -27,3 +27,11 @@ def test_lib_never_imports_dagster():
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             offenders += [f"{file.name}: {n}" for n in names if n.split(".")[0] == "dagster"]
     assert offenders == []
+
+
+def test_settings_reference_doc_is_generated_from_the_schema():
+    from gguf_assets.docs import SETTINGS_DOC
+    from gguf_assets.lib.settings import settings_reference_markdown
+
+    assert SETTINGS_DOC.read_text(encoding="utf-8") == settings_reference_markdown() + "\n", (
+        "docs/settings.md is out of date: run `python -m gguf_assets.docs`")

@@ -67,6 +67,9 @@ class Corpus:
     seed: int = _f(0, "seed of the shuffle and split")
     min_chars: int = _f(3, "drop prompts shorter than this (characters)", min=0)
     max_chars: int = _f(2000, "drop prompts longer than this (characters)", min=1)
+    text_field: str = _f("text", "field (.jsonl/.json) or column (.csv) holding the prompt in local prompt files")
+    skip_bad_lines: bool = _f(False, "skip malformed lines in prompt files (counted and reported) instead of stopping")
+    allow_fewer: bool = _f(False, "accept fewer prompts than train_prompts + val_prompts (train shrinks, val is kept)")
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,7 @@ class Precompute:
     shard_size: int = _f(1000, "train prompts per shard", min=1)
     val_shard_size: int = _f(500, "val prompts per shard", min=1)
     student_dtype: str = _f("bf16", "dtype the student states are computed and stored in", choices=DTYPES)
+    target_dtype: str = _f("f16", "dtype the teacher targets are stored in", choices=("f16", "bf16"))
     teacher_batch: int = _f(8, "most prompts per teacher batch", min=1)
     token_budget: int = _f(8192, "cap on batch x (text tokens + query rows) per teacher batch", min=1)
     student_batch: int = _f(32, "most prompts per student batch", min=1)
@@ -337,7 +341,7 @@ def replace(settings: Settings, **changes: dict) -> Settings:
 def settings_reference_markdown() -> str:
     """docs/settings.md, generated from the dataclasses above."""
     out = ["# Settings reference", "",
-           "Generated from `gguf_assets/lib/settings.py` by `gguf-trainer docs`; do not edit by hand.", ""]
+           "Generated from `gguf_assets/lib/settings.py` by `python -m gguf_assets.docs`; do not edit by hand.", ""]
     defaults = Settings()
     for name in SECTIONS:
         out += [f"## `{name}`", "", "| key | default | meaning |", "|---|---|---|"]

@@ -34,7 +34,7 @@ from gguf_assets.lib.settings import Settings
 log = logging.getLogger(__name__)
 
 HALVES = ("teacher", "student")
-TARGET_DTYPE = torch.float16
+TARGET_DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16}
 F16_MAX = 65504.0
 
 
@@ -54,7 +54,7 @@ def half_fingerprint(half: str, settings: Settings, materials: dict, shard_promp
                   "student_dtype": p.student_dtype} if p.mock_teacher else {
             "teacher": pins(materials, "teacher"), "query_rows": [m.query_rows_file, m.query_rows_tensor],
             "layer": m.teacher_layer}
-        deps = {**source, "dtype": "f16"}
+        deps = {**source, "dtype": p.target_dtype}
     else:
         deps = {"student": pins(materials, "student"), "layer": m.student_layer, "dtype": p.student_dtype}
     return atomic.fingerprint({"half": half, "template": p.prompt_template, "prompts": shard_prompts_hash, **deps,
@@ -170,8 +170,9 @@ class ShardBuilder:
                 if not torch.isfinite(targets).all() or peak > F16_MAX:
                     raise ShardError(f"shard {plan.split}/{plan.key}: teacher targets are non-finite or exceed the f16 "
                                      f"range (max |x| = {peak:.3g}); check materials.teacher_layer.")
-                tensors = {"targets": targets.to(TARGET_DTYPE)}
-                meta.update(query_rows=targets.shape[1], dim=targets.shape[2], dtype="f16")
+                target_dtype = self.settings.precompute.target_dtype
+                tensors = {"targets": targets.to(TARGET_DTYPES[target_dtype])}
+                meta.update(query_rows=targets.shape[1], dim=targets.shape[2], dtype=target_dtype)
             else:
                 states, tokens = self.student().encode(plan.prompts)
                 lengths = torch.tensor([0] + [s.shape[0] for s in states], dtype=torch.int64)
