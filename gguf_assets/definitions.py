@@ -11,8 +11,8 @@ import dagster as dg
 # backfill_policy is marked beta; single-run backfills are what keep thousands of shards in one run.
 warnings.filterwarnings("ignore", category=dg.BetaWarning)
 
-from gguf_assets.defs import corpus  # noqa: E402, materials, output, precompute, training
-from gguf_assets.defs.resources import PROJECT_ENV  # noqa: E402, ProjectResource
+from gguf_assets.defs import corpus, materials, output, precompute, training  # noqa: E402
+from gguf_assets.defs.resources import PROJECT_ENV, ProjectResource  # noqa: E402
 
 defs = dg.Definitions(
     assets=dg.load_assets_from_modules([materials, corpus, precompute, training, output]),
