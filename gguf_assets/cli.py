@@ -111,20 +111,36 @@ def cmd_ui(args: argparse.Namespace) -> int:
     return subprocess.call(command, env=os.environ.copy())
 
 
-def cmd_auto_resume(project: str) -> int:
+def cmd_auto_resume(project: str, *, daemon: bool) -> int:
+    """At boot: mark cut-off runs failed, continue the pipeline, then keep the daemon running."""
+    from gguf_assets.runner import prepare_instance
+
     paths = ProjectPaths.of(project)
     settings = load_settings(paths.root)
-    print(f"project {paths.root}:")
+    prepare_instance(paths)
+    import dagster as dg
+
+    from gguf_assets.defs.resume import mark_interrupted_runs
+
+    marked = mark_interrupted_runs(dg.DagsterInstance.get())
+    print(f"project {paths.root}: marked {len(marked)} interrupted run(s) as failed {marked if marked else ''}")
     _print_status(paths)
-    if not settings.output.auto_resume:
-        print("output.auto_resume is false: reporting only")
-        return 0
-    return cmd_run(argparse.Namespace(project=project))
+    code = 0
+    if settings.output.auto_resume:
+        code = cmd_run(argparse.Namespace(project=project))
+    else:
+        print("output.auto_resume is false: only reporting what is unfinished")
+    if daemon:
+        print("starting dagster-daemon for the project (sensors, schedules); Ctrl-C to stop")
+        return subprocess.call(["dagster-daemon", "run", "-m", "gguf_assets.definitions"], env=os.environ.copy())
+    return code
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gguf-trainer", description=__doc__)
-    parser.add_argument("--auto-resume", metavar="PROJECT", help="continue the project's pipeline (start at boot)")
+    parser.add_argument("--auto-resume", metavar="PROJECT",
+                        help="at boot: mark cut-off runs failed, continue the pipeline, keep dagster-daemon running")
+    parser.add_argument("--no-daemon", action="store_true", help="with --auto-resume: exit instead of starting the daemon")
     sub = parser.add_subparsers(dest="command")
     p = sub.add_parser("init", help="create a project folder with a commented project.yaml")
     p.add_argument("project")
@@ -154,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.auto_resume:
-            return cmd_auto_resume(args.auto_resume)
+            return cmd_auto_resume(args.auto_resume, daemon=not args.no_daemon)
         if not args.command:
             parser.print_help()
             return 2

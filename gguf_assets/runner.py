@@ -5,6 +5,7 @@ materials+corpus, one run per split covering all its shards (single-run backfill
 adapter → gguf → eval_report. Each run is skipped when its stages are current.
 """
 
+import json
 import logging
 import os
 import warnings
@@ -29,10 +30,18 @@ class PipelineFailed(RuntimeError):
 
 
 def prepare_instance(paths: ProjectPaths) -> Path:
-    """Put the instance config into <project>/.dagster and point this process at it."""
+    """Put the instance config into <project>/.dagster and point this process at it.
+
+    The storage folders are written as absolute paths (re-written whenever the project
+    folder moved), so any tool that opens this instance finds the same storage.
+    """
     home = paths.dagster_home
     home.mkdir(parents=True, exist_ok=True)
     template = resources.files("gguf_assets").joinpath(DAGSTER_YAML).read_text(encoding="utf-8")
+    placeholder = "\n      env: DAGSTER_HOME"
+    if placeholder not in template:
+        raise RuntimeError(f"{DAGSTER_YAML} template no longer uses `env: DAGSTER_HOME` for its base_dir entries")
+    template = template.replace(placeholder, f" {json.dumps(str(home))}")
     target = home / DAGSTER_YAML
     if not target.is_file() or target.read_text(encoding="utf-8") != template:
         from gguf_assets.lib import atomic
@@ -43,6 +52,18 @@ def prepare_instance(paths: ProjectPaths) -> Path:
     os.environ["DAGSTER_HOME"] = str(home)
     os.environ[PROJECT_ENV] = str(paths.root)
     return home
+
+
+GPU_POOL = "gpu"
+
+
+def size_gpu_pool(instance) -> int:
+    """One `gpu` pool slot per GPU (1 on a CPU machine), so GPU steps never share a card."""
+    from gguf_assets.lib.hardware import gpu_snapshot
+
+    slots = max(1, len(gpu_snapshot()))
+    instance.event_log_storage.set_concurrency_slots(GPU_POOL, slots)
+    return slots
 
 
 def _failure_message(result) -> str:
@@ -65,6 +86,7 @@ def run_pipeline(paths: ProjectPaths, *, echo: Callable[[str], None] = print) ->
     from gguf_assets.definitions import defs
 
     instance = dg.DagsterInstance.get()
+    size_gpu_pool(instance)
     assets = list(defs.assets)
     resource = ProjectResource(project_dir=str(paths.root))
 

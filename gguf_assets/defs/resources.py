@@ -1,9 +1,12 @@
 """The per-project config resource: points every asset at its project folder."""
 
+import os
+
 import dagster as dg
 from pydantic import PrivateAttr
 
 from gguf_assets.lib.layout import ProjectPaths
+from gguf_assets.lib.liveness import boot_id
 from gguf_assets.lib.lock import ProjectLock
 from gguf_assets.lib.settings import Settings, load_settings
 
@@ -22,6 +25,12 @@ class ProjectResource(dg.ConfigurableResource):
 
     def setup_for_execution(self, context: dg.InitResourceContext) -> None:
         self._lock = ProjectLock(self.paths().lock_file).__enter__()
+        # Tag the run with this worker's pid and boot id, so a run cut off by a kill -9 or a
+        # reboot can be recognised and marked failed later (defs/resume.py).
+        if context.instance is not None and context.run_id:
+            from gguf_assets.defs.resume import BOOT_TAG, PID_TAG
+
+            context.instance.add_run_tags(context.run_id, {PID_TAG: str(os.getpid()), BOOT_TAG: boot_id()})
 
     def teardown_after_execution(self, context: dg.InitResourceContext) -> None:
         if self._lock is not None:

@@ -1,0 +1,43 @@
+"""Is a process that once ran a pipeline step still alive? (boot id + pid)
+
+A run cut off by a reboot or a kill -9 stays STARTED in Dagster forever under the default
+run launcher; these facts let us tell such a run from a live one.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+BOOT_ID_FILE = Path("/proc/sys/kernel/random/boot_id")
+
+
+def boot_id() -> str:
+    """Changes at every boot (Linux); '' where unknown."""
+    try:
+        return BOOT_ID_FILE.read_text().strip()
+    except OSError:
+        return ""
+
+
+def process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    # A zombie (killed, not yet reaped) is not alive for our purposes.
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        return state != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def holder_is_gone(*, holder_boot_id: str, holder_pid: int | None) -> bool:
+    """True if the holder ran before this boot or its process no longer exists."""
+    current = boot_id()
+    if holder_boot_id and current and holder_boot_id != current:
+        return True
+    return holder_pid is not None and not process_alive(holder_pid)
