@@ -2,6 +2,7 @@
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -100,15 +101,56 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return code
 
 
+def _venv_tool(name: str) -> str:
+    """The console script installed beside this Python (works without an activated venv)."""
+    candidate = Path(sys.executable).parent / name
+    return str(candidate) if candidate.exists() else name
+
+
+def run_services(commands: list[list[str]], *, grace_s: float = 10.0) -> int:
+    """Run processes until one exits or we get Ctrl-C/SIGTERM; then stop them all promptly.
+
+    Each child gets SIGTERM, then SIGKILL after ``grace_s`` (dagster dev was seen ignoring
+    SIGTERM for over a minute, so the webserver and daemon are run and stopped directly).
+    """
+    procs = [subprocess.Popen(cmd, env=os.environ.copy(), start_new_session=True) for cmd in commands]
+    stopping = {"signal": None}
+
+    def stop(signum, _frame):
+        stopping["signal"] = signum
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while stopping["signal"] is None and all(p.poll() is None for p in procs):
+            time.sleep(0.2)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for p in procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 0 if stopping["signal"] is not None else max(p.returncode or 0 for p in procs)
+
+
 def cmd_ui(args: argparse.Namespace) -> int:
     from gguf_assets.runner import prepare_instance
 
     paths = ProjectPaths.of(args.project)
     load_settings(paths.root)
     prepare_instance(paths)
-    command = ["dagster", "dev", "-m", "gguf_assets.definitions", "--host", args.host, "--port", str(args.port)]
-    print(f"Dagster UI for {paths.root} on http://{args.host}:{args.port} (Ctrl-C to stop)")
-    return subprocess.call(command, env=os.environ.copy())
+    module = ["-m", "gguf_assets.definitions"]
+    print(f"Dagster UI for {paths.root} on http://{args.host}:{args.port} (Ctrl-C to stop)", flush=True)
+    commands = [[_venv_tool("dagster-webserver"), *module, "-h", args.host, "-p", str(args.port)]]
+    if not args.no_daemon:
+        commands.append([_venv_tool("dagster-daemon"), "run", *module])
+    return run_services(commands)
 
 
 def cmd_auto_resume(project: str, *, daemon: bool) -> int:
@@ -132,7 +174,7 @@ def cmd_auto_resume(project: str, *, daemon: bool) -> int:
         print("output.auto_resume is false: only reporting what is unfinished")
     if daemon:
         print("starting dagster-daemon for the project (sensors, schedules); Ctrl-C to stop")
-        return subprocess.call(["dagster-daemon", "run", "-m", "gguf_assets.definitions"], env=os.environ.copy())
+        return run_services([[_venv_tool("dagster-daemon"), "run", "-m", "gguf_assets.definitions"]])
     return code
 
 
@@ -161,6 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("project")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=3000)
+    p.add_argument("--no-daemon", action="store_true", help="start only the webserver")
     p.set_defaults(func=cmd_ui)
     return parser
 
