@@ -33,3 +33,29 @@ def make_project(tmp_path, demo_materials_root, monkeypatch):
         return ProjectPaths.of(root)
 
     return make
+
+
+@pytest.fixture
+def loopback_hub(tmp_path, demo_materials_root, monkeypatch):
+    """A loopback hub (hub_server.LoopbackHub) serving the demo teacher, student and prompts.
+
+    HF_ENDPOINT points at it, HF_HOME is a temp folder holding a stored token that must never be
+    sent (implicit tokens are left enabled here, so the code under test must be what stops it),
+    Xet and telemetry are off and HF_TOKEN is unset. Repos: demo/teacher, demo/student (models)
+    and demo/prompts (dataset).
+    """
+    from hub_server import STORED_HF_TOKEN, LoopbackHub
+
+    hf_home = tmp_path / "hf-home"
+    hf_home.mkdir()
+    (hf_home / "token").write_text(STORED_HF_TOKEN)
+    for name, value in {"HF_HOME": str(hf_home), "HF_HUB_DISABLE_XET": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("HF_HUB_DISABLE_IMPLICIT_TOKEN", raising=False)
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    with LoopbackHub() as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        hub.add_repo("demo/teacher", demo_materials_root / "teacher")
+        hub.add_repo("demo/student", demo_materials_root / "student")
+        hub.add_repo("demo/prompts", demo_materials_root / "dataset", kind="dataset")
+        yield hub

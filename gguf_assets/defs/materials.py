@@ -10,13 +10,19 @@ from gguf_assets.lib.materials import resolve_materials
 @dg.asset(group_name="materials", description="Teacher, student, prompt datasets and the optional vision "
           "encoder, each a local folder or hub repo pinned to the commit (or content hash) it resolved to.")
 def materials(context: dg.AssetExecutionContext, project: ProjectResource) -> dg.MaterializeResult:
-    manifest = resolve_materials(project.paths(), project.settings())
+    manifest = resolve_materials(project.paths(), project.settings(), token=project.hub.token)
     metadata: dict = {"manifest": dg.MetadataValue.path(str(project.paths().materials_manifest))}
-    rows = ["| role | source | pinned to | files | MiB |", "|---|---|---|---|---|"]
+    rows = ["| role | source | from | pinned to | files | MiB |", "|---|---|---|---|---|---|"]
     entries = [manifest[r] for r in ("teacher", "student", "vision_encoder") if manifest[r]] + manifest["datasets"]
     for e in entries:
-        rows.append(f"| {e['role']} | `{e['source']}` | `{e['commit']}` | {e['files']} | {e['bytes'] / 2**20:.1f} |")
+        rows.append(f"| {e['role']} | `{e['source']}` | {e.get('origin', 'local')} | `{e['commit']}` | {e['files']} "
+                    f"| {e['bytes'] / 2**20:.1f} |")
         metadata[f"{e['role']}_commit"] = e["commit"]
     metadata["materials"] = dg.MetadataValue.md("\n".join(rows))
     metadata["total_mib"] = sum(e["bytes"] for e in entries) / 2**20
+    downloads = manifest.get("_downloads", [])
+    metadata["downloaded_mib"] = sum(d["downloaded_bytes"] for d in downloads) / 2**20
+    metadata["download_seconds"] = sum(d["seconds"] for d in downloads)
+    metadata["refetched_files"] = sum(d["refetched"] for d in downloads)
+    metadata["hub_token_used"] = project.hub.token is not None
     return dg.MaterializeResult(metadata=metadata)

@@ -1,9 +1,15 @@
 """Materials: teacher, student, prompt datasets and the optional vision encoder.
 
-Each source is a local folder or a hub repo id (optionally ``@revision``). Every resolved
-source is pinned: a hub download to the commit it resolved to, a local folder to a content
-hash of its files. Downstream fingerprints use that pin, so an edited teacher folder makes
+Each source is a local folder or a hub repo id (``owner/name``, optionally ``@revision``). Every
+resolved source is pinned: a hub download to the commit it resolved to, a local folder to a
+content hash of its files. Downstream fingerprints use that pin, so an edited teacher folder makes
 its targets stale instead of being silently reused.
+
+Hub repos are downloaded into ``materials/hub/`` (layout in ``gguf_assets.lib.hub``), only the
+files needed: config, tokenizer and safetensors weights (plus the query rows file of the teacher
+and a vision encoder's preprocessor config) for models, data files for datasets. The commit is
+recorded in ``materials/manifest.json``; a later run reuses that commit, never a moved branch,
+until the configured source (for example its ``@revision``) changes.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from gguf_assets.lib import atomic
+from gguf_assets.lib import atomic, hub
 from gguf_assets.lib.layout import ProjectPaths
 from gguf_assets.lib.settings import Settings
 
@@ -22,6 +28,14 @@ log = logging.getLogger(__name__)
 
 MODEL_ROLES = ("teacher", "student", "vision_encoder")
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?$")
+# What a model needs besides its weights: config, tokenizer, generation and preprocessor configs.
+MODEL_META_SUFFIXES = (".json", ".txt", ".model", ".tiktoken", ".jinja")
+WEIGHTS_SUFFIX = ".safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+REMOTE_CODE_SUFFIX = ".py"
+DATA_SUFFIXES = (".parquet", ".jsonl", ".json", ".csv", ".txt", ".jsonl.gz", ".json.gz", ".csv.gz", ".txt.gz")
+DATASET_METADATA_FILES = {"dataset_info.json", "dataset_infos.json", "dataset_dict.json", "state.json"}
 
 
 class MaterialsError(RuntimeError):
@@ -37,6 +51,7 @@ class Material:
     files: int
     bytes: int
     text_field: str | None = None
+    origin: str = "local"  # local | hub
 
     def pin(self) -> dict:
         """What downstream fingerprints depend on: the source and the exact content."""
@@ -76,44 +91,211 @@ def _check_model_folder(role: str, source: str, folder: Path, settings: Settings
                              "It is refused by default; set materials.trust_remote_code: true only if you trust it.")
 
 
-def _resolve(role: str, source: str, paths: ProjectPaths, settings: Settings, cache: dict,
-             *, text_field: str | None = None) -> tuple[Material, dict]:
+def _resolve_local(role: str, source: str, local: Path, settings: Settings, cache: dict,
+                   text_field: str | None) -> tuple[Material, dict]:
+    if role in MODEL_ROLES:
+        _check_model_folder(role, source, local, settings)
+    commit, files, size, new_cache = _hash_local_folder(local if local.is_dir() else local.parent,
+                                                        cache.get(str(local), {}))
+    return Material(role, source, str(local), commit, files, size, text_field), {str(local): new_cache}
+
+
+def _selection_key(role: str, settings: Settings) -> str:
+    """What decides which files of a repo are fetched; a snapshot made under another key is topped up."""
+    m = settings.materials
+    return atomic.fingerprint([role, m.query_rows_file if role == "teacher" else None, m.trust_remote_code])
+
+
+def _select_model_files(role: str, source: str, listing: hub.Listing, settings: Settings,
+                        *, needs_query_rows: bool) -> tuple[list[str], list[str]]:
+    """(small files, weight files) of a model repo; refuses what cannot be used before any download."""
+    top = [p for p in listing.files if "/" not in p]
+    query_rows = settings.materials.query_rows_file
+    weights = sorted(p for p in top if p.endswith(WEIGHTS_SUFFIX) and p != query_rows)
+    if not weights:
+        pickles = sorted(p for p in top if p.endswith(PICKLE_SUFFIXES))
+        if pickles:
+            raise MaterialsError(f"materials.{role} = {source!r} has only pickle weights ({', '.join(pickles[:4])}), "
+                                 "which are refused because loading them can run code. Use a repo or revision "
+                                 "with *.safetensors weights, or convert them and point at the local folder.")
+        raise MaterialsError(f"materials.{role} = {source!r}: the repo has no *.safetensors weights at its top "
+                             f"level (files: {', '.join(sorted(listing.files)[:8]) or 'none'}). Point it at a "
+                             "transformers model repo.")
+    meta = sorted(p for p in top if p.endswith(MODEL_META_SUFFIXES))
+    if "config.json" not in listing.files:
+        raise MaterialsError(f"materials.{role} = {source!r}: the repo has no config.json; point it at a "
+                             "transformers model repo (config, tokenizer and *.safetensors).")
+    if needs_query_rows:
+        if query_rows not in listing.files:
+            candidates = sorted(p for p in listing.files if p.endswith(WEIGHTS_SUFFIX))
+            raise MaterialsError(f"materials.query_rows_file = {query_rows!r} is not in the teacher repo {source!r} "
+                                 f"at {listing.commit[:12]}. Its safetensors files: {', '.join(candidates) or 'none'}. "
+                                 "Set materials.query_rows_file (and query_rows_tensor) to the file holding the "
+                                 "Q x hidden_size query rows.")
+        meta.append(query_rows)
+    return meta, weights
+
+
+def _refine_model_files(role: str, source: str, folder: Path, listing: hub.Listing, settings: Settings,
+                        weights: list[str]) -> tuple[list[str], list[str]]:
+    """After the small files are in: refuse remote code, and fetch only the shards the index names."""
+    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    extra: list[str] = []
+    if config.get("auto_map"):
+        if not settings.materials.trust_remote_code:
+            raise MaterialsError(f"materials.{role} = {source!r} needs remote code (config.json has auto_map). It "
+                                 "is refused by default; set materials.trust_remote_code: true only if you trust it.")
+        extra = sorted(p for p in listing.files if "/" not in p and p.endswith(REMOTE_CODE_SUFFIX))
+    if (folder / WEIGHTS_INDEX).is_file():
+        named = sorted(set(json.loads((folder / WEIGHTS_INDEX).read_text(encoding="utf-8"))["weight_map"].values()))
+        missing = [p for p in named if p not in listing.files]
+        if missing:
+            raise MaterialsError(f"materials.{role} = {source!r}: {WEIGHTS_INDEX} names shards the repo does not "
+                                 f"have ({', '.join(missing[:4])}). Pin a revision whose upload is complete.")
+        weights = named
+    return extra, weights
+
+
+def _select_dataset_files(source: str, listing: hub.Listing) -> list[str]:
+    files = sorted(p for p in listing.files if p.endswith(DATA_SUFFIXES)
+                   and p.rsplit("/", 1)[-1] not in DATASET_METADATA_FILES)
+    if not files:
+        raise MaterialsError(f"materials.datasets: {source!r} has no data files ({', '.join(DATA_SUFFIXES)}) at "
+                             f"{listing.commit[:12]}; its files: {', '.join(sorted(listing.files)[:8]) or 'none'}.")
+    return files
+
+
+def _resolve_hub(role: str, source: str, paths: ProjectPaths, settings: Settings, cache: dict, *,
+                 pinned: str | None, text_field: str | None, token: str | None,
+                 options: hub.HubOptions) -> tuple[Material, dict, dict]:
+    ref = hub.RepoRef.parse(source, kind="dataset" if role == "datasets" else "model")
+    root = paths.materials_dir / hub.HUB_DIR
+    selection = _selection_key(role, settings)
+    label = f"materials.{role} = {source!r}"
+    report = {"source": source, "network": False, "downloaded_bytes": 0, "seconds": 0.0, "refetched": 0}
+    try:
+        if pinned and hub.record_selection(root, ref, pinned) == selection:
+            # A finished snapshot: check it against its record, offline; re-fetch only what changed.
+            listing = hub.read_record(root, ref, pinned)
+            folder = hub.snapshot_dir(root, ref, pinned)
+            bad, verified = hub.verify(folder, listing, cache.get(str(folder), {}))
+            if bad:
+                log.warning("%s: %s changed on disk since download; fetching again from %s",
+                            label, ", ".join(bad), pinned[:12])
+                report["network"] = True
+                hub.remove_orphans(folder, listing)
+                hub.check_disk(folder, ref, listing.subset(bad), reserve_bytes=options.disk_reserve_bytes)
+                fixed, stats = hub.download(ref, listing.subset(bad), folder, token=token, options=options)
+                verified.update(fixed)
+                report.update(downloaded_bytes=stats.downloaded_bytes, seconds=stats.seconds,
+                              refetched=stats.refetched + len(bad))
+                hub.finish(folder, root, ref, listing, selection=selection)
+        else:
+            report["network"] = True
+            full = hub.list_repo(ref, revision=pinned, token=token, options=options)
+            folder = hub.snapshot_dir(root, ref, full.commit)
+            needs_query_rows = role == "teacher" and settings.precompute.mode != "student" \
+                and not settings.precompute.mock_teacher
+            if role == "datasets":
+                meta, weights = [], _select_dataset_files(source, full)
+            else:
+                meta, weights = _select_model_files(role, source, full, settings, needs_query_rows=needs_query_rows)
+            if removed := hub.remove_orphans(folder, full.subset(meta + weights)):
+                log.info("%s: removed %d orphan partial download(s)", label, removed)
+            hub.check_disk(folder, ref, full.subset(meta + weights), reserve_bytes=options.disk_reserve_bytes)
+            verified: dict = {}
+            total = hub.TransferStats()
+
+            def fetch(files: list[str]) -> None:
+                if files:
+                    done, stats = hub.download(ref, full.subset(files), folder, token=token, options=options,
+                                               cache=cache.get(str(folder), {}))
+                    verified.update(done)
+                    total.downloaded_bytes += stats.downloaded_bytes
+                    total.seconds += stats.seconds
+                    total.refetched += stats.refetched
+
+            fetch(meta)  # small files first: remote code and the weight index are known before the big ones
+            if role != "datasets":
+                extra, weights = _refine_model_files(role, source, folder, full, settings, weights)
+                fetch(extra)
+                meta += extra
+            fetch(weights)
+            listing = full.subset(meta + weights)
+            hub.finish(folder, root, ref, listing, selection=selection)
+            report.update(downloaded_bytes=total.downloaded_bytes, seconds=round(total.seconds, 2),
+                          refetched=total.refetched)
+            log.info("%s: pinned to %s (%d files, %.1f MiB fetched)", label, listing.commit,
+                     len(listing.files), total.downloaded_bytes / 2**20)
+    except hub.HubError as exc:
+        raise MaterialsError(f"{label}: {exc}") from None
+    if role in MODEL_ROLES:
+        _check_model_folder(role, source, folder, settings)
+    material = Material(role, source, str(folder), listing.commit, len(listing.files), listing.total_bytes,
+                        text_field, origin="hub")
+    return material, {str(folder): verified}, report
+
+
+def _resolve(role: str, source: str, paths: ProjectPaths, settings: Settings, cache: dict, *,
+             text_field: str | None = None, pinned: str | None = None, token: str | None = None,
+             options: hub.HubOptions | None = None) -> tuple[Material, dict, dict | None]:
     local = paths.resolve_local(source)
     if local.exists():
-        if role in MODEL_ROLES:
-            _check_model_folder(role, source, local, settings)
-        commit, files, size, new_cache = _hash_local_folder(local if local.is_dir() else local.parent,
-                                                            cache.get(str(local), {}))
-        return Material(role, source, str(local), commit, files, size, text_field), {str(local): new_cache}
+        return (*_resolve_local(role, source, local, settings, cache, text_field), None)
     if REPO_ID.match(source):
-        raise MaterialsError(f"materials.{role} = {source!r} is not a local folder, and downloading hub repos is "
-                             "not available in this version yet. Download it yourself and set the folder path.")
+        return _resolve_hub(role, source, paths, settings, cache, pinned=pinned, text_field=text_field,
+                            token=token, options=options or hub.HubOptions())
     raise MaterialsError(f"materials.{role} = {source!r}: no such folder ({local}) and not a hub repo id "
                          "(owner/name, optionally @revision).")
 
 
-def resolve_materials(paths: ProjectPaths, settings: Settings) -> dict:
-    """Resolve and pin every configured source; write materials/manifest.json; return it."""
+def _pinned_commit(old: dict, role: str, source: str) -> str | None:
+    """The commit an earlier run pinned this exact source to, if it came from the hub."""
+    entries = old.get("datasets", []) if role == "datasets" else [old.get(role)]
+    for entry in entries:
+        if entry and entry.get("source") == source and entry.get("origin") == "hub":
+            return entry["commit"]
+    return None
+
+
+def resolve_materials(paths: ProjectPaths, settings: Settings, *, token: str | None = None,
+                      hub_options: hub.HubOptions | None = None) -> dict:
+    """Resolve and pin every configured source; write materials/manifest.json; return it.
+
+    ``token`` is the HF token for gated or private repos (None: send none); it is never stored.
+    """
     old = atomic.read_json(paths.materials_manifest) if paths.materials_manifest.is_file() else {}
     cache = old.get("_hash_cache", {})
     new_cache: dict = {}
+    downloads: list[dict] = []
     manifest: dict = {"teacher": None, "student": None, "vision_encoder": None, "datasets": []}
     m = settings.materials
     needs_teacher = settings.precompute.mode != "student" and not settings.precompute.mock_teacher
+    wanted: list[tuple[str, str, str | None]] = []
     for role in MODEL_ROLES:
         source = getattr(m, role)
+        # The mock teacher (or student-only mode) never loads the teacher: nothing is downloaded for it.
         if not source or (role == "teacher" and not needs_teacher and not paths.resolve_local(source).exists()):
             continue
-        material, c = _resolve(role, source, paths, settings, cache)
-        manifest[role] = asdict(material)
+        wanted.append((role, source, None))
+    wanted += [("datasets", ds.source, ds.text_field) for ds in settings.dataset_sources()]
+    for role, source, text_field in wanted:
+        material, c, report = _resolve(role, source, paths, settings, cache, text_field=text_field,
+                                       pinned=_pinned_commit(old, role, source), token=token, options=hub_options)
+        if role == "datasets":
+            manifest["datasets"].append(asdict(material))
+        else:
+            manifest[role] = asdict(material)
         new_cache.update(c)
-    for ds in settings.dataset_sources():
-        material, c = _resolve("datasets", ds.source, paths, settings, cache, text_field=ds.text_field)
-        manifest["datasets"].append(asdict(material))
-        new_cache.update(c)
+        if report:
+            downloads.append({"role": role, **report})
     if manifest["teacher"] and needs_teacher:
         _check_query_rows(Path(manifest["teacher"]["path"]), settings)
+    in_use = {Path(folder) for folder in new_cache}
+    for stale in hub.remove_unfinished_snapshots(paths.materials_dir / hub.HUB_DIR, keep=in_use):
+        log.info("removed the unfinished download %s (no longer configured)", stale)
     manifest["_hash_cache"] = new_cache
+    manifest["_downloads"] = downloads
     manifest["settings"] = materials_settings_key(settings)
     atomic.write_json(paths.materials_manifest, manifest)
     return manifest
