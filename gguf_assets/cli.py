@@ -39,11 +39,11 @@ def _print_status(paths: ProjectPaths) -> None:
         print(f"  {s.stage:<12} {s.state:<8} {s.detail}")
 
 
-def _run(paths: ProjectPaths) -> int:
+def _run(paths: ProjectPaths, *, workers: int = 1) -> int:
     from gguf_assets.runner import PipelineFailed, run_pipeline
 
     try:
-        run_pipeline(paths)
+        run_pipeline(paths, workers=workers)
     except PipelineFailed as exc:
         print(f"pipeline failed: {exc}", file=sys.stderr)
         return 1
@@ -66,7 +66,7 @@ def _print_results(paths: ProjectPaths) -> None:
 def cmd_run(args: argparse.Namespace) -> int:
     paths = ProjectPaths.of(args.project)
     load_settings(paths.root)  # fail fast on a bad project.yaml
-    code = _run(paths)
+    code = _run(paths, workers=getattr(args, "workers", 1))
     _print_status(paths)
     if code == 0:
         _print_results(paths)
@@ -195,6 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_demo)
     p = sub.add_parser("run", help="materialize everything missing or stale, through Dagster")
     p.add_argument("project")
+    p.add_argument("--workers", type=int, default=1, help="shard runs in parallel processes (default 1)")
     p.set_defaults(func=cmd_run)
     p = sub.add_parser("status", help="show which stages are current, stale or missing")
     p.add_argument("project")

@@ -8,6 +8,8 @@ adapter → gguf → eval_report. Each run is skipped when its stages are curren
 import json
 import logging
 import os
+import subprocess
+import sys
 import warnings
 from collections.abc import Callable
 from importlib import resources
@@ -57,11 +59,14 @@ def prepare_instance(paths: ProjectPaths) -> Path:
 GPU_POOL = "gpu"
 
 
-def size_gpu_pool(instance) -> int:
-    """One `gpu` pool slot per GPU (1 on a CPU machine), so GPU steps never share a card."""
+def size_gpu_pool(instance, *, at_least: int = 1) -> int:
+    """One `gpu` pool slot per GPU (1 on a CPU machine), so GPU steps never share a card.
+
+    ``at_least`` raises it for parallel shard workers whose precompute runs on the CPU.
+    """
     from gguf_assets.lib.hardware import gpu_snapshot
 
-    slots = max(1, len(gpu_snapshot()))
+    slots = max(at_least, len(gpu_snapshot()))
     instance.event_log_storage.set_concurrency_slots(GPU_POOL, slots)
     return slots
 
@@ -75,8 +80,36 @@ def _failure_message(result) -> str:
     return "the run failed"
 
 
-def run_pipeline(paths: ProjectPaths, *, echo: Callable[[str], None] = print) -> list[StageState]:
-    """Materialize everything missing or stale; returns the final status."""
+def split_range(keys: list[str], parts: int) -> list[tuple[str, str]]:
+    """Contiguous (first, last) key ranges, as even as possible, at most ``parts`` of them."""
+    parts = max(1, min(parts, len(keys)))
+    bounds = [round(i * len(keys) / parts) for i in range(parts + 1)]
+    return [(keys[a], keys[b - 1]) for a, b in zip(bounds, bounds[1:]) if b > a]
+
+
+def _launch_shard_workers(paths: ProjectPaths, split: str, ranges: list[tuple[str, str]], token: str,
+                          echo: Callable[[str], None]) -> None:
+    """One Dagster run per range, each in its own process, all at once; they join our lock."""
+    # Each worker keeps torch's default thread count: CPU matmul results depend on it, and
+    # shards must be byte-identical whatever the number of workers.
+    env = dict(os.environ)
+    procs = []
+    for first, last in ranges:
+        echo(f"→ worker: {split}_shards {first}..{last}")
+        procs.append(subprocess.Popen([sys.executable, "-m", "gguf_assets.runner", "shard-worker", str(paths.root),
+                                       split, first, last, token], env=env))
+    failed = [(r, p.wait()) for r, p in zip(ranges, procs)]
+    failed = [(r, code) for r, code in failed if code != 0]
+    if failed:
+        raise PipelineFailed(f"{split} shard workers failed: {failed} (see `gguf-trainer ui {paths.root}`)")
+
+
+def run_pipeline(paths: ProjectPaths, *, echo: Callable[[str], None] = print, workers: int = 1) -> list[StageState]:
+    """Materialize everything missing or stale; returns the final status.
+
+    ``workers`` > 1 runs each split's shards as that many Dagster runs in parallel processes
+    (contiguous partition ranges), all under this pipeline's project lock.
+    """
     prepare_instance(paths)
     import dagster as dg
 
@@ -86,7 +119,7 @@ def run_pipeline(paths: ProjectPaths, *, echo: Callable[[str], None] = print) ->
     from gguf_assets.definitions import defs
 
     instance = dg.DagsterInstance.get()
-    size_gpu_pool(instance)
+    size_gpu_pool(instance, at_least=workers if load_settings(paths.root).precompute.device == "cpu" else 1)
     assets = list(defs.assets)
     resource = ProjectResource(project_dir=str(paths.root))
 
@@ -98,7 +131,7 @@ def run_pipeline(paths: ProjectPaths, *, echo: Callable[[str], None] = print) ->
         if not result.success:
             raise PipelineFailed(f"{_failure_message(result)}\n(run {result.run_id}; see `gguf-trainer ui {paths.root}`)")
 
-    with ProjectLock(paths.lock_file):
+    with ProjectLock(paths.lock_file) as lock:
         settings = load_settings(paths.root)
         status = {s.stage: s for s in project_status(paths, settings)}
         partitions_ok = all(instance.get_dynamic_partitions(BY_SPLIT[s].name) for s in SPLITS)
@@ -107,8 +140,11 @@ def run_pipeline(paths: ProjectPaths, *, echo: Callable[[str], None] = print) ->
             status = {s.stage: s for s in project_status(paths, settings)}
         for split in SPLITS:
             if status[f"{split}_shards"].state != "current":
-                keys = instance.get_dynamic_partitions(BY_SPLIT[split].name)
-                launch([f"{split}_shards"], {RANGE_START_TAG: keys[0], RANGE_END_TAG: keys[-1]})
+                keys = list(instance.get_dynamic_partitions(BY_SPLIT[split].name))
+                if workers > 1 and len(keys) > 1:
+                    _launch_shard_workers(paths, split, split_range(keys, workers), lock.token, echo)
+                else:
+                    launch([f"{split}_shards"], {RANGE_START_TAG: keys[0], RANGE_END_TAG: keys[-1]})
         status = {s.stage: s for s in project_status(paths, settings)}
         rest = [s for s in ("adapter", "gguf", "eval_report") if status[s].state in ("missing", "stale")]
         blocked = [s for s in ("adapter", "gguf", "eval_report") if status[s].state == "blocked"]
@@ -120,3 +156,28 @@ def run_pipeline(paths: ProjectPaths, *, echo: Callable[[str], None] = print) ->
             launch(order[order.index(rest[0]):])
         return project_status(paths, settings)
 
+
+
+def _shard_worker(project: str, split: str, first: str, last: str, token: str) -> int:
+    """Entry of one parallel shard worker: materialize a partition range as its own Dagster run."""
+    paths = ProjectPaths.of(project)
+    prepare_instance(paths)
+    import dagster as dg
+
+    warnings.filterwarnings("ignore", category=dg.BetaWarning)
+    from gguf_assets.defs.resources import LOCK_TOKEN_TAG, ProjectResource
+    from gguf_assets.definitions import defs
+
+    result = dg.materialize(list(defs.assets), instance=dg.DagsterInstance.get(), selection=[f"{split}_shards"],
+                            resources={"project": ProjectResource(project_dir=str(paths.root))},
+                            tags={RANGE_START_TAG: first, RANGE_END_TAG: last, LOCK_TOKEN_TAG: token},
+                            raise_on_error=False)
+    if not result.success:
+        print(_failure_message(result), file=sys.stderr)
+    return 0 if result.success else 1
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 7 and sys.argv[1] == "shard-worker":
+        sys.exit(_shard_worker(*sys.argv[2:]))
+    sys.exit("usage: python -m gguf_assets.runner shard-worker PROJECT SPLIT FIRST LAST TOKEN")

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import codecs
+import gzip
 import json
 import unicodedata
 from pathlib import Path
 
 import pytest
 
+from gguf_assets.lib import atomic
+from gguf_assets.lib import corpus as corpus_lib
 from gguf_assets.lib.corpus import (
     CorpusError,
     build_corpus,
+    check_prompt_files,
     clean,
     empty_count,
     read_prompt_file,
@@ -205,9 +210,12 @@ def test_dataset_folder_reads_all_prompt_files_in_sorted_order(project, tmp_path
     (folder / "a.txt").write_text("\n".join(_prompts(5, prefix="txt")) + "\n", encoding="utf-8")
     (folder / "c.json").write_text(json.dumps(_prompts(5, prefix="json")), encoding="utf-8")
     (folder / "README.md").write_text("not a prompt file", encoding="utf-8")
+    (folder / "dataset_info.json").write_text('{"features": {}}', encoding="utf-8")  # hub metadata, not prompts
+    (folder / "d.csv.gz").write_bytes(gzip.compress(("text\n" + "\n".join(_prompts(5, prefix="csv"))).encode()))
     manifest = build_corpus(project, _settings(train_prompts=10, val_prompts=5, empty_fraction=0.0),
                             _dataset(folder), fingerprint="x")
-    assert manifest["counts"]["read"] == 15 and manifest["counts"]["kept"] == 15
+    assert manifest["counts"]["read"] == 20 and manifest["counts"]["kept"] == 20
+    assert [Path(s["file"]).name for s in manifest["sources"]] == ["a.txt", "x.jsonl", "c.json", "d.csv.gz"]
 
 
 def test_local_prompt_files_relative_to_project(project, tmp_path):
@@ -229,8 +237,9 @@ def test_malformed_json_line_names_file_and_line(project, tmp_path):
     assert f"{data}:3:" in str(info.value) and "not valid JSON" in str(info.value)
 
 
-@pytest.mark.parametrize("line, got", [('{"prompt": "no text key"}', "NoneType"), ('{"text": 5}', "int"),
-                                       ('{"text": null}', "NoneType"), ('["text"]', "NoneType")])
+@pytest.mark.parametrize("line, got", [('{"prompt": "no text key"}', "is missing (the object has 'prompt')"),
+                                       ('{"text": 5}', "is a number"), ('{"text": null}', "is null"),
+                                       ('{"text": ["a"]}', "is a list"), ('["text"]', "got a list")])
 def test_missing_or_non_string_text_names_file_line_and_key(tmp_path, line, got):
     data = tmp_path / "a.jsonl"
     data.write_text('{"text": "fine"}\n' + line + "\n", encoding="utf-8")
@@ -335,3 +344,289 @@ def test_read_prompt_file_missing(tmp_path):
     with pytest.raises(CorpusError, match="not found") as info:
         list(read_prompt_file(tmp_path / "nope.txt"))
     assert str(tmp_path / "nope.txt") in str(info.value)
+
+
+# -- formats: gzip, csv, streamed .json -------------------------------------------------------
+
+def _gz(path: Path, data: bytes) -> Path:
+    path.write_bytes(gzip.compress(data, mtime=0))
+    return path
+
+
+@pytest.mark.parametrize("name, body", [
+    ("p.txt.gz", "\ufeffone\r\ntwo\r\n"),
+    ("p.jsonl.gz", '\ufeff{"text": "one"}\r\n{"text": "two"}\r\n'),
+    ("p.json.gz", '\ufeff[\r\n"one",\r\n{"text": "two"}\r\n]\r\n'),
+    ("p.csv.gz", "\ufeffid,text\r\n1,one\r\n2,two\r\n"),
+])
+def test_gzip_bom_crlf_in_every_format(tmp_path, name, body):
+    data = _gz(tmp_path / name, body.encode("utf-8"))
+    assert list(read_prompt_file(data)) == ["one", "two"]
+
+
+def test_csv_named_column_quotes_and_multiline_cells(tmp_path):
+    data = tmp_path / "p.csv"
+    data.write_text('id,caption,other\n1,"a cat, sitting",x\n2,"two\nlines ""quoted""",y\n3,plain,z\n',
+                    encoding="utf-8")
+    assert list(read_prompt_file(data, text_field="caption")) == ["a cat, sitting", 'two\nlines "quoted"', "plain"]
+
+
+def test_csv_missing_column_names_file_and_columns(tmp_path):
+    data = tmp_path / "p.csv"
+    data.write_text("id,prompt\n1,hello\n", encoding="utf-8")
+    with pytest.raises(CorpusError) as info:
+        list(read_prompt_file(data))
+    msg = str(info.value)
+    assert f"{data}:1:" in msg and "no column 'text'" in msg and "'prompt'" in msg and "corpus.text_field" in msg
+
+
+def test_csv_short_row_names_line(tmp_path):
+    data = tmp_path / "p.csv"
+    data.write_text("id,text\n1,fine\n2\n", encoding="utf-8")
+    with pytest.raises(CorpusError, match=rf"{data}:3: the row has 1 fields"):
+        list(read_prompt_file(data))
+
+
+def test_local_files_use_corpus_text_field(project, tmp_path):
+    project.root.mkdir(parents=True)
+    (project.root / "p.csv").write_text("caption\n" + "\n".join(_prompts(10, "csv")) + "\n", encoding="utf-8")
+    _write_jsonl(project.root / "p.jsonl", _prompts(10, "jsonl"), key="caption")
+    manifest = build_corpus(project, _settings(train_prompts=15, val_prompts=5, empty_fraction=0.0,
+                                               text_field="caption", local_prompt_files=["p.csv", "p.jsonl"]),
+                            {"datasets": []}, fingerprint="x")
+    assert manifest["per_source"] == {"p.csv": 10, "p.jsonl": 10}
+
+
+def test_json_list_streams_across_read_chunks(tmp_path, monkeypatch):
+    monkeypatch.setattr(corpus_lib, "READ_CHUNK_BYTES", 64)  # items and numbers straddle window edges
+    items = [f"prompt {i} " + "é" * (i % 7) for i in range(200)]
+    data = tmp_path / "p.json"
+    data.write_text(json.dumps([{"text": t} if i % 2 else t for i, t in enumerate(items)], indent=1),
+                    encoding="utf-8")
+    assert list(read_prompt_file(data)) == items
+    data.write_text(json.dumps(["a", "b"] * 40 + [12345678901234567890]), encoding="utf-8")
+    with pytest.raises(CorpusError, match=r"item 80: expected an object with a string 'text', got a number"):
+        list(read_prompt_file(data))
+
+
+def test_json_item_errors_name_line_item_and_key(tmp_path):
+    data = tmp_path / "p.json"
+    data.write_text('[\n "one",\n {"text": null},\n "two"\n]\n', encoding="utf-8")
+    with pytest.raises(CorpusError) as info:
+        list(read_prompt_file(data))
+    assert f"{data}:3: item 1: key 'text' is null" in str(info.value)
+    assert list(read_prompt_file(data, skip_bad_lines=True)) == ["one", "two"]
+
+
+@pytest.mark.parametrize("body, expected", [("[\"a\", \"b\"", "the list is not closed"), ('["a"] x', "after the closing"),
+                                            ('{"text": "a"}', "does not start with a list")])
+def test_json_structure_errors(tmp_path, body, expected):
+    data = tmp_path / "p.json"
+    data.write_text(body, encoding="utf-8")
+    with pytest.raises(CorpusError, match=expected):
+        list(read_prompt_file(data))
+
+
+def test_non_utf8_in_gzip_names_decompressed_offset(tmp_path):
+    data = _gz(tmp_path / "p.txt.gz", b"good line\nbad \xff\n")
+    with pytest.raises(CorpusError, match=r"offset 14 of the decompressed data"):
+        list(read_prompt_file(data))
+
+
+def test_non_utf8_in_json_names_offset_across_chunks(tmp_path, monkeypatch):
+    monkeypatch.setattr(corpus_lib, "READ_CHUNK_BYTES", 16)
+    body = ('["' + "é" * 20 + '", "').encode() + b"\xe9x" + b'"]'
+    data = tmp_path / "p.json"
+    data.write_bytes(codecs.BOM_UTF8 + body)
+    bad_at = len(codecs.BOM_UTF8) + body.index(b"\xe9x")
+    with pytest.raises(CorpusError, match=rf"offset {bad_at}\b"):
+        list(read_prompt_file(data))
+
+
+def test_corrupt_gzip_is_a_clear_error(tmp_path):
+    data = tmp_path / "p.txt.gz"
+    data.write_bytes(b"this is not gzip at all\n")
+    with pytest.raises(CorpusError, match="not a valid gzip file"):
+        list(read_prompt_file(data))
+    full = gzip.compress(b"one\ntwo\n" * 1000)
+    data.write_bytes(full[: len(full) // 2])
+    with pytest.raises(CorpusError, match="not a valid gzip file"):
+        list(read_prompt_file(data))
+
+
+def test_unsupported_suffix_is_named(tmp_path):
+    data = tmp_path / "p.parquet"
+    data.write_bytes(b"PAR1")
+    with pytest.raises(CorpusError, match=r"unsupported prompt file type.*\.csv"):
+        list(read_prompt_file(data))
+
+
+def test_overlong_line_is_a_bad_record_not_unbounded_memory(tmp_path, monkeypatch):
+    monkeypatch.setattr(corpus_lib, "MAX_RECORD_BYTES", 1000)
+    data = tmp_path / "p.txt"
+    data.write_text("first\n" + "x" * 5000 + "\nlast\n", encoding="utf-8")
+    with pytest.raises(CorpusError, match=rf"{data}:2: line longer than"):
+        list(read_prompt_file(data))
+    assert list(read_prompt_file(data, skip_bad_lines=True)) == ["first", "last"]
+
+
+def test_one_megabyte_line_is_read_and_dropped_for_length(project, tmp_path):
+    data = tmp_path / "p.jsonl"
+    _write_jsonl(data, _prompts(20) + ["y" * (1 << 20)])
+    manifest = build_corpus(project, _settings(train_prompts=10, val_prompts=5, empty_fraction=0.0), _dataset(data),
+                            fingerprint="x")
+    assert manifest["counts"]["dropped_length"] == 1 and manifest["counts"]["kept"] == 20
+
+
+# -- bad input: skipping, pre-checks ------------------------------------------------------------
+
+def _bad_jsonl(path: Path) -> Path:
+    lines = [json.dumps({"text": t}) for t in _prompts(30)]
+    lines[3] = '{"text": "unclosed'
+    lines[7] = '{"text": 7}'
+    lines[11] = '{"caption": "x"}'
+    path.write_bytes(("\n".join(lines) + "\n").encode() + b'{"text": "bad \xff byte"}\n')
+    return path
+
+
+def test_bad_lines_stop_the_build_with_the_fix(project, tmp_path):
+    data = _bad_jsonl(tmp_path / "bad.jsonl")
+    with pytest.raises(CorpusError) as info:
+        build_corpus(project, _settings(train_prompts=10, val_prompts=5), _dataset(data), fingerprint="x")
+    assert f"{data}:4: not valid JSON" in str(info.value) and "corpus.skip_bad_lines" in str(info.value)
+    assert not project.corpus_file("train").exists()
+
+
+def test_skip_bad_lines_counts_and_samples_them(project, tmp_path):
+    data = _bad_jsonl(tmp_path / "bad.jsonl")
+    manifest = build_corpus(project, _settings(train_prompts=20, val_prompts=5, empty_fraction=0.0,
+                                               skip_bad_lines=True), _dataset(data), fingerprint="x")
+    assert manifest["counts"]["skipped_bad_lines"] == 4
+    assert manifest["counts"]["read"] == 27 and manifest["counts"]["kept"] == 27
+    assert manifest["sources"][0]["skipped_bad_lines"] == 4
+    samples = manifest["bad_line_samples"]
+    assert [s.split(": ")[0] for s in samples] == [f"{data}:{n}" for n in (4, 8, 12, 31)]
+    assert "offset" in samples[3] and "key 'text' is a number" in samples[1]
+
+
+@pytest.mark.parametrize("body", [b"", b"   \n\n\t\n", b"\r\n\r\n"])
+@pytest.mark.parametrize("suffix", [".txt", ".jsonl", ".json", ".csv"])
+def test_empty_or_whitespace_only_file_is_named(project, tmp_path, suffix, body):
+    project.root.mkdir(parents=True)
+    (project.root / f"p{suffix}").write_bytes(body)
+    with pytest.raises(CorpusError, match="holds no prompts|is empty") as info:
+        check_prompt_files(project, _settings(local_prompt_files=[f"p{suffix}"]))
+    assert str(project.root / f"p{suffix}") in str(info.value)
+
+
+def test_file_of_only_blank_prompts_found_after_the_precheck_window(project, tmp_path):
+    data = _write_jsonl(tmp_path / "blank.jsonl", [" "] * 20)  # records parse, but no prompt anywhere
+    with pytest.raises(CorpusError, match=f"{data}: the file holds no prompts"):
+        build_corpus(project, _settings(train_prompts=1, val_prompts=1), _dataset(data), fingerprint="x")
+
+
+def test_check_prompt_files_reads_only_the_start(project, tmp_path):
+    project.root.mkdir(parents=True)
+    data = project.root / "p.jsonl"
+    data.write_text('{"text": "fine"}\n' * 20 + "not json at all\n", encoding="utf-8")
+    settings = _settings(local_prompt_files=["p.jsonl"])
+    assert check_prompt_files(project, settings) == [data]  # a bad line late in the file is the full pass's job
+    data.write_text('{"text": "fine"}\nnot json\n' + '{"text": "fine"}\n' * 20, encoding="utf-8")
+    with pytest.raises(CorpusError, match=f"{data}:2: not valid JSON"):
+        check_prompt_files(project, settings)
+    assert check_prompt_files(project, replace(settings, corpus={"skip_bad_lines": True})) == [data]
+
+
+def test_local_files_are_checked_before_datasets_are_read(project, tmp_path, monkeypatch):
+    data = _write_jsonl(tmp_path / "data" / "a.jsonl", _prompts(50))
+    project.root.mkdir(parents=True)
+    (project.root / "extra.jsonl").write_text('{"txt": "typo"}\n', encoding="utf-8")
+    read_whole: list = []
+    monkeypatch.setattr(corpus_lib, "_read_sources", lambda *a: read_whole.append(1))
+    with pytest.raises(CorpusError, match="extra.jsonl:1: key 'text' is missing"):
+        build_corpus(project, _settings(train_prompts=10, val_prompts=5, local_prompt_files=["extra.jsonl"]),
+                     _dataset(data), fingerprint="x")
+    assert read_whole == [] and not project.corpus_dir.exists()
+
+
+# -- too few, allow_fewer ---------------------------------------------------------------------
+
+def test_allow_fewer_keeps_val_and_shrinks_train(project, tmp_path):
+    data = _write_jsonl(tmp_path / "data" / "a.jsonl", _prompts(150))
+    manifest = build_corpus(project, _settings(train_prompts=300, val_prompts=50, empty_fraction=0.1,
+                                               allow_fewer=True), _dataset(data), fingerprint="x")
+    train, val = read_split(project, "train"), read_split(project, "val")
+    assert len(val) == 50 and val.count("") == 5
+    assert len([t for t in train if t]) == 150 - 45  # every remaining prompt goes to train
+    assert train.count("") == empty_count(len(train), 0.1) and len(train) == manifest["splits"]["train"]["prompts"]
+    assert manifest["requested"] == {"train": 300, "val": 50} and manifest["counts"]["unused"] == 0
+
+
+def test_allow_fewer_still_fails_when_val_cannot_be_filled(project, tmp_path):
+    data = _write_jsonl(tmp_path / "data" / "a.jsonl", _prompts(40))
+    with pytest.raises(CorpusError) as info:
+        build_corpus(project, _settings(train_prompts=100, val_prompts=40, empty_fraction=0.0, allow_fewer=True),
+                     _dataset(data), fingerprint="x")
+    assert "40 usable prompts" in str(info.value) and "val alone needs 40" in str(info.value)
+
+
+def test_too_few_error_names_allow_fewer(project, tmp_path):
+    data = _write_jsonl(tmp_path / "data" / "a.jsonl", _prompts(50))
+    with pytest.raises(CorpusError, match="corpus.allow_fewer: true"):
+        build_corpus(project, _settings(train_prompts=100, val_prompts=10), _dataset(data), fingerprint="x")
+
+
+# -- manifest and UI --------------------------------------------------------------------------
+
+def test_manifest_records_inputs_settings_outputs_and_stats(project, tmp_path):
+    data = _write_jsonl(tmp_path / "data" / "a.jsonl", _prompts(100) + _prompts(5) + ["x"])
+    settings = _settings(train_prompts=60, val_prompts=20, min_chars=3)
+    manifest = build_corpus(project, settings, _dataset(data), fingerprint="x")
+    assert manifest["settings"] == settings.section_dict("corpus")
+    [source] = manifest["sources"]
+    assert source == {"source": "test/prompts", "file": str(data), "format": ".jsonl", "text_field": "text",
+                      "sha256": atomic.sha256_file(data), "read": 106, "dropped_blank": 0, "dropped_length": 1,
+                      "dropped_duplicate": 5, "skipped_bad_lines": 0, "kept": 100}
+    for split in ("train", "val"):
+        assert manifest["splits"][split]["sha256"] == atomic.sha256_file(project.corpus_file(split))
+    assert sum(b["prompts"] for b in manifest["length_histogram"]) == 100
+    lengths = [len(t) for t in _prompts(100)]
+    assert manifest["length_chars"]["min"] == min(lengths) and manifest["length_chars"]["max"] == max(lengths)
+    assert [r["split"] for r in manifest["preview"]] == ["train"] * 12 + ["val"] * 12
+    train = read_split(project, "train")
+    assert [r["text"] for r in manifest["preview"][:12]] == train[:12]
+
+
+def test_corpus_markdown_tables(project, tmp_path):
+    from gguf_assets.defs.corpus import corpus_markdown
+
+    data = _write_jsonl(tmp_path / "data" / "a.jsonl", _prompts(40) + ["a | pipe *and* `ticks`\nnewline"])
+    manifest = build_corpus(project, _settings(train_prompts=30, val_prompts=10, empty_fraction=0.1,
+                                               skip_bad_lines=True), _dataset(data), fingerprint="x")
+    md = corpus_markdown(manifest)
+    preview_rows = md["preview"].splitlines()[2:]
+    assert len(preview_rows) == 22 and all(row.count(" | ") == 3 for row in preview_rows)
+    assert "(empty: the CFG prompt)" in md["preview"] or "" not in read_split(project, "train")[:12]
+    assert "| test/prompts | a.jsonl | 41 | 0 | 0 | 0 | 0 | 41 |" in md["sources"]
+    assert "█" in md["length_histogram"] and "bad_lines" not in md
+
+
+def test_corpus_asset_materializes_with_ui_metadata(make_project):
+    import dagster as dg
+
+    from gguf_assets.defs.corpus import corpus
+    from gguf_assets.defs.materials import materials
+    from gguf_assets.defs.resources import ProjectResource
+
+    paths = make_project(corpus={"train_prompts": 300, "val_prompts": 50})
+    instance = dg.DagsterInstance.ephemeral()
+    result = dg.materialize([materials, corpus], resources={"project": ProjectResource(project_dir=str(paths.root))},
+                            instance=instance)
+    assert result.success
+    [mat] = [m for m in result.asset_materializations_for_node("corpus")]
+    meta = mat.metadata
+    assert meta["train_prompts"].value == 300 and meta["count_kept"].value >= 350
+    assert meta["count_dropped_duplicate"].value > 0  # the demo prompts carry deliberate duplicates
+    for name in ("preview", "length_histogram", "sources"):
+        assert isinstance(meta[name], dg.MarkdownMetadataValue) and meta[name].value.count("\n") >= 2
+    assert len(instance.get_dynamic_partitions("train_shards")) == meta["train_shards"].value >= 1

@@ -7,7 +7,7 @@ from gguf_assets.defs.materials import materials
 from gguf_assets.defs.partitions import BY_SPLIT
 from gguf_assets.defs.resources import ProjectResource
 from gguf_assets.lib import atomic
-from gguf_assets.lib.corpus import build_corpus, read_split
+from gguf_assets.lib.corpus import build_corpus, check_prompt_files
 from gguf_assets.lib.layout import SPLITS, shard_key
 from gguf_assets.lib.materials import load_manifest
 from gguf_assets.lib.pipeline import corpus_fingerprint, corpus_is_current
@@ -35,10 +35,43 @@ def shard_counts(prompts: dict[str, int], *, shard_size: int, val_shard_size: in
     return {split: -(-prompts[split] // sizes[split]) for split in SPLITS}
 
 
+_MD_SPECIAL = str.maketrans({c: "\\" + c for c in "\\`*_[]<>|#"} | {"\n": " ", "\r": " ", "\t": " "})
+_BAR_WIDTH = 30
+
+
+def _md_cell(text: str, limit: int = 160) -> str:
+    """Prompt text safe inside one Markdown table cell."""
+    short = text if len(text) <= limit else text[:limit - 1] + "…"
+    return short.translate(_MD_SPECIAL)
+
+
+def corpus_markdown(manifest: dict) -> dict[str, str]:
+    """The UI tables of a corpus manifest: preview, length histogram, sources, bad lines."""
+    preview = ["| split | source | chars | prompt |", "|---|---|---:|---|"] + [
+        f"| {row['split']} | {_md_cell(row['source'], 40)} | {row['chars']} | "
+        f"{_md_cell(row['text']) if row['text'] else '*(empty: the CFG prompt)*'} |"
+        for row in manifest.get("preview", [])]
+    bins = manifest.get("length_histogram", [])
+    peak = max((b["prompts"] for b in bins), default=0) or 1
+    hist = ["| chars | prompts | |", "|---|---:|---|"] + [
+        f"| {b['chars_from']}–{b['chars_to']} | {b['prompts']} | {'█' * round(_BAR_WIDTH * b['prompts'] / peak)} |"
+        for b in bins]
+    sources = ["| source | file | read | blank | length | duplicate | bad | kept |",
+               "|---|---|---:|---:|---:|---:|---:|---:|"] + [
+        f"| {_md_cell(st['source'], 60)} | {_md_cell(st['file'].rsplit('/', 1)[-1], 60)} | {st['read']} | "
+        f"{st['dropped_blank']} | {st['dropped_length']} | {st['dropped_duplicate']} | {st['skipped_bad_lines']} | "
+        f"{st['kept']} |" for st in manifest.get("sources", [])]
+    tables = {"preview": "\n".join(preview), "length_histogram": "\n".join(hist), "sources": "\n".join(sources)}
+    if manifest.get("bad_line_samples"):
+        tables["bad_lines"] = "\n".join(f"- `{m.replace('`', chr(39))}`" for m in manifest["bad_line_samples"])
+    return tables
+
+
 @dg.asset(group_name="corpus", deps=[materials], description="Text prompts (about 1% empty for the CFG prompt), "
           "deduplicated, length-filtered and split train/val with no overlap; deterministic for the seed.")
 def corpus(context: dg.AssetExecutionContext, project: ProjectResource) -> dg.MaterializeResult:
     paths, settings = project.paths(), project.settings()
+    check_prompt_files(paths, settings)  # a typo in a local file fails here, not after hours of work
     manifest_in = load_manifest(paths)
     reused = corpus_is_current(paths, settings, manifest_in)
     if reused:
@@ -50,18 +83,16 @@ def corpus(context: dg.AssetExecutionContext, project: ProjectResource) -> dg.Ma
     p = settings.precompute
     counts = shard_counts(prompts, shard_size=p.shard_size, val_shard_size=p.val_shard_size)
     sync_shard_partitions(context.instance, counts)
-    preview = [t for t in read_split(paths, "val")[:12]]
-    table = ["| # | prompt |", "|---|---|"] + [f"| {i} | {t[:160].replace('|', '/') or '(empty: CFG prompt)'} |"
-                                                for i, t in enumerate(preview)]
-    hist = ["| chars | prompts |", "|---|---|"] + [f"| {k}+ | {v} |" for k, v in manifest["length_histogram_50chars"].items()]
-    sources = ["| source | kept |", "|---|---|"] + [f"| `{k}` | {v} |" for k, v in manifest["per_source"].items()]
+    requested = manifest.get("requested", prompts)
     return dg.MaterializeResult(metadata={
         "reused": reused, "fingerprint": manifest["fingerprint"],
         "train_prompts": prompts["train"], "val_prompts": prompts["val"],
+        "train_prompts_requested": requested["train"],
         "empty_train": manifest["splits"]["train"]["empty"], "empty_val": manifest["splits"]["val"]["empty"],
         **{f"count_{k}": v for k, v in manifest["counts"].items()},
+        **{f"length_{k}": v for k, v in manifest.get("length_chars", {}).items()},
+        "sources_files": len(manifest.get("sources", [])),
         "train_shards": counts["train"], "val_shards": counts["val"],
-        "preview": dg.MetadataValue.md("\n".join(table)),
-        "length_histogram": dg.MetadataValue.md("\n".join(hist)),
-        "sources": dg.MetadataValue.md("\n".join(sources)),
+        **{name: dg.MetadataValue.md(md) for name, md in corpus_markdown(manifest).items()},
+        "manifest": dg.MetadataValue.path(str(paths.corpus_manifest)),
     })

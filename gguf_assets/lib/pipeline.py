@@ -25,8 +25,9 @@ def corpus_fingerprint(paths: ProjectPaths, settings: Settings, materials: dict)
         file = paths.resolve_local(value)
         local.append([value, atomic.sha256_file(file) if file.is_file() else None])
     datasets = [[d["source"], d["commit"], d.get("text_field")] for d in materials.get("datasets", [])]
+    # format 2: streaming readers (.csv, .gz), numpy split; the same seed orders prompts differently than format 1.
     return atomic.fingerprint({"corpus": settings.section_dict("corpus"), "datasets": datasets, "local": local,
-                               "format": 1})
+                               "format": 2})
 
 
 def corpus_is_current(paths: ProjectPaths, settings: Settings, materials: dict) -> bool:
@@ -58,16 +59,20 @@ def gguf_path(paths: ProjectPaths, settings: Settings) -> "Path":
 
 
 def gguf_fingerprint(settings: Settings, materials: dict, adapter_fp: str) -> str:
+    # also_copy_to is here because the copy is part of the export: a new folder must get one.
     return atomic.fingerprint({"adapter": adapter_fp, "name": settings.output.adapter_name,
                                "student": pins(materials, "student"), "teacher": pins(materials, "teacher"),
                                "template": settings.precompute.prompt_template,
                                "vision": [pins(materials, "vision_encoder"), settings.output.export_vision_encoder],
-                               "format": 1})
+                               "also_copy_to": settings.output.also_copy_to, "format": 2})
 
 
 def report_fingerprint(settings: Settings, gguf_sha256: str, val_fps: list[str]) -> str:
+    # The report lists the exported files, so the settings that change that list count too.
     return atomic.fingerprint({"gguf": gguf_sha256, "val": val_fps, "evaluate": settings.output.evaluate,
-                               "ggk_command": settings.output.ggk_command, "format": 1})
+                               "ggk_command": settings.output.ggk_command,
+                               "vision": settings.output.export_vision_encoder,
+                               "also_copy_to": settings.output.also_copy_to, "format": 2})
 
 
 def recorded_fingerprint(sidecar: "Path") -> str | None:

@@ -1,0 +1,132 @@
+"""Corpus build throughput and peak memory, against plain line reading of the same files.
+
+    .venv/bin/python benchmarks/bench_corpus.py [--prompts 2000000] [--dir /tmp/somewhere]
+
+Writes source files holding --prompts prompts (plain .txt, gzip .jsonl, .csv with a named
+column, and a .jsonl carrying one 1 MB line; about 5% exact duplicates), then runs, each in
+a fresh process so the peaks are separate:
+  baseline  read every line of every file (gzip too) and count them, nothing else;
+  corpus    build_corpus over the same files (clean, dedupe, split, write, hash).
+Prints prompts/s and peak RSS of each, and corpus/baseline ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+WORDS = ("a red fox", "under a bridge", "oil painting", "at dawn", "of a lighthouse", "in the rain",
+         "wide angle", "a tiny robot", "with neon lights", "on a wooden table", "cinematic", "watercolor")
+
+BASELINE = """
+import gzip, resource, sys, time
+import gguf_assets.lib.corpus  # same imports as the build, so the RSS floors match
+t = time.perf_counter()
+n = 0
+for name in sys.argv[1:]:
+    with (gzip.open(name, "rb") if name.endswith(".gz") else open(name, "rb")) as fh:
+        for _ in fh:
+            n += 1
+print(n, time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+"""
+
+BUILD = """
+import json, resource, sys, time
+from gguf_assets.lib.corpus import build_corpus
+from gguf_assets.lib.layout import ProjectPaths
+from gguf_assets.lib.settings import Settings, replace
+project, train, val, datasets = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4])
+settings = replace(Settings(), materials={"student": "x"},
+                   corpus={"train_prompts": train, "val_prompts": val, "max_chars": 2000})
+t = time.perf_counter()
+manifest = build_corpus(ProjectPaths.of(project), settings, {"datasets": datasets}, fingerprint="bench")
+elapsed = time.perf_counter() - t
+print(json.dumps({"counts": manifest["counts"], "seconds": elapsed,
+                  "rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
+"""
+
+
+def _prompt(i: int) -> str:
+    # About 5% of prompts repeat an earlier one, so deduplication has work to do.
+    j = i // 2 if i % 20 == 7 else i
+    return f"{WORDS[j % 12]} {WORDS[(j // 12) % 12]} {WORDS[(j // 144) % 12]}, variation {j}"
+
+
+def write_sources(folder: Path, n: int) -> list[dict]:
+    folder.mkdir(parents=True, exist_ok=True)
+    parts = [("prompts.txt", 0.4), ("prompts.jsonl.gz", 0.3), ("prompts.csv", 0.2), ("long.jsonl", 0.1)]
+    start, datasets = 0, []
+    for index, (name, share) in enumerate(parts):
+        stop = n if index == len(parts) - 1 else start + int(n * share)
+        path = folder / name
+        opener = gzip.open(path, "wt", encoding="utf-8", compresslevel=1) if name.endswith(".gz") else \
+            open(path, "w", encoding="utf-8")
+        with opener as fh:
+            if name.endswith(".csv"):
+                fh.write("id,text\n")
+            for i in range(start, stop):
+                text = _prompt(i)
+                if name.endswith(".csv"):
+                    fh.write(f'{i},"{text}"\n')
+                elif ".jsonl" in name:
+                    fh.write(json.dumps({"text": text}) + "\n")
+                else:
+                    fh.write(text + "\n")
+            if name == "long.jsonl":
+                fh.write(json.dumps({"text": "x" * (1 << 20)}) + "\n")  # read, then dropped for length
+        datasets.append({"source": name, "path": str(path), "text_field": "text"})
+        start = stop
+    return datasets
+
+
+def _run(code: str, *args: str) -> str:
+    out = subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, check=True, capture_output=True, text=True)
+    return out.stdout.strip().splitlines()[-1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--prompts", type=int, default=2_000_000)
+    parser.add_argument("--dir", type=Path, default=None, help="scratch folder (default: a temp folder)")
+    args = parser.parse_args()
+    scratch = args.dir or Path(tempfile.mkdtemp(prefix="bench-corpus-"))
+    try:
+        t = time.perf_counter()
+        datasets = write_sources(scratch / "sources", args.prompts)
+        size = sum(Path(d["path"]).stat().st_size for d in datasets)
+        print(f"sources: {args.prompts:,} prompts in {len(datasets)} files, {size / 2**20:.0f} MiB on disk "
+              f"(written in {time.perf_counter() - t:.1f} s)")
+
+        lines, base_s, base_kib = _run(BASELINE, *(d["path"] for d in datasets)).split()
+        base_s, base_kib = float(base_s), int(base_kib)
+        val = 20_000
+        train = int(args.prompts * 0.85) - val
+        build = json.loads(_run(BUILD, str(scratch / "project"), str(train), str(val), json.dumps(datasets)))
+        counts = build["counts"]
+        out_size = sum(p.stat().st_size for p in (scratch / "project" / "corpus").glob("*.jsonl"))
+
+        base_rate, build_rate = args.prompts / base_s, args.prompts / build["seconds"]
+        print(f"baseline (line reading): {int(lines):,} lines in {base_s:.2f} s = {base_rate:,.0f} prompts/s, "
+              f"peak RSS {base_kib / 1024:.0f} MiB")
+        print(f"corpus build:            {counts['read']:,} read, {counts['dropped_duplicate']:,} duplicates, "
+              f"{counts['dropped_length']:,} too long, {counts['kept']:,} kept; {train:,} train + {val:,} val "
+              f"({out_size / 2**20:.0f} MiB written) in {build['seconds']:.2f} s = {build_rate:,.0f} prompts/s, "
+              f"peak RSS {build['rss_kib'] / 1024:.0f} MiB")
+        print(f"ratios (corpus / baseline): time {build['seconds'] / base_s:.1f}x, "
+              f"throughput {build_rate / base_rate:.2f}x, peak RSS {build['rss_kib'] / base_kib:.2f}x "
+              f"(+{(build['rss_kib'] - base_kib) / 1024:.0f} MiB over the baseline process)")
+    finally:
+        if args.dir is None:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
