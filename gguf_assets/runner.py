@@ -133,6 +133,10 @@ def run_pipeline(paths: ProjectPaths, *, echo: Callable[[str], None] = print, wo
 
     with ProjectLock(paths.lock_file) as lock:
         settings = load_settings(paths.root)
+        # A typo in a prompt file path should fail in seconds, not after a teacher download.
+        from gguf_assets.lib.corpus import check_prompt_files
+
+        check_prompt_files(paths, settings)
         status = {s.stage: s for s in project_status(paths, settings)}
         partitions_ok = all(instance.get_dynamic_partitions(BY_SPLIT[s].name) for s in SPLITS)
         if status["materials"].state != "current" or status["corpus"].state != "current" or not partitions_ok:
