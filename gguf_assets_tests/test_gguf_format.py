@@ -197,7 +197,7 @@ def test_empty_metadata_values_raise(tmp_path: Path, provenance: dict, key: str)
 def test_metadata_validation(tmp_path: Path) -> None:
     adapter = make_adapter()
     with pytest.raises(ValueError, match="collides"):
-        write(tmp_path / "x.gguf", adapter, provenance={"width": 3})
+        write(tmp_path / "x.gguf", adapter, provenance={**PROVENANCE, "width": 3})
     with pytest.raises(ValueError, match="missing"):
         write(tmp_path / "x.gguf", adapter, hparams={**hparams(), "depth": 3})
     with pytest.raises(ValueError, match="unexpected"):
@@ -207,9 +207,9 @@ def test_metadata_validation(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="out_proj.weight"):
         write(tmp_path / "x.gguf", adapter, tensors=state)
     out = tmp_path / "arr.gguf"
-    write(out, adapter, provenance={"tags": ["a", "b"], "flag": True})
-    assert gguf_format.provenance_from_metadata(gguf_format.read_gguf_metadata(out)) == {"tags": ["a", "b"],
-                                                                                         "flag": True}
+    write(out, adapter, provenance={**PROVENANCE, "tags": ["a", "b"], "flag": True})
+    assert gguf_format.provenance_from_metadata(gguf_format.read_gguf_metadata(out)) == {
+        **PROVENANCE, "tags": ["a", "b"], "flag": True}
 
 
 def test_failed_verify_keeps_old_file_and_no_temp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

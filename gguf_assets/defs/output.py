@@ -1,7 +1,5 @@
-"""Output: the f16 GGUF export and its evaluation report."""
+"""Output: the f16 GGUF export (adapter, optional vision encoder) and its evaluation report."""
 
-
-from pathlib import Path
 
 import dagster as dg
 
@@ -12,25 +10,32 @@ from gguf_assets.defs.training import adapter
 from gguf_assets.lib import atomic
 from gguf_assets.lib.export import export_adapter
 from gguf_assets.lib.gguf_eval import evaluate_gguf
+from gguf_assets.lib.layout import REPORT_JSON
 from gguf_assets.lib.materials import load_manifest
 from gguf_assets.lib.pipeline import gguf_path, report_fingerprint, shard_fingerprints
-from gguf_assets.lib.report import build_report
+from gguf_assets.lib.report import build_report, render_evaluation, render_files, render_markdown, render_use_in_ggk
 from gguf_assets.lib.shards import plan_shards
 
 
 @dg.asset(group_name="output", deps=[adapter, materials], description="The adapter as an f16 GGUF: "
-          "matrices f16; norms, biases and target statistics f32; self-describing metadata (docs/gguf_layout.md).")
+          "matrices f16; norms, biases and target statistics f32; self-describing metadata (docs/gguf_layout.md). "
+          "Plus the paired vision encoder as a clip/mmproj GGUF when one was downloaded (docs/vision_gguf.md).")
 def gguf(context: dg.AssetExecutionContext, project: ProjectResource) -> dg.MaterializeResult:
     paths, settings = project.paths(), project.settings()
     summary = export_adapter(paths, settings, load_manifest(paths), atomic.read_json(paths.adapter_manifest))
-    rows = ["| file | bytes | sha256 |", "|---|---|---|"]
-    rows += [f"| `{p}` | {summary['bytes']} | `{summary['sha256']}` |" for p in [summary["path"], *summary["copies"]]]
-    return dg.MaterializeResult(metadata={
+    metadata = {
         "path": dg.MetadataValue.path(summary["path"]), "bytes": summary["bytes"], "sha256": summary["sha256"],
         "tensors": summary["tensor_count"], "f16_tensors": summary["f16_count"], "f32_tensors": summary["f32_count"],
         "kept_f32": ", ".join(summary["kept_f32"]) or "none",
-        "exported_files": dg.MetadataValue.md("\n".join(rows)),
-    })
+        "exported_files": dg.MetadataValue.md(render_files(summary["files"], kept_f32=summary["kept_f32"])),
+        "provenance": dg.MetadataValue.json(summary["provenance"]),
+    }
+    if summary["vision"]:
+        vision = summary["vision"]
+        metadata["vision_gguf"] = dg.MetadataValue.path(vision["path"])
+        metadata["vision_bytes"] = vision["bytes"]
+        metadata["vision_unmapped_tensors"] = ", ".join(vision["unmapped"]) or "none"
+    return dg.MaterializeResult(metadata=metadata)
 
 
 @dg.asset(group_name="output", deps=[gguf, val_shards], description="Evaluation of the exported GGUF on the "
@@ -45,10 +50,16 @@ def eval_report(context: dg.AssetExecutionContext, project: ProjectResource) -> 
     fingerprint = report_fingerprint(settings, sidecar["sha256"],
                                      shard_fingerprints(paths, settings, materials_manifest, "val"))
     report = build_report(paths, settings, materials_manifest, sidecar, evaluation, fingerprint=fingerprint)
-    md = (paths.output_dir(settings) / "report.md").read_text(encoding="utf-8")
-    metadata = {"report_json": dg.MetadataValue.path(str(paths.output_dir(settings) / "report.json")),
-                "report": dg.MetadataValue.md(md), "gguf_sha256": report["gguf_sha256"]}
-    for key in ("val_centred_cosine", "val_centred_cosine_torch", "empty_prompt_cosine"):
+    metadata = {"report_json": dg.MetadataValue.path(str(paths.output_dir(settings) / REPORT_JSON)),
+                "report": dg.MetadataValue.md(render_markdown(report)),
+                "evaluation": dg.MetadataValue.md(render_evaluation(report)),
+                "exported_files": dg.MetadataValue.md(render_files(report["files"], kept_f32=report["kept_f32"])),
+                "use_it_in_ggk": dg.MetadataValue.md(render_use_in_ggk(report)),
+                "ggk_command": dg.MetadataValue.text(report["ggk_command"]),
+                "verdict": report["verdict"], "gguf_sha256": report["gguf_sha256"]}
+    # Numeric entries are plotted over time in the UI.
+    for key in ("val_centred_cosine", "val_centred_cosine_torch", "gguf_vs_torch", "empty_prompt_cosine",
+                "n_prompts", "eval_seconds"):
         if report[key] is not None:
-            metadata[key] = float(report[key])
+            metadata[key] = float(report[key]) if key != "n_prompts" else int(report[key])
     return dg.MaterializeResult(metadata=metadata)

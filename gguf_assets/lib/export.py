@@ -1,10 +1,18 @@
-"""Export the trained adapter to its f16 GGUF (plus an atomic, verified copy where asked)."""
+"""Export the trained adapter to its f16 GGUF, the vision encoder to its own GGUF when asked,
+and an atomic, verified copy of each into ``output.also_copy_to``.
+
+The sidecar ``<adapter_name>.json`` beside the adapter GGUF records what was exported
+(``files``: role, path, bytes, sha256 for every file and copy), the fingerprint that
+makes the stage current, and the torch checkpoint's own scores for the report.
+"""
 
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 from gguf_assets.lib import atomic
 from gguf_assets.lib.adapter import MLP_RATIO, NORM_EPS
@@ -13,55 +21,104 @@ from gguf_assets.lib.layout import ProjectPaths
 from gguf_assets.lib.pipeline import gguf_fingerprint, gguf_path
 from gguf_assets.lib.settings import Settings
 from gguf_assets.lib.train import load_final
+from gguf_assets.lib.vision import vision_gguf_path, write_vision_gguf
 
 log = logging.getLogger(__name__)
 
+ROLE_ADAPTER = "adapter"
+ROLE_VISION = "vision_encoder"
+MOCK_TEACHER_REPO = "mock-teacher"
+MOCK_TEACHER_COMMIT = "none"
 
-def _provenance(settings: Settings, materials: dict, meta: dict) -> dict:
+
+class ExportError(ValueError):
+    """The export cannot proceed; the message names the setting or file and the fix."""
+
+
+def check_file_name(name: str, *, setting: str = "output.adapter_name") -> str:
+    """``name`` if it is a plain file name; settings validate this too, but a name that
+    reached export some other way must never write outside the output folder."""
+    bad = (not isinstance(name, str) or not name.strip() or name in (".", "..") or "\0" in name
+           or "/" in name or "\\" in name or (os.altsep and os.altsep in name) or os.sep in name)
+    if bad:
+        raise ExportError(f"{setting} = {name!r} is not a plain file name: no path separators, not '.' or '..', "
+                          "not empty. Use something like 'my-adapter'.")
+    return name
+
+
+def provenance(settings: Settings, materials: dict, meta: dict) -> dict[str, Any]:
+    """The adapter GGUF's provenance keys (gguf_format.REQUIRED_PROVENANCE and the rest)."""
     student, teacher = materials["student"], materials.get("teacher")
-    p = {
+    real_teacher = teacher is not None and not settings.precompute.mock_teacher
+    return {
         "student.repo": student["source"], "student.commit": student["commit"],
         "student.layer": settings.materials.student_layer, "student.hidden_size": meta["shape"]["student_dim"],
-        "teacher.repo": teacher["source"] if teacher and not settings.precompute.mock_teacher else "mock-teacher",
-        "teacher.commit": teacher["commit"] if teacher and not settings.precompute.mock_teacher else "none",
+        "teacher.repo": teacher["source"] if real_teacher else MOCK_TEACHER_REPO,
+        "teacher.commit": teacher["commit"] if real_teacher else MOCK_TEACHER_COMMIT,
         "teacher.layer": settings.materials.teacher_layer,
         "prompt_template": settings.precompute.prompt_template,
         "training.steps": meta["step"], "training.seed": settings.training.seed,
         "training.val_centred_cosine": float(meta["val_centred_cosine"]),
         "training.fingerprint": meta["fingerprint"],
     }
-    return p
 
 
 def copy_verified(source: Path, folder: Path, *, sha256: str) -> Path:
-    """Atomic copy into ``folder``; the copy's sha256 must match before it takes the final name."""
-    target = Path(folder).expanduser() / source.name
+    """Atomic copy into ``folder``; the copy's sha256 must match before it takes the final
+    name, so a failed copy leaves any previous copy untouched."""
+    target = Path(folder).expanduser() / Path(source).name
     with atomic.atomic_path(target) as tmp:
         shutil.copyfile(source, tmp)
         if atomic.sha256_file(tmp) != sha256:
-            raise OSError(f"copy of {source} to {target} does not match its sha256; nothing was replaced")
+            raise OSError(f"copy of {source} to {target} does not match its sha256; nothing was replaced "
+                          f"(check the disk at {folder})")
     return target
 
 
+def _file_entry(role: str, path: Path | str, written: dict, *, copy_of: str | None = None) -> dict[str, Any]:
+    entry = {"role": role, "path": str(path), "bytes": written["bytes"], "sha256": written["sha256"]}
+    if copy_of:
+        entry["copy_of"] = copy_of
+    return entry
+
+
 def export_adapter(paths: ProjectPaths, settings: Settings, materials: dict, adapter_manifest: dict) -> dict:
-    """Write <output_dir>/<adapter_name>.gguf and its sidecar; returns the summary (also the sidecar)."""
+    """Write <output_dir>/<adapter_name>.gguf (+ vision GGUF, + copies) and the sidecar; return the sidecar."""
+    name = check_file_name(settings.output.adapter_name)
     run_dir = paths.root / adapter_manifest["run_dir"]
     model, meta = load_final(run_dir)
     tensors = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
-    shape = meta["shape"]
-    hparams = {**shape, "layer_norm_epsilon": NORM_EPS, "mlp_ratio": MLP_RATIO}
+    hparams = {**meta["shape"], "layer_norm_epsilon": NORM_EPS, "mlp_ratio": MLP_RATIO}
     target = gguf_path(paths, settings)
     summary = write_adapter_gguf(target, tensors=tensors, hparams=hparams,
-                                 provenance=_provenance(settings, materials, meta), name=settings.output.adapter_name)
-    if summary.get("kept_f32"):
+                                 provenance=provenance(settings, materials, meta), name=name)
+    if summary["kept_f32"]:
         log.warning("kept in f32 because values exceed the f16 range: %s", summary["kept_f32"])
+    files = [_file_entry(ROLE_ADAPTER, target, summary)]
+
+    vision = None
+    encoder = materials.get("vision_encoder")
+    if encoder and settings.output.export_vision_encoder:
+        vision = write_vision_gguf(Path(encoder["path"]), vision_gguf_path(target.parent, name),
+                                   name=f"{name}-vision", source=encoder["source"], commit=encoder["commit"])
+        files.append(_file_entry(ROLE_VISION, vision["path"], vision))
+    elif encoder:
+        log.info("vision encoder not exported: output.export_vision_encoder is off")
+
     copies = []
     if settings.output.also_copy_to:
-        copies.append(str(copy_verified(target, paths.resolve_local(settings.output.also_copy_to), sha256=summary["sha256"])))
+        folder = paths.resolve_local(settings.output.also_copy_to)
+        for entry in list(files):
+            copy = copy_verified(Path(entry["path"]), folder, sha256=entry["sha256"])
+            copies.append(str(copy))
+            files.append(_file_entry(entry["role"], copy, entry, copy_of=entry["path"]))
+
     sidecar = {**{k: (str(v) if isinstance(v, Path) else v) for k, v in summary.items()},
                "fingerprint": gguf_fingerprint(settings, materials, adapter_manifest["fingerprint"]),
-               "adapter_fingerprint": adapter_manifest["fingerprint"], "copies": copies,
+               "adapter_fingerprint": adapter_manifest["fingerprint"], "copies": copies, "files": files,
+               "vision": vision, "provenance": provenance(settings, materials, meta),
                "val_centred_cosine_torch": float(meta["val_centred_cosine"]),
-               "empty_prompt_cosine_torch": meta.get("empty_prompt_cosine")}
+               "empty_prompt_cosine_torch": meta.get("empty_prompt_cosine"),
+               "per_shard_torch": meta.get("per_shard", [])}
     atomic.write_json(target.with_suffix(".json"), sidecar)
     return sidecar

@@ -11,7 +11,8 @@ Layout in brief (FORMAT_VERSION 1):
 * metadata: ``general.architecture = "llm_adapter"``, ``general.name``,
   ``llm_adapter.format_version`` and the hyperparameters (``HPARAM_TYPES``) as
   ``llm_adapter.<field>``; provenance as ``llm_adapter.<key>`` (e.g.
-  ``llm_adapter.student.repo``).
+  ``llm_adapter.student.repo``), of which ``REQUIRED_PROVENANCE`` must be present with
+  exactly those types.
 * tensors: state-dict names mapped by ``tensor_name`` (``blocks.3.x`` → ``blk.3.x``,
   ``target_mean`` → ``target.mean``, ``target_std`` → ``target.std``, the rest unchanged).
   Matrices (2-D linear weights, ``query``, ``null_memory``) are F16; norms, biases and
@@ -87,6 +88,21 @@ PROVENANCE_HELP: dict[str, str] = {
     "training.seed": "training seed",
     "training.val_centred_cosine": "validation centred cosine measured at export",
     "training.fingerprint": "fingerprint of the training settings and inputs",
+}
+
+# Provenance a runtime (and a person holding only the file) needs: where the student
+# states come from, what the output imitates, and how good it was. Every export carries
+# these with exactly these types; build_metadata refuses a file without them.
+REQUIRED_PROVENANCE: dict[str, GGUFValueType] = {
+    "student.repo": GGUFValueType.STRING,
+    "student.commit": GGUFValueType.STRING,
+    "student.hidden_size": GGUFValueType.INT64,
+    "student.layer": GGUFValueType.INT64,
+    "teacher.repo": GGUFValueType.STRING,
+    "teacher.commit": GGUFValueType.STRING,
+    "training.steps": GGUFValueType.INT64,
+    "training.seed": GGUFValueType.INT64,
+    "training.val_centred_cosine": GGUFValueType.FLOAT64,
 }
 
 # GGML_MAX_NAME is 64 including the terminating NUL.
@@ -295,6 +311,25 @@ def _provenance_kv(key: str, value: Any) -> KV:
     return _scalar_kv(key, value)
 
 
+def _check_required_provenance(provenance: Mapping[str, Any], hp: Mapping[str, Any]) -> None:
+    missing = [k for k in REQUIRED_PROVENANCE if k not in provenance]
+    if missing:
+        raise ValueError(f"provenance lacks required keys {missing}: every adapter GGUF records the student and "
+                         f"teacher (repo, commit), the student layer and hidden size, training steps, seed and val "
+                         f"centred cosine (gguf_format.REQUIRED_PROVENANCE)")
+    for key, vtype in REQUIRED_PROVENANCE.items():
+        got = _provenance_kv(KEY_PREFIX + key, provenance[key]).vtype
+        if got != vtype:
+            raise ValueError(f"provenance key {key!r} = {provenance[key]!r} would be stored as {got.name}; "
+                             f"it must be {vtype.name}")
+    if provenance["student.hidden_size"] != hp["student_dim"]:
+        raise ValueError(f"provenance student.hidden_size ({provenance['student.hidden_size']}) != hparams "
+                         f"student_dim ({hp['student_dim']})")
+    if not -1.0 <= float(provenance["training.val_centred_cosine"]) <= 1.0:
+        raise ValueError(f"provenance training.val_centred_cosine = {provenance['training.val_centred_cosine']!r} "
+                         "is not a cosine (outside [-1, 1])")
+
+
 def build_metadata(*, hparams: Mapping[str, Any], provenance: Mapping[str, Any], name: str) -> list[KV]:
     """Every metadata entry the file will hold, typed, in file order."""
     if not isinstance(name, str) or not name:
@@ -304,6 +339,7 @@ def build_metadata(*, hparams: Mapping[str, Any], provenance: Mapping[str, Any],
            KV(KEY_NAME, GGUFValueType.STRING, name),
            KV(KEY_FORMAT_VERSION, GGUFValueType.UINT32, FORMAT_VERSION)]
     kvs += [KV(KEY_PREFIX + k, vtype, hp[k]) for k, vtype in HPARAM_TYPES.items()]
+    _check_required_provenance(provenance, hp)
     reserved = {kv.key for kv in kvs}
     for key, value in provenance.items():
         if not isinstance(key, str) or not _KEY_RE.fullmatch(key):
@@ -316,6 +352,16 @@ def build_metadata(*, hparams: Mapping[str, Any], provenance: Mapping[str, Any],
 
 
 # --- tensors --------------------------------------------------------------------------
+
+
+def f16_unless_overflow(name: str, f32: np.ndarray) -> np.ndarray:
+    """``f32`` as float16, or unchanged (float32) if a value lies beyond the f16 range."""
+    if f32.size and float(np.abs(f32).max()) > F16_MAX:
+        # Writing inf would poison every output; F32 costs a little size only.
+        logger.warning("tensor %s has |value| %.6g > %g (f16 max): kept in f32", name, float(np.abs(f32).max()),
+                       F16_MAX)
+        return f32
+    return f32.astype(np.float16)
 
 
 def _prepare_tensors(tensors: Mapping[str, np.ndarray], hparams: Mapping[str, Any]
@@ -341,14 +387,9 @@ def _prepare_tensors(tensors: Mapping[str, np.ndarray], hparams: Mapping[str, An
         if not np.isfinite(f32).all():  # e.g. float64 input beyond the float32 range
             raise ValueError(f"tensor {key!r} ({name}) overflows float32")
         if is_f16_tensor(key):
-            if f32.size and float(np.abs(f32).max()) > F16_MAX:
-                # Writing inf would poison every output; F32 costs a little size only.
-                logger.warning("tensor %s has |value| %.6g > %g (f16 max): kept in f32",
-                               name, float(np.abs(f32).max()), F16_MAX)
+            prepared[name] = f16_unless_overflow(name, f32)
+            if prepared[name].dtype != np.float16:
                 kept_f32.append(name)
-                prepared[name] = f32
-            else:
-                prepared[name] = f32.astype(np.float16)
         else:
             prepared[name] = f32
     return prepared, kept_f32
@@ -363,7 +404,9 @@ def _ggml_type(array: np.ndarray) -> GGMLQuantizationType:
 
 def _write_file(path: Path, kvs: list[KV], tensors: Mapping[str, np.ndarray]) -> None:
     """Write the GGUF bytes to ``path`` (the temp file)."""
-    writer = GGUFWriter(path, ARCH)  # writes general.architecture itself
+    if not kvs or kvs[0].key != KEY_ARCHITECTURE:
+        raise ValueError(f"the first metadata entry must be {KEY_ARCHITECTURE}")
+    writer = GGUFWriter(path, kvs[0].value)  # writes general.architecture itself
     try:
         for kv in kvs:
             if kv.key != KEY_ARCHITECTURE:
@@ -415,8 +458,28 @@ def _verify_file(path: Path, kvs: list[KV], tensors: Mapping[str, np.ndarray]) -
         if t.tensor_type != _ggml_type(array) or [int(x) for x in t.shape] != ne:
             raise GGUFVerifyError(f"{path}: tensor {name} is {t.tensor_type.name} ne={list(t.shape)}, "
                                   f"expected {_ggml_type(array).name} ne={ne}")
-        if t.data.tobytes() != array.tobytes():
+        # Byte views, not tobytes(): comparing in place avoids two copies of every tensor.
+        if not np.array_equal(np.asarray(t.data).reshape(-1).view(np.uint8), array.reshape(-1).view(np.uint8)):
             raise GGUFVerifyError(f"{path}: tensor {name} bytes differ from what was written")
+
+
+def write_verified_gguf(path: Path, kvs: list[KV], tensors: Mapping[str, np.ndarray]) -> dict[str, Any]:
+    """Write any GGUF (architecture = ``kvs[0]``) atomically: temp file, re-read and compare
+    every key and tensor byte, then rename. Returns ``{bytes, sha256}`` of the final file.
+
+    ``tensors`` maps GGUF names to arrays already in their stored dtype (F16 or F32).
+    """
+    for name, array in tensors.items():
+        if len(name) > MAX_TENSOR_NAME:
+            raise ValueError(f"tensor name {name!r} is longer than GGML's {MAX_TENSOR_NAME} characters")
+        if array.dtype not in (np.float16, np.float32):
+            raise ValueError(f"tensor {name!r} has dtype {array.dtype}; only float16/float32 are written")
+    with atomic.atomic_path(Path(path)) as tmp:
+        _write_file(tmp, kvs, tensors)
+        _verify_file(tmp, kvs, tensors)
+        size = tmp.stat().st_size
+        sha = atomic.sha256_file(tmp)  # the rename keeps the bytes, so hash the verified temp
+    return {"bytes": size, "sha256": sha}
 
 
 def write_adapter_gguf(path: Path, *, tensors: Mapping[str, np.ndarray], hparams: Mapping[str, Any],
@@ -433,11 +496,8 @@ def write_adapter_gguf(path: Path, *, tensors: Mapping[str, np.ndarray], hparams
     path = Path(path)
     kvs = build_metadata(hparams=hparams, provenance=provenance, name=name)
     prepared, kept_f32 = _prepare_tensors(tensors, hparams)
-    with atomic.atomic_path(path) as tmp:
-        _write_file(tmp, kvs, prepared)
-        _verify_file(tmp, kvs, prepared)
-        size = tmp.stat().st_size
-        sha = atomic.sha256_file(tmp)  # the rename keeps the bytes, so hash the verified temp
+    written = write_verified_gguf(path, kvs, prepared)
+    size, sha = written["bytes"], written["sha256"]
     f16 = sum(1 for a in prepared.values() if a.dtype == np.float16)
     summary = {
         "path": str(path),

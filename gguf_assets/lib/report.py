@@ -1,41 +1,98 @@
-"""The evaluation report: report.json (for tools) and report.md (shown in the UI)."""
+"""The evaluation report: report.json (for tools) and report.md (shown in the UI).
+
+It carries both scores (``val_centred_cosine`` from the GGUF via the numpy evaluator,
+``val_centred_cosine_torch`` from the checkpoint), the verdict and advice, the worst val
+prompts, per-shard scores, every exported file with size and sha256, and the "use it in
+ggk" section: which file goes where and the command line (``output.ggk_command``).
+"""
 
 from __future__ import annotations
 
+import re
+import shlex
 from pathlib import Path
+from typing import Any
 
 from gguf_assets.lib import atomic
 from gguf_assets.lib.layout import REPORT_JSON, REPORT_MD, ProjectPaths
 from gguf_assets.lib.settings import Settings
 from gguf_assets.lib.verdict import verdict
 
+# ggk's flag for the vision encoder GGUF; used when the command template has no
+# {vision_gguf} placeholder but a vision GGUF was exported.
+VISION_FLAG = "--llm_vision"
+ADAPTER_FLAG = "--llm_adapter"
+STUDENT_FLAG = "--llm"
+PLACEHOLDERS = ("{student}", "{adapter_gguf}", "{vision_gguf}")
+# "--flag {vision_gguf}" or "--flag={vision_gguf}": dropped whole when there is no vision GGUF.
+_VISION_ARG = re.compile(r"\s*(?:--?[A-Za-z0-9_-]+(?:=|\s+))?\{vision_gguf\}")
 
-def ggk_command(settings: Settings, materials: dict, gguf: Path) -> str:
-    student = materials["student"]["path"]
-    return (settings.output.ggk_command.replace("{student}", student).replace("{adapter_gguf}", str(gguf))
-            .replace("{vision_gguf}", ""))
+
+def ggk_command(template: str, *, student: str, adapter_gguf: str, vision_gguf: str | None) -> str:
+    """The command line: placeholders filled with shell-quoted paths."""
+    if vision_gguf is None:
+        template = _VISION_ARG.sub("", template)
+    elif "{vision_gguf}" not in template:
+        template = f"{template} {VISION_FLAG} {{vision_gguf}}"
+    values = {"{student}": student, "{adapter_gguf}": adapter_gguf, "{vision_gguf}": vision_gguf or ""}
+    # One pass, so a path that happens to contain "{adapter_gguf}" is not substituted again.
+    return re.sub("|".join(re.escape(p) for p in PLACEHOLDERS), lambda m: shlex.quote(values[m.group(0)]), template)
+
+
+def _for_ggk(files: list[dict], role: str) -> dict | None:
+    """The file ggk should load for ``role``: the copy in also_copy_to if any, else the original."""
+    entries = [f for f in files if f["role"] == role]
+    copies = [f for f in entries if f.get("copy_of")]
+    return (copies or entries or [None])[0]
+
+
+def _per_shard(evaluation: dict | None, torch_rows: list[dict]) -> list[dict]:
+    torch_by_name = {Path(r["shard"]).name: r["val_centred_cosine"] for r in torch_rows}
+    if evaluation is None:
+        return [{"shard": name, "n": r["n"], "val_centred_cosine": None, "val_centred_cosine_torch": cos}
+                for r, (name, cos) in zip(torch_rows, torch_by_name.items())]
+    return [{"shard": Path(r["shard"]).name, "n": r["n"], "val_centred_cosine": r["val_centred_cosine"],
+             "val_centred_cosine_torch": torch_by_name.get(Path(r["shard"]).name)} for r in evaluation["per_shard"]]
 
 
 def build_report(paths: ProjectPaths, settings: Settings, materials: dict, gguf: dict, evaluation: dict | None,
                  *, fingerprint: str) -> dict:
-    """Write report.json and report.md into the output folder; returns the report dict."""
-    gguf_file = Path(gguf["path"])
-    score = evaluation["val_centred_cosine"] if evaluation else gguf["val_centred_cosine_torch"]
+    """Write report.json and report.md into the output folder; returns the report dict.
+
+    ``gguf`` is the export sidecar (export.export_adapter), ``evaluation`` the numpy
+    evaluator's result (gguf_eval.evaluate_gguf) or None when output.evaluate is off.
+    """
+    files = gguf.get("files") or [{"role": "adapter", "path": gguf["path"], "bytes": gguf["bytes"],
+                                   "sha256": gguf["sha256"]}]
+    adapter_file, vision_file = _for_ggk(files, "adapter"), _for_ggk(files, "vision_encoder")
+    torch_score = gguf["val_centred_cosine_torch"]
+    score = evaluation["val_centred_cosine"] if evaluation else torch_score
     text, advice = verdict(score)
-    files = [{"path": str(gguf_file), "bytes": gguf["bytes"], "sha256": gguf["sha256"]}]
-    files += [{"path": c, "bytes": gguf["bytes"], "sha256": gguf["sha256"]} for c in gguf.get("copies", [])]
-    report = {
+    student = materials["student"]
+    prov = gguf.get("provenance", {})
+    report: dict[str, Any] = {
         "fingerprint": fingerprint,
         "evaluated": evaluation is not None,
         "val_centred_cosine": evaluation["val_centred_cosine"] if evaluation else None,
-        "val_centred_cosine_torch": gguf["val_centred_cosine_torch"],
+        "val_centred_cosine_torch": torch_score,
+        "gguf_vs_torch": abs(evaluation["val_centred_cosine"] - torch_score) if evaluation else None,
         "empty_prompt_cosine": evaluation["empty_prompt_cosine"] if evaluation else gguf.get("empty_prompt_cosine_torch"),
-        "gguf_path": str(gguf_file), "gguf_sha256": gguf["sha256"], "gguf_bytes": gguf["bytes"],
+        "empty_prompt_cosine_torch": gguf.get("empty_prompt_cosine_torch"),
+        "score_source": "gguf" if evaluation else "torch",
+        "gguf_path": gguf["path"], "gguf_sha256": gguf["sha256"], "gguf_bytes": gguf["bytes"],
+        "vision_gguf": next((f["path"] for f in files if f["role"] == "vision_encoder" and not f.get("copy_of")),
+                            None),
+        "ggk_files": {"adapter": adapter_file["path"], "vision_encoder": vision_file["path"] if vision_file else None},
         "n_prompts": evaluation["n_prompts"] if evaluation else None,
-        "per_shard": evaluation["per_shard"] if evaluation else [],
+        "eval_seconds": evaluation["seconds"] if evaluation else None,
+        "per_shard": _per_shard(evaluation, gguf.get("per_shard_torch", [])),
         "worst": evaluation["worst"] if evaluation else [],
         "verdict": text, "advice": advice, "files": files,
-        "ggk_command": ggk_command(settings, materials, gguf_file),
+        "student": {"repo": student["source"], "commit": student["commit"], "path": student["path"],
+                    "layer": prov.get("student.layer", settings.materials.student_layer)},
+        "ggk_command": ggk_command(settings.output.ggk_command, student=student["path"],
+                                   adapter_gguf=adapter_file["path"],
+                                   vision_gguf=vision_file["path"] if vision_file else None),
         "kept_f32": gguf.get("kept_f32", []),
     }
     out = paths.output_dir(settings)
@@ -44,24 +101,73 @@ def build_report(paths: ProjectPaths, settings: Settings, materials: dict, gguf:
     return report
 
 
-def render_markdown(r: dict) -> str:
-    def fmt(x: float | None) -> str:
-        return "n/a" if x is None else f"{x:.4f}"
+def _fmt(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.4f}"
 
-    lines = ["# Evaluation", "", f"**{r['verdict']}**", "", r["advice"], "",
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def render_evaluation(r: dict) -> str:
+    """Verdict, advice and the numbers (overall, empty prompt, per shard, worst prompts)."""
+    lines = [f"**{r['verdict']}**", "", r["advice"], "",
              "| measure | value |", "|---|---|",
-             f"| val centred cosine (GGUF, numpy) | {fmt(r['val_centred_cosine'])} |",
-             f"| val centred cosine (torch checkpoint) | {fmt(r['val_centred_cosine_torch'])} |",
-             f"| empty prompt cosine | {fmt(r['empty_prompt_cosine'])} |",
+             f"| val centred cosine (GGUF, numpy) | {_fmt(r['val_centred_cosine'])} |",
+             f"| val centred cosine (torch checkpoint) | {_fmt(r['val_centred_cosine_torch'])} |",
+             f"| GGUF vs torch difference | {'n/a' if r['gguf_vs_torch'] is None else format(r['gguf_vs_torch'], '.2e')} |",
+             f"| empty prompt cosine | {_fmt(r['empty_prompt_cosine'])} |",
              f"| val prompts | {r['n_prompts'] if r['n_prompts'] is not None else 'n/a'} |", ""]
-    if r["worst"]:
-        lines += ["## Worst val prompts", "", "| cosine | prompt |", "|---|---|"]
-        lines += [f"| {w['cosine']:.4f} | {(w['text'][:120] or '(empty: CFG prompt)').replace('|', '/')} |"
-                  for w in r["worst"]]
+    if not r["evaluated"]:
+        lines += ["The GGUF was not evaluated (`output.evaluate` is off); the verdict uses the torch score.", ""]
+    if r["per_shard"]:
+        lines += ["### Per shard", "", "| shard | prompts | GGUF | torch |", "|---|---|---|---|"]
+        lines += [f"| {s['shard']} | {s['n']} | {_fmt(s['val_centred_cosine'])} | "
+                  f"{_fmt(s['val_centred_cosine_torch'])} |" for s in r["per_shard"]]
         lines.append("")
-    lines += ["## Exported files", "", "| file | bytes | sha256 |", "|---|---|---|"]
-    lines += [f"| `{f['path']}` | {f['bytes']} | `{f['sha256']}` |" for f in r["files"]]
-    lines += ["", "## Use it in ggk", "",
-              "Put the adapter GGUF next to your ggk models (or set `output.also_copy_to` to that folder), keep the "
-              "student model it was trained on, and run:", "", "```", r["ggk_command"], "```", ""]
+    if r["worst"]:
+        lines += [f"### The {len(r['worst'])} worst val prompts", "", "| cosine | prompt |", "|---|---|"]
+        lines += [f"| {w['cosine']:.4f} | {_cell(w['text'][:120]) or '(empty: the CFG prompt)'} |" for w in r["worst"]]
+        lines.append("")
     return "\n".join(lines)
+
+
+def render_files(files: list[dict], *, kept_f32: list[str]) -> str:
+    """The exported files (and copies) with sizes and sha256."""
+    lines = ["| file | role | bytes | sha256 |", "|---|---|---|---|"]
+    lines += [f"| `{f['path']}` | {f['role']}{' (copy)' if f.get('copy_of') else ''} | {f['bytes']:,} | "
+              f"`{f['sha256']}` |" for f in files]
+    if kept_f32:
+        lines += ["", f"Kept in f32 because values exceed the f16 range: {', '.join(kept_f32)}."]
+    return "\n".join(lines) + "\n"
+
+
+def render_use_in_ggk(r: dict) -> str:
+    """Which file goes where, and the command line."""
+    s, ggk = r["student"], r["ggk_files"]
+    lines = ["| what | file | ggk flag |", "|---|---|---|",
+             f"| the adapter (this project's output) | `{ggk['adapter']}` | `{ADAPTER_FLAG}` |",
+             f"| the student LLM it was trained on: `{s['repo']}` at `{s['commit']}`, hidden states of layer "
+             f"{s['layer']} | `{s['path']}` | `{STUDENT_FLAG}` |"]
+    if ggk["vision_encoder"]:
+        lines.append(f"| the paired vision encoder | `{ggk['vision_encoder']}` | `{VISION_FLAG}` |")
+    copies = [f["path"] for f in r["files"] if f.get("copy_of")]
+    lines += [""]
+    if copies:
+        lines += ["Verified copies are already in the `output.also_copy_to` folder: "
+                  + ", ".join(f"`{c}`" for c in copies) + "."]
+    else:
+        lines += [f"Copy `{Path(ggk['adapter']).name}`"
+                  + (f" and `{Path(ggk['vision_encoder']).name}`" if ggk["vision_encoder"] else "")
+                  + " into your ggk model folder, or set `output.also_copy_to` to that folder to have it done "
+                    "(atomically, checked by sha256) on every export."]
+    lines += ["", "The adapter only works with that exact student model and layer; another student (or another "
+              "layer) needs its own adapter.", "", "Command line (template: `output.ggk_command`):", "",
+              "```", r["ggk_command"], "```", ""]
+    return "\n".join(lines)
+
+
+def render_markdown(r: dict) -> str:
+    return "\n".join(["# Evaluation", "", render_evaluation(r), "## Exported files", "",
+                      render_files(r["files"], kept_f32=r["kept_f32"]),
+                      "## Use it in ggk", "", render_use_in_ggk(r)])
