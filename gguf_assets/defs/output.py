@@ -47,7 +47,7 @@ def eval_report(context: dg.AssetExecutionContext, project: ProjectResource) -> 
     sidecar = atomic.read_json(target.with_suffix(".json"))
     folders = [plan.folder(paths) for plan in plan_shards(paths, settings, materials_manifest, "val")]
     evaluation = evaluate_gguf(target, folders) if settings.output.evaluate else None
-    fingerprint = report_fingerprint(settings, sidecar["sha256"],
+    fingerprint = report_fingerprint(settings, sidecar,
                                      shard_fingerprints(paths, settings, materials_manifest, "val"))
     report = build_report(paths, settings, materials_manifest, sidecar, evaluation, fingerprint=fingerprint)
     metadata = {"report_json": dg.MetadataValue.path(str(paths.output_dir(settings) / REPORT_JSON)),

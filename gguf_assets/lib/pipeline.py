@@ -9,6 +9,7 @@ and upstream outputs; otherwise it is missing or stale and is recomputed, never 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from gguf_assets.lib import atomic
 from gguf_assets.lib.layout import SPLITS, ProjectPaths
@@ -54,7 +55,7 @@ def adapter_fingerprint(paths: ProjectPaths, settings: Settings, materials: dict
                                 shard_fingerprints(paths, settings, materials, "val"))
 
 
-def gguf_path(paths: ProjectPaths, settings: Settings) -> "Path":
+def gguf_path(paths: ProjectPaths, settings: Settings) -> Path:
     return paths.output_dir(settings) / f"{settings.output.adapter_name}{GGUF_SUFFIX}"
 
 
@@ -67,19 +68,31 @@ def gguf_fingerprint(settings: Settings, materials: dict, adapter_fp: str) -> st
                                "also_copy_to": settings.output.also_copy_to, "format": 2})
 
 
-def report_fingerprint(settings: Settings, gguf_sha256: str, val_fps: list[str]) -> str:
+def report_fingerprint(settings: Settings, gguf_sidecar: dict, val_fps: list[str]) -> str:
     # The report lists the exported files, so the settings that change that list count too.
-    return atomic.fingerprint({"gguf": gguf_sha256, "val": val_fps, "evaluate": settings.output.evaluate,
+    # The sidecar's own fingerprint covers what the export was made from (vision source included).
+    return atomic.fingerprint({"gguf": [gguf_sidecar["sha256"], gguf_sidecar["fingerprint"]], "val": val_fps,
+                               "evaluate": settings.output.evaluate,
                                "ggk_command": settings.output.ggk_command,
                                "vision": settings.output.export_vision_encoder,
                                "also_copy_to": settings.output.also_copy_to, "format": 2})
 
 
-def recorded_fingerprint(sidecar: "Path") -> str | None:
+def recorded_fingerprint(sidecar: Path) -> str | None:
     try:
         return atomic.read_json(sidecar).get("fingerprint")
     except (OSError, ValueError):
         return None
+
+
+def _exported_files_present(sidecar: Path) -> bool:
+    """Every file the export wrote (GGUF, vision GGUF, copies) is still there at its size."""
+    try:
+        entry = atomic.read_json(sidecar)
+    except (OSError, ValueError):
+        return False
+    files = entry.get("files") or [{"path": entry.get("path", ""), "bytes": entry.get("bytes")}]
+    return all(Path(f["path"]).is_file() and Path(f["path"]).stat().st_size == f["bytes"] for f in files)
 
 
 @dataclass(frozen=True)
@@ -125,13 +138,13 @@ def project_status(paths: ProjectPaths, settings: Settings) -> list[StageState]:
     out.append(StageState("adapter", "current"))
     gguf = gguf_path(paths, settings)
     sidecar = gguf.with_suffix(".json")
-    if recorded_fingerprint(sidecar) != gguf_fingerprint(settings, materials, adapter_fp) or not gguf.is_file():
+    if recorded_fingerprint(sidecar) != gguf_fingerprint(settings, materials, adapter_fp) or not _exported_files_present(sidecar):
         return out + [StageState("gguf", "stale" if sidecar.is_file() else "missing")] + blocked_rest("gguf")
     out.append(StageState("gguf", "current"))
     from gguf_assets.lib.layout import REPORT_JSON
 
     report = paths.output_dir(settings) / REPORT_JSON
-    expected = report_fingerprint(settings, atomic.read_json(sidecar)["sha256"],
+    expected = report_fingerprint(settings, atomic.read_json(sidecar),
                                   shard_fingerprints(paths, settings, materials, "val"))
     out.append(StageState("eval_report", "current" if recorded_fingerprint(report) == expected else
                           ("stale" if report.is_file() else "missing")))

@@ -120,8 +120,9 @@ class Output:
     export_vision_encoder: bool = _f(True, "also export the paired vision encoder GGUF when downloaded")
     evaluate: bool = _f(True, "evaluate the exported GGUF on the val shards")
     auto_resume: bool = _f(True, "resume automatically when gguf-trainer --auto-resume launches after a reboot")
-    ggk_command: str = _f("ggk --llm {student} --llm_adapter {adapter_gguf} -p \"a cat\"",
-                          "command line shown in the report; {student}, {adapter_gguf}, {vision_gguf} are filled in")
+    ggk_command: str = _f("ggk --llm {student} --llm_adapter {adapter_gguf} --llm_vision {vision_gguf} -p \"a cat\"",
+                          "command line shown in the report; {student}, {adapter_gguf}, {vision_gguf} are filled in "
+                          "(a flag whose {vision_gguf} is empty is dropped)")
 
 
 SECTION_CLASSES = {"materials": Materials, "corpus": Corpus, "precompute": Precompute,
