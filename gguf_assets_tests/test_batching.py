@@ -6,7 +6,9 @@ import random
 
 import pytest
 
-from gguf_assets.lib.batching import pack_batches, padding_efficiency
+import torch
+
+from gguf_assets.lib.batching import fixed_batches, pack_batches, padding_efficiency, right_padded
 
 
 def _check(lengths, batches, *, max_batch, token_budget=None, extra_tokens=0):
@@ -80,3 +82,17 @@ def test_padding_efficiency_values():
     assert padding_efficiency(lengths, [[0, 1], [2, 3]]) == pytest.approx(1.0)
     assert padding_efficiency(lengths, [[0, 2], [1, 3]]) == pytest.approx(30 / 40)
     assert padding_efficiency(lengths, [[0, 2], [1, 3]], extra_tokens=10) == pytest.approx(70 / 80)
+
+
+def test_fixed_batches_keep_the_original_order():
+    assert fixed_batches(7, 3) == [[0, 1, 2], [3, 4, 5], [6]]
+    assert fixed_batches(0, 3) == []
+
+
+def test_right_padded_puts_tokens_then_extra_positions_then_padding():
+    ids, mask = right_padded([[5, 6, 7], [], [8]], pad_id=0, extra_tokens=2)
+    assert ids.tolist() == [[5, 6, 7, 0, 0], [0, 0, 0, 0, 0], [8, 0, 0, 0, 0]]
+    assert mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0]]
+    assert ids.dtype == mask.dtype == torch.long
+    ids, mask = right_padded([[1, 2], [3]], pad_id=9)
+    assert ids.tolist() == [[1, 2], [3, 9]] and mask.tolist() == [[1, 1], [1, 0]]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 
 def pack_batches(lengths: list[int], *, max_batch: int, token_budget: int | None = None,
                  extra_tokens: int = 0) -> list[list[int]]:
@@ -33,3 +35,24 @@ def padding_efficiency(lengths: list[int], batches: list[list[int]], *, extra_to
     real = sum(lengths) + extra_tokens * len(lengths)
     computed = sum(len(b) * (max(lengths[i] for i in b) + extra_tokens) for b in batches)
     return real / computed if computed else 1.0
+
+
+def fixed_batches(count: int, size: int) -> list[list[int]]:
+    """Naive batching: consecutive prompts in their original order (the baseline packing beats)."""
+    return [list(range(start, min(start + size, count))) for start in range(0, count, size)]
+
+
+def right_padded(rows: list[list[int]], *, pad_id: int, extra_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, attention mask) of shape [batch, longest + extra_tokens]: each row's tokens first,
+    then ``extra_tokens`` positions that count as real (the teacher's query rows), then padding.
+
+    Right padding keeps positions 0..n-1 for every row, and with causal attention no real
+    position sees the padding, so a row's result does not depend on its batch mates.
+    """
+    width = max((len(r) for r in rows), default=0) + extra_tokens
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, :len(row)] = torch.tensor(row, dtype=torch.long)
+        mask[i, :len(row) + extra_tokens] = 1
+    return ids, mask

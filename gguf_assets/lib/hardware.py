@@ -1,12 +1,17 @@
-"""Devices and hardware figures (pynvml for NVIDIA GPUs, psutil for CPU/RAM).
+"""Devices and live figures: pynvml for NVIDIA GPUs, psutil for CPU/RAM, progress with ETA.
 
-Everything degrades gracefully on a machine without NVIDIA hardware.
+Everything degrades gracefully on a machine without NVIDIA hardware: the GPU figures are
+simply absent.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import platform
+import threading
+import time
+from collections.abc import Callable
 from importlib import metadata
 
 import psutil
@@ -16,6 +21,9 @@ log = logging.getLogger(__name__)
 
 ENVIRONMENT_PACKAGES = ("torch", "transformers", "accelerate", "huggingface_hub", "dagster",
                         "gguf", "safetensors", "numpy", "tokenizers")
+GIB = 2**30
+SAMPLE_INTERVAL_S = 2.0
+PROGRESS_LOG_INTERVAL_S = 15.0
 
 
 def resolve_device(setting: str) -> torch.device:
@@ -28,37 +36,207 @@ def resolve_device(setting: str) -> torch.device:
     return torch.device(setting)
 
 
-def gpu_snapshot() -> list[dict]:
-    """Utilization, memory, temperature and power per NVIDIA GPU; [] without one."""
-    try:
-        import pynvml
+class NvmlReader:
+    """Reads every NVIDIA GPU through one NVML session; `available` is False without a driver."""
 
-        pynvml.nvmlInit()
-    except Exception:  # no driver / no GPU: nothing to report
-        return []
-    gpus = []
-    try:
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            h = pynvml.nvmlDeviceGetHandleByIndex(i)
-            mem = pynvml.nvmlDeviceGetMemoryInfo(h)
-            util = pynvml.nvmlDeviceGetUtilizationRates(h)
-            entry = {"index": i, "name": pynvml.nvmlDeviceGetName(h), "util_pct": util.gpu,
-                     "mem_used_gib": mem.used / 2**30, "mem_total_gib": mem.total / 2**30}
+    def __init__(self) -> None:
+        self.available = False
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+        except Exception:  # no driver / no GPU / no library: no GPU figures
+            return
+        self._nvml = pynvml
+        self.available = True
+
+    def read(self) -> list[dict]:
+        if not self.available:
+            return []
+        nv = self._nvml
+        gpus = []
+        try:
+            for i in range(nv.nvmlDeviceGetCount()):
+                h = nv.nvmlDeviceGetHandleByIndex(i)
+                mem = nv.nvmlDeviceGetMemoryInfo(h)
+                util = nv.nvmlDeviceGetUtilizationRates(h)
+                entry = {"index": i, "name": nv.nvmlDeviceGetName(h), "util_pct": float(util.gpu),
+                         "mem_used_gib": mem.used / GIB, "mem_total_gib": mem.total / GIB}
+                try:  # some boards (and MIG slices) report neither
+                    entry["temp_c"] = float(nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU))
+                    entry["power_w"] = nv.nvmlDeviceGetPowerUsage(h) / 1000
+                except Exception:
+                    pass
+                gpus.append(entry)
+        except Exception as exc:  # a GPU fell off the bus mid-run: stop reporting rather than fail the run
+            log.warning("NVML stopped answering (%s); GPU figures end here", exc)
+            self.close()
+            return []
+        return gpus
+
+    def close(self) -> None:
+        if self.available:
+            self.available = False
             try:
-                entry["temp_c"] = pynvml.nvmlDeviceGetTemperature(h, pynvml.NVML_TEMPERATURE_GPU)
-                entry["power_w"] = pynvml.nvmlDeviceGetPowerUsage(h) / 1000
+                self._nvml.nvmlShutdown()
             except Exception:
                 pass
-            gpus.append(entry)
+
+
+def gpu_snapshot() -> list[dict]:
+    """Utilization, memory, temperature and power per NVIDIA GPU; [] without one."""
+    reader = NvmlReader()
+    try:
+        return reader.read()
     finally:
-        pynvml.nvmlShutdown()
-    return gpus
+        reader.close()
 
 
 def host_snapshot() -> dict:
     vm = psutil.virtual_memory()
-    return {"cpu_pct": psutil.cpu_percent(interval=None), "ram_used_gib": (vm.total - vm.available) / 2**30,
-            "ram_total_gib": vm.total / 2**30, "process_rss_gib": psutil.Process().memory_info().rss / 2**30}
+    return {"cpu_pct": psutil.cpu_percent(interval=None), "ram_used_gib": (vm.total - vm.available) / GIB,
+            "ram_total_gib": vm.total / GIB, "process_rss_gib": psutil.Process().memory_info().rss / GIB}
+
+
+def _flatten(gpus: list[dict], host: dict) -> dict[str, float]:
+    sample = {f"host_{k}": float(v) for k, v in host.items()}
+    for g in gpus:
+        for key in ("util_pct", "mem_used_gib", "temp_c", "power_w"):
+            if key in g:
+                sample[f"gpu{g['index']}_{key}"] = float(g[key])
+    return sample
+
+
+# Which statistics a summary keeps per figure: peaks for memory and heat, means too for load and power.
+_SUMMARY_STATS = {"util_pct": ("mean", "max"), "cpu_pct": ("mean", "max"), "power_w": ("mean", "max"),
+                  "mem_used_gib": ("max",), "ram_used_gib": ("max",), "process_rss_gib": ("max",),
+                  "temp_c": ("max",), "ram_total_gib": ("max",)}
+
+
+class HardwareSampler:
+    """Samples GPU and host figures in a background thread while a long step runs.
+
+    Use as a context manager; `summary(since=t)` condenses the samples taken after time t
+    (on `clock`) into flat numbers such as ``gpu0_util_pct_mean`` or ``host_ram_used_gib_max``,
+    ready for Dagster metadata (which the UI plots).
+    """
+
+    def __init__(self, *, interval_s: float = SAMPLE_INTERVAL_S, read_gpus: Callable[[], list[dict]] | None = None,
+                 read_host: Callable[[], dict] = host_snapshot, clock: Callable[[], float] = time.monotonic) -> None:
+        self.interval_s = interval_s
+        self._nvml = None if read_gpus is not None else NvmlReader()
+        self._read_gpus = read_gpus if read_gpus is not None else self._nvml.read
+        self._read_host = read_host
+        self.clock = clock
+        self._samples: list[tuple[float, dict[str, float]]] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def has_gpus(self) -> bool:
+        return any(k.startswith("gpu") for _, s in self._samples for k in s)
+
+    def sample(self) -> dict[str, float]:
+        try:
+            sample = _flatten(self._read_gpus(), self._read_host())
+        except Exception as exc:  # figures are a nicety; never let them break a precompute run
+            log.debug("hardware sample failed: %s", exc)
+            return {}
+        with self._lock:
+            self._samples.append((self.clock(), sample))
+        return sample
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.sample()
+
+    def __enter__(self) -> "HardwareSampler":
+        psutil.cpu_percent(interval=None)  # the first reading is meaningless; start the CPU window now
+        self.sample()
+        self._thread = threading.Thread(target=self._loop, name="hardware-sampler", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.interval_s + 5)
+        self.sample()
+        if self._nvml is not None:
+            self._nvml.close()
+
+    def summary(self, *, since: float | None = None) -> dict[str, float]:
+        with self._lock:
+            samples = [s for t, s in self._samples if since is None or t >= since]
+        values: dict[str, list[float]] = {}
+        for s in samples:
+            for k, v in s.items():
+                values.setdefault(k, []).append(v)
+        out: dict[str, float] = {"hw_samples": float(len(samples))}
+        for name, series in sorted(values.items()):
+            stats = next((v for k, v in _SUMMARY_STATS.items() if name.endswith(k)), ("max",))
+            if "mean" in stats:
+                out[f"{name}_mean"] = round(sum(series) / len(series), 3)
+            if "max" in stats:
+                out[f"{name}_max"] = round(max(series), 3)
+        return out
+
+
+def format_seconds(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    seconds = int(round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}h{minutes:02d}m{secs:02d}s" if hours else (f"{minutes}m{secs:02d}s" if minutes else f"{secs}s")
+
+
+class Progress:
+    """Progress, prompts/s, tokens/s and ETA of a long step, logged at most every `log_every_s`.
+
+    `advance` counts computed work (it sets the rate); `skip` counts work found already
+    done (it moves the progress but not the rate, so the ETA is not fooled by reused shards).
+    """
+
+    def __init__(self, label: str, total: int, *, log_every_s: float = PROGRESS_LOG_INTERVAL_S,
+                 clock: Callable[[], float] = time.monotonic, emit: Callable[[str], None] | None = None) -> None:
+        self.label, self.total = label, total
+        self.log_every_s, self.clock = log_every_s, clock
+        self.emit = emit or log.info
+        self.done = self.computed = self.tokens = 0
+        self.start = clock()
+        self._last_log = self.start
+
+    def figures(self) -> dict[str, float]:
+        elapsed = max(self.clock() - self.start, 1e-9)
+        rate = self.computed / elapsed
+        left = self.total - self.done
+        return {"done": self.done, "total": self.total, "seconds": round(elapsed, 3),
+                "prompts_per_s": round(rate, 3), "tokens_per_s": round(self.tokens / elapsed, 1),
+                "eta_s": round(left / rate, 1) if rate > 0 else (0.0 if left <= 0 else math.inf)}
+
+    def line(self) -> str:
+        f = self.figures()
+        pct = 100 * self.done / self.total if self.total else 100.0
+        return (f"{self.label}: {self.done}/{self.total} prompts ({pct:.0f}%), {f['prompts_per_s']:.2f} prompts/s, "
+                f"{f['tokens_per_s']:.0f} tokens/s, ETA {format_seconds(f['eta_s'])}")
+
+    def _maybe_log(self) -> None:
+        now = self.clock()
+        if now - self._last_log >= self.log_every_s or self.done >= self.total:
+            self._last_log = now
+            self.emit(self.line())
+
+    def advance(self, prompts: int, tokens: int = 0) -> None:
+        self.done += prompts
+        self.computed += prompts
+        self.tokens += tokens
+        self._maybe_log()
+
+    def skip(self, prompts: int) -> None:
+        self.done += prompts
+        self._maybe_log()
 
 
 def environment_report() -> dict:

@@ -9,10 +9,14 @@
 A half is reused only if its fingerprint (everything it depends on) matches and its file
 still has the recorded size and sha256; otherwise it is recomputed. The teacher half's
 fingerprint has nothing of the student in it, so a student change never touches targets.
+
+Shards are computed one at a time and each is written before the next starts, so peak
+memory is one shard's targets and states, whatever the corpus size.
 """
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import logging
@@ -26,7 +30,7 @@ from safetensors.torch import save_file
 
 from gguf_assets.lib import atomic
 from gguf_assets.lib.corpus import read_split, shard_prompts
-from gguf_assets.lib.hardware import resolve_device
+from gguf_assets.lib.hardware import HardwareSampler, Progress, resolve_device
 from gguf_assets.lib.layout import PROMPTS_FILE, STUDENT_FILE, TEACHER_FILE, ProjectPaths, shard_key
 from gguf_assets.lib.materials import pins
 from gguf_assets.lib.settings import Settings
@@ -67,7 +71,7 @@ def halves_for_mode(mode: str) -> tuple[str, ...]:
 
 def half_status(folder: Path, half: str, fingerprint: str, *, verify: bool = True) -> str:
     """'current', 'missing', 'stale' (settings changed) or 'corrupt' (bytes changed)."""
-    meta_path, data_path = folder / f"{half}.json", folder / (TEACHER_FILE if half == "teacher" else STUDENT_FILE)
+    meta_path, data_path = folder / f"{half}.json", data_file(folder, half)
     if not meta_path.is_file() or not data_path.is_file():
         return "missing"
     try:
@@ -109,14 +113,33 @@ def shard_status(paths: ProjectPaths, settings: Settings, plan: ShardPlan, *, ve
             for half in halves_for_mode(settings.precompute.mode)}
 
 
+def data_file(folder: Path, half: str) -> Path:
+    return folder / (TEACHER_FILE if half == "teacher" else STUDENT_FILE)
+
+
 def _write_half(folder: Path, half: str, tensors: dict[str, torch.Tensor], meta: dict) -> dict:
-    data_path = folder / (TEACHER_FILE if half == "teacher" else STUDENT_FILE)
+    data_path = data_file(folder, half)
     with atomic.atomic_path(data_path) as tmp:
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata={"fingerprint": meta["fingerprint"]})
     meta = {**meta, "bytes": data_path.stat().st_size, "sha256": atomic.sha256_file(data_path)}
     # The sidecar goes last: a shard half counts as done only once its sidecar exists.
     atomic.write_json(folder / f"{half}.json", meta)
     return meta
+
+
+def require_current(paths: ProjectPaths, settings: Settings, materials: dict, split: str) -> list[Path]:
+    """The split's shard folders, after checking every half the mode needs is current (sha256 included).
+
+    Readers (training, evaluation) call this so a stale or corrupted half is never used.
+    """
+    plans = plan_shards(paths, settings, materials, split)
+    bad = [f"{plan.key} {half} half is {state}" for plan in plans
+           for half, state in shard_status(paths, settings, plan).items() if state != "current"]
+    if bad:
+        shown = "; ".join(bad[:5]) + (f"; and {len(bad) - 5} more" if len(bad) > 5 else "")
+        raise ShardError(f"{split} shards are not current ({shown}). Materialize {split}_shards again: "
+                         "exactly those halves are recomputed.")
+    return [plan.folder(paths) for plan in plans]
 
 
 class ShardBuilder:
@@ -127,16 +150,26 @@ class ShardBuilder:
         self.device = resolve_device(settings.precompute.device)
         self._teacher = None
         self._student = None
+        self.gpu_budget_gib: float | None = None  # the teacher's current GPU budget (CUDA only)
 
-    def teacher(self):
-        if self._teacher is None:
-            from gguf_assets.lib.teacher import HFTeacher, MockTeacher
+    def teacher(self, *, gpu_budget_gib: float | None = None):
+        """The teacher, (re)loaded when a different GPU budget is asked for."""
+        from gguf_assets.lib.teacher import HFTeacher, MockTeacher
 
-            p = self.settings.precompute
-            if p.mock_teacher:
-                self._teacher = MockTeacher(self.student())
-            else:
-                self._teacher = HFTeacher(Path(self.materials["teacher"]["path"]), self.settings, self.device)
+        p = self.settings.precompute
+        if self._teacher is not None and (gpu_budget_gib is None or gpu_budget_gib == self.gpu_budget_gib):
+            return self._teacher
+        if p.mock_teacher:
+            self._teacher = MockTeacher(self.student())
+            return self._teacher
+        if self._teacher is not None:
+            self._teacher = None  # free the old placement before loading the new one
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        self._teacher = HFTeacher(Path(self.materials["teacher"]["path"]), self.settings, self.device,
+                                  gpu_budget_gib=gpu_budget_gib)
+        self.gpu_budget_gib = gpu_budget_gib if gpu_budget_gib is not None else self._teacher.placement.gpu_budget_gib
         return self._teacher
 
     def student(self):
@@ -146,8 +179,58 @@ class ShardBuilder:
             self._student = Student(Path(self.materials["student"]["path"]), self.settings, self.device)
         return self._student
 
-    def build(self, plan: ShardPlan) -> dict:
-        """Make the shard current; returns what was done per half and timings."""
+    def targets(self, prompts: list[str], *, on_batch=None):
+        """The teacher's targets for ``prompts``, retrying CUDA out-of-memory with a lower GPU budget."""
+        from gguf_assets.lib.teacher import auto_gpu_budget_gib, lower_budget_on_oom, oom_advice
+
+        p = self.settings.precompute
+        dtype = TARGET_DTYPES[p.target_dtype]
+        if p.mock_teacher or self.device.type != "cuda":
+            return self.teacher().encode(prompts, dtype=dtype, on_batch=on_batch)
+        if self.gpu_budget_gib is None:
+            self.gpu_budget_gib = auto_gpu_budget_gib(self.settings, self.device)
+        result, _ = lower_budget_on_oom(
+            lambda budget: self.teacher(gpu_budget_gib=budget).encode(prompts, dtype=dtype, on_batch=on_batch),
+            budget_gib=self.gpu_budget_gib, placement=p.teacher_placement,
+            advice=lambda budget: oom_advice(self.settings, gpu_budget_gib=budget))
+        return result
+
+    def compute(self, half: str, prompts: list[str], *, on_batch=None):
+        """One half's results; running out of memory ends with what to lower."""
+        from gguf_assets.lib.teacher import PrecomputeOutOfMemory, TeacherError, is_out_of_memory, oom_advice
+
+        try:
+            if half == "teacher":
+                return self.targets(prompts, on_batch=on_batch)
+            return self.student().encode(prompts, on_batch=on_batch)
+        except (TeacherError, PrecomputeOutOfMemory):
+            raise
+        except (MemoryError, RuntimeError) as exc:
+            if is_out_of_memory(exc):
+                raise PrecomputeOutOfMemory(f"the {half} ran out of memory on {self.device}: "
+                                            f"{oom_advice(self.settings, half=half)}") from exc
+            raise
+
+    def _compute_half(self, plan: ShardPlan, half: str, *, on_batch=None) -> tuple[dict[str, torch.Tensor], dict]:
+        """The tensors of one half and its sidecar fields (without sizes and checksum)."""
+        meta = {"fingerprint": plan.fingerprints[half], "prompts": len(plan.prompts)}
+        if half == "teacher":
+            result = self.compute(half, plan.prompts, on_batch=on_batch)
+            if not result.peak_abs <= F16_MAX:
+                raise ShardError(f"shard {plan.split}/{plan.key}: teacher targets are non-finite or exceed the f16 "
+                                 f"range (max |x| = {result.peak_abs:.3g}); check materials.teacher_layer.")
+            meta.update(query_rows=result.targets.shape[1], dim=result.targets.shape[2],
+                        dtype=self.settings.precompute.target_dtype, text_tokens=result.text_tokens,
+                        truncated=result.truncated, placement=self._teacher.placement.summary)
+            return {"targets": result.targets}, meta
+        states = self.compute(half, plan.prompts, on_batch=on_batch)
+        meta.update(dim=states.hidden.shape[1], tokens=states.tokens, truncated=states.truncated,
+                    dtype=self.settings.precompute.student_dtype)
+        return {"hidden": states.hidden, "offsets": states.offsets, "token_ids": states.token_ids}, meta
+
+    def build(self, plan: ShardPlan, *, progress: dict[str, Progress] | None = None) -> dict:
+        """Make the shard current; returns what was done per half, with counts and timings."""
+        progress = progress or {}
         folder = plan.folder(self.paths)
         folder.mkdir(parents=True, exist_ok=True)
         atomic.remove_stale_temps(folder)
@@ -158,51 +241,82 @@ class ShardBuilder:
         report: dict = {"split": plan.split, "key": plan.key, "prompts": len(plan.prompts)}
         for half, status in shard_status(self.paths, self.settings, plan).items():
             report[f"{half}_status"] = status
+            meter = progress.get(half)
             if status == "current":
+                if meter:
+                    meter.skip(len(plan.prompts))
                 continue
             if status == "corrupt":
                 log.warning("shard %s/%s: %s half failed verification; recomputing it", plan.split, plan.key, half)
+            # Until the new half is written, nothing may take the old bytes for current.
+            (folder / f"{half}.json").unlink(missing_ok=True)
             start = time.perf_counter()
-            meta = {"fingerprint": plan.fingerprints[half], "prompts": len(plan.prompts)}
-            if half == "teacher":
-                targets = self.teacher().encode(plan.prompts)
-                peak = float(targets.abs().max()) if targets.numel() else 0.0
-                if not torch.isfinite(targets).all() or peak > F16_MAX:
-                    raise ShardError(f"shard {plan.split}/{plan.key}: teacher targets are non-finite or exceed the f16 "
-                                     f"range (max |x| = {peak:.3g}); check materials.teacher_layer.")
-                target_dtype = self.settings.precompute.target_dtype
-                tensors = {"targets": targets.to(TARGET_DTYPES[target_dtype])}
-                meta.update(query_rows=targets.shape[1], dim=targets.shape[2], dtype=target_dtype)
-            else:
-                states, tokens = self.student().encode(plan.prompts)
-                lengths = torch.tensor([0] + [s.shape[0] for s in states], dtype=torch.int64)
-                tensors = {"hidden": torch.cat(states) if states else torch.empty(0, self.student().dim),
-                           "offsets": lengths.cumsum(0),
-                           "token_ids": torch.tensor([t for row in tokens for t in row], dtype=torch.int32)}
-                meta.update(dim=tensors["hidden"].shape[1], tokens=int(lengths.sum()),
-                            dtype=self.settings.precompute.student_dtype)
+            tensors, meta = self._compute_half(plan, half, on_batch=meter.advance if meter else None)
             meta["seconds"] = round(time.perf_counter() - start, 3)
             _write_half(folder, half, tensors, meta)
+            del tensors  # one shard's results at most are alive at any time
+            if half == "teacher":
+                report.update(self._teacher.placement.metadata(), placement=meta["placement"])
             report[f"{half}_seconds"] = meta["seconds"]
+            report[f"{half}_truncated"] = meta["truncated"]
+            report[f"{half}_prompts_per_s"] = round(len(plan.prompts) / meta["seconds"], 3) if meta["seconds"] else 0.0
         return report
 
 
-def build_shards(paths: ProjectPaths, settings: Settings, materials: dict, split: str, keys: list[str],
-                 *, on_shard_done: Callable[[dict], None] | None = None) -> list[dict]:
+@dataclass
+class ShardRun:
+    """What one precompute run did: a report per shard and a summary for the run's metadata."""
+
+    reports: list[dict]
+    summary: dict
+
+
+def precompute_split(paths: ProjectPaths, settings: Settings, materials: dict, split: str, keys: list[str],
+                     *, on_shard_done: Callable[[dict], None] | None = None,
+                     sample_interval_s: float | None = None) -> ShardRun:
+    """Make the given shards current, one at a time, with live progress and hardware figures.
+
+    ``on_shard_done(report)`` runs as each shard is written (Dagster records it as materialized
+    then); the report carries that shard's hardware summary.
+    """
     plans = {p.key: p for p in plan_shards(paths, settings, materials, split)}
     unknown = [k for k in keys if k not in plans]
     if unknown:
         raise ShardError(f"{split} shards {unknown} do not exist in the current corpus "
                          f"({len(plans)} shards); rematerialize the corpus.")
     builder = ShardBuilder(paths, settings, materials)
+    total = sum(len(plans[k].prompts) for k in keys)
+    progress = {half: Progress(f"{split} {half}", total) for half in halves_for_mode(settings.precompute.mode)}
     reports = []
     start = time.perf_counter()
-    for done, key in enumerate(keys, 1):
-        report = builder.build(plans[key])
-        reports.append(report)
-        elapsed = time.perf_counter() - start
-        eta = elapsed / done * (len(keys) - done)
-        log.info("%s shard %s done (%d/%d, %.1fs elapsed, ETA %.1fs)", split, key, done, len(keys), elapsed, eta)
-        if on_shard_done:
-            on_shard_done(report)
-    return reports
+    sampler_kwargs = {} if sample_interval_s is None else {"interval_s": sample_interval_s}
+    with HardwareSampler(**sampler_kwargs) as sampler:
+        for done, key in enumerate(keys, 1):
+            shard_start = sampler.clock()
+            report = builder.build(plans[key], progress=progress)
+            report.update(sampler.summary(since=shard_start))
+            reports.append(report)
+            elapsed = time.perf_counter() - start
+            eta = elapsed / done * (len(keys) - done)
+            log.info("%s shard %s done (%d/%d shards, %.1fs elapsed, ETA %.1fs)", split, key, done, len(keys),
+                     elapsed, eta)
+            if on_shard_done:
+                on_shard_done(report)
+    seconds = time.perf_counter() - start
+    summary: dict = {"shards": len(keys), "prompts": total, "seconds": round(seconds, 3)}
+    for half, meter in progress.items():
+        figures = meter.figures()
+        summary[f"{half}_halves_computed"] = sum(1 for r in reports if r.get(f"{half}_status") != "current")
+        summary[f"{half}_prompts_per_s"] = figures["prompts_per_s"]
+        summary[f"{half}_tokens_per_s"] = figures["tokens_per_s"]
+        summary[f"{half}_truncated"] = sum(r.get(f"{half}_truncated", 0) for r in reports)
+    if builder._teacher is not None:
+        summary.update(builder._teacher.placement.metadata())
+    summary.update(sampler.summary())
+    return ShardRun(reports, summary)
+
+
+def build_shards(paths: ProjectPaths, settings: Settings, materials: dict, split: str, keys: list[str],
+                 *, on_shard_done: Callable[[dict], None] | None = None) -> list[dict]:
+    """The per-shard reports of `precompute_split`."""
+    return precompute_split(paths, settings, materials, split, keys, on_shard_done=on_shard_done).reports

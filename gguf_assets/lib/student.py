@@ -1,15 +1,20 @@
-"""The student: hidden states of one layer for a prompt's tokens (variable length)."""
+"""The student: hidden states of one layer for a prompt's tokens (variable length).
+
+States are stored flat, [all tokens, Ds] with offsets [n+1], so variable lengths cost no
+padding on disk or in memory: each batch's real rows are copied straight into their slots.
+"""
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from gguf_assets.lib.batching import pack_batches
+from gguf_assets.lib.batching import pack_batches, right_padded
 from gguf_assets.lib.settings import Settings
-from gguf_assets.lib.teacher import apply_template
+from gguf_assets.lib.teacher import OnBatch, pad_token_id, tokenize_prompts
 
 log = logging.getLogger(__name__)
 
@@ -20,6 +25,21 @@ def load_tokenizer(folder: Path, settings: Settings):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(folder, trust_remote_code=settings.materials.trust_remote_code)
+
+
+@dataclass
+class StudentStates:
+    hidden: torch.Tensor      # [tokens, Ds] in the student dtype
+    offsets: torch.Tensor     # [n + 1] int64: prompt i is hidden[offsets[i]:offsets[i + 1]]
+    token_ids: torch.Tensor   # [tokens] int32
+    truncated: int
+
+    @property
+    def tokens(self) -> int:
+        return int(self.offsets[-1])
+
+    def of(self, i: int) -> torch.Tensor:
+        return self.hidden[self.offsets[i]:self.offsets[i + 1]]
 
 
 class Student:
@@ -37,38 +57,37 @@ class Student:
         self.model.eval()
         self.dim = int(self.model.config.hidden_size)
         self.max_tokens = int(getattr(self.model.config, "max_position_embeddings", 32768))
-        self.truncated = 0
 
-    def tokenize(self, prompts: list[str]) -> list[list[int]]:
-        template = self.settings.precompute.prompt_template
-        ids = self.tokenizer([apply_template(template, p) for p in prompts], add_special_tokens=True)["input_ids"]
-        out = []
-        for row in ids:
-            if len(row) > self.max_tokens:
-                self.truncated += 1
-                row = row[: self.max_tokens]
-            out.append(row)
-        return out
+    def tokenize(self, prompts: list[str]) -> tuple[list[list[int]], int]:
+        return tokenize_prompts(self.tokenizer, prompts, template=self.settings.precompute.prompt_template,
+                                max_tokens=self.max_tokens)
 
     @torch.inference_mode()
-    def encode(self, prompts: list[str]) -> tuple[list[torch.Tensor], list[list[int]]]:
-        """Per prompt: states [L, Ds] in the student dtype, and the token ids."""
-        layer = self.settings.materials.student_layer
-        tokens = self.tokenize(prompts)
-        states: list[torch.Tensor] = [torch.empty(0, self.dim, dtype=self.dtype)] * len(prompts)
+    def encode(self, prompts: list[str], *, on_batch: OnBatch | None = None) -> StudentStates:
+        p, layer = self.settings.precompute, self.settings.materials.student_layer
+        tokens, truncated = self.tokenize(prompts)
+        if truncated:
+            log.warning("%d of %d prompts are longer than the student's %d positions; they were truncated",
+                        truncated, len(prompts), self.max_tokens)
+        lengths = torch.tensor([len(t) for t in tokens], dtype=torch.int64)
+        offsets = torch.zeros(len(prompts) + 1, dtype=torch.int64)
+        offsets[1:] = lengths.cumsum(0)
+        hidden = torch.empty(int(offsets[-1]), self.dim, dtype=self.dtype)
         nonempty = [i for i, t in enumerate(tokens) if t]
-        pad_id = self.tokenizer.pad_token_id or 0
-        for sub in pack_batches([len(tokens[i]) for i in nonempty], max_batch=self.settings.precompute.student_batch):
+        for sub in pack_batches([len(tokens[i]) for i in nonempty], max_batch=p.student_batch,
+                                token_budget=p.token_budget):
             batch = [nonempty[j] for j in sub]
-            longest = max(len(tokens[i]) for i in batch)
-            ids = torch.full((len(batch), longest), pad_id, dtype=torch.long)
-            mask = torch.zeros(len(batch), longest, dtype=torch.long)
-            for row, i in enumerate(batch):
-                ids[row, : len(tokens[i])] = torch.tensor(tokens[i])
-                mask[row, : len(tokens[i])] = 1
-            result = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+            rows = [tokens[i] for i in batch]
+            ids, mask = right_padded(rows, pad_id=pad_token_id(self.tokenizer))
+            result = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), use_cache=False,
                                 output_hidden_states=layer != -1)
-            hidden = result.last_hidden_state if layer == -1 else result.hidden_states[layer]
-            for row, i in enumerate(batch):
-                states[i] = hidden[row, : len(tokens[i])].to("cpu", self.dtype).clone()
-        return states, tokens
+            states = result.last_hidden_state if layer == -1 else result.hidden_states[layer]
+            # Real positions in row-major order are the prompts' tokens back to back; copy them to their slots.
+            slots = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in batch])
+            hidden[slots] = states[mask.to(states.device).bool()].to("cpu", self.dtype)
+            if on_batch:
+                on_batch(len(batch), len(slots))
+        if on_batch and len(nonempty) < len(prompts):
+            on_batch(len(prompts) - len(nonempty), 0)
+        token_ids = torch.tensor([t for row in tokens for t in row], dtype=torch.int32)
+        return StudentStates(hidden, offsets, token_ids, truncated)
