@@ -1,23 +1,41 @@
 """Adapter training: streamed shards, the trainer8 loss and schedule, exact resume.
 
-The data order is a pure function of (seed, step): epoch e visits the shards in a seeded
-order and each shard in a seeded permutation, so the batch at any step can be found
-without replaying the ones before it. A checkpoint therefore needs only the step,
-weights, optimizer and RNG state to continue bit-identically.
+Data order. The sample at global index i is a pure function of (seed, i): epoch e visits
+the shards in a seeded order, grouped into windows of ``SHUFFLE_WINDOW_SHARDS`` shards,
+and the rows of a window are shuffled together (a shuffle buffer as large as a window).
+Step s trains on indices [s*B, (s+1)*B), so a checkpoint needs only the step, weights,
+optimizer and RNG state to continue bit-identically, and no data cursor can drift.
+
+Memory. Only the windows the current batch touches plus the next one (read ahead on a
+background thread) are in memory, whatever the number of shards. Each shard file is read
+whole, front to back, in large chunks: at 1 MB of targets per prompt that is the
+sequential pattern a disk can sustain at the reference pace (about 200 MB/s).
+
+Layout of a run (docs/adapter.md):
+
+    checkpoints/<fingerprint>/step-XXXXXXXX/   the last ``keep_checkpoints`` checkpoints
+    checkpoints/<fingerprint>/best/            the best validated weights
+    checkpoints/<fingerprint>/final/           the finished adapter (what export reads)
+    checkpoints/<fingerprint>/curves.svg       loss and val-cosine curves, kept current
 """
 
 from __future__ import annotations
 
+import base64
 import bisect
 import json
 import logging
 import math
+import mmap
+import os
 import re
 import shutil
+import struct
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -28,94 +46,253 @@ from gguf_assets.lib.adapter import Adapter, AdapterShape, adapter_loss, centred
 from gguf_assets.lib.hardware import resolve_device
 from gguf_assets.lib.layout import PROMPTS_FILE, STUDENT_FILE, TEACHER_FILE, ProjectPaths
 from gguf_assets.lib.settings import Settings
+from gguf_assets.lib.verdict import verdict
 
 log = logging.getLogger(__name__)
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
+BEST_DIR = "best"
+FINAL_DIR = "final"
 WEIGHTS_FILE = "adapter.safetensors"
 STATE_FILE = "trainer_state.pt"
 META_FILE = "meta.json"
+CURVES_FILE = "curves.svg"
 # Settings that change speed or bookkeeping, not the trained weights.
 NON_RESULT_KEYS = ("device", "grad_checkpoint", "log_every", "validate_every", "checkpoint_every", "keep_checkpoints")
+# Shards shuffled together. Part of the data order, hence of the run fingerprint.
+SHUFFLE_WINDOW_SHARDS = 4
+READ_CHUNK_BYTES = 32 << 20
+# Prompts per chunk when streaming target statistics: a 1000-prompt shard of 256x4096
+# targets would be 8 GB in float64 at once.
+STATS_CHUNK_PROMPTS = 32
+FORMAT = 2
 
 
 class TrainingError(RuntimeError):
     pass
 
 
-# -- data ----------------------------------------------------------------------------------
+# -- reading shards -----------------------------------------------------------------------
+
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                       "U8": torch.uint8, "BOOL": torch.bool}
+
+
+_MMAP_OPTIONS = ({"flags": mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)}
+                 if hasattr(mmap, "MAP_ANONYMOUS") else {})
+
+
+@dataclass
+class ReadStats:
+    bytes: int = 0
+    seconds: float = 0.0
+
+    @property
+    def mb_per_s(self) -> float:
+        return self.bytes / 1e6 / self.seconds if self.seconds > 0 else 0.0
+
+
+def read_safetensors(path: Path, *, stats: ReadStats | None = None,
+                     chunk_bytes: int = READ_CHUNK_BYTES) -> dict[str, torch.Tensor]:
+    """Read a whole safetensors file front to back in large chunks into one buffer.
+
+    Unlike safetensors' mmap loader, the page faults of which read in small steps, this
+    issues a few large reads (and tells the kernel the access is sequential), which is what
+    keeps a spinning or network disk near its streaming rate.
+    """
+    start = time.perf_counter()
+    with open(path, "rb", buffering=0) as fh:
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        (header_len,) = struct.unpack("<Q", fh.read(8))
+        header = json.loads(fh.read(header_len))
+        header.pop("__metadata__", None)
+        data_len = max((v["data_offsets"][1] for v in header.values()), default=0)
+        # Straight from the kernel: freeing a shard unmaps it, where malloc'd buffers of shard size would
+        # fragment the heap and let RSS creep up with the number of shards streamed. Populating the
+        # mapping up front costs one call instead of a page fault per 4 KiB read into it.
+        mapping = mmap.mmap(-1, max(1, data_len), **_MMAP_OPTIONS)
+        buffer = torch.frombuffer(mapping, dtype=torch.uint8)[:data_len]
+        view = memoryview(mapping)
+        done = 0
+        while done < data_len:
+            got = fh.readinto(view[done:done + chunk_bytes])
+            if not got:
+                raise TrainingError(f"{path}: truncated ({done} of {data_len} data bytes); recompute this shard.")
+            done += got
+    tensors = {}
+    for name, info in header.items():
+        begin, end = info["data_offsets"]
+        dtype = _SAFETENSORS_DTYPES[info["dtype"]]
+        raw = buffer[begin:end]
+        if begin % dtype.itemsize:  # views need aligned storage offsets
+            raw = raw.clone()
+        tensors[name] = raw.view(dtype).reshape(info["shape"])
+    if stats is not None:
+        stats.bytes += 8 + header_len + data_len
+        stats.seconds += time.perf_counter() - start
+    return tensors
+
 
 @dataclass(frozen=True)
 class ShardData:
     targets: torch.Tensor   # [n, Q, D] stored dtype
     hidden: torch.Tensor    # [tokens, Ds]
-    offsets: torch.Tensor   # [n + 1]
+    offsets: list[int]      # [n + 1] token offsets; a list so slicing costs no tensor ops
     texts: list[str]
 
     def states(self, i: int) -> torch.Tensor:
         return self.hidden[self.offsets[i]:self.offsets[i + 1]]
 
 
-def load_shard(folder: Path) -> ShardData:
-    t = load_file(str(folder / TEACHER_FILE))
-    s = load_file(str(folder / STUDENT_FILE))
+def load_shard(folder: Path, *, stats: ReadStats | None = None) -> ShardData:
+    t = read_safetensors(folder / TEACHER_FILE, stats=stats)
+    s = read_safetensors(folder / STUDENT_FILE, stats=stats)
     texts = [json.loads(line)["text"] for line in (folder / PROMPTS_FILE).read_text(encoding="utf-8").splitlines()]
-    return ShardData(t["targets"], s["hidden"], s["offsets"], texts)
+    return ShardData(t["targets"], s["hidden"], s["offsets"].tolist(), texts)
 
 
 def shard_size(folder: Path) -> int:
     return int(atomic.read_json(folder / "teacher.json")["prompts"])
 
 
-class SampleOrder:
-    """Global sample index → (shard position, row), epoch by epoch, from the seed alone."""
+def _seed_of(*parts: int) -> int:
+    value = 0
+    for p in parts:
+        value = (value * 1_000_003 + p) % (1 << 63)
+    return value
 
-    def __init__(self, sizes: list[int], seed: int) -> None:
-        self.sizes, self.seed, self.total = sizes, seed, sum(sizes)
+
+class SampleOrder:
+    """Global sample index → (window, shard, row), from the seed and the shard sizes alone."""
+
+    def __init__(self, sizes: list[int], seed: int, *, window_shards: int = SHUFFLE_WINDOW_SHARDS) -> None:
+        self.sizes, self.seed, self.total = list(sizes), seed, sum(sizes)
         if self.total == 0:
             raise TrainingError("no training prompts in the train shards")
-        self._epoch = -1
+        self.window_shards = window_shards
+        self.windows_per_epoch = -(-len(sizes) // window_shards)
+        self._epochs: OrderedDict[int, tuple[list[list[int]], list[int]]] = OrderedDict()
+        self._perms: OrderedDict[int, list[int]] = OrderedDict()
 
-    def _prepare(self, epoch: int) -> None:
-        if epoch == self._epoch:
-            return
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-        self.shard_order = torch.randperm(len(self.sizes), generator=g).tolist()
-        self.cumulative = []
-        acc = 0
-        for k in self.shard_order:
-            acc += self.sizes[k]
-            self.cumulative.append(acc)
-        self.row_perms = {}
-        self._epoch = epoch
+    def _epoch(self, epoch: int) -> tuple[list[list[int]], list[int]]:
+        """(shards of each window, cumulative sample count at each window's end)."""
+        if epoch not in self._epochs:
+            order = torch.randperm(len(self.sizes), generator=torch.Generator().manual_seed(_seed_of(self.seed, epoch)))
+            windows = [order[i:i + self.window_shards].tolist() for i in range(0, len(order), self.window_shards)]
+            ends, acc = [], 0
+            for shards in windows:
+                acc += sum(self.sizes[k] for k in shards)
+                ends.append(acc)
+            self._epochs[epoch] = (windows, ends)
+            while len(self._epochs) > 2:
+                self._epochs.popitem(last=False)
+        return self._epochs[epoch]
 
-    def locate(self, index: int) -> tuple[int, int]:
+    def window_shards_of(self, window: int) -> list[int]:
+        epoch, j = divmod(window, self.windows_per_epoch)
+        return self._epoch(epoch)[0][j]
+
+    def _perm(self, window: int, rows: int) -> list[int]:
+        if window not in self._perms:
+            g = torch.Generator().manual_seed(_seed_of(self.seed, 7919, window))
+            self._perms[window] = torch.randperm(rows, generator=g).tolist()
+            while len(self._perms) > 4:
+                self._perms.popitem(last=False)
+        return self._perms[window]
+
+    def locate(self, index: int) -> tuple[int, int, int]:
         epoch, r = divmod(index, self.total)
-        self._prepare(epoch)
-        pos = bisect.bisect_right(self.cumulative, r)
-        shard = self.shard_order[pos]
-        offset = r - (self.cumulative[pos - 1] if pos else 0)
-        if shard not in self.row_perms:
-            g = torch.Generator().manual_seed((self.seed * 1_000_003 + epoch) * 7919 + shard)
-            self.row_perms[shard] = torch.randperm(self.sizes[shard], generator=g).tolist()
-        return shard, self.row_perms[shard][offset]
+        windows, ends = self._epoch(epoch)
+        j = bisect.bisect_right(ends, r)
+        start = ends[j - 1] if j else 0
+        window = epoch * self.windows_per_epoch + j
+        position = self._perm(window, ends[j] - start)[r - start]
+        for shard in windows[j]:
+            if position < self.sizes[shard]:
+                return window, shard, position
+            position -= self.sizes[shard]
+        raise AssertionError("unreachable: position beyond the window")
 
 
-class ShardCache:
-    """Keeps at most ``capacity`` shards in memory, so memory does not grow with the dataset."""
+@dataclass
+class Batch:
+    states: torch.Tensor                          # [B, Lmax, Ds] float32, CPU
+    mask: torch.Tensor                            # [B, Lmax] bool
+    targets: torch.Tensor                         # [B, Q, D] float32
+    located: list[tuple[int, int, int]]           # (window, shard, row) of each sample, for diagnostics
 
-    def __init__(self, folders: list[Path], capacity: int = 2) -> None:
-        self.folders, self.capacity = folders, capacity
-        self._cache: OrderedDict[int, ShardData] = OrderedDict()
 
-    def get(self, index: int) -> ShardData:
-        if index in self._cache:
-            self._cache.move_to_end(index)
+class ShardStream:
+    """Serves training batches by step, holding only the windows in use plus one ahead.
+
+    Two background threads: one reads the next window while the current one trains (disk
+    time hides behind compute), one collates the next step's batch. What they read and build
+    depends only on the order, so they cannot change what is trained on; only they touch
+    the order and the window table once batches are requested.
+    """
+
+    def __init__(self, folders: list[Path], order: SampleOrder, *, batch_size: int = 1,
+                 end_step: int | None = None) -> None:
+        self.folders, self.order, self.batch_size, self.end_step = folders, order, batch_size, end_step
+        self.last_window = None if end_step is None else order.locate(max(0, end_step * batch_size - 1))[0]
+        self.stats = ReadStats()
+        self.wait_seconds = 0.0
+        self.peak_windows = 0
+        self._windows: dict[int, Future] = {}
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-reader")
+        self._collator = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batch-collator")
+        self._next: tuple[int, Future] | None = None
+
+    def _read_window(self, window: int) -> dict[int, ShardData]:
+        return {k: load_shard(self.folders[k], stats=self.stats) for k in self.order.window_shards_of(window)}
+
+    def _request(self, window: int) -> Future:
+        if window not in self._windows:
+            self._windows[window] = self._reader.submit(self._read_window, window)
+        return self._windows[window]
+
+    def _gather(self, start: int, count: int) -> tuple[list, list[tuple[torch.Tensor, torch.Tensor]]]:
+        located = [self.order.locate(i) for i in range(start, start + count)]
+        needed = sorted({w for w, _, _ in located})
+        ahead = needed[-1] + 1
+        for w in [w for w in self._windows if w not in needed and w != ahead]:
+            del self._windows[w]
+        data = {w: self._request(w).result() for w in needed}
+        if self.last_window is None or ahead <= self.last_window:
+            self._request(ahead)
+        self.peak_windows = max(self.peak_windows, len(self._windows))
+        return located, [(data[w][k].states(row), data[w][k].targets[row]) for w, k, row in located]
+
+    def samples(self, start: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(states, target) of global samples [start, start + count), read in the calling thread."""
+        return self._gather(start, count)[1]
+
+    def _build(self, step: int) -> Batch:
+        located, samples = self._gather(step * self.batch_size, self.batch_size)
+        return Batch(*collate(samples, torch.device("cpu")), located=located)
+
+    def batch(self, step: int) -> Batch:
+        """The collated batch of ``step``; the next step's is built in the background meanwhile."""
+        if self._next is not None and self._next[0] == step:
+            future = self._next[1]
         else:
-            self._cache[index] = load_shard(self.folders[index])
-            while len(self._cache) > self.capacity:
-                self._cache.popitem(last=False)
-        return self._cache[index]
+            future = self._collator.submit(self._build, step)
+        wait_start = time.perf_counter()
+        batch = future.result()
+        self.wait_seconds += time.perf_counter() - wait_start
+        following = step + 1
+        self._next = None
+        if self.end_step is None or following < self.end_step:
+            self._next = (following, self._collator.submit(self._build, following))
+        return batch
+
+    def close(self) -> None:
+        self._collator.shutdown(wait=True, cancel_futures=True)
+        self._reader.shutdown(wait=True, cancel_futures=True)
+        self._windows.clear()
+        self._next = None
 
 
 def collate(samples: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device):
@@ -132,13 +309,21 @@ def collate(samples: list[tuple[torch.Tensor, torch.Tensor]], device: torch.devi
 
 
 def target_stats(folders: list[Path], *, sigma_floor: float) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Per-(query row, dim) mean and floored std over all train targets, one shard at a time."""
+    """Per-(query row, dim) mean and floored std over all train targets, streamed shard by shard."""
     total, s1, s2 = 0, None, None
     for folder in folders:
-        t = load_file(str(folder / TEACHER_FILE))["targets"].double()
-        s1 = t.sum(0) if s1 is None else s1 + t.sum(0)
-        s2 = (t * t).sum(0) if s2 is None else s2 + (t * t).sum(0)
-        total += t.shape[0]
+        targets = read_safetensors(folder / TEACHER_FILE)["targets"]
+        for begin in range(0, targets.shape[0], STATS_CHUNK_PROMPTS):
+            chunk = targets[begin:begin + STATS_CHUNK_PROMPTS].double()
+            if not torch.isfinite(chunk).all():
+                bad = begin + int((~torch.isfinite(chunk)).flatten(1).any(1).nonzero()[0])
+                raise TrainingError(f"{folder / TEACHER_FILE}: target of prompt {bad} is not finite; recompute this "
+                                    "shard (delete its teacher.json) or check materials.teacher_layer.")
+            s1 = chunk.sum(0) if s1 is None else s1 + chunk.sum(0)
+            s2 = (chunk * chunk).sum(0) if s2 is None else s2 + (chunk * chunk).sum(0)
+            total += chunk.shape[0]
+    if not total:
+        raise TrainingError("no training prompts in the train shards")
     mean = s1 / total
     var = (s2 / total - mean * mean).clamp_min(0)
     return mean.float(), var.sqrt().clamp_min(sigma_floor).float(), total
@@ -166,11 +351,73 @@ def evaluate(model: Adapter, folders: list[Path], *, device: torch.device, cosin
             shard_cos += cos.tolist()
             empty += [c for c, i in zip(cos.tolist(), rows) if shard.texts[i] == ""]
         cosines += shard_cos
-        per_shard.append({"shard": folder.name, "n": len(shard_cos), "val_centred_cosine": sum(shard_cos) / len(shard_cos)})
+        per_shard.append({"shard": folder.name, "n": len(shard_cos),
+                          "val_centred_cosine": sum(shard_cos) / len(shard_cos)})
     model.train(was_training)
     n = len(cosines)
     return {"val_centred_cosine": sum(cosines) / n, "empty_prompt_cosine": (sum(empty) / len(empty)) if empty else None,
             "val_loss": sum(losses) / n, "per_shard": per_shard, "n": n}
+
+
+# -- curves -------------------------------------------------------------------------------
+
+def curves_svg(history: list[dict], *, panel_width: int = 320, panel_height: int = 180) -> str:
+    """Two small line charts as SVG text: training loss (log scale, plus val loss) and val cosines."""
+    pad = 34
+    panels = [("loss (log10)", [("loss", "#1f77b4", True), ("val_loss", "#ff7f0e", True)]),
+              ("val centred cosine", [("val_centred_cosine", "#2ca02c", False),
+                                      ("empty_prompt_cosine", "#9467bd", False)])]
+    width = panel_width * len(panels)
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{panel_height}" '
+           f'viewBox="0 0 {width} {panel_height}" font-family="sans-serif" font-size="10">',
+           f'<rect width="{width}" height="{panel_height}" fill="white"/>']
+    for p, (title, series) in enumerate(panels):
+        x0 = p * panel_width
+        points = {key: [(e["step"], math.log10(e[key]) if log_y else e[key]) for e in history
+                        if isinstance(e.get(key), (int, float)) and math.isfinite(e[key]) and (not log_y or e[key] > 0)]
+                  for key, _, log_y in series}
+        every = [xy for pts in points.values() for xy in pts]
+        out.append(f'<text x="{x0 + pad}" y="12">{title}</text>')
+        out.append(f'<rect x="{x0 + pad}" y="18" width="{panel_width - pad - 8}" height="{panel_height - 36}" '
+                   'fill="none" stroke="#999"/>')
+        if not every:
+            continue
+        sx0, sx1 = min(x for x, _ in every), max(x for x, _ in every)
+        sy0, sy1 = min(y for _, y in every), max(y for _, y in every)
+        if sy1 - sy0 < 1e-9:
+            sy0, sy1 = sy0 - 0.5, sy1 + 0.5
+
+        def xy(x: float, y: float) -> str:
+            px = x0 + pad + (x - sx0) / max(1e-9, sx1 - sx0) * (panel_width - pad - 8)
+            py = 18 + (1 - (y - sy0) / (sy1 - sy0)) * (panel_height - 36)
+            return f"{px:.1f},{py:.1f}"
+
+        out.append(f'<text x="{x0 + 2}" y="24">{sy1:.3g}</text>'
+                   f'<text x="{x0 + 2}" y="{panel_height - 18}">{sy0:.3g}</text>')
+        out.append(f'<text x="{x0 + pad}" y="{panel_height - 6}">step {sx0}</text>'
+                   f'<text x="{x0 + panel_width - 8}" y="{panel_height - 6}" text-anchor="end">{sx1}</text>')
+        for i, (key, colour, _) in enumerate(series):
+            pts = points[key]
+            if len(pts) > 400:  # keep the embedded image small
+                pts = pts[:: math.ceil(len(pts) / 400)] + [pts[-1]]
+            if pts:
+                out.append(f'<polyline fill="none" stroke="{colour}" stroke-width="1.5" '
+                           f'points="{" ".join(xy(x, y) for x, y in pts)}"/>')
+                out.append(f'<text x="{x0 + panel_width - 10}" y="{30 + 12 * i}" text-anchor="end" '
+                           f'fill="{colour}">{key}</text>')
+    out.append("</svg>")
+    return "\n".join(out)
+
+
+def curves_markdown(svg: str) -> str:
+    """The SVG as a Markdown image with a data: URI.
+
+    Dagster's UI renders Markdown metadata with react-markdown and a rehype-sanitize schema
+    that allows the ``data`` protocol for image sources; a file path would be resolved
+    against the web server and not found.
+    """
+    encoded = base64.b64encode(svg.encode("utf-8")).decode("ascii")
+    return f"![loss and val centred cosine](data:image/svg+xml;base64,{encoded})"
 
 
 # -- checkpoints --------------------------------------------------------------------------
@@ -182,18 +429,41 @@ def _rng_state() -> dict:
     return state
 
 
-def save_checkpoint(folder: Path, *, model: Adapter, optimizer: torch.optim.Optimizer, step: int, meta: dict) -> None:
+def _check_finite(model: Adapter, step: int) -> None:
     for name, p in model.state_dict().items():
         if not torch.isfinite(p).all():
-            raise TrainingError(f"step {step}: parameter {name} is not finite; the checkpoint was not written.")
+            raise TrainingError(f"step {step}: parameter {name} is not finite; no checkpoint was written.")
+
+
+def _weights(model: Adapter) -> dict[str, torch.Tensor]:
+    return {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+
+
+def save_checkpoint(folder: Path, *, model: Adapter, optimizer: torch.optim.Optimizer, step: int, meta: dict) -> None:
+    """Weights, optimizer, RNG, step (which fixes the data position and the lr), settings; all or nothing."""
+    _check_finite(model, step)
     with atomic.atomic_dir(folder) as tmp:
-        save_file({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}, str(tmp / WEIGHTS_FILE))
+        save_file(_weights(model), str(tmp / WEIGHTS_FILE))
         torch.save({"optimizer": optimizer.state_dict(), "rng": _rng_state(), "step": step}, tmp / STATE_FILE)
         (tmp / META_FILE).write_text(json.dumps({**meta, "step": step}, indent=2, sort_keys=True))
 
 
+def save_weights(folder: Path, *, model: Adapter, step: int, meta: dict, extra: dict[str, str] | None = None) -> None:
+    """Weights and meta only (best/ and final/), all or nothing."""
+    _check_finite(model, step)
+    with atomic.atomic_dir(folder) as tmp:
+        save_file(_weights(model), str(tmp / WEIGHTS_FILE))
+        (tmp / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True))
+        for name, text in (extra or {}).items():
+            (tmp / name).write_text(text, encoding="utf-8")
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    return sorted(p for p in run_dir.glob("step-*") if STEP_DIR.match(p.name) and (p / META_FILE).is_file())
+
+
 def latest_checkpoint(run_dir: Path) -> Path | None:
-    steps = sorted(p for p in run_dir.glob("step-*") if STEP_DIR.match(p.name) and (p / META_FILE).is_file())
+    steps = list_checkpoints(run_dir)
     return steps[-1] if steps else None
 
 
@@ -203,12 +473,93 @@ def prune_checkpoints(run_dir: Path, keep: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-# -- training -----------------------------------------------------------------------------
+@dataclass
+class _Resumed:
+    step: int = 0
+    history: list = field(default_factory=list)
+    best: dict | None = None
+    untrained: float | None = None
+    started: dict = field(default_factory=dict)
+    checkpoint: str | None = None
+
+
+def _restore(run_dir: Path, model: Adapter, optimizer: torch.optim.Optimizer, device: torch.device,
+             shape: AdapterShape) -> _Resumed | None:
+    """Load the newest readable checkpoint; an unreadable one is skipped with a warning."""
+    for ckpt in reversed(list_checkpoints(run_dir)):
+        try:
+            meta = atomic.read_json(ckpt / META_FILE)
+            if meta.get("shape") != shape.to_dict():
+                raise TrainingError(f"{ckpt}: adapter shape {meta.get('shape')} differs from {shape.to_dict()}")
+            weights = load_file(str(ckpt / WEIGHTS_FILE), device=str(device))
+            state = torch.load(ckpt / STATE_FILE, weights_only=True, map_location=device)
+        except Exception as exc:  # any unreadable file: fall back to the previous checkpoint
+            log.warning("checkpoint %s is unreadable (%s); trying an older one", ckpt, exc)
+            continue
+        model.load_state_dict(weights)
+        optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["rng"]["torch"].cpu())
+        if "cuda" in state["rng"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all([s.cpu() for s in state["rng"]["cuda"]])
+        return _Resumed(step=meta["step"], history=meta.get("history", []), best=meta.get("best"),
+                        untrained=meta.get("untrained"), started=meta.get("started", {}), checkpoint=ckpt.name)
+    return None
+
+
+# -- runs and settings changes ------------------------------------------------------------
 
 def training_fingerprint(settings: Settings, train_fps: list[str], val_fps: list[str]) -> str:
     t = {k: v for k, v in settings.section_dict("training").items() if k not in NON_RESULT_KEYS}
-    return atomic.fingerprint({"training": t, "train": train_fps, "val": val_fps, "format": 1})
+    return atomic.fingerprint({"training": t, "train": train_fps, "val": val_fps,
+                               "shuffle_window_shards": SHUFFLE_WINDOW_SHARDS, "format": FORMAT})
 
+
+def shards_identity(folders: list[Path]) -> str:
+    """What the shards hold (their recorded half fingerprints), to tell a data change from a settings change."""
+    parts = []
+    for folder in folders:
+        parts.append([folder.name] + [atomic.read_json(folder / f"{half}.json").get("fingerprint")
+                                      for half in ("teacher", "student") if (folder / f"{half}.json").is_file()])
+    return atomic.fingerprint(parts)
+
+
+def _run_meta(run_dir: Path) -> dict | None:
+    for candidate in [run_dir / FINAL_DIR] + list(reversed(list_checkpoints(run_dir))):
+        try:
+            return atomic.read_json(candidate / META_FILE)
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def why_new_run(paths: ProjectPaths, fingerprint: str, training: dict, train_id: str, val_id: str) -> dict:
+    """Compare with the most recently active other run: which settings or inputs changed."""
+    runs = []
+    for run in paths.checkpoints_dir(fingerprint).parent.glob("*"):
+        if run.is_dir() and run.name != fingerprint:
+            meta = _run_meta(run)
+            if meta is not None:
+                runs.append((max(p.stat().st_mtime for p in [run, *run.iterdir()]), run.name, meta))
+    if not runs:
+        return {"previous_run": None, "message": f"starting training run {fingerprint} (no earlier run)"}
+    _, name, meta = max(runs)
+    old = meta.get("training", {})
+    changed = {k: [old.get(k), v] for k, v in training.items() if k not in NON_RESULT_KEYS and old.get(k) != v}
+    reasons = [f"training.{k}: {a!r} → {b!r}" for k, (a, b) in sorted(changed.items())]
+    if meta.get("train_shards") not in (None, train_id):
+        reasons.append("the train shards changed")
+    if meta.get("val_shards") not in (None, val_id):
+        reasons.append("the val shards changed")
+    if not reasons:
+        reasons.append("the trainer's data order or format changed")
+    return {"previous_run": name, "changed": changed, "reasons": reasons,
+            "message": f"{'settings' if changed else 'inputs'} changed since run {name} ({'; '.join(reasons)}); "
+                       f"starting a new run {fingerprint} "
+                       f"from step 0. The old run's checkpoints stay in checkpoints/{name} and are used again "
+                       "if you change the settings back."}
+
+
+# -- training -----------------------------------------------------------------------------
 
 def adapter_shape(settings: Settings, folders: list[Path]) -> AdapterShape:
     teacher = atomic.read_json(folders[0] / "teacher.json")
@@ -225,125 +576,166 @@ def build_model(shape: AdapterShape, *, seed: int, grad_checkpoint: bool = False
         return Adapter(shape, grad_checkpoint=grad_checkpoint)
 
 
+def _non_finite_cause(step: int, what: str, value: float, *, batch: Batch, folders: list[Path], model: Adapter,
+                      learning_rate: float) -> str:
+    """A message naming the step and the most likely cause of a non-finite loss or gradient."""
+    for i, (_, shard, row) in enumerate(batch.located):
+        if not torch.isfinite(batch.states[i][batch.mask[i]]).all():
+            return (f"step {step}: the {what} is {value}: the student states of prompt {row} in {folders[shard]} are "
+                    "not finite. Recompute that shard's student half (delete its student.json) and rerun.")
+        if not torch.isfinite(batch.targets[i]).all():
+            return (f"step {step}: the {what} is {value}: the target of prompt {row} in {folders[shard]} is not "
+                    "finite. "
+                    "Recompute that shard's teacher half (delete its teacher.json) and rerun.")
+    bad = [n for n, p in model.named_parameters() if not torch.isfinite(p).all()]
+    where = f" (non-finite weights: {', '.join(bad[:3])})" if bad else ""
+    return (f"step {step}: the {what} is {value}; the batch is finite, so training diverged{where}. Likely cause: "
+            f"training.learning_rate ({learning_rate}) is too high; lower it, keep training.grad_clip on, or lengthen "
+            "training.warmup_steps. No checkpoint was written for this step; the last good one is kept.")
+
+
 def train_adapter(paths: ProjectPaths, settings: Settings, *, train_folders: list[Path], val_folders: list[Path],
                   fingerprint: str, on_event: Callable[[str, dict], None] | None = None,
                   stop_after: int | None = None) -> dict:
     """Train (or resume) the run ``fingerprint``; returns the final summary.
 
-    ``stop_after`` ends the call after that many steps without finishing (tests, pausing).
+    ``on_event(kind, data)`` receives "note" (a message), "log", "validate", "best",
+    "checkpoint" and "finished" events. ``stop_after`` ends the call after that many steps
+    without finishing (tests, pausing); the next call resumes from the last checkpoint.
     """
     t = settings.training
     emit = on_event or (lambda kind, data: None)
+
+    def note(message: str, *, warning: bool = False) -> None:
+        (log.warning if warning else log.info)("%s", message)
+        emit("note", {"message": message, "warning": warning})
+
     device = resolve_device(t.device)
     run_dir = paths.checkpoints_dir(fingerprint)
+    final_dir = run_dir / FINAL_DIR
+    if (final_dir / META_FILE).is_file():
+        note(f"training run {fingerprint} already finished; reusing {final_dir}")
+        return atomic.read_json(final_dir / META_FILE)
+    if not train_folders or not val_folders:
+        raise TrainingError("training needs at least one train shard and one val shard")
+
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic.remove_stale_temps(run_dir)
-    final_dir = run_dir / "final"
-    if (final_dir / META_FILE).is_file():
-        log.info("training run %s already finished; reusing %s", fingerprint, final_dir)
-        return atomic.read_json(final_dir / META_FILE)
-
     shape = adapter_shape(settings, train_folders)
-    model = build_model(shape, seed=t.seed, grad_checkpoint=t.grad_checkpoint)
-    mean, std, n_train = target_stats(train_folders, sigma_floor=t.sigma_floor)
-    model.target_mean.copy_(mean)
-    model.target_std.copy_(std)
-    model.to(device)
+    model = build_model(shape, seed=t.seed, grad_checkpoint=t.grad_checkpoint).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=t.learning_rate, weight_decay=t.weight_decay)
+    sizes = [shard_size(f) for f in train_folders]
+    train_id, val_id = shards_identity(train_folders), shards_identity(val_folders)
     base_meta = {"fingerprint": fingerprint, "shape": shape.to_dict(), "training": settings.section_dict("training"),
-                 "train_prompts": n_train}
+                 "train_prompts": sum(sizes), "train_shards": train_id, "val_shards": val_id, "format": FORMAT}
 
-    step, history, best = 0, [], None
-    untrained = None
-    ckpt = latest_checkpoint(run_dir)
-    if ckpt is not None:
-        model.load_state_dict(load_file(str(ckpt / WEIGHTS_FILE), device=str(device)))
-        state = torch.load(ckpt / STATE_FILE, weights_only=True, map_location=device)
-        optimizer.load_state_dict(state["optimizer"])
-        torch.set_rng_state(state["rng"]["torch"])
-        if "cuda" in state["rng"] and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
-        meta = atomic.read_json(ckpt / META_FILE)
-        step, history, best, untrained = meta["step"], meta.get("history", []), meta.get("best"), meta.get("untrained")
-        log.info("resuming training run %s from %s (step %d of %d)", fingerprint, ckpt.name, step, t.steps)
-        emit("resume", {"step": step})
+    resumed = _restore(run_dir, model, optimizer, device, shape)
+    if resumed is not None:
+        note(f"resuming training run {fingerprint} from {resumed.checkpoint} (step {resumed.step} of {t.steps})")
     else:
-        metrics = evaluate(model, val_folders, device=device, cosine_weight=t.cosine_weight)
-        untrained = metrics["val_centred_cosine"]
-        log.info("untrained adapter: val centred cosine %.4f", untrained)
+        resumed = _Resumed()
+        resumed.started = why_new_run(paths, fingerprint, base_meta["training"], train_id, val_id)
+        note(resumed.started["message"], warning=bool(resumed.started.get("previous_run")))
+        # Statistics travel in every checkpoint's weights, so a resume never rereads the whole train set.
+        mean, std, _ = target_stats(train_folders, sigma_floor=t.sigma_floor)
+        model.target_mean.copy_(mean)
+        model.target_std.copy_(std)
+        untrained = evaluate(model, val_folders, device=device, cosine_weight=t.cosine_weight)
+        resumed.untrained = untrained["val_centred_cosine"]
+        note(f"untrained adapter: val centred cosine {resumed.untrained:.4f}")
+    step, history, best = resumed.step, resumed.history, resumed.best
+    base_meta["started"] = resumed.started
 
-    order = SampleOrder([shard_size(f) for f in train_folders], t.seed)
-    cache = ShardCache(train_folders)
+    def write_curves() -> str:
+        svg = curves_svg(history)
+        atomic.write_text(run_dir / CURVES_FILE, svg)
+        return svg
+
+    order = SampleOrder(sizes, t.seed)
+    stop_at = t.steps if stop_after is None else min(t.steps, step + stop_after)
+    stream = ShardStream(train_folders, order, batch_size=t.batch_size, end_step=stop_at)
     model.train()
     use_autocast = device.type == "cuda"
     window_start, window_steps = time.perf_counter(), 0
-    stop_at = t.steps if stop_after is None else min(t.steps, step + stop_after)
-    while step < stop_at:
-        lr = lr_at(step, peak=t.learning_rate, warmup=t.warmup_steps, total=t.steps)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        samples = []
-        for i in range(step * t.batch_size, (step + 1) * t.batch_size):
-            shard_index, row = order.locate(i)
-            shard = cache.get(shard_index)
-            samples.append((shard.states(row), shard.targets[row]))
-        states, mask, targets = collate(samples, device)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_autocast):
-            pred = model(states, mask)
-        z = standardize(targets, model.target_mean, model.target_std)
-        loss = adapter_loss(pred.float(), z, cosine_weight=t.cosine_weight)
-        if not torch.isfinite(loss):
-            raise TrainingError(f"step {step}: the loss is {float(loss)}. Likely causes: learning_rate "
-                                f"({t.learning_rate}) too high, or non-finite targets; lower the learning rate "
-                                "or check the shards. The last good checkpoint is kept.")
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip if t.grad_clip > 0 else math.inf)
-        if not torch.isfinite(grad_norm):
-            raise TrainingError(f"step {step}: the gradient norm is {float(grad_norm)}. Lower training.learning_rate "
-                                "or set training.grad_clip; the last good checkpoint is kept.")
-        optimizer.step()
-        step += 1
-        window_steps += 1
+    window_wait, window_bytes = stream.wait_seconds, stream.stats.bytes
+    try:
+        while step < stop_at:
+            lr = lr_at(step, peak=t.learning_rate, warmup=t.warmup_steps, total=t.steps)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            batch = stream.batch(step)
+            states, mask, targets = batch.states.to(device), batch.mask.to(device), batch.targets.to(device)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_autocast):
+                pred = model(states, mask)
+            z = standardize(targets, model.target_mean, model.target_std)
+            loss = adapter_loss(pred.float(), z, cosine_weight=t.cosine_weight)
+            optimizer.zero_grad(set_to_none=True)
+            if torch.isfinite(loss):
+                loss.backward()
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(),
+                                                           t.grad_clip if t.grad_clip > 0 else math.inf)
+            if not torch.isfinite(loss) or not torch.isfinite(grad_norm):
+                what, value = (("loss", float(loss.detach())) if not torch.isfinite(loss)
+                               else ("gradient norm", float(grad_norm)))
+                raise TrainingError(_non_finite_cause(step, what, value, batch=batch, folders=train_folders,
+                                                      model=model, learning_rate=t.learning_rate))
+            optimizer.step()
+            step += 1
+            window_steps += 1
 
-        if step % t.log_every == 0 or step == t.steps:
-            elapsed = time.perf_counter() - window_start
-            entry = {"step": step, "loss": float(loss.detach()), "lr": lr, "grad_norm": float(grad_norm),
-                     "steps_per_s": window_steps / elapsed, "samples_per_s": window_steps * t.batch_size / elapsed}
-            history.append(entry)
-            log.info("step %d/%d loss %.4f lr %.2e grad %.3f %.1f samples/s", step, t.steps, entry["loss"], lr,
-                     entry["grad_norm"], entry["samples_per_s"])
-            emit("log", entry)
-            window_start, window_steps = time.perf_counter(), 0
-        if step % t.validate_every == 0 or step == t.steps:
-            metrics = evaluate(model, val_folders, device=device, cosine_weight=t.cosine_weight)
-            entry = {"step": step, **{k: metrics[k] for k in ("val_centred_cosine", "empty_prompt_cosine", "val_loss")}}
-            history.append(entry)
-            log.info("step %d: val centred cosine %.4f (empty prompt %s)", step, metrics["val_centred_cosine"],
-                     metrics["empty_prompt_cosine"])
-            emit("validate", entry)
-            if best is None or metrics["val_centred_cosine"] > best["val_centred_cosine"]:
-                best = {"step": step, "val_centred_cosine": metrics["val_centred_cosine"]}
-        if step % t.checkpoint_every == 0 or step == t.steps:
-            meta = {**base_meta, "history": history, "best": best, "untrained": untrained}
-            save_checkpoint(run_dir / f"step-{step:08d}", model=model, optimizer=optimizer, step=step, meta=meta)
-            prune_checkpoints(run_dir, t.keep_checkpoints)
-            emit("checkpoint", {"step": step})
+            if step % t.log_every == 0 or step == t.steps:
+                elapsed = time.perf_counter() - window_start
+                entry = {"step": step, "loss": float(loss.detach()), "lr": lr, "grad_norm": float(grad_norm),
+                         "steps_per_s": window_steps / elapsed, "samples_per_s": window_steps * t.batch_size / elapsed,
+                         "data_wait_fraction": (stream.wait_seconds - window_wait) / elapsed,
+                         "read_mb_per_s": (stream.stats.bytes - window_bytes) / 1e6 / elapsed}
+                history.append(entry)
+                log.info("step %d/%d loss %.4f lr %.2e grad %.3f %.2f steps/s %.1f samples/s", step, t.steps,
+                         entry["loss"], lr, entry["grad_norm"], entry["steps_per_s"], entry["samples_per_s"])
+                emit("log", entry)
+                window_start, window_steps = time.perf_counter(), 0
+                window_wait, window_bytes = stream.wait_seconds, stream.stats.bytes
+            if step % t.validate_every == 0 or step == t.steps:
+                metrics = evaluate(model, val_folders, device=device, cosine_weight=t.cosine_weight)
+                entry = {"step": step,
+                         **{k: metrics[k] for k in ("val_centred_cosine", "empty_prompt_cosine", "val_loss")}}
+                history.append(entry)
+                log.info("step %d: val centred cosine %.4f (empty prompt %s), val loss %.4f", step,
+                         metrics["val_centred_cosine"], metrics["empty_prompt_cosine"], metrics["val_loss"])
+                emit("validate", entry)
+                if best is None or metrics["val_centred_cosine"] > best["val_centred_cosine"]:
+                    best = {"step": step, "val_centred_cosine": metrics["val_centred_cosine"],
+                            "empty_prompt_cosine": metrics["empty_prompt_cosine"], "val_loss": metrics["val_loss"]}
+                    save_weights(run_dir / BEST_DIR, model=model, step=step, meta={**base_meta, **best})
+                    emit("best", best)
+                # A checkpoint's time may not come for a while; keep the picture current for the UI.
+                write_curves()
+            if step % t.checkpoint_every == 0 or step == t.steps:
+                meta = {**base_meta, "history": history, "best": best, "untrained": resumed.untrained,
+                        "samples_seen": step * t.batch_size, "lr_next": lr_at(step, peak=t.learning_rate,
+                                                                              warmup=t.warmup_steps, total=t.steps)}
+                save_checkpoint(run_dir / f"step-{step:08d}", model=model, optimizer=optimizer, step=step, meta=meta)
+                prune_checkpoints(run_dir, t.keep_checkpoints)
+                emit("checkpoint", {"step": step})
+    finally:
+        stream.close()
 
     if step < t.steps:
-        return {"finished": False, "step": step}
+        return {"finished": False, "step": step, "fingerprint": fingerprint}
     final = evaluate(model, val_folders, device=device, cosine_weight=t.cosine_weight)
+    text, advice = verdict(final["val_centred_cosine"])
     summary = {**base_meta, "finished": True, "step": step, "history": history, "best": best,
-               "untrained_val_centred_cosine": untrained, **{k: final[k] for k in
-               ("val_centred_cosine", "empty_prompt_cosine", "val_loss", "per_shard")}}
-    with atomic.atomic_dir(final_dir) as tmp:
-        save_file({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}, str(tmp / WEIGHTS_FILE))
-        (tmp / META_FILE).write_text(json.dumps(summary, indent=2, sort_keys=True))
+               "untrained_val_centred_cosine": resumed.untrained, "verdict": text, "advice": advice,
+               "read_mb_per_s": stream.stats.mb_per_s,
+               **{k: final[k] for k in ("val_centred_cosine", "empty_prompt_cosine", "val_loss", "per_shard")}}
+    save_weights(final_dir, model=model, step=step, meta=summary, extra={CURVES_FILE: write_curves()})
+    note(f"training finished: {text} {advice}")
+    emit("finished", {"step": step, "val_centred_cosine": final["val_centred_cosine"]})
     return summary
 
 
 def load_final(run_dir: Path) -> tuple[Adapter, dict]:
-    meta = atomic.read_json(run_dir / "final" / META_FILE)
+    meta = atomic.read_json(run_dir / FINAL_DIR / META_FILE)
     model = Adapter(AdapterShape(**meta["shape"]))
-    model.load_state_dict(load_file(str(run_dir / "final" / WEIGHTS_FILE)))
+    model.load_state_dict(load_file(str(run_dir / FINAL_DIR / WEIGHTS_FILE)))
     return model.eval(), meta

@@ -1,0 +1,225 @@
+"""Training data path, as ratios against baselines measured in the same run.
+
+1. Steps/s of the real trainer (``train.train_adapter``: shard reader, read-ahead thread,
+   collate) vs a bare loop of the same model, optimizer and loss over the same batches
+   already collated in memory. Target: overhead at most 5 %.
+2. Peak RSS of a child process streaming one epoch (plus a bit) through ``ShardStream``
+   with 10x the shards vs 1x. Target: at most 1.1x.
+3. Reader MB/s (``read_safetensors``) with each file evicted from the page cache first
+   (posix_fadvise DONTNEED, so the shard set acts as if larger than the spare page cache)
+   vs ``cat``-like raw sequential reads of the same evicted files (the disk's own rate).
+
+    .venv/bin/python benchmarks/bench_train.py           # Q=256, D=512 targets (256 KiB a prompt)
+    .venv/bin/python benchmarks/bench_train.py --quick   # smaller shards and model, for a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from gguf_assets.lib import atomic
+from gguf_assets.lib.adapter import adapter_loss, lr_at, standardize
+from gguf_assets.lib.layout import PROMPTS_FILE, STUDENT_FILE, TEACHER_FILE, ProjectPaths
+from gguf_assets.lib.settings import Settings, Training
+from gguf_assets.lib.train import (SampleOrder, ShardStream, adapter_shape, build_model, collate, read_safetensors,
+                                   shard_size, target_stats, train_adapter)
+
+
+def write_shards(folder: Path, *, shards: int, prompts: int, query_rows: int, target_dim: int, student_dim: int,
+                 seed: int = 0) -> list[Path]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for k in range(shards):
+        shard = folder / f"{k:05d}"
+        shard.mkdir(parents=True)
+        lengths = torch.randint(4, 40, (prompts,), generator=g)
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+        save_file({"targets": torch.randn(prompts, query_rows, target_dim, generator=g).half()},
+                  str(shard / TEACHER_FILE))
+        save_file({"hidden": torch.randn(int(offsets[-1]), student_dim, generator=g).bfloat16(), "offsets": offsets,
+                   "token_ids": torch.zeros(int(offsets[-1]), dtype=torch.int32)}, str(shard / STUDENT_FILE))
+        (shard / PROMPTS_FILE).write_text("".join(json.dumps({"text": f"p{k}-{i}"}) + "\n" for i in range(prompts)))
+        atomic.write_json(shard / "teacher.json", {"fingerprint": f"t{k}", "prompts": prompts,
+                                                   "query_rows": query_rows, "dim": target_dim})
+        atomic.write_json(shard / "student.json", {"fingerprint": f"s{k}", "dim": student_dim})
+        out.append(shard)
+    return out
+
+
+def evict(folders: list[Path]) -> None:
+    os.sync()
+    for folder in folders:
+        for name in (TEACHER_FILE, STUDENT_FILE):
+            fd = os.open(folder / name, os.O_RDONLY)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+
+
+def trainer_steps_per_s(folders: list[Path], val: list[Path], settings: Settings, work: Path) -> float:
+    """Median steps/s over the trainer's own log windows, after the first (warm-up) one."""
+    windows = []
+    run = work / f"trainer-{time.monotonic_ns()}"
+    train_adapter(ProjectPaths.of(run), settings, train_folders=folders, val_folders=val, fingerprint="bench",
+                  on_event=lambda kind, data: windows.append(data["steps_per_s"]) if kind == "log" else None)
+    return sorted(windows[1:])[len(windows[1:]) // 2]
+
+
+def bare_steps_per_s(folders: list[Path], settings: Settings) -> float:
+    """The same batches, collated up front, through the same model, optimizer and loss code."""
+    t = settings.training
+    model = build_model(adapter_shape(settings, folders), seed=t.seed)
+    mean, std, _ = target_stats(folders, sigma_floor=t.sigma_floor)
+    model.target_mean.copy_(mean)
+    model.target_std.copy_(std)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=t.learning_rate, weight_decay=t.weight_decay)
+    stream = ShardStream(folders, SampleOrder([shard_size(f) for f in folders], t.seed))
+    batches = [collate(stream.samples(s * t.batch_size, t.batch_size), torch.device("cpu")) for s in range(t.steps)]
+    stream.close()
+    model.train()
+    windows = []
+    window_start = time.perf_counter()
+    for step, (states, mask, targets) in enumerate(batches):
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, peak=t.learning_rate, warmup=t.warmup_steps, total=t.steps)
+        loss = adapter_loss(model(states, mask).float(), standardize(targets, model.target_mean, model.target_std),
+                            cosine_weight=t.cosine_weight)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+        optimizer.step()
+        float(loss.detach()), float(grad_norm)  # the trainer reads both every step too
+        if (step + 1) % t.log_every == 0:
+            windows.append(t.log_every / (time.perf_counter() - window_start))
+            window_start = time.perf_counter()
+    return sorted(windows[1:])[len(windows[1:]) // 2]
+
+
+def bench_steps(folders: list[Path], val: list[Path], training: Training, work: Path, *, rounds: int) -> dict:
+    """Alternating rounds, best of each, so a noisy neighbour on the machine hurts both sides alike."""
+    settings = Settings(training=training)
+    trainer, bare = [], []
+    for _ in range(rounds):
+        trainer.append(trainer_steps_per_s(folders, val, settings, work))
+        bare.append(bare_steps_per_s(folders, settings))
+    ratios = sorted(b / a - 1 for a, b in zip(trainer, bare))
+    return {"trainer_steps_per_s": max(trainer), "bare_steps_per_s": max(bare),
+            "overhead_best": max(bare) / max(trainer) - 1, "overhead_median": ratios[len(ratios) // 2],
+            "rounds": list(zip(trainer, bare))}
+
+
+RSS_CHILD = """
+import json, sys
+from pathlib import Path
+# The high-water mark survives fork+exec, so a child would report the parent's peak; reset it.
+Path("/proc/self/clear_refs").write_text("5")
+import torch
+torch.set_num_threads(int(sys.argv[3]))
+from pathlib import Path
+from gguf_assets.lib.train import SampleOrder, ShardStream, shard_size
+folders = [Path(p) for p in json.loads(sys.argv[1])]
+batch = int(sys.argv[2])
+order = SampleOrder([shard_size(f) for f in folders], 0)
+steps = order.total * 5 // 4 // batch
+stream = ShardStream(folders, order, batch_size=batch, end_step=steps)
+for step in range(steps):
+    stream.batch(step)
+stream.close()
+hwm_kb = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:"))
+print(json.dumps({"peak_rss_mb": hwm_kb / 1024, "steps": steps,
+                  "bytes_read": stream.stats.bytes, "peak_windows": stream.peak_windows}))
+"""
+
+
+def peak_rss(folders: list[Path], batch: int) -> dict:
+    out = subprocess.run([sys.executable, "-c", RSS_CHILD, json.dumps([str(f) for f in folders]), str(batch),
+                          str(torch.get_num_threads())],
+                         check=True, capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def bench_reader(folders: list[Path], *, rounds: int) -> dict:
+    files = [folder / name for folder in folders for name in (TEACHER_FILE, STUDENT_FILE)]
+    size = sum(f.stat().st_size for f in files)
+
+    def raw() -> None:
+        for file in files:
+            with open(file, "rb", buffering=0) as fh:
+                while fh.read(32 << 20):
+                    pass
+
+    def reader() -> None:
+        for file in files:
+            read_safetensors(file)
+
+    rates: dict[str, list[float]] = {"raw": [], "reader": []}
+    for _ in range(rounds):
+        for name, fn in (("raw", raw), ("reader", reader)):
+            evict(folders)
+            began = time.perf_counter()
+            fn()
+            rates[name].append(size / 1e6 / (time.perf_counter() - began))
+    return {"reader_mb_per_s": max(rates["reader"]), "raw_mb_per_s": max(rates["raw"]),
+            "reader_vs_raw": max(rates["reader"]) / max(rates["raw"]), "mb": size / 1e6}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--rounds", type=int, default=5, help="alternating trainer / bare-loop rounds")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch intra-op threads (0 = torch's default). On a small shared machine OpenMP teams of "
+                             "2+ threads stall on busy neighbours and swamp the ratio with noise; 1 measures the data "
+                             "path, which is what this benchmark is about.")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.quick:
+        dims = dict(query_rows=64, target_dim=128, student_dim=64)
+        prompts, base_shards = 50, 2
+        training = Training(width=64, depth=1, heads=4, steps=60, batch_size=16, warmup_steps=5, device="cpu",
+                            log_every=10, validate_every=10_000, checkpoint_every=10_000)
+    else:
+        dims = dict(query_rows=256, target_dim=512, student_dim=256)
+        prompts, base_shards = 100, 4
+        training = Training(width=256, depth=2, heads=8, steps=40, batch_size=16, warmup_steps=10, device="cpu",
+                            log_every=10, validate_every=10_000, checkpoint_every=10_000)
+    with tempfile.TemporaryDirectory(prefix="bench-train-") as tmp:
+        work = Path(tmp)
+        one = write_shards(work / "x1", shards=base_shards, prompts=prompts, seed=1, **dims)
+        ten = one + write_shards(work / "x10", shards=9 * base_shards, prompts=prompts, seed=2, **dims)
+        val = write_shards(work / "val", shards=1, prompts=prompts // 2, seed=3, **dims)
+        mb_per_shard = sum((one[0] / n).stat().st_size for n in (TEACHER_FILE, STUDENT_FILE)) / 1e6
+        print(f"shards: {prompts} prompts, {mb_per_shard:.1f} MB each; 1x = {len(one)}, 10x = {len(ten)}; "
+              f"torch threads {torch.get_num_threads()}")
+
+        rss1, rss10 = peak_rss(one, training.batch_size), peak_rss(ten, training.batch_size)
+        print(f"peak RSS streaming 1.25 epochs: 1x {rss1['peak_rss_mb']:.0f} MB "
+              f"({rss1['bytes_read'] / 1e6:.0f} MB read), "
+              f"10x {rss10['peak_rss_mb']:.0f} MB ({rss10['bytes_read'] / 1e6:.0f} MB read) -> "
+              f"ratio {rss10['peak_rss_mb'] / rss1['peak_rss_mb']:.3f} (target <= 1.1); windows in memory at once: "
+              f"{rss1['peak_windows']} and {rss10['peak_windows']}")
+
+        steps = bench_steps(ten, val, training, work, rounds=args.rounds)
+        print(f"steps/s: trainer (real reader) {steps['trainer_steps_per_s']:.2f}, bare loop over in-memory batches "
+              f"{steps['bare_steps_per_s']:.2f} -> overhead best-vs-best {100 * steps['overhead_best']:+.1f}%, "
+              f"median of rounds {100 * steps['overhead_median']:+.1f}% (target <= 5%); "
+              f"rounds (trainer, bare) {[(round(a, 2), round(b, 2)) for a, b in steps['rounds']]}")
+
+        reader = bench_reader(ten, rounds=3)
+        print(f"reader, page cache evicted: read_safetensors {reader['reader_mb_per_s']:.0f} MB/s, raw sequential "
+              f"reads {reader['raw_mb_per_s']:.0f} MB/s over {reader['mb']:.0f} MB -> ratio "
+              f"{reader['reader_vs_raw']:.2f} (the reference pace needs about 200 MB/s)")
+
+
+if __name__ == "__main__":
+    main()
