@@ -169,6 +169,10 @@ class HardwareSampler:
     def summary(self, *, since: float | None = None) -> dict[str, float]:
         with self._lock:
             samples = [s for t, s in self._samples if since is None or t >= since]
+        if not samples:  # a step shorter than the interval still gets one reading
+            self.sample()
+            with self._lock:
+                samples = [s for t, s in self._samples if since is None or t >= since]
         values: dict[str, list[float]] = {}
         for s in samples:
             for k, v in s.items():
