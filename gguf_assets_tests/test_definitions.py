@@ -35,3 +35,14 @@ def test_settings_reference_doc_is_generated_from_the_schema():
 
     assert SETTINGS_DOC.read_text(encoding="utf-8") == settings_reference_markdown() + "\n", (
         "docs/settings.md is out of date: run `python -m gguf_assets.docs`")
+
+
+def test_hardware_and_environment_panels_describe_this_machine():
+    from gguf_assets.defs.panels import panel_metadata
+    from gguf_assets.lib.hardware import hardware_report
+
+    hw = hardware_report()
+    assert hw["ram_gib"] > 0 and hw["cpu_threads"] >= 1
+    panels = panel_metadata()
+    assert "RAM" in panels["hardware"].value and "torch" in panels["environment"].value
+    assert panels["gpu_count"] == len(hw["gpus"])

@@ -3,6 +3,7 @@
 
 import dagster as dg
 
+from gguf_assets.defs.panels import panel_metadata
 from gguf_assets.defs.resources import ProjectResource
 from gguf_assets.lib.materials import resolve_materials
 
@@ -25,4 +26,5 @@ def materials(context: dg.AssetExecutionContext, project: ProjectResource) -> dg
     metadata["download_seconds"] = sum(d["seconds"] for d in downloads)
     metadata["refetched_files"] = sum(d["refetched"] for d in downloads)
     metadata["hub_token_used"] = project.hub.token is not None
+    metadata.update(panel_metadata())
     return dg.MaterializeResult(metadata=metadata)

@@ -3,6 +3,7 @@
 
 import dagster as dg
 
+from gguf_assets.defs.panels import panel_metadata
 from gguf_assets.defs.precompute import GPU_POOL, train_shards, val_shards
 from gguf_assets.defs.resources import ProjectResource
 from gguf_assets.lib import atomic
@@ -73,6 +74,7 @@ def adapter(context: dg.AssetExecutionContext, project: ProjectResource) -> dg.M
     best = summary.get("best") or {}
     started = (summary.get("started") or {}).get("message", "")
     return dg.MaterializeResult(metadata={
+        **panel_metadata(),
         "fingerprint": fingerprint, "steps": summary["step"],
         "val_centred_cosine": summary["val_centred_cosine"],
         "empty_prompt_cosine": _number(summary["empty_prompt_cosine"]),

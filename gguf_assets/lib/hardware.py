@@ -251,3 +251,41 @@ def environment_report() -> dict:
         except metadata.PackageNotFoundError:
             versions[name] = "not installed"
     return versions
+
+
+def hardware_report() -> dict:
+    """GPUs (name, VRAM, driver, CUDA version), CPU and RAM: the 'Hardware' panel."""
+    report: dict = {"gpus": [], "driver": None, "cuda": None,
+                    "cpu": _cpu_model(), "cpu_cores": psutil.cpu_count(logical=False) or psutil.cpu_count(),
+                    "cpu_threads": psutil.cpu_count(), "ram_gib": round(psutil.virtual_memory().total / 2**30, 1)}
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:  # no NVIDIA driver here: CPU and RAM only
+        return report
+    try:
+        report["driver"] = _text(pynvml.nvmlSystemGetDriverVersion())
+        cuda = pynvml.nvmlSystemGetCudaDriverVersion()
+        report["cuda"] = f"{cuda // 1000}.{cuda % 1000 // 10}"
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+            report["gpus"].append({"index": i, "name": _text(pynvml.nvmlDeviceGetName(handle)),
+                                   "vram_gib": round(pynvml.nvmlDeviceGetMemoryInfo(handle).total / 2**30, 1)})
+    finally:
+        pynvml.nvmlShutdown()
+    return report
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _cpu_model() -> str:
+    try:
+        for line in open("/proc/cpuinfo", encoding="utf-8"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
