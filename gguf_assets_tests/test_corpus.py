@@ -455,8 +455,8 @@ def test_corrupt_gzip_is_a_clear_error(tmp_path):
 
 
 def test_unsupported_suffix_is_named(tmp_path):
-    data = tmp_path / "p.parquet"
-    data.write_bytes(b"PAR1")
+    data = tmp_path / "p.xlsx"
+    data.write_bytes(b"PK")
     with pytest.raises(CorpusError, match=r"unsupported prompt file type.*\.csv"):
         list(read_prompt_file(data))
 
@@ -630,3 +630,99 @@ def test_corpus_asset_materializes_with_ui_metadata(make_project):
     for name in ("preview", "length_histogram", "sources"):
         assert isinstance(meta[name], dg.MarkdownMetadataValue) and meta[name].value.count("\n") >= 2
     assert len(instance.get_dynamic_partitions("train_shards")) == meta["train_shards"].value >= 1
+
+
+# -- parquet --------------------------------------------------------------------------------
+
+def _write_parquet(path: Path, columns: dict[str, list], *, row_group_size: int = 64) -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table(columns), path, row_group_size=row_group_size)
+    return path
+
+
+@pytest.mark.parametrize("text_field", ["text", "prompt"])
+def test_parquet_dataset_builds_the_same_corpus_as_jsonl(tmp_path, monkeypatch, text_field):
+    import pyarrow.parquet as pq
+
+    # Duplicates, blanks and padding, across several row groups and batches.
+    texts = _prompts(150) + _prompts(10) + ["   ", "  padded prompt  "]
+    monkeypatch.setattr(corpus_lib, "PARQUET_BATCH_ROWS", 50)
+    read_columns = []
+    iter_batches = pq.ParquetFile.iter_batches
+    monkeypatch.setattr(pq.ParquetFile, "iter_batches",
+                        lambda self, **kw: read_columns.append(kw["columns"]) or iter_batches(self, **kw))
+    settings = _settings(train_prompts=100, val_prompts=20, seed=5)
+    parquet = _write_parquet(tmp_path / "pq" / "train-00000.parquet",
+                             {"id": list(range(len(texts))), text_field: texts, "score": [0.5] * len(texts)})
+    jsonl = _write_jsonl(tmp_path / "js" / "train.jsonl", texts, key=text_field)
+    built = {}
+    for name, folder in (("parquet", parquet.parent), ("jsonl", jsonl.parent)):
+        paths = ProjectPaths.of(tmp_path / name)
+        built[name] = build_corpus(paths, settings, _dataset(folder, text_field=text_field), fingerprint="x")
+        built[name + "_files"] = [paths.corpus_file(split).read_bytes() for split in ("train", "val")]
+    assert built["parquet_files"] == built["jsonl_files"]
+    assert built["parquet"]["splits"] == built["jsonl"]["splits"]
+    assert built["parquet"]["counts"] == built["jsonl"]["counts"]
+    assert built["parquet"]["counts"]["dropped_duplicate"] == 10
+    source = built["parquet"]["sources"][0]
+    assert source["format"] == ".parquet" and source["sha256"] == atomic.sha256_file(parquet)
+    assert read_columns and all(columns == [text_field] for columns in read_columns)  # only the text column
+
+
+def test_parquet_missing_column_lists_the_columns(project, tmp_path):
+    data = _write_parquet(tmp_path / "ds" / "p.parquet", {"id": [1, 2], "question": ["a", "b"]})
+    with pytest.raises(CorpusError) as info:
+        build_corpus(project, _settings(train_prompts=1, val_prompts=1), _dataset(data.parent), fingerprint="x")
+    message = str(info.value)
+    assert f"{data}: no column 'text' (columns: 'id', 'question')" in message and "text_field" in message
+
+
+def test_parquet_null_names_the_row_and_skip_bad_lines_counts_it(project, tmp_path):
+    texts = _prompts(30)
+    texts[7] = None
+    data = _write_parquet(tmp_path / "ds" / "p.parquet", {"text": texts}, row_group_size=5)
+    with pytest.raises(CorpusError) as info:
+        list(read_prompt_file(data))
+    assert f"{data}: row 8: column 'text' is null, not a string." in str(info.value)
+    assert "corpus.skip_bad_lines" in str(info.value)
+    manifest = build_corpus(project, _settings(train_prompts=20, val_prompts=5, empty_fraction=0.0,
+                                               skip_bad_lines=True), _dataset(data), fingerprint="x")
+    assert manifest["counts"]["skipped_bad_lines"] == 1 and manifest["counts"]["read"] == 29
+    assert manifest["bad_line_samples"] == [f"{data}: row 8: column 'text' is null, not a string."]
+
+
+def test_parquet_non_string_column_and_unreadable_files(project, tmp_path):
+    numbers = _write_parquet(tmp_path / "n.parquet", {"text": [1, 2, 3]})
+    with pytest.raises(CorpusError, match=rf"{numbers}: column 'text' holds int64, not strings"):
+        list(read_prompt_file(numbers))
+    broken = tmp_path / "broken.parquet"
+    broken.write_bytes(b"PAR1 this is not parquet")
+    with pytest.raises(CorpusError, match=rf"{broken}: not a readable parquet file \(.+\)\. Re-export it"):
+        list(read_prompt_file(broken))
+    good = _write_parquet(tmp_path / "t.parquet", {"text": _prompts(200)}).read_bytes()
+    truncated = tmp_path / "truncated.parquet"
+    truncated.write_bytes(good[: len(good) // 2])
+    with pytest.raises(CorpusError, match=rf"{truncated}: not a readable parquet file"):
+        list(read_prompt_file(truncated))
+    with pytest.raises(CorpusError, match="prompt file not found"):
+        list(read_prompt_file(tmp_path / "absent.parquet"))
+    zipped = tmp_path / "z.parquet.gz"
+    zipped.write_bytes(gzip.compress(good))
+    with pytest.raises(CorpusError, match=rf"{zipped}: a gzip-compressed parquet file.*Decompress it"):
+        list(read_prompt_file(zipped))
+
+
+def test_local_parquet_is_checked_cheaply_before_the_build(project, tmp_path):
+    project.root.mkdir(parents=True)
+    settings = _settings(local_prompt_files=["p.parquet"], text_field="prompt")
+    _write_parquet(project.root / "p.parquet", {"prompt": [None] + _prompts(10)})
+    with pytest.raises(CorpusError, match=r"p\.parquet: row 1: column 'prompt' is null"):
+        check_prompt_files(project, settings)
+    _write_parquet(project.root / "p.parquet", {"prompt": [" "] * 5})
+    with pytest.raises(CorpusError, match="holds no prompts"):
+        check_prompt_files(project, settings)
+    _write_parquet(project.root / "p.parquet", {"prompt": _prompts(10) + [None]})
+    assert check_prompt_files(project, settings) == [project.root / "p.parquet"]  # late rows: the full pass's job

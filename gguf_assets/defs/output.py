@@ -14,7 +14,7 @@ from gguf_assets.lib.layout import REPORT_JSON
 from gguf_assets.lib.materials import load_manifest
 from gguf_assets.lib.pipeline import gguf_path, report_fingerprint, shard_fingerprints
 from gguf_assets.lib.report import build_report, render_evaluation, render_files, render_markdown, render_use_in_ggk
-from gguf_assets.lib.shards import plan_shards
+from gguf_assets.lib.shards import require_current
 
 
 @dg.asset(group_name="output", deps=[adapter, materials], description="The adapter as an f16 GGUF: "
@@ -45,7 +45,7 @@ def eval_report(context: dg.AssetExecutionContext, project: ProjectResource) -> 
     materials_manifest = load_manifest(paths)
     target = gguf_path(paths, settings)
     sidecar = atomic.read_json(target.with_suffix(".json"))
-    folders = [plan.folder(paths) for plan in plan_shards(paths, settings, materials_manifest, "val")]
+    folders = require_current(paths, settings, materials_manifest, "val")
     evaluation = evaluate_gguf(target, folders) if settings.output.evaluate else None
     fingerprint = report_fingerprint(settings, sidecar,
                                      shard_fingerprints(paths, settings, materials_manifest, "val"))

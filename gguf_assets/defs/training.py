@@ -7,9 +7,10 @@ from gguf_assets.defs.panels import panel_metadata
 from gguf_assets.defs.precompute import GPU_POOL, train_shards, val_shards
 from gguf_assets.defs.resources import ProjectResource
 from gguf_assets.lib import atomic
+from gguf_assets.lib.hardware import HardwareSampler
 from gguf_assets.lib.materials import load_manifest
 from gguf_assets.lib.pipeline import adapter_fingerprint
-from gguf_assets.lib.shards import plan_shards
+from gguf_assets.lib.shards import require_current
 from gguf_assets.lib.train import CURVES_FILE, FINAL_DIR, curves_markdown, curves_svg, train_adapter
 from gguf_assets.lib.verdict import verdict
 
@@ -50,9 +51,12 @@ def _metrics_table(history: list[dict]) -> str:
 def adapter(context: dg.AssetExecutionContext, project: ProjectResource) -> dg.MaterializeResult:
     paths, settings = project.paths(), project.settings()
     materials = load_manifest(paths)
-    folders = {split: [plan.folder(paths) for plan in plan_shards(paths, settings, materials, split)]
+    # Verified first (sha256 included), so a corrupted or stale half is never trained on.
+    folders = {split: require_current(paths, settings, materials, split)
                for split in ("train", "val")}
     fingerprint = adapter_fingerprint(paths, settings, materials)
+
+    hardware = HardwareSampler()
 
     def on_event(kind: str, data: dict) -> None:
         if kind == "note":
@@ -60,10 +64,13 @@ def adapter(context: dg.AssetExecutionContext, project: ProjectResource) -> dg.M
         elif kind in ("log", "validate"):
             # One observation per log/validate step: Dagster plots each numeric key over time.
             numbers = {k: float(v) for k, v in data.items() if isinstance(v, (int, float))}
+            if kind == "log":  # the live hardware panel: GPU/CPU/RAM beside the loss, plotted as it runs
+                numbers.update(hardware.sample())
             context.log_event(dg.AssetObservation(asset_key=context.asset_key, metadata=numbers))
 
-    summary = train_adapter(paths, settings, train_folders=folders["train"], val_folders=folders["val"],
-                            fingerprint=fingerprint, on_event=on_event)
+    with hardware:  # samples GPU/CPU/RAM in the background for the run's summary
+        summary = train_adapter(paths, settings, train_folders=folders["train"], val_folders=folders["val"],
+                                fingerprint=fingerprint, on_event=on_event)
     run_dir = paths.checkpoints_dir(fingerprint)
     atomic.write_json(paths.adapter_manifest, {"fingerprint": fingerprint,
                                                "run_dir": str(run_dir.relative_to(paths.root)),
@@ -74,7 +81,7 @@ def adapter(context: dg.AssetExecutionContext, project: ProjectResource) -> dg.M
     best = summary.get("best") or {}
     started = (summary.get("started") or {}).get("message", "")
     return dg.MaterializeResult(metadata={
-        **panel_metadata(),
+        **panel_metadata(), **hardware.summary(),
         "fingerprint": fingerprint, "steps": summary["step"],
         "val_centred_cosine": summary["val_centred_cosine"],
         "empty_prompt_cosine": _number(summary["empty_prompt_cosine"]),

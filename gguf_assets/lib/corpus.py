@@ -3,7 +3,8 @@
 Sources are the prompt files of each downloaded dataset and ``corpus.local_prompt_files``:
 ``.txt`` (one prompt per line), ``.jsonl`` (an object per line), ``.json`` (a list of strings
 or objects) and ``.csv`` (a header row naming the column), each optionally gzip-compressed
-(``.gz`` after the suffix). A UTF-8 BOM and CRLF line ends are accepted.
+(``.gz`` after the suffix), and ``.parquet`` (a string column; compressed inside the format).
+A UTF-8 BOM and CRLF line ends are accepted.
 
 Deterministic for a seed: the same sources and settings give byte-identical files.
 Bad input is reported with file:line (and the key for JSON) and the fix, never as a bare
@@ -47,8 +48,12 @@ from gguf_assets.lib.settings import Settings
 
 log = logging.getLogger(__name__)
 
-PROMPT_FORMATS = (".txt", ".jsonl", ".json", ".csv")
+PROMPT_FORMATS = (".txt", ".jsonl", ".json", ".csv", ".parquet")
 GZIP_SUFFIX = ".gz"
+PARQUET = ".parquet"
+# Rows per parquet batch: with only the text column read, memory is about this many prompts
+# plus one row group's compressed column chunk.
+PARQUET_BATCH_ROWS = 1024
 # One line (or one .json list item) may not exceed this; it bounds memory for a file with
 # no newlines at all, while leaving room for JSON records that carry other large fields.
 MAX_RECORD_BYTES = 64 << 20
@@ -371,6 +376,49 @@ def _read_json(stream: BinaryIO, file: Path, text_field: str, gz: bool) -> Itera
         raise CorpusError(f"{file}:{line_at(pos)}: not valid JSON (text after the closing ']'). {shape}")
 
 
+def _parquet_error(file: Path, exc: BaseException) -> CorpusError:
+    return CorpusError(f"{file}: not a readable parquet file ({exc}). Re-export it, or convert it to .jsonl.")
+
+
+def _read_parquet(file: Path, text_field: str) -> Iterator[str | BadRecord]:
+    """The text column of a parquet file, a batch of rows at a time; rows are numbered from 1."""
+    # Imported here: pyarrow takes a while to import, and only parquet sources need it.
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        parquet = pq.ParquetFile(file)
+    except FileNotFoundError:
+        raise CorpusError(f"{file}: prompt file not found. Fix the path in corpus.local_prompt_files "
+                          "(or the dataset source).") from None
+    except (pa.ArrowException, OSError) as exc:
+        raise _parquet_error(file, exc) from None
+    with parquet:
+        schema = parquet.schema_arrow
+        if text_field not in schema.names:
+            raise CorpusError(f"{file}: no column {text_field!r} (columns: "
+                              f"{', '.join(repr(c) for c in schema.names[:12])}). Set corpus.text_field (or the "
+                              "dataset's text_field) to the column that holds the prompt.")
+        kind = schema.field(text_field).type
+        value_kind = kind.value_type if pa.types.is_dictionary(kind) else kind
+        if not (pa.types.is_string(value_kind) or pa.types.is_large_string(value_kind)
+                or pa.types.is_string_view(value_kind)):
+            raise CorpusError(f"{file}: column {text_field!r} holds {kind}, not strings. Set corpus.text_field (or "
+                              "the dataset's text_field) to the column that holds the prompt.")
+        row = 0
+        try:
+            for batch in parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=[text_field],
+                                              use_threads=False):
+                for value in batch.column(0).to_pylist():
+                    row += 1
+                    if type(value) is str:
+                        yield value
+                    else:
+                        yield BadRecord(f"{file}: row {row}: column {text_field!r} is null, not a string.")
+        except (pa.ArrowException, OSError) as exc:
+            raise _parquet_error(file, exc) from None
+
+
 _READERS: dict[str, Callable[[BinaryIO, Path, str, bool], Iterator[str | BadRecord]]] = {
     ".txt": _read_txt, ".jsonl": _read_jsonl, ".json": _read_json, ".csv": _read_csv}
 
@@ -385,9 +433,17 @@ class _PromptFile:
         self.sha256: str | None = None
         if self.format is None:
             raise CorpusError(f"{file}: unsupported prompt file type. Use .txt (one prompt per line), .jsonl, .json "
-                              f"or .csv, optionally gzip-compressed ({GZIP_SUFFIX}).")
+                              f"or .csv, optionally gzip-compressed ({GZIP_SUFFIX}), or .parquet.")
+        if self.format == PARQUET and file.name.lower().endswith(GZIP_SUFFIX):
+            raise CorpusError(f"{file}: a gzip-compressed parquet file cannot be read in place. Decompress it; "
+                              "parquet compresses its columns itself.")
 
     def records(self) -> Iterator[str | BadRecord]:
+        if self.format == PARQUET:
+            # pyarrow seeks to the footer first, so the file is hashed in a pass of its own.
+            yield from _read_parquet(self.file, self.text_field)
+            self.sha256 = atomic.sha256_file(self.file)
+            return
         gz = self.file.name.lower().endswith(GZIP_SUFFIX)
         with _open_binary(self.file) as (stream, hashing):
             try:
@@ -456,10 +512,8 @@ def _dataset_files(folder: Path) -> list[Path]:
     files = sorted(p for p in folder.rglob("*") if p.is_file() and prompt_format(p)
                    and not p.name.startswith(atomic.TEMP_PREFIX) and p.name not in DATASET_METADATA_FILES)
     if not files:
-        parquet = any(folder.rglob("*.parquet"))
-        hint = " It holds .parquet files, which are not read yet; convert them to .jsonl." if parquet else ""
-        raise CorpusError(f"{folder}: no prompt files ({', '.join(PROMPT_FORMATS)}, optionally {GZIP_SUFFIX}) in "
-                          f"this dataset folder.{hint}")
+        raise CorpusError(f"{folder}: no prompt files ({', '.join(PROMPT_FORMATS)}, the text formats optionally "
+                          f"{GZIP_SUFFIX}) in this dataset folder.")
     return files
 
 

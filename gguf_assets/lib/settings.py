@@ -60,14 +60,14 @@ class Materials:
 
 @dataclass(frozen=True)
 class Corpus:
-    local_prompt_files: list = _f([], "extra prompt files: .txt one per line, or .jsonl with a \"text\" field", kind="paths")
+    local_prompt_files: list = _f([], "extra prompt files: .txt one per line, .jsonl/.json with a text field, .csv/.parquet with a text column (text formats may be .gz)", kind="paths")
     train_prompts: int = _f(60000, "number of train prompts", min=1)
     val_prompts: int = _f(1000, "number of val prompts", min=1)
     empty_fraction: float = _f(0.01, "fraction of each split that is the empty (CFG) prompt", min=0.0, max=0.5)
     seed: int = _f(0, "seed of the shuffle and split")
     min_chars: int = _f(3, "drop prompts shorter than this (characters)", min=0)
     max_chars: int = _f(2000, "drop prompts longer than this (characters)", min=1)
-    text_field: str = _f("text", "field (.jsonl/.json) or column (.csv) holding the prompt in local prompt files")
+    text_field: str = _f("text", "field (.jsonl/.json) or column (.csv/.parquet) holding the prompt in local prompt files")
     skip_bad_lines: bool = _f(False, "skip malformed lines in prompt files (counted and reported) instead of stopping")
     allow_fewer: bool = _f(False, "accept fewer prompts than train_prompts + val_prompts (train shrinks, val is kept)")
 
