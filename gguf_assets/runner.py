@@ -116,8 +116,10 @@ def run_pipeline(paths: ProjectPaths, *, echo: Callable[[str], None] = print, wo
     warnings.filterwarnings("ignore", category=dg.BetaWarning)
     from gguf_assets.defs.partitions import BY_SPLIT
     from gguf_assets.defs.resources import ProjectResource
-    from gguf_assets.definitions import defs
+    from gguf_assets.definitions import build_definitions
 
+    # Built for this project's current settings: the code versions are hashes of them.
+    defs = build_definitions(str(paths.root))
     instance = dg.DagsterInstance.get()
     size_gpu_pool(instance, at_least=workers if load_settings(paths.root).precompute.device == "cpu" else 1)
     assets = list(defs.assets)
@@ -170,8 +172,9 @@ def _shard_worker(project: str, split: str, first: str, last: str, token: str) -
 
     warnings.filterwarnings("ignore", category=dg.BetaWarning)
     from gguf_assets.defs.resources import LOCK_TOKEN_TAG, ProjectResource
-    from gguf_assets.definitions import defs
+    from gguf_assets.definitions import build_definitions
 
+    defs = build_definitions(str(paths.root))
     result = dg.materialize(list(defs.assets), instance=dg.DagsterInstance.get(), selection=[f"{split}_shards"],
                             resources={"project": ProjectResource(project_dir=str(paths.root))},
                             tags={RANGE_START_TAG: first, RANGE_END_TAG: last, LOCK_TOKEN_TAG: token},

@@ -302,9 +302,9 @@ def resolve_materials(paths: ProjectPaths, settings: Settings, *, token: str | N
 
 
 def materials_settings_key(settings: Settings) -> dict:
-    """The settings a materials manifest was resolved under."""
-    return {**settings.section_dict("materials"), "mode": settings.precompute.mode,
-            "mock_teacher": settings.precompute.mock_teacher}
+    """The settings a materials manifest was resolved under (the layers are read later, by the shards)."""
+    m = {k: v for k, v in settings.section_dict("materials").items() if k not in ("teacher_layer", "student_layer")}
+    return {**m, "mode": settings.precompute.mode, "mock_teacher": settings.precompute.mock_teacher}
 
 
 def manifest_is_current(paths: ProjectPaths, settings: Settings) -> bool:

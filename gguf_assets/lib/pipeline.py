@@ -78,6 +78,31 @@ def report_fingerprint(settings: Settings, gguf_sidecar: dict, val_fps: list[str
                                "also_copy_to": settings.output.also_copy_to, "format": 2})
 
 
+def settings_code_versions(settings: Settings) -> dict[str, str]:
+    """Per asset, a hash of the settings it depends on, given to Dagster as its code version.
+
+    A settings change then shows in the Dagster UI as exactly the affected assets (and their
+    downstream) going stale. The slices mirror what each stage's fingerprint uses.
+    """
+    from gguf_assets.lib.materials import materials_settings_key
+    from gguf_assets.lib.train import NON_RESULT_KEYS
+
+    m, p, o = settings.materials, settings.precompute, settings.output
+    halves = {"query_rows": [m.query_rows_file, m.query_rows_tensor], "layers": [m.teacher_layer, m.student_layer],
+              "template": p.prompt_template, "dtypes": [p.target_dtype, p.student_dtype], "mock": p.mock_teacher,
+              "mode": p.mode}
+    slices = {
+        "materials": materials_settings_key(settings),
+        "corpus": settings.section_dict("corpus"),
+        "train_shards": {**halves, "shard_size": p.shard_size},
+        "val_shards": {**halves, "shard_size": p.val_shard_size},
+        "adapter": {k: v for k, v in settings.section_dict("training").items() if k not in NON_RESULT_KEYS},
+        "gguf": {"name": o.adapter_name, "dir": o.output_dir, "copy": o.also_copy_to, "vision": o.export_vision_encoder},
+        "eval_report": {"evaluate": o.evaluate, "ggk_command": o.ggk_command},
+    }
+    return {asset: atomic.fingerprint(value) for asset, value in slices.items()}
+
+
 def recorded_fingerprint(sidecar: Path) -> str | None:
     try:
         return atomic.read_json(sidecar).get("fingerprint")
