@@ -43,11 +43,7 @@ def test_demo_dag_end_to_end_then_memoized_then_student_change(make_project):
         assert set(keys) <= materialized
 
     # Training metrics and live hardware figures arrive as observations while it runs (the UI plots them).
-    from dagster._core.event_api import EventRecordsFilter
-    from dagster._core.events import DagsterEventType
-
-    observations = instance.get_event_records(EventRecordsFilter(event_type=DagsterEventType.ASSET_OBSERVATION,
-                                                                 asset_key=dg.AssetKey("adapter")))
+    observations = instance.fetch_observations(dg.AssetKey("adapter"), limit=1000).records
     logged = [r.asset_observation.metadata for r in observations]
     assert any("loss" in m and "host_ram_used_gib" in m for m in logged)
     assert any("val_centred_cosine" in m for m in logged)
