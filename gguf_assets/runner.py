@@ -104,6 +104,21 @@ def _launch_shard_workers(paths: ProjectPaths, split: str, ranges: list[tuple[st
         raise PipelineFailed(f"{split} shard workers failed: {failed} (see `gguf-trainer ui {paths.root}`)")
 
 
+def _partitions_match(paths: ProjectPaths, settings, instance) -> bool:
+    """The registered shard partitions are exactly the shards of the current corpus and shard sizes."""
+    from gguf_assets.defs.corpus import shard_counts
+    from gguf_assets.defs.partitions import BY_SPLIT
+    from gguf_assets.lib import atomic
+    from gguf_assets.lib.layout import shard_key
+
+    splits = atomic.read_json(paths.corpus_manifest)["splits"]
+    p = settings.precompute
+    counts = shard_counts({s: splits[s]["prompts"] for s in SPLITS}, shard_size=p.shard_size,
+                          val_shard_size=p.val_shard_size)
+    return all(list(instance.get_dynamic_partitions(BY_SPLIT[s].name)) == [shard_key(i) for i in range(counts[s])]
+               for s in SPLITS)
+
+
 def run_pipeline(paths: ProjectPaths, *, echo: Callable[[str], None] = print, workers: int = 1) -> list[StageState]:
     """Materialize everything missing or stale; returns the final status.
 
@@ -140,8 +155,8 @@ def run_pipeline(paths: ProjectPaths, *, echo: Callable[[str], None] = print, wo
 
         check_prompt_files(paths, settings)
         status = {s.stage: s for s in project_status(paths, settings)}
-        partitions_ok = all(instance.get_dynamic_partitions(BY_SPLIT[s].name) for s in SPLITS)
-        if status["materials"].state != "current" or status["corpus"].state != "current" or not partitions_ok:
+        if (status["materials"].state != "current" or status["corpus"].state != "current"
+                or not _partitions_match(paths, settings, instance)):
             launch(["materials", "corpus"])
             status = {s.stage: s for s in project_status(paths, settings)}
         for split in SPLITS:
