@@ -15,6 +15,7 @@ from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
 
+from gguf_assets.lib import atomic
 from gguf_assets.lib.layout import SPLITS, ProjectPaths
 from gguf_assets.lib.lock import ProjectLock
 from gguf_assets.lib.pipeline import StageState, project_status
@@ -46,8 +47,6 @@ def prepare_instance(paths: ProjectPaths) -> Path:
     template = template.replace(placeholder, f" {json.dumps(str(home))}")
     target = home / DAGSTER_YAML
     if not target.is_file() or target.read_text(encoding="utf-8") != template:
-        from gguf_assets.lib import atomic
-
         atomic.write_text(target, template)
     from gguf_assets.defs.resources import PROJECT_ENV
 
@@ -104,21 +103,6 @@ def _launch_shard_workers(paths: ProjectPaths, split: str, ranges: list[tuple[st
         raise PipelineFailed(f"{split} shard workers failed: {failed} (see `gguf-trainer ui {paths.root}`)")
 
 
-def _partitions_match(paths: ProjectPaths, settings, instance) -> bool:
-    """The registered shard partitions are exactly the shards of the current corpus and shard sizes."""
-    from gguf_assets.defs.corpus import shard_counts
-    from gguf_assets.defs.partitions import BY_SPLIT
-    from gguf_assets.lib import atomic
-    from gguf_assets.lib.layout import shard_key
-
-    splits = atomic.read_json(paths.corpus_manifest)["splits"]
-    p = settings.precompute
-    counts = shard_counts({s: splits[s]["prompts"] for s in SPLITS}, shard_size=p.shard_size,
-                          val_shard_size=p.val_shard_size)
-    return all(list(instance.get_dynamic_partitions(BY_SPLIT[s].name)) == [shard_key(i) for i in range(counts[s])]
-               for s in SPLITS)
-
-
 def run_pipeline(paths: ProjectPaths, *, echo: Callable[[str], None] = print, workers: int = 1) -> list[StageState]:
     """Materialize everything missing or stale; returns the final status.
 
@@ -129,6 +113,7 @@ def run_pipeline(paths: ProjectPaths, *, echo: Callable[[str], None] = print, wo
     import dagster as dg
 
     warnings.filterwarnings("ignore", category=dg.BetaWarning)
+    from gguf_assets.defs.corpus import expected_shard_keys, partitions_match
     from gguf_assets.defs.partitions import BY_SPLIT
     from gguf_assets.defs.resources import ProjectResource
     from gguf_assets.definitions import build_definitions
@@ -156,7 +141,8 @@ def run_pipeline(paths: ProjectPaths, *, echo: Callable[[str], None] = print, wo
         check_prompt_files(paths, settings)
         status = {s.stage: s for s in project_status(paths, settings)}
         if (status["materials"].state != "current" or status["corpus"].state != "current"
-                or not _partitions_match(paths, settings, instance)):
+                or not partitions_match(instance, expected_shard_keys(atomic.read_json(paths.corpus_manifest),
+                                                                      settings))):
             launch(["materials", "corpus"])
             status = {s.stage: s for s in project_status(paths, settings)}
         for split in SPLITS:

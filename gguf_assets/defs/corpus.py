@@ -13,11 +13,21 @@ from gguf_assets.lib.materials import load_manifest
 from gguf_assets.lib.pipeline import corpus_fingerprint, corpus_is_current
 
 
-def sync_shard_partitions(instance: dg.DagsterInstance, counts: dict[str, int]) -> None:
-    """Make each split's dynamic partitions exactly shard 0..n-1 (insertion order = index order)."""
-    for split, n in counts.items():
+def expected_shard_keys(corpus_manifest: dict, settings) -> dict[str, list[str]]:
+    """Per split, the partition keys of shards 0..n-1 for this corpus and these shard sizes."""
+    sizes = {"train": settings.precompute.shard_size, "val": settings.precompute.val_shard_size}
+    return {split: [shard_key(i) for i in range(-(-corpus_manifest["splits"][split]["prompts"] // sizes[split]))]
+            for split in SPLITS}
+
+
+def partitions_match(instance: dg.DagsterInstance, wanted: dict[str, list[str]]) -> bool:
+    return all(list(instance.get_dynamic_partitions(BY_SPLIT[split].name)) == keys for split, keys in wanted.items())
+
+
+def sync_shard_partitions(instance: dg.DagsterInstance, wanted_by_split: dict[str, list[str]]) -> None:
+    """Make each split's dynamic partitions exactly ``wanted`` (insertion order = index order)."""
+    for split, wanted in wanted_by_split.items():
         name = BY_SPLIT[split].name
-        wanted = [shard_key(i) for i in range(n)]
         existing = list(instance.get_dynamic_partitions(name))
         if existing[: len(wanted)] != wanted[: len(existing)]:
             for key in existing:  # order broken (should not happen): rebuild so ranges stay contiguous
@@ -28,11 +38,6 @@ def sync_shard_partitions(instance: dg.DagsterInstance, counts: dict[str, int]) 
         missing = wanted[len(existing):]
         if missing:
             instance.add_dynamic_partitions(name, missing)
-
-
-def shard_counts(prompts: dict[str, int], *, shard_size: int, val_shard_size: int) -> dict[str, int]:
-    sizes = {"train": shard_size, "val": val_shard_size}
-    return {split: -(-prompts[split] // sizes[split]) for split in SPLITS}
 
 
 _MD_SPECIAL = str.maketrans({c: "\\" + c for c in "\\`*_[]<>|#"} | {"\n": " ", "\r": " ", "\t": " "})
@@ -80,9 +85,8 @@ def corpus(context: dg.AssetExecutionContext, project: ProjectResource) -> dg.Ma
     else:
         manifest = build_corpus(paths, settings, manifest_in, fingerprint=corpus_fingerprint(paths, settings, manifest_in))
     prompts = {s: manifest["splits"][s]["prompts"] for s in SPLITS}
-    p = settings.precompute
-    counts = shard_counts(prompts, shard_size=p.shard_size, val_shard_size=p.val_shard_size)
-    sync_shard_partitions(context.instance, counts)
+    wanted = expected_shard_keys(manifest, settings)
+    sync_shard_partitions(context.instance, wanted)
     requested = manifest.get("requested", prompts)
     return dg.MaterializeResult(metadata={
         "reused": reused, "fingerprint": manifest["fingerprint"],
@@ -92,7 +96,7 @@ def corpus(context: dg.AssetExecutionContext, project: ProjectResource) -> dg.Ma
         **{f"count_{k}": v for k, v in manifest["counts"].items()},
         **{f"length_{k}": v for k, v in manifest.get("length_chars", {}).items()},
         "sources_files": len(manifest.get("sources", [])),
-        "train_shards": counts["train"], "val_shards": counts["val"],
+        "train_shards": len(wanted["train"]), "val_shards": len(wanted["val"]),
         **{name: dg.MetadataValue.md(md) for name, md in corpus_markdown(manifest).items()},
         "manifest": dg.MetadataValue.path(str(paths.corpus_manifest)),
     })

@@ -74,6 +74,17 @@ class NvmlReader:
             return []
         return gpus
 
+    def versions(self) -> tuple[str | None, str | None]:
+        """(driver version, CUDA version the driver supports); (None, None) without a driver."""
+        if not self.available:
+            return None, None
+        try:
+            driver = self._nvml.nvmlSystemGetDriverVersion()
+            cuda = self._nvml.nvmlSystemGetCudaDriverVersion()
+        except Exception:  # a panel must never fail a run
+            return None, None
+        return _text(driver), f"{cuda // 1000}.{cuda % 1000 // 10}"
+
     def close(self) -> None:
         if self.available:
             self.available = False
@@ -255,26 +266,16 @@ def environment_report() -> dict:
 
 def hardware_report() -> dict:
     """GPUs (name, VRAM, driver, CUDA version), CPU and RAM: the 'Hardware' panel."""
-    report: dict = {"gpus": [], "driver": None, "cuda": None,
-                    "cpu": _cpu_model(), "cpu_cores": psutil.cpu_count(logical=False) or psutil.cpu_count(),
-                    "cpu_threads": psutil.cpu_count(), "ram_gib": round(psutil.virtual_memory().total / 2**30, 1)}
+    reader = NvmlReader()
     try:
-        import pynvml
-
-        pynvml.nvmlInit()
-    except Exception:  # no NVIDIA driver here: CPU and RAM only
-        return report
-    try:
-        report["driver"] = _text(pynvml.nvmlSystemGetDriverVersion())
-        cuda = pynvml.nvmlSystemGetCudaDriverVersion()
-        report["cuda"] = f"{cuda // 1000}.{cuda % 1000 // 10}"
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
-            report["gpus"].append({"index": i, "name": _text(pynvml.nvmlDeviceGetName(handle)),
-                                   "vram_gib": round(pynvml.nvmlDeviceGetMemoryInfo(handle).total / 2**30, 1)})
+        gpus = [{"index": g["index"], "name": _text(g["name"]), "vram_gib": round(g["mem_total_gib"], 1)}
+                for g in reader.read()]
+        driver, cuda = reader.versions()
     finally:
-        pynvml.nvmlShutdown()
-    return report
+        reader.close()
+    return {"gpus": gpus, "driver": driver, "cuda": cuda,
+            "cpu": _cpu_model(), "cpu_cores": psutil.cpu_count(logical=False) or psutil.cpu_count(),
+            "cpu_threads": psutil.cpu_count(), "ram_gib": round(psutil.virtual_memory().total / 2**30, 1)}
 
 
 def _text(value) -> str:
