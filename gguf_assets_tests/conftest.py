@@ -17,6 +17,15 @@ def demo_materials_root(tmp_path_factory) -> Path:
     return root
 
 
+def new_demo_project(root: Path, demo_materials: Path, *, steps: int = 120, mock_teacher: bool = False,
+                     **changes) -> ProjectPaths:
+    """A demo project folder at ``root``: a copy of the demo materials and its project.yaml."""
+    shutil.copytree(demo_materials, root / "materials" / "demo")
+    settings: Settings = replace(demo_settings(steps=steps, mock_teacher=mock_teacher), **changes)
+    write_project_file(root, settings)
+    return ProjectPaths.of(root)
+
+
 @pytest.fixture
 def make_project(tmp_path, demo_materials_root, monkeypatch):
     """make_project(settings_changes) → ProjectPaths of a fresh demo project with its own DAGSTER_HOME."""
@@ -26,11 +35,8 @@ def make_project(tmp_path, demo_materials_root, monkeypatch):
 
     def make(steps: int = 120, mock_teacher: bool = False, **changes) -> ProjectPaths:
         counter["n"] += 1
-        root = tmp_path / f"project{counter['n']}"
-        shutil.copytree(demo_materials_root, root / "materials" / "demo")
-        settings: Settings = replace(demo_settings(steps=steps, mock_teacher=mock_teacher), **changes)
-        write_project_file(root, settings)
-        return ProjectPaths.of(root)
+        return new_demo_project(tmp_path / f"project{counter['n']}", demo_materials_root, steps=steps,
+                                mock_teacher=mock_teacher, **changes)
 
     return make
 

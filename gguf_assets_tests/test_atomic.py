@@ -174,6 +174,16 @@ def test_remove_stale_temps_removes_only_temp_leftovers(tmp_path):
     assert atomic.remove_stale_temps(tmp_path) == 0
 
 
+def test_remove_stale_temps_of_named_files_leaves_other_programs_temps(tmp_path):
+    """The output folder may be shared: only the temps of our own files go."""
+    ours = [tmp_path / f"{TEMP_PREFIX}adapter.gguf.x1y2", tmp_path / f"{TEMP_PREFIX}adapter.json.k3"]
+    theirs = [tmp_path / f"{TEMP_PREFIX}adapter.gguf-other.z9", tmp_path / f"{TEMP_PREFIX}photo.png.q"]
+    for path in ours + theirs:
+        path.write_text("stale")
+    assert atomic.remove_stale_temps(tmp_path, of=["adapter.gguf", "adapter.json"]) == 2
+    assert sorted(tmp_path.iterdir()) == sorted(theirs)
+
+
 def test_remove_stale_temps_on_missing_folder(tmp_path):
     assert atomic.remove_stale_temps(tmp_path / "absent") == 0
 

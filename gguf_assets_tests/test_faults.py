@@ -1,8 +1,10 @@
-"""Fault injection: SIGKILL at random moments of a whole pipeline run, and a disk that fills up.
+"""Fault injection: SIGKILL and a full disk at random moments and at named points of real runs.
 
 After each fault the rerun finishes and its shards, weights and GGUF are byte-identical to an
-uninterrupted run. The kill moments are drawn at random (the seed is printed, and can be
-fixed with GGUF_FAULT_SEED to reproduce a failure).
+uninterrupted run. Random moments come from a seed that is printed (fix it with
+GGUF_FAULT_SEED to reproduce a failure). Named points (``gguf_assets.lib.faults``) make the
+short, dangerous moments certain: inside a shard write, a checkpoint save, the GGUF export
+and a hub download; which occurrence and how much of the file is torn are drawn from the seed.
 """
 
 import errno
@@ -15,13 +17,20 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load as safetensors_load
 
-from gguf_assets.lib import atomic
+from conftest import new_demo_project
+from gguf_assets.lib import atomic, faults
+from gguf_assets.lib.hub import INCOMPLETE_SUFFIX
+from gguf_assets.lib.train import STATE_FILE
 from gguf_assets.runner import PipelineFailed, run_pipeline
 
 CLI = [sys.executable, "-m", "gguf_assets.cli"]
 SETTINGS = dict(steps=40, mock_teacher=True, training={"checkpoint_every": 5, "validate_every": 20, "log_every": 10})
-KILLS = 3
+SHARD_HALVES, CHECKPOINTS = 5 * 2, 40 // 5
+RANDOM_KILLS = 3
+SEED = int(os.environ.get("GGUF_FAULT_SEED", time.time_ns() % 100_000))
 
 
 def _outputs(root: Path) -> dict[str, bytes]:
@@ -31,22 +40,38 @@ def _outputs(root: Path) -> dict[str, bytes]:
     return {str(f.relative_to(root)): f.read_bytes() for f in files}
 
 
-def _env() -> dict:
-    return {k: v for k, v in os.environ.items() if k not in ("DAGSTER_HOME", "GGUF_ASSETS_PROJECT")}
+def _env(**extra: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("DAGSTER_HOME", "GGUF_ASSETS_PROJECT", faults.ENV)}
+    return {**env, **extra}
 
 
-def test_sigkill_at_random_moments_then_auto_resume_gives_identical_outputs(make_project):
-    reference = make_project(**SETTINGS)
+def _auto_resume(root: Path) -> None:
+    resumed = subprocess.run([*CLI, "--auto-resume", str(root), "--no-daemon"], env=_env(),
+                             capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, f"seed {SEED}: {resumed.stdout}\n{resumed.stderr}"
+    assert not list(root.rglob(f"{atomic.TEMP_PREFIX}*")), "temp files left after the rerun"
+
+
+def _temps(root: Path) -> list[Path]:
+    return [p for p in root.rglob(f"{atomic.TEMP_PREFIX}*") if ".dagster" not in p.parts]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, demo_materials_root) -> tuple[dict[str, bytes], float]:
+    """The outputs of one uninterrupted `gguf-trainer run`, and how long it took."""
+    root = new_demo_project(tmp_path_factory.mktemp("reference"), demo_materials_root, **SETTINGS)
     start = time.perf_counter()
-    subprocess.run([*CLI, "run", str(reference.root)], env=_env(), check=True, capture_output=True, timeout=600)
-    duration = time.perf_counter() - start
-    expected = _outputs(reference.root)
-    assert len(expected) == 5 * 2 + 2
+    subprocess.run([*CLI, "run", str(root.root)], env=_env(), check=True, capture_output=True, timeout=600)
+    outputs = _outputs(root.root)
+    assert len(outputs) == SHARD_HALVES + 2
+    return outputs, time.perf_counter() - start
 
-    seed = int(os.environ.get("GGUF_FAULT_SEED", time.time_ns() % 100_000))
-    rng = random.Random(seed)
+
+def test_sigkill_at_random_moments_then_auto_resume_gives_identical_outputs(make_project, reference):
+    expected, duration = reference
+    rng = random.Random(SEED)
     table = []
-    for _ in range(KILLS):
+    for _ in range(RANDOM_KILLS):
         project = make_project(**SETTINGS)
         delay = rng.uniform(0.5, duration * 0.9)
         proc = subprocess.Popen([*CLI, "run", str(project.root)], env=_env(), stdout=subprocess.DEVNULL,
@@ -58,41 +83,140 @@ def test_sigkill_at_random_moments_then_auto_resume_gives_identical_outputs(make
         except ProcessLookupError:  # it had already finished: that point tests a plain rerun
             pass
         proc.wait()
-        done = sorted({p.parts[len(project.root.parts)] for p in project.root.glob("*/**/*.json")})
-        resumed = subprocess.run([*CLI, "--auto-resume", str(project.root), "--no-daemon"], env=_env(),
-                                 capture_output=True, text=True, timeout=600)
-        assert resumed.returncode == 0, f"seed {seed}, kill at {delay:.1f}s: {resumed.stdout}\n{resumed.stderr}"
+        begun = sorted({p.parts[len(project.root.parts)] for p in project.root.glob("*/**/*.json")})
+        _auto_resume(project.root)
         identical = _outputs(project.root) == expected
-        table.append((round(delay, 1), finished_first, done, identical))
-        assert not list(project.root.rglob(f"{atomic.TEMP_PREFIX}*")), "temp files left after the rerun"
-        assert identical, f"seed {seed}: outputs differ after a kill at {delay:.1f}s"
-    print(f"\nfault seed {seed}; uninterrupted run {duration:.1f}s; (kill at s, had finished, stages begun, identical):")
+        table.append((round(delay, 1), finished_first, begun, identical))
+        assert identical, f"seed {SEED}: outputs differ after a kill at {delay:.1f}s"
+    print(f"\nfault seed {SEED}; uninterrupted run {duration:.1f}s; (kill at s, had finished, stages begun, identical):")
     for row in table:
         print("  ", row)
 
 
-def test_disk_full_during_shard_write_fails_clearly_then_rerun_is_identical(make_project, monkeypatch):
-    reference = make_project(**SETTINGS)
-    run_pipeline(reference, echo=lambda _: None)
-    expected = _outputs(reference.root)
+# point, how many times an uninterrupted run reaches it, where its torn temp is left
+NAMED_POINTS = [("shard-write", SHARD_HALVES, "shards/*/*/.tmp-*.safetensors.*"),
+                ("train-step", 40, None),
+                ("checkpoint-save", CHECKPOINTS, f"checkpoints/*/.tmp-step-*/{STATE_FILE}"),
+                ("gguf-export", 1, "output/.tmp-*.gguf.*")]
 
+
+@pytest.mark.parametrize("point,reached,torn_glob", NAMED_POINTS, ids=[p[0] for p in NAMED_POINTS])
+def test_sigkill_at_a_named_point_then_auto_resume_gives_identical_outputs(make_project, reference, point, reached,
+                                                                           torn_glob):
+    expected, _ = reference
+    rng = random.Random(f"{SEED}-{point}")
+    fault = faults.Fault(point, nth=rng.randint(1, reached), action="kill", fraction=round(rng.random(), 3))
     project = make_project(**SETTINGS)
-    from gguf_assets.lib import shards
+    killed = subprocess.run([*CLI, "run", str(project.root)], env=_env(**{faults.ENV: fault.render()}),
+                            capture_output=True, text=True, timeout=600, start_new_session=True)
+    assert killed.returncode == -signal.SIGKILL, f"{fault.render()} did not kill the run: {killed.stderr[-2000:]}"
+    if torn_glob:  # the kill left a torn write where the point sits, cut to the drawn fraction
+        torn = list(project.root.glob(torn_glob))
+        assert len(torn) == 1, f"{fault.render()}: {_temps(project.root)}"
+    _auto_resume(project.root)
+    assert _outputs(project.root) == expected, f"seed {SEED}: outputs differ after {fault.render()}"
+    print(f"\n{fault.render()} (seed {SEED}): killed, resumed, outputs identical")
 
-    real_save, calls = shards.save_file, {"n": 0}
 
-    def save_until_full(tensors, filename, metadata=None):
-        calls["n"] += 1
-        if calls["n"] == 3:  # the second shard's teacher half: the disk is full
-            Path(filename).write_bytes(b"\0" * 100)  # a torn partial write, as a full disk leaves
-            raise OSError(errno.ENOSPC, "No space left on device", filename)
-        return real_save(tensors, filename, metadata=metadata)
+# point, how many times an uninterrupted run reaches it, what must survive the failure untouched
+FULL_DISK_POINTS = [("shard-write", SHARD_HALVES, "corpus/manifest.json"),
+                    ("checkpoint-save", CHECKPOINTS, "shards/val/*/teacher.safetensors"),
+                    ("gguf-export", 1, "checkpoints/*/final/adapter.safetensors")]
 
-    monkeypatch.setattr(shards, "save_file", save_until_full)
-    with pytest.raises(PipelineFailed, match="No space left on device"):
+
+@pytest.mark.parametrize("point,reached,kept_glob", FULL_DISK_POINTS, ids=[p[0] for p in FULL_DISK_POINTS])
+def test_full_disk_at_a_named_point_fails_clearly_then_rerun_is_identical(make_project, reference, monkeypatch,
+                                                                          point, reached, kept_glob):
+    expected, _ = reference
+    rng = random.Random(f"{SEED}-{point}-enospc")
+    fault = faults.Fault(point, nth=rng.randint(1, reached), action="enospc", fraction=round(rng.random(), 3))
+    project = make_project(**SETTINGS)
+    faults.reset()
+    monkeypatch.setenv(faults.ENV, fault.render())
+    with pytest.raises(PipelineFailed, match="No space left on device while writing") as failed:
         run_pipeline(project, echo=lambda _: None)
-    assert not list(project.root.rglob(f"{atomic.TEMP_PREFIX}*")), "a torn temp file was left behind"
+    assert "Free space on that disk and run again" in str(failed.value)
+    assert not _temps(project.root), "a torn temp file was left behind"
+    kept = {p: p.stat().st_mtime_ns for p in project.root.glob(kept_glob)}
+    assert kept, f"{kept_glob}: what was finished before the full disk is gone"
 
-    monkeypatch.setattr(shards, "save_file", real_save)
+    monkeypatch.delenv(faults.ENV)
     run_pipeline(project, echo=lambda _: None)
-    assert _outputs(project.root) == expected
+    assert _outputs(project.root) == expected, f"seed {SEED}: outputs differ after {fault.render()}"
+    assert {p: p.stat().st_mtime_ns for p in kept} == kept, "finished work was redone after the full disk"
+
+
+def _tensor_bits(blob: bytes) -> dict[str, torch.Tensor]:
+    return {k: v.contiguous().view(torch.uint8) for k, v in safetensors_load(blob).items()}
+
+
+def test_sigkill_during_a_hub_download_then_auto_resume_continues_the_file(make_project, reference, loopback_hub):
+    """The whole pipeline dies while the student's weights are half downloaded (the mock teacher
+    needs no teacher download); the rerun continues that file with a Range request, and the
+    results equal those built from local materials."""
+    weights = f"demo/student/resolve/{loopback_hub.head('demo/student')}/model.safetensors"
+    # The hub sends the first 400 kB, then holds the connection; the downloader has written
+    # whole chunks of it when the fault point fires.
+    loopback_hub.add_fault("stall", path_contains=weights, after_bytes=400_000)
+    project = make_project(**SETTINGS, materials={"teacher": "demo/teacher", "student": "demo/student",
+                                                  "datasets": ["demo/prompts"]})
+    killed = subprocess.run([*CLI, "run", str(project.root)], env=_env(**{faults.ENV: "download@1:kill"}),
+                            capture_output=True, text=True, timeout=600, start_new_session=True)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    partials = list(project.root.rglob("*" + INCOMPLETE_SUFFIX))
+    assert len(partials) == 1 and 0 < partials[0].stat().st_size <= 400_000, partials
+    have = partials[0].stat().st_size
+
+    _auto_resume(project.root)
+    assert [r["range"] for r in loopback_hub.file_requests("/model.safetensors") if weights in r["path"]] == [
+        None, f"bytes={have}-"]
+    # Same numbers as from local materials; the files' metadata differ (provenance, and the
+    # training run's folder is named by a fingerprint that includes the pinned commits).
+    expected, got = reference[0], _outputs(project.root)
+    assert len(got) == len(expected)
+    for (rel, blob), (want_rel, want_blob) in zip(got.items(), expected.items()):
+        if want_rel.endswith(".safetensors"):
+            have_bits, want_bits = _tensor_bits(blob), _tensor_bits(want_blob)
+            assert have_bits.keys() == want_bits.keys(), rel
+            assert all(torch.equal(have_bits[k], want_bits[k]) for k in want_bits), rel
+
+
+def test_atomic_write_on_a_full_disk_names_the_file_and_the_fix(tmp_path, monkeypatch):
+    target = tmp_path / "out" / "data.bin"
+    atomic.write_bytes(target, b"old")
+    monkeypatch.setenv(faults.ENV, "shard-write:enospc:0.25")
+    faults.reset()
+    with pytest.raises(OSError) as failed, atomic.atomic_path(target) as tmp:
+        tmp.write_bytes(b"new" * 100)
+        faults.point("shard-write", tmp)
+    assert failed.value.errno == errno.ENOSPC
+    assert str(target) in str(failed.value) and "MiB free there" in str(failed.value)
+    assert target.read_bytes() == b"old" and list(target.parent.iterdir()) == [target]
+
+
+def test_fault_spec_parses_and_names_the_variable_on_a_typo():
+    assert faults.parse("checkpoint-save@3:enospc:0.25") == faults.Fault("checkpoint-save", 3, "enospc", 0.25)
+    assert faults.parse("gguf-export") == faults.Fault("gguf-export", 1, "kill", 0.5)
+    assert faults.parse(faults.Fault("download", 2).render()) == faults.Fault("download", 2)
+    for bad in ("checkpoint", "shard-write@0", "shard-write@x", "shard-write:explode", "train-step:kill:2"):
+        with pytest.raises(faults.FaultSpecError, match=f"{faults.ENV}=.*points: download"):
+            faults.parse(bad)
+
+
+def test_fault_point_acts_only_at_its_nth_visit(tmp_path, monkeypatch):
+    monkeypatch.setenv(faults.ENV, "train-step@3:enospc")
+    faults.reset()
+    faults.point("shard-write")  # another point: ignored, and not counted
+    faults.point("train-step")
+    faults.point("train-step")
+    with pytest.raises(OSError, match="injected by GGUF_ASSETS_FAULT"):
+        faults.point("train-step")
+    faults.point("train-step")  # once only
+    with pytest.raises(KeyError, match="faults.POINTS"):
+        faults.point("no-such-point")
+
+
+def test_docs_list_every_fault_point():
+    doc = (Path(__file__).parents[1] / "docs" / "faults.md").read_text()
+    for name, moment in faults.POINTS.items():
+        assert f"| `{name}` | {moment} |" in doc, f"docs/faults.md: add the row for fault point {name}"

@@ -7,6 +7,7 @@ which is what lets every stage resume from the project folder.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -17,6 +18,16 @@ from pathlib import Path
 from typing import Any
 
 TEMP_PREFIX = ".tmp-"
+
+
+def _explained(exc: BaseException, final: Path) -> BaseException:
+    """A full disk gets a message that names the file, the space left and what to do."""
+    if not (isinstance(exc, OSError) and exc.errno == errno.ENOSPC):
+        return exc
+    free = shutil.disk_usage(final.parent if final.parent.exists() else "/").free
+    return OSError(errno.ENOSPC, f"No space left on device while writing {final} ({free / 2**20:.0f} MiB free "
+                                 "there). Free space on that disk and run again: the partial file was removed "
+                                 f"and everything finished before it is kept. ({exc.strerror})")
 
 
 def _umask() -> int:
@@ -54,10 +65,13 @@ def atomic_path(final: Path) -> Iterator[Path]:
             os.fsync(fh.fileno())
         os.replace(tmp, final)
         fsync_dir(final.parent)
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
-        raise
+        explained = _explained(exc, final)
+        if explained is exc:
+            raise
+        raise explained from exc
 
 
 def write_bytes(final: Path, data: bytes) -> None:
@@ -108,19 +122,27 @@ def atomic_dir(final: Path) -> Iterator[Path]:
         else:
             os.replace(tmp, final)
         fsync_dir(final.parent)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        explained = _explained(exc, final)
+        if explained is exc:
+            raise
+        raise explained from exc
 
 
-def remove_stale_temps(folder: Path) -> int:
-    """Delete temp files/folders a killed writer left behind. Returns how many."""
+def remove_stale_temps(folder: Path, *, of: list[str] | None = None) -> int:
+    """Delete temp files/folders a killed writer left behind. Returns how many.
+
+    ``of`` limits it to the temps of those final names: for folders the user shares with
+    other programs (the output folder, ``also_copy_to``).
+    """
     folder = Path(folder)
     if not folder.is_dir():
         return 0
+    prefixes = tuple(f"{TEMP_PREFIX}{name}." for name in of) if of is not None else (TEMP_PREFIX,)
     removed = 0
     for child in folder.iterdir():
-        if child.name.startswith(TEMP_PREFIX):
+        if child.name.startswith(prefixes):
             if child.is_dir():
                 shutil.rmtree(child, ignore_errors=True)
             else:

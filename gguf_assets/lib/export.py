@@ -90,6 +90,9 @@ def export_adapter(paths: ProjectPaths, settings: Settings, materials: dict, ada
     tensors = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
     hparams = {**meta["shape"], "layer_norm_epsilon": NORM_EPS, "mlp_ratio": MLP_RATIO}
     target = gguf_path(paths, settings)
+    # A killed export leaves its temp files; only ours go, as the folder may be shared.
+    ours = [target.name, vision_gguf_path(target.parent, name).name, target.with_suffix(".json").name]
+    atomic.remove_stale_temps(target.parent, of=ours)
     summary = write_adapter_gguf(target, tensors=tensors, hparams=hparams,
                                  provenance=provenance(settings, materials, meta), name=name)
     if summary["kept_f32"]:
@@ -108,6 +111,7 @@ def export_adapter(paths: ProjectPaths, settings: Settings, materials: dict, ada
     copies = []
     if settings.output.also_copy_to:
         folder = paths.resolve_local(settings.output.also_copy_to)
+        atomic.remove_stale_temps(folder, of=ours)
         for entry in list(files):
             copy = copy_verified(Path(entry["path"]), folder, sha256=entry["sha256"])
             copies.append(str(copy))

@@ -38,7 +38,7 @@ from typing import Any, NamedTuple
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 
-from gguf_assets.lib import atomic
+from gguf_assets.lib import atomic, faults
 
 logger = logging.getLogger(__name__)
 
@@ -476,6 +476,7 @@ def write_verified_gguf(path: Path, kvs: list[KV], tensors: Mapping[str, np.ndar
             raise ValueError(f"tensor {name!r} has dtype {array.dtype}; only float16/float32 are written")
     with atomic.atomic_path(Path(path)) as tmp:
         _write_file(tmp, kvs, tensors)
+        faults.point("gguf-export", tmp)
         _verify_file(tmp, kvs, tensors)
         size = tmp.stat().st_size
         sha = atomic.sha256_file(tmp)  # the rename keeps the bytes, so hash the verified temp

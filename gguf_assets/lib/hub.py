@@ -24,6 +24,7 @@ on stdin: never in argv, the environment, a file or a log line.
 from __future__ import annotations
 
 import hashlib
+import contextlib
 import json
 import logging
 import os
@@ -35,7 +36,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from gguf_assets.lib import atomic
+from gguf_assets.lib import atomic, faults
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +126,7 @@ class HubOptions:
     poll_s: float = 0.25
     # huggingface_hub writes 10 MiB chunks; smaller ones let the watchdog see progress on a slow
     # link and let a killed download keep more of what it received.
-    chunk_bytes: int = 1 << 20
+    chunk_bytes: int = 256 << 10
 
 
 @dataclass
@@ -374,6 +375,20 @@ def _classify(exc: BaseException, request: dict) -> dict:
     return {"ok": False, "kind": "transient", "status": status, "detail": detail}
 
 
+def partial_files(folder: Path) -> list[Path]:
+    """The temp files huggingface_hub is writing (or a killed download left) for ``folder``."""
+    download_dir = folder / HF_CACHE_DIR / "huggingface" / "download"
+    return list(download_dir.rglob("*" + INCOMPLETE_SUFFIX)) if download_dir.is_dir() else []
+
+
+def _has_partial(folder: Path) -> bool:
+    for partial in partial_files(folder):
+        with contextlib.suppress(FileNotFoundError):  # huggingface_hub renames it when the file is done
+            if partial.stat().st_size:
+                return True
+    return False
+
+
 def _resume_partials(request: dict, token: str | bool) -> list[str]:
     """Finish the files an earlier, killed download left partial; return those now complete.
 
@@ -385,8 +400,7 @@ def _resume_partials(request: dict, token: str | bool) -> list[str]:
     from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
 
     folder = Path(request["local_dir"])
-    download_dir = folder / HF_CACHE_DIR / "huggingface" / "download"
-    partials = list(download_dir.rglob("*" + INCOMPLETE_SUFFIX)) if download_dir.is_dir() else []
+    partials = partial_files(folder)
     done = []
     for rel, remote in request["remote"].items():
         mine = sorted((p for p in partials if _partial_etag(p, {remote["etag"]})), key=lambda p: p.stat().st_size)
@@ -515,6 +529,8 @@ def download(ref: RepoRef, listing: Listing, folder: Path, *, token: str | None 
     total = listing.total_bytes
 
     def progress(current: int) -> None:
+        if faults.armed("download") and _has_partial(folder):  # only in fault-injection runs
+            faults.point("download")
         if time.monotonic() - last_log[0] > 10:
             last_log[0] = time.monotonic()
             log.info("%s: %.1f of %.1f MiB on disk", ref, current / 2**20, total / 2**20)

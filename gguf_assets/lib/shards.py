@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from gguf_assets.lib import atomic
+from gguf_assets.lib import atomic, faults
 from gguf_assets.lib.corpus import read_split, shard_prompts
 from gguf_assets.lib.hardware import HardwareSampler, Progress, resolve_device
 from gguf_assets.lib.layout import PROMPTS_FILE, STUDENT_FILE, TEACHER_FILE, ProjectPaths, shard_key
@@ -121,6 +121,7 @@ def _write_half(folder: Path, half: str, tensors: dict[str, torch.Tensor], meta:
     data_path = data_file(folder, half)
     with atomic.atomic_path(data_path) as tmp:
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata={"fingerprint": meta["fingerprint"]})
+        faults.point("shard-write", tmp)
     meta = {**meta, "bytes": data_path.stat().st_size, "sha256": atomic.sha256_file(data_path)}
     # The sidecar goes last: a shard half counts as done only once its sidecar exists.
     atomic.write_json(folder / f"{half}.json", meta)

@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from gguf_assets.lib import atomic
+from gguf_assets.lib import atomic, faults
 from gguf_assets.lib.adapter import Adapter, AdapterShape, adapter_loss, centred_cosine_rows, lr_at, standardize
 from gguf_assets.lib.hardware import resolve_device
 from gguf_assets.lib.layout import PROMPTS_FILE, STUDENT_FILE, TEACHER_FILE, ProjectPaths
@@ -445,6 +445,7 @@ def save_checkpoint(folder: Path, *, model: Adapter, optimizer: torch.optim.Opti
     with atomic.atomic_dir(folder) as tmp:
         save_file(_weights(model), str(tmp / WEIGHTS_FILE))
         torch.save({"optimizer": optimizer.state_dict(), "rng": _rng_state(), "step": step}, tmp / STATE_FILE)
+        faults.point("checkpoint-save", tmp / STATE_FILE)
         (tmp / META_FILE).write_text(json.dumps({**meta, "step": step}, indent=2, sort_keys=True))
 
 
@@ -681,6 +682,7 @@ def train_adapter(paths: ProjectPaths, settings: Settings, *, train_folders: lis
                                                       model=model, learning_rate=t.learning_rate))
             optimizer.step()
             step += 1
+            faults.point("train-step")
             window_steps += 1
 
             if step % t.log_every == 0 or step == t.steps:
