@@ -140,10 +140,14 @@ def run_pipeline(paths: ProjectPaths, *, echo: Callable[[str], None] = print, wo
 
         check_prompt_files(paths, settings)
         status = {s.stage: s for s in project_status(paths, settings)}
-        if (status["materials"].state != "current" or status["corpus"].state != "current"
-                or not partitions_match(instance, expected_shard_keys(atomic.read_json(paths.corpus_manifest),
-                                                                      settings))):
+        # New materials come with the corpus: it reads them, and when it finds itself current it
+        # only records that (same data version), so Dagster does not show it stale.
+        if status["materials"].state != "current":
             launch(["materials", "corpus"])
+            status = {s.stage: s for s in project_status(paths, settings)}
+        elif status["corpus"].state != "current" or not partitions_match(
+                instance, expected_shard_keys(atomic.read_json(paths.corpus_manifest), settings)):
+            launch(["corpus"])
             status = {s.stage: s for s in project_status(paths, settings)}
         for split in SPLITS:
             if status[f"{split}_shards"].state != "current":

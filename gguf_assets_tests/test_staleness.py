@@ -1,8 +1,11 @@
-"""After a settings change, exactly the dependent assets are stale in Dagster's own view (the UI's).
+"""After a settings change, exactly the dependent assets are stale in Dagster's own view (the UI's),
+and exactly those are materialized by the next run.
 
-Dagster marks an asset stale for its own causes (a new code version, i.e. changed settings,
-or a new upstream data version); downstream assets turn stale once the upstream is redone.
+Each asset's code version hashes every setting its result depends on, its inputs' included,
+so a change marks the changed stage and everything that reads it at once.
 """
+
+import shutil
 
 import dagster as dg
 from dagster._core.definitions.data_version import CachingStaleStatusResolver, StaleStatus
@@ -30,34 +33,59 @@ def _stale(paths) -> set[str]:
     return stale
 
 
-def test_settings_changes_mark_exactly_the_dependent_assets_stale(make_project):
-    paths = make_project(steps=10, mock_teacher=True)
+def _materialized_since(storage_id: int) -> set[str]:
+    instance = dg.DagsterInstance.get()
+    return {name for name in ASSETS if instance.fetch_materializations(
+        dg.AssetRecordsFilter(asset_key=dg.AssetKey(name), after_storage_id=storage_id), limit=1).records}
+
+
+def _last_storage_id() -> int:
+    instance = dg.DagsterInstance.get()
+    ids = [r.storage_id for name in ASSETS for r in instance.fetch_materializations(dg.AssetKey(name), limit=1).records]
+    return max(ids, default=0)
+
+
+DOWNSTREAM_OF_SHARDS = {"train_shards", "val_shards", "adapter", "gguf", "eval_report"}
+
+
+def test_settings_changes_mark_exactly_the_dependent_assets_stale_and_only_those_rerun(make_project):
+    """Each change, cumulative: the UI's stale set is exactly what the next run materializes."""
+    paths = make_project(steps=10, corpus={"train_prompts": 200, "val_prompts": 50},
+                         precompute={"shard_size": 100, "val_shard_size": 50})
+    shutil.copytree(paths.root / "materials/demo/teacher", paths.root / "materials/demo/teacher-copy")
     run_pipeline(paths, echo=lambda _: None)
     assert _stale(paths) == set()
 
-    settings = load_settings(paths.root)
-    # Cadence settings change nothing that was computed.
-    write_project_file(paths.root, replace(settings, training={"log_every": 7}))
-    assert _stale(paths) == set()
-    write_project_file(paths.root, replace(settings, materials={"student_layer": 1}))
-    assert _stale(paths) == {"train_shards", "val_shards"}
-    write_project_file(paths.root, replace(settings, corpus={"seed": 3}))
-    assert _stale(paths) == {"corpus"}
-    write_project_file(paths.root, replace(settings, output={"ggk_command": "ggk --adapter {adapter_gguf}"}))
-    assert _stale(paths) == {"eval_report"}
+    changes = [
+        ({"training": {"log_every": 7}}, set()),  # cadence settings change nothing that was computed
+        ({"materials": {"student_layer": 1}}, DOWNSTREAM_OF_SHARDS),
+        ({"materials": {"teacher_layer": 1}}, DOWNSTREAM_OF_SHARDS),
+        ({"materials": {"teacher": "materials/demo/teacher-copy"}}, {"materials"} | DOWNSTREAM_OF_SHARDS),
+        ({"corpus": {"seed": 3}}, {"corpus"} | DOWNSTREAM_OF_SHARDS),
+        ({"output": {"ggk_command": "ggk --adapter {adapter_gguf}"}}, {"eval_report"}),
+        ({"training": {"learning_rate": 5e-4}}, {"adapter", "gguf", "eval_report"}),
+    ]
+    for change, dependent in changes:
+        write_project_file(paths.root, replace(load_settings(paths.root), **change))
+        assert _stale(paths) == dependent, change
+        teacher_files = {p: p.stat().st_mtime_ns for p in paths.root.glob("shards/*/*/teacher.safetensors")}
+        corpus_mtime = paths.corpus_manifest.stat().st_mtime_ns
+        before = _last_storage_id()
+        run_pipeline(paths, echo=lambda _: None)
+        # New materials are always followed by the corpus, which then only records that it is current.
+        assert _materialized_since(before) == dependent | ({"corpus"} if "materials" in dependent else set()), change
+        assert ("corpus" in dependent) == (paths.corpus_manifest.stat().st_mtime_ns != corpus_mtime), change
+        assert _stale(paths) == set(), change
+        if "student_layer" in change.get("materials", {}):  # the teacher targets were reused, not redone
+            assert {p: p.stat().st_mtime_ns for p in teacher_files} == teacher_files
 
-    write_project_file(paths.root, replace(settings, training={"learning_rate": 5e-4}))
-    assert _stale(paths) == {"adapter"}
-    # Redo only the adapter: what reads it turns stale, nothing upstream does.
+    # Redo only the adapter: what reads it stays stale, nothing upstream turns stale.
+    write_project_file(paths.root, replace(load_settings(paths.root), training={"weight_decay": 0.02}))
     defs = build_definitions(str(paths.root))
     resources = {"project": ProjectResource(project_dir=str(paths.root))}
     assert dg.materialize(list(defs.assets), instance=dg.DagsterInstance.get(), resources=resources,
                           selection=["adapter"]).success
-    assert _stale(paths) == {"gguf"}
-
-    # Rematerializing under the new settings makes everything fresh again.
-    run_pipeline(paths, echo=lambda _: None)
-    assert _stale(paths) == set()
+    assert _stale(paths) == {"gguf", "eval_report"}
 
 
 def test_new_shard_size_re_registers_partitions_and_reruns(make_project):

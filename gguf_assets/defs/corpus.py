@@ -88,7 +88,8 @@ def corpus(context: dg.AssetExecutionContext, project: ProjectResource) -> dg.Ma
     wanted = expected_shard_keys(manifest, settings)
     sync_shard_partitions(context.instance, wanted)
     requested = manifest.get("requested", prompts)
-    return dg.MaterializeResult(metadata={
+    # The data version is the content's fingerprint: a reused corpus leaves the shards current in the UI.
+    return dg.MaterializeResult(data_version=dg.DataVersion(manifest["fingerprint"]), metadata={
         "reused": reused, "fingerprint": manifest["fingerprint"],
         "train_prompts": prompts["train"], "val_prompts": prompts["val"],
         "train_prompts_requested": requested["train"],

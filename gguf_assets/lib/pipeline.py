@@ -79,28 +79,35 @@ def report_fingerprint(settings: Settings, gguf_sidecar: dict, val_fps: list[str
 
 
 def settings_code_versions(settings: Settings) -> dict[str, str]:
-    """Per asset, a hash of the settings it depends on, given to Dagster as its code version.
+    """Per asset, a hash of every setting its result depends on, given to Dagster as its code version.
 
-    A settings change then shows in the Dagster UI as exactly the affected assets (and their
-    downstream) going stale. The slices mirror what each stage's fingerprint uses.
+    Each version includes the versions of the assets it reads, so a settings change shows in
+    the Dagster UI at once as exactly the assets the next run recomputes: a teacher change
+    marks the shards and everything after them, never the corpus. The slices mirror what
+    each stage's fingerprint uses; cadence settings (log_every, ...) are in none of them.
     """
     from gguf_assets.lib.materials import materials_settings_key
     from gguf_assets.lib.train import NON_RESULT_KEYS
 
     m, p, o = settings.materials, settings.precompute, settings.output
-    halves = {"query_rows": [m.query_rows_file, m.query_rows_tensor], "layers": [m.teacher_layer, m.student_layer],
-              "template": p.prompt_template, "dtypes": [p.target_dtype, p.student_dtype], "mock": p.mock_teacher,
-              "mode": p.mode}
-    slices = {
-        "materials": materials_settings_key(settings),
-        "corpus": settings.section_dict("corpus"),
-        "train_shards": {**halves, "shard_size": p.shard_size},
-        "val_shards": {**halves, "shard_size": p.val_shard_size},
-        "adapter": {k: v for k, v in settings.section_dict("training").items() if k not in NON_RESULT_KEYS},
-        "gguf": {"name": o.adapter_name, "dir": o.output_dir, "copy": o.also_copy_to, "vision": o.export_vision_encoder},
-        "eval_report": {"evaluate": o.evaluate, "ggk_command": o.ggk_command},
-    }
-    return {asset: atomic.fingerprint(value) for asset, value in slices.items()}
+    student = [m.student, m.student_layer, p.student_dtype]
+    teacher = None if p.mode == "student" else {
+        "source": ["mock", *student] if p.mock_teacher else [m.teacher, m.query_rows_file, m.query_rows_tensor,
+                                                              m.teacher_layer],
+        "dtype": p.target_dtype}
+    corpus = atomic.fingerprint({"datasets": m.datasets, **settings.section_dict("corpus")})
+    halves = {"corpus": corpus, "teacher": teacher, "student": None if p.mode == "teacher" else student,
+              "template": p.prompt_template}
+    train_shards = atomic.fingerprint({**halves, "shard_size": p.shard_size})
+    val_shards = atomic.fingerprint({**halves, "shard_size": p.val_shard_size})
+    adapter = atomic.fingerprint({"train": train_shards, "val": val_shards, **{
+        k: v for k, v in settings.section_dict("training").items() if k not in NON_RESULT_KEYS}})
+    gguf = atomic.fingerprint({"adapter": adapter, "name": o.adapter_name, "dir": o.output_dir,
+                               "copy": o.also_copy_to, "vision": [m.vision_encoder, o.export_vision_encoder]})
+    eval_report = atomic.fingerprint({"gguf": gguf, "evaluate": o.evaluate, "ggk_command": o.ggk_command})
+    return {"materials": atomic.fingerprint(materials_settings_key(settings)), "corpus": corpus,
+            "train_shards": train_shards, "val_shards": val_shards, "adapter": adapter, "gguf": gguf,
+            "eval_report": eval_report}
 
 
 def recorded_fingerprint(sidecar: Path) -> str | None:
