@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from pathlib import Path
@@ -166,10 +167,11 @@ def test_remove_stale_temps_removes_only_temp_leftovers(tmp_path):
     stale_dir = tmp_path / f"{TEMP_PREFIX}step-00010.abc"
     stale_dir.mkdir()
     (stale_dir / "weights.bin").write_bytes(b"w")
+    (tmp_path / "ckpt").mkdir()
     (tmp_path / f"{TEMP_PREFIX}ckpt.old").mkdir()
 
     assert atomic.remove_stale_temps(tmp_path) == 3
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["keep-dir", "keep.json", "x.tmp-notprefix"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "keep-dir", "keep.json", "x.tmp-notprefix"]
     assert (tmp_path / "keep-dir" / f"{TEMP_PREFIX}nested").is_file()
     assert atomic.remove_stale_temps(tmp_path) == 0
 
@@ -182,6 +184,39 @@ def test_remove_stale_temps_of_named_files_leaves_other_programs_temps(tmp_path)
         path.write_text("stale")
     assert atomic.remove_stale_temps(tmp_path, of=["adapter.gguf", "adapter.json"]) == 2
     assert sorted(tmp_path.iterdir()) == sorted(theirs)
+
+
+def test_a_folder_set_aside_by_a_killed_replace_is_put_back(tmp_path):
+    """A kill between atomic_dir's two renames leaves the old folder only under its .old name."""
+    (tmp_path / "best").mkdir()
+    (tmp_path / "best" / "w").write_bytes(b"v1")
+    os.replace(tmp_path / "best", tmp_path / f"{TEMP_PREFIX}best{atomic.OLD_SUFFIX}")  # where the kill left it
+    (tmp_path / f"{TEMP_PREFIX}best.k2j4h5g6").mkdir()  # the new one, never renamed
+    (tmp_path / "final").mkdir()
+    (tmp_path / f"{TEMP_PREFIX}final{atomic.OLD_SUFFIX}").mkdir()  # its successor is in place: just stale
+
+    assert atomic.remove_stale_temps(tmp_path) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best", "final"]
+    assert (tmp_path / "best" / "w").read_bytes() == b"v1"
+
+
+def test_atomic_dir_puts_the_old_folder_back_when_the_new_one_cannot_take_its_place(tmp_path, monkeypatch):
+    final = tmp_path / "best"
+    with atomic.atomic_dir(final) as tmp:
+        (tmp / "w").write_bytes(b"v1")
+    real_replace, calls = os.replace, []
+
+    def replace_failing_second(src, dst):
+        calls.append(dst)
+        if len(calls) == 2:
+            raise OSError(errno.EIO, "Input/output error")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(atomic.os, "replace", replace_failing_second)
+    with pytest.raises(OSError, match="Input/output error"), atomic.atomic_dir(final) as tmp:
+        (tmp / "w").write_bytes(b"v2")
+    monkeypatch.setattr(atomic.os, "replace", real_replace)
+    assert (final / "w").read_bytes() == b"v1" and sorted(p.name for p in tmp_path.iterdir()) == ["best"]
 
 
 def test_remove_stale_temps_on_missing_folder(tmp_path):

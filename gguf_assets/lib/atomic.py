@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 TEMP_PREFIX = ".tmp-"
+OLD_SUFFIX = ".old"  # a replaced folder, kept complete until its successor is in place
 
 
 def _explained(exc: BaseException, final: Path) -> BaseException:
@@ -113,8 +114,9 @@ def atomic_dir(final: Path) -> Iterator[Path]:
                     os.fsync(fh.fileno())
         fsync_dir(tmp)
         if final.exists():
-            # Rename the old folder aside first so no instant exists with neither complete.
-            old = final.with_name(TEMP_PREFIX + final.name + ".old")
+            # Rename the old folder aside first; a kill between the two renames leaves it
+            # complete under OLD_SUFFIX, and remove_stale_temps puts it back.
+            old = final.with_name(TEMP_PREFIX + final.name + OLD_SUFFIX)
             shutil.rmtree(old, ignore_errors=True)
             os.replace(final, old)
             os.replace(tmp, final)
@@ -124,6 +126,9 @@ def atomic_dir(final: Path) -> Iterator[Path]:
         fsync_dir(final.parent)
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        old = final.with_name(TEMP_PREFIX + final.name + OLD_SUFFIX)
+        if old.is_dir() and not final.exists():
+            os.replace(old, final)
         explained = _explained(exc, final)
         if explained is exc:
             raise
@@ -132,6 +137,9 @@ def atomic_dir(final: Path) -> Iterator[Path]:
 
 def remove_stale_temps(folder: Path, *, of: list[str] | None = None) -> int:
     """Delete temp files/folders a killed writer left behind. Returns how many.
+
+    A folder that atomic_dir had set aside is put back instead when its successor never
+    took its place (not counted).
 
     ``of`` limits it to the temps of those final names: for folders the user shares with
     other programs (the output folder, ``also_copy_to``).
@@ -142,6 +150,12 @@ def remove_stale_temps(folder: Path, *, of: list[str] | None = None) -> int:
     prefixes = tuple(f"{TEMP_PREFIX}{name}." for name in of) if of is not None else (TEMP_PREFIX,)
     removed = 0
     for child in folder.iterdir():
+        if child.name.startswith(prefixes) and child.name.endswith(OLD_SUFFIX) and child.is_dir():
+            final = folder / child.name[len(TEMP_PREFIX):-len(OLD_SUFFIX)]
+            if not final.exists():  # killed between atomic_dir's two renames: the old one is all there is
+                os.replace(child, final)
+                fsync_dir(folder)
+                continue
         if child.name.startswith(prefixes):
             if child.is_dir():
                 shutil.rmtree(child, ignore_errors=True)

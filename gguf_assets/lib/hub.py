@@ -23,8 +23,8 @@ on stdin: never in argv, the environment, a file or a log line.
 
 from __future__ import annotations
 
-import hashlib
 import contextlib
+import hashlib
 import json
 import logging
 import os
