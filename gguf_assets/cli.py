@@ -107,13 +107,17 @@ def _venv_tool(name: str) -> str:
     return str(candidate) if candidate.exists() else name
 
 
-def run_services(commands: list[list[str]], *, grace_s: float = 10.0) -> int:
-    """Run processes until one exits or we get Ctrl-C/SIGTERM; then stop them all promptly.
+def start_services(commands: list[list[str]]) -> list[subprocess.Popen]:
+    """Start long-running processes, each in its own session so a stop reaches its children."""
+    return [subprocess.Popen(cmd, env=os.environ.copy(), start_new_session=True) for cmd in commands]
+
+
+def supervise(procs: list[subprocess.Popen], *, grace_s: float = 10.0) -> int:
+    """Wait until one process exits or we get Ctrl-C/SIGTERM; then stop them all promptly.
 
     Each child gets SIGTERM, then SIGKILL after ``grace_s`` (dagster dev was seen ignoring
     SIGTERM for over a minute, so the webserver and daemon are run and stopped directly).
     """
-    procs = [subprocess.Popen(cmd, env=os.environ.copy(), start_new_session=True) for cmd in commands]
     stopping = {"signal": None}
 
     def stop(signum, _frame):
@@ -124,19 +128,34 @@ def run_services(commands: list[list[str]], *, grace_s: float = 10.0) -> int:
         while stopping["signal"] is None and all(p.poll() is None for p in procs):
             time.sleep(0.2)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for p in procs:
-            try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+        stop_services(procs, grace_s=grace_s)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return 0 if stopping["signal"] is not None else max(p.returncode or 0 for p in procs)
+
+
+def stop_services(procs: list[subprocess.Popen], *, grace_s: float = 10.0) -> None:
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+DEFINITIONS_MODULE = ["-m", "gguf_assets.definitions"]
+
+
+def webserver_command(host: str, port: int) -> list[str]:
+    return [_venv_tool("dagster-webserver"), *DEFINITIONS_MODULE, "-h", host, "-p", str(port)]
+
+
+def daemon_command() -> list[str]:
+    return [_venv_tool("dagster-daemon"), "run", *DEFINITIONS_MODULE]
 
 
 def cmd_ui(args: argparse.Namespace) -> int:
@@ -145,16 +164,18 @@ def cmd_ui(args: argparse.Namespace) -> int:
     paths = ProjectPaths.of(args.project)
     load_settings(paths.root)
     prepare_instance(paths)
-    module = ["-m", "gguf_assets.definitions"]
     print(f"Dagster UI for {paths.root} on http://{args.host}:{args.port} (Ctrl-C to stop)", flush=True)
-    commands = [[_venv_tool("dagster-webserver"), *module, "-h", args.host, "-p", str(args.port)]]
+    commands = [webserver_command(args.host, args.port)]
     if not args.no_daemon:
-        commands.append([_venv_tool("dagster-daemon"), "run", *module])
-    return run_services(commands)
+        commands.append(daemon_command())
+    return supervise(start_services(commands))
 
 
-def cmd_auto_resume(project: str, *, daemon: bool) -> int:
-    """At boot: mark cut-off runs failed, continue the pipeline, then keep the daemon running."""
+def cmd_auto_resume(project: str, *, daemon: bool, ui_port: int | None = None, ui_host: str = "127.0.0.1") -> int:
+    """At boot: mark cut-off runs failed, continue the pipeline, then keep the daemon running.
+
+    With ``ui_port`` the webserver starts first, so the resumed run can be watched.
+    """
     from gguf_assets.runner import prepare_instance
 
     paths = ProjectPaths.of(project)
@@ -164,17 +185,27 @@ def cmd_auto_resume(project: str, *, daemon: bool) -> int:
 
     from gguf_assets.defs.resume import mark_interrupted_runs
 
-    marked = mark_interrupted_runs(dg.DagsterInstance.get())
-    print(f"project {paths.root}: marked {len(marked)} interrupted run(s) as failed {marked if marked else ''}")
-    _print_status(paths)
-    code = 0
-    if settings.output.auto_resume:
-        code = cmd_run(argparse.Namespace(project=project))
-    else:
-        print("output.auto_resume is false: only reporting what is unfinished")
+    services = []
+    if ui_port is not None:
+        print(f"Dagster UI for {paths.root} on http://{ui_host}:{ui_port}", flush=True)
+        services = start_services([webserver_command(ui_host, ui_port)])
+    try:
+        marked = mark_interrupted_runs(dg.DagsterInstance.get())
+        print(f"project {paths.root}: marked {len(marked)} interrupted run(s) as failed {marked if marked else ''}")
+        _print_status(paths)
+        code = 0
+        if settings.output.auto_resume:
+            code = cmd_run(argparse.Namespace(project=project))
+        else:
+            print("output.auto_resume is false: only reporting what is unfinished")
+    except BaseException:
+        stop_services(services)
+        raise
     if daemon:
-        print("starting dagster-daemon for the project (sensors, schedules); Ctrl-C to stop")
-        return run_services([[_venv_tool("dagster-daemon"), "run", "-m", "gguf_assets.definitions"]])
+        print("starting dagster-daemon for the project (sensors, schedules); Ctrl-C to stop", flush=True)
+        services += start_services([daemon_command()])
+    if services:
+        return supervise(services)
     return code
 
 
@@ -183,6 +214,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--auto-resume", metavar="PROJECT",
                         help="at boot: mark cut-off runs failed, continue the pipeline, keep dagster-daemon running")
     parser.add_argument("--no-daemon", action="store_true", help="with --auto-resume: exit instead of starting the daemon")
+    parser.add_argument("--ui-port", type=int, metavar="PORT",
+                        help="with --auto-resume: also serve the Dagster UI on this port, from the start")
+    parser.add_argument("--ui-host", default="127.0.0.1", help="with --ui-port: the address to listen on")
     sub = parser.add_subparsers(dest="command")
     p = sub.add_parser("init", help="create a project folder with a commented project.yaml")
     p.add_argument("project")
@@ -214,7 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.auto_resume:
-            return cmd_auto_resume(args.auto_resume, daemon=not args.no_daemon)
+            return cmd_auto_resume(args.auto_resume, daemon=not args.no_daemon, ui_port=args.ui_port,
+                                   ui_host=args.ui_host)
         if not args.command:
             parser.print_help()
             return 2

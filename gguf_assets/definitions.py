@@ -23,13 +23,16 @@ from gguf_assets.lib.settings import PROJECT_FILE, load_settings  # noqa: E402
 
 def build_definitions(project_dir: str | None) -> dg.Definitions:
     assets = dg.load_assets_from_modules([materials, corpus, precompute, training, output])
+    auto_resume = True
     if project_dir and os.path.isfile(os.path.join(project_dir, PROJECT_FILE)):
-        versions = settings_code_versions(load_settings(project_dir))
+        settings = load_settings(project_dir)
+        auto_resume = settings.output.auto_resume
+        versions = settings_code_versions(settings)
         assets = [a.map_asset_specs(lambda spec: spec.replace_attributes(
             code_version=versions[spec.key.to_user_string()])) for a in assets]
     return dg.Definitions(
         assets=assets,
-        sensors=[interrupted_runs_sensor],
+        sensors=[interrupted_runs_sensor(running=auto_resume)],
         resources={"project": ProjectResource(project_dir=dg.EnvVar(PROJECT_ENV))},
     )
 

@@ -1,6 +1,12 @@
 """Shared fixtures: the tiny demo materials are built once per session and copied per test."""
 
+import os
 import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -65,3 +71,54 @@ def loopback_hub(tmp_path, demo_materials_root, monkeypatch):
         hub.add_repo("demo/student", demo_materials_root / "student")
         hub.add_repo("demo/prompts", demo_materials_root / "dataset", kind="dataset")
         yield hub
+
+
+CLI = [sys.executable, "-m", "gguf_assets.cli"]
+# A short mock-teacher pipeline (about 20 s on 2 cores) for the kill and resume tests: 5 train
+# shards, 8 checkpoints.
+FAULT_SETTINGS = dict(steps=40, mock_teacher=True,
+                      training={"checkpoint_every": 5, "validate_every": 20, "log_every": 10})
+
+
+def pipeline_outputs(root: Path) -> dict[str, bytes]:
+    """Everything that must not depend on faults: shard halves, final weights, the GGUF."""
+    files = sorted(root.glob("shards/*/*/*.safetensors")) + sorted(root.glob("checkpoints/*/final/adapter.safetensors"))
+    files += sorted(root.glob("output/*.gguf"))
+    return {str(f.relative_to(root)): f.read_bytes() for f in files}
+
+
+def cli_env(**extra: str) -> dict:
+    """The environment for a gguf-trainer subprocess: this one without the test's Dagster
+    home, project or fault switch (the CLI sets its own), plus ``extra``."""
+    dropped = ("DAGSTER_HOME", "GGUF_ASSETS_PROJECT", "GGUF_ASSETS_FAULT")
+    return {**{k: v for k, v in os.environ.items() if k not in dropped}, **extra}
+
+
+@pytest.fixture(scope="session")
+def reference_run(tmp_path_factory, demo_materials_root) -> tuple[dict[str, bytes], float]:
+    """The outputs of one uninterrupted `gguf-trainer run` under FAULT_SETTINGS, and its seconds."""
+    root = new_demo_project(tmp_path_factory.mktemp("reference"), demo_materials_root, **FAULT_SETTINGS).root
+    start = time.perf_counter()
+    subprocess.run([*CLI, "run", str(root)], env=cli_env(), check=True, capture_output=True, timeout=600)
+    outputs = pipeline_outputs(root)
+    assert len(outputs) == 5 * 2 + 2  # 5 shards x 2 halves, the final weights, the GGUF
+    return outputs, time.perf_counter() - start
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_http(url: str, *, timeout: float, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"{proc.args} exited early: {proc.stdout.read()}")
+        try:
+            with urllib.request.urlopen(url, timeout=2):
+                return
+        except OSError:
+            time.sleep(0.5)
+    raise AssertionError(f"{url} did not answer within {timeout}s")

@@ -12,7 +12,6 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -20,33 +19,19 @@ import pytest
 import torch
 from safetensors.torch import load as safetensors_load
 
-from conftest import new_demo_project
+from conftest import CLI, FAULT_SETTINGS, cli_env, pipeline_outputs
 from gguf_assets.lib import atomic, faults
 from gguf_assets.lib.hub import INCOMPLETE_SUFFIX
 from gguf_assets.lib.train import STATE_FILE
 from gguf_assets.runner import PipelineFailed, run_pipeline
 
-CLI = [sys.executable, "-m", "gguf_assets.cli"]
-SETTINGS = dict(steps=40, mock_teacher=True, training={"checkpoint_every": 5, "validate_every": 20, "log_every": 10})
 SHARD_HALVES, CHECKPOINTS = 5 * 2, 40 // 5
 RANDOM_KILLS = 3
 SEED = int(os.environ.get("GGUF_FAULT_SEED", time.time_ns() % 100_000))
 
 
-def _outputs(root: Path) -> dict[str, bytes]:
-    """Everything that must not depend on faults: shard halves, final weights, the GGUF."""
-    files = sorted(root.glob("shards/*/*/*.safetensors")) + sorted(root.glob("checkpoints/*/final/adapter.safetensors"))
-    files += sorted(root.glob("output/*.gguf"))
-    return {str(f.relative_to(root)): f.read_bytes() for f in files}
-
-
-def _env(**extra: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("DAGSTER_HOME", "GGUF_ASSETS_PROJECT", faults.ENV)}
-    return {**env, **extra}
-
-
 def _auto_resume(root: Path) -> None:
-    resumed = subprocess.run([*CLI, "--auto-resume", str(root), "--no-daemon"], env=_env(),
+    resumed = subprocess.run([*CLI, "--auto-resume", str(root), "--no-daemon"], env=cli_env(),
                              capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, f"seed {SEED}: {resumed.stdout}\n{resumed.stderr}"
     assert not list(root.rglob(f"{atomic.TEMP_PREFIX}*")), "temp files left after the rerun"
@@ -56,25 +41,14 @@ def _temps(root: Path) -> list[Path]:
     return [p for p in root.rglob(f"{atomic.TEMP_PREFIX}*") if ".dagster" not in p.parts]
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory, demo_materials_root) -> tuple[dict[str, bytes], float]:
-    """The outputs of one uninterrupted `gguf-trainer run`, and how long it took."""
-    root = new_demo_project(tmp_path_factory.mktemp("reference"), demo_materials_root, **SETTINGS)
-    start = time.perf_counter()
-    subprocess.run([*CLI, "run", str(root.root)], env=_env(), check=True, capture_output=True, timeout=600)
-    outputs = _outputs(root.root)
-    assert len(outputs) == SHARD_HALVES + 2
-    return outputs, time.perf_counter() - start
-
-
-def test_sigkill_at_random_moments_then_auto_resume_gives_identical_outputs(make_project, reference):
-    expected, duration = reference
+def test_sigkill_at_random_moments_then_auto_resume_gives_identical_outputs(make_project, reference_run):
+    expected, duration = reference_run
     rng = random.Random(SEED)
     table = []
     for _ in range(RANDOM_KILLS):
-        project = make_project(**SETTINGS)
+        project = make_project(**FAULT_SETTINGS)
         delay = rng.uniform(0.5, duration * 0.9)
-        proc = subprocess.Popen([*CLI, "run", str(project.root)], env=_env(), stdout=subprocess.DEVNULL,
+        proc = subprocess.Popen([*CLI, "run", str(project.root)], env=cli_env(), stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL, start_new_session=True)
         time.sleep(delay)
         finished_first = proc.poll() is not None
@@ -85,7 +59,7 @@ def test_sigkill_at_random_moments_then_auto_resume_gives_identical_outputs(make
         proc.wait()
         begun = sorted({p.parts[len(project.root.parts)] for p in project.root.glob("*/**/*.json")})
         _auto_resume(project.root)
-        identical = _outputs(project.root) == expected
+        identical = pipeline_outputs(project.root) == expected
         table.append((round(delay, 1), finished_first, begun, identical))
         assert identical, f"seed {SEED}: outputs differ after a kill at {delay:.1f}s"
     print(f"\nfault seed {SEED}; uninterrupted run {duration:.1f}s; (kill at s, had finished, stages begun, identical):")
@@ -101,20 +75,20 @@ NAMED_POINTS = [("shard-write", SHARD_HALVES, "shards/*/*/.tmp-*.safetensors.*")
 
 
 @pytest.mark.parametrize("point,reached,torn_glob", NAMED_POINTS, ids=[p[0] for p in NAMED_POINTS])
-def test_sigkill_at_a_named_point_then_auto_resume_gives_identical_outputs(make_project, reference, point, reached,
+def test_sigkill_at_a_named_point_then_auto_resume_gives_identical_outputs(make_project, reference_run, point, reached,
                                                                            torn_glob):
-    expected, _ = reference
+    expected, _ = reference_run
     rng = random.Random(f"{SEED}-{point}")
     fault = faults.Fault(point, nth=rng.randint(1, reached), action="kill", fraction=round(rng.random(), 3))
-    project = make_project(**SETTINGS)
-    killed = subprocess.run([*CLI, "run", str(project.root)], env=_env(**{faults.ENV: fault.render()}),
+    project = make_project(**FAULT_SETTINGS)
+    killed = subprocess.run([*CLI, "run", str(project.root)], env=cli_env(**{faults.ENV: fault.render()}),
                             capture_output=True, text=True, timeout=600, start_new_session=True)
     assert killed.returncode == -signal.SIGKILL, f"{fault.render()} did not kill the run: {killed.stderr[-2000:]}"
     if torn_glob:  # the kill left a torn write where the point sits, cut to the drawn fraction
         torn = list(project.root.glob(torn_glob))
         assert len(torn) == 1, f"{fault.render()}: {_temps(project.root)}"
     _auto_resume(project.root)
-    assert _outputs(project.root) == expected, f"seed {SEED}: outputs differ after {fault.render()}"
+    assert pipeline_outputs(project.root) == expected, f"seed {SEED}: outputs differ after {fault.render()}"
     print(f"\n{fault.render()} (seed {SEED}): killed, resumed, outputs identical")
 
 
@@ -125,12 +99,12 @@ FULL_DISK_POINTS = [("shard-write", SHARD_HALVES, "corpus/manifest.json"),
 
 
 @pytest.mark.parametrize("point,reached,kept_glob", FULL_DISK_POINTS, ids=[p[0] for p in FULL_DISK_POINTS])
-def test_full_disk_at_a_named_point_fails_clearly_then_rerun_is_identical(make_project, reference, monkeypatch,
+def test_full_disk_at_a_named_point_fails_clearly_then_rerun_is_identical(make_project, reference_run, monkeypatch,
                                                                           point, reached, kept_glob):
-    expected, _ = reference
+    expected, _ = reference_run
     rng = random.Random(f"{SEED}-{point}-enospc")
     fault = faults.Fault(point, nth=rng.randint(1, reached), action="enospc", fraction=round(rng.random(), 3))
-    project = make_project(**SETTINGS)
+    project = make_project(**FAULT_SETTINGS)
     faults.reset()
     monkeypatch.setenv(faults.ENV, fault.render())
     with pytest.raises(PipelineFailed, match="No space left on device while writing") as failed:
@@ -142,7 +116,7 @@ def test_full_disk_at_a_named_point_fails_clearly_then_rerun_is_identical(make_p
 
     monkeypatch.delenv(faults.ENV)
     run_pipeline(project, echo=lambda _: None)
-    assert _outputs(project.root) == expected, f"seed {SEED}: outputs differ after {fault.render()}"
+    assert pipeline_outputs(project.root) == expected, f"seed {SEED}: outputs differ after {fault.render()}"
     assert {p: p.stat().st_mtime_ns for p in kept} == kept, "finished work was redone after the full disk"
 
 
@@ -150,7 +124,7 @@ def _tensor_bits(blob: bytes) -> dict[str, torch.Tensor]:
     return {k: v.contiguous().view(torch.uint8) for k, v in safetensors_load(blob).items()}
 
 
-def test_sigkill_during_a_hub_download_then_auto_resume_continues_the_file(make_project, reference, loopback_hub):
+def test_sigkill_during_a_hub_download_then_auto_resume_continues_the_file(make_project, reference_run, loopback_hub):
     """The whole pipeline dies while the student's weights are half downloaded (the mock teacher
     needs no teacher download); the rerun continues that file with a Range request, and the
     results equal those built from local materials."""
@@ -158,9 +132,9 @@ def test_sigkill_during_a_hub_download_then_auto_resume_continues_the_file(make_
     # The hub sends the first 400 kB, then holds the connection; the downloader has written
     # whole chunks of it when the fault point fires.
     loopback_hub.add_fault("stall", path_contains=weights, after_bytes=400_000)
-    project = make_project(**SETTINGS, materials={"teacher": "demo/teacher", "student": "demo/student",
+    project = make_project(**FAULT_SETTINGS, materials={"teacher": "demo/teacher", "student": "demo/student",
                                                   "datasets": ["demo/prompts"]})
-    killed = subprocess.run([*CLI, "run", str(project.root)], env=_env(**{faults.ENV: "download@1:kill"}),
+    killed = subprocess.run([*CLI, "run", str(project.root)], env=cli_env(**{faults.ENV: "download@1:kill"}),
                             capture_output=True, text=True, timeout=600, start_new_session=True)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     partials = list(project.root.rglob("*" + INCOMPLETE_SUFFIX))
@@ -172,7 +146,7 @@ def test_sigkill_during_a_hub_download_then_auto_resume_continues_the_file(make_
         None, f"bytes={have}-"]
     # Same numbers as from local materials; the files' metadata differ (provenance, and the
     # training run's folder is named by a fingerprint that includes the pinned commits).
-    expected, got = reference[0], _outputs(project.root)
+    expected, got = reference_run[0], pipeline_outputs(project.root)
     assert len(got) == len(expected)
     for (rel, blob), (want_rel, want_blob) in zip(got.items(), expected.items()):
         if want_rel.endswith(".safetensors"):

@@ -4,23 +4,12 @@ runs, and --auto-resume finishes with weights bit-identical to an uninterrupted 
 import os
 import signal
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import dagster as dg
 from dagster._core.instance.ref import InstanceRef
 
-from gguf_assets.lib import atomic
-from gguf_assets.runner import run_pipeline
-
-CLI = [sys.executable, "-m", "gguf_assets.cli"]
-SETTINGS = dict(steps=120, mock_teacher=True, training={"checkpoint_every": 10, "validate_every": 60, "log_every": 10})
-
-
-def _final_weights(root: Path) -> bytes:
-    run_dir = root / atomic.read_json(root / "checkpoints" / "final.json")["run_dir"]
-    return (run_dir / "final" / "adapter.safetensors").read_bytes()
+from conftest import CLI, FAULT_SETTINGS, cli_env, free_port, pipeline_outputs, wait_http
 
 
 def _wait_for(predicate, *, timeout: float, what: str, proc=None) -> None:
@@ -34,13 +23,13 @@ def _wait_for(predicate, *, timeout: float, what: str, proc=None) -> None:
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def test_kill9_during_training_then_auto_resume_is_bit_identical(make_project, tmp_path):
-    killed = make_project(**SETTINGS)
-    env = {k: v for k, v in os.environ.items() if k not in ("DAGSTER_HOME", "GGUF_ASSETS_PROJECT")}
+def test_kill9_during_training_then_auto_resume_is_bit_identical(make_project, reference_run):
+    killed = make_project(**FAULT_SETTINGS)
+    env = cli_env()
     proc = subprocess.Popen([*CLI, "run", str(killed.root)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env=env, start_new_session=True)
     try:
-        _wait_for(lambda: any(killed.root.glob("checkpoints/*/step-00000020")), timeout=240,
+        _wait_for(lambda: any(killed.root.glob("checkpoints/*/step-00000010")), timeout=240,
                   what="the second checkpoint", proc=proc)
         # One pipeline per folder: a second one is refused and names the holder.
         second = subprocess.run([*CLI, "run", str(killed.root)], capture_output=True, text=True, env=env, timeout=120)
@@ -64,9 +53,100 @@ def test_kill9_during_training_then_auto_resume_is_bit_identical(make_project, t
     run = instance.get_run_by_id(cut_off)
     assert run.status == dg.DagsterRunStatus.FAILURE
 
-    clean = make_project(**SETTINGS)
-    run_pipeline(clean, echo=lambda _: None)
-    assert _final_weights(killed.root) == _final_weights(clean.root)
-    for shard in sorted(clean.root.glob("shards/*/*/*.safetensors")):
-        twin = killed.root / shard.relative_to(clean.root)
-        assert twin.read_bytes() == shard.read_bytes(), shard
+    assert pipeline_outputs(killed.root) == reference_run[0]  # shards, final weights and GGUF
+
+
+def test_sensor_marks_cut_off_runs_failed_and_frees_their_gpu_slots(tmp_path):
+    """What the daemon does between boots: a run whose process is gone, or that began before a
+    reboot, is failed with the reason and its `gpu` slot freed; a live run is left alone."""
+    from dagster._core.test_utils import create_run_for_test
+
+    from gguf_assets.defs.resume import BOOT_TAG, PID_TAG, interrupted_runs_sensor
+    from gguf_assets.lib.liveness import boot_id
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    with dg.instance_for_test(temp_dir=str(tmp_path)) as instance:
+        storage = instance.event_log_storage
+        storage.set_concurrency_slots("gpu", 2)
+        runs = {
+            "killed": {PID_TAG: str(gone.pid), BOOT_TAG: boot_id()},
+            "before_reboot": {PID_TAG: str(os.getppid()), BOOT_TAG: "an-earlier-boot"},
+            "alive": {PID_TAG: str(os.getppid()), BOOT_TAG: boot_id()},
+        }
+        ids = {}
+        for name, tags in runs.items():
+            ids[name] = create_run_for_test(instance, status=dg.DagsterRunStatus.STARTED, tags=tags).run_id
+        for name in ("killed", "alive"):
+            assert storage.claim_concurrency_slot("gpu", ids[name], "adapter").is_claimed
+
+        skip = interrupted_runs_sensor()(dg.build_sensor_context(instance=instance))
+        assert "marked 2 interrupted run(s)" in skip.skip_message
+
+        status = {name: instance.get_run_by_id(run_id).status for name, run_id in ids.items()}
+        assert status == {"killed": dg.DagsterRunStatus.FAILURE, "before_reboot": dg.DagsterRunStatus.FAILURE,
+                          "alive": dg.DagsterRunStatus.STARTED}
+        failure = instance.all_logs(ids["killed"], of_type=dg.DagsterEventType.RUN_FAILURE)[0]
+        assert f"pid {gone.pid}" in failure.message and "Interrupted" in failure.message
+        info = storage.get_concurrency_info("gpu")
+        assert info.active_run_ids == {ids["alive"]} and info.active_slot_count == 1
+        # A second pass finds nothing more to do.
+        assert "no interrupted runs" in interrupted_runs_sensor()(dg.build_sensor_context(instance=instance)).skip_message
+
+
+def test_sensor_runs_by_default_only_when_auto_resume_is_on(make_project):
+    from gguf_assets.definitions import build_definitions
+    from gguf_assets.lib.settings import load_settings, replace, write_project_file
+
+    paths = make_project(steps=5, mock_teacher=True)
+    sensor = build_definitions(str(paths.root)).resolve_sensor_def("interrupted_runs_sensor")
+    assert sensor.default_status == dg.DefaultSensorStatus.RUNNING
+    write_project_file(paths.root, replace(load_settings(paths.root), output={"auto_resume": False}))
+    sensor = build_definitions(str(paths.root)).resolve_sensor_def("interrupted_runs_sensor")
+    assert sensor.default_status == dg.DefaultSensorStatus.STOPPED
+
+
+def test_auto_resume_serves_the_ui_and_its_daemon_fails_runs_cut_off_later(make_project):
+    """`--auto-resume DIR --ui-port P`: the UI answers, the daemon's sensor (on by default) fails
+    a run that dies while it watches, and Ctrl-C stops the webserver and the daemon."""
+    import psutil
+    from dagster._core.test_utils import create_run_for_test
+
+    from gguf_assets.defs.resume import BOOT_TAG, PID_TAG
+    from gguf_assets.lib.liveness import boot_id
+
+    paths = make_project(steps=5, mock_teacher=True)
+    port = free_port()
+    proc = subprocess.Popen([*CLI, "--auto-resume", str(paths.root), "--ui-port", str(port)], env=cli_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/server_info", timeout=120, proc=proc)
+        _wait_for(lambda: any("dagster-daemon" in " ".join(c.cmdline())
+                              for c in psutil.Process(proc.pid).children(recursive=True)),
+                  timeout=600, what="the daemon (after the pipeline)", proc=proc)
+        instance = dg.DagsterInstance.from_ref(InstanceRef.from_dir(str(paths.dagster_home)))
+        gone = subprocess.Popen(["true"])
+        gone.wait()
+        cut_off = create_run_for_test(instance, status=dg.DagsterRunStatus.STARTED,
+                                      tags={PID_TAG: str(gone.pid), BOOT_TAG: boot_id()}).run_id
+        _wait_for(lambda: instance.get_run_by_id(cut_off).status == dg.DagsterRunStatus.FAILURE, timeout=120,
+                  what="the sensor to fail the cut-off run", proc=proc)
+        children = psutil.Process(proc.pid).children(recursive=True)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            out, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise AssertionError("gguf-trainer --auto-resume did not stop within 30 s of Ctrl-C")
+    assert "marked 0 interrupted run(s)" in out and "starting dagster-daemon" in out
+    assert all(s.state == "current" for s in _status(paths)), out
+    _, alive = psutil.wait_procs(children, timeout=10)
+    assert not alive, f"left running: {[c.cmdline() for c in alive]}"
+
+
+def _status(paths):
+    from gguf_assets.lib.pipeline import project_status
+    from gguf_assets.lib.settings import load_settings
+
+    return project_status(paths, load_settings(paths.root))

@@ -8,15 +8,14 @@ to test-artifacts/ (CI keeps them).
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 
+from conftest import free_port, wait_http
 from gguf_assets.runner import run_pipeline
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -40,39 +39,20 @@ def _need_browser():
         pytest.skip("chromium or playwright not installed (CI installs them)")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_http(url: str, *, timeout: float, proc: subprocess.Popen) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"gguf-trainer ui exited early: {proc.stdout.read()}")
-        try:
-            with urllib.request.urlopen(url, timeout=2):
-                return
-        except OSError:
-            time.sleep(0.5)
-    raise AssertionError(f"{url} did not answer within {timeout}s")
-
-
 def test_ui_shows_graph_report_and_plots_then_stops_on_ctrl_c(make_project):
     _need_browser()
     from playwright.sync_api import sync_playwright
 
     paths = make_project(steps=40, mock_teacher=True, training={"log_every": 5, "validate_every": 10})
     run_pipeline(paths, echo=lambda _: None)
-    port = _free_port()
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("DAGSTER_HOME", "GGUF_ASSETS_PROJECT")}
     ui = subprocess.Popen([sys.executable, "-m", "gguf_assets.cli", "ui", str(paths.root), "--port", str(port)],
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     base = f"http://127.0.0.1:{port}"
     ARTIFACTS.mkdir(exist_ok=True)
     try:
-        _wait_http(f"{base}/server_info", timeout=120, proc=ui)
+        wait_http(f"{base}/server_info", timeout=120, proc=ui)
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
             page = browser.new_page(viewport={"width": 1600, "height": 1000})

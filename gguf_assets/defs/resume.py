@@ -51,9 +51,16 @@ def mark_interrupted_runs(instance: dg.DagsterInstance) -> list[str]:
     return marked
 
 
-@dg.sensor(default_status=dg.DefaultSensorStatus.RUNNING, minimum_interval_seconds=30,
-           description="Marks runs cut off by a reboot or a kill -9 as failed and frees their gpu pool slots.")
-def interrupted_runs_sensor(context: dg.SensorEvaluationContext) -> dg.SkipReason:
+def _mark_and_report(context: dg.SensorEvaluationContext) -> dg.SkipReason:
     marked = mark_interrupted_runs(context.instance)
     return dg.SkipReason(f"marked {len(marked)} interrupted run(s) as failed: {marked}" if marked
                          else "no interrupted runs")
+
+
+def interrupted_runs_sensor(*, running: bool = True) -> dg.SensorDefinition:
+    """The sensor; it runs by default when the project's output.auto_resume is true, and can be
+    switched on in the UI otherwise."""
+    return dg.SensorDefinition(
+        name="interrupted_runs_sensor", evaluation_fn=_mark_and_report, minimum_interval_seconds=30,
+        default_status=dg.DefaultSensorStatus.RUNNING if running else dg.DefaultSensorStatus.STOPPED,
+        description="Marks runs cut off by a reboot or a kill -9 as failed and frees their gpu pool slots.")
