@@ -21,14 +21,13 @@ TEMP_PREFIX = ".tmp-"
 OLD_SUFFIX = ".old"  # a replaced folder, kept complete until its successor is in place
 
 
-def _explained(exc: BaseException, final: Path) -> BaseException:
+def _raise_if_full_disk(exc: BaseException, final: Path) -> None:
     """A full disk gets a message that names the file, the space left and what to do."""
-    if not (isinstance(exc, OSError) and exc.errno == errno.ENOSPC):
-        return exc
-    free = shutil.disk_usage(final.parent if final.parent.exists() else "/").free
-    return OSError(errno.ENOSPC, f"No space left on device while writing {final} ({free / 2**20:.0f} MiB free "
-                                 "there). Free space on that disk and run again: the partial file was removed "
-                                 f"and everything finished before it is kept. ({exc.strerror})")
+    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+        free = shutil.disk_usage(final.parent if final.parent.exists() else "/").free
+        raise OSError(errno.ENOSPC, f"No space left on device while writing {final} ({free / 2**20:.0f} MiB "
+                                    "free there). Free space on that disk and run again: the partial file was "
+                                    f"removed and everything finished before it is kept. ({exc.strerror})") from exc
 
 
 def _umask() -> int:
@@ -69,10 +68,8 @@ def atomic_path(final: Path) -> Iterator[Path]:
     except BaseException as exc:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
-        explained = _explained(exc, final)
-        if explained is exc:
-            raise
-        raise explained from exc
+        _raise_if_full_disk(exc, final)
+        raise
 
 
 def write_bytes(final: Path, data: bytes) -> None:
@@ -101,6 +98,7 @@ def atomic_dir(final: Path) -> Iterator[Path]:
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=TEMP_PREFIX + final.name + ".", dir=final.parent))
+    old = final.with_name(TEMP_PREFIX + final.name + OLD_SUFFIX)
     try:
         os.chmod(tmp, 0o777 & ~_umask())
         yield tmp
@@ -116,7 +114,6 @@ def atomic_dir(final: Path) -> Iterator[Path]:
         if final.exists():
             # Rename the old folder aside first; a kill between the two renames leaves it
             # complete under OLD_SUFFIX, and remove_stale_temps puts it back.
-            old = final.with_name(TEMP_PREFIX + final.name + OLD_SUFFIX)
             shutil.rmtree(old, ignore_errors=True)
             os.replace(final, old)
             os.replace(tmp, final)
@@ -126,13 +123,10 @@ def atomic_dir(final: Path) -> Iterator[Path]:
         fsync_dir(final.parent)
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        old = final.with_name(TEMP_PREFIX + final.name + OLD_SUFFIX)
         if old.is_dir() and not final.exists():
             os.replace(old, final)
-        explained = _explained(exc, final)
-        if explained is exc:
-            raise
-        raise explained from exc
+        _raise_if_full_disk(exc, final)
+        raise
 
 
 def remove_stale_temps(folder: Path, *, of: list[str] | None = None) -> int:
