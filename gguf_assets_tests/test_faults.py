@@ -21,7 +21,7 @@ from safetensors.torch import load as safetensors_load
 
 from conftest import CLI, FAULT_SETTINGS, cli_env, pipeline_outputs
 from gguf_assets.lib import atomic, faults
-from gguf_assets.lib.hub import INCOMPLETE_SUFFIX
+from gguf_assets.lib.hub import INCOMPLETE_SUFFIX, HubOptions
 from gguf_assets.lib.train import STATE_FILE
 from gguf_assets.runner import PipelineFailed, run_pipeline
 
@@ -118,6 +118,7 @@ def test_full_disk_at_a_named_point_fails_clearly_then_rerun_is_identical(make_p
     run_pipeline(project, echo=lambda _: None)
     assert pipeline_outputs(project.root) == expected, f"seed {SEED}: outputs differ after {fault.render()}"
     assert {p: p.stat().st_mtime_ns for p in kept} == kept, "finished work was redone after the full disk"
+    print(f"\n{fault.render()} (seed {SEED}): clear error, nothing finished redone, outputs identical")
 
 
 def _tensor_bits(blob: bytes) -> dict[str, torch.Tensor]:
@@ -129,16 +130,18 @@ def test_sigkill_during_a_hub_download_then_auto_resume_continues_the_file(make_
     needs no teacher download); the rerun continues that file with a Range request, and the
     results equal those built from local materials."""
     weights = f"demo/student/resolve/{loopback_hub.head('demo/student')}/model.safetensors"
-    # The hub sends the first 400 kB, then holds the connection; the downloader has written
-    # whole chunks of it when the fault point fires.
-    loopback_hub.add_fault("stall", path_contains=weights, after_bytes=400_000)
+    # The hub sends the first `sent` bytes of the 554 kB file, then holds the connection; the
+    # downloader has written the whole 256 KiB chunks of it (HubOptions.chunk_bytes) when the
+    # fault point fires.
+    sent = random.Random(f"{SEED}-download").randint(HubOptions.chunk_bytes + 1, 550_000)
+    loopback_hub.add_fault("stall", path_contains=weights, after_bytes=sent)
     project = make_project(**FAULT_SETTINGS, materials={"teacher": "demo/teacher", "student": "demo/student",
-                                                  "datasets": ["demo/prompts"]})
+                                                        "datasets": ["demo/prompts"]})
     killed = subprocess.run([*CLI, "run", str(project.root)], env=cli_env(**{faults.ENV: "download@1:kill"}),
                             capture_output=True, text=True, timeout=600, start_new_session=True)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     partials = list(project.root.rglob("*" + INCOMPLETE_SUFFIX))
-    assert len(partials) == 1 and 0 < partials[0].stat().st_size <= 400_000, partials
+    assert len(partials) == 1 and 0 < partials[0].stat().st_size <= sent, (sent, partials)
     have = partials[0].stat().st_size
 
     _auto_resume(project.root)
@@ -153,6 +156,8 @@ def test_sigkill_during_a_hub_download_then_auto_resume_continues_the_file(make_
             have_bits, want_bits = _tensor_bits(blob), _tensor_bits(want_blob)
             assert have_bits.keys() == want_bits.keys(), rel
             assert all(torch.equal(have_bits[k], want_bits[k]) for k in want_bits), rel
+    print(f"\ndownload killed with {have} bytes on disk (hub sent {sent}; seed {SEED}): continued by Range, "
+          "tensors identical")
 
 
 def test_atomic_write_on_a_full_disk_names_the_file_and_the_fix(tmp_path, monkeypatch):
