@@ -25,7 +25,9 @@ from gguf_assets.lib.hub import INCOMPLETE_SUFFIX, HubOptions
 from gguf_assets.lib.train import STATE_FILE
 from gguf_assets.runner import PipelineFailed, run_pipeline
 
-SHARD_HALVES, CHECKPOINTS = 5 * 2, 40 // 5
+SHARD_HALVES = 5 * 2  # 4 train and 1 val shard under FAULT_SETTINGS, a teacher and a student half each
+CHECKPOINTS = FAULT_SETTINGS["steps"] // FAULT_SETTINGS["training"]["checkpoint_every"]
+TRAIN_STEPS = FAULT_SETTINGS["steps"]
 RANDOM_KILLS = 3
 SEED = int(os.environ.get("GGUF_FAULT_SEED", time.time_ns() % 100_000))
 
@@ -69,7 +71,7 @@ def test_sigkill_at_random_moments_then_auto_resume_gives_identical_outputs(make
 
 # point, how many times an uninterrupted run reaches it, where its torn temp is left
 NAMED_POINTS = [("shard-write", SHARD_HALVES, "shards/*/*/.tmp-*.safetensors.*"),
-                ("train-step", 40, None),
+                ("train-step", TRAIN_STEPS, None),
                 ("checkpoint-save", CHECKPOINTS, f"checkpoints/*/.tmp-step-*/{STATE_FILE}"),
                 ("gguf-export", 1, "output/.tmp-*.gguf.*")]
 
