@@ -88,12 +88,10 @@ def point(name: str, torn: Path | None = None) -> None:
     """Mark a named moment; act if ``GGUF_ASSETS_FAULT`` names it and this is the nth time."""
     if name not in POINTS:
         raise KeyError(f"unknown fault point {name!r}; add it to faults.POINTS")
-    spec = os.environ.get(ENV)
-    if not spec:
+    if not armed(name):
         return
+    spec = os.environ[ENV]
     fault = parse(spec)
-    if fault.point != name:
-        return
     _reached[name] = _reached.get(name, 0) + 1
     if _reached[name] != fault.nth:
         return
