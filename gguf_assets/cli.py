@@ -2,6 +2,7 @@
 
 import argparse
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -47,6 +48,10 @@ def _run(paths: ProjectPaths, *, workers: int = 1) -> int:
     except PipelineFailed as exc:
         print(f"pipeline failed: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print(f"stopped. Everything finished so far is kept; `gguf-trainer run {paths.root}` continues from there.",
+              file=sys.stderr)
+        return 130
     return 0
 
 
@@ -57,7 +62,7 @@ def _print_results(paths: ProjectPaths) -> None:
     report_file = paths.output_dir(settings) / REPORT_JSON
     if report_file.is_file():
         report = atomic.read_json(report_file)
-        print(f"GGUF:    {report['gguf_path']}")
+        print(f"GGUF:    {paths.located(report['gguf_path'])}")
         print(f"report:  {report_file}")
         cosine = report["val_centred_cosine"] if report["val_centred_cosine"] is not None else report["val_centred_cosine_torch"]
         print(f"val centred cosine: {cosine:.4f}  ({report['verdict']})")
@@ -71,6 +76,18 @@ def cmd_run(args: argparse.Namespace) -> int:
     if code == 0:
         _print_results(paths)
     return code
+
+
+def cmd_env(args: argparse.Namespace) -> int:
+    """Print the exports that the Dagster CLI, `dagster dev` and `dagster-daemon run` need for a project."""
+    from gguf_assets.runner import instance_env, prepare_instance
+
+    paths = ProjectPaths.of(args.project)
+    load_settings(paths.root)
+    prepare_instance(paths)
+    for name, value in instance_env(paths).items():
+        print(f"export {name}={shlex.quote(value)}")
+    return 0
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -159,11 +176,14 @@ def daemon_command() -> list[str]:
 
 
 def cmd_ui(args: argparse.Namespace) -> int:
-    from gguf_assets.runner import prepare_instance
+    from gguf_assets.runner import prepare_instance, size_gpu_pool
 
     paths = ProjectPaths.of(args.project)
     load_settings(paths.root)
     prepare_instance(paths)
+    import dagster as dg
+
+    size_gpu_pool(dg.DagsterInstance.get())  # the run queue holds UI-launched GPU runs to one per GPU
     print(f"Dagster UI for {paths.root} on http://{args.host}:{args.port} (Ctrl-C to stop)", flush=True)
     commands = [webserver_command(args.host, args.port)]
     if not args.no_daemon:
@@ -176,7 +196,7 @@ def cmd_auto_resume(project: str, *, daemon: bool, ui_port: int | None = None, u
 
     With ``ui_port`` the webserver starts first, so the resumed run can be watched.
     """
-    from gguf_assets.runner import prepare_instance
+    from gguf_assets.runner import prepare_instance, size_gpu_pool
 
     paths = ProjectPaths.of(project)
     settings = load_settings(paths.root)
@@ -185,6 +205,7 @@ def cmd_auto_resume(project: str, *, daemon: bool, ui_port: int | None = None, u
 
     from gguf_assets.defs.resume import mark_interrupted_runs
 
+    size_gpu_pool(dg.DagsterInstance.get())
     services = []
     if ui_port is not None:
         print(f"Dagster UI for {paths.root} on http://{ui_host}:{ui_port}", flush=True)
@@ -234,6 +255,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("status", help="show which stages are current, stale or missing")
     p.add_argument("project")
     p.set_defaults(func=cmd_status)
+    p = sub.add_parser("env", help="print the environment the Dagster CLI needs for a project (eval it)")
+    p.add_argument("project")
+    p.set_defaults(func=cmd_env)
     p = sub.add_parser("ui", help="open the Dagster UI for a project")
     p.add_argument("project")
     p.add_argument("--host", default="127.0.0.1")

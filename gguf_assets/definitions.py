@@ -1,9 +1,9 @@
 """The one Definitions object (what workspace.yaml and `dagster -m` load).
 
-The project folder comes from the GGUF_ASSETS_PROJECT environment variable, which
-gguf-trainer sets; the per-project resource hands it to every asset. Each asset's code
-version is a hash of the project settings it depends on, so after editing project.yaml
-(and "Reload definitions" in the UI) exactly the affected assets show as stale.
+The project folder comes from the environment (GGUF_ASSETS_PROJECT, or the folder holding
+DAGSTER_HOME), which gguf-trainer sets; the per-project resource hands it to every asset.
+The settings are observable source assets (defs/settings.py), so an edit of project.yaml shows
+as stale in the UI at the next observation, without reloading these definitions.
 """
 
 import os
@@ -15,26 +15,31 @@ import dagster as dg
 warnings.filterwarnings("ignore", category=dg.BetaWarning)
 
 from gguf_assets.defs import corpus, materials, output, precompute, training  # noqa: E402
-from gguf_assets.defs.resources import PROJECT_ENV, ProjectResource  # noqa: E402
-from gguf_assets.defs.resume import interrupted_runs_sensor  # noqa: E402
-from gguf_assets.lib.pipeline import settings_code_versions  # noqa: E402
+from gguf_assets.defs.jobs import JOBS  # noqa: E402
+from gguf_assets.defs.output import exported_files_unchanged  # noqa: E402
+from gguf_assets.defs.precompute import SHARD_CHECKS  # noqa: E402
+from gguf_assets.defs.resources import ProjectResource, project_dir_from_env  # noqa: E402
+from gguf_assets.defs.resume import interrupted_runs_sensor, resume_sensor  # noqa: E402
+from gguf_assets.defs.settings import SETTINGS_ASSETS  # noqa: E402
 from gguf_assets.lib.settings import PROJECT_FILE, load_settings  # noqa: E402
 
 
 def build_definitions(project_dir: str | None) -> dg.Definitions:
-    assets = dg.load_assets_from_modules([materials, corpus, precompute, training, output])
+    assets = [*dg.load_assets_from_modules([materials, corpus, precompute, training, output]), *SETTINGS_ASSETS]
     auto_resume = True
     if project_dir and os.path.isfile(os.path.join(project_dir, PROJECT_FILE)):
-        settings = load_settings(project_dir)
-        auto_resume = settings.output.auto_resume
-        versions = settings_code_versions(settings)
-        assets = [a.map_asset_specs(lambda spec: spec.replace_attributes(
-            code_version=versions[spec.key.to_user_string()])) for a in assets]
+        auto_resume = load_settings(project_dir).output.auto_resume
     return dg.Definitions(
         assets=assets,
-        sensors=[interrupted_runs_sensor(running=auto_resume)],
-        resources={"project": ProjectResource(project_dir=dg.EnvVar(PROJECT_ENV))},
+        asset_checks=[*SHARD_CHECKS, exported_files_unchanged],
+        jobs=JOBS,
+        sensors=[interrupted_runs_sensor(running=auto_resume), resume_sensor(running=auto_resume)],
+        # The folder comes from the environment at run time, so run storage holds no path.
+        resources={"project": ProjectResource()},
+        # In-process: a run is one process from start to end (its pid identifies it to the
+        # interrupted-runs sensor), and GPU work never runs in a child that outlives a killed worker.
+        executor=dg.in_process_executor,
     )
 
 
-defs = build_definitions(os.environ.get(PROJECT_ENV))
+defs = build_definitions(project_dir_from_env())

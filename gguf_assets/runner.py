@@ -1,31 +1,37 @@
-"""Launch what is missing or stale in a project, through Dagster, on the project's own instance.
+"""`gguf-trainer run`: a thin client of the project's Dagster instance.
 
-The shard partitions exist only once the corpus does, so a full pipeline is a few runs:
-materials+corpus, one run per split covering all its shards (single-run backfill), then
-adapter → gguf → eval_report. Each run is skipped when its stages are current.
+What is left to do is decided by one function, defs/plan.py's ``next_work``, from the project
+status (the fingerprints in lib/pipeline.py): the next named job (defs/jobs.py) and the shard
+partitions it covers. `run` executes those jobs in-process until nothing is left; the daemon's
+resume sensor (defs/resume.py) requests the very same jobs, one at a time.
 """
 
-import json
+from __future__ import annotations
+
 import logging
 import os
-import subprocess
-import sys
+import signal
+import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
 from gguf_assets.lib import atomic
-from gguf_assets.lib.layout import SPLITS, ProjectPaths
+from gguf_assets.defs.plan import RANGE_START_TAG, Work, next_work, split_range  # noqa: F401 (re-exported)
+from gguf_assets.lib.layout import ProjectPaths
 from gguf_assets.lib.lock import ProjectLock
 from gguf_assets.lib.pipeline import StageState, project_status
-from gguf_assets.lib.settings import load_settings
+from gguf_assets.lib.settings import Settings, load_settings
 
 log = logging.getLogger(__name__)
 
 DAGSTER_YAML = "dagster.yaml"
-RANGE_START_TAG = "dagster/asset_partition_range_start"
-RANGE_END_TAG = "dagster/asset_partition_range_end"
+WORKER_TAG = "gguf_assets/worker"
+POLL_S = 1.0
+REPORT_EVERY_S = 10.0
 
 
 class PipelineFailed(RuntimeError):
@@ -35,161 +41,196 @@ class PipelineFailed(RuntimeError):
 def prepare_instance(paths: ProjectPaths) -> Path:
     """Put the instance config into <project>/.dagster and point this process at it.
 
-    The storage folders are written as absolute paths (re-written whenever the project
-    folder moved), so any tool that opens this instance finds the same storage.
+    The config holds no path (every folder is `env: DAGSTER_HOME`), so a copied or moved project
+    folder is its own instance as soon as DAGSTER_HOME points into it.
     """
     home = paths.dagster_home
     home.mkdir(parents=True, exist_ok=True)
     template = resources.files("gguf_assets").joinpath(DAGSTER_YAML).read_text(encoding="utf-8")
-    placeholder = "\n      env: DAGSTER_HOME"
-    if placeholder not in template:
-        raise RuntimeError(f"{DAGSTER_YAML} template no longer uses `env: DAGSTER_HOME` for its base_dir entries")
-    template = template.replace(placeholder, f" {json.dumps(str(home))}")
     target = home / DAGSTER_YAML
     if not target.is_file() or target.read_text(encoding="utf-8") != template:
         atomic.write_text(target, template)
-    from gguf_assets.defs.resources import PROJECT_ENV
-
-    os.environ["DAGSTER_HOME"] = str(home)
-    os.environ[PROJECT_ENV] = str(paths.root)
+    os.environ.update(instance_env(paths))
     return home
 
 
-GPU_POOL = "gpu"
-
-
-def size_gpu_pool(instance, *, at_least: int = 1) -> int:
-    """One `gpu` pool slot per GPU (1 on a CPU machine), so GPU steps never share a card.
-
-    ``at_least`` raises it for parallel shard workers whose precompute runs on the CPU.
-    """
+def size_gpu_pool(instance) -> int:
+    """One `gpu` pool slot per GPU (1 on a CPU machine), so queued GPU runs never share a card."""
+    from gguf_assets.defs.precompute import GPU_POOL
     from gguf_assets.lib.hardware import gpu_snapshot
 
-    slots = max(at_least, len(gpu_snapshot()))
+    slots = max(1, len(gpu_snapshot()))
     instance.event_log_storage.set_concurrency_slots(GPU_POOL, slots)
     return slots
 
 
-def _failure_message(result) -> str:
-    for event in result.all_events:
-        if event.is_step_failure:
-            error = event.event_specific_data.error
+def instance_env(paths: ProjectPaths) -> dict[str, str]:
+    """What the Dagster CLI, webserver and daemon need to work on this project."""
+    from gguf_assets.defs.resources import PROJECT_ENV
+
+    return {"DAGSTER_HOME": str(paths.dagster_home), PROJECT_ENV: str(paths.root)}
+
+
+def _was_interrupted(instance, run_id: str) -> bool:
+    """Did the run fail because this process got SIGINT/SIGTERM? (Dagster's own handler catches it in a step.)"""
+    import dagster as dg
+
+    return any(getattr(getattr(r.event_log_entry.dagster_event.event_specific_data, "error", None), "cls_name", "")
+               == "DagsterExecutionInterruptedError"
+               for r in instance.get_records_for_run(run_id, of_type=dg.DagsterEventType.STEP_FAILURE).records)
+
+
+def failure_message(instance, run_id: str) -> str:
+    import dagster as dg
+
+    for record in instance.get_records_for_run(run_id, of_type={dg.DagsterEventType.STEP_FAILURE,
+                                                                dg.DagsterEventType.RUN_FAILURE}).records:
+        event = record.event_log_entry.dagster_event
+        data = event.event_specific_data
+        error = getattr(data, "error", None)
+        if event.event_type == dg.DagsterEventType.STEP_FAILURE and error is not None:
             cause = error.cause.message if error.cause else ""
             return f"step {event.step_key} failed: {(cause or error.message).strip()}"
     return "the run failed"
 
 
-def split_range(keys: list[str], parts: int) -> list[tuple[str, str]]:
-    """Contiguous (first, last) key ranges, as even as possible, at most ``parts`` of them."""
-    parts = max(1, min(parts, len(keys)))
-    bounds = [round(i * len(keys) / parts) for i in range(parts + 1)]
-    return [(keys[a], keys[b - 1]) for a, b in zip(bounds, bounds[1:]) if b > a]
+class _StopRequest:
+    """SIGTERM (systemd stop, kill) stops a pipeline like Ctrl-C does; remembers that it was asked.
 
+    Dagster turns the interrupt inside a step into a failed run, so after a failed run this
+    tells a stop from a genuine failure.
+    """
 
-def _launch_shard_workers(paths: ProjectPaths, split: str, ranges: list[tuple[str, str]], token: str,
-                          echo: Callable[[str], None]) -> None:
-    """One Dagster run per range, each in its own process, all at once; they join our lock."""
-    # Each worker keeps torch's default thread count: CPU matmul results depend on it, and
-    # shards must be byte-identical whatever the number of workers.
-    env = dict(os.environ)
-    procs = []
-    for first, last in ranges:
-        echo(f"→ worker: {split}_shards {first}..{last}")
-        procs.append(subprocess.Popen([sys.executable, "-m", "gguf_assets.runner", "shard-worker", str(paths.root),
-                                       split, first, last, token], env=env))
-    failed = [(r, p.wait()) for r, p in zip(ranges, procs)]
-    failed = [(r, code) for r, code in failed if code != 0]
-    if failed:
-        raise PipelineFailed(f"{split} shard workers failed: {failed} (see `gguf-trainer ui {paths.root}`)")
+    def __init__(self) -> None:
+        self.asked = False
+
+    def _interrupt(self, _signum, _frame):
+        self.asked = True
+        raise KeyboardInterrupt
+
+    @contextmanager
+    def installed(self) -> Iterator["_StopRequest"]:
+        try:
+            previous = {sig: signal.signal(sig, self._interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
+        except ValueError:  # not the main thread (e.g. inside a test runner thread): nothing to install
+            yield self
+            return
+        try:
+            yield self
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
 
 def run_pipeline(paths: ProjectPaths, *, echo: Callable[[str], None] = print, workers: int = 1) -> list[StageState]:
-    """Materialize everything missing or stale; returns the final status.
+    """Materialize everything missing or stale through the project's Dagster instance; returns the final status.
 
-    ``workers`` > 1 runs each split's shards as that many Dagster runs in parallel processes
-    (contiguous partition ranges), all under this pipeline's project lock.
+    ``workers`` > 1 runs each split's shards as that many Dagster runs at once, launched by the
+    instance's run launcher; they share this pipeline's project lock (lib/lock.py).
     """
     prepare_instance(paths)
     import dagster as dg
 
     warnings.filterwarnings("ignore", category=dg.BetaWarning)
-    from gguf_assets.defs.corpus import expected_shard_keys, partitions_match
-    from gguf_assets.defs.partitions import BY_SPLIT
-    from gguf_assets.defs.resources import ProjectResource
+    from gguf_assets.defs.resume import STOPPED_TAG, mark_interrupted_runs
+    from gguf_assets.defs.settings import observe_settings
     from gguf_assets.definitions import build_definitions
 
-    # Built for this project's current settings: the code versions are hashes of them.
     defs = build_definitions(str(paths.root))
     instance = dg.DagsterInstance.get()
-    size_gpu_pool(instance, at_least=workers if load_settings(paths.root).precompute.device == "cpu" else 1)
-    assets = list(defs.assets)
-    resource = ProjectResource(project_dir=str(paths.root))
-
-    def launch(selection: list[str], tags: dict | None = None) -> None:
-        echo(f"→ materializing {', '.join(selection)}" + (f" (shards {tags[RANGE_START_TAG]}..{tags[RANGE_END_TAG]})"
-                                                          if tags else ""))
-        result = dg.materialize(assets, instance=instance, resources={"project": resource}, selection=selection,
-                                tags=tags, raise_on_error=False)
-        if not result.success:
-            raise PipelineFailed(f"{_failure_message(result)}\n(run {result.run_id}; see `gguf-trainer ui {paths.root}`)")
-
-    with ProjectLock(paths.lock_file) as lock:
+    size_gpu_pool(instance)
+    with _StopRequest().installed() as stop, \
+            ProjectLock(paths.lock_file, describe=f"gguf-trainer run {paths.root.name}"):
+        marked = mark_interrupted_runs(instance)
+        if marked:
+            echo(f"marked {len(marked)} run(s) cut off by a kill or reboot as failed; resuming where they stopped")
         settings = load_settings(paths.root)
+        observe_settings(instance, settings)  # the UI's stale marks follow project.yaml as of now
         # A typo in a prompt file path should fail in seconds, not after a teacher download.
         from gguf_assets.lib.corpus import check_prompt_files
 
         check_prompt_files(paths, settings)
-        status = {s.stage: s for s in project_status(paths, settings)}
-        # New materials come with the corpus: it reads them, and when it finds itself current it
-        # only records that (same data version), so Dagster does not show it stale.
-        if status["materials"].state != "current":
-            launch(["materials", "corpus"])
-            status = {s.stage: s for s in project_status(paths, settings)}
-        elif status["corpus"].state != "current" or not partitions_match(
-                instance, expected_shard_keys(atomic.read_json(paths.corpus_manifest), settings)):
-            launch(["corpus"])
-            status = {s.stage: s for s in project_status(paths, settings)}
-        for split in SPLITS:
-            if status[f"{split}_shards"].state != "current":
-                keys = list(instance.get_dynamic_partitions(BY_SPLIT[split].name))
-                if workers > 1 and len(keys) > 1:
-                    _launch_shard_workers(paths, split, split_range(keys, workers), lock.token, echo)
-                else:
-                    launch([f"{split}_shards"], {RANGE_START_TAG: keys[0], RANGE_END_TAG: keys[-1]})
-        status = {s.stage: s for s in project_status(paths, settings)}
-        rest = [s for s in ("adapter", "gguf", "eval_report") if status[s].state in ("missing", "stale")]
-        blocked = [s for s in ("adapter", "gguf", "eval_report") if status[s].state == "blocked"]
-        if blocked and not rest:
-            echo(f"not running {', '.join(blocked)}: {status[blocked[0]].detail}")
-        if rest:
-            # Once one stage is redone, everything after it is redone too.
-            order = ["adapter", "gguf", "eval_report"]
-            launch(order[order.index(rest[0]):])
+        done: set[Work] = set()
+        while (work := next_work(paths, settings, instance)) is not None:
+            if work in done:
+                raise PipelineFailed(f"{work.describe()} ran successfully but is still not current; see "
+                                     f"`gguf-trainer status {paths.root}`")
+            if workers > 1 and len(work.partitions) > 1:
+                _run_workers(paths, instance, work, settings, workers, echo)
+            else:
+                echo(f"→ {work.describe()}")
+                job = defs.resolve_job_def(work.job)
+                result = job.execute_in_process(instance=instance, tags=work.tags(settings), raise_on_error=False,
+                                                asset_selection=[dg.AssetKey(a) for a in work.assets])
+                if not result.success and (stop.asked or _was_interrupted(instance, result.run_id)):
+                    # Stopped on purpose: resumable, but the daemon leaves it for the user to continue.
+                    instance.add_run_tags(result.run_id, {STOPPED_TAG: "true"})
+                    raise KeyboardInterrupt
+                if not result.success:
+                    raise PipelineFailed(f"{failure_message(instance, result.run_id)}\n(run {result.run_id}; "
+                                         f"see `gguf-trainer ui {paths.root}`)")
+            done.add(work)
+        blocked = [s for s in project_status(paths, settings) if s.state == "blocked"]
+        if blocked and all(s.detail.startswith("precompute.mode") for s in blocked):
+            echo(f"not running {', '.join(s.stage for s in blocked)}: {blocked[0].detail}")
         return project_status(paths, settings)
 
 
+def _run_workers(paths: ProjectPaths, instance, work: Work, settings: Settings, workers: int,
+                 echo: Callable[[str], None]) -> None:
+    """Launch one Dagster run per contiguous shard range through the instance's run launcher; wait for all.
 
-def _shard_worker(project: str, split: str, first: str, last: str, token: str) -> int:
-    """Entry of one parallel shard worker: materialize a partition range as its own Dagster run."""
-    paths = ProjectPaths.of(project)
-    prepare_instance(paths)
+    The launcher starts each run in its own process under a code server that this process
+    starts, so the runs are this pipeline's descendants and share its lock. Each keeps torch's
+    default thread count: CPU matmul results depend on it, and shards must be byte-identical
+    whatever the number of workers.
+    """
     import dagster as dg
+    from dagster._cli.job import _create_run
 
-    warnings.filterwarnings("ignore", category=dg.BetaWarning)
-    from gguf_assets.defs.resources import LOCK_TOKEN_TAG, ProjectResource
-    from gguf_assets.definitions import build_definitions
+    from gguf_assets.defs.resources import LEADER_TAG
+    from dagster._core.workspace.context import WorkspaceProcessContext
+    from dagster._core.workspace.load_target import ModuleTarget
 
-    defs = build_definitions(str(paths.root))
-    result = dg.materialize(list(defs.assets), instance=dg.DagsterInstance.get(), selection=[f"{split}_shards"],
-                            resources={"project": ProjectResource(project_dir=str(paths.root))},
-                            tags={RANGE_START_TAG: first, RANGE_END_TAG: last, LOCK_TOKEN_TAG: token},
-                            raise_on_error=False)
-    if not result.success:
-        print(_failure_message(result), file=sys.stderr)
-    return 0 if result.success else 1
+    target = ModuleTarget(module_name="gguf_assets.definitions", attribute=None, working_directory=None,
+                          location_name="gguf_assets")
+    ranges = split_range(work.partitions, workers)
+    with WorkspaceProcessContext(instance, target) as process_context:
+        workspace = process_context.create_request_context()
+        location = workspace.get_code_location("gguf_assets")
+        repo = next(iter(location.get_repositories().values()))
+        remote_job = repo.get_full_job(work.job)
+        run_ids = []
+        try:
+            for keys in ranges:
+                run = _create_run(instance=instance, code_location=location, remote_repo=repo,
+                                  remote_job=remote_job, run_config={}, op_selection=None, run_id=None,
+                                  tags={**work.tags(settings, keys), WORKER_TAG: f"{len(run_ids) + 1}/{len(ranges)}",
+                                        LEADER_TAG: str(os.getpid())})
+                instance.launch_run(run.run_id, workspace)
+                run_ids.append(run.run_id)
+                echo(f"→ {work.job} shards {keys[0]}..{keys[-1]} as run {run.run_id[:8]} "
+                     f"(worker {len(run_ids)}/{len(ranges)})")
+            _wait_for_runs(instance, run_ids, echo)
+        except KeyboardInterrupt:
+            for run_id in run_ids:
+                if not instance.get_run_by_id(run_id).is_finished:
+                    instance.run_launcher.terminate(run_id)
+            raise
+    failed = [r for r in run_ids if instance.get_run_by_id(r).status != dg.DagsterRunStatus.SUCCESS]
+    if failed:
+        raise PipelineFailed("; ".join(f"run {r[:8]}: {failure_message(instance, r)}" for r in failed)
+                             + f"\n(see `gguf-trainer ui {paths.root}`)")
 
 
-if __name__ == "__main__":
-    if len(sys.argv) == 7 and sys.argv[1] == "shard-worker":
-        sys.exit(_shard_worker(*sys.argv[2:]))
-    sys.exit("usage: python -m gguf_assets.runner shard-worker PROJECT SPLIT FIRST LAST TOKEN")
+def _wait_for_runs(instance, run_ids: list[str], echo: Callable[[str], None]) -> None:
+    last_report = time.monotonic()
+    while True:
+        runs = [instance.get_run_by_id(r) for r in run_ids]
+        if all(r.is_finished for r in runs):
+            return
+        if time.monotonic() - last_report >= REPORT_EVERY_S:
+            echo("waiting for " + ", ".join(f"run {r.run_id[:8]} ({r.status.value.lower()})"
+                                            for r in runs if not r.is_finished))
+            last_report = time.monotonic()
+        time.sleep(POLL_S)

@@ -105,6 +105,17 @@ def reference_run(tmp_path_factory, demo_materials_root) -> tuple[dict[str, byte
     return outputs, time.perf_counter() - start
 
 
+def project_instance(paths: ProjectPaths):
+    """The project's own Dagster instance, opened as the CLI opens it: its dagster.yaml holds no
+    path, so DAGSTER_HOME (set here for the rest of the test; make_project restores it) says where."""
+    import dagster as dg
+
+    from gguf_assets.runner import prepare_instance
+
+    prepare_instance(paths)
+    return dg.DagsterInstance.get()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

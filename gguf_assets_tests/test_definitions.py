@@ -3,6 +3,8 @@
 import ast
 from pathlib import Path
 
+import dagster as dg
+
 import gguf_assets
 
 LIB = Path(gguf_assets.__file__).parent / "lib"
@@ -13,10 +15,28 @@ def test_definitions_load_with_every_asset_and_group():
 
     graph = defs.resolve_asset_graph()
     keys = {k.to_user_string() for k in graph.get_all_asset_keys()}
-    assert keys == {"materials", "corpus", "train_shards", "val_shards", "adapter", "gguf", "eval_report"}
+    stages = {"materials", "corpus", "train_shards", "val_shards", "adapter", "gguf", "eval_report"}
+    assert keys == stages | {f"settings/{s}" for s in stages}
+    # Each stage reads its own settings, observed from project.yaml (no reload of the definitions).
+    for stage in stages:
+        assert dg.AssetKey(["settings", stage]) in graph.get(dg.AssetKey(stage)).parent_keys
+        assert graph.get(dg.AssetKey(["settings", stage])).is_observable
     groups = {k.to_user_string(): graph.get(k).group_name for k in graph.get_all_asset_keys()}
     assert groups["train_shards"] == "precompute" and groups["adapter"] == "training" and groups["gguf"] == "output"
     assert graph.get(next(k for k in graph.get_all_asset_keys() if k.to_user_string() == "adapter")).pools == {"gpu"}
+
+
+def test_named_jobs_checks_and_sensors():
+    from gguf_assets.definitions import defs
+
+    assert {j.name for j in defs.jobs} >= {"materials_and_corpus", "precompute_train_shards",
+                                          "precompute_val_shards", "train_export_evaluate"}
+    checks = {f"{k.asset_key.to_user_string()}:{k.name}" for c in defs.asset_checks for k in c.check_keys}
+    checks |= {f"{k.asset_key.to_user_string()}:{k.name}" for a in defs.assets if hasattr(a, "check_keys")
+               for k in a.check_keys}
+    assert checks == {"train_shards:shards_verified", "val_shards:shards_verified", "gguf:exported_files_unchanged",
+                      "eval_report:gguf_agrees_with_torch", "eval_report:val_centred_cosine_threshold"}
+    assert {s.name for s in defs.sensors} == {"interrupted_runs_sensor", "resume_pipeline_sensor"}
 
 
 def test_lib_never_imports_dagster():

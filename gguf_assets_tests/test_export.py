@@ -195,10 +195,11 @@ def test_numpy_evaluation_agrees_with_torch_and_report_carries_both(tmp_path: Pa
         assert abs(row["val_centred_cosine"] - row["val_centred_cosine_torch"]) < 1e-3
     assert len(report["worst"]) == 10 and report["n_prompts"] == 13
     assert [w["cosine"] for w in report["worst"]] == sorted(w["cosine"] for w in report["worst"])
-    assert report["files"] == [{"role": "adapter", "path": sidecar["path"], "bytes": Path(sidecar["path"]).stat().st_size,
+    # Paths inside the project are stored relative to it, so a copied project is independent.
+    assert report["files"] == [{"role": "adapter", "path": "output/adapter.gguf",
+                                "bytes": Path(sidecar["path"]).stat().st_size,
                                 "sha256": atomic.sha256_file(sidecar["path"])}]
-    assert report["ggk_command"] == (f"ggk --llm '/models/student dir' --llm_adapter {sidecar['path']} "
-                                     '-p "a cat"')
+    assert report["ggk_command"] == "ggk --llm '/models/student dir' --llm_adapter output/adapter.gguf -p \"a cat\""
     assert report["vision_gguf"] is None
 
     md = (paths.root / "output" / REPORT_MD).read_text(encoding="utf-8")

@@ -127,3 +127,37 @@ def test_different_projects_do_not_block_each_other(tmp_path):
         holder.wait(timeout=10)
         holder.stdout.close()
         holder.stdin.close()
+
+
+# A child that joins the lock as a worker of the given leader pid.
+JOIN = textwrap.dedent("""
+    import sys
+    from gguf_assets.lib.lock import ProjectLock, ProjectLocked
+    try:
+        with ProjectLock(sys.argv[1], leader_pid=int(sys.argv[2])) as lock:
+            print("shared with", lock.shared_with, flush=True)
+    except ProjectLocked as exc:
+        print("refused:", exc, flush=True)
+""")
+
+
+def test_a_worker_shares_the_lock_only_with_its_own_ancestor(lock_file):
+    """--workers: a run naming the holder's pid shares its lock if the holder is its ancestor;
+    naming another pid, or holding no such ancestry, is refused."""
+    with ProjectLock(lock_file, describe="gguf-trainer run demo"):
+        joined = subprocess.run([sys.executable, "-c", JOIN, str(lock_file), str(os.getpid())],
+                                capture_output=True, text=True, timeout=60)
+        assert joined.stdout.strip() == f"shared with {os.getpid()}", joined.stderr
+        wrong = subprocess.run([sys.executable, "-c", JOIN, str(lock_file), str(os.getppid())],
+                               capture_output=True, text=True, timeout=60)
+        assert wrong.stdout.startswith("refused:") and "gguf-trainer run demo" in wrong.stdout
+    holder = _start_holder(lock_file)
+    try:
+        # Not an ancestor: naming the holder's pid is not enough.
+        forged = subprocess.run([sys.executable, "-c", JOIN, str(lock_file), str(holder.pid)],
+                                capture_output=True, text=True, timeout=60)
+        assert forged.stdout.startswith("refused:") and f"pid {holder.pid}" in forged.stdout
+    finally:
+        holder.stdin.write("\n")
+        holder.stdin.flush()
+        holder.wait(timeout=30)

@@ -1,5 +1,7 @@
-"""Shard partitions run as parallel Dagster runs (2 worker processes) with the same bytes as a serial run."""
+"""Shard partitions run as parallel Dagster runs (launched by the instance's run launcher) with the
+same bytes as a serial run."""
 
+import os
 import time
 
 import dagster as dg
@@ -11,8 +13,8 @@ from gguf_assets.runner import run_pipeline, split_range
 def test_split_range_is_contiguous_and_complete():
     keys = [f"{i:05d}" for i in range(7)]
     ranges = split_range(keys, 3)
-    assert ranges == [("00000", "00001"), ("00002", "00004"), ("00005", "00006")]
-    assert split_range(keys[:1], 4) == [("00000", "00000")]
+    assert ranges == [tuple(keys[0:2]), tuple(keys[2:5]), tuple(keys[5:7])]
+    assert split_range(keys[:1], 4) == [("00000",)]
 
 
 def test_two_workers_give_byte_identical_shards(make_project):
@@ -36,10 +38,12 @@ def test_two_workers_give_byte_identical_shards(make_project):
             assert (serial.root / rel).read_bytes() == (parallel.root / rel).read_bytes(), rel
     # Two separate runs covered the train shards, and every partition is recorded.
     instance = dg.DagsterInstance.get()
-    from gguf_assets.defs.resources import LOCK_TOKEN_TAG
-    from gguf_assets.runner import RANGE_START_TAG
+    from gguf_assets.runner import RANGE_START_TAG, WORKER_TAG
 
-    worker_runs = [r.dagster_run for r in instance.get_run_records() if LOCK_TOKEN_TAG in r.dagster_run.tags]
-    # Two train ranges ran as worker runs; the single val shard needs no split.
+    worker_runs = [r.dagster_run for r in instance.get_run_records() if WORKER_TAG in r.dagster_run.tags]
+    # Two train ranges ran as worker runs of the named job, each in its own process; the single
+    # val shard needs no split.
     assert sorted(r.tags[RANGE_START_TAG] for r in worker_runs) == ["00000", "00004"]
+    assert {r.job_name for r in worker_runs} == {"precompute_train_shards"}
+    assert len({r.tags["gguf_assets/pid"] for r in worker_runs} | {str(os.getpid())}) == 3
     assert len(instance.get_materialized_partitions(dg.AssetKey("train_shards"))) == 8

@@ -23,7 +23,8 @@ def test_demo_dag_end_to_end_then_memoized_then_student_change(make_project):
     report = atomic.read_json(paths.output_dir(settings) / REPORT_JSON)
     for key in ("val_centred_cosine", "empty_prompt_cosine", "gguf_path", "gguf_sha256", "val_centred_cosine_torch"):
         assert report[key] is not None, key
-    assert atomic.sha256_file(report["gguf_path"]) == report["gguf_sha256"]
+    assert report["gguf_path"] == "output/demo-adapter.gguf"  # relative: the project folder is portable
+    assert atomic.sha256_file(paths.located(report["gguf_path"])) == report["gguf_sha256"]
     # The numpy reading of the GGUF agrees with the torch checkpoint.
     assert abs(report["val_centred_cosine"] - report["val_centred_cosine_torch"]) < 1e-3
     adapter_meta = atomic.read_json(paths.root / atomic.read_json(paths.adapter_manifest)["run_dir"] / "final" / "meta.json")
@@ -41,6 +42,24 @@ def test_demo_dag_end_to_end_then_memoized_then_student_change(make_project):
         assert len(keys) == n
         materialized = instance.get_materialized_partitions(dg.AssetKey(f"{split}_shards"))
         assert set(keys) <= materialized
+
+    # Runs carry readable job names, and the asset checks beside the assets ran and passed
+    # (the 0.9 threshold is a warning: this short run may stay below it).
+    assert {r.dagster_run.job_name for r in instance.get_run_records()} == {
+        "materials_and_corpus", "precompute_train_shards", "precompute_val_shards", "train_export_evaluate"}
+    checks = {(e.asset_key.to_user_string(), e.check_name): e for e in (
+        r.event_log_entry.dagster_event.event_specific_data for r in instance.get_records_for_run(
+            instance.get_run_records()[0].dagster_run.run_id,
+            of_type=dg.DagsterEventType.ASSET_CHECK_EVALUATION).records)}
+    assert checks[("eval_report", "gguf_agrees_with_torch")].passed
+    assert checks[("gguf", "exported_files_unchanged")].passed
+    threshold = checks[("eval_report", "val_centred_cosine_threshold")]
+    assert threshold.passed == (report["val_centred_cosine"] >= 0.9)
+    assert threshold.severity == dg.AssetCheckSeverity.WARN
+    shard_checks = [r.event_log_entry.dagster_event.event_specific_data for run in instance.get_run_records()
+                    if run.dagster_run.job_name.startswith("precompute_") for r in instance.get_records_for_run(
+                        run.dagster_run.run_id, of_type=dg.DagsterEventType.ASSET_CHECK_EVALUATION).records]
+    assert len(shard_checks) == 2 and all(c.passed and c.check_name == "shards_verified" for c in shard_checks)
 
     # Training metrics and live hardware figures arrive as observations while it runs (the UI plots them).
     observations = instance.fetch_observations(dg.AssetKey("adapter"), limit=1000).records

@@ -7,9 +7,8 @@ import subprocess
 import time
 
 import dagster as dg
-from dagster._core.instance.ref import InstanceRef
 
-from conftest import CLI, FAULT_SETTINGS, cli_env, free_port, pipeline_outputs, wait_http
+from conftest import CLI, FAULT_SETTINGS, cli_env, project_instance, free_port, pipeline_outputs, wait_http
 
 
 def _wait_for(predicate, *, timeout: float, what: str, proc=None) -> None:
@@ -40,7 +39,7 @@ def test_kill9_during_training_then_auto_resume_is_bit_identical(make_project, r
         proc.wait()
     assert not any(killed.root.glob("checkpoints/*/final"))
 
-    instance = dg.DagsterInstance.from_ref(InstanceRef.from_dir(str(killed.dagster_home)))
+    instance = project_instance(killed)
     started = instance.get_run_records(filters=dg.RunsFilter(statuses=[dg.DagsterRunStatus.STARTED]))
     assert len(started) == 1, "the killed run should be left STARTED, as Dagster leaves it"
     cut_off = started[0].dagster_run.run_id
@@ -124,7 +123,7 @@ def test_auto_resume_serves_the_ui_and_its_daemon_fails_runs_cut_off_later(make_
         _wait_for(lambda: any("dagster-daemon" in " ".join(c.cmdline())
                               for c in psutil.Process(proc.pid).children(recursive=True)),
                   timeout=600, what="the daemon (after the pipeline)", proc=proc)
-        instance = dg.DagsterInstance.from_ref(InstanceRef.from_dir(str(paths.dagster_home)))
+        instance = project_instance(paths)
         gone = subprocess.Popen(["true"])
         gone.wait()
         cut_off = create_run_for_test(instance, status=dg.DagsterRunStatus.STARTED,

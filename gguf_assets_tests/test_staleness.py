@@ -1,8 +1,9 @@
 """After a settings change, exactly the dependent assets are stale in Dagster's own view (the UI's),
 and exactly those are materialized by the next run.
 
-Each asset's code version hashes every setting its result depends on, its inputs' included,
-so a change marks the changed stage and everything that reads it at once.
+The settings are observable source assets whose data versions hash every setting a stage's
+result depends on, its inputs' included; the daemon's sensor observes them, so a change marks the
+changed stage and everything that reads it without reloading the definitions.
 """
 
 import shutil
@@ -12,6 +13,7 @@ from dagster._core.definitions.data_version import CachingStaleStatusResolver, S
 from dagster._core.loader import LoadingContextForTest
 
 from gguf_assets.definitions import build_definitions
+from gguf_assets.defs.resume import resume_decision
 from gguf_assets.defs.resources import ProjectResource
 from gguf_assets.lib.settings import load_settings, replace, write_project_file
 from gguf_assets.runner import run_pipeline
@@ -20,8 +22,10 @@ ASSETS = ("materials", "corpus", "train_shards", "val_shards", "adapter", "gguf"
 
 
 def _stale(paths) -> set[str]:
-    defs = build_definitions(str(paths.root))
+    """What the UI shows stale once the daemon's sensor has looked at project.yaml (no reload)."""
+    defs = build_definitions(None)  # what a running webserver loaded once: it knows no settings
     instance = dg.DagsterInstance.get()
+    resume_decision(instance)  # what the daemon runs every GGUF_ASSETS_SENSOR_INTERVAL_S
     # The same resolver the webserver uses to draw "stale" on the graph.
     resolver = CachingStaleStatusResolver(instance, defs.resolve_asset_graph(), LoadingContextForTest(instance))
     stale = set()

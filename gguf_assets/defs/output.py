@@ -1,8 +1,11 @@
 """Output: the f16 GGUF export (adapter, optional vision encoder) and its evaluation report."""
 
 
+from pathlib import Path
+
 import dagster as dg
 
+from gguf_assets.defs.settings import settings_key
 from gguf_assets.defs.materials import materials
 from gguf_assets.defs.precompute import val_shards
 from gguf_assets.defs.resources import ProjectResource
@@ -12,12 +15,13 @@ from gguf_assets.lib.export import export_adapter
 from gguf_assets.lib.gguf_eval import evaluate_gguf
 from gguf_assets.lib.layout import REPORT_JSON
 from gguf_assets.lib.materials import load_manifest
-from gguf_assets.lib.pipeline import gguf_path, report_fingerprint, shard_fingerprints
+from gguf_assets.lib.pipeline import export_sidecar, gguf_path, report_fingerprint, shard_fingerprints
 from gguf_assets.lib.report import build_report, render_evaluation, render_files, render_markdown, render_use_in_ggk
 from gguf_assets.lib.shards import require_current
+from gguf_assets.lib.verdict import GOOD
 
 
-@dg.asset(group_name="output", deps=[adapter, materials], description="The adapter as an f16 GGUF: "
+@dg.asset(group_name="output", deps=[adapter, materials, settings_key("gguf")], description="The adapter as an f16 GGUF: "
           "matrices f16; norms, biases and target statistics f32; self-describing metadata (docs/gguf_layout.md). "
           "Plus the paired vision encoder as a clip/mmproj GGUF when one was downloaded (docs/vision_gguf.md).")
 def gguf(context: dg.AssetExecutionContext, project: ProjectResource) -> dg.MaterializeResult:
@@ -38,13 +42,45 @@ def gguf(context: dg.AssetExecutionContext, project: ProjectResource) -> dg.Mate
     return dg.MaterializeResult(metadata=metadata)
 
 
-@dg.asset(group_name="output", deps=[gguf, val_shards], description="Evaluation of the exported GGUF on the "
+# The numpy reader of the f16 GGUF and the f32 torch checkpoint must agree this closely.
+GGUF_TORCH_TOLERANCE = 1e-3
+
+
+@dg.asset_check(asset=gguf, description="Every exported file (the GGUF, the vision GGUF, the copies in "
+                "output.also_copy_to) is still there with the size and sha256 the export recorded.")
+def exported_files_unchanged(project: ProjectResource) -> dg.AssetCheckResult:
+    paths, settings = project.paths(), project.settings()
+    files = export_sidecar(paths, settings)["files"]
+    problems = []
+    for entry in files:
+        file = Path(entry["path"])
+        if not file.is_file():
+            problems.append(f"{file}: missing")
+        elif file.stat().st_size != entry["bytes"]:
+            problems.append(f"{file}: {file.stat().st_size} bytes, the export wrote {entry['bytes']}")
+        elif atomic.sha256_file(file) != entry["sha256"]:
+            problems.append(f"{file}: its sha256 changed since the export")
+    return dg.AssetCheckResult(passed=not problems, metadata={
+        "files": len(files), **({"problems": dg.MetadataValue.md("\n".join(f"- `{p}`" for p in problems))}
+                                if problems else {})})
+
+
+@dg.asset(group_name="output", deps=[gguf, val_shards, settings_key("eval_report")],
+          check_specs=[
+              dg.AssetCheckSpec("gguf_agrees_with_torch", asset="eval_report",
+                                description=f"The exported GGUF, read back by numpy, scores within "
+                                            f"{GGUF_TORCH_TOLERANCE} of the torch checkpoint on the val shards."),
+              dg.AssetCheckSpec("val_centred_cosine_threshold", asset="eval_report",
+                                description=f"Val centred cosine reaches {GOOD} (the advice in the report says what "
+                                            "to change when it does not)."),
+          ],
+          description="Evaluation of the exported GGUF on the "
           "val shards by an independent numpy reader, with the verdict, advice and how to use it in ggk.")
 def eval_report(context: dg.AssetExecutionContext, project: ProjectResource) -> dg.MaterializeResult:
     paths, settings = project.paths(), project.settings()
     materials_manifest = load_manifest(paths)
     target = gguf_path(paths, settings)
-    sidecar = atomic.read_json(target.with_suffix(".json"))
+    sidecar = export_sidecar(paths, settings)
     folders = require_current(paths, settings, materials_manifest, "val")
     evaluation = evaluate_gguf(target, folders) if settings.output.evaluate else None
     fingerprint = report_fingerprint(settings, sidecar,
@@ -62,4 +98,15 @@ def eval_report(context: dg.AssetExecutionContext, project: ProjectResource) -> 
                 "n_prompts", "eval_seconds"):
         if report[key] is not None:
             metadata[key] = float(report[key]) if key != "n_prompts" else int(report[key])
-    return dg.MaterializeResult(metadata=metadata)
+    score = report["val_centred_cosine"] if report["evaluated"] else report["val_centred_cosine_torch"]
+    checks = [
+        dg.AssetCheckResult(check_name="gguf_agrees_with_torch",
+                            passed=not report["evaluated"] or report["gguf_vs_torch"] < GGUF_TORCH_TOLERANCE,
+                            metadata={"difference": float(report["gguf_vs_torch"] or 0.0),
+                                      "evaluated": report["evaluated"]}),
+        dg.AssetCheckResult(check_name="val_centred_cosine_threshold", passed=score >= GOOD,
+                            severity=dg.AssetCheckSeverity.WARN,
+                            metadata={"val_centred_cosine": float(score), "threshold": GOOD,
+                                      "advice": report["advice"]}),
+    ]
+    return dg.MaterializeResult(metadata=metadata, check_results=checks)

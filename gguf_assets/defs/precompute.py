@@ -8,11 +8,12 @@ so a killed run keeps the shards it completed.
 
 import dagster as dg
 
+from gguf_assets.defs.settings import settings_key
 from gguf_assets.defs.corpus import corpus
 from gguf_assets.defs.partitions import TRAIN_SHARDS, VAL_SHARDS
 from gguf_assets.defs.resources import ProjectResource
 from gguf_assets.lib.materials import load_manifest
-from gguf_assets.lib.shards import precompute_split
+from gguf_assets.lib.shards import plan_shards, precompute_split, shard_status
 from gguf_assets.lib.teacher import summarize_placement
 
 GPU_POOL = "gpu"
@@ -43,7 +44,7 @@ def materialize_shards(context: dg.AssetExecutionContext, project: ProjectResour
     return dg.MaterializeResult(metadata=metadata)
 
 
-@dg.asset(group_name="precompute", partitions_def=TRAIN_SHARDS, deps=[corpus], pool=GPU_POOL,
+@dg.asset(group_name="precompute", partitions_def=TRAIN_SHARDS, deps=[corpus, settings_key("train_shards")], pool=GPU_POOL,
           backfill_policy=dg.BackfillPolicy.single_run(),
           description="Train shards: teacher targets (Q x D per prompt) and student hidden states, safetensors "
                       "with fingerprints and sha256; each half is recomputed only when what it depends on changed.")
@@ -51,8 +52,30 @@ def train_shards(context: dg.AssetExecutionContext, project: ProjectResource) ->
     return materialize_shards(context, project, "train")
 
 
-@dg.asset(group_name="precompute", partitions_def=VAL_SHARDS, deps=[corpus], pool=GPU_POOL,
+@dg.asset(group_name="precompute", partitions_def=VAL_SHARDS, deps=[corpus, settings_key("val_shards")], pool=GPU_POOL,
           backfill_policy=dg.BackfillPolicy.single_run(),
           description="Val shards: like the train shards, for the val prompts.")
 def val_shards(context: dg.AssetExecutionContext, project: ProjectResource) -> dg.MaterializeResult:
     return materialize_shards(context, project, "val")
+
+
+def _shards_verified(split: str, shards: dg.AssetsDefinition) -> dg.AssetChecksDefinition:
+    @dg.asset_check(asset=shards, name="shards_verified", description=f"Every {split} shard half that the mode needs "
+                    "exists, was made under the current settings and has its recorded size. (Training and "
+                    "evaluation check each shard's sha256 as they read it.)")
+    def check(project: ProjectResource) -> dg.AssetCheckResult:
+        paths, settings = project.paths(), project.settings()
+        plans = plan_shards(paths, settings, load_manifest(paths), split)
+        bad = {plan.key: states for plan in plans
+               if set((states := shard_status(paths, settings, plan, verify=False)).values()) != {"current"}}
+        rows = ["| shard | halves |", "|---|---|"] + [
+            f"| {key} | {', '.join(f'{half} {state}' for half, state in states.items())} |"
+            for key, states in list(bad.items())[:50]]
+        return dg.AssetCheckResult(passed=not bad, metadata={
+            "shards": len(plans), "current": len(plans) - len(bad),
+            **({"not_current": dg.MetadataValue.md("\n".join(rows))} if bad else {})})
+
+    return check
+
+
+SHARD_CHECKS = [_shards_verified("train", train_shards), _shards_verified("val", val_shards)]

@@ -1,9 +1,10 @@
 """Interrupted runs: find runs left STARTED by a reboot or a kill -9, mark them failed, free their slots.
 
-Under the default run launcher such a run stays STARTED forever and keeps its `gpu` pool
-slot, so the next GPU run would queue forever. Every run that uses the project resource is
-tagged with its worker's pid and the boot id (see resources.py), which is how a dead one
-is recognised.
+Under the default run launcher such a run stays STARTED forever and counts against the `gpu`
+pool, so the run queue would hold the next GPU run forever. Every job runs in-process, and
+every run that uses the project resource is tagged with that process's pid, start time and the
+boot id (see resources.py): a live run is never marked, whatever its step boundaries, and a
+dead one is recognised.
 """
 
 import datetime as dt
@@ -12,10 +13,16 @@ import os
 import dagster as dg
 import psutil
 
+from gguf_assets.defs.resources import BOOT_TAG, PID_STARTED_TAG, PID_TAG
 from gguf_assets.lib.liveness import holder_is_gone
 
-PID_TAG = "gguf_assets/pid"
-BOOT_TAG = "gguf_assets/boot_id"
+# A run that died with its process (kill -9, OOM, reboot): the resume sensor finishes its work.
+INTERRUPTED_TAG = "gguf_assets/interrupted"
+# A run stopped on purpose (Ctrl-C, SIGTERM): resumable, but only when the user asks.
+STOPPED_TAG = "gguf_assets/stopped"
+
+__all__ = ["BOOT_TAG", "PID_TAG", "PID_STARTED_TAG", "mark_interrupted_runs", "interrupted_runs_sensor",
+           "resume_sensor"]
 ACTIVE = [dg.DagsterRunStatus.STARTED, dg.DagsterRunStatus.STARTING, dg.DagsterRunStatus.CANCELING]
 
 
@@ -26,7 +33,8 @@ def _is_cut_off(record) -> str | None:
     if pid is not None or BOOT_TAG in tags:
         if pid == os.getpid():
             return None
-        if holder_is_gone(holder_boot_id=tags.get(BOOT_TAG, ""), holder_pid=pid):
+        if holder_is_gone(holder_boot_id=tags.get(BOOT_TAG, ""), holder_pid=pid,
+                          holder_started=tags.get(PID_STARTED_TAG, "")):
             return f"its process (pid {pid}) is gone or the machine rebooted since it started"
         return None
     started = record.start_time or record.create_timestamp.timestamp()
@@ -47,6 +55,7 @@ def mark_interrupted_runs(instance: dg.DagsterInstance) -> list[str]:
                                    f"{dt.datetime.now().isoformat(timespec='seconds')}; the pipeline resumes "
                                    "from the last finished shard and checkpoint.")
         instance.event_log_storage.free_concurrency_slots_for_run(run.run_id)
+        instance.add_run_tags(run.run_id, {INTERRUPTED_TAG: "true"})
         marked.append(run.run_id)
     return marked
 
@@ -61,6 +70,80 @@ def interrupted_runs_sensor(*, running: bool = True) -> dg.SensorDefinition:
     """The sensor; it runs by default when the project's output.auto_resume is true, and can be
     switched on in the UI otherwise."""
     return dg.SensorDefinition(
-        name="interrupted_runs_sensor", evaluation_fn=_mark_and_report, minimum_interval_seconds=30,
+        name="interrupted_runs_sensor", evaluation_fn=_mark_and_report, minimum_interval_seconds=sensor_interval_s(),
         default_status=dg.DefaultSensorStatus.RUNNING if running else dg.DefaultSensorStatus.STOPPED,
         description="Marks runs cut off by a reboot or a kill -9 as failed and frees their gpu pool slots.")
+
+
+# How often the daemon looks for work to resume and for cut-off runs (seconds).
+SENSOR_INTERVAL_ENV = "GGUF_ASSETS_SENSOR_INTERVAL_S"
+WAITING = [dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.NOT_STARTED, *ACTIVE]
+
+
+def sensor_interval_s() -> int:
+    return int(os.environ.get(SENSOR_INTERVAL_ENV, "30"))
+
+
+def resume_decision(instance: dg.DagsterInstance) -> dg.RunRequest | dg.SkipReason:
+    """What the daemon does for the project now: launch the next job of an unfinished pipeline, or why not.
+
+    It finishes what is missing (never made, or cut off part-way) and what a pipeline asked for
+    under the current settings; it never starts work that a settings edit made stale (that waits
+    for Materialize, `gguf-trainer run`, or an edit back), and never retries a genuine failure.
+    """
+    from gguf_assets.defs.plan import PIPELINE_TAG, next_work, settings_hash
+    from gguf_assets.defs.resources import SETTINGS_TAG, project_dir_from_env
+    from gguf_assets.defs.settings import observe_settings
+    from gguf_assets.lib.layout import ProjectPaths
+    from gguf_assets.lib.lock import is_locked
+    from gguf_assets.lib.settings import SettingsError, load_settings
+
+    marked = mark_interrupted_runs(instance)
+    folder = project_dir_from_env()
+    if not folder:
+        return dg.SkipReason("no project folder in the environment (GGUF_ASSETS_PROJECT or DAGSTER_HOME)")
+    paths = ProjectPaths.of(folder)
+    try:
+        settings = load_settings(paths.root)
+    except SettingsError as exc:
+        return dg.SkipReason(f"project.yaml is not valid: {exc}")
+    observe_settings(instance, settings)  # the UI's stale marks follow project.yaml edits
+    if busy := instance.get_run_records(filters=dg.RunsFilter(statuses=WAITING), limit=1):
+        return dg.SkipReason(f"run {busy[0].dagster_run.run_id[:8]} ({busy[0].dagster_run.job_name}) is "
+                             f"{busy[0].dagster_run.status.value.lower()}")
+    if is_locked(paths.lock_file):
+        return dg.SkipReason(f"another pipeline holds {paths.lock_file}")
+    latest = next(iter(instance.get_run_records(limit=1)), None)
+    latest_run = latest.dagster_run if latest else None
+    if latest_run is not None and (STOPPED_TAG in latest_run.tags
+                                   or latest_run.status == dg.DagsterRunStatus.CANCELED):
+        return dg.SkipReason(f"the last run ({latest_run.run_id[:8]}, {latest_run.job_name}) was stopped on "
+                             "purpose; Materialize or `gguf-trainer run` continues it")
+    if latest_run is not None and latest_run.status == dg.DagsterRunStatus.FAILURE \
+            and latest_run.run_id not in marked and INTERRUPTED_TAG not in latest_run.tags:
+        return dg.SkipReason(f"the last run ({latest_run.run_id[:8]}, {latest_run.job_name}) failed; the daemon "
+                             "does not retry a failure: fix its cause, then Materialize or `gguf-trainer run`")
+    work = next_work(paths, settings, instance)
+    if work is None:
+        return dg.SkipReason("everything is current")
+    current = settings_hash(settings)
+    asked = latest_run is not None and (
+        latest_run.tags.get(PIPELINE_TAG) == current
+        or (INTERRUPTED_TAG in latest_run.tags and latest_run.tags.get(SETTINGS_TAG) == current))
+    if not (work.missing or asked):
+        return dg.SkipReason(f"{work.describe()} is stale after a settings edit; it starts when you ask "
+                             "(Materialize, or `gguf-trainer run`)")
+    return dg.RunRequest(job_name=work.job, asset_selection=[dg.AssetKey(a) for a in work.assets],
+                         tags=work.tags(settings))
+
+
+def resume_sensor(*, running: bool = True) -> dg.SensorDefinition:
+    """Resumes the project's pipeline by itself after a kill -9 or a reboot (with only the daemon running)."""
+    from gguf_assets.defs.jobs import JOBS
+
+    return dg.SensorDefinition(
+        name="resume_pipeline_sensor", evaluation_fn=lambda context: resume_decision(context.instance),
+        minimum_interval_seconds=sensor_interval_s(), jobs=JOBS,
+        default_status=dg.DefaultSensorStatus.RUNNING if running else dg.DefaultSensorStatus.STOPPED,
+        description="Finishes a pipeline cut off by a kill -9 or a reboot, and materializes what is missing, one "
+                    "named job at a time. Work made stale by a settings edit waits for you.")

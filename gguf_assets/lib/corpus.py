@@ -699,7 +699,7 @@ def build_corpus(paths: ProjectPaths, settings: Settings, materials: dict, *, fi
         "settings": settings.section_dict("corpus"),
         "counts": counts,
         "per_source": dict(per_source),
-        "sources": [asdict(st) for st in stats],
+        "sources": [{**asdict(st), "file": paths.stored(st.file)} for st in stats],
         "bad_line_samples": pool.bad_samples,
         "length_histogram": _length_histogram(kept_chars),
         "length_chars": ({"min": int(kept_chars.min()), "median": int(np.median(kept_chars)),

@@ -124,5 +124,5 @@ def export_adapter(paths: ProjectPaths, settings: Settings, materials: dict, ada
                "val_centred_cosine_torch": float(meta["val_centred_cosine"]),
                "empty_prompt_cosine_torch": meta.get("empty_prompt_cosine"),
                "per_shard_torch": meta.get("per_shard", [])}
-    atomic.write_json(target.with_suffix(".json"), sidecar)
+    atomic.write_json(target.with_suffix(".json"), paths.stored_doc(sidecar))
     return sidecar

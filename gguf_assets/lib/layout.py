@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from gguf_assets.lib.settings import PROJECT_FILE, Settings
 
@@ -13,6 +15,21 @@ STUDENT_FILE = "student.safetensors"
 PROMPTS_FILE = "prompts.jsonl"
 REPORT_JSON = "report.json"
 REPORT_MD = "report.md"
+
+
+# Keys whose values are file or folder paths in the project's JSON files (manifests, sidecars,
+# reports). Written relative to the project folder, read back absolute.
+PATH_KEYS = frozenset({"path", "copy_of", "copies", "gguf_path", "vision_gguf", "ggk_files"})
+
+
+def _map_paths(doc: Any, convert: Callable[[str], str], *, is_path: bool = False) -> Any:
+    if isinstance(doc, dict):
+        return {k: _map_paths(v, convert, is_path=is_path or k in PATH_KEYS) for k, v in doc.items()}
+    if isinstance(doc, list):
+        return [_map_paths(v, convert, is_path=is_path) for v in doc]
+    if is_path and isinstance(doc, str) and doc:
+        return convert(doc)
+    return doc
 
 
 def shard_key(index: int) -> str:
@@ -76,6 +93,28 @@ class ProjectPaths:
     @property
     def lock_file(self) -> Path:
         return self.root / ".pipeline.lock"
+
+    def stored(self, path: Path | str) -> str:
+        """A path as it is written into the project's own files: relative to the project folder
+        when inside it, so a copied or moved folder never points back at the original."""
+        path = Path(path)
+        try:
+            return path.resolve().relative_to(self.root).as_posix()
+        except ValueError:  # outside the project (a user's local folder, also_copy_to): kept as given
+            return str(path)
+
+    def located(self, stored: str) -> Path:
+        """The inverse of :meth:`stored`."""
+        path = Path(stored)
+        return path if path.is_absolute() else self.root / path
+
+    def stored_doc(self, doc: Any) -> Any:
+        """A JSON document with every path under :data:`PATH_KEYS` made :meth:`stored`."""
+        return _map_paths(doc, self.stored)
+
+    def located_doc(self, doc: Any) -> Any:
+        """A JSON document read back: every path under :data:`PATH_KEYS` made absolute again."""
+        return _map_paths(doc, lambda value: str(self.located(value)))
 
     def resolve_local(self, value: str) -> Path:
         """A settings path: absolute, ~, or relative to the project folder."""

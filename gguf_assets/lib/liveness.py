@@ -35,9 +35,23 @@ def process_alive(pid: int) -> bool:
         return True
 
 
-def holder_is_gone(*, holder_boot_id: str, holder_pid: int | None) -> bool:
-    """True if the holder ran before this boot or its process no longer exists."""
+def process_started(pid: int) -> str:
+    """The process's start time as a string ('' if it does not exist): a pid alone can be reused."""
+    import psutil
+
+    try:
+        return f"{psutil.Process(pid).create_time():.2f}"
+    except psutil.Error:
+        return ""
+
+
+def holder_is_gone(*, holder_boot_id: str, holder_pid: int | None, holder_started: str = "") -> bool:
+    """True if the holder ran before this boot, or its process no longer exists (or the pid was reused)."""
     current = boot_id()
     if holder_boot_id and current and holder_boot_id != current:
         return True
-    return holder_pid is not None and not process_alive(holder_pid)
+    if holder_pid is None:
+        return False
+    if not process_alive(holder_pid):
+        return True
+    return bool(holder_started) and process_started(holder_pid) not in ("", holder_started)

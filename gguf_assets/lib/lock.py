@@ -1,8 +1,13 @@
 """One pipeline per project folder: an flock on <project>/.pipeline.lock.
 
 The kernel drops an flock when its holder dies, so a lock left by a killed process is
-taken over without any guessing about stale pids; the pid and start time written into
-the file are only there to tell the user who holds it.
+taken over without any guessing about stale pids; the pid, start time and Dagster run
+written into the file are only there to tell the user who holds it.
+
+A worker of the holder's own pipeline (a Dagster run that `gguf-trainer run --workers N`
+launched through the run launcher) shares its lock when it names the holder's pid and that
+process is one of its ancestors. Nothing secret is written anywhere; an unrelated process,
+or any other descendant (a run launched from a UI that the holder started), is refused.
 """
 
 from __future__ import annotations
@@ -11,10 +16,9 @@ import datetime as dt
 import fcntl
 import json
 import os
-import secrets
 from pathlib import Path
 
-from gguf_assets.lib.liveness import process_alive
+import psutil
 
 
 class ProjectLocked(RuntimeError):
@@ -22,26 +26,25 @@ class ProjectLocked(RuntimeError):
 
 
 # Lock files this process holds, with a nesting count: the CLI holds the lock for a whole
-# `run`, and each asset step (which may run in that same process) takes it again.
-_held: dict[Path, list] = {}  # path -> [fd, nesting count, token]
+# `run`, and each Dagster run (which may execute in that same process) takes it again.
+_held: dict[Path, list] = {}  # path -> [fd, nesting count]
+
+
+def _is_ancestor(pid: int) -> bool:
+    try:
+        return any(parent.pid == pid for parent in psutil.Process().parents())
+    except psutil.Error:
+        return False
 
 
 class ProjectLock:
-    """Exclusive lock on a project folder.
+    """Exclusive lock on a project folder; ``describe`` is shown to whoever is refused (e.g. the run)."""
 
-    ``join_token``: a worker process launched by the pipeline that holds the lock (parallel
-    shard runs) passes the holder's token and joins it instead of being refused.
-    """
-
-    def __init__(self, lock_file: Path, *, join_token: str | None = None) -> None:
+    def __init__(self, lock_file: Path, *, describe: str = "", leader_pid: int | None = None) -> None:
         self.lock_file = Path(lock_file).resolve()
-        self.join_token = join_token
-        self.joined = False
-
-    @property
-    def token(self) -> str:
-        """Hand this to worker processes so they can join (only valid while held)."""
-        return _held[self.lock_file][2]
+        self.describe = describe
+        self.leader_pid = leader_pid
+        self.shared_with: int | None = None  # the ancestor pid whose lock this process shares
 
     def __enter__(self) -> "ProjectLock":
         if self.lock_file in _held:
@@ -54,23 +57,24 @@ class ProjectLock:
         except BlockingIOError:
             holder = _read_holder(fd)
             os.close(fd)
-            if self.join_token and holder.get("token") == self.join_token and process_alive(int(holder.get("pid", -1))):
-                self.joined = True
+            pid = int(holder.get("pid", -1))
+            if pid > 0 and pid == self.leader_pid and _is_ancestor(pid):
+                self.shared_with = pid
                 return self
+            what = f", {holder['what']}" if holder.get("what") else ""
             raise ProjectLocked(
                 f"{self.lock_file.parent} is in use by another pipeline (pid {holder.get('pid', '?')}, started "
-                f"{holder.get('started', '?')}). Wait for it to finish or stop it; two pipelines must not write "
-                "the same project folder.") from None
+                f"{holder.get('started', '?')}{what}). Wait for it to finish or stop it; two pipelines must not "
+                "write the same project folder.") from None
         os.ftruncate(fd, 0)
-        token = secrets.token_hex(8)
         os.pwrite(fd, json.dumps({"pid": os.getpid(), "started": dt.datetime.now().isoformat(timespec="seconds"),
-                                  "token": token}).encode(), 0)
+                                  "what": self.describe}).encode(), 0)
         os.fsync(fd)
-        _held[self.lock_file] = [fd, 1, token]
+        _held[self.lock_file] = [fd, 1]
         return self
 
     def __exit__(self, *exc) -> None:
-        if self.joined:
+        if self.shared_with is not None:
             return
         entry = _held.get(self.lock_file)
         if entry is None:
@@ -80,6 +84,25 @@ class ProjectLock:
             del _held[self.lock_file]
             fcntl.flock(entry[0], fcntl.LOCK_UN)
             os.close(entry[0])
+
+
+def is_locked(lock_file: Path) -> bool:
+    """True while some process holds the lock (this one included); takes nothing."""
+    lock_file = Path(lock_file).resolve()
+    if lock_file in _held:
+        return True
+    try:
+        fd = os.open(lock_file, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
 
 
 def _read_holder(fd: int) -> dict:

@@ -264,7 +264,7 @@ def resolve_materials(paths: ProjectPaths, settings: Settings, *, token: str | N
 
     ``token`` is the HF token for gated or private repos (None: send none); it is never stored.
     """
-    old = atomic.read_json(paths.materials_manifest) if paths.materials_manifest.is_file() else {}
+    old = load_manifest(paths) if paths.materials_manifest.is_file() else {}
     cache = old.get("_hash_cache", {})
     new_cache: dict = {}
     downloads: list[dict] = []
@@ -297,8 +297,15 @@ def resolve_materials(paths: ProjectPaths, settings: Settings, *, token: str | N
     manifest["_hash_cache"] = new_cache
     manifest["_downloads"] = downloads
     manifest["settings"] = materials_settings_key(settings)
-    atomic.write_json(paths.materials_manifest, manifest)
+    write_manifest(paths, manifest)
     return manifest
+
+
+def write_manifest(paths: ProjectPaths, manifest: dict) -> None:
+    """Written with paths relative to the project folder (see ProjectPaths.stored)."""
+    stored = paths.stored_doc(manifest)
+    stored["_hash_cache"] = {paths.stored(folder): files for folder, files in manifest.get("_hash_cache", {}).items()}
+    atomic.write_json(paths.materials_manifest, stored)
 
 
 def materials_settings_key(settings: Settings) -> dict:
@@ -311,7 +318,7 @@ def manifest_is_current(paths: ProjectPaths, settings: Settings) -> bool:
     """True if the manifest was made under these settings and no local source changed on disk."""
     if not paths.materials_manifest.is_file():
         return False
-    manifest = atomic.read_json(paths.materials_manifest)
+    manifest = load_manifest(paths)
     if manifest.get("settings") != materials_settings_key(settings):
         return False
     for folder, files in manifest.get("_hash_cache", {}).items():
@@ -349,9 +356,14 @@ def _check_query_rows(teacher: Path, settings: Settings) -> None:
 
 
 def load_manifest(paths: ProjectPaths) -> dict:
+    """The materials manifest, with absolute paths for this project folder wherever it is now."""
     if not paths.materials_manifest.is_file():
         raise MaterialsError(f"{paths.materials_manifest} is missing: materialize the materials asset first.")
-    return atomic.read_json(paths.materials_manifest)
+    stored = atomic.read_json(paths.materials_manifest)
+    manifest = paths.located_doc(stored)
+    manifest["_hash_cache"] = {str(paths.located(folder)): files
+                               for folder, files in stored.get("_hash_cache", {}).items()}
+    return manifest
 
 
 def pins(manifest: dict, role: str) -> dict | None:

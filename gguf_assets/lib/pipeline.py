@@ -13,11 +13,15 @@ from pathlib import Path
 
 from gguf_assets.lib import atomic
 from gguf_assets.lib.layout import SPLITS, ProjectPaths
-from gguf_assets.lib.materials import manifest_is_current, pins
+from gguf_assets.lib.materials import load_manifest, manifest_is_current, pins
 from gguf_assets.lib.settings import Settings
 
 STAGES = ("materials", "corpus", "train_shards", "val_shards", "adapter", "gguf", "eval_report")
 GGUF_SUFFIX = ".gguf"
+
+
+def corpus_settings(settings: Settings) -> dict:
+    return {"corpus": settings.section_dict("corpus")}
 
 
 def corpus_fingerprint(paths: ProjectPaths, settings: Settings, materials: dict) -> str:
@@ -27,8 +31,7 @@ def corpus_fingerprint(paths: ProjectPaths, settings: Settings, materials: dict)
         local.append([value, atomic.sha256_file(file) if file.is_file() else None])
     datasets = [[d["source"], d["commit"], d.get("text_field")] for d in materials.get("datasets", [])]
     # format 2: streaming readers (.csv, .gz), numpy split; the same seed orders prompts differently than format 1.
-    return atomic.fingerprint({"corpus": settings.section_dict("corpus"), "datasets": datasets, "local": local,
-                               "format": 2})
+    return atomic.fingerprint({**corpus_settings(settings), "datasets": datasets, "local": local, "format": 2})
 
 
 def corpus_is_current(paths: ProjectPaths, settings: Settings, materials: dict) -> bool:
@@ -59,55 +62,61 @@ def gguf_path(paths: ProjectPaths, settings: Settings) -> Path:
     return paths.output_dir(settings) / f"{settings.output.adapter_name}{GGUF_SUFFIX}"
 
 
-def gguf_fingerprint(settings: Settings, materials: dict, adapter_fp: str) -> str:
+def gguf_settings(settings: Settings) -> dict:
     # also_copy_to is here because the copy is part of the export: a new folder must get one.
-    return atomic.fingerprint({"adapter": adapter_fp, "name": settings.output.adapter_name,
+    o = settings.output
+    return {"name": o.adapter_name, "template": settings.precompute.prompt_template,
+            "export_vision_encoder": o.export_vision_encoder, "also_copy_to": o.also_copy_to}
+
+
+def gguf_fingerprint(settings: Settings, materials: dict, adapter_fp: str) -> str:
+    s = gguf_settings(settings)
+    return atomic.fingerprint({"adapter": adapter_fp, "name": s["name"], "template": s["template"],
                                "student": pins(materials, "student"), "teacher": pins(materials, "teacher"),
-                               "template": settings.precompute.prompt_template,
-                               "vision": [pins(materials, "vision_encoder"), settings.output.export_vision_encoder],
-                               "also_copy_to": settings.output.also_copy_to, "format": 2})
+                               "vision": [pins(materials, "vision_encoder"), s["export_vision_encoder"]],
+                               "also_copy_to": s["also_copy_to"], "format": 2})
+
+
+def report_settings(settings: Settings) -> dict:
+    # The report lists the exported files, so the settings that change that list count too.
+    o = settings.output
+    return {"evaluate": o.evaluate, "ggk_command": o.ggk_command, "vision": o.export_vision_encoder,
+            "also_copy_to": o.also_copy_to}
 
 
 def report_fingerprint(settings: Settings, gguf_sidecar: dict, val_fps: list[str]) -> str:
-    # The report lists the exported files, so the settings that change that list count too.
     # The sidecar's own fingerprint covers what the export was made from (vision source included).
     return atomic.fingerprint({"gguf": [gguf_sidecar["sha256"], gguf_sidecar["fingerprint"]], "val": val_fps,
-                               "evaluate": settings.output.evaluate,
-                               "ggk_command": settings.output.ggk_command,
-                               "vision": settings.output.export_vision_encoder,
-                               "also_copy_to": settings.output.also_copy_to, "format": 2})
+                               **report_settings(settings), "format": 2})
 
 
-def settings_code_versions(settings: Settings) -> dict[str, str]:
-    """Per asset, a hash of every setting its result depends on, given to Dagster as its code version.
+def stage_settings(settings: Settings) -> dict[str, dict]:
+    """Per stage, the settings its result is computed from: the same functions its fingerprint uses.
 
-    Each version includes the versions of the assets it reads, so a settings change shows in
-    the Dagster UI at once as exactly the assets the next run recomputes: a teacher change
-    marks the shards and everything after them, never the corpus. The slices mirror what
-    each stage's fingerprint uses; cadence settings (log_every, ...) are in none of them.
+    Dagster sees them as the observable source assets settings/<stage> (defs/settings.py), so a
+    settings edit marks exactly the stages whose fingerprints it changes, and everything after
+    them, as stale in the UI. Settings that only place a file (output_dir, shard sizes) are here
+    too: they make the recorded result missing rather than different.
     """
     from gguf_assets.lib.materials import materials_settings_key
-    from gguf_assets.lib.train import NON_RESULT_KEYS
+    from gguf_assets.lib.shards import half_settings, halves_for_mode
+    from gguf_assets.lib.train import training_settings
 
-    m, p, o = settings.materials, settings.precompute, settings.output
-    student = [m.student, m.student_layer, p.student_dtype]
-    teacher = None if p.mode == "student" else {
-        "source": ["mock", *student] if p.mock_teacher else [m.teacher, m.query_rows_file, m.query_rows_tensor,
-                                                              m.teacher_layer],
-        "dtype": p.target_dtype}
-    corpus = atomic.fingerprint({"datasets": m.datasets, **settings.section_dict("corpus")})
-    halves = {"corpus": corpus, "teacher": teacher, "student": None if p.mode == "teacher" else student,
-              "template": p.prompt_template}
-    train_shards = atomic.fingerprint({**halves, "shard_size": p.shard_size})
-    val_shards = atomic.fingerprint({**halves, "shard_size": p.val_shard_size})
-    adapter = atomic.fingerprint({"train": train_shards, "val": val_shards, **{
-        k: v for k, v in settings.section_dict("training").items() if k not in NON_RESULT_KEYS}})
-    gguf = atomic.fingerprint({"adapter": adapter, "name": o.adapter_name, "dir": o.output_dir,
-                               "copy": o.also_copy_to, "vision": [m.vision_encoder, o.export_vision_encoder]})
-    eval_report = atomic.fingerprint({"gguf": gguf, "evaluate": o.evaluate, "ggk_command": o.ggk_command})
-    return {"materials": atomic.fingerprint(materials_settings_key(settings)), "corpus": corpus,
-            "train_shards": train_shards, "val_shards": val_shards, "adapter": adapter, "gguf": gguf,
-            "eval_report": eval_report}
+    m, p = settings.materials, settings.precompute
+    halves = {half: half_settings(half, settings) for half in halves_for_mode(p.mode)}
+    # The fingerprints see a material through its pin (source and commit); a stage that reads a
+    # material lists its source here, so a new source marks that stage, not every stage.
+    models = {"student": m.student if p.mode != "teacher" or p.mock_teacher else None,
+              "teacher": m.teacher if p.mode != "student" and not p.mock_teacher else None}
+    return {
+        "materials": materials_settings_key(settings),
+        "corpus": {**corpus_settings(settings), "datasets": m.datasets},
+        "train_shards": {"halves": halves, "models": models, "shard_size": p.shard_size},
+        "val_shards": {"halves": halves, "models": models, "shard_size": p.val_shard_size},
+        "adapter": {"training": training_settings(settings), "mode": p.mode},
+        "gguf": {**gguf_settings(settings), "output_dir": settings.output.output_dir, "vision": m.vision_encoder},
+        "eval_report": report_settings(settings),
+    }
 
 
 def recorded_fingerprint(sidecar: Path) -> str | None:
@@ -117,10 +126,15 @@ def recorded_fingerprint(sidecar: Path) -> str | None:
         return None
 
 
-def _exported_files_present(sidecar: Path) -> bool:
+def export_sidecar(paths: ProjectPaths, settings: Settings) -> dict:
+    """The export's sidecar (<adapter_name>.json beside the GGUF), with absolute paths."""
+    return paths.located_doc(atomic.read_json(gguf_path(paths, settings).with_suffix(".json")))
+
+
+def _exported_files_present(paths: ProjectPaths, settings: Settings) -> bool:
     """Every file the export wrote (GGUF, vision GGUF, copies) is still there at its size."""
     try:
-        entry = atomic.read_json(sidecar)
+        entry = export_sidecar(paths, settings)
     except (OSError, ValueError):
         return False
     files = entry.get("files") or [{"path": entry.get("path", ""), "bytes": entry.get("bytes")}]
@@ -130,7 +144,9 @@ def _exported_files_present(sidecar: Path) -> bool:
 @dataclass(frozen=True)
 class StageState:
     stage: str
-    state: str  # current | missing | stale | blocked
+    # current | missing (never made under any settings, or only partly) | stale (made under other
+    # settings, or changed on disk) | blocked (waits for an earlier stage)
+    state: str
     detail: str = ""
 
 
@@ -147,7 +163,7 @@ def project_status(paths: ProjectPaths, settings: Settings) -> list[StageState]:
         state = "stale" if paths.materials_manifest.is_file() else "missing"
         return [StageState("materials", state)] + blocked_rest("materials")
     out.append(StageState("materials", "current"))
-    materials = atomic.read_json(paths.materials_manifest)
+    materials = load_manifest(paths)
     if not corpus_is_current(paths, settings, materials):
         state = "stale" if paths.corpus_manifest.is_file() else "missing"
         return out + [StageState("corpus", state)] + blocked_rest("corpus")
@@ -155,8 +171,12 @@ def project_status(paths: ProjectPaths, settings: Settings) -> list[StageState]:
     unfinished = False
     for split in SPLITS:
         plans = plan_shards(paths, settings, materials, split)
-        todo = [p.key for p in plans if set(shard_status(paths, settings, p).values()) != {"current"}]
-        state = "current" if not todo else ("missing" if len(todo) == len(plans) else "stale")
+        states = {p.key: set(shard_status(paths, settings, p).values()) for p in plans}
+        todo = [key for key, st in states.items() if st != {"current"}]
+        # missing: only never-written halves are left (a first run, or one cut off); stale: some
+        # half was written under other settings or changed on disk.
+        state = "current" if not todo else (
+            "missing" if all(states[key] <= {"current", "missing"} for key in todo) else "stale")
         out.append(StageState(f"{split}_shards", state, f"{len(plans) - len(todo)}/{len(plans)} shards current"))
         unfinished |= bool(todo)
     if unfinished:
@@ -170,7 +190,7 @@ def project_status(paths: ProjectPaths, settings: Settings) -> list[StageState]:
     out.append(StageState("adapter", "current"))
     gguf = gguf_path(paths, settings)
     sidecar = gguf.with_suffix(".json")
-    if recorded_fingerprint(sidecar) != gguf_fingerprint(settings, materials, adapter_fp) or not _exported_files_present(sidecar):
+    if recorded_fingerprint(sidecar) != gguf_fingerprint(settings, materials, adapter_fp) or not _exported_files_present(paths, settings):
         return out + [StageState("gguf", "stale" if sidecar.is_file() else "missing")] + blocked_rest("gguf")
     out.append(StageState("gguf", "current"))
     from gguf_assets.lib.layout import REPORT_JSON

@@ -86,16 +86,19 @@ def build_report(paths: ProjectPaths, settings: Settings, materials: dict, gguf:
         "n_prompts": evaluation["n_prompts"] if evaluation else None,
         "eval_seconds": evaluation["seconds"] if evaluation else None,
         "per_shard": _per_shard(evaluation, gguf.get("per_shard_torch", [])),
-        "worst": evaluation["worst"] if evaluation else [],
+        "worst": [{**w, "shard": paths.stored(w["shard"])} for w in evaluation["worst"]] if evaluation else [],
         "verdict": text, "advice": advice, "files": files,
         "student": {"repo": student["source"], "commit": student["commit"], "path": student["path"],
                     "layer": prov.get("student.layer", settings.materials.student_layer)},
-        "ggk_command": ggk_command(settings.output.ggk_command, student=student["path"],
-                                   adapter_gguf=adapter_file["path"],
-                                   vision_gguf=vision_file["path"] if vision_file else None),
+        # Paths inside the project are relative to the project folder (run it from there).
+        "ggk_command": ggk_command(settings.output.ggk_command, student=paths.stored(student["path"]),
+                                   adapter_gguf=paths.stored(adapter_file["path"]),
+                                   vision_gguf=paths.stored(vision_file["path"]) if vision_file else None),
         "kept_f32": gguf.get("kept_f32", []),
     }
     out = paths.output_dir(settings)
+    # No absolute path into the project: a copied project's report points at its own files.
+    report = paths.stored_doc(report)
     atomic.write_json(out / REPORT_JSON, report)
     atomic.write_text(out / REPORT_MD, render_markdown(report))
     return report
@@ -162,7 +165,8 @@ def render_use_in_ggk(r: dict) -> str:
                   + " into your ggk model folder, or set `output.also_copy_to` to that folder to have it done "
                     "(atomically, checked by sha256) on every export."]
     lines += ["", "The adapter only works with that exact student model and layer; another student (or another "
-              "layer) needs its own adapter.", "", "Command line (template: `output.ggk_command`):", "",
+              "layer) needs its own adapter.", "", "Command line (template: `output.ggk_command`; relative paths "
+              "are inside the project folder, so run it from there):", "",
               "```", r["ggk_command"], "```", ""]
     return "\n".join(lines)
 

@@ -119,8 +119,9 @@ class Output:
     also_copy_to: str = _f("", "optional folder that receives a copy, e.g. your ggk model folder")
     export_vision_encoder: bool = _f(True, "also export the paired vision encoder GGUF when downloaded")
     evaluate: bool = _f(True, "evaluate the exported GGUF on the val shards")
-    auto_resume: bool = _f(True, "gguf-trainer --auto-resume continues the pipeline after a reboot, and the "
-                                 "daemon's sensor that fails cut-off runs is on by default")
+    auto_resume: bool = _f(True, "resume after a crash or reboot: gguf-trainer --auto-resume continues the "
+                                 "pipeline, and the daemon's sensors (fail cut-off runs, finish what is left) "
+                                 "are on by default")
     ggk_command: str = _f("ggk --llm {student} --llm_adapter {adapter_gguf} --llm_vision {vision_gguf} -p \"a cat\"",
                           "command line shown in the report; {student}, {adapter_gguf}, {vision_gguf} are filled in "
                           "(a flag whose {vision_gguf} is empty is dropped)")

@@ -50,19 +50,22 @@ def prompts_hash(prompts: list[str]) -> str:
     return hashlib.sha256(json.dumps(prompts, ensure_ascii=False).encode()).hexdigest()
 
 
-def half_fingerprint(half: str, settings: Settings, materials: dict, shard_prompts_hash: str) -> str:
-    """Everything a half depends on. Batch sizes and devices are left out: they change speed, not results."""
+def half_settings(half: str, settings: Settings) -> dict:
+    """The settings a shard half is computed from. Batch sizes and devices are left out: they
+    change speed, not results. Part of the half's fingerprint, and what Dagster observes."""
     m, p = settings.materials, settings.precompute
     if half == "teacher":
-        source = {"mock": True, "student": pins(materials, "student"), "student_layer": m.student_layer,
-                  "student_dtype": p.student_dtype} if p.mock_teacher else {
-            "teacher": pins(materials, "teacher"), "query_rows": [m.query_rows_file, m.query_rows_tensor],
-            "layer": m.teacher_layer}
-        deps = {**source, "dtype": p.target_dtype}
-    else:
-        deps = {"student": pins(materials, "student"), "layer": m.student_layer, "dtype": p.student_dtype}
-    return atomic.fingerprint({"half": half, "template": p.prompt_template, "prompts": shard_prompts_hash, **deps,
-                               "format": 1})
+        source = {"mock": True, "student_layer": m.student_layer, "student_dtype": p.student_dtype} \
+            if p.mock_teacher else {"query_rows": [m.query_rows_file, m.query_rows_tensor], "layer": m.teacher_layer}
+        return {**source, "dtype": p.target_dtype, "template": p.prompt_template}
+    return {"layer": m.student_layer, "dtype": p.student_dtype, "template": p.prompt_template}
+
+
+def half_fingerprint(half: str, settings: Settings, materials: dict, shard_prompts_hash: str) -> str:
+    """Everything a half depends on: its settings, the pinned models it runs, and its prompts."""
+    model = "student" if half == "student" or settings.precompute.mock_teacher else "teacher"
+    return atomic.fingerprint({"half": half, "prompts": shard_prompts_hash, **half_settings(half, settings),
+                               model: pins(materials, model), "format": 1})
 
 
 def halves_for_mode(mode: str) -> tuple[str, ...]:

@@ -509,9 +509,13 @@ def _restore(run_dir: Path, model: Adapter, optimizer: torch.optim.Optimizer, de
 
 # -- runs and settings changes ------------------------------------------------------------
 
+def training_settings(settings: Settings) -> dict:
+    """The training settings the result depends on (cadence and device settings change nothing)."""
+    return {k: v for k, v in settings.section_dict("training").items() if k not in NON_RESULT_KEYS}
+
+
 def training_fingerprint(settings: Settings, train_fps: list[str], val_fps: list[str]) -> str:
-    t = {k: v for k, v in settings.section_dict("training").items() if k not in NON_RESULT_KEYS}
-    return atomic.fingerprint({"training": t, "train": train_fps, "val": val_fps,
+    return atomic.fingerprint({"training": training_settings(settings), "train": train_fps, "val": val_fps,
                                "shuffle_window_shards": SHUFFLE_WINDOW_SHARDS, "format": FORMAT})
 
 

@@ -1,0 +1,83 @@
+"""What is left to do for a project, as the next named job to run: one function for `gguf-trainer run`
+and for the daemon's resume sensor.
+
+The decision comes from the project status (the fingerprints of lib/pipeline.py). Importing
+this module does not import dagster, so the CLI stays quick.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gguf_assets.lib import atomic
+from gguf_assets.lib.layout import SPLITS, ProjectPaths
+from gguf_assets.lib.pipeline import project_status
+from gguf_assets.lib.settings import Settings
+
+RANGE_START_TAG = "dagster/asset_partition_range_start"
+RANGE_END_TAG = "dagster/asset_partition_range_end"
+# On runs that `gguf-trainer run` or the resume sensor launch: "finish the pipeline under these
+# settings" (their hash). The resume sensor continues such a pipeline after a crash.
+PIPELINE_TAG = "gguf_assets/pipeline"
+
+
+def settings_hash(settings: Settings) -> str:
+    return atomic.fingerprint(settings.to_dict())
+
+
+@dataclass(frozen=True)
+class Work:
+    """One run's worth of work: a named job, the assets it materializes, and its shard partitions."""
+
+    job: str
+    assets: tuple[str, ...]
+    partitions: tuple[str, ...] = ()
+    # True when nothing of it exists under any settings (a first run, or one cut off part-way);
+    # False when it would replace results made under other settings.
+    missing: bool = True
+
+    def describe(self) -> str:
+        shards = f" (shards {self.partitions[0]}..{self.partitions[-1]})" if self.partitions else ""
+        return f"{self.job}: {', '.join(self.assets)}{shards}"
+
+    def tags(self, settings: Settings, partitions: tuple[str, ...] | None = None) -> dict[str, str]:
+        keys = self.partitions if partitions is None else partitions
+        tags = {PIPELINE_TAG: settings_hash(settings)}
+        if keys:
+            tags.update({RANGE_START_TAG: keys[0], RANGE_END_TAG: keys[-1]})
+        return tags
+
+
+def next_work(paths: ProjectPaths, settings: Settings, instance) -> Work | None:
+    """The next job to run for this project, or None when everything is current (or blocked)."""
+    from gguf_assets.defs.corpus import expected_shard_keys, partitions_match
+    from gguf_assets.defs.jobs import MATERIALS_AND_CORPUS, SHARDS_JOB, TRAIN_AND_EXPORT
+    from gguf_assets.defs.partitions import BY_SPLIT
+
+    status = {s.stage: s for s in project_status(paths, settings)}
+    if status["materials"].state != "current":
+        # New materials come with the corpus: it reads them, and when it finds itself current it
+        # only records that (same data version), so Dagster does not show it stale.
+        return Work(MATERIALS_AND_CORPUS, ("materials", "corpus"), missing=status["materials"].state == "missing")
+    if status["corpus"].state != "current" or not partitions_match(
+            instance, expected_shard_keys(atomic.read_json(paths.corpus_manifest), settings)):
+        return Work(MATERIALS_AND_CORPUS, ("corpus",), missing=status["corpus"].state == "missing")
+    for split in SPLITS:
+        state = status[f"{split}_shards"].state
+        if state != "current":
+            keys = tuple(instance.get_dynamic_partitions(BY_SPLIT[split].name))
+            return Work(SHARDS_JOB[split], (f"{split}_shards",), keys, missing=state == "missing")
+    order = ["adapter", "gguf", "eval_report"]
+    todo = [s for s in order if status[s].state in ("missing", "stale")]
+    if not todo:
+        return None
+    # Once one stage is redone, everything after it is redone too.
+    return Work(TRAIN_AND_EXPORT, tuple(order[order.index(todo[0]):]), missing=status[todo[0]].state == "missing")
+
+
+def split_range(keys: list[str] | tuple[str, ...], parts: int) -> list[tuple[str, ...]]:
+    """Contiguous key ranges, as even as possible, at most ``parts`` of them."""
+    keys = tuple(keys)
+    parts = max(1, min(parts, len(keys)))
+    bounds = [round(i * len(keys) / parts) for i in range(parts + 1)]
+    return [keys[a:b] for a, b in zip(bounds, bounds[1:]) if b > a]

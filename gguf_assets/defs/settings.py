@@ -1,0 +1,81 @@
+"""The project's settings, seen by Dagster: one observable source asset per stage, settings/<stage>.
+
+Each one's data version is a hash of the settings that stage's result is computed from
+(lib/pipeline.py ``stage_settings``, the same functions its fingerprint uses), chained with the
+versions of the stages it reads. Every stage's asset depends on its settings asset, so after an
+edit of project.yaml Dagster's own staleness marks exactly the stages whose results the edit
+changes, and everything after them, with no "Reload definitions": the observation comes from the
+daemon's sensors, from `gguf-trainer run`, and from every run before it starts.
+"""
+
+import dagster as dg
+from dagster._core.definitions.data_version import DATA_VERSION_TAG, extract_data_version_from_entry
+
+from gguf_assets.lib import atomic
+from gguf_assets.lib.pipeline import STAGES, stage_settings
+from gguf_assets.lib.settings import Settings
+
+GROUP = "settings"
+# The stages whose settings each stage's result also depends on.
+READS = {"materials": (), "corpus": (), "train_shards": ("corpus",), "val_shards": ("corpus",),
+         "adapter": ("train_shards", "val_shards"), "gguf": ("adapter",), "eval_report": ("gguf",)}
+
+
+def settings_key(stage: str) -> dg.AssetKey:
+    return dg.AssetKey([GROUP, stage])
+
+
+def settings_versions(settings: Settings) -> dict[str, str]:
+    """Per stage, the data version of settings/<stage>."""
+    slices, versions = stage_settings(settings), {}
+    for stage in STAGES:
+        versions[stage] = atomic.fingerprint({"settings": slices[stage],
+                                              "reads": {s: versions[s] for s in READS[stage]}})
+    return versions
+
+
+def _table(values: dict, prefix: str = "") -> list[str]:
+    rows = []
+    for key, value in values.items():
+        if isinstance(value, dict):
+            rows += _table(value, f"{prefix}{key}.")
+        else:
+            rows.append(f"| `{prefix}{key}` | `{value}` |")
+    return rows
+
+
+def _metadata(settings: Settings, stage: str) -> dict:
+    rows = ["| setting | value |", "|---|---|", *_table(stage_settings(settings)[stage])]
+    return {"settings": dg.MetadataValue.md("\n".join(rows)),
+            "how to change": "edit project.yaml in the project folder; this updates within the sensor interval"}
+
+
+def observe_settings(instance: dg.DagsterInstance, settings: Settings) -> list[str]:
+    """Record the current settings versions where they changed; returns the stages whose settings changed."""
+    changed = []
+    for stage, version in settings_versions(settings).items():
+        record = instance.get_latest_data_version_record(settings_key(stage), is_source=True)
+        recorded = extract_data_version_from_entry(record.event_log_entry) if record else None
+        if recorded is None or recorded.value != version:
+            instance.report_runless_asset_event(dg.AssetObservation(
+                asset_key=settings_key(stage), tags={DATA_VERSION_TAG: version}, metadata=_metadata(settings, stage)))
+            changed.append(stage)
+    return changed
+
+
+def _settings_asset(stage: str) -> dg.SourceAsset:
+    @dg.observable_source_asset(key=settings_key(stage), group_name=GROUP,
+                                description=f"The project.yaml settings the {stage} stage is computed from. "
+                                            "Edit project.yaml to change them.")
+    def observe(context) -> dg.ObserveResult:
+        from gguf_assets.defs.resources import project_dir_from_env
+        from gguf_assets.lib.settings import load_settings
+
+        settings = load_settings(project_dir_from_env())
+        return dg.ObserveResult(data_version=dg.DataVersion(settings_versions(settings)[stage]),
+                                metadata=_metadata(settings, stage))
+
+    return observe
+
+
+SETTINGS_ASSETS = [_settings_asset(stage) for stage in STAGES]

@@ -1,0 +1,227 @@
+"""Dagster is the orchestrator: every entry point survives a crash, and the daemon resumes by itself.
+
+These run the real console script, the real Dagster CLI and the real dagster-daemon on a demo
+project (mock teacher, about 20 s a pipeline), as a user would after a kill -9 or a reboot.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import dagster as dg
+import pytest
+
+from conftest import CLI, FAULT_SETTINGS, cli_env, project_instance, pipeline_outputs
+
+pytestmark = pytest.mark.slow
+
+
+def _instance(paths) -> dg.DagsterInstance:
+    return project_instance(paths)
+
+
+def _wait_for(predicate, *, timeout: float, what: str, proc=None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"process exited ({proc.returncode}) before {what}: {proc.stdout.read()}")
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _start_run(paths) -> subprocess.Popen:
+    return subprocess.Popen([*CLI, "run", str(paths.root)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=cli_env(), start_new_session=True)
+
+
+def _status(paths) -> dict[str, str]:
+    from gguf_assets.lib.pipeline import project_status
+    from gguf_assets.lib.settings import load_settings
+
+    return {s.stage: s.state for s in project_status(paths, load_settings(paths.root))}
+
+
+def _runs(paths, *statuses) -> list:
+    return [r.dagster_run for r in _instance(paths).get_run_records(filters=dg.RunsFilter(statuses=list(statuses)))]
+
+
+def test_sigterm_then_kill9_then_a_plain_run_is_byte_identical(make_project, reference_run):
+    """SIGTERM during the shards stops `run` within 10 s; a kill -9 during training leaves a STARTED
+    run behind; a plain `gguf-trainer run` (no --auto-resume) then finishes, bit-identical."""
+    paths = make_project(**FAULT_SETTINGS)
+    proc = _start_run(paths)
+    _wait_for(lambda: (paths.root / "shards/train/00001/student.json").is_file(), timeout=240,
+              what="the second train shard", proc=proc)
+    asked = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=30)
+    stopped_s = time.monotonic() - asked
+    print(f"SIGTERM to exit: {stopped_s:.1f} s")
+    assert stopped_s < 10 and proc.returncode == 130, out
+    assert "continues from there" in out.splitlines()[-1] or "continues from there" in out
+    assert not _runs(paths, dg.DagsterRunStatus.STARTED), "a stopped run must not stay STARTED"
+    # Stopped on purpose: resumable, but the daemon leaves it until the user asks.
+    from gguf_assets.defs.resume import resume_decision
+
+    assert "stopped on purpose" in resume_decision(_instance(paths)).skip_message
+
+    proc = _start_run(paths)
+    try:
+        _wait_for(lambda: any(paths.root.glob("checkpoints/*/step-00000010")), timeout=240,
+                  what="the second checkpoint", proc=proc)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert len(_runs(paths, dg.DagsterRunStatus.STARTED)) == 1, "Dagster leaves a killed run STARTED"
+
+    started = time.monotonic()
+    done = subprocess.run([*CLI, "run", str(paths.root)], capture_output=True, text=True, env=cli_env(), timeout=600)
+    print(f"plain run after the kill: {time.monotonic() - started:.1f} s")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "marked 1 run(s) cut off" in done.stdout
+    assert "resuming training run" in done.stdout + done.stderr
+    assert not _runs(paths, dg.DagsterRunStatus.STARTED)
+    assert pipeline_outputs(paths.root) == reference_run[0]
+
+
+def test_daemon_alone_resumes_a_killed_pipeline_and_its_runs_are_never_reaped_alive(make_project, reference_run):
+    """Only `dagster-daemon run`, started the documented way, after a kill -9 during training: the
+    interrupted-runs sensor (every 2 s here) fails the dead run, the resume sensor launches the
+    rest as a multi-step run in its own process, and that live run gets no failure event."""
+    paths = make_project(**FAULT_SETTINGS)
+    proc = _start_run(paths)
+    try:
+        _wait_for(lambda: any(paths.root.glob("checkpoints/*/step-00000010")), timeout=240,
+                  what="the second checkpoint", proc=proc)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    cut_off = _runs(paths, dg.DagsterRunStatus.STARTED)[0].run_id
+
+    exports = subprocess.run([*CLI, "env", str(paths.root)], capture_output=True, text=True, env=cli_env(), check=True)
+    env = cli_env(GGUF_ASSETS_SENSOR_INTERVAL_S="2")
+    for line in exports.stdout.splitlines():  # export NAME=VALUE (shell-quoted; no spaces in test paths)
+        name, value = line.removeprefix("export ").split("=", 1)
+        env[name] = value.strip("'")
+    start = time.monotonic()
+    daemon = subprocess.Popen([str(Path(CLI[0]).parent / "dagster-daemon"), "run", "-m", "gguf_assets.definitions"],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              start_new_session=True)
+    try:
+        _wait_for(lambda: set(_status(paths).values()) == {"current"}, timeout=400, what="all current", proc=daemon)
+        print(f"daemon start to all-current: {time.monotonic() - start:.1f} s")
+        # Let the reaper tick a few more times over the finished instance.
+        time.sleep(5)
+    finally:
+        os.killpg(daemon.pid, signal.SIGINT)
+        try:
+            daemon.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(daemon.pid, signal.SIGKILL)
+    instance = _instance(paths)
+    assert instance.get_run_by_id(cut_off).status == dg.DagsterRunStatus.FAILURE
+    resumed = [r.dagster_run for r in instance.get_run_records() if r.dagster_run.run_id != cut_off
+               and r.dagster_run.job_name == "train_export_evaluate"]
+    assert len(resumed) == 1 and resumed[0].status == dg.DagsterRunStatus.SUCCESS
+    assert resumed[0].tags["gguf_assets/pid"] != str(daemon.pid)  # its own run worker process
+    assert not instance.all_logs(resumed[0].run_id, of_type=dg.DagsterEventType.RUN_FAILURE)
+    assert {s for s in ("adapter", "gguf", "eval_report")} <= {
+        e.dagster_event.asset_key.to_user_string() for e in
+        instance.all_logs(resumed[0].run_id, of_type=dg.DagsterEventType.ASSET_MATERIALIZATION)}
+    assert pipeline_outputs(paths.root) == reference_run[0]
+
+
+def test_the_daemon_leaves_work_made_stale_by_a_settings_edit_alone(make_project):
+    """After an edit of project.yaml, the resume sensor says why it waits instead of retraining."""
+    from gguf_assets.defs.resume import resume_decision
+    from gguf_assets.lib.settings import load_settings, replace, write_project_file
+    from gguf_assets.runner import prepare_instance, run_pipeline
+
+    paths = make_project(steps=5, mock_teacher=True)
+    run_pipeline(paths, echo=lambda _: None)
+    prepare_instance(paths)
+    instance = dg.DagsterInstance.get()
+    assert "everything is current" in resume_decision(instance).skip_message
+    write_project_file(paths.root, replace(load_settings(paths.root), training={"learning_rate": 1e-4}))
+    decision = resume_decision(instance)
+    assert isinstance(decision, dg.SkipReason) and "stale after a settings edit" in decision.skip_message
+    # A missing output is different: the daemon makes it by itself.
+    shutil.rmtree(paths.root / "shards" / "val")
+    write_project_file(paths.root, replace(load_settings(paths.root), training={"learning_rate": 2e-4}))
+    decision = resume_decision(instance)
+    assert isinstance(decision, dg.RunRequest) and decision.job_name == "precompute_val_shards"
+
+
+def test_a_copied_project_is_independent_of_its_original(make_project):
+    """`cp -a` a finished project: nothing in the copy names the original, and running, editing or
+    deleting in the copy never reads or writes the original."""
+    from gguf_assets.runner import run_pipeline
+
+    original = make_project(steps=5, mock_teacher=True)
+    run_pipeline(original, echo=lambda _: None)
+    copy_root = original.root.parent / "copy"
+    subprocess.run(["cp", "-a", str(original.root), str(copy_root)], check=True)
+    from gguf_assets.lib.layout import ProjectPaths
+
+    copy = ProjectPaths.of(copy_root)
+    for file in [*copy_root.rglob("*.json"), *copy_root.rglob("*.yaml"), *copy_root.rglob("*.md")]:
+        assert str(original.root) not in file.read_text(encoding="utf-8"), file
+
+    env = cli_env(DAGSTER_HOME=str(copy.dagster_home))
+    info = subprocess.run([str(Path(CLI[0]).parent / "dagster"), "instance", "info"], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert info.returncode == 0, info.stderr
+    assert str(copy.dagster_home) in info.stdout and str(original.dagster_home) not in info.stdout
+
+    before = {str(p): p.stat().st_mtime_ns for p in original.root.rglob("*") if p.is_file()}
+    # Edit the copy's student weights, delete its GGUF: the copy sees it, the original does not.
+    student = next(copy_root.glob("materials/demo/student/*.safetensors"))
+    student.write_bytes(student.read_bytes())
+    os.utime(student, ns=(time.time_ns(), time.time_ns() + 10**9))
+    (copy_root / "output" / "demo-adapter.gguf").unlink()
+    status = subprocess.run([*CLI, "status", str(copy_root)], capture_output=True, text=True, env=cli_env())
+    assert "materials    stale" in status.stdout, status.stdout
+    assert set(_status(original).values()) == {"current"}
+    done = subprocess.run([*CLI, "run", str(copy_root)], capture_output=True, text=True, env=cli_env(), timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"GGUF:    {copy_root}/output/demo-adapter.gguf" in done.stdout
+    assert (copy_root / "output" / "demo-adapter.gguf").is_file()
+    after = {str(p): p.stat().st_mtime_ns for p in original.root.rglob("*") if p.is_file()}
+    assert after == before, "the copy wrote into the original"
+
+
+def test_the_documented_dagster_cli_commands_work(make_project):
+    """README's Dagster CLI section: `eval "$(gguf-trainer env DIR)"`, then `dagster asset materialize`
+    of one asset and of one shard partition, as named jobs' runs on the project's own instance."""
+    from gguf_assets.lib import atomic
+    from gguf_assets.runner import run_pipeline
+
+    paths = make_project(steps=5, mock_teacher=True)
+    run_pipeline(paths, echo=lambda _: None)
+    shard = paths.root / "shards" / "train" / "00001"
+    original = {f.name: f.read_bytes() for f in shard.glob("*.safetensors")}
+    shutil.rmtree(shard)
+    (paths.root / "output" / "report.json").unlink()
+    dagster = Path(CLI[0]).parent / "dagster"
+    script = f"""set -e
+        eval "$({' '.join(CLI)} env {paths.root})"
+        {dagster} asset materialize -m gguf_assets.definitions --select train_shards --partition 00001
+        {dagster} asset materialize -m gguf_assets.definitions --select eval_report
+        {dagster} job execute -m gguf_assets.definitions -j train_export_evaluate
+    """
+    done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=cli_env(), timeout=600,
+                          cwd="/")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert {f.name: f.read_bytes() for f in shard.glob("*.safetensors")} == original
+    assert atomic.read_json(paths.root / "output" / "report.json")["gguf_sha256"]
+    assert set(_status(paths).values()) == {"current"}
+    runs = _instance(paths).get_run_records()
+    assert runs[0].dagster_run.job_name == "train_export_evaluate"
+    assert [r.dagster_run.status for r in runs[:3]] == [dg.DagsterRunStatus.SUCCESS] * 3
+    assert json.dumps(runs[0].dagster_run.run_config).find(str(paths.root)) == -1  # no path in run storage
