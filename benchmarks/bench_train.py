@@ -29,10 +29,24 @@ from safetensors.torch import save_file
 
 from gguf_assets.lib import atomic
 from gguf_assets.lib.adapter import adapter_loss, lr_at, standardize
-from gguf_assets.lib.layout import PROMPTS_FILE, STUDENT_FILE, TEACHER_FILE, ProjectPaths
+from gguf_assets.lib.layout import (
+    PROMPTS_FILE,
+    STUDENT_FILE,
+    TEACHER_FILE,
+    ProjectPaths,
+)
 from gguf_assets.lib.settings import Settings, Training
-from gguf_assets.lib.train import (SampleOrder, ShardStream, adapter_shape, build_model, collate, read_safetensors,
-                                   shard_size, target_stats, train_adapter)
+from gguf_assets.lib.train import (
+    SampleOrder,
+    ShardStream,
+    adapter_shape,
+    build_model,
+    collate,
+    read_safetensors,
+    shard_size,
+    target_stats,
+    train_adapter,
+)
 
 
 def write_shards(folder: Path, *, shards: int, prompts: int, query_rows: int, target_dim: int, student_dim: int,

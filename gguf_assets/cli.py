@@ -10,7 +10,12 @@ import time
 from pathlib import Path
 
 from gguf_assets.lib.layout import REPORT_JSON, ProjectPaths
-from gguf_assets.lib.settings import PROJECT_FILE, Settings, SettingsError, load_settings, write_project_file
+from gguf_assets.lib.settings import (
+    Settings,
+    SettingsError,
+    load_settings,
+    write_project_file,
+)
 
 INIT_HEADER = """gguf_assets project settings. Every key is documented in docs/settings.md.
 Materials are hub repo ids (owner/name, optionally @revision) or local folders (relative to this folder).

@@ -15,12 +15,11 @@ import time
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from gguf_assets.lib import atomic
 from gguf_assets.defs.plan import RANGE_START_TAG, Work, next_work, split_range  # noqa: F401 (re-exported)
+from gguf_assets.lib import atomic
 from gguf_assets.lib.layout import ProjectPaths
 from gguf_assets.lib.lock import ProjectLock
 from gguf_assets.lib.pipeline import StageState, project_status
@@ -132,9 +131,9 @@ def run_pipeline(paths: ProjectPaths, *, echo: Callable[[str], None] = print, wo
     import dagster as dg
 
     warnings.filterwarnings("ignore", category=dg.BetaWarning)
+    from gguf_assets.definitions import build_definitions
     from gguf_assets.defs.resume import STOPPED_TAG, mark_interrupted_runs
     from gguf_assets.defs.settings import observe_settings
-    from gguf_assets.definitions import build_definitions
 
     defs = build_definitions(str(paths.root))
     instance = dg.DagsterInstance.get()
@@ -187,10 +186,10 @@ def _run_workers(paths: ProjectPaths, instance, work: Work, settings: Settings, 
     """
     import dagster as dg
     from dagster._cli.job import _create_run
-
-    from gguf_assets.defs.resources import LEADER_TAG
     from dagster._core.workspace.context import WorkspaceProcessContext
     from dagster._core.workspace.load_target import ModuleTarget
+
+    from gguf_assets.defs.resources import LEADER_TAG
 
     target = ModuleTarget(module_name="gguf_assets.definitions", attribute=None, working_directory=None,
                           location_name="gguf_assets")

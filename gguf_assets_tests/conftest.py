@@ -74,10 +74,10 @@ def loopback_hub(tmp_path, demo_materials_root, monkeypatch):
 
 
 CLI = [sys.executable, "-m", "gguf_assets.cli"]
-# A short mock-teacher pipeline (about 20 s on 2 cores) for the kill and resume tests: 5 train
-# shards, 8 checkpoints.
+# A short mock-teacher pipeline for the kill and resume tests: 5 shards, 40 small steps, 8
+# checkpoints. The small batch keeps the training part a few seconds; kills still land mid-way.
 FAULT_SETTINGS = dict(steps=40, mock_teacher=True,
-                      training={"checkpoint_every": 5, "validate_every": 20, "log_every": 10})
+                      training={"checkpoint_every": 5, "validate_every": 20, "log_every": 10, "batch_size": 8})
 
 
 def pipeline_outputs(root: Path) -> dict[str, bytes]:

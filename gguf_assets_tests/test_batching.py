@@ -5,10 +5,14 @@ from __future__ import annotations
 import random
 
 import pytest
-
 import torch
 
-from gguf_assets.lib.batching import fixed_batches, pack_batches, padding_efficiency, right_padded
+from gguf_assets.lib.batching import (
+    fixed_batches,
+    pack_batches,
+    padding_efficiency,
+    right_padded,
+)
 
 
 def _check(lengths, batches, *, max_batch, token_budget=None, extra_tokens=0):

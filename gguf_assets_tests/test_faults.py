@@ -17,13 +17,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import CLI, FAULT_SETTINGS, cli_env, pipeline_outputs
 from safetensors.torch import load as safetensors_load
 
-from conftest import CLI, FAULT_SETTINGS, cli_env, pipeline_outputs
 from gguf_assets.lib import atomic, faults
 from gguf_assets.lib.hub import INCOMPLETE_SUFFIX, HubOptions
 from gguf_assets.lib.train import STATE_FILE
 from gguf_assets.runner import PipelineFailed, run_pipeline
+
+pytestmark = pytest.mark.slow  # whole pipelines: excluded from the fast loop (-m 'not slow')
 
 SHARD_HALVES = 5 * 2  # 4 train and 1 val shard under FAULT_SETTINGS, a teacher and a student half each
 CHECKPOINTS = FAULT_SETTINGS["steps"] // FAULT_SETTINGS["training"]["checkpoint_every"]

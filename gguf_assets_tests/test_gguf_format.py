@@ -16,7 +16,13 @@ from safetensors.numpy import save_file as save_numpy
 from safetensors.torch import save_file
 
 from gguf_assets.lib import atomic, gguf_eval, gguf_format
-from gguf_assets.lib.adapter import NORM_EPS, MLP_RATIO, Adapter, AdapterShape, centred_cosine_rows
+from gguf_assets.lib.adapter import (
+    MLP_RATIO,
+    NORM_EPS,
+    Adapter,
+    AdapterShape,
+    centred_cosine_rows,
+)
 
 SHAPE = AdapterShape(student_dim=12, query_rows=8, target_dim=10, width=16, depth=2, heads=4)
 PROVENANCE = {

@@ -14,7 +14,11 @@ import pytest
 from hub_server import STORED_HF_TOKEN
 
 from gguf_assets.lib import hub
-from gguf_assets.lib.materials import MaterialsError, manifest_is_current, resolve_materials
+from gguf_assets.lib.materials import (
+    MaterialsError,
+    manifest_is_current,
+    resolve_materials,
+)
 from gguf_assets.lib.settings import load_settings
 
 HUB_SOURCES = {"teacher": "demo/teacher", "student": "demo/student", "datasets": ["demo/prompts"]}

@@ -9,13 +9,17 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 
 from gguf_assets.lib import atomic
 from gguf_assets.lib.demo import demo_settings, iter_prompts
 from gguf_assets.lib.layout import REPORT_JSON, ProjectPaths
+from gguf_assets.lib.materials import load_manifest
 from gguf_assets.lib.pipeline import STAGES, project_status
 from gguf_assets.lib.settings import load_settings, replace, write_project_file
 from gguf_assets.runner import run_pipeline
+
+pytestmark = pytest.mark.slow  # whole pipelines: excluded from the fast loop (-m 'not slow')
 
 TEACHER, STUDENT, DATASET = "org/gated-teacher", "demo/student", "demo/prompts-parquet"
 PARQUET_FILE = "data/train-00000-of-00001.parquet"
@@ -52,11 +56,14 @@ def test_run_downloads_every_material_from_the_hub(tmp_path, demo_materials_root
     assert {s.stage: s.state for s in project_status(paths, settings)} == dict.fromkeys(STAGES, "current")
     assert any("materials" in line for line in echoed)
 
-    manifest = atomic.read_json(paths.materials_manifest)
+    manifest = load_manifest(paths)
+    stored = atomic.read_json(paths.materials_manifest)
     for entry, repo, kind in ((manifest["teacher"], TEACHER, "model"), (manifest["student"], STUDENT, "model"),
                               (manifest["datasets"][0], DATASET, "dataset")):
         assert entry["origin"] == "hub" and entry["commit"] == loopback_hub.head(repo, kind=kind), repo
         assert Path(entry["path"]).is_relative_to(paths.materials_dir)
+    # On disk the downloads are named relative to the project folder, so a copy is independent.
+    assert stored["teacher"]["path"].startswith("materials/hub/")
     dataset_files = sorted(p.relative_to(manifest["datasets"][0]["path"]).as_posix()
                            for p in Path(manifest["datasets"][0]["path"]).rglob("*") if p.is_file())
     assert dataset_files == [PARQUET_FILE]  # the data file only, no README

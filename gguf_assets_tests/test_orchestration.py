@@ -14,8 +14,7 @@ from pathlib import Path
 
 import dagster as dg
 import pytest
-
-from conftest import CLI, FAULT_SETTINGS, cli_env, project_instance, pipeline_outputs
+from conftest import CLI, FAULT_SETTINGS, cli_env, pipeline_outputs, project_instance
 
 pytestmark = pytest.mark.slow
 

@@ -5,9 +5,12 @@ import os
 import time
 
 import dagster as dg
+import pytest
 
 from gguf_assets.lib import atomic
 from gguf_assets.runner import run_pipeline, split_range
+
+pytestmark = pytest.mark.slow  # whole pipelines: excluded from the fast loop (-m 'not slow')
 
 
 def test_split_range_is_contiguous_and_complete():

@@ -1,11 +1,14 @@
 """The whole DAG through real Dagster materializations on a temp project and DAGSTER_HOME."""
 
 import dagster as dg
+import pytest
 
 from gguf_assets.lib import atomic
 from gguf_assets.lib.layout import REPORT_JSON
 from gguf_assets.lib.settings import load_settings, replace, write_project_file
 from gguf_assets.runner import run_pipeline
+
+pytestmark = pytest.mark.slow  # whole pipelines: excluded from the fast loop (-m 'not slow')
 
 ASSETS = ("materials", "corpus", "train_shards", "val_shards", "adapter", "gguf", "eval_report")
 

@@ -7,8 +7,18 @@ import subprocess
 import time
 
 import dagster as dg
+import pytest
+from conftest import (
+    CLI,
+    FAULT_SETTINGS,
+    cli_env,
+    free_port,
+    pipeline_outputs,
+    project_instance,
+    wait_http,
+)
 
-from conftest import CLI, FAULT_SETTINGS, cli_env, project_instance, free_port, pipeline_outputs, wait_http
+pytestmark = pytest.mark.slow  # whole pipelines: excluded from the fast loop (-m 'not slow')
 
 
 def _wait_for(predicate, *, timeout: float, what: str, proc=None) -> None:

@@ -9,14 +9,20 @@ changed stage and everything that reads it without reloading the definitions.
 import shutil
 
 import dagster as dg
-from dagster._core.definitions.data_version import CachingStaleStatusResolver, StaleStatus
+import pytest
+from dagster._core.definitions.data_version import (
+    CachingStaleStatusResolver,
+    StaleStatus,
+)
 from dagster._core.loader import LoadingContextForTest
 
 from gguf_assets.definitions import build_definitions
-from gguf_assets.defs.resume import resume_decision
 from gguf_assets.defs.resources import ProjectResource
+from gguf_assets.defs.resume import resume_decision
 from gguf_assets.lib.settings import load_settings, replace, write_project_file
 from gguf_assets.runner import run_pipeline
+
+pytestmark = pytest.mark.slow  # whole pipelines: excluded from the fast loop (-m 'not slow')
 
 ASSETS = ("materials", "corpus", "train_shards", "val_shards", "adapter", "gguf", "eval_report")
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from gguf_assets.lib.demo import demo_settings, iter_prompts
+from gguf_assets.lib.demo import demo_settings
 from gguf_assets.lib.settings import replace
 from gguf_assets.lib.student import Student
 from gguf_assets.lib.teacher import (

@@ -23,11 +23,31 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from gguf_assets.lib import atomic
-from gguf_assets.lib.layout import PROMPTS_FILE, STUDENT_FILE, TEACHER_FILE, ProjectPaths
+from gguf_assets.lib.layout import (
+    PROMPTS_FILE,
+    STUDENT_FILE,
+    TEACHER_FILE,
+    ProjectPaths,
+)
 from gguf_assets.lib.settings import Settings, Training, replace
-from gguf_assets.lib.train import (BEST_DIR, CURVES_FILE, FINAL_DIR, META_FILE, WEIGHTS_FILE, SampleOrder,
-                                   ShardStream, TrainingError, curves_markdown, curves_svg, list_checkpoints,
-                                   load_final, read_safetensors, shards_identity, train_adapter, training_fingerprint)
+from gguf_assets.lib.train import (
+    BEST_DIR,
+    CURVES_FILE,
+    FINAL_DIR,
+    META_FILE,
+    WEIGHTS_FILE,
+    SampleOrder,
+    ShardStream,
+    TrainingError,
+    curves_markdown,
+    curves_svg,
+    list_checkpoints,
+    load_final,
+    read_safetensors,
+    shards_identity,
+    train_adapter,
+    training_fingerprint,
+)
 
 STUDENT_DIM, QUERY_ROWS, TARGET_DIM = 24, 8, 16
 SETTINGS = Settings(training=Training(width=32, depth=1, heads=2, steps=40, batch_size=8, learning_rate=1e-2,

@@ -14,9 +14,11 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
 from conftest import free_port, wait_http
+
 from gguf_assets.runner import run_pipeline
+
+pytestmark = pytest.mark.slow  # whole pipelines: excluded from the fast loop (-m 'not slow')
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"

@@ -15,7 +15,12 @@ from gguf import GGUFReader, GGUFValueType
 from safetensors.numpy import load_file
 from test_export import MATERIALS, fake_run, project
 from test_gguf_format import make_adapter
-from transformers import SiglipConfig, SiglipModel, SiglipVisionConfig, SiglipVisionModel
+from transformers import (
+    SiglipConfig,
+    SiglipModel,
+    SiglipVisionConfig,
+    SiglipVisionModel,
+)
 
 from gguf_assets.lib import atomic, export, gguf_format, vision
 from gguf_assets.lib.report import build_report
@@ -198,11 +203,12 @@ def test_export_report_and_ggk_command_include_the_vision_gguf(siglip_dir: Path,
     copy = ggk_dir / "adapter-vision.gguf"
     assert sidecar["vision"]["path"] == str(vision_file)
     assert copy.read_bytes() == vision_file.read_bytes()
+    # Files inside the project are named relative to it; the copies elsewhere keep their absolute path.
     assert [(f["role"], f["path"]) for f in report["files"]] == [
-        ("adapter", sidecar["path"]), ("vision_encoder", str(vision_file)),
+        ("adapter", "output/adapter.gguf"), ("vision_encoder", "output/adapter-vision.gguf"),
         ("adapter", str(ggk_dir / "adapter.gguf")), ("vision_encoder", str(copy))]
     assert {f["path"]: f["sha256"] for f in report["files"]}[str(copy)] == atomic.sha256_file(copy)
-    assert report["vision_gguf"] == str(vision_file)
+    assert report["vision_gguf"] == "output/adapter-vision.gguf"
     assert report["ggk_command"].count("--llm_vision") == 1 and f"--llm_vision {copy} " in report["ggk_command"]
     md = (paths.root / "output" / "report.md").read_text(encoding="utf-8")
     assert f"`{copy}`" in md and "the paired vision encoder" in md

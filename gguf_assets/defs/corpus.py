@@ -3,10 +3,10 @@
 
 import dagster as dg
 
-from gguf_assets.defs.settings import settings_key
 from gguf_assets.defs.materials import materials
 from gguf_assets.defs.partitions import BY_SPLIT
 from gguf_assets.defs.resources import ProjectResource
+from gguf_assets.defs.settings import settings_key
 from gguf_assets.lib import atomic
 from gguf_assets.lib.corpus import build_corpus, check_prompt_files
 from gguf_assets.lib.layout import SPLITS, shard_key

@@ -3,9 +3,9 @@
 
 import dagster as dg
 
-from gguf_assets.defs.settings import settings_key
 from gguf_assets.defs.panels import panel_metadata
 from gguf_assets.defs.resources import ProjectResource
+from gguf_assets.defs.settings import settings_key
 from gguf_assets.lib.materials import resolve_materials
 
 

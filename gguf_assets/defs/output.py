@@ -5,18 +5,29 @@ from pathlib import Path
 
 import dagster as dg
 
-from gguf_assets.defs.settings import settings_key
 from gguf_assets.defs.materials import materials
 from gguf_assets.defs.precompute import val_shards
 from gguf_assets.defs.resources import ProjectResource
+from gguf_assets.defs.settings import settings_key
 from gguf_assets.defs.training import adapter
 from gguf_assets.lib import atomic
 from gguf_assets.lib.export import export_adapter
 from gguf_assets.lib.gguf_eval import evaluate_gguf
 from gguf_assets.lib.layout import REPORT_JSON
 from gguf_assets.lib.materials import load_manifest
-from gguf_assets.lib.pipeline import export_sidecar, gguf_path, report_fingerprint, shard_fingerprints
-from gguf_assets.lib.report import build_report, render_evaluation, render_files, render_markdown, render_use_in_ggk
+from gguf_assets.lib.pipeline import (
+    export_sidecar,
+    gguf_path,
+    report_fingerprint,
+    shard_fingerprints,
+)
+from gguf_assets.lib.report import (
+    build_report,
+    render_evaluation,
+    render_files,
+    render_markdown,
+    render_use_in_ggk,
+)
 from gguf_assets.lib.shards import require_current
 from gguf_assets.lib.verdict import GOOD
 

@@ -9,7 +9,10 @@ daemon's sensors, from `gguf-trainer run`, and from every run before it starts.
 """
 
 import dagster as dg
-from dagster._core.definitions.data_version import DATA_VERSION_TAG, extract_data_version_from_entry
+from dagster._core.definitions.data_version import (
+    DATA_VERSION_TAG,
+    extract_data_version_from_entry,
+)
 
 from gguf_assets.lib import atomic
 from gguf_assets.lib.pipeline import STAGES, stage_settings

@@ -3,16 +3,22 @@
 
 import dagster as dg
 
-from gguf_assets.defs.settings import settings_key
 from gguf_assets.defs.panels import panel_metadata
 from gguf_assets.defs.precompute import GPU_POOL, train_shards, val_shards
 from gguf_assets.defs.resources import ProjectResource
+from gguf_assets.defs.settings import settings_key
 from gguf_assets.lib import atomic
 from gguf_assets.lib.hardware import HardwareSampler
 from gguf_assets.lib.materials import load_manifest
 from gguf_assets.lib.pipeline import adapter_fingerprint
 from gguf_assets.lib.shards import require_current
-from gguf_assets.lib.train import CURVES_FILE, FINAL_DIR, curves_markdown, curves_svg, train_adapter
+from gguf_assets.lib.train import (
+    CURVES_FILE,
+    FINAL_DIR,
+    curves_markdown,
+    curves_svg,
+    train_adapter,
+)
 from gguf_assets.lib.verdict import verdict
 
 # Rows of the metrics table in the Markdown metadata; the full history is in final/meta.json.

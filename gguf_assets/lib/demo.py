@@ -454,7 +454,14 @@ def demo_settings(*, steps: int = 300, mock_teacher: bool = False):
 
     Material paths are relative to the project folder, so the project can be moved.
     """
-    from gguf_assets.lib.settings import Corpus, Materials, Output, Precompute, Settings, Training
+    from gguf_assets.lib.settings import (
+        Corpus,
+        Materials,
+        Output,
+        Precompute,
+        Settings,
+        Training,
+    )
 
     return Settings(
         materials=Materials(teacher="materials/demo/teacher", student="materials/demo/student",

@@ -51,7 +51,7 @@ class ProjectLock:
             _held[self.lock_file][1] += 1
             return self
         self.lock_file.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.lock_file, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(self.lock_file, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

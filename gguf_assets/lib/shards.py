@@ -31,7 +31,13 @@ from safetensors.torch import save_file
 from gguf_assets.lib import atomic, faults
 from gguf_assets.lib.corpus import read_split, shard_prompts
 from gguf_assets.lib.hardware import HardwareSampler, Progress, resolve_device
-from gguf_assets.lib.layout import PROMPTS_FILE, STUDENT_FILE, TEACHER_FILE, ProjectPaths, shard_key
+from gguf_assets.lib.layout import (
+    PROMPTS_FILE,
+    STUDENT_FILE,
+    TEACHER_FILE,
+    ProjectPaths,
+    shard_key,
+)
 from gguf_assets.lib.materials import pins
 from gguf_assets.lib.settings import Settings
 
@@ -185,7 +191,11 @@ class ShardBuilder:
 
     def targets(self, prompts: list[str], *, on_batch=None):
         """The teacher's targets for ``prompts``, retrying CUDA out-of-memory with a lower GPU budget."""
-        from gguf_assets.lib.teacher import auto_gpu_budget_gib, lower_budget_on_oom, oom_advice
+        from gguf_assets.lib.teacher import (
+            auto_gpu_budget_gib,
+            lower_budget_on_oom,
+            oom_advice,
+        )
 
         p = self.settings.precompute
         dtype = TARGET_DTYPES[p.target_dtype]
@@ -201,7 +211,12 @@ class ShardBuilder:
 
     def compute(self, half: str, prompts: list[str], *, on_batch=None):
         """One half's results; running out of memory ends with what to lower."""
-        from gguf_assets.lib.teacher import PrecomputeOutOfMemory, TeacherError, is_out_of_memory, oom_advice
+        from gguf_assets.lib.teacher import (
+            PrecomputeOutOfMemory,
+            TeacherError,
+            is_out_of_memory,
+            oom_advice,
+        )
 
         try:
             if half == "teacher":

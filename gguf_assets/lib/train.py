@@ -42,9 +42,21 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from gguf_assets.lib import atomic, faults
-from gguf_assets.lib.adapter import Adapter, AdapterShape, adapter_loss, centred_cosine_rows, lr_at, standardize
+from gguf_assets.lib.adapter import (
+    Adapter,
+    AdapterShape,
+    adapter_loss,
+    centred_cosine_rows,
+    lr_at,
+    standardize,
+)
 from gguf_assets.lib.hardware import resolve_device
-from gguf_assets.lib.layout import PROMPTS_FILE, STUDENT_FILE, TEACHER_FILE, ProjectPaths
+from gguf_assets.lib.layout import (
+    PROMPTS_FILE,
+    STUDENT_FILE,
+    TEACHER_FILE,
+    ProjectPaths,
+)
 from gguf_assets.lib.settings import Settings
 from gguf_assets.lib.verdict import verdict
 
