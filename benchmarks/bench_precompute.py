@@ -141,10 +141,10 @@ def main() -> None:
               f"median {sorted(lengths)[n // 2]}, max {max(lengths)}, truncated {truncated}; Q = {q}; "
               f"teacher_batch {p.teacher_batch}, token_budget {p.token_budget}; device {device}; "
               f"torch threads {torch.get_num_threads()}")
-        print(f"naive fixed batches (original order): {len(naive)} batches, {naive_s:.2f} s, {n / naive_s:.2f} prompts/s, "
-              f"padding efficiency {eff_naive:.3f}")
-        print(f"token-budget packing:                 {len(packed)} batches, {packed_s:.2f} s, {n / packed_s:.2f} prompts/s, "
-              f"padding efficiency {eff_packed:.3f}")
+        print(f"naive fixed batches (original order): {len(naive)} batches, {naive_s:.2f} s, "
+              f"{n / naive_s:.2f} prompts/s, padding efficiency {eff_naive:.3f}")
+        print(f"token-budget packing:                 {len(packed)} batches, {packed_s:.2f} s, "
+              f"{n / packed_s:.2f} prompts/s, padding efficiency {eff_packed:.3f}")
         print(f"whole pipeline (teacher half, packed): {pipeline_s:.2f} s, {n / pipeline_s:.2f} prompts/s, "
               f"{sum(lengths) / pipeline_s:.0f} text tokens/s")
         print(f"packing speedup vs naive:             {naive_s / packed_s:.2f}x  (target >= 1.5x)")

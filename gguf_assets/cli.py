@@ -69,7 +69,8 @@ def _print_results(paths: ProjectPaths) -> None:
         report = atomic.read_json(report_file)
         print(f"GGUF:    {paths.located(report['gguf_path'])}")
         print(f"report:  {report_file}")
-        cosine = report["val_centred_cosine"] if report["val_centred_cosine"] is not None else report["val_centred_cosine_torch"]
+        cosine = (report["val_centred_cosine"] if report["val_centred_cosine"] is not None
+                  else report["val_centred_cosine_torch"])
         print(f"val centred cosine: {cosine:.4f}  ({report['verdict']})")
 
 
@@ -239,7 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gguf-trainer", description=__doc__)
     parser.add_argument("--auto-resume", metavar="PROJECT",
                         help="at boot: mark cut-off runs failed, continue the pipeline, keep dagster-daemon running")
-    parser.add_argument("--no-daemon", action="store_true", help="with --auto-resume: exit instead of starting the daemon")
+    parser.add_argument("--no-daemon", action="store_true",
+                        help="with --auto-resume: exit instead of starting the daemon")
     parser.add_argument("--ui-port", type=int, metavar="PORT",
                         help="with --auto-resume: also serve the Dagster UI on this port, from the start")
     parser.add_argument("--ui-host", default="127.0.0.1", help="with --ui-port: the address to listen on")

@@ -418,7 +418,8 @@ def test_json_item_errors_name_line_item_and_key(tmp_path):
     assert list(read_prompt_file(data, skip_bad_lines=True)) == ["one", "two"]
 
 
-@pytest.mark.parametrize("body, expected", [("[\"a\", \"b\"", "the list is not closed"), ('["a"] x', "after the closing"),
+@pytest.mark.parametrize("body, expected", [("[\"a\", \"b\"", "the list is not closed"),
+                                            ('["a"] x', "after the closing"),
                                             ('{"text": "a"}', "does not start with a list")])
 def test_json_structure_errors(tmp_path, body, expected):
     data = tmp_path / "p.json"

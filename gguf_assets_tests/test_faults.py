@@ -66,7 +66,8 @@ def test_sigkill_at_random_moments_then_auto_resume_gives_identical_outputs(make
         identical = pipeline_outputs(project.root) == expected
         table.append((round(delay, 1), finished_first, begun, identical))
         assert identical, f"seed {SEED}: outputs differ after a kill at {delay:.1f}s"
-    print(f"\nfault seed {SEED}; uninterrupted run {duration:.1f}s; (kill at s, had finished, stages begun, identical):")
+    print(f"\nfault seed {SEED}; uninterrupted run {duration:.1f}s; "
+          "(kill at s, had finished, stages begun, identical):")
     for row in table:
         print("  ", row)
 

@@ -30,7 +30,8 @@ def test_demo_dag_end_to_end_then_memoized_then_student_change(make_project):
     assert atomic.sha256_file(paths.located(report["gguf_path"])) == report["gguf_sha256"]
     # The numpy reading of the GGUF agrees with the torch checkpoint.
     assert abs(report["val_centred_cosine"] - report["val_centred_cosine_torch"]) < 1e-3
-    adapter_meta = atomic.read_json(paths.root / atomic.read_json(paths.adapter_manifest)["run_dir"] / "final" / "meta.json")
+    run_dir = atomic.read_json(paths.adapter_manifest)["run_dir"]
+    adapter_meta = atomic.read_json(paths.root / run_dir / "final" / "meta.json")
     untrained = adapter_meta["untrained_val_centred_cosine"]
     assert report["val_centred_cosine"] > untrained + 0.15, (report["val_centred_cosine"], untrained)
     assert (paths.output_dir(settings) / "report.md").read_text().count("Use it in ggk") == 1

@@ -100,7 +100,8 @@ def test_sensor_marks_cut_off_runs_failed_and_frees_their_gpu_slots(tmp_path):
         info = storage.get_concurrency_info("gpu")
         assert info.active_run_ids == {ids["alive"]} and info.active_slot_count == 1
         # A second pass finds nothing more to do.
-        assert "no interrupted runs" in interrupted_runs_sensor()(dg.build_sensor_context(instance=instance)).skip_message
+        result = interrupted_runs_sensor()(dg.build_sensor_context(instance=instance))
+        assert "no interrupted runs" in result.skip_message
 
 
 def test_sensor_runs_by_default_only_when_auto_resume_is_on(make_project):

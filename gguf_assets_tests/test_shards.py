@@ -150,7 +150,8 @@ def test_corrupted_halves_are_detected_never_used_and_recomputed(project, caplog
     with caplog.at_level(logging.WARNING, logger="gguf_assets.lib.shards"):
         reports = build_shards(paths, settings, materials, "train", keys)
     assert "00000: teacher half failed verification; recomputing it" in caplog.text
-    assert [(r["teacher_status"], r["student_status"]) for r in reports] == [("corrupt", "current"), ("current", "corrupt")]
+    assert [(r["teacher_status"], r["student_status"]) for r in reports] == [("corrupt", "current"),
+                                                                             ("current", "corrupt")]
     # Recomputed from scratch, deterministically: the original bytes are back.
     assert {f: f.read_bytes() for f in good} == good
     assert require_current(paths, settings, materials, "train") == [p.folder(paths) for p in plans]
@@ -179,7 +180,8 @@ def test_student_out_of_memory_names_the_student_settings(project, monkeypatch):
     def out_of_host_memory(self, prompts, **kwargs):
         raise MemoryError()
     monkeypatch.setattr("gguf_assets.lib.student.Student.encode", out_of_host_memory)
-    with pytest.raises(PrecomputeOutOfMemory, match=r"the student ran out of memory on cpu: .*precompute.student_batch \(now 4\)"):
+    with pytest.raises(PrecomputeOutOfMemory,
+                       match=r"the student ran out of memory on cpu: .*precompute.student_batch \(now 4\)"):
         build_shards(paths, settings, materials, "train", _keys(paths, settings, materials)[:1])
 
 
@@ -276,7 +278,8 @@ def test_hardware_sampler_summarizes_gpu_and_host_figures():
 
     def gpus():
         util = next(readings, 90.0)
-        return [{"index": 0, "util_pct": util, "mem_used_gib": util / 10, "temp_c": 40 + util / 10, "power_w": 2 * util}]
+        return [{"index": 0, "util_pct": util, "mem_used_gib": util / 10, "temp_c": 40 + util / 10,
+                 "power_w": 2 * util}]
 
     clock = FakeClock()
     sampler = HardwareSampler(interval_s=3600, read_gpus=gpus,

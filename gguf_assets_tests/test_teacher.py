@@ -128,7 +128,8 @@ def test_student_states_are_flat_without_padding_and_batch_independent(demo_mate
 # -- placement --------------------------------------------------------------------------------
 
 def test_memory_budgets_fill_the_chosen_gpu_first_then_others_then_ram(settings):
-    s = replace(settings, precompute={"device": "cuda:1", "teacher_gpu_memory_gib": 20.0, "teacher_cpu_memory_gib": 64.0})
+    s = replace(settings, precompute={"device": "cuda:1", "teacher_gpu_memory_gib": 20.0,
+                                      "teacher_cpu_memory_gib": 64.0})
     budgets = memory_budgets(s, torch.device("cuda:1"), free_gpu_bytes={0: 10 * GIB, 1: 30 * GIB, 2: 8 * GIB},
                              available_cpu_bytes=100 * GIB)
     assert list(budgets) == [1, 0, 2, "cpu"]
@@ -166,7 +167,8 @@ def test_sequential_plan_spills_from_the_chosen_gpu_to_the_next_then_cpu(demo_ma
     assert plan.summary["cuda:1"]["layers"] == 1 and plan.summary["cuda:0"]["layers"] == 1
     assert plan.max_memory[1] == int(chosen_gib * GIB)
     meta = plan.metadata()
-    assert meta["teacher_cuda1_layers"] == 1 and meta["teacher_cuda0_layers"] == 1 and meta["teacher_placement"] == "sequential"
+    assert (meta["teacher_cuda1_layers"] == 1 and meta["teacher_cuda0_layers"] == 1
+            and meta["teacher_placement"] == "sequential")
 
 
 def test_sequential_plan_keeps_a_fitting_teacher_on_the_chosen_gpu(demo_materials_root, settings):
@@ -186,8 +188,8 @@ def test_a_teacher_that_fits_nowhere_names_the_budgets_to_raise(demo_materials_r
 
 
 def test_balanced_is_transformers_even_split_under_explicit_budgets(demo_materials_root, settings):
-    s = replace(settings, precompute={"device": "cuda:1", "teacher_placement": "balanced", "teacher_gpu_memory_gib": 5.0,
-                                      "teacher_cpu_memory_gib": 32.0})
+    s = replace(settings, precompute={"device": "cuda:1", "teacher_placement": "balanced",
+                                      "teacher_gpu_memory_gib": 5.0, "teacher_cpu_memory_gib": 32.0})
     plan = plan_placement(demo_materials_root / "teacher", s, torch.device("cuda:1"), dtype=torch.bfloat16,
                           free_gpu_bytes={0: 10 * GIB, 1: 10 * GIB}, available_cpu_bytes=64 * GIB)
     assert plan.device_map == "balanced"
@@ -227,7 +229,8 @@ def test_sequential_oom_retries_with_a_lower_gpu_budget_and_says_so(settings, ca
         result, budget = lower_budget_on_oom(_oom_until(20.0, calls), budget_gib=24.0, placement="sequential",
                                              advice=lambda b: oom_advice(settings, gpu_budget_gib=b))
     assert (result, budget, calls) == ("ok at 20.0", 20.0, [24.0, 22.0, 20.0])
-    assert "retrying with 22.0 GiB (retry 1 of 3)" in caplog.text and "retrying with 20.0 GiB (retry 2 of 3)" in caplog.text
+    assert ("retrying with 22.0 GiB (retry 1 of 3)" in caplog.text
+            and "retrying with 20.0 GiB (retry 2 of 3)" in caplog.text)
 
 
 def test_oom_retries_are_bounded_and_end_with_what_to_lower(settings):

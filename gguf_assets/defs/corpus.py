@@ -73,7 +73,8 @@ def corpus_markdown(manifest: dict) -> dict[str, str]:
     return tables
 
 
-@dg.asset(group_name="corpus", deps=[materials, settings_key("corpus")], description="Text prompts (about 1% empty for the CFG prompt), "
+@dg.asset(group_name="corpus", deps=[materials, settings_key("corpus")],
+          description="Text prompts (about 1% empty for the CFG prompt), "
           "deduplicated, length-filtered and split train/val with no overlap; deterministic for the seed.")
 def corpus(context: dg.AssetExecutionContext, project: ProjectResource) -> dg.MaterializeResult:
     paths, settings = project.paths(), project.settings()
@@ -84,7 +85,8 @@ def corpus(context: dg.AssetExecutionContext, project: ProjectResource) -> dg.Ma
         manifest = atomic.read_json(paths.corpus_manifest)
         context.log.info("corpus is current for these settings; reusing it")
     else:
-        manifest = build_corpus(paths, settings, manifest_in, fingerprint=corpus_fingerprint(paths, settings, manifest_in))
+        manifest = build_corpus(paths, settings, manifest_in,
+                                fingerprint=corpus_fingerprint(paths, settings, manifest_in))
     prompts = {s: manifest["splits"][s]["prompts"] for s in SPLITS}
     wanted = expected_shard_keys(manifest, settings)
     sync_shard_partitions(context.instance, wanted)

@@ -9,7 +9,8 @@ from gguf_assets.defs.settings import settings_key
 from gguf_assets.lib.materials import resolve_materials
 
 
-@dg.asset(group_name="materials", deps=[settings_key("materials")], description="Teacher, student, prompt datasets and the optional vision "
+@dg.asset(group_name="materials", deps=[settings_key("materials")],
+          description="Teacher, student, prompt datasets and the optional vision "
           "encoder, each a local folder or hub repo pinned to the commit (or content hash) it resolved to.")
 def materials(context: dg.AssetExecutionContext, project: ProjectResource) -> dg.MaterializeResult:
     manifest = resolve_materials(project.paths(), project.settings(), token=project.hub.token)

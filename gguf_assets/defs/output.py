@@ -32,7 +32,8 @@ from gguf_assets.lib.shards import require_current
 from gguf_assets.lib.verdict import GOOD
 
 
-@dg.asset(group_name="output", deps=[adapter, materials, settings_key("gguf")], description="The adapter as an f16 GGUF: "
+@dg.asset(group_name="output", deps=[adapter, materials, settings_key("gguf")],
+          description="The adapter as an f16 GGUF: "
           "matrices f16; norms, biases and target statistics f32; self-describing metadata (docs/gguf_layout.md). "
           "Plus the paired vision encoder as a clip/mmproj GGUF when one was downloaded (docs/vision_gguf.md).")
 def gguf(context: dg.AssetExecutionContext, project: ProjectResource) -> dg.MaterializeResult:

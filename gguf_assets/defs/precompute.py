@@ -33,7 +33,8 @@ def materialize_shards(context: dg.AssetExecutionContext, project: ProjectResour
     run = precompute_split(paths, settings, load_manifest(paths), split, list(context.partition_keys),
                            on_shard_done=record)
     metadata = _numbers(run.summary)
-    metadata["prompts_per_s"] = round(run.summary["prompts"] / run.summary["seconds"], 2) if run.summary["seconds"] else 0.0
+    metadata["prompts_per_s"] = (round(run.summary["prompts"] / run.summary["seconds"], 2)
+                                 if run.summary["seconds"] else 0.0)
     placement = next((r.get("placement") for r in reversed(run.reports) if r.get("placement")), None)
     if placement:
         metadata["teacher_device_map"] = dg.MetadataValue.md(
@@ -44,7 +45,8 @@ def materialize_shards(context: dg.AssetExecutionContext, project: ProjectResour
     return dg.MaterializeResult(metadata=metadata)
 
 
-@dg.asset(group_name="precompute", partitions_def=TRAIN_SHARDS, deps=[corpus, settings_key("train_shards")], pool=GPU_POOL,
+@dg.asset(group_name="precompute", partitions_def=TRAIN_SHARDS, deps=[corpus, settings_key("train_shards")],
+          pool=GPU_POOL,
           backfill_policy=dg.BackfillPolicy.single_run(),
           description="Train shards: teacher targets (Q x D per prompt) and student hidden states, safetensors "
                       "with fingerprints and sha256; each half is recomputed only when what it depends on changed.")

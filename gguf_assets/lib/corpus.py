@@ -151,7 +151,8 @@ def _open_binary(file: Path) -> Iterator[tuple[BinaryIO, _HashingRaw]]:
         raise CorpusError(f"{file}: prompt file not found. Fix the path in corpus.local_prompt_files "
                           "(or the dataset source).") from None
     except OSError as exc:
-        raise CorpusError(f"{file}: cannot be read ({exc.strerror or exc}). Check that it is a readable file.") from None
+        raise CorpusError(f"{file}: cannot be read ({exc.strerror or exc}). "
+                          "Check that it is a readable file.") from None
     hashing = _HashingRaw(raw)
     stream: BinaryIO = io.BufferedReader(hashing, buffer_size=READ_CHUNK_BYTES)
     if file.name.lower().endswith(GZIP_SUFFIX):
@@ -581,7 +582,8 @@ def _read_sources(sources: list[tuple[str, Path, str]], settings: Settings, spil
     lo, hi = c.min_chars, c.max_chars
     normalize, encode, blake2b = unicodedata.normalize, _ENCODE_STR, hashlib.blake2b
     pool, stats = _Pool(), []
-    write, add_offset, add_source, add_chars = spill.write, pool.offsets.append, pool.source_ids.append, pool.chars.append
+    write, add_offset, add_source, add_chars = (spill.write, pool.offsets.append, pool.source_ids.append,
+                                                pool.chars.append)
     digests = pool.digests
     end = 0
     for source_id, (label, file, text_field) in enumerate(sources):
@@ -724,7 +726,8 @@ def _split_sizes(need: dict[str, int], n_kept: int, c) -> dict[str, int]:
     if n_kept >= total:
         return dict(need)
     shortage = (f"corpus: {n_kept} usable prompts after cleaning, but train_prompts + val_prompts need {total} "
-                f"non-empty prompts ({text_need['train']} train + {text_need['val']} val; the empty prompts come on top).")
+                f"non-empty prompts ({text_need['train']} train + {text_need['val']} val; "
+                "the empty prompts come on top).")
     if not c.allow_fewer:
         raise CorpusError(f"{shortage} Lower corpus.train_prompts / corpus.val_prompts, add prompt sources, or set "
                           "corpus.allow_fewer: true to accept a smaller train split (val keeps its size).")
@@ -744,7 +747,8 @@ def _write_split(final: Path, ids: np.ndarray, spill: BinaryIO, offsets: np.ndar
         for start in range(0, len(ids), _WRITE_SLICE):
             part = ids[start:start + _WRITE_SLICE]
             safe = np.maximum(part, 0)
-            for rid, offset, length in zip(part.tolist(), offsets[safe].tolist(), (ends[safe] - offsets[safe]).tolist()):
+            for rid, offset, length in zip(part.tolist(), offsets[safe].tolist(),
+                                           (ends[safe] - offsets[safe]).tolist()):
                 line = EMPTY_LINE if rid < 0 else os.pread(fd, length, offset)
                 out.write(line)
                 digest.update(line)

@@ -40,7 +40,8 @@ def corpus_is_current(paths: ProjectPaths, settings: Settings, materials: dict) 
     manifest = atomic.read_json(paths.corpus_manifest)
     if manifest.get("fingerprint") != corpus_fingerprint(paths, settings, materials):
         return False
-    return all(paths.corpus_file(s).is_file() and atomic.sha256_file(paths.corpus_file(s)) == manifest["splits"][s]["sha256"]
+    return all(paths.corpus_file(s).is_file()
+               and atomic.sha256_file(paths.corpus_file(s)) == manifest["splits"][s]["sha256"]
                for s in SPLITS)
 
 
@@ -186,11 +187,13 @@ def project_status(paths: ProjectPaths, settings: Settings) -> list[StageState]:
                                  "teacher+student") for s in STAGES[STAGES.index("adapter"):]]
     adapter_fp = adapter_fingerprint(paths, settings, materials)
     if recorded_fingerprint(paths.adapter_manifest) != adapter_fp:
-        return out + [StageState("adapter", "stale" if paths.adapter_manifest.is_file() else "missing")] + blocked_rest("adapter")
+        return (out + [StageState("adapter", "stale" if paths.adapter_manifest.is_file() else "missing")]
+                + blocked_rest("adapter"))
     out.append(StageState("adapter", "current"))
     gguf = gguf_path(paths, settings)
     sidecar = gguf.with_suffix(".json")
-    if recorded_fingerprint(sidecar) != gguf_fingerprint(settings, materials, adapter_fp) or not _exported_files_present(paths, settings):
+    if (recorded_fingerprint(sidecar) != gguf_fingerprint(settings, materials, adapter_fp)
+            or not _exported_files_present(paths, settings)):
         return out + [StageState("gguf", "stale" if sidecar.is_file() else "missing")] + blocked_rest("gguf")
     out.append(StageState("gguf", "current"))
     from gguf_assets.lib.layout import REPORT_JSON

@@ -76,7 +76,8 @@ def build_report(paths: ProjectPaths, settings: Settings, materials: dict, gguf:
         "val_centred_cosine": evaluation["val_centred_cosine"] if evaluation else None,
         "val_centred_cosine_torch": torch_score,
         "gguf_vs_torch": abs(evaluation["val_centred_cosine"] - torch_score) if evaluation else None,
-        "empty_prompt_cosine": evaluation["empty_prompt_cosine"] if evaluation else gguf.get("empty_prompt_cosine_torch"),
+        "empty_prompt_cosine": (evaluation["empty_prompt_cosine"] if evaluation
+                                else gguf.get("empty_prompt_cosine_torch")),
         "empty_prompt_cosine_torch": gguf.get("empty_prompt_cosine_torch"),
         "score_source": "gguf" if evaluation else "torch",
         "gguf_path": gguf["path"], "gguf_sha256": gguf["sha256"], "gguf_bytes": gguf["bytes"],
@@ -118,7 +119,8 @@ def render_evaluation(r: dict) -> str:
              "| measure | value |", "|---|---|",
              f"| val centred cosine (GGUF, numpy) | {_fmt(r['val_centred_cosine'])} |",
              f"| val centred cosine (torch checkpoint) | {_fmt(r['val_centred_cosine_torch'])} |",
-             f"| GGUF vs torch difference | {'n/a' if r['gguf_vs_torch'] is None else format(r['gguf_vs_torch'], '.2e')} |",
+             f"| GGUF vs torch difference | "
+             f"{'n/a' if r['gguf_vs_torch'] is None else format(r['gguf_vs_torch'], '.2e')} |",
              f"| empty prompt cosine | {_fmt(r['empty_prompt_cosine'])} |",
              f"| val prompts | {r['n_prompts'] if r['n_prompts'] is not None else 'n/a'} |", ""]
     if not r["evaluated"]:

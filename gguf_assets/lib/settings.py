@@ -49,8 +49,10 @@ class DatasetSource:
 class Materials:
     teacher: str = _f("", "teacher LLM: hub repo id (optionally @revision) or local folder", kind="source")
     student: str = _f("", "student LLM: hub repo id (optionally @revision) or local folder", kind="source")
-    datasets: list = _f([], "prompt datasets: repo id/folder strings, or {source: ..., text_field: text}", kind="datasets")
-    vision_encoder: str = _f("", "optional paired vision encoder (SigVQ): repo id or folder; empty = none", kind="source")
+    datasets: list = _f([], "prompt datasets: repo id/folder strings, or {source: ..., text_field: text}",
+                        kind="datasets")
+    vision_encoder: str = _f("", "optional paired vision encoder (SigVQ): repo id or folder; empty = none",
+                             kind="source")
     query_rows_file: str = _f("query_rows.safetensors", "file in the teacher folder holding the Q x D query rows")
     query_rows_tensor: str = _f("query_rows", "tensor name of the query rows inside query_rows_file")
     teacher_layer: int = _f(-1, "teacher hidden layer taken at the query positions (-1 = last)")
@@ -60,14 +62,16 @@ class Materials:
 
 @dataclass(frozen=True)
 class Corpus:
-    local_prompt_files: list = _f([], "extra prompt files: .txt one per line, .jsonl/.json with a text field, .csv/.parquet with a text column (text formats may be .gz)", kind="paths")
+    local_prompt_files: list = _f([], "extra prompt files: .txt one per line, .jsonl/.json with a text field, "
+                                  ".csv/.parquet with a text column (text formats may be .gz)", kind="paths")
     train_prompts: int = _f(60000, "number of train prompts", min=1)
     val_prompts: int = _f(1000, "number of val prompts", min=1)
     empty_fraction: float = _f(0.01, "fraction of each split that is the empty (CFG) prompt", min=0.0, max=0.5)
     seed: int = _f(0, "seed of the shuffle and split")
     min_chars: int = _f(3, "drop prompts shorter than this (characters)", min=0)
     max_chars: int = _f(2000, "drop prompts longer than this (characters)", min=1)
-    text_field: str = _f("text", "field (.jsonl/.json) or column (.csv/.parquet) holding the prompt in local prompt files")
+    text_field: str = _f("text",
+                         "field (.jsonl/.json) or column (.csv/.parquet) holding the prompt in local prompt files")
     skip_bad_lines: bool = _f(False, "skip malformed lines in prompt files (counted and reported) instead of stopping")
     allow_fewer: bool = _f(False, "accept fewer prompts than train_prompts + val_prompts (train shrinks, val is kept)")
 
@@ -83,7 +87,9 @@ class Precompute:
     teacher_batch: int = _f(8, "most prompts per teacher batch", min=1)
     token_budget: int = _f(8192, "cap on batch x (text tokens + query rows) per teacher batch", min=1)
     student_batch: int = _f(32, "most prompts per student batch", min=1)
-    teacher_placement: str = _f("sequential", "sequential: fill the device, then other GPUs, then RAM; balanced: even split", choices=PLACEMENTS)
+    teacher_placement: str = _f("sequential",
+                                "sequential: fill the device, then other GPUs, then RAM; balanced: even split",
+                                choices=PLACEMENTS)
     teacher_gpu_memory_gib: float = _f(0.0, "GPU memory budget for the teacher in GiB (0 = auto)", min=0.0)
     teacher_cpu_memory_gib: float = _f(0.0, "CPU RAM budget for offloaded teacher layers in GiB (0 = auto)", min=0.0)
     mock_teacher: bool = _f(False, "dev smoke test: synthetic learnable targets, no teacher load")
@@ -226,7 +232,8 @@ def _check_value(section: str, f: dataclasses.Field, value: Any) -> Any:
                     raise ValueError(f"item {i}: text_field must be a non-empty string")
                 out.append({"source": item["source"].strip(), "text_field": tf})
             else:
-                raise ValueError(f"item {i} ({item!r}) must be a repo id/folder string or {{source: ..., text_field: ...}}")
+                raise ValueError(f"item {i} ({item!r}) must be a repo id/folder string "
+                                 "or {source: ..., text_field: ...}")
         return out
     if kind == "paths":
         if not isinstance(value, list) or not all(isinstance(v, str) and v.strip() for v in value):
@@ -256,7 +263,8 @@ def _check_value(section: str, f: dataclasses.Field, value: Any) -> Any:
         raise ValueError(f"must be >= {meta['min']}")
     if meta.get("max") is not None and value > meta["max"]:
         raise ValueError(f"must be <= {meta['max']}")
-    if kind == "device" and not (value in ("auto", "cpu", "cuda") or (value.startswith("cuda:") and value[5:].isdigit())):
+    if kind == "device" and not (value in ("auto", "cpu", "cuda")
+                                 or (value.startswith("cuda:") and value[5:].isdigit())):
         raise ValueError("must be auto, cpu, cuda or cuda:N")
     return value
 
@@ -265,13 +273,15 @@ def _cross_checks(s: Settings) -> list[tuple[str, str]]:
     """Rules that involve more than one field: (key, message)."""
     problems = []
     if s.corpus.min_chars > s.corpus.max_chars:
-        problems.append(("corpus.min_chars", f"min_chars ({s.corpus.min_chars}) is above max_chars ({s.corpus.max_chars})"))
+        problems.append(("corpus.min_chars",
+                         f"min_chars ({s.corpus.min_chars}) is above max_chars ({s.corpus.max_chars})"))
     if s.training.width % s.training.heads:
         problems.append(("training.heads", f"heads ({s.training.heads}) must divide width ({s.training.width})"))
     if "{prompt}" not in s.precompute.prompt_template:
         problems.append(("precompute.prompt_template", "must contain {prompt}"))
     if s.precompute.mode != "student" and not s.precompute.mock_teacher and not s.materials.teacher:
-        problems.append(("materials.teacher", "is empty: set a hub repo id or local folder (or precompute.mock_teacher: true)"))
+        problems.append(("materials.teacher",
+                         "is empty: set a hub repo id or local folder (or precompute.mock_teacher: true)"))
     if not s.materials.student:
         problems.append(("materials.student", "is empty: set a hub repo id or local folder"))
     name = s.output.adapter_name

@@ -129,7 +129,8 @@ def data_file(folder: Path, half: str) -> Path:
 def _write_half(folder: Path, half: str, tensors: dict[str, torch.Tensor], meta: dict) -> dict:
     data_path = data_file(folder, half)
     with atomic.atomic_path(data_path) as tmp:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata={"fingerprint": meta["fingerprint"]})
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp),
+                  metadata={"fingerprint": meta["fingerprint"]})
         faults.point("shard-write", tmp)
     meta = {**meta, "bytes": data_path.stat().st_size, "sha256": atomic.sha256_file(data_path)}
     # The sidecar goes last: a shard half counts as done only once its sidecar exists.

@@ -244,7 +244,8 @@ def plan_placement(folder: Path, settings: Settings, device: torch.device, *, dt
 # -- out of memory --------------------------------------------------------------------------
 
 def is_cuda_out_of_memory(exc: BaseException) -> bool:
-    return isinstance(exc, torch.OutOfMemoryError) or (isinstance(exc, RuntimeError) and "CUDA out of memory" in str(exc))
+    return isinstance(exc, torch.OutOfMemoryError) or (isinstance(exc, RuntimeError)
+                                                       and "CUDA out of memory" in str(exc))
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
