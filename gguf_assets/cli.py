@@ -46,18 +46,23 @@ def _print_status(paths: ProjectPaths) -> None:
 
 
 def _run(paths: ProjectPaths, *, workers: int = 1) -> int:
+    """Run the pipeline, print the status, then the outcome: the results, or why it stopped."""
     from gguf_assets.runner import PipelineFailed, run_pipeline
 
+    outcome, code = None, 0
     try:
         run_pipeline(paths, workers=workers)
     except PipelineFailed as exc:
-        print(f"pipeline failed: {exc}", file=sys.stderr)
-        return 1
+        outcome, code = f"pipeline failed at {exc}", 1
     except KeyboardInterrupt:
-        print(f"stopped. Everything finished so far is kept; `gguf-trainer run {paths.root}` continues from there.",
-              file=sys.stderr)
-        return 130
-    return 0
+        outcome, code = (f"stopped. Everything finished so far is kept; `gguf-trainer run {paths.root}` continues "
+                         "from there.", 130)
+    _print_status(paths)
+    if outcome:
+        print(outcome, file=sys.stderr)
+    else:
+        _print_results(paths)
+    return code
 
 
 def _print_results(paths: ProjectPaths) -> None:
@@ -72,16 +77,13 @@ def _print_results(paths: ProjectPaths) -> None:
         cosine = (report["val_centred_cosine"] if report["val_centred_cosine"] is not None
                   else report["val_centred_cosine_torch"])
         print(f"val centred cosine: {cosine:.4f}  ({report['verdict']})")
+        print(f"open the UI (runs, metrics, report): gguf-trainer ui {paths.root}")
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     paths = ProjectPaths.of(args.project)
     load_settings(paths.root)  # fail fast on a bad project.yaml
-    code = _run(paths, workers=getattr(args, "workers", 1))
-    _print_status(paths)
-    if code == 0:
-        _print_results(paths)
-    return code
+    return _run(paths, workers=getattr(args, "workers", 1))
 
 
 def cmd_env(args: argparse.Namespace) -> int:
@@ -117,9 +119,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     else:
         print(f"{paths.project_file} exists; continuing that project")
     code = _run(paths)
-    _print_status(paths)
     if code == 0:
-        _print_results(paths)
         print(f"demo wall time: {time.perf_counter() - start:.0f} s")
     return code
 
@@ -275,6 +275,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Status lines (stdout) and log lines (stderr) in the order they happen, also when piped.
+    sys.stdout.reconfigure(line_buffering=True)
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

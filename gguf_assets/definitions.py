@@ -15,6 +15,7 @@ import dagster as dg
 warnings.filterwarnings("ignore", category=dg.BetaWarning)
 
 from gguf_assets.defs import corpus, materials, output, precompute, training  # noqa: E402
+from gguf_assets.defs.console import short_console  # noqa: E402
 from gguf_assets.defs.jobs import JOBS  # noqa: E402
 from gguf_assets.defs.output import exported_files_unchanged  # noqa: E402
 from gguf_assets.defs.precompute import SHARD_CHECKS  # noqa: E402
@@ -36,6 +37,7 @@ def build_definitions(project_dir: str | None) -> dg.Definitions:
         sensors=[interrupted_runs_sensor(running=auto_resume), resume_sensor(running=auto_resume)],
         # The folder comes from the environment at run time, so run storage holds no path.
         resources={"project": ProjectResource()},
+        loggers={"console": short_console},
         # In-process: a run is one process from start to end (its pid identifies it to the
         # interrupted-runs sensor), and GPU work never runs in a child that outlives a killed worker.
         executor=dg.in_process_executor,

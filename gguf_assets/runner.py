@@ -82,14 +82,15 @@ def _was_interrupted(instance, run_id: str) -> bool:
 def failure_message(instance, run_id: str) -> str:
     import dagster as dg
 
+    from gguf_assets.defs.console import user_message
+
     for record in instance.get_records_for_run(run_id, of_type={dg.DagsterEventType.STEP_FAILURE,
                                                                 dg.DagsterEventType.RUN_FAILURE}).records:
         event = record.event_log_entry.dagster_event
         data = event.event_specific_data
         error = getattr(data, "error", None)
         if event.event_type == dg.DagsterEventType.STEP_FAILURE and error is not None:
-            cause = error.cause.message if error.cause else ""
-            return f"step {event.step_key} failed: {(cause or error.message).strip()}"
+            return f"{event.step_key}: {user_message(error)}"
     return "the run failed"
 
 
@@ -132,6 +133,7 @@ def run_pipeline(paths: ProjectPaths, *, echo: Callable[[str], None] = print, wo
 
     warnings.filterwarnings("ignore", category=dg.BetaWarning)
     from gguf_assets.definitions import build_definitions
+    from gguf_assets.defs.jobs import CONSOLE
     from gguf_assets.defs.resume import STOPPED_TAG, mark_interrupted_runs
     from gguf_assets.defs.settings import observe_settings
 
@@ -160,14 +162,15 @@ def run_pipeline(paths: ProjectPaths, *, echo: Callable[[str], None] = print, wo
                 echo(f"→ {work.describe()}")
                 job = defs.resolve_job_def(work.job)
                 result = job.execute_in_process(instance=instance, tags=work.tags(settings), raise_on_error=False,
-                                                asset_selection=[dg.AssetKey(a) for a in work.assets])
+                                                asset_selection=[dg.AssetKey(a) for a in work.assets],
+                                                run_config=CONSOLE)
                 if not result.success and (stop.asked or _was_interrupted(instance, result.run_id)):
                     # Stopped on purpose: resumable, but the daemon leaves it for the user to continue.
                     instance.add_run_tags(result.run_id, {STOPPED_TAG: "true"})
                     raise KeyboardInterrupt
                 if not result.success:
-                    raise PipelineFailed(f"{failure_message(instance, result.run_id)}\n(run {result.run_id}; "
-                                         f"see `gguf-trainer ui {paths.root}`)")
+                    raise PipelineFailed(f"{failure_message(instance, result.run_id)}\nThe full log, stack trace "
+                                         f"included: `gguf-trainer ui {paths.root}`, run {result.run_id[:8]}.")
             done.add(work)
         blocked = [s for s in project_status(paths, settings) if s.state == "blocked"]
         if blocked and all(s.detail.startswith("precompute.mode") for s in blocked):
@@ -189,6 +192,7 @@ def _run_workers(paths: ProjectPaths, instance, work: Work, settings: Settings, 
     from dagster._core.workspace.context import WorkspaceProcessContext
     from dagster._core.workspace.load_target import ModuleTarget
 
+    from gguf_assets.defs.jobs import CONSOLE
     from gguf_assets.defs.resources import LEADER_TAG
 
     target = ModuleTarget(module_name="gguf_assets.definitions", attribute=None, working_directory=None,
@@ -203,7 +207,7 @@ def _run_workers(paths: ProjectPaths, instance, work: Work, settings: Settings, 
         try:
             for keys in ranges:
                 run = _create_run(instance=instance, code_location=location, remote_repo=repo,
-                                  remote_job=remote_job, run_config={}, op_selection=None, run_id=None,
+                                  remote_job=remote_job, run_config=CONSOLE, op_selection=None, run_id=None,
                                   tags={**work.tags(settings, keys), WORKER_TAG: f"{len(run_ids) + 1}/{len(ranges)}",
                                         LEADER_TAG: str(os.getpid())})
                 instance.launch_run(run.run_id, workspace)

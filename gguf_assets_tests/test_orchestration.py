@@ -15,6 +15,7 @@ from pathlib import Path
 import dagster as dg
 import pytest
 from conftest import CLI, FAULT_SETTINGS, cli_env, pipeline_outputs, project_instance
+from test_console import assert_clean_console
 
 pytestmark = pytest.mark.slow
 
@@ -83,6 +84,8 @@ def test_sigterm_then_kill9_then_a_plain_run_is_byte_identical(make_project, ref
     done = subprocess.run([*CLI, "run", str(paths.root)], capture_output=True, text=True, env=cli_env(), timeout=600)
     print(f"plain run after the kill: {time.monotonic() - started:.1f} s")
     assert done.returncode == 0, done.stdout + done.stderr
+    assert_clean_console(done.stdout + done.stderr)
+    assert done.stdout.strip().splitlines()[-1] == f"open the UI (runs, metrics, report): gguf-trainer ui {paths.root}"
     assert "marked 1 run(s) cut off" in done.stdout
     assert "resuming training run" in done.stdout + done.stderr
     assert not _runs(paths, dg.DagsterRunStatus.STARTED)

@@ -8,17 +8,19 @@ import dagster as dg
 
 from gguf_assets.defs.partitions import TRAIN_SHARDS, VAL_SHARDS
 
+# Dagster uses a job's own loggers only when the run config names them (defs/console.py).
+CONSOLE = {"loggers": {"console": {}}}
 MATERIALS_AND_CORPUS = "materials_and_corpus"
 SHARDS_JOB = {"train": "precompute_train_shards", "val": "precompute_val_shards"}
 TRAIN_AND_EXPORT = "train_export_evaluate"
 
 JOBS = [
     dg.define_asset_job(MATERIALS_AND_CORPUS, selection=["materials", "corpus"],
-                        description="Pin and download the materials, then build the prompt corpus."),
-    dg.define_asset_job(SHARDS_JOB["train"], selection=["train_shards"], partitions_def=TRAIN_SHARDS,
+                        config=CONSOLE, description="Pin and download the materials, then build the prompt corpus."),
+    dg.define_asset_job(SHARDS_JOB["train"], selection=["train_shards"], partitions_def=TRAIN_SHARDS, config=CONSOLE,
                         description="Teacher targets and student states for a range of train shards."),
-    dg.define_asset_job(SHARDS_JOB["val"], selection=["val_shards"], partitions_def=VAL_SHARDS,
+    dg.define_asset_job(SHARDS_JOB["val"], selection=["val_shards"], partitions_def=VAL_SHARDS, config=CONSOLE,
                         description="Teacher targets and student states for a range of val shards."),
-    dg.define_asset_job(TRAIN_AND_EXPORT, selection=["adapter", "gguf", "eval_report"],
+    dg.define_asset_job(TRAIN_AND_EXPORT, selection=["adapter", "gguf", "eval_report"], config=CONSOLE,
                         description="Train the adapter, export the GGUF and evaluate it (any suffix of the three)."),
 ]

@@ -91,6 +91,7 @@ def resume_decision(instance: dg.DagsterInstance) -> dg.RunRequest | dg.SkipReas
     under the current settings; it never starts work that a settings edit made stale (that waits
     for Materialize, `gguf-trainer run`, or an edit back), and never retries a genuine failure.
     """
+    from gguf_assets.defs.jobs import CONSOLE
     from gguf_assets.defs.plan import PIPELINE_TAG, next_work, settings_hash
     from gguf_assets.defs.resources import SETTINGS_TAG, project_dir_from_env
     from gguf_assets.defs.settings import observe_settings
@@ -134,7 +135,7 @@ def resume_decision(instance: dg.DagsterInstance) -> dg.RunRequest | dg.SkipReas
         return dg.SkipReason(f"{work.describe()} is stale after a settings edit; it starts when you ask "
                              "(Materialize, or `gguf-trainer run`)")
     return dg.RunRequest(job_name=work.job, asset_selection=[dg.AssetKey(a) for a in work.assets],
-                         tags=work.tags(settings))
+                         tags=work.tags(settings), run_config=CONSOLE)
 
 
 def resume_sensor(*, running: bool = True) -> dg.SensorDefinition:

@@ -66,9 +66,8 @@ def adapter(context: dg.AssetExecutionContext, project: ProjectResource) -> dg.M
     hardware = HardwareSampler()
 
     def on_event(kind: str, data: dict) -> None:
-        if kind == "note":
-            (context.log.warning if data["warning"] else context.log.info)(data["message"])
-        elif kind in ("log", "validate"):
+        # Notes are logged by the library itself (the event log captures gguf_assets' loggers).
+        if kind in ("log", "validate"):
             # One observation per log/validate step: Dagster plots each numeric key over time.
             numbers = {k: float(v) for k, v in data.items() if isinstance(v, (int, float))}
             if kind == "log":  # the live hardware panel: GPU/CPU/RAM beside the loss, plotted as it runs

@@ -42,6 +42,7 @@ from typing import BinaryIO
 import numpy as np
 
 from gguf_assets.lib import atomic
+from gguf_assets.lib.errors import UserError
 from gguf_assets.lib.layout import SPLITS, ProjectPaths
 from gguf_assets.lib.materials import DATASET_METADATA_FILES
 from gguf_assets.lib.settings import Settings
@@ -75,7 +76,7 @@ EMPTY_LINE = b'{"text": ""}\n'
 _NON_SPACE = re.compile(r"[^ \t\r\n]")
 
 
-class CorpusError(ValueError):
+class CorpusError(UserError, ValueError):
     """Bad prompt input; names the file (and line) and the fix."""
 
 
@@ -715,7 +716,11 @@ def build_corpus(paths: ProjectPaths, settings: Settings, materials: dict, *, fi
     if sizes != need:
         log.warning("corpus: only %d usable prompts; train shrank from %d to %d (corpus.allow_fewer)",
                     n_kept, need["train"], sizes["train"])
-    log.info("corpus: %d train, %d val prompts from %d kept (%s)", sizes["train"], sizes["val"], n_kept, counts)
+    dropped = ", ".join(f"{counts[k]} {k.removeprefix('dropped_').replace('_', ' ')}"
+                        for k in ("dropped_blank", "dropped_length", "dropped_duplicate", "skipped_bad_lines")
+                        if counts.get(k))
+    log.info("corpus: %d train, %d val prompts from %d read, %d kept%s", sizes["train"], sizes["val"],
+             counts["read"], n_kept, f" (dropped: {dropped})" if dropped else "")
     return manifest
 
 

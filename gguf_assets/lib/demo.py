@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
+from gguf_assets.lib.quiet import quiet_libraries
+
 if TYPE_CHECKING:
     from transformers import (
         PreTrainedConfig,
@@ -382,6 +384,7 @@ lists and templates. They carry no meaning beyond exercising the pipeline.
 def _save_model(
     model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, out_dir: Path
 ) -> None:
+    quiet_libraries()
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
 

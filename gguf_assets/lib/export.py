@@ -16,6 +16,7 @@ from typing import Any
 
 from gguf_assets.lib import atomic
 from gguf_assets.lib.adapter import MLP_RATIO, NORM_EPS
+from gguf_assets.lib.errors import UserError
 from gguf_assets.lib.gguf_format import write_adapter_gguf
 from gguf_assets.lib.layout import ProjectPaths
 from gguf_assets.lib.pipeline import gguf_fingerprint, gguf_path
@@ -31,7 +32,7 @@ MOCK_TEACHER_REPO = "mock-teacher"
 MOCK_TEACHER_COMMIT = "none"
 
 
-class ExportError(ValueError):
+class ExportError(UserError, ValueError):
     """The export cannot proceed; the message names the setting or file and the fix."""
 
 

@@ -24,6 +24,8 @@ import signal
 from dataclasses import dataclass
 from pathlib import Path
 
+from gguf_assets.lib.errors import UserError
+
 ENV = "GGUF_ASSETS_FAULT"
 # Where each point sits: the moments a kill or a full disk would otherwise be left to chance.
 POINTS = {
@@ -36,7 +38,7 @@ POINTS = {
 ACTIONS = ("kill", "enospc")
 
 
-class FaultSpecError(ValueError):
+class FaultSpecError(UserError, ValueError):
     pass
 
 

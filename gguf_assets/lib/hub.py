@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from gguf_assets.lib import atomic, faults
+from gguf_assets.lib.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +54,7 @@ TOKEN_ENV_VARS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_TOKEN_PATH")
 TRANSIENT_KINDS = ("transient", "stalled")
 
 
-class HubError(RuntimeError):
+class HubError(UserError, RuntimeError):
     """A hub request that failed for good; ``kind`` says why, the message names the repo and the fix."""
 
     def __init__(self, kind: str, message: str) -> None:

@@ -20,8 +20,10 @@ from pathlib import Path
 
 import psutil
 
+from gguf_assets.lib.errors import UserError
 
-class ProjectLocked(RuntimeError):
+
+class ProjectLocked(UserError, RuntimeError):
     pass
 
 

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from gguf_assets.lib import atomic, hub
+from gguf_assets.lib.errors import UserError
 from gguf_assets.lib.layout import ProjectPaths
 from gguf_assets.lib.settings import Settings
 
@@ -38,7 +39,7 @@ DATA_SUFFIXES = (".parquet", ".jsonl", ".json", ".csv", ".txt", ".jsonl.gz", ".j
 DATASET_METADATA_FILES = {"dataset_info.json", "dataset_infos.json", "dataset_dict.json", "state.json"}
 
 
-class MaterialsError(RuntimeError):
+class MaterialsError(UserError, RuntimeError):
     """A source that cannot be used; the message names it and the fix."""
 
 

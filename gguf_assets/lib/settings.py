@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from gguf_assets.lib import atomic
+from gguf_assets.lib.errors import UserError
 
 PROJECT_FILE = "project.yaml"
 SECTIONS = ("materials", "corpus", "precompute", "training", "output")
@@ -25,7 +26,7 @@ DTYPES = ("bf16", "f16", "f32")
 PLACEMENTS = ("sequential", "balanced")
 
 
-class SettingsError(ValueError):
+class SettingsError(UserError, ValueError):
     """A bad project.yaml; the message names where, what and the fix."""
 
 

@@ -30,6 +30,7 @@ from safetensors.torch import save_file
 
 from gguf_assets.lib import atomic, faults
 from gguf_assets.lib.corpus import read_split, shard_prompts
+from gguf_assets.lib.errors import UserError
 from gguf_assets.lib.hardware import HardwareSampler, Progress, resolve_device
 from gguf_assets.lib.layout import (
     PROMPTS_FILE,
@@ -48,7 +49,7 @@ TARGET_DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16}
 F16_MAX = 65504.0
 
 
-class ShardError(RuntimeError):
+class ShardError(UserError, RuntimeError):
     pass
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from gguf_assets.lib.batching import pack_batches, right_padded
+from gguf_assets.lib.quiet import quiet_libraries
 from gguf_assets.lib.settings import Settings
 from gguf_assets.lib.teacher import OnBatch, pad_token_id, tokenize_prompts
 
@@ -52,6 +53,7 @@ class Student:
         self.tokenizer = load_tokenizer(folder, settings)
         # f16 matmuls are slow or missing on CPU; compute in f32 there and store in the dtype.
         compute = torch.float32 if device.type == "cpu" else self.dtype
+        quiet_libraries()
         self.model = AutoModel.from_pretrained(folder, dtype=compute, use_safetensors=True,
                                                trust_remote_code=settings.materials.trust_remote_code).to(device)
         self.model.eval()

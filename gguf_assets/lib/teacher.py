@@ -27,6 +27,8 @@ import torch
 from safetensors import safe_open
 
 from gguf_assets.lib.batching import pack_batches, right_padded
+from gguf_assets.lib.errors import UserError
+from gguf_assets.lib.quiet import quiet_libraries
 from gguf_assets.lib.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -46,7 +48,7 @@ T = TypeVar("T")
 OnBatch = Callable[[int, int], None]  # (prompts, text tokens) finished
 
 
-class TeacherError(RuntimeError):
+class TeacherError(UserError, RuntimeError):
     """A teacher that cannot be used as configured; the message names the setting to change."""
 
 
@@ -333,6 +335,7 @@ class HFTeacher:
         self.placement = plan_placement(folder, settings, device, dtype=self.dtype, gpu_budget_gib=gpu_budget_gib)
         kwargs = {} if self.placement.device_map is None else {"device_map": self.placement.device_map,
                                                                 "max_memory": self.placement.max_memory or None}
+        quiet_libraries()
         self.model = AutoModel.from_pretrained(folder, dtype=self.dtype, use_safetensors=True,
                                                trust_remote_code=m.trust_remote_code, **kwargs)
         if self.placement.device_map is None:

@@ -50,6 +50,7 @@ from gguf_assets.lib.adapter import (
     lr_at,
     standardize,
 )
+from gguf_assets.lib.errors import UserError
 from gguf_assets.lib.hardware import resolve_device
 from gguf_assets.lib.layout import (
     PROMPTS_FILE,
@@ -80,7 +81,7 @@ STATS_CHUNK_PROMPTS = 32
 FORMAT = 2
 
 
-class TrainingError(RuntimeError):
+class TrainingError(UserError, RuntimeError):
     pass
 
 
@@ -718,8 +719,10 @@ def train_adapter(paths: ProjectPaths, settings: Settings, *, train_folders: lis
                 entry = {"step": step,
                          **{k: metrics[k] for k in ("val_centred_cosine", "empty_prompt_cosine", "val_loss")}}
                 history.append(entry)
+                empty = metrics["empty_prompt_cosine"]
                 log.info("step %d: val centred cosine %.4f (empty prompt %s), val loss %.4f", step,
-                         metrics["val_centred_cosine"], metrics["empty_prompt_cosine"], metrics["val_loss"])
+                         metrics["val_centred_cosine"], "n/a" if empty is None else f"{empty:.4f}",
+                         metrics["val_loss"])
                 emit("validate", entry)
                 if best is None or metrics["val_centred_cosine"] > best["val_centred_cosine"]:
                     best = {"step": step, "val_centred_cosine": metrics["val_centred_cosine"],

@@ -27,6 +27,7 @@ import numpy as np
 from gguf import GGUFValueType
 
 from gguf_assets.lib import gguf_format as fmt
+from gguf_assets.lib.errors import UserError
 from gguf_assets.lib.gguf_eval import SafetensorsFile, to_float32
 
 logger = logging.getLogger(__name__)
@@ -83,7 +84,7 @@ _SUFFIXES = ("weight", "bias")
 _BLOCK_RE = re.compile(r"encoder\.layers\.(0|[1-9][0-9]*)\.(.+)")
 
 
-class VisionExportError(ValueError):
+class VisionExportError(UserError, ValueError):
     """The vision encoder folder cannot be converted; the message names the file and key."""
 
 
