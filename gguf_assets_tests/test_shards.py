@@ -273,6 +273,20 @@ def test_progress_rate_and_eta_ignore_reused_work():
     assert format_seconds(3725) == "1h02m05s" and format_seconds(float("inf")) == "?"
 
 
+def test_progress_eta_ignores_the_model_load_and_says_when_all_was_reused():
+    clock, lines = FakeClock(), []
+    progress = Progress("train student", 2700, log_every_s=1, clock=clock, emit=lines.append)
+    clock.now = 180.0  # loading the model
+    progress.advance(32)
+    assert lines[-1] == "train student: 32/2700 prompts (1%), measuring speed"  # not "ETA 4h"
+    clock.now = 181.0
+    progress.advance(32)
+    assert progress.figures()["prompts_per_s"] == 32.0 and lines[-1].endswith("ETA 1m22s")
+    reused = Progress("val teacher", 200, log_every_s=1, clock=clock, emit=lines.append)
+    reused.skip(200)
+    assert lines[-1] == "val teacher: 200/200 prompts (100%), already current"
+
+
 def test_hardware_sampler_summarizes_gpu_and_host_figures():
     readings = iter([10.0, 50.0, 90.0, 90.0, 90.0, 90.0])
 

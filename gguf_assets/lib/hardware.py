@@ -212,6 +212,8 @@ class Progress:
 
     `advance` counts computed work (it sets the rate); `skip` counts work found already
     done (it moves the progress but not the rate, so the ETA is not fooled by reused shards).
+    The rate is measured from the end of the first computed batch, so the time spent loading a
+    model before it does not make the first ETAs hours long.
     """
 
     def __init__(self, label: str, total: int, *, log_every_s: float = PROGRESS_LOG_INTERVAL_S,
@@ -222,20 +224,30 @@ class Progress:
         self.done = self.computed = self.tokens = 0
         self.start = clock()
         self._last_log = self.start
+        self._first: tuple[float, int, int] | None = None  # (when, prompts, tokens) of the first batch
 
     def figures(self) -> dict[str, float]:
-        elapsed = max(self.clock() - self.start, 1e-9)
-        rate = self.computed / elapsed
+        now = self.clock()
+        elapsed = max(now - self.start, 1e-9)
         left = self.total - self.done
+        rate = token_rate = 0.0
+        if self._first is not None and now > self._first[0]:
+            span = now - self._first[0]
+            rate, token_rate = (self.computed - self._first[1]) / span, (self.tokens - self._first[2]) / span
         return {"done": self.done, "total": self.total, "seconds": round(elapsed, 3),
-                "prompts_per_s": round(rate, 3), "tokens_per_s": round(self.tokens / elapsed, 1),
+                "prompts_per_s": round(rate, 3), "tokens_per_s": round(token_rate, 1),
                 "eta_s": round(left / rate, 1) if rate > 0 else (0.0 if left <= 0 else math.inf)}
 
     def line(self) -> str:
         f = self.figures()
         pct = 100 * self.done / self.total if self.total else 100.0
-        return (f"{self.label}: {self.done}/{self.total} prompts ({pct:.0f}%), {f['prompts_per_s']:.2f} prompts/s, "
-                f"{f['tokens_per_s']:.0f} tokens/s, ETA {format_seconds(f['eta_s'])}")
+        head = f"{self.label}: {self.done}/{self.total} prompts ({pct:.0f}%)"
+        if self.computed == 0:
+            return f"{head}, already current"
+        if f["prompts_per_s"] <= 0:
+            return f"{head}, measuring speed" if self.done < self.total else head
+        return (f"{head}, {f['prompts_per_s']:.2f} prompts/s, {f['tokens_per_s']:.0f} tokens/s, "
+                f"ETA {format_seconds(f['eta_s'])}")
 
     def _maybe_log(self) -> None:
         now = self.clock()
@@ -247,6 +259,8 @@ class Progress:
         self.done += prompts
         self.computed += prompts
         self.tokens += tokens
+        if self._first is None:
+            self._first = (self.clock(), self.computed, self.tokens)
         self._maybe_log()
 
     def skip(self, prompts: int) -> None:
