@@ -2,9 +2,10 @@
 
 import re
 import subprocess
+import time
 
 import dagster as dg
-from conftest import CLI, cli_env, project_instance
+from conftest import CLI, cli_env, free_port, project_instance
 
 ANSI = re.compile(r"\x1b\[")
 
@@ -37,3 +38,24 @@ def test_a_user_error_in_a_step_is_one_message_with_where_the_full_log_is(make_p
     assert "Traceback" in failure.dagster_event.event_specific_data.error.to_string() or \
         failure.dagster_event.event_specific_data.error.stack
     assert run.job_name == "materials_and_corpus"
+
+
+def test_an_unreachable_hub_is_one_message_at_the_first_failure(make_project):
+    """Offline (here: nothing listens at HF_ENDPOINT): no retries for 40 s, no stack trace, and the
+    message suggests a local folder or HF_ENDPOINT."""
+    paths = make_project(steps=5, mock_teacher=True, materials={"student": "org/student"})
+    env = cli_env(HF_ENDPOINT=f"http://127.0.0.1:{free_port()}", HF_HUB_DISABLE_XET="1",
+                  HF_HUB_DISABLE_TELEMETRY="1")
+    env.pop("HF_TOKEN", None)
+    started = time.monotonic()
+    done = subprocess.run([*CLI, "run", str(paths.root)], capture_output=True, text=True, env=env, timeout=120)
+    took = time.monotonic() - started
+    out = done.stdout + done.stderr
+    print(f"unreachable hub reported after {took:.1f} s")
+    assert done.returncode == 1, out
+    assert took < 10, f"{took:.1f} s: retried instead of saying so at once"
+    assert_clean_console(out)
+    message = done.stderr.strip().splitlines()[-2]
+    assert message.startswith("pipeline failed at materials: materials.student = 'org/student'"), message
+    assert "cannot be reached" in message and "local folder" in message and "HF_ENDPOINT" in message
+    assert out.count("cannot be reached") == 2  # the step's console line, then the outcome

@@ -52,6 +52,10 @@ COMMIT = re.compile(r"^[0-9a-f]{40}$")
 # Variables whose value could make the child send a token other than the one handed to it.
 TOKEN_ENV_VARS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_TOKEN_PATH")
 TRANSIENT_KINDS = ("transient", "stalled")
+# How "the hub cannot be reached at all" reads in the HTTP client's errors (glibc, macOS, httpx).
+UNREACHABLE_SIGNS = ("Name or service not known", "Temporary failure in name resolution",
+                     "nodename nor servname", "No address associated with hostname", "Connection refused",
+                     "Network is unreachable", "getaddrinfo failed")
 
 
 class HubError(UserError, RuntimeError):
@@ -372,6 +376,9 @@ def _classify(exc: BaseException, request: dict) -> dict:
                 "detail": detail}
     if isinstance(exc, errors.HfHubHTTPError) and status is not None and status < 500 and status not in (408, 429):
         return {"ok": False, "kind": "http", "status": status, "detail": detail}
+    if status is None and any(sign in detail for sign in UNREACHABLE_SIGNS):
+        # No name resolution or nothing listening: offline or a wrong HF_ENDPOINT, and retrying won't help.
+        return {"ok": False, "kind": "unreachable", "status": None, "detail": detail}
     # Connection errors, timeouts, 5xx, 429, size mismatches after a cut connection: worth retrying.
     return {"ok": False, "kind": "transient", "status": status, "detail": detail}
 
@@ -489,9 +496,12 @@ def _fail(ref: RepoRef, answer: dict, *, token: str | None, attempts: int, pinne
         "offline": f"{where} is not downloaded yet and HF_HUB_OFFLINE is set. Unset it for one run, or set a "
                    "local folder instead of the repo id.",
         "transient": f"{where}: the download failed {attempts} times. Run again to resume. Last error: {detail}",
+        "unreachable": f"{where}: the hub cannot be reached ({(detail or 'no answer').splitlines()[0][:200]}). "
+                       "Are you offline? Set a local folder (relative to the project) instead of the repo id, or "
+                       "point HF_ENDPOINT at a hub mirror you can reach.",
     }
     message = messages.get(kind, f"{where}: the hub answered an error. {detail}")
-    if kind not in ("stalled", "transient", "offline") and detail:
+    if kind not in ("stalled", "transient", "offline", "unreachable") and detail:
         message += f" (hub said: {detail.splitlines()[0][:300]})"
     return HubError(kind, message)
 
