@@ -146,9 +146,11 @@ def test_the_daemon_leaves_work_made_stale_by_a_settings_edit_alone(make_project
     from gguf_assets.runner import prepare_instance, run_pipeline
 
     paths = make_project(steps=5, mock_teacher=True)
-    run_pipeline(paths, echo=lambda _: None)
     prepare_instance(paths)
     instance = dg.DagsterInstance.get()
+    # A new project is the user's to start (its first run may download a 30 GB teacher).
+    assert "nothing has run in this project yet" in resume_decision(instance).skip_message
+    run_pipeline(paths, echo=lambda _: None)
     assert "everything is current" in resume_decision(instance).skip_message
     write_project_file(paths.root, replace(load_settings(paths.root), training={"learning_rate": 1e-4}))
     decision = resume_decision(instance)

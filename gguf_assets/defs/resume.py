@@ -115,22 +115,23 @@ def resume_decision(instance: dg.DagsterInstance) -> dg.RunRequest | dg.SkipReas
     if is_locked(paths.lock_file):
         return dg.SkipReason(f"another pipeline holds {paths.lock_file}")
     latest = next(iter(instance.get_run_records(limit=1)), None)
-    latest_run = latest.dagster_run if latest else None
-    if latest_run is not None and (STOPPED_TAG in latest_run.tags
-                                   or latest_run.status == dg.DagsterRunStatus.CANCELED):
+    if latest is None:
+        # A new project: its first run is the user's decision (it may start a 30 GB download).
+        return dg.SkipReason("nothing has run in this project yet: `gguf-trainer run`, or Materialize all, starts it")
+    latest_run = latest.dagster_run
+    if STOPPED_TAG in latest_run.tags or latest_run.status == dg.DagsterRunStatus.CANCELED:
         return dg.SkipReason(f"the last run ({latest_run.run_id[:8]}, {latest_run.job_name}) was stopped on "
                              "purpose; Materialize or `gguf-trainer run` continues it")
-    if latest_run is not None and latest_run.status == dg.DagsterRunStatus.FAILURE \
-            and latest_run.run_id not in marked and INTERRUPTED_TAG not in latest_run.tags:
+    if latest_run.status == dg.DagsterRunStatus.FAILURE and latest_run.run_id not in marked \
+            and INTERRUPTED_TAG not in latest_run.tags:
         return dg.SkipReason(f"the last run ({latest_run.run_id[:8]}, {latest_run.job_name}) failed; the daemon "
                              "does not retry a failure: fix its cause, then Materialize or `gguf-trainer run`")
     work = next_work(paths, settings, instance)
     if work is None:
         return dg.SkipReason("everything is current")
     current = settings_hash(settings)
-    asked = latest_run is not None and (
-        latest_run.tags.get(PIPELINE_TAG) == current
-        or (INTERRUPTED_TAG in latest_run.tags and latest_run.tags.get(SETTINGS_TAG) == current))
+    asked = (latest_run.tags.get(PIPELINE_TAG) == current
+             or (INTERRUPTED_TAG in latest_run.tags and latest_run.tags.get(SETTINGS_TAG) == current))
     if not (work.missing or asked):
         return dg.SkipReason(f"{work.describe()} is stale after a settings edit; it starts when you ask "
                              "(Materialize, or `gguf-trainer run`)")
