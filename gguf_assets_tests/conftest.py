@@ -116,6 +116,18 @@ def project_instance(paths: ProjectPaths):
     return dg.DagsterInstance.get()
 
 
+def wait_for(predicate, *, timeout: float, what: str, proc: subprocess.Popen | None = None) -> None:
+    """Poll ``predicate`` until it holds; fail early if ``proc`` exits first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"process exited ({proc.returncode}) before {what}: {proc.stdout.read()}")
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

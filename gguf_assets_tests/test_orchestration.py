@@ -14,7 +14,7 @@ from pathlib import Path
 
 import dagster as dg
 import pytest
-from conftest import CLI, FAULT_SETTINGS, cli_env, pipeline_outputs, project_instance
+from conftest import CLI, FAULT_SETTINGS, cli_env, pipeline_outputs, project_instance, wait_for
 from test_console import assert_clean_console
 
 pytestmark = pytest.mark.slow
@@ -24,20 +24,20 @@ def _instance(paths) -> dg.DagsterInstance:
     return project_instance(paths)
 
 
-def _wait_for(predicate, *, timeout: float, what: str, proc=None) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"process exited ({proc.returncode}) before {what}: {proc.stdout.read()}")
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def _start_run(paths) -> subprocess.Popen:
     return subprocess.Popen([*CLI, "run", str(paths.root)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env=cli_env(), start_new_session=True)
+
+
+def _kill9_during_training(paths) -> None:
+    """`gguf-trainer run`, killed with its whole process group once training has saved two checkpoints."""
+    proc = _start_run(paths)
+    try:
+        wait_for(lambda: any(paths.root.glob("checkpoints/*/step-00000010")), timeout=240,
+                 what="the second checkpoint", proc=proc)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def _status(paths) -> dict[str, str]:
@@ -56,7 +56,7 @@ def test_sigterm_then_kill9_then_a_plain_run_is_byte_identical(make_project, ref
     run behind; a plain `gguf-trainer run` (no --auto-resume) then finishes, bit-identical."""
     paths = make_project(**FAULT_SETTINGS)
     proc = _start_run(paths)
-    _wait_for(lambda: (paths.root / "shards/train/00001/student.json").is_file(), timeout=240,
+    wait_for(lambda: (paths.root / "shards/train/00001/student.json").is_file(), timeout=240,
               what="the second train shard", proc=proc)
     asked = time.monotonic()
     proc.send_signal(signal.SIGTERM)
@@ -71,13 +71,7 @@ def test_sigterm_then_kill9_then_a_plain_run_is_byte_identical(make_project, ref
 
     assert "stopped on purpose" in resume_decision(_instance(paths)).skip_message
 
-    proc = _start_run(paths)
-    try:
-        _wait_for(lambda: any(paths.root.glob("checkpoints/*/step-00000010")), timeout=240,
-                  what="the second checkpoint", proc=proc)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    _kill9_during_training(paths)
     assert len(_runs(paths, dg.DagsterRunStatus.STARTED)) == 1, "Dagster leaves a killed run STARTED"
 
     started = time.monotonic()
@@ -97,13 +91,7 @@ def test_daemon_alone_resumes_a_killed_pipeline_and_its_runs_are_never_reaped_al
     interrupted-runs sensor (every 2 s here) fails the dead run, the resume sensor launches the
     rest as a multi-step run in its own process, and that live run gets no failure event."""
     paths = make_project(**FAULT_SETTINGS)
-    proc = _start_run(paths)
-    try:
-        _wait_for(lambda: any(paths.root.glob("checkpoints/*/step-00000010")), timeout=240,
-                  what="the second checkpoint", proc=proc)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    _kill9_during_training(paths)
     cut_off = _runs(paths, dg.DagsterRunStatus.STARTED)[0].run_id
 
     exports = subprocess.run([*CLI, "env", str(paths.root)], capture_output=True, text=True, env=cli_env(), check=True)
@@ -116,7 +104,7 @@ def test_daemon_alone_resumes_a_killed_pipeline_and_its_runs_are_never_reaped_al
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               start_new_session=True)
     try:
-        _wait_for(lambda: set(_status(paths).values()) == {"current"}, timeout=400, what="all current", proc=daemon)
+        wait_for(lambda: set(_status(paths).values()) == {"current"}, timeout=400, what="all current", proc=daemon)
         print(f"daemon start to all-current: {time.monotonic() - start:.1f} s")
         # Let the reaper tick a few more times over the finished instance.
         time.sleep(5)

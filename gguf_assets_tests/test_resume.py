@@ -4,7 +4,6 @@ runs, and --auto-resume finishes with weights bit-identical to an uninterrupted 
 import os
 import signal
 import subprocess
-import time
 
 import dagster as dg
 import pytest
@@ -15,21 +14,11 @@ from conftest import (
     free_port,
     pipeline_outputs,
     project_instance,
+    wait_for,
     wait_http,
 )
 
 pytestmark = pytest.mark.slow  # whole pipelines: excluded from the fast loop (-m 'not slow')
-
-
-def _wait_for(predicate, *, timeout: float, what: str, proc=None) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"process exited ({proc.returncode}) before {what}: {proc.stdout.read()}")
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_kill9_during_training_then_auto_resume_is_bit_identical(make_project, reference_run):
@@ -38,7 +27,7 @@ def test_kill9_during_training_then_auto_resume_is_bit_identical(make_project, r
     proc = subprocess.Popen([*CLI, "run", str(killed.root)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env=env, start_new_session=True)
     try:
-        _wait_for(lambda: any(killed.root.glob("checkpoints/*/step-00000010")), timeout=240,
+        wait_for(lambda: any(killed.root.glob("checkpoints/*/step-00000010")), timeout=240,
                   what="the second checkpoint", proc=proc)
         # One pipeline per folder: a second one is refused and names the holder.
         second = subprocess.run([*CLI, "run", str(killed.root)], capture_output=True, text=True, env=env, timeout=120)
@@ -131,7 +120,7 @@ def test_auto_resume_serves_the_ui_and_its_daemon_fails_runs_cut_off_later(make_
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         wait_http(f"http://127.0.0.1:{port}/server_info", timeout=120, proc=proc)
-        _wait_for(lambda: any("dagster-daemon" in " ".join(c.cmdline())
+        wait_for(lambda: any("dagster-daemon" in " ".join(c.cmdline())
                               for c in psutil.Process(proc.pid).children(recursive=True)),
                   timeout=600, what="the daemon (after the pipeline)", proc=proc)
         instance = project_instance(paths)
@@ -139,7 +128,7 @@ def test_auto_resume_serves_the_ui_and_its_daemon_fails_runs_cut_off_later(make_
         gone.wait()
         cut_off = create_run_for_test(instance, status=dg.DagsterRunStatus.STARTED,
                                       tags={PID_TAG: str(gone.pid), BOOT_TAG: boot_id()}).run_id
-        _wait_for(lambda: instance.get_run_by_id(cut_off).status == dg.DagsterRunStatus.FAILURE, timeout=120,
+        wait_for(lambda: instance.get_run_by_id(cut_off).status == dg.DagsterRunStatus.FAILURE, timeout=120,
                   what="the sensor to fail the cut-off run", proc=proc)
         children = psutil.Process(proc.pid).children(recursive=True)
     finally:
