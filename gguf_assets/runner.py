@@ -172,10 +172,11 @@ def run_pipeline(paths: ProjectPaths, *, echo: Callable[[str], None] = print, wo
                     raise PipelineFailed(f"{failure_message(instance, result.run_id)}\nThe full log, stack trace "
                                          f"included: `gguf-trainer ui {paths.root}`, run {result.run_id[:8]}.")
             done.add(work)
-        blocked = [s for s in project_status(paths, settings) if s.state == "blocked"]
+        status = project_status(paths, settings)
+        blocked = [s for s in status if s.state == "blocked"]
         if blocked and all(s.detail.startswith("precompute.mode") for s in blocked):
             echo(f"not running {', '.join(s.stage for s in blocked)}: {blocked[0].detail}")
-        return project_status(paths, settings)
+        return status
 
 
 def _run_workers(paths: ProjectPaths, instance, work: Work, settings: Settings, workers: int,
