@@ -72,7 +72,7 @@ def test_run_downloads_every_material_from_the_hub(tmp_path, demo_materials_root
     assert [s["format"] for s in corpus["sources"]] == [".parquet"] and corpus["per_source"][DATASET] > 500
     assert corpus["splits"]["train"]["prompts"] == 400 and corpus["splits"]["val"]["prompts"] == 100
     report = atomic.read_json(paths.output_dir(settings) / REPORT_JSON)
-    assert Path(report["gguf_path"]).is_file() and report["val_centred_cosine"] is not None
+    assert paths.located(report["gguf_path"]).is_file() and report["val_centred_cosine"] is not None
 
     # The gated teacher was fetched with the token; the one stored in HF_HOME was never sent.
     auths = {r["auth"] for r in loopback_hub.requests}
