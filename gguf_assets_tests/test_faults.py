@@ -34,9 +34,10 @@ RANDOM_KILLS = 3
 SEED = int(os.environ.get("GGUF_FAULT_SEED", time.time_ns() % 100_000))
 
 
-def _auto_resume(root: Path) -> None:
-    resumed = subprocess.run([*CLI, "--auto-resume", str(root), "--no-daemon"], env=cli_env(),
-                             capture_output=True, text=True, timeout=600)
+def _resume(root: Path, *, auto_resume: bool = True) -> None:
+    """`gguf-trainer --auto-resume` (as at boot) or a plain `gguf-trainer run` (the first command a user types)."""
+    command = ["--auto-resume", str(root), "--no-daemon"] if auto_resume else ["run", str(root)]
+    resumed = subprocess.run([*CLI, *command], env=cli_env(), capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, f"seed {SEED}: {resumed.stdout}\n{resumed.stderr}"
     assert not list(root.rglob(f"{atomic.TEMP_PREFIX}*")), "temp files left after the rerun"
 
@@ -62,7 +63,7 @@ def test_sigkill_at_random_moments_then_auto_resume_gives_identical_outputs(make
             pass
         proc.wait()
         begun = sorted({p.parts[len(project.root.parts)] for p in project.root.glob("*/**/*.json")})
-        _auto_resume(project.root)
+        _resume(project.root)
         identical = pipeline_outputs(project.root) == expected
         table.append((round(delay, 1), finished_first, begun, identical))
         assert identical, f"seed {SEED}: outputs differ after a kill at {delay:.1f}s"
@@ -80,8 +81,8 @@ NAMED_POINTS = [("shard-write", SHARD_HALVES, "shards/*/*/.tmp-*.safetensors.*")
 
 
 @pytest.mark.parametrize("point,reached,torn_glob", NAMED_POINTS, ids=[p[0] for p in NAMED_POINTS])
-def test_sigkill_at_a_named_point_then_auto_resume_gives_identical_outputs(make_project, reference_run, point, reached,
-                                                                           torn_glob):
+def test_sigkill_at_a_named_point_then_a_plain_run_gives_identical_outputs(make_project, reference_run, point, reached,
+                                                                            torn_glob):
     expected, _ = reference_run
     rng = random.Random(f"{SEED}-{point}")
     fault = faults.Fault(point, nth=rng.randint(1, reached), action="kill", fraction=round(rng.random(), 3))
@@ -92,7 +93,7 @@ def test_sigkill_at_a_named_point_then_auto_resume_gives_identical_outputs(make_
     if torn_glob:  # the kill left a torn write where the point sits, cut to the drawn fraction
         torn = list(project.root.glob(torn_glob))
         assert len(torn) == 1, f"{fault.render()}: {_temps(project.root)}"
-    _auto_resume(project.root)
+    _resume(project.root, auto_resume=False)  # no extra command: the dead run must not block it
     assert pipeline_outputs(project.root) == expected, f"seed {SEED}: outputs differ after {fault.render()}"
     print(f"\n{fault.render()} (seed {SEED}): killed, resumed, outputs identical")
 
@@ -149,7 +150,7 @@ def test_sigkill_during_a_hub_download_then_auto_resume_continues_the_file(make_
     assert len(partials) == 1 and 0 < partials[0].stat().st_size <= sent, (sent, partials)
     have = partials[0].stat().st_size
 
-    _auto_resume(project.root)
+    _resume(project.root)
     assert [r["range"] for r in loopback_hub.file_requests("/model.safetensors") if weights in r["path"]] == [
         None, f"bytes={have}-"]
     # Same numbers as from local materials; the files' metadata differ (provenance, and the
