@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -98,28 +99,55 @@ class _StopRequest:
     """SIGTERM (systemd stop, kill) stops a pipeline like Ctrl-C does; remembers that it was asked.
 
     Dagster turns the interrupt inside a step into a failed run, so after a failed run this
-    tells a stop from a genuine failure.
+    tells a stop from a genuine failure. Dagster's own handler raises inside whatever code runs
+    when the signal lands; in a garbage-collector callback that exception is swallowed and the
+    stop is lost. So the signal is also seen through the wakeup fd by a watcher thread, which
+    delivers SIGINT again every 2 s until the pipeline has stopped.
     """
+
+    RESEND_S = 2.0
 
     def __init__(self) -> None:
         self.asked = False
+        self._over = threading.Event()
 
     def _interrupt(self, _signum, _frame):
         self.asked = True
         raise KeyboardInterrupt
 
+    def _watch(self, read_fd: int) -> None:
+        while not self._over.is_set():
+            data = os.read(read_fd, 64)
+            if not data or self._over.is_set():
+                return
+            if any(b in (signal.SIGINT, signal.SIGTERM) for b in data):
+                self.asked = True
+                while not self._over.wait(self.RESEND_S):
+                    os.kill(os.getpid(), signal.SIGINT)
+                return
+
     @contextmanager
     def installed(self) -> Iterator["_StopRequest"]:
-        try:
-            previous = {sig: signal.signal(sig, self._interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
-        except ValueError:  # not the main thread (e.g. inside a test runner thread): nothing to install
+        if threading.current_thread() is not threading.main_thread():  # e.g. inside a test runner thread
             yield self
             return
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(write_fd, False)
+        previous_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+        previous = {sig: signal.signal(sig, self._interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
+        watcher = threading.Thread(target=self._watch, args=(read_fd,), name="stop-watcher", daemon=True)
+        watcher.start()
         try:
             yield self
         finally:
+            self._over.set()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+            signal.set_wakeup_fd(previous_fd)
+            os.write(write_fd, b"\0")  # wakes the watcher so it can end
+            watcher.join(timeout=5)
+            os.close(write_fd)
+            os.close(read_fd)
 
 
 def run_pipeline(paths: ProjectPaths, *, echo: Callable[[str], None] = print, workers: int = 1) -> list[StageState]:
@@ -153,6 +181,8 @@ def run_pipeline(paths: ProjectPaths, *, echo: Callable[[str], None] = print, wo
         check_prompt_files(paths, settings)
         done: set[Work] = set()
         while (work := next_work(paths, settings, instance)) is not None:
+            if stop.asked:  # a stop that Dagster's handler swallowed while the last job finished
+                raise KeyboardInterrupt
             if work in done:
                 raise PipelineFailed(f"{work.describe()} ran successfully but is still not current; see "
                                      f"`gguf-trainer status {paths.root}`")
