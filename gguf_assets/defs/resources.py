@@ -83,12 +83,13 @@ class ProjectResource(dg.ConfigurableResource):
             from gguf_assets.defs.plan import settings_hash
             from gguf_assets.defs.settings import observe_settings
 
+            settings = self.settings()
             # The materializations record the settings they were made under (data provenance).
-            observe_settings(context.instance, self.settings())
+            observe_settings(context.instance, settings)
             context.instance.add_run_tags(run.run_id, {PID_TAG: str(os.getpid()),
                                                        PID_STARTED_TAG: process_started(os.getpid()),
                                                        BOOT_TAG: boot_id(),
-                                                       SETTINGS_TAG: settings_hash(self.settings())})
+                                                       SETTINGS_TAG: settings_hash(settings)})
         describe = f"Dagster run {run.run_id[:8]} of {run.job_name}" if run is not None else ""
         leader = run.tags.get(LEADER_TAG) if run is not None else None
         self._lock = ProjectLock(self.paths().lock_file, describe=describe,
