@@ -45,6 +45,9 @@ def _print_status(paths: ProjectPaths) -> None:
         print(f"  {s.stage:<12} {s.state:<8} {s.detail}")
 
 
+STOPPED_EXIT = 130  # the shell's code for a Ctrl-C
+
+
 def _run(paths: ProjectPaths, *, workers: int = 1) -> int:
     """Run the pipeline, print the status, then the outcome: the results, or why it stopped."""
     from gguf_assets.runner import PipelineFailed, run_pipeline
@@ -56,7 +59,7 @@ def _run(paths: ProjectPaths, *, workers: int = 1) -> int:
         outcome, code = f"pipeline failed at {exc}", 1
     except KeyboardInterrupt:
         outcome, code = (f"stopped. Everything finished so far is kept; `gguf-trainer run {paths.root}` continues "
-                         "from there.", 130)
+                         "from there.", STOPPED_EXIT)
     _print_status(paths)
     if outcome:
         print(outcome, file=sys.stderr)
@@ -228,6 +231,9 @@ def cmd_auto_resume(project: str, *, daemon: bool, ui_port: int | None = None, u
     except BaseException:
         stop_services(services)
         raise
+    if code == STOPPED_EXIT:  # Ctrl-C during the pipeline stops everything, the daemon is not started
+        stop_services(services)
+        return code
     if daemon:
         print("starting dagster-daemon for the project (sensors, schedules); Ctrl-C to stop", flush=True)
         services += start_services([daemon_command()])

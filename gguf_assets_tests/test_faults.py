@@ -28,9 +28,8 @@ from gguf_assets.runner import PipelineFailed, run_pipeline
 pytestmark = pytest.mark.slow  # whole pipelines: excluded from the fast loop (-m 'not slow')
 
 SHARD_HALVES = 5 * 2  # 4 train and 1 val shard under FAULT_SETTINGS, a teacher and a student half each
-CHECKPOINTS = FAULT_SETTINGS["steps"] // FAULT_SETTINGS["training"]["checkpoint_every"]
 TRAIN_STEPS = FAULT_SETTINGS["steps"]
-RANDOM_KILLS = 3
+RANDOM_KILLS = 2
 SEED = int(os.environ.get("GGUF_FAULT_SEED", time.time_ns() % 100_000))
 
 
@@ -73,58 +72,92 @@ def test_sigkill_at_random_moments_then_auto_resume_gives_identical_outputs(make
         print("  ", row)
 
 
-# point, how many times an uninterrupted run reaches it, where its torn temp is left
-NAMED_POINTS = [("shard-write", SHARD_HALVES, "shards/*/*/.tmp-*.safetensors.*"),
-                ("train-step", TRAIN_STEPS, None),
-                ("checkpoint-save", CHECKPOINTS, f"checkpoints/*/.tmp-step-*/{STATE_FILE}"),
-                ("gguf-export", 1, "output/.tmp-*.gguf.*")]
+CHECKPOINT_EVERY = FAULT_SETTINGS["training"]["checkpoint_every"]
 
 
-@pytest.mark.parametrize("point,reached,torn_glob", NAMED_POINTS, ids=[p[0] for p in NAMED_POINTS])
-def test_sigkill_at_a_named_point_then_a_plain_run_gives_identical_outputs(make_project, reference_run, point, reached,
-                                                                            torn_glob):
+def _last_checkpoint_step(root: Path) -> int:
+    steps = [int(p.name.split("-")[1]) for p in root.glob("checkpoints/*/step-*") if not p.name.startswith(".")]
+    return max(steps, default=0)
+
+
+def _visits_left(root: Path, point: str) -> int:
+    """How often a run from the project's present state reaches ``point``; a fault's nth is drawn up to it."""
+    if point == "shard-write":
+        return SHARD_HALVES - len(list(root.glob("shards/*/*/*.safetensors")))
+    if point == "train-step":  # stop before the last checkpoint, so a checkpoint save is still ahead
+        return TRAIN_STEPS - _last_checkpoint_step(root) - CHECKPOINT_EVERY
+    if point == "checkpoint-save":
+        return (TRAIN_STEPS - _last_checkpoint_step(root)) // CHECKPOINT_EVERY
+    return 1
+
+
+# In pipeline order: each point, and where the kill leaves its torn temp file
+NAMED_POINTS = [("shard-write", "shards/*/*/.tmp-*.safetensors.*"),
+                ("train-step", None),
+                ("checkpoint-save", f"checkpoints/*/.tmp-step-*/{STATE_FILE}"),
+                ("gguf-export", "output/.tmp-*.gguf.*")]
+
+
+def test_sigkill_at_each_named_point_in_turn_then_a_plain_run_gives_identical_outputs(make_project, reference_run):
+    """One project, killed at every named point in pipeline order. Each plain `gguf-trainer run`
+    continues from the previous kill (the dead run must not block it) and dies at the next point;
+    the last one finishes, and its outputs are byte-identical to an uninterrupted run's."""
     expected, _ = reference_run
-    rng = random.Random(f"{SEED}-{point}")
-    fault = faults.Fault(point, nth=rng.randint(1, reached), action="kill", fraction=round(rng.random(), 3))
+    rng = random.Random(f"{SEED}-named")
     project = make_project(**FAULT_SETTINGS)
-    killed = subprocess.run([*CLI, "run", str(project.root)], env=cli_env(**{faults.ENV: fault.render()}),
-                            capture_output=True, text=True, timeout=600, start_new_session=True)
-    assert killed.returncode == -signal.SIGKILL, f"{fault.render()} did not kill the run: {killed.stderr[-2000:]}"
-    if torn_glob:  # the kill left a torn write where the point sits, cut to the drawn fraction
-        torn = list(project.root.glob(torn_glob))
-        assert len(torn) == 1, f"{fault.render()}: {_temps(project.root)}"
-    _resume(project.root, auto_resume=False)  # no extra command: the dead run must not block it
-    assert pipeline_outputs(project.root) == expected, f"seed {SEED}: outputs differ after {fault.render()}"
-    print(f"\n{fault.render()} (seed {SEED}): killed, resumed, outputs identical")
+    killed_at = []
+    for point, torn_glob in NAMED_POINTS:
+        fault = faults.Fault(point, nth=rng.randint(1, _visits_left(project.root, point)), action="kill",
+                             fraction=round(rng.random(), 3))
+        killed = subprocess.run([*CLI, "run", str(project.root)], env=cli_env(**{faults.ENV: fault.render()}),
+                                capture_output=True, text=True, timeout=600, start_new_session=True)
+        assert killed.returncode == -signal.SIGKILL, f"{fault.render()} did not kill the run: {killed.stderr[-2000:]}"
+        if torn_glob:  # the kill left a torn write where the point sits, cut to the drawn fraction
+            torn = list(project.root.glob(torn_glob))
+            assert len(torn) == 1, f"{fault.render()}: {_temps(project.root)}"
+        killed_at.append(fault.render())
+    _resume(project.root, auto_resume=False)
+    assert pipeline_outputs(project.root) == expected, f"seed {SEED}: outputs differ after kills at {killed_at}"
+    print(f"\nkilled at {', '.join(killed_at)} (seed {SEED}); resumed each time; outputs identical")
 
 
-# point, how many times an uninterrupted run reaches it, what must survive the failure untouched
-FULL_DISK_POINTS = [("shard-write", SHARD_HALVES, "corpus/manifest.json"),
-                    ("checkpoint-save", CHECKPOINTS, "shards/val/*/teacher.safetensors"),
-                    ("gguf-export", 1, "checkpoints/*/final/adapter.safetensors")]
+# In pipeline order: each point, and what finished before it that must survive untouched
+FULL_DISK_POINTS = [("shard-write", "corpus/manifest.json"),
+                    ("checkpoint-save", "shards/val/*/teacher.safetensors"),
+                    ("gguf-export", "checkpoints/*/final/adapter.safetensors")]
 
 
-@pytest.mark.parametrize("point,reached,kept_glob", FULL_DISK_POINTS, ids=[p[0] for p in FULL_DISK_POINTS])
-def test_full_disk_at_a_named_point_fails_clearly_then_rerun_is_identical(make_project, reference_run, monkeypatch,
-                                                                          point, reached, kept_glob):
+def test_a_full_disk_at_each_named_point_fails_clearly_and_redoes_nothing_finished(make_project, reference_run,
+                                                                                  monkeypatch):
+    """One project, the disk full at every named write in pipeline order: each run fails with the
+    documented message and no torn temp, what was finished before stays untouched, and the final
+    run's outputs are byte-identical to an uninterrupted run's."""
     expected, _ = reference_run
-    rng = random.Random(f"{SEED}-{point}-enospc")
-    fault = faults.Fault(point, nth=rng.randint(1, reached), action="enospc", fraction=round(rng.random(), 3))
+    rng = random.Random(f"{SEED}-enospc")
     project = make_project(**FAULT_SETTINGS)
-    faults.reset()
-    monkeypatch.setenv(faults.ENV, fault.render())
-    with pytest.raises(PipelineFailed, match="No space left on device while writing") as failed:
-        run_pipeline(project, echo=lambda _: None)
-    assert "Free space on that disk and run again" in str(failed.value)
-    assert not _temps(project.root), "a torn temp file was left behind"
-    kept = {p: p.stat().st_mtime_ns for p in project.root.glob(kept_glob)}
-    assert kept, f"{kept_glob}: what was finished before the full disk is gone"
+    kept: dict[Path, int] = {}
+    failed_at = []
+    for point, kept_glob in FULL_DISK_POINTS:
+        fault = faults.Fault(point, nth=rng.randint(1, _visits_left(project.root, point)), action="enospc",
+                             fraction=round(rng.random(), 3))
+        faults.reset()
+        monkeypatch.setenv(faults.ENV, fault.render())
+        with pytest.raises(PipelineFailed, match="No space left on device while writing") as failed:
+            run_pipeline(project, echo=lambda _: None)
+        assert "Free space on that disk and run again" in str(failed.value)
+        assert not _temps(project.root), f"{fault.render()}: a torn temp file was left behind"
+        assert {p: p.stat().st_mtime_ns for p in kept} == kept, f"{fault.render()}: finished work was redone"
+        finished = {p: p.stat().st_mtime_ns for p in project.root.glob(kept_glob)}
+        assert finished, f"{fault.render()}: {kept_glob}, finished before the full disk, is gone"
+        kept.update(finished)
+        failed_at.append(fault.render())
 
     monkeypatch.delenv(faults.ENV)
     run_pipeline(project, echo=lambda _: None)
-    assert pipeline_outputs(project.root) == expected, f"seed {SEED}: outputs differ after {fault.render()}"
+    assert pipeline_outputs(project.root) == expected, f"seed {SEED}: outputs differ after {failed_at}"
     assert {p: p.stat().st_mtime_ns for p in kept} == kept, "finished work was redone after the full disk"
-    print(f"\n{fault.render()} (seed {SEED}): clear error, nothing finished redone, outputs identical")
+    print(f"\nfull disk at {', '.join(failed_at)} (seed {SEED}): clear errors, nothing finished redone, "
+          "outputs identical")
 
 
 def _tensor_bits(blob: bytes) -> dict[str, torch.Tensor]:

@@ -24,17 +24,22 @@ def _instance(paths) -> dg.DagsterInstance:
     return project_instance(paths)
 
 
-def _start_run(paths) -> subprocess.Popen:
-    return subprocess.Popen([*CLI, "run", str(paths.root)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+def _start_run(paths, command=("run",)) -> subprocess.Popen:
+    return subprocess.Popen([*CLI, *command, str(paths.root)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env=cli_env(), start_new_session=True)
 
 
-def _kill9_during_training(paths) -> None:
+def _kill9_during_training(paths, *, refuse_second: bool = False) -> None:
     """`gguf-trainer run`, killed with its whole process group once training has saved two checkpoints."""
     proc = _start_run(paths)
     try:
         wait_for(lambda: any(paths.root.glob("checkpoints/*/step-00000010")), timeout=240,
                  what="the second checkpoint", proc=proc)
+        if refuse_second:  # one pipeline per folder: a second one is refused and names the holder
+            second = subprocess.run([*CLI, "run", str(paths.root)], capture_output=True, text=True, env=cli_env(),
+                                    timeout=120)
+            assert second.returncode != 0
+            assert "in use by another pipeline" in second.stderr and f"pid {proc.pid}" in second.stderr
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
@@ -52,10 +57,11 @@ def _runs(paths, *statuses) -> list:
 
 
 def test_sigterm_then_kill9_then_a_plain_run_is_byte_identical(make_project, reference_run):
-    """SIGTERM during the shards stops `run` within 10 s; a kill -9 during training leaves a STARTED
-    run behind; a plain `gguf-trainer run` (no --auto-resume) then finishes, bit-identical."""
+    """SIGTERM during the shards stops `--auto-resume` (which runs the pipeline, then would start the
+    daemon) within 10 s, daemon not started; a kill -9 during training leaves a STARTED run behind;
+    a plain `gguf-trainer run` (no --auto-resume) then finishes, bit-identical."""
     paths = make_project(**FAULT_SETTINGS)
-    proc = _start_run(paths)
+    proc = _start_run(paths, command=("--auto-resume",))
     wait_for(lambda: (paths.root / "shards/train/00001/student.json").is_file(), timeout=240,
               what="the second train shard", proc=proc)
     asked = time.monotonic()
@@ -64,6 +70,7 @@ def test_sigterm_then_kill9_then_a_plain_run_is_byte_identical(make_project, ref
     stopped_s = time.monotonic() - asked
     print(f"SIGTERM to exit: {stopped_s:.1f} s")
     assert stopped_s < 10 and proc.returncode == 130, out
+    assert "dagster-daemon" not in out, "a stop during the pipeline must not go on to start the daemon"
     assert "continues from there" in out.splitlines()[-1] or "continues from there" in out
     assert not _runs(paths, dg.DagsterRunStatus.STARTED), "a stopped run must not stay STARTED"
     # Stopped on purpose: resumable, but the daemon leaves it until the user asks.
@@ -71,7 +78,8 @@ def test_sigterm_then_kill9_then_a_plain_run_is_byte_identical(make_project, ref
 
     assert "stopped on purpose" in resume_decision(_instance(paths)).skip_message
 
-    _kill9_during_training(paths)
+    _kill9_during_training(paths, refuse_second=True)
+    assert not any(paths.root.glob("checkpoints/*/final"))
     assert len(_runs(paths, dg.DagsterRunStatus.STARTED)) == 1, "Dagster leaves a killed run STARTED"
 
     started = time.monotonic()
