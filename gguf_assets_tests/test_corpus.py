@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from gguf_assets.lib import atomic
+from gguf_assets.lib import atomic, verify
 from gguf_assets.lib import corpus as corpus_lib
 from gguf_assets.lib.corpus import (
     CorpusError,
@@ -71,6 +71,11 @@ def test_shard_prompts_covers_everything_in_order():
 
 # -- build_corpus ---------------------------------------------------------------------------
 
+def without_stamps(manifest: dict) -> dict:
+    """A corpus manifest without its files' mtimes and inodes, which are the disk's, not the corpus's."""
+    return {**manifest, "splits": {s: verify.without_stamp(m) for s, m in manifest["splits"].items()}}
+
+
 def test_same_seed_gives_byte_identical_files_other_seed_another_order(tmp_path):
     data = _write_jsonl(tmp_path / "data" / "a.jsonl", _prompts(300))
     outputs = {}
@@ -80,7 +85,7 @@ def test_same_seed_gives_byte_identical_files_other_seed_another_order(tmp_path)
                                 fingerprint="fp")
         outputs[name] = ({s: paths.corpus_file(s).read_bytes() for s in ("train", "val")}, manifest)
     assert outputs["a"][0] == outputs["b"][0]
-    assert outputs["a"][1] == outputs["b"][1]
+    assert without_stamps(outputs["a"][1]) == without_stamps(outputs["b"][1])
     assert outputs["a"][0]["train"] != outputs["c"][0]["train"]
     assert outputs["a"][0]["val"] != outputs["c"][0]["val"]
     assert outputs["a"][1]["splits"]["train"]["sha256"] != outputs["c"][1]["splits"]["train"]["sha256"]
@@ -99,8 +104,7 @@ def test_splits_have_requested_sizes_no_overlap_and_empty_prompts(project, tmp_p
     assert len(set(non_empty_train)) == len(non_empty_train)
     assert set(non_empty_train) | set(non_empty_val) <= set(_prompts(500))
     assert manifest["fingerprint"] == "abc"
-    assert manifest["splits"]["train"] == {"prompts": 300, "empty": 15,
-                                           "sha256": manifest["splits"]["train"]["sha256"]}
+    assert manifest["splits"]["train"] == {"prompts": 300, "empty": 15, **verify.record(project.corpus_file("train"))}
     assert manifest["splits"]["val"]["empty"] == 5
     assert manifest["counts"]["kept"] == 500
     assert manifest["counts"]["unused"] == 500 - (285 + 95)
@@ -665,7 +669,7 @@ def test_parquet_dataset_builds_the_same_corpus_as_jsonl(tmp_path, monkeypatch, 
         built[name] = build_corpus(paths, settings, _dataset(folder, text_field=text_field), fingerprint="x")
         built[name + "_files"] = [paths.corpus_file(split).read_bytes() for split in ("train", "val")]
     assert built["parquet_files"] == built["jsonl_files"]
-    assert built["parquet"]["splits"] == built["jsonl"]["splits"]
+    assert without_stamps(built["parquet"])["splits"] == without_stamps(built["jsonl"])["splits"]
     assert built["parquet"]["counts"] == built["jsonl"]["counts"]
     assert built["parquet"]["counts"]["dropped_duplicate"] == 10
     source = built["parquet"]["sources"][0]

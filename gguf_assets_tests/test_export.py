@@ -132,6 +132,7 @@ def test_also_copy_to_is_verified_and_a_failed_copy_keeps_the_old_one(tmp_path: 
     assert copy.read_bytes() == Path(sidecar["path"]).read_bytes()
     assert [f["role"] for f in sidecar["files"]] == ["adapter", "adapter"]
     assert sidecar["files"][1] == {"role": "adapter", "path": str(copy), "bytes": copy.stat().st_size,
+                                   "mtime_ns": copy.stat().st_mtime_ns, "inode": copy.stat().st_ino,
                                    "sha256": atomic.sha256_file(copy), "copy_of": sidecar["path"]}
     good = copy.read_bytes()
 
@@ -153,6 +154,32 @@ def test_also_copy_to_is_verified_and_a_failed_copy_keeps_the_old_one(tmp_path: 
     assert sorted(p.name for p in ggk_dir.iterdir()) == ["adapter.gguf"]  # no temp file left behind
     # The sidecar still describes the old export, so the stage is not mistaken for done.
     assert atomic.read_json(paths.root / "out" / "adapter.json")["sha256"] == sidecar["sha256"]
+
+
+def test_a_changed_export_or_a_copy_shared_with_another_project_is_not_current(tmp_path: Path, caplog) -> None:
+    """Exported files are checked by stamp: a same-size bit flip (new mtime) or another project
+    writing the same also_copy_to file makes the export not current, and the export says so."""
+    from gguf_assets.lib.pipeline import _exported_files_unchanged
+
+    shared = tmp_path / "ggk models"
+    first_paths, settings = project(tmp_path, also_copy_to=str(shared))
+    export.export_adapter(first_paths, settings, MATERIALS, fake_run(first_paths, make_adapter(0)))
+    assert _exported_files_unchanged(first_paths, settings)
+
+    gguf = first_paths.root / "output" / "adapter.gguf"
+    data = bytearray(gguf.read_bytes())
+    data[-7] ^= 0x01
+    gguf.write_bytes(bytes(data))
+    assert not _exported_files_unchanged(first_paths, settings)
+    export.export_adapter(first_paths, settings, MATERIALS, {"run_dir": "checkpoints/fp-test",
+                                                              "fingerprint": "fp-test"})
+    assert _exported_files_unchanged(first_paths, settings)
+
+    second_paths = ProjectPaths.of(tmp_path / "second")
+    with caplog.at_level("WARNING", logger="gguf_assets"):
+        export.export_adapter(second_paths, settings, MATERIALS, fake_run(second_paths, make_adapter(1)))
+    assert f"replacing {shared / 'adapter.gguf'}, which this project's last export did not write" in caplog.text
+    assert not _exported_files_unchanged(first_paths, settings)  # its copy now holds the second's tensors
 
 
 def test_ggk_command_fills_and_quotes_placeholders() -> None:

@@ -157,6 +157,64 @@ def test_corrupted_halves_are_detected_never_used_and_recomputed(project, caplog
     assert require_current(paths, settings, materials, "train") == [p.folder(paths) for p in plans]
 
 
+def test_status_reads_no_shard_bytes_and_a_copy_is_hashed_once(project, monkeypatch):
+    """The planner and `status` check halves by size, mtime and inode; a copied project (new
+    inodes) is confirmed by content once, and its new stamps are kept."""
+    import shutil
+
+    paths, settings, materials = project
+    build_shards(paths, settings, materials, "train", _keys(paths, settings, materials))
+    plans = plan_shards(paths, settings, materials, "train")
+    real_sha256 = atomic.sha256_file
+    hashed = []
+
+    def counting_sha256(path, **kwargs):
+        hashed.append(path.name)
+        return real_sha256(path, **kwargs)
+
+    monkeypatch.setattr(atomic, "sha256_file", counting_sha256)
+    assert all(shard_status(paths, settings, p) == {"teacher": "current", "student": "current"} for p in plans)
+    assert hashed == [], "status hashed shard files whose stamps are as recorded"
+
+    shards = paths.root / "shards" / "train"
+    shutil.copytree(shards, shards.with_name("copied"), copy_function=shutil.copy2)
+    shutil.rmtree(shards)
+    shards.with_name("copied").rename(shards)  # same bytes and mtimes, new inodes
+    assert all(set(shard_status(paths, settings, p).values()) == {"current"} for p in plans)
+    assert sorted(hashed) == sorted(["teacher.safetensors", "student.safetensors"] * len(plans))
+    hashed.clear()
+    assert all(set(shard_status(paths, settings, p).values()) == {"current"} for p in plans)
+    assert hashed == [], "the confirmed stamps were not kept"
+
+
+def test_a_change_that_keeps_the_stamp_is_caught_when_training_reads_it(project):
+    """Bit rot with the mtime unchanged passes the cheap check; training's read catches it, trains
+    on nothing, and drops the half's record, so the next run computes exactly that half again."""
+    import os
+
+    from gguf_assets.lib.train import ShardCorrupt, load_shard
+
+    paths, settings, materials = project
+    keys = _keys(paths, settings, materials)
+    build_shards(paths, settings, materials, "train", keys)
+    plan = plan_shards(paths, settings, materials, "train")[1]
+    data = plan.folder(paths) / "student.safetensors"
+    good, before = data.read_bytes(), data.stat()
+    flipped = bytearray(good)
+    flipped[-3] ^= 0x01
+    with open(data, "r+b") as fh:
+        fh.write(flipped)
+    os.utime(data, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert shard_status(paths, settings, plan)["student"] == "current"
+    with pytest.raises(ShardCorrupt, match="student.safetensors: its content differs"):
+        load_shard(plan.folder(paths))
+    assert shard_status(paths, settings, plan) == {"teacher": "current", "student": "missing"}
+    reports = build_shards(paths, settings, materials, "train", keys)
+    assert [(r["teacher_status"], r["student_status"]) for r in reports] == [("current", "current"),
+                                                                             ("current", "missing")]
+    assert data.read_bytes() == good
+
+
 def test_a_failed_recompute_leaves_the_half_missing_not_current(project, monkeypatch):
     paths, settings, materials = project
     keys = _keys(paths, settings, materials)[:1]

@@ -378,3 +378,60 @@ def test_dagster_records_plottable_metrics_curves_and_verdict(make_project):
     assert ET.fromstring(svg).findall("{http://www.w3.org/2000/svg}polyline")
     assert "val centred cosine" in result["verdict"].value
     assert result["best_step"].value in (10.0, 20.0)
+
+
+def _flip(path: Path, offset: int = -5) -> None:
+    """One bit flipped near the end of the file: inside the tensor data, where safetensors loads it silently."""
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_a_damaged_checkpoint_is_skipped_and_the_final_weights_are_identical(shard_sets, reference, tmp_path, caplog):
+    first = train(tmp_path, shard_sets, stop_after=13)
+    run_dir = ProjectPaths.of(tmp_path).checkpoints_dir(first["fingerprint"])
+    assert [p.name for p in list_checkpoints(run_dir)] == ["step-00000005", "step-00000010"]
+    _flip(run_dir / "step-00000010" / WEIGHTS_FILE)
+    events = []
+    with caplog.at_level("WARNING", logger="gguf_assets"):
+        train(tmp_path, shard_sets, on_event=lambda k, d: events.append((k, d)))
+    assert "checkpoint step-00000010 is damaged" in caplog.text and "content differs" in caplog.text
+    assert any(k == "note" and "from step-00000005" in d["message"] for k, d in events)
+    assert (run_dir / FINAL_DIR / WEIGHTS_FILE).read_bytes() == reference["weights"]
+
+
+def test_damaged_final_weights_are_set_aside_and_trained_again_identically(shard_sets, reference, tmp_path):
+    from gguf_assets.lib.train import DAMAGED_FINAL_DIR
+
+    train(tmp_path, shard_sets)
+    run_dir = ProjectPaths.of(tmp_path).checkpoints_dir(reference["summary"]["fingerprint"])
+    _flip(run_dir / FINAL_DIR / WEIGHTS_FILE)
+    with pytest.raises(TrainingError, match=r"content differs.*final.damaged.*same weights"):
+        load_final(run_dir)  # what the export reads: never a damaged adapter
+    assert (run_dir / DAMAGED_FINAL_DIR).is_dir() and not (run_dir / FINAL_DIR).exists()
+    events = []
+    train(tmp_path, shard_sets, on_event=lambda k, d: events.append((k, d)))
+    assert any(k == "note" and "resuming" in d["message"] and "step-00000040" in d["message"] for k, d in events)
+    assert (run_dir / FINAL_DIR / WEIGHTS_FILE).read_bytes() == reference["weights"]
+
+    _flip(run_dir / FINAL_DIR / WEIGHTS_FILE)  # found by the trainer itself, when the adapter is asked for again
+    events.clear()
+    train(tmp_path, shard_sets, on_event=lambda k, d: events.append((k, d)))
+    assert any(k == "note" and d["warning"] and "are damaged" in d["message"] for k, d in events)
+    assert load_final(run_dir)[1]["step"] == 40
+    assert (run_dir / FINAL_DIR / WEIGHTS_FILE).read_bytes() == reference["weights"]
+
+
+def test_the_reader_checks_a_shard_against_its_recorded_sha256(tmp_path):
+    from gguf_assets.lib import verify
+    from gguf_assets.lib.train import ShardCorrupt, load_shard
+
+    (shard,) = write_shards(tmp_path, shards=1, prompts=4, seed=5)
+    for half, name in (("teacher", TEACHER_FILE), ("student", STUDENT_FILE)):
+        meta = atomic.read_json(shard / f"{half}.json")
+        atomic.write_json(shard / f"{half}.json", {**meta, **verify.record(shard / name)})
+    assert load_shard(shard).targets.shape[0] == 4
+    _flip(shard / TEACHER_FILE)
+    with pytest.raises(ShardCorrupt, match=r"teacher.safetensors: its content differs.*computes this half again"):
+        load_shard(shard)
+    assert not (shard / "teacher.json").exists() and (shard / "student.json").exists()

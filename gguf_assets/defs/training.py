@@ -7,7 +7,7 @@ from gguf_assets.defs.panels import panel_metadata
 from gguf_assets.defs.precompute import GPU_POOL, train_shards, val_shards
 from gguf_assets.defs.resources import ProjectResource
 from gguf_assets.defs.settings import settings_key
-from gguf_assets.lib import atomic
+from gguf_assets.lib import atomic, verify
 from gguf_assets.lib.hardware import HardwareSampler
 from gguf_assets.lib.materials import load_manifest
 from gguf_assets.lib.pipeline import adapter_fingerprint
@@ -15,6 +15,8 @@ from gguf_assets.lib.shards import require_current
 from gguf_assets.lib.train import (
     CURVES_FILE,
     FINAL_DIR,
+    META_FILE,
+    WEIGHTS_FILE,
     curves_markdown,
     curves_svg,
     train_adapter,
@@ -58,7 +60,7 @@ def _metrics_table(history: list[dict]) -> str:
 def adapter(context: dg.AssetExecutionContext, project: ProjectResource) -> dg.MaterializeResult:
     paths, settings = project.paths(), project.settings()
     materials = load_manifest(paths)
-    # Verified first (sha256 included), so a corrupted or stale half is never trained on.
+    # Checked first (stamps), then each half's sha256 as training reads it: nothing changed is trained on.
     folders = {split: require_current(paths, settings, materials, split)
                for split in ("train", "val")}
     fingerprint = adapter_fingerprint(paths, settings, materials)
@@ -78,8 +80,11 @@ def adapter(context: dg.AssetExecutionContext, project: ProjectResource) -> dg.M
         summary = train_adapter(paths, settings, train_folders=folders["train"], val_folders=folders["val"],
                                 fingerprint=fingerprint, on_event=on_event)
     run_dir = paths.checkpoints_dir(fingerprint)
+    weights = run_dir / FINAL_DIR / WEIGHTS_FILE
+    recorded_sha256 = (atomic.read_json(run_dir / FINAL_DIR / META_FILE).get("sha256") or {}).get(WEIGHTS_FILE)
     atomic.write_json(paths.adapter_manifest, {"fingerprint": fingerprint,
                                                "run_dir": str(run_dir.relative_to(paths.root)),
+                                               "final_weights": verify.record(weights, recorded_sha256),
                                                "val_centred_cosine": summary["val_centred_cosine"]})
     text, advice = verdict(summary["val_centred_cosine"])
     curves = run_dir / FINAL_DIR / CURVES_FILE

@@ -41,7 +41,7 @@ from typing import BinaryIO
 
 import numpy as np
 
-from gguf_assets.lib import atomic
+from gguf_assets.lib import atomic, verify
 from gguf_assets.lib.errors import UserError
 from gguf_assets.lib.layout import SPLITS, ProjectPaths
 from gguf_assets.lib.materials import DATASET_METADATA_FILES
@@ -682,8 +682,9 @@ def build_corpus(paths: ProjectPaths, settings: Settings, materials: dict, *, fi
         chars = np.frombuffer(pool.chars, dtype=np.uint32)
         split_meta, preview = {}, []
         for split in SPLITS:
+            sha256 = _write_split(paths.corpus_file(split), slots[split], spill, offsets, ends)
             split_meta[split] = {"prompts": sizes[split], "empty": empties[split],
-                                 "sha256": _write_split(paths.corpus_file(split), slots[split], spill, offsets, ends)}
+                                 **verify.record(paths.corpus_file(split), sha256)}
             for rid in slots[split][:PREVIEW_ROWS]:
                 text = "" if rid < 0 else json.loads(os.pread(spill.fileno(), int(ends[rid] - offsets[rid]),
                                                               int(offsets[rid])))["text"]

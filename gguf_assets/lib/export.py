@@ -14,12 +14,12 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from gguf_assets.lib import atomic
+from gguf_assets.lib import atomic, verify
 from gguf_assets.lib.adapter import MLP_RATIO, NORM_EPS
 from gguf_assets.lib.errors import UserError
 from gguf_assets.lib.gguf_format import write_adapter_gguf
 from gguf_assets.lib.layout import ProjectPaths
-from gguf_assets.lib.pipeline import gguf_fingerprint, gguf_path
+from gguf_assets.lib.pipeline import export_sidecar, gguf_fingerprint, gguf_path
 from gguf_assets.lib.settings import Settings
 from gguf_assets.lib.train import load_final
 from gguf_assets.lib.vision import vision_gguf_path, write_vision_gguf
@@ -77,10 +77,30 @@ def copy_verified(source: Path, folder: Path, *, sha256: str) -> Path:
 
 
 def _file_entry(role: str, path: Path | str, written: dict, *, copy_of: str | None = None) -> dict[str, Any]:
-    entry = {"role": role, "path": str(path), "bytes": written["bytes"], "sha256": written["sha256"]}
+    # The stamp (size, mtime, inode) lets `status` see a changed file without reading it.
+    entry = {"role": role, "path": str(path), **verify.record(Path(path), sha256=written["sha256"])}
     if copy_of:
         entry["copy_of"] = copy_of
     return entry
+
+
+def _previous_files(paths: ProjectPaths, settings: Settings) -> dict[str, dict]:
+    """The files this project's last export wrote, by path (none if it never exported)."""
+    try:
+        return {f["path"]: f for f in export_sidecar(paths, settings).get("files", [])}
+    except (OSError, ValueError):
+        return {}
+
+
+def _warn_if_not_ours(target: Path, previous_files: dict[str, dict]) -> None:
+    """Say so when a copy replaces a file this project did not write there (a folder shared by projects)."""
+    if not target.is_file():
+        return
+    ours = previous_files.get(str(target))
+    if ours is None or not verify.unchanged(target, ours):
+        log.warning("output.also_copy_to: replacing %s, which this project's last export did not write (another "
+                    "project with output.adapter_name %r copies there too?). Give each project its own "
+                    "adapter_name or also_copy_to, or they overwrite each other.", target, target.stem)
 
 
 def export_adapter(paths: ProjectPaths, settings: Settings, materials: dict, adapter_manifest: dict) -> dict:
@@ -91,6 +111,7 @@ def export_adapter(paths: ProjectPaths, settings: Settings, materials: dict, ada
     tensors = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
     hparams = {**meta["shape"], "layer_norm_epsilon": NORM_EPS, "mlp_ratio": MLP_RATIO}
     target = gguf_path(paths, settings)
+    previous_files = _previous_files(paths, settings)
     # A killed export leaves its temp files; only ours go, as the folder may be shared.
     ours = [target.name, vision_gguf_path(target.parent, name).name, target.with_suffix(".json").name]
     atomic.remove_stale_temps(target.parent, of=ours)
@@ -114,6 +135,7 @@ def export_adapter(paths: ProjectPaths, settings: Settings, materials: dict, ada
         folder = paths.resolve_local(settings.output.also_copy_to)
         atomic.remove_stale_temps(folder, of=ours)
         for entry in list(files):
+            _warn_if_not_ours(folder / Path(entry["path"]).name, previous_files)
             copy = copy_verified(Path(entry["path"]), folder, sha256=entry["sha256"])
             copies.append(str(copy))
             files.append(_file_entry(entry["role"], copy, entry, copy_of=entry["path"]))

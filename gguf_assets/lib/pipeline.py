@@ -8,10 +8,11 @@ and upstream outputs; otherwise it is missing or stale and is recomputed, never 
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from gguf_assets.lib import atomic
+from gguf_assets.lib import atomic, verify
 from gguf_assets.lib.layout import SPLITS, ProjectPaths
 from gguf_assets.lib.materials import load_manifest, manifest_is_current, pins
 from gguf_assets.lib.settings import Settings
@@ -40,9 +41,14 @@ def corpus_is_current(paths: ProjectPaths, settings: Settings, materials: dict) 
     manifest = atomic.read_json(paths.corpus_manifest)
     if manifest.get("fingerprint") != corpus_fingerprint(paths, settings, materials):
         return False
-    return all(paths.corpus_file(s).is_file()
-               and atomic.sha256_file(paths.corpus_file(s)) == manifest["splits"][s]["sha256"]
-               for s in SPLITS)
+    # By stamp (size, mtime, inode); the content only when those are unsure, then the new stamp is kept.
+    now = {s: verify.confirmed(paths.corpus_file(s), manifest["splits"][s]) for s in SPLITS}
+    if any(record is None for record in now.values()):
+        return False
+    if any(verify.refreshed(manifest["splits"][s], now[s]) for s in SPLITS):
+        with contextlib.suppress(OSError):
+            atomic.write_json(paths.corpus_manifest, {**manifest, "splits": {**manifest["splits"], **now}})
+    return True
 
 
 def shard_fingerprints(paths: ProjectPaths, settings: Settings, materials: dict, split: str) -> list[str]:
@@ -132,14 +138,34 @@ def export_sidecar(paths: ProjectPaths, settings: Settings) -> dict:
     return paths.located_doc(atomic.read_json(gguf_path(paths, settings).with_suffix(".json")))
 
 
-def _exported_files_present(paths: ProjectPaths, settings: Settings) -> bool:
-    """Every file the export wrote (GGUF, vision GGUF, copies) is still there at its size."""
+def _exported_files_unchanged(paths: ProjectPaths, settings: Settings) -> bool:
+    """Every file the export wrote (GGUF, vision GGUF, copies) still holds what it wrote.
+
+    Checked by size, mtime and inode; the content is read only when those are unsure. A copy in
+    a folder that another project also exports to counts as changed once that project writes it.
+    """
     try:
         entry = export_sidecar(paths, settings)
     except (OSError, ValueError):
         return False
-    files = entry.get("files") or [{"path": entry.get("path", ""), "bytes": entry.get("bytes")}]
-    return all(Path(f["path"]).is_file() and Path(f["path"]).stat().st_size == f["bytes"] for f in files)
+    files = entry.get("files") or [{"path": entry.get("path", ""), "bytes": entry.get("bytes"),
+                                    "sha256": entry.get("sha256")}]
+    return all(verify.unchanged(Path(f["path"]), f) for f in files)
+
+
+def _adapter_is_current(paths: ProjectPaths, adapter_fp: str) -> bool:
+    """The adapter manifest names this fingerprint, and the finished weights are still as written."""
+    from gguf_assets.lib.train import FINAL_DIR, WEIGHTS_FILE
+
+    try:
+        manifest = atomic.read_json(paths.adapter_manifest)
+    except (OSError, ValueError):
+        return False
+    if manifest.get("fingerprint") != adapter_fp:
+        return False
+    weights = paths.root / manifest["run_dir"] / FINAL_DIR / WEIGHTS_FILE
+    recorded = manifest.get("final_weights")
+    return verify.unchanged(weights, recorded) if recorded else weights.is_file()
 
 
 @dataclass(frozen=True)
@@ -186,14 +212,14 @@ def project_status(paths: ProjectPaths, settings: Settings) -> list[StageState]:
         return out + [StageState(s, "blocked", f"precompute.mode is {settings.precompute.mode!r}; training needs "
                                  "teacher+student") for s in STAGES[STAGES.index("adapter"):]]
     adapter_fp = adapter_fingerprint(paths, settings, materials)
-    if recorded_fingerprint(paths.adapter_manifest) != adapter_fp:
+    if not _adapter_is_current(paths, adapter_fp):
         return (out + [StageState("adapter", "stale" if paths.adapter_manifest.is_file() else "missing")]
                 + blocked_rest("adapter"))
     out.append(StageState("adapter", "current"))
     gguf = gguf_path(paths, settings)
     sidecar = gguf.with_suffix(".json")
     if (recorded_fingerprint(sidecar) != gguf_fingerprint(settings, materials, adapter_fp)
-            or not _exported_files_present(paths, settings)):
+            or not _exported_files_unchanged(paths, settings)):
         return out + [StageState("gguf", "stale" if sidecar.is_file() else "missing")] + blocked_rest("gguf")
     out.append(StageState("gguf", "current"))
     from gguf_assets.lib.layout import REPORT_JSON

@@ -13,7 +13,7 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from gguf_assets.lib import atomic
+from gguf_assets.lib import atomic, verify
 from gguf_assets.lib.layout import REPORT_JSON, REPORT_MD, ProjectPaths
 from gguf_assets.lib.settings import Settings
 from gguf_assets.lib.verdict import verdict
@@ -88,7 +88,9 @@ def build_report(paths: ProjectPaths, settings: Settings, materials: dict, gguf:
         "eval_seconds": evaluation["seconds"] if evaluation else None,
         "per_shard": _per_shard(evaluation, gguf.get("per_shard_torch", [])),
         "worst": [{**w, "shard": paths.stored(w["shard"])} for w in evaluation["worst"]] if evaluation else [],
-        "verdict": text, "advice": advice, "files": files,
+        "verdict": text, "advice": advice,
+        # The report lists what a user checks (size, sha256), not the stamps status uses.
+        "files": [verify.without_stamp(f) for f in files],
         "student": {"repo": student["source"], "commit": student["commit"], "path": student["path"],
                     "layer": prov.get("student.layer", settings.materials.student_layer)},
         # Paths inside the project are relative to the project folder (run it from there).

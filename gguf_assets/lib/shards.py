@@ -16,6 +16,7 @@ memory is one shard's targets and states, whatever the corpus size.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import hashlib
 import json
@@ -28,7 +29,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from gguf_assets.lib import atomic, faults
+from gguf_assets.lib import atomic, faults, verify
 from gguf_assets.lib.corpus import read_split, shard_prompts
 from gguf_assets.lib.errors import UserError
 from gguf_assets.lib.hardware import HardwareSampler, Progress, resolve_device
@@ -79,8 +80,13 @@ def halves_for_mode(mode: str) -> tuple[str, ...]:
     return {"teacher+student": HALVES, "teacher": ("teacher",), "student": ("student",)}[mode]
 
 
-def half_status(folder: Path, half: str, fingerprint: str, *, verify: bool = True) -> str:
-    """'current', 'missing', 'stale' (settings changed) or 'corrupt' (bytes changed)."""
+def half_status(folder: Path, half: str, fingerprint: str) -> str:
+    """'current', 'missing', 'stale' (settings changed) or 'corrupt' (bytes changed).
+
+    The data file is checked by its recorded size, mtime and inode (lib/verify.py): no byte is
+    read unless its stamp is unsure; then its content decides, and the new stamp is stored.
+    Readers check the content as they read it (lib/train.py: read_safetensors).
+    """
     meta_path, data_path = folder / f"{half}.json", data_file(folder, half)
     if not meta_path.is_file() or not data_path.is_file():
         return "missing"
@@ -90,11 +96,18 @@ def half_status(folder: Path, half: str, fingerprint: str, *, verify: bool = Tru
         return "corrupt"
     if meta.get("fingerprint") != fingerprint:
         return "stale"
-    if data_path.stat().st_size != meta.get("bytes"):
+    now = verify.confirmed(data_path, meta)
+    if now is None:
         return "corrupt"
-    if verify and atomic.sha256_file(data_path) != meta.get("sha256"):
-        return "corrupt"
+    if verify.refreshed(meta, now):
+        with contextlib.suppress(OSError):  # a read-only copy is checked again next time
+            atomic.write_json(meta_path, now)
     return "current"
+
+
+def forget_half(folder: Path, half: str) -> None:
+    """Drop a half's record (its sidecar), so the planner computes the half again."""
+    (folder / f"{half}.json").unlink(missing_ok=True)
 
 
 @dataclass
@@ -118,8 +131,8 @@ def plan_shards(paths: ProjectPaths, settings: Settings, materials: dict, split:
     return plans
 
 
-def shard_status(paths: ProjectPaths, settings: Settings, plan: ShardPlan, *, verify: bool = True) -> dict[str, str]:
-    return {half: half_status(plan.folder(paths), half, plan.fingerprints[half], verify=verify)
+def shard_status(paths: ProjectPaths, settings: Settings, plan: ShardPlan) -> dict[str, str]:
+    return {half: half_status(plan.folder(paths), half, plan.fingerprints[half])
             for half in halves_for_mode(settings.precompute.mode)}
 
 
@@ -133,16 +146,17 @@ def _write_half(folder: Path, half: str, tensors: dict[str, torch.Tensor], meta:
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp),
                   metadata={"fingerprint": meta["fingerprint"]})
         faults.point("shard-write", tmp)
-    meta = {**meta, "bytes": data_path.stat().st_size, "sha256": atomic.sha256_file(data_path)}
+    meta = {**meta, **verify.record(data_path)}
     # The sidecar goes last: a shard half counts as done only once its sidecar exists.
     atomic.write_json(folder / f"{half}.json", meta)
     return meta
 
 
 def require_current(paths: ProjectPaths, settings: Settings, materials: dict, split: str) -> list[Path]:
-    """The split's shard folders, after checking every half the mode needs is current (sha256 included).
+    """The split's shard folders, after checking every half the mode needs is current.
 
-    Readers (training, evaluation) call this so a stale or corrupted half is never used.
+    Readers (training, evaluation) call this so a stale or changed half is never used; they check
+    each file's content against its recorded sha256 as they read it.
     """
     plans = plan_shards(paths, settings, materials, split)
     bad = [f"{plan.key} {half} half is {state}" for plan in plans

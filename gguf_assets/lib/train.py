@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import base64
 import bisect
+import io
 import json
 import logging
 import math
@@ -39,9 +40,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load as safetensors_load
+from safetensors.torch import save_file
 
-from gguf_assets.lib import atomic, faults
+from gguf_assets.lib import atomic, faults, verify
 from gguf_assets.lib.adapter import (
     Adapter,
     AdapterShape,
@@ -54,7 +56,6 @@ from gguf_assets.lib.errors import UserError
 from gguf_assets.lib.hardware import resolve_device
 from gguf_assets.lib.layout import (
     PROMPTS_FILE,
-    STUDENT_FILE,
     TEACHER_FILE,
     ProjectPaths,
 )
@@ -66,6 +67,7 @@ log = logging.getLogger(__name__)
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 BEST_DIR = "best"
 FINAL_DIR = "final"
+DAMAGED_FINAL_DIR = "final.damaged"  # finished weights whose bytes changed, kept for a look
 WEIGHTS_FILE = "adapter.safetensors"
 STATE_FILE = "trainer_state.pt"
 META_FILE = "meta.json"
@@ -106,20 +108,26 @@ class ReadStats:
         return self.bytes / 1e6 / self.seconds if self.seconds > 0 else 0.0
 
 
-def read_safetensors(path: Path, *, stats: ReadStats | None = None,
-                     chunk_bytes: int = READ_CHUNK_BYTES) -> dict[str, torch.Tensor]:
+def read_safetensors(path: Path, *, stats: ReadStats | None = None, chunk_bytes: int = READ_CHUNK_BYTES,
+                     expected_sha256: str | None = None) -> dict[str, torch.Tensor]:
     """Read a whole safetensors file front to back in large chunks into one buffer.
 
     Unlike safetensors' mmap loader, the page faults of which read in small steps, this
     issues a few large reads (and tells the kernel the access is sequential), which is what
-    keeps a spinning or network disk near its streaming rate.
+    keeps a spinning or network disk near its streaming rate. With ``expected_sha256`` the
+    bytes are hashed as they arrive and verify.CorruptFile is raised on a difference.
     """
     start = time.perf_counter()
+    check = verify.ContentCheck(path, expected_sha256)
     with open(path, "rb", buffering=0) as fh:
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        (header_len,) = struct.unpack("<Q", fh.read(8))
-        header = json.loads(fh.read(header_len))
+        prefix = fh.read(8)
+        check.update(prefix)
+        (header_len,) = struct.unpack("<Q", prefix)
+        header_bytes = fh.read(header_len)
+        check.update(header_bytes)
+        header = json.loads(header_bytes)
         header.pop("__metadata__", None)
         data_len = max((v["data_offsets"][1] for v in header.values()), default=0)
         # Straight from the kernel: freeing a shard unmaps it, where malloc'd buffers of shard size would
@@ -133,7 +141,10 @@ def read_safetensors(path: Path, *, stats: ReadStats | None = None,
             got = fh.readinto(view[done:done + chunk_bytes])
             if not got:
                 raise TrainingError(f"{path}: truncated ({done} of {data_len} data bytes); recompute this shard.")
+            check.update(view[done:done + got])
             done += got
+        check.update(fh.read())  # nothing, in a well-formed file; anything appended counts as a change
+    check.finish()
     tensors = {}
     for name, info in header.items():
         begin, end = info["data_offsets"]
@@ -159,9 +170,28 @@ class ShardData:
         return self.hidden[self.offsets[i]:self.offsets[i + 1]]
 
 
+class ShardCorrupt(TrainingError):
+    """A shard half's bytes differ from its record; the record is dropped so the half is computed again."""
+
+
+def read_half(folder: Path, half: str, *, stats: ReadStats | None = None) -> dict[str, torch.Tensor]:
+    """A shard half's tensors, their content checked against the sha256 recorded when it was written."""
+    from gguf_assets.lib.shards import data_file, forget_half
+
+    path = data_file(folder, half)
+    record_file = folder / f"{half}.json"  # required_current() made sure it is there; hand-made shards may lack it
+    recorded = atomic.read_json(record_file) if record_file.is_file() else {}
+    try:
+        return read_safetensors(path, stats=stats, expected_sha256=recorded.get("sha256"))
+    except verify.CorruptFile as exc:
+        forget_half(folder, half)
+        raise ShardCorrupt(f"{exc} Nothing was trained on it. Its record was dropped, so `gguf-trainer run` "
+                           "computes this half again, and only it.") from exc
+
+
 def load_shard(folder: Path, *, stats: ReadStats | None = None) -> ShardData:
-    t = read_safetensors(folder / TEACHER_FILE, stats=stats)
-    s = read_safetensors(folder / STUDENT_FILE, stats=stats)
+    t = read_half(folder, "teacher", stats=stats)
+    s = read_half(folder, "student", stats=stats)
     texts = [json.loads(line)["text"] for line in (folder / PROMPTS_FILE).read_text(encoding="utf-8").splitlines()]
     return ShardData(t["targets"], s["hidden"], s["offsets"].tolist(), texts)
 
@@ -325,7 +355,7 @@ def target_stats(folders: list[Path], *, sigma_floor: float) -> tuple[torch.Tens
     """Per-(query row, dim) mean and floored std over all train targets, streamed shard by shard."""
     total, s1, s2 = 0, None, None
     for folder in folders:
-        targets = read_safetensors(folder / TEACHER_FILE)["targets"]
+        targets = read_half(folder, "teacher")["targets"]
         for begin in range(0, targets.shape[0], STATS_CHUNK_PROMPTS):
             chunk = targets[begin:begin + STATS_CHUNK_PROMPTS].double()
             if not torch.isfinite(chunk).all():
@@ -453,23 +483,36 @@ def _weights(model: Adapter) -> dict[str, torch.Tensor]:
 
 
 def save_checkpoint(folder: Path, *, model: Adapter, optimizer: torch.optim.Optimizer, step: int, meta: dict) -> None:
-    """Weights, optimizer, RNG, step (which fixes the data position and the lr), settings; all or nothing."""
+    """Weights, optimizer, RNG, step (which fixes the data position and the lr), settings; all or nothing.
+
+    The meta, written last, records each file's sha256, so a resume can tell a damaged checkpoint.
+    """
     _check_finite(model, step)
     with atomic.atomic_dir(folder) as tmp:
         save_file(_weights(model), str(tmp / WEIGHTS_FILE))
         torch.save({"optimizer": optimizer.state_dict(), "rng": _rng_state(), "step": step}, tmp / STATE_FILE)
         faults.point("checkpoint-save", tmp / STATE_FILE)
-        (tmp / META_FILE).write_text(json.dumps({**meta, "step": step}, indent=2, sort_keys=True))
+        (tmp / META_FILE).write_text(json.dumps({**meta, "step": step, **_file_hashes(tmp, WEIGHTS_FILE, STATE_FILE)},
+                                                indent=2, sort_keys=True))
 
 
 def save_weights(folder: Path, *, model: Adapter, step: int, meta: dict, extra: dict[str, str] | None = None) -> None:
-    """Weights and meta only (best/ and final/), all or nothing."""
+    """Weights and meta only (best/ and final/), all or nothing; the meta records the weights' sha256."""
     _check_finite(model, step)
     with atomic.atomic_dir(folder) as tmp:
         save_file(_weights(model), str(tmp / WEIGHTS_FILE))
-        (tmp / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True))
+        (tmp / META_FILE).write_text(json.dumps({**meta, **_file_hashes(tmp, WEIGHTS_FILE)}, indent=2, sort_keys=True))
         for name, text in (extra or {}).items():
             (tmp / name).write_text(text, encoding="utf-8")
+
+
+def _file_hashes(folder: Path, *names: str) -> dict:
+    return {"sha256": {name: atomic.sha256_file(folder / name) for name in names}}
+
+
+def read_recorded(folder: Path, name: str, meta: dict) -> bytes:
+    """A checkpoint file's bytes, checked against the sha256 its meta recorded (older checkpoints have none)."""
+    return verify.read_checked(folder / name, (meta.get("sha256") or {}).get(name), what_to_do="")
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:
@@ -499,16 +542,22 @@ class _Resumed:
 
 def _restore(run_dir: Path, model: Adapter, optimizer: torch.optim.Optimizer, device: torch.device,
              shape: AdapterShape) -> _Resumed | None:
-    """Load the newest readable checkpoint; an unreadable one is skipped with a warning."""
+    """Load the newest intact checkpoint; a damaged or unreadable one is skipped with a warning.
+
+    Intact means each file's bytes match the sha256 its meta recorded. Falling back costs only
+    the steps since the older checkpoint: the data order and RNG resume exactly from it, so
+    the final weights are the same.
+    """
     for ckpt in reversed(list_checkpoints(run_dir)):
         try:
             meta = atomic.read_json(ckpt / META_FILE)
             if meta.get("shape") != shape.to_dict():
                 raise TrainingError(f"{ckpt}: adapter shape {meta.get('shape')} differs from {shape.to_dict()}")
-            weights = load_file(str(ckpt / WEIGHTS_FILE), device=str(device))
-            state = torch.load(ckpt / STATE_FILE, weights_only=True, map_location=device)
-        except Exception as exc:  # any unreadable file: fall back to the previous checkpoint
-            log.warning("checkpoint %s is unreadable (%s); trying an older one", ckpt, exc)
+            weights = {k: v.to(device) for k, v in safetensors_load(read_recorded(ckpt, WEIGHTS_FILE, meta)).items()}
+            state = torch.load(io.BytesIO(read_recorded(ckpt, STATE_FILE, meta)), weights_only=True,
+                               map_location=device)
+        except Exception as exc:  # any damaged or unreadable file: fall back to the previous checkpoint
+            log.warning("checkpoint %s is damaged, so it is not used (%s); trying an older one", ckpt.name, exc)
             continue
         model.load_state_dict(weights)
         optimizer.load_state_dict(state["optimizer"])
@@ -632,8 +681,13 @@ def train_adapter(paths: ProjectPaths, settings: Settings, *, train_folders: lis
     run_dir = paths.checkpoints_dir(fingerprint)
     final_dir = run_dir / FINAL_DIR
     if (final_dir / META_FILE).is_file():
-        note(f"training run {fingerprint} already finished; reusing {final_dir}")
-        return atomic.read_json(final_dir / META_FILE)
+        if final_is_intact(run_dir):
+            note(f"training run {fingerprint} already finished; reusing {final_dir}")
+            return atomic.read_json(final_dir / META_FILE)
+        set_aside_final(run_dir)
+        note(f"the finished weights in {final_dir} are damaged (their bytes differ from the recorded sha256); "
+             f"moved them to {DAMAGED_FINAL_DIR} and training the last steps again from the newest intact checkpoint",
+             warning=True)
     if not train_folders or not val_folders:
         raise TrainingError("training needs at least one train shard and one val shard")
 
@@ -756,7 +810,36 @@ def train_adapter(paths: ProjectPaths, settings: Settings, *, train_folders: lis
 
 
 def load_final(run_dir: Path) -> tuple[Adapter, dict]:
+    """The finished adapter, its weights checked against the sha256 recorded when training ended.
+
+    Damaged weights are moved aside (final.damaged), so the adapter counts as unfinished and the
+    next run trains the last steps again from the newest intact checkpoint.
+    """
     meta = atomic.read_json(run_dir / FINAL_DIR / META_FILE)
+    try:
+        weights = safetensors_load(read_recorded(run_dir / FINAL_DIR, WEIGHTS_FILE, meta))
+    except verify.CorruptFile as exc:
+        set_aside_final(run_dir)
+        raise TrainingError(f"{exc} It was moved to {run_dir / DAMAGED_FINAL_DIR}; `gguf-trainer run` trains "
+                            "the last steps again from the newest intact checkpoint: same weights.") from exc
     model = Adapter(AdapterShape(**meta["shape"]))
-    model.load_state_dict(load_file(str(run_dir / FINAL_DIR / WEIGHTS_FILE)))
+    model.load_state_dict(weights)
     return model.eval(), meta
+
+
+def set_aside_final(run_dir: Path) -> None:
+    damaged = run_dir / DAMAGED_FINAL_DIR
+    if damaged.exists():
+        shutil.rmtree(damaged)
+    os.replace(run_dir / FINAL_DIR, damaged)
+    atomic.fsync_dir(run_dir)
+
+
+def final_is_intact(run_dir: Path) -> bool:
+    """Whether final/ holds finished weights whose bytes match their recorded sha256 (they are small)."""
+    try:
+        meta = atomic.read_json(run_dir / FINAL_DIR / META_FILE)
+        read_recorded(run_dir / FINAL_DIR, WEIGHTS_FILE, meta)
+    except (OSError, ValueError):
+        return False
+    return True
