@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from gguf_assets.lib.layout import REPORT_JSON, ProjectPaths
+from gguf_assets.lib.layout import ProjectPaths
 from gguf_assets.lib.settings import (
     Settings,
     SettingsError,
@@ -72,7 +72,7 @@ def _print_results(paths: ProjectPaths) -> None:
     from gguf_assets.lib import atomic
 
     settings = load_settings(paths.root)
-    report_file = paths.output_dir(settings) / REPORT_JSON
+    report_file = paths.report_json(settings)
     if report_file.is_file():
         report = atomic.read_json(report_file)
         print(f"GGUF:    {paths.located(report['gguf_path'])}")

@@ -232,3 +232,52 @@ def test_sha256_file_and_fingerprint(tmp_path):
     assert atomic.fingerprint({"a": 1, "b": [2]}) == atomic.fingerprint({"b": [2], "a": 1})
     assert atomic.fingerprint({"a": 1}) != atomic.fingerprint({"a": 2})
     assert len(atomic.fingerprint({})) == 16
+
+
+@pytest.fixture
+def full_disk(tmp_path):
+    """A real 256 KiB filesystem (tmpfs), where the libraries' own writers run out of space."""
+    import subprocess
+
+    mount = tmp_path / "small disk"
+    mount.mkdir()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)], capture_output=True)
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here ({made.stderr.decode().strip()}); "
+                    "test_faults.py covers a full disk by fault injection")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_libraries_running_out_of_disk_give_the_documented_message(full_disk):
+    """safetensors (SafetensorError) and gguf (a short write with no errno) each report a full disk
+    their own way; both become the one message, and no torn file is left."""
+    import errno
+
+    import gguf
+    import numpy as np
+    import torch
+    from safetensors.torch import save_file
+
+    def write_safetensors(tmp):
+        save_file({"a": torch.zeros(200_000)}, str(tmp))
+
+    def write_gguf(tmp):
+        writer = gguf.GGUFWriter(str(tmp), "test")
+        writer.add_tensor("t", np.zeros(200_000, dtype=np.float32))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+
+    for name, write in (("shard.safetensors", write_safetensors), ("adapter.gguf", write_gguf)):
+        final = full_disk / name
+        with pytest.raises(OSError) as failed, atomic.atomic_path(final) as tmp:
+            write(tmp)
+        assert failed.value.errno == errno.ENOSPC
+        message = str(failed.value)
+        assert f"No space left on device while writing {final}" in message and "MiB free there" in message
+        assert "Free space on that disk and run again" in message
+        assert list(full_disk.iterdir()) == [], "a torn temp file was left"

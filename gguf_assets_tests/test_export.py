@@ -182,6 +182,22 @@ def test_a_changed_export_or_a_copy_shared_with_another_project_is_not_current(t
     assert not _exported_files_unchanged(first_paths, settings)  # its copy now holds the second's tensors
 
 
+def test_projects_sharing_an_output_dir_keep_their_reports_apart(tmp_path: Path) -> None:
+    """Each adapter's report is <adapter_name>.report.json/.md; report.json is the folder's latest."""
+    shared = tmp_path / "shared out"
+    reports = {}
+    for name, seed in (("first", 0), ("second", 1)):
+        paths, settings = project(tmp_path / name, output_dir=str(shared), adapter_name=name)
+        sidecar = export.export_adapter(paths, settings, MATERIALS, fake_run(paths, make_adapter(seed)))
+        reports[name] = build_report(paths, settings, MATERIALS, sidecar, None, fingerprint=f"fp-{name}")
+        assert paths.report_json(settings) == shared / f"{name}.report.json"
+    for name, report in reports.items():
+        assert atomic.read_json(shared / f"{name}.report.json") == report
+        assert f"{name}.gguf" in (shared / f"{name}.report.md").read_text(encoding="utf-8")
+    assert atomic.read_json(shared / REPORT_JSON) == reports["second"]
+    assert reports["first"]["gguf_sha256"] != reports["second"]["gguf_sha256"]
+
+
 def test_ggk_command_fills_and_quotes_placeholders() -> None:
     template = "ggk --llm {student} --llm_adapter {adapter_gguf} --llm_vision {vision_gguf} -p x"
     assert ggk_command(template, student="/m/s t", adapter_gguf="/o/a.gguf", vision_gguf="/o/v.gguf") == \

@@ -305,3 +305,39 @@ def test_materials_asset_through_dagster_keeps_the_token_out_of_storage(make_pro
     assert result.asset_materializations_for_node("materials")[0].metadata["hub_token_used"].value is False
     assert json.loads(public.materials_manifest.read_text())["teacher"] is None
     assert not [r for r in loopback_hub.requests if "demo/teacher" in r["path"]]
+
+
+def test_local_materials_with_a_truncated_weight_file_or_an_oversized_tokenizer_are_refused(make_project):
+    """Caught at the materials step, naming the file and both sizes, not deep inside a model load."""
+    paths = make_project()
+    weights = paths.root / "materials" / "demo" / "teacher" / "model.safetensors"
+    whole = weights.read_bytes()
+    weights.write_bytes(whole[:len(whole) // 2])
+    with pytest.raises(MaterialsError, match=rf"materials.teacher = .*{weights}: truncated: its tensors need "
+                                             rf"{len(whole)} bytes, the file has {len(whole) // 2}"):
+        _resolve(paths)
+    weights.write_bytes(whole)
+
+    config_file = paths.root / "materials" / "demo" / "student" / "config.json"
+    config = json.loads(config_file.read_text())
+    tokens = config["vocab_size"]
+    config_file.write_text(json.dumps({**config, "vocab_size": tokens - 10}))
+    with pytest.raises(MaterialsError, match=rf"materials.student = .*has {tokens} tokens, but config.json's "
+                                             rf"vocab_size \(the embedding rows\) is {tokens - 10}"):
+        _resolve(paths)
+
+
+def test_a_token_for_a_plain_http_endpoint_is_warned_about_once_and_still_sent(monkeypatch, caplog):
+    monkeypatch.setattr(hub, "_WARNED_CLEAR_TEXT", set())
+    with caplog.at_level("WARNING", logger="gguf_assets.lib.hub"):
+        monkeypatch.setenv("HF_ENDPOINT", "https://hub.example.org")
+        hub.warn_if_token_in_clear_text("hf_secret")
+        monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:8080")  # loopback: the token never leaves the machine
+        hub.warn_if_token_in_clear_text("hf_secret")
+        monkeypatch.setenv("HF_ENDPOINT", "http://mirror.lan:8080")
+        hub.warn_if_token_in_clear_text(None)  # no token: nothing to leak
+        assert not caplog.records
+        hub.warn_if_token_in_clear_text("hf_secret")
+        hub.warn_if_token_in_clear_text("hf_secret")
+    [record] = caplog.records
+    assert "http://mirror.lan:8080: plain http" in record.getMessage() and "hf_secret" not in record.getMessage()

@@ -404,3 +404,41 @@ def test_run_with_bad_project_file_exits_2_with_message(tmp_path, restore_env, c
     assert cli_main(["run", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert f"{tmp_path / PROJECT_FILE}:2" in err and "training.steps" in err
+
+
+@pytest.mark.parametrize("name", ["report", "mine.report"])
+def test_adapter_names_that_collide_with_reports_are_refused(tmp_path, name):
+    msg, path, line = _error_for(tmp_path, "output", "adapter_name", f"  adapter_name: {name}")
+    assert f"{path}:{line}: output.adapter_name" in msg and "would overwrite a report" in msg
+
+
+def test_a_key_set_twice_names_both_lines(tmp_path):
+    text = render_yaml(_valid())
+    text, line = _edit_line(text, "training", "width", "  width: 512\n  steps: 10\n  width: 256")
+    path = _write(tmp_path, text)
+    with pytest.raises(SettingsError, match=re.escape(f"{path}:{line + 2}: training.width is set twice "
+                                                      f"(lines {line} and {line + 2})")):
+        load_settings(tmp_path)
+    # A whole section twice: its keys would be dropped without a word.
+    path = _write(tmp_path, render_yaml(_valid()) + "\ntraining:\n  steps: 5\n")
+    with pytest.raises(SettingsError, match=r"project.yaml:\d+: training is set twice"):
+        load_settings(tmp_path)
+
+
+@pytest.mark.parametrize("section,key,value", [("training", "learning_rate", ".nan"),
+                                               ("training", "learning_rate", ".inf"),
+                                               ("training", "sigma_floor", "-.inf")])
+def test_nan_and_infinity_are_refused_by_name(tmp_path, section, key, value):
+    msg, path, line = _error_for(tmp_path, section, key, f"  {key}: {value}")
+    assert f"{path}:{line}: {section}.{key}" in msg and "must be a finite number" in msg
+
+
+def test_a_byte_that_is_not_utf8_names_line_and_offset(tmp_path):
+    text = render_yaml(_valid())
+    text, line = _edit_line(text, "output", "adapter_name", "  adapter_name: caf\udce9")
+    path = tmp_path / PROJECT_FILE
+    data = text.encode("utf-8", "surrogateescape")  # a Latin-1 é, as an old editor saves it
+    path.write_bytes(data)
+    offset = data.index(b"\xe9")
+    with pytest.raises(SettingsError, match=re.escape(f"{path}:{line}: byte 0xe9 at byte offset {offset}")):
+        load_settings(tmp_path)

@@ -13,7 +13,6 @@ from gguf_assets.defs.training import adapter
 from gguf_assets.lib import atomic
 from gguf_assets.lib.export import export_adapter
 from gguf_assets.lib.gguf_eval import evaluate_gguf
-from gguf_assets.lib.layout import REPORT_JSON
 from gguf_assets.lib.materials import load_manifest
 from gguf_assets.lib.pipeline import (
     export_sidecar,
@@ -98,7 +97,7 @@ def eval_report(context: dg.AssetExecutionContext, project: ProjectResource) -> 
     fingerprint = report_fingerprint(settings, sidecar,
                                      shard_fingerprints(paths, settings, materials_manifest, "val"))
     report = build_report(paths, settings, materials_manifest, sidecar, evaluation, fingerprint=fingerprint)
-    metadata = {"report_json": dg.MetadataValue.path(str(paths.output_dir(settings) / REPORT_JSON)),
+    metadata = {"report_json": dg.MetadataValue.path(str(paths.report_json(settings))),
                 "report": dg.MetadataValue.md(render_markdown(report)),
                 "evaluation": dg.MetadataValue.md(render_evaluation(report)),
                 "exported_files": dg.MetadataValue.md(render_files(report["files"], kept_f32=report["kept_f32"])),

@@ -21,13 +21,26 @@ TEMP_PREFIX = ".tmp-"
 OLD_SUFFIX = ".old"  # a replaced folder, kept complete until its successor is in place
 
 
+def _is_full_disk(exc: BaseException) -> bool:
+    """ENOSPC, also as the libraries that write for us report it: safetensors wraps it in a
+    SafetensorError ("... No space left on device (os error 28)"), and gguf's writer raises a
+    plain OSError("N requested and M written") for the short write."""
+    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+        return True
+    text = str(exc)
+    if "No space left on device" in text or "os error 28" in text:
+        return True
+    return isinstance(exc, OSError) and exc.errno is None and " requested and " in text and text.endswith(" written")
+
+
 def _raise_if_full_disk(exc: BaseException, final: Path) -> None:
     """A full disk gets a message that names the file, the space left and what to do."""
-    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+    if _is_full_disk(exc):
         free = shutil.disk_usage(final.parent if final.parent.exists() else "/").free
         raise OSError(errno.ENOSPC, f"No space left on device while writing {final} ({free / 2**20:.0f} MiB "
                                     "free there). Free space on that disk and run again: the partial file was "
-                                    f"removed and everything finished before it is kept. ({exc.strerror})") from exc
+                                    f"removed and everything finished before it is kept. "
+                                    f"({getattr(exc, 'strerror', None) or exc})") from exc
 
 
 def _umask() -> int:

@@ -71,6 +71,32 @@ def to_float32(raw: np.ndarray, st_dtype: str) -> np.ndarray:
     return np.asarray(raw, dtype=np.float32).copy()
 
 
+def safetensors_header(path: Path) -> tuple[dict[str, Any], int, int]:
+    """(header, first data byte, file size) of a .safetensors file; reads the header only.
+
+    Raises ValueError when the file is too short for its header, or a tensor's data reaches past
+    the end of the file (a truncated download or copy).
+    """
+    size = Path(path).stat().st_size
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+        if len(head) != 8:
+            raise ValueError(f"{path}: too short for a safetensors file ({size} bytes)")
+        n = int.from_bytes(head, "little")
+        if n > min(size - 8, _MAX_HEADER):
+            raise ValueError(f"{path}: header length {n} exceeds the file ({size} bytes)")
+        try:
+            header = json.loads(fh.read(n).decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{path}: the header is not valid JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: the header is not a JSON object")
+    ends = [e["data_offsets"][1] for k, e in header.items() if k != "__metadata__"]
+    if ends and 8 + n + max(ends) > size:
+        raise ValueError(f"{path}: truncated: its tensors need {8 + n + max(ends)} bytes, the file has {size}")
+    return header, 8 + n, size
+
+
 class SafetensorsFile:
     """Read-only, memory-mapped view of one .safetensors file (no torch, no safetensors pkg).
 
@@ -81,18 +107,9 @@ class SafetensorsFile:
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
-        size = self.path.stat().st_size
-        with open(self.path, "rb") as fh:
-            head = fh.read(8)
-            if len(head) != 8:
-                raise ValueError(f"{self.path}: too short for a safetensors file")
-            n = int.from_bytes(head, "little")
-            if n > min(size - 8, _MAX_HEADER):
-                raise ValueError(f"{self.path}: header length {n} exceeds the file ({size} bytes)")
-            header = json.loads(fh.read(n).decode("utf-8"))
+        header, self._start, size = safetensors_header(self.path)
         self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}
         self._entries: dict[str, dict[str, Any]] = header
-        self._start = 8 + n
         data_len = size - self._start
         for name, entry in header.items():
             dtype = entry.get("dtype")

@@ -506,10 +506,28 @@ def _fail(ref: RepoRef, answer: dict, *, token: str | None, attempts: int, pinne
     return HubError(kind, message)
 
 
+_WARNED_CLEAR_TEXT: set[str] = set()
+_LOOPBACK_HOSTS = ("localhost", "127.", "[::1]")
+
+
+def warn_if_token_in_clear_text(token: str | None) -> None:
+    """A token sent over plain http can be read on the way; say so (once per endpoint), and still send it."""
+    url = endpoint()
+    if not token or not url.startswith("http://") or url in _WARNED_CLEAR_TEXT:
+        return
+    host = url[len("http://"):].split("/")[0]
+    if host.startswith(_LOOPBACK_HOSTS):  # it never leaves this machine
+        return
+    _WARNED_CLEAR_TEXT.add(url)
+    log.warning("HF_ENDPOINT is %s: plain http, so your HF token is sent unencrypted and anyone on the way can read "
+                "it. Use an https:// endpoint, or unset HF_TOKEN for public repos.", url)
+
+
 def list_repo(ref: RepoRef, *, revision: str | None = None, token: str | None = None,
               options: HubOptions = HubOptions()) -> Listing:
     """Resolve ``revision`` (default: the ref's, else main) to a commit and list its files."""
     revision = revision or ref.revision or "main"
+    warn_if_token_in_clear_text(token)
     answer: dict = {}
     for attempt in range(1, options.attempts + 1):
         answer = _run_child({"op": "list", "repo_id": ref.repo_id, "kind": ref.kind, "revision": revision,

@@ -7,14 +7,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gguf_assets.lib.settings import PROJECT_FILE, Settings
+from gguf_assets.lib.settings import PROJECT_FILE, RESERVED_ADAPTER_NAME, Settings
 
 SPLITS = ("train", "val")
 TEACHER_FILE = "teacher.safetensors"
 STUDENT_FILE = "student.safetensors"
 PROMPTS_FILE = "prompts.jsonl"
-REPORT_JSON = "report.json"
-REPORT_MD = "report.md"
+# The folder's latest report. Each adapter's own is <adapter_name>.report.json/.md (ProjectPaths.report_json),
+# so projects that share an output_dir keep theirs apart.
+REPORT_JSON = f"{RESERVED_ADAPTER_NAME}.json"
+REPORT_MD = f"{RESERVED_ADAPTER_NAME}.md"
+REPORT_SUFFIX = ".report"
 
 
 # Keys whose values are file or folder paths in the project's JSON files (manifests, sidecars,
@@ -85,6 +88,13 @@ class ProjectPaths:
             return self.root / "output"
         path = Path(configured).expanduser()
         return path if path.is_absolute() else self.root / path
+
+    def report_json(self, settings: Settings) -> Path:
+        """This adapter's report (report.json beside it is the latest report of any adapter in the folder)."""
+        return self.output_dir(settings) / f"{settings.output.adapter_name}{REPORT_SUFFIX}.json"
+
+    def report_md(self, settings: Settings) -> Path:
+        return self.output_dir(settings) / f"{settings.output.adapter_name}{REPORT_SUFFIX}.md"
 
     @property
     def dagster_home(self) -> Path:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from gguf_assets.lib import atomic, hub
 from gguf_assets.lib.errors import UserError
+from gguf_assets.lib.gguf_eval import safetensors_header
 from gguf_assets.lib.layout import ProjectPaths
 from gguf_assets.lib.settings import Settings
 
@@ -90,6 +91,28 @@ def _check_model_folder(role: str, source: str, folder: Path, settings: Settings
     if config.get("auto_map") and not settings.materials.trust_remote_code:
         raise MaterialsError(f"materials.{role} = {source!r} needs remote code (config.json has auto_map). "
                              "It is refused by default; set materials.trust_remote_code: true only if you trust it.")
+    for file in sorted(weights):  # headers only: a truncated file fails here, not deep inside a load
+        try:
+            safetensors_header(file)
+        except ValueError as exc:
+            raise MaterialsError(f"materials.{role} = {source!r}: {exc}. Copy or download that file again "
+                                 "(a hub download is checked and fetched again by `gguf-trainer run`).") from None
+    _check_tokenizer_fits(role, source, folder, config)
+
+
+def _check_tokenizer_fits(role: str, source: str, folder: Path, config: dict) -> None:
+    """Token ids index the embedding table: a tokenizer larger than it fails later as an IndexError."""
+    tokenizer_file = folder / "tokenizer.json"
+    vocab = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+    if not tokenizer_file.is_file() or not isinstance(vocab, int):
+        return
+    from tokenizers import Tokenizer
+
+    tokens = Tokenizer.from_file(str(tokenizer_file)).get_vocab_size(with_added_tokens=True)
+    if tokens > vocab:
+        raise MaterialsError(f"materials.{role} = {source!r}: its tokenizer ({tokenizer_file}) has {tokens} tokens, "
+                             f"but config.json's vocab_size (the embedding rows) is {vocab}, so token ids from "
+                             f"{vocab} up have no embedding. Use the tokenizer that belongs to this model.")
 
 
 def _resolve_local(role: str, source: str, local: Path, settings: Settings, cache: dict,

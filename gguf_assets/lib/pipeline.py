@@ -222,9 +222,7 @@ def project_status(paths: ProjectPaths, settings: Settings) -> list[StageState]:
             or not _exported_files_unchanged(paths, settings)):
         return out + [StageState("gguf", "stale" if sidecar.is_file() else "missing")] + blocked_rest("gguf")
     out.append(StageState("gguf", "current"))
-    from gguf_assets.lib.layout import REPORT_JSON
-
-    report = paths.output_dir(settings) / REPORT_JSON
+    report = paths.report_json(settings)
     expected = report_fingerprint(settings, atomic.read_json(sidecar),
                                   shard_fingerprints(paths, settings, materials, "val"))
     out.append(StageState("eval_report", "current" if recorded_fingerprint(report) == expected else

@@ -102,8 +102,12 @@ def build_report(paths: ProjectPaths, settings: Settings, materials: dict, gguf:
     out = paths.output_dir(settings)
     # No absolute path into the project: a copied project's report points at its own files.
     report = paths.stored_doc(report)
+    markdown = render_markdown(report)
+    atomic.write_json(paths.report_json(settings), report)
+    atomic.write_text(paths.report_md(settings), markdown)
+    # report.json/report.md: the folder's latest report, under the names earlier versions used.
     atomic.write_json(out / REPORT_JSON, report)
-    atomic.write_text(out / REPORT_MD, render_markdown(report))
+    atomic.write_text(out / REPORT_MD, markdown)
     return report
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +21,8 @@ from gguf_assets.lib import atomic
 from gguf_assets.lib.errors import UserError
 
 PROJECT_FILE = "project.yaml"
+# The output folder's report.json would collide with an adapter of this name's sidecar (<name>.json).
+RESERVED_ADAPTER_NAME = "report"
 SECTIONS = ("materials", "corpus", "precompute", "training", "output")
 PRECOMPUTE_MODES = ("teacher+student", "teacher", "student")
 DTYPES = ("bf16", "f16", "f32")
@@ -253,6 +256,8 @@ def _check_value(section: str, f: dataclasses.Field, value: Any) -> Any:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError("must be a number")
         value = float(value)
+        if not math.isfinite(value):
+            raise ValueError(f"must be a finite number, not {value} (YAML's .nan/.inf)")
     elif expected is str:
         if value is None:
             value = ""
@@ -288,6 +293,9 @@ def _cross_checks(s: Settings) -> list[tuple[str, str]]:
     name = s.output.adapter_name
     if not name or name in (".", "..") or any(c in name for c in "/\\\0:"):
         problems.append(("output.adapter_name", f"{name!r} is not a plain file name (no path separators, not . or ..)"))
+    elif name == RESERVED_ADAPTER_NAME or name.endswith(f".{RESERVED_ADAPTER_NAME}"):
+        problems.append(("output.adapter_name", f"{name!r} is taken: the export's sidecar {name}.json would "
+                         "overwrite a report in the output folder. Choose another name, e.g. 'my-adapter'"))
     return problems
 
 
@@ -336,14 +344,39 @@ def load_settings(project: Path) -> Settings:
     path = Path(project) / PROJECT_FILE
     if not path.is_file():
         raise SettingsError(f"{path}: no project.yaml here. Create one with `gguf-trainer init {project}`.")
-    text = path.read_text(encoding="utf-8")
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[:exc.start].count(b"\n") + 1
+        column = exc.start - (data.rfind(b"\n", 0, exc.start) + 1) + 1
+        raise SettingsError(f"{path}:{line}: byte 0x{data[exc.start]:02x} at byte offset {exc.start} (column "
+                            f"{column}) is not UTF-8. Save the file as UTF-8 (retype that character).") from None
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark else str(path)
         raise SettingsError(f"{where}: not valid YAML ({getattr(exc, 'problem', exc)})") from None
+    _refuse_duplicate_keys(path, text)
     return settings_from_dict(raw, source=path, text=text)
+
+
+def _refuse_duplicate_keys(path: Path, text: str) -> None:
+    """YAML lets a later key silently win over an earlier one; in a settings file that hides an edit."""
+    def walk(node: yaml.Node, prefix: str) -> None:
+        if not isinstance(node, yaml.MappingNode):
+            return
+        seen: dict[str, int] = {}
+        for key_node, value_node in node.value:
+            key, line = f"{prefix}{key_node.value}", key_node.start_mark.line + 1
+            if key in seen:
+                raise SettingsError(f"{path}:{line}: {key} is set twice (lines {seen[key]} and {line}); the "
+                                    "second would silently win. Keep one of them.")
+            seen[key] = line
+            walk(value_node, f"{key}.")
+
+    walk(yaml.compose(text), "")
 
 
 def replace(settings: Settings, **changes: dict) -> Settings:
