@@ -7,22 +7,18 @@ as stale in the UI at the next observation, without reloading these definitions.
 """
 
 import os
-import warnings
 
 import dagster as dg
 
-# backfill_policy is marked beta; single-run backfills are what keep thousands of shards in one run.
-warnings.filterwarnings("ignore", category=dg.BetaWarning)
-
-from gguf_assets.defs import corpus, materials, output, precompute, training  # noqa: E402
-from gguf_assets.defs.console import short_console  # noqa: E402
-from gguf_assets.defs.jobs import JOBS  # noqa: E402
-from gguf_assets.defs.output import exported_files_unchanged  # noqa: E402
-from gguf_assets.defs.precompute import SHARD_CHECKS  # noqa: E402
-from gguf_assets.defs.resources import ProjectResource, project_dir_from_env  # noqa: E402
-from gguf_assets.defs.resume import interrupted_runs_sensor, resume_sensor  # noqa: E402
-from gguf_assets.defs.settings import SETTINGS_ASSETS  # noqa: E402
-from gguf_assets.lib.settings import PROJECT_FILE, load_settings  # noqa: E402
+from gguf_assets.defs import corpus, materials, output, precompute, training
+from gguf_assets.defs.console import short_console
+from gguf_assets.defs.jobs import JOBS
+from gguf_assets.defs.output import exported_files_unchanged
+from gguf_assets.defs.precompute import SHARD_CHECKS
+from gguf_assets.defs.resources import ProjectResource, project_dir_from_env
+from gguf_assets.defs.resume import interrupted_runs_sensor, resume_sensor
+from gguf_assets.defs.settings import SETTINGS_ASSETS
+from gguf_assets.lib.settings import PROJECT_FILE, load_settings
 
 
 def build_definitions(project_dir: str | None) -> dg.Definitions:

@@ -13,7 +13,6 @@ import os
 import signal
 import threading
 import time
-import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from importlib import resources
@@ -159,7 +158,6 @@ def run_pipeline(paths: ProjectPaths, *, echo: Callable[[str], None] = print, wo
     prepare_instance(paths)
     import dagster as dg
 
-    warnings.filterwarnings("ignore", category=dg.BetaWarning)
     from gguf_assets.definitions import build_definitions
     from gguf_assets.defs.jobs import CONSOLE
     from gguf_assets.defs.resume import STOPPED_TAG, mark_interrupted_runs

@@ -300,6 +300,13 @@ def test_golden_bytes_and_round_trip(tmp_path: Path) -> None:
         f"the adapter GGUF bytes changed (sha256 {summary['sha256']} vs {atomic.sha256_file(GOLDEN)}). If this "
         f"is deliberate: bump gguf_format.FORMAT_VERSION if a loader would notice, update docs/gguf_layout.md, "
         f"and rerun with {REGEN_ENV}=1.")
+    # The export casts in torch before writing: the same bytes (f16 rounding, the f32 fallback).
+    cast = export._cast_once({k: torch.from_numpy(v) for k, v in tensors.items()})
+    assert cast["in_proj.weight"].dtype == np.float16 and cast["out_proj.weight"].dtype == np.float32
+    via_torch = tmp_path / "via_torch.gguf"
+    assert gguf_format.write_adapter_gguf(via_torch, tensors=cast, hparams=GOLDEN_HPARAMS,
+                                          provenance=GOLDEN_PROVENANCE, name="tiny")["kept_f32"] == ["out_proj.weight"]
+    assert via_torch.read_bytes() == GOLDEN.read_bytes()
 
     # The golden file read back: every key and every tensor.
     metadata = gguf_format.read_gguf_metadata(GOLDEN)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -179,10 +180,14 @@ def test_f16_overflow_is_kept_f32(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
-def test_non_finite_tensor_raises_naming_it(tmp_path: Path, bad: float) -> None:
+@pytest.mark.parametrize("given_as", [np.float32, np.float16])  # f16: already cast by the caller (export)
+def test_non_finite_tensor_raises_naming_it(tmp_path: Path, bad: float, given_as) -> None:
     state = numpy_state(make_adapter())
-    state["blocks.0.self_norm.bias"][2] = bad
-    with pytest.raises(ValueError, match=r"blocks\.0\.self_norm\.bias"):
+    key = "blocks.0.self_attn.q.weight" if given_as == np.float16 else "blocks.0.self_norm.bias"
+    assert gguf_format.is_f16_tensor(key) == (given_as == np.float16)
+    state[key] = state[key].astype(given_as)
+    state[key].reshape(-1)[2] = bad
+    with pytest.raises(ValueError, match=re.escape(key) + r".*NaN or inf"):
         gguf_format.write_adapter_gguf(tmp_path / "x.gguf", tensors=state, hparams=hparams(),
                                        provenance=PROVENANCE, name="x")
     assert list(tmp_path.iterdir()) == []
@@ -374,7 +379,15 @@ def test_gguf_eval_imports_no_training_code() -> None:
     assert bad == []
     third_party = {m.split(".")[0] for m in modules if m.split(".")[0] not in sys.stdlib_module_names}
     assert third_party <= {"numpy", "gguf", "gguf_assets"}
-    assert {m for m in modules if m.startswith("gguf_assets")} <= {"gguf_assets.lib", "gguf_assets.lib.gguf_format"}
+    layout_names = {"gguf_assets.lib.layout"} | {f"gguf_assets.lib.layout.{n}" for n in
+                                                 ("TEACHER_FILE", "STUDENT_FILE", "PROMPTS_FILE")}
+    assert {m for m in modules if m.startswith("gguf_assets")} <= {"gguf_assets.lib", "gguf_assets.lib.gguf_format",
+                                                                   *layout_names}
+    # And at run time: reading a GGUF and the shards loads no torch (the shard file names come from layout).
+    loaded = subprocess.run([sys.executable, "-c", "import sys, gguf_assets.lib.gguf_eval; "
+                             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')))"],
+                            capture_output=True, text=True, check=True)
+    assert loaded.stdout.strip() == "[]", loaded.stdout
 
 
 def test_gguf_eval_does_not_pull_in_torch_transitively() -> None:
@@ -383,10 +396,3 @@ def test_gguf_eval_does_not_pull_in_torch_transitively() -> None:
     proc = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], timeout=60)
     assert proc.returncode == 0, "importing gguf_eval imported torch"
 
-
-def test_shard_file_names_match_layout() -> None:
-    """gguf_eval copies the shard layout names (importing layout would pull in settings)."""
-    from gguf_assets.lib import layout
-
-    assert (gguf_eval.TEACHER_FILE, gguf_eval.STUDENT_FILE, gguf_eval.PROMPTS_FILE) == \
-        (layout.TEACHER_FILE, layout.STUDENT_FILE, layout.PROMPTS_FILE)

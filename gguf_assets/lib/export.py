@@ -9,15 +9,19 @@ makes the stage current, and the torch checkpoint's own scores for the report.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import shutil
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import torch
+
 from gguf_assets.lib import atomic, verify
 from gguf_assets.lib.adapter import MLP_RATIO, NORM_EPS
 from gguf_assets.lib.errors import UserError
-from gguf_assets.lib.gguf_format import write_adapter_gguf
+from gguf_assets.lib.gguf_format import F16_MAX, is_f16_tensor, write_adapter_gguf
 from gguf_assets.lib.layout import ProjectPaths
 from gguf_assets.lib.pipeline import export_sidecar, gguf_fingerprint, gguf_path
 from gguf_assets.lib.settings import Settings
@@ -84,6 +88,24 @@ def _file_entry(role: str, path: Path | str, written: dict, *, copy_of: str | No
     return entry
 
 
+def _cast_once(state_dict: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    """The adapter's tensors as the GGUF stores them, cast in torch (about 10x faster than numpy's f16 cast).
+
+    Tensors that gguf_format stores in f16 come as float16 when every value fits; anything else
+    comes as float32 and gguf_format decides (a value beyond the f16 range keeps the tensor f32,
+    with a warning; a NaN or inf is refused).
+    """
+    out = {}
+    for key, value in state_dict.items():
+        value = value.detach().float().contiguous()
+        fits = False
+        if is_f16_tensor(key) and value.numel():
+            low, high = (float(x) for x in torch.aminmax(value))  # one pass; a NaN or inf shows in either
+            fits = math.isfinite(low) and math.isfinite(high) and max(-low, high) <= F16_MAX
+        out[key] = value.half().numpy() if fits else value.numpy()
+    return out
+
+
 def _previous_files(paths: ProjectPaths, settings: Settings) -> dict[str, dict]:
     """The files this project's last export wrote, by path (none if it never exported)."""
     try:
@@ -108,7 +130,7 @@ def export_adapter(paths: ProjectPaths, settings: Settings, materials: dict, ada
     name = check_file_name(settings.output.adapter_name)
     run_dir = paths.root / adapter_manifest["run_dir"]
     model, meta = load_final(run_dir)
-    tensors = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    tensors = _cast_once(model.state_dict())
     hparams = {**meta["shape"], "layer_norm_epsilon": NORM_EPS, "mlp_ratio": MLP_RATIO}
     target = gguf_path(paths, settings)
     previous_files = _previous_files(paths, settings)

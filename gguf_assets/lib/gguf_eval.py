@@ -32,13 +32,10 @@ from typing import Any
 import numpy as np
 
 from gguf_assets.lib import gguf_format as fmt
+from gguf_assets.lib.layout import PROMPTS_FILE, STUDENT_FILE, TEACHER_FILE  # noqa: F401  (the shard layout)
 
 logger = logging.getLogger(__name__)
 
-# Shard folder layout; mirrors gguf_assets.lib.layout (not imported: it pulls in settings).
-TEACHER_FILE = "teacher.safetensors"
-STUDENT_FILE = "student.safetensors"
-PROMPTS_FILE = "prompts.jsonl"
 TARGETS_TENSOR = "targets"
 HIDDEN_TENSOR = "hidden"
 OFFSETS_TENSOR = "offsets"

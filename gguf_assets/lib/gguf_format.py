@@ -32,6 +32,7 @@ import logging
 import math
 import re
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -381,6 +382,13 @@ def _prepare_tensors(tensors: Mapping[str, np.ndarray], hparams: Mapping[str, An
             raise ValueError(f"tensor {key!r} ({name}) has dtype {array.dtype}, expected floating point")
         if tuple(array.shape) != shape:
             raise ValueError(f"tensor {key!r} ({name}) has shape {tuple(array.shape)}, expected {shape}")
+        if array.dtype == np.float16 and is_f16_tensor(key):
+            # Cast by the caller (export casts in torch, many times faster than numpy): checked, not cast again.
+            # All exponent bits set is inf or NaN; integer ops, as numpy's float16 ufuncs are slow.
+            if ((np.ascontiguousarray(array).view(np.uint16) & 0x7C00) == 0x7C00).any():
+                raise ValueError(f"tensor {key!r} ({name}) contains NaN or inf")
+            prepared[name] = np.ascontiguousarray(array)
+            continue
         if not np.isfinite(array).all():
             raise ValueError(f"tensor {key!r} ({name}) contains NaN or inf")
         f32 = np.ascontiguousarray(array, dtype=np.float32)
@@ -474,12 +482,16 @@ def write_verified_gguf(path: Path, kvs: list[KV], tensors: Mapping[str, np.ndar
             raise ValueError(f"tensor name {name!r} is longer than GGML's {MAX_TENSOR_NAME} characters")
         if array.dtype not in (np.float16, np.float32):
             raise ValueError(f"tensor {name!r} has dtype {array.dtype}; only float16/float32 are written")
-    with atomic.atomic_path(Path(path)) as tmp:
+    with atomic.atomic_path(Path(path)) as tmp, ThreadPoolExecutor(max_workers=1) as pool:
         _write_file(tmp, kvs, tensors)
         faults.point("gguf-export", tmp)
+        # Hashed from the page cache while the main thread verifies (hashlib releases the GIL): the
+        # file is read back from memory, not from the disk, and the two overlap. The rename keeps the
+        # bytes, so the verified temp's hash is the final file's.
+        sha = pool.submit(atomic.sha256_file, tmp)
         _verify_file(tmp, kvs, tensors)
         size = tmp.stat().st_size
-        sha = atomic.sha256_file(tmp)  # the rename keeps the bytes, so hash the verified temp
+        sha = sha.result()
     return {"bytes": size, "sha256": sha}
 
 

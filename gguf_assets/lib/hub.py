@@ -66,6 +66,12 @@ class HubError(UserError, RuntimeError):
         self.kind = kind
 
 
+def is_repo_source(source: str) -> bool:
+    """Whether a materials source is written as a hub repo id (owner/name, optionally @revision)."""
+    repo_id, at, revision = source.partition("@")
+    return bool(REPO_ID.match(repo_id)) and (not at or bool(re.fullmatch(r"[\w./-]+", revision)))
+
+
 @dataclass(frozen=True)
 class RepoRef:
     repo_id: str

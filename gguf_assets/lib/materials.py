@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -29,7 +28,6 @@ from gguf_assets.lib.settings import Settings
 log = logging.getLogger(__name__)
 
 MODEL_ROLES = ("teacher", "student", "vision_encoder")
-REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?$")
 # What a model needs besides its weights: config, tokenizer, generation and preprocessor configs.
 MODEL_META_SUFFIXES = (".json", ".txt", ".model", ".tiktoken", ".jinja")
 WEIGHTS_SUFFIX = ".safetensors"
@@ -266,7 +264,7 @@ def _resolve(role: str, source: str, paths: ProjectPaths, settings: Settings, ca
     local = paths.resolve_local(source)
     if local.exists():
         return (*_resolve_local(role, source, local, settings, cache, text_field), None)
-    if REPO_ID.match(source):
+    if hub.is_repo_source(source):
         return _resolve_hub(role, source, paths, settings, cache, pinned=pinned, text_field=text_field,
                             token=token, options=options or hub.HubOptions())
     raise MaterialsError(f"materials.{role} = {source!r}: no such folder ({local}) and not a hub repo id "

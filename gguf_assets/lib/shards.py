@@ -32,6 +32,7 @@ from safetensors.torch import save_file
 from gguf_assets.lib import atomic, faults, verify
 from gguf_assets.lib.corpus import read_split, shard_prompts
 from gguf_assets.lib.errors import UserError
+from gguf_assets.lib.gguf_format import F16_MAX
 from gguf_assets.lib.hardware import HardwareSampler, Progress, resolve_device
 from gguf_assets.lib.layout import (
     PROMPTS_FILE,
@@ -47,7 +48,6 @@ log = logging.getLogger(__name__)
 
 HALVES = ("teacher", "student")
 TARGET_DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16}
-F16_MAX = 65504.0
 
 
 class ShardError(UserError, RuntimeError):
