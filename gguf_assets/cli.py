@@ -11,6 +11,7 @@ from pathlib import Path
 
 from gguf_assets.lib.layout import ProjectPaths
 from gguf_assets.lib.settings import (
+    SECTION_HINTS,
     Settings,
     SettingsError,
     load_settings,
@@ -29,7 +30,7 @@ def cmd_init(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 1
     paths.root.mkdir(parents=True, exist_ok=True)
-    write_project_file(paths.root, Settings(), header=INIT_HEADER)
+    write_project_file(paths.root, Settings(), header=INIT_HEADER, hints=SECTION_HINTS)
     from gguf_assets.runner import prepare_instance
 
     prepare_instance(paths)

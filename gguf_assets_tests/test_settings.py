@@ -362,6 +362,11 @@ def test_init_writes_defaults_that_must_be_filled_in(tmp_path, restore_env, caps
     assert yaml.safe_load(text) == Settings().to_dict()
     assert (project / ".dagster" / "dagster.yaml").is_file()
     assert "materials.student" in capsys.readouterr().out
+    # The reference run's practical figures sit under the section they are about.
+    for section, figures in (("corpus", ("3.7 h", "4.5 prompts/s")), ("precompute", ("2.4 prompts/s", "balanced")),
+                             ("training", ("0.965", "55 min", "RTX 5090"))):
+        block = text.split(f"\n{section}:\n")[1].split("\n\n")[0]
+        assert all(f in " ".join(block.replace("#", "").split()) for f in figures), (section, block)
 
     # Materials are empty, so the fresh project does not validate until they are filled in.
     with pytest.raises(SettingsError) as info:
