@@ -72,16 +72,3 @@ def test_a_change_that_keeps_the_stamp_is_caught_by_the_reader(tmp_path):
         verify.read_checked(path, recorded["sha256"], what_to_do="Rebuild it.")
     assert verify.read_checked(path, None, what_to_do="") == path.read_bytes()  # nothing recorded: nothing to check
 
-
-def test_status_reads_under_one_percent_of_the_shard_bytes():
-    """benchmarks/bench_status.py at its quick size: status reads records, never shard data."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    bench = Path(__file__).parents[1] / "benchmarks" / "bench_status.py"
-    done = subprocess.run([sys.executable, str(bench), "--quick"], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout + done.stderr
-    rows = [line.split() for line in done.stdout.splitlines() if line.split() and line.split()[0].isdigit()]
-    assert [int(r[0]) for r in rows] == [20, 80]
-    assert all(float(r[3].rstrip("%")) < 1.0 for r in rows), done.stdout
