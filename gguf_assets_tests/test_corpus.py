@@ -230,6 +230,22 @@ def test_local_prompt_files_relative_to_project(project, tmp_path):
     assert manifest["per_source"] == {"extra.txt": 12}
 
 
+def test_the_corpus_fingerprint_rereads_a_local_file_only_when_its_stamp_changed(project, monkeypatch):
+    from gguf_assets.lib.pipeline import corpus_fingerprint
+
+    project.root.mkdir(parents=True)
+    extra = project.root / "extra.txt"
+    extra.write_text("\n".join(_prompts(12, prefix="local")), encoding="utf-8")
+    settings = _settings(train_prompts=8, val_prompts=2, empty_fraction=0.0, local_prompt_files=["extra.txt"])
+    before = corpus_fingerprint(project, settings, {"datasets": []})
+    build_corpus(project, settings, {"datasets": []}, fingerprint=before)
+    real_sha256, hashed = atomic.sha256_file, []
+    monkeypatch.setattr(atomic, "sha256_file", lambda path, **kw: hashed.append(path) or real_sha256(path, **kw))
+    assert corpus_fingerprint(project, settings, {"datasets": []}) == before and hashed == []
+    extra.write_text("\n".join(_prompts(12, prefix="other")), encoding="utf-8")  # same size, new content
+    assert corpus_fingerprint(project, settings, {"datasets": []}) != before and hashed == [extra]
+
+
 # -- bad input ------------------------------------------------------------------------------
 
 def test_malformed_json_line_names_file_and_line(project, tmp_path):
@@ -591,7 +607,7 @@ def test_manifest_records_inputs_settings_outputs_and_stats(project, tmp_path):
     [source] = manifest["sources"]
     assert source == {"source": "test/prompts", "file": str(data), "format": ".jsonl", "text_field": "text",
                       "sha256": atomic.sha256_file(data), "read": 106, "dropped_blank": 0, "dropped_length": 1,
-                      "dropped_duplicate": 5, "skipped_bad_lines": 0, "kept": 100}
+                      "dropped_duplicate": 5, "skipped_bad_lines": 0, "kept": 100, "stamp": verify.stamp(data)}
     for split in ("train", "val"):
         assert manifest["splits"][split]["sha256"] == atomic.sha256_file(project.corpus_file(split))
     assert sum(b["prompts"] for b in manifest["length_histogram"]) == 100

@@ -563,6 +563,8 @@ class SourceStats:
     dropped_duplicate: int = 0
     skipped_bad_lines: int = 0
     kept: int = 0
+    # The file's size, mtime and inode when it was read: later fingerprints reuse sha256 while they match.
+    stamp: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -589,7 +591,7 @@ def _read_sources(sources: list[tuple[str, Path, str]], settings: Settings, spil
     end = 0
     for source_id, (label, file, text_field) in enumerate(sources):
         source = _PromptFile(file, text_field)
-        st = SourceStats(label, str(file), source.format, text_field)
+        st = SourceStats(label, str(file), source.format, text_field, stamp=verify.stamp(file))
         read = blank = length = bad = 0
         for value in source.records():
             if type(value) is not str:

@@ -25,11 +25,23 @@ def corpus_settings(settings: Settings) -> dict:
     return {"corpus": settings.section_dict("corpus")}
 
 
+def _recorded_source_hashes(paths: ProjectPaths) -> dict[Path, dict]:
+    """The prompt files the last corpus build read: their sha256 and their stamp then."""
+    try:
+        sources = atomic.read_json(paths.corpus_manifest).get("sources", [])
+    except (OSError, ValueError):
+        return {}
+    return {paths.located(s["file"]): {**s.get("stamp", {}), "sha256": s.get("sha256")} for s in sources}
+
+
 def corpus_fingerprint(paths: ProjectPaths, settings: Settings, materials: dict) -> str:
-    local = []
+    local, recorded = [], _recorded_source_hashes(paths)
     for value in settings.corpus.local_prompt_files:
         file = paths.resolve_local(value)
-        local.append([value, atomic.sha256_file(file) if file.is_file() else None])
+        # A file read by the last build, with the same size, mtime and inode, is not read again.
+        known = recorded.get(file)
+        unchanged = known is not None and verify.stamp_matches(file, known) is True
+        local.append([value, known["sha256"] if unchanged else atomic.sha256_file(file) if file.is_file() else None])
     datasets = [[d["source"], d["commit"], d.get("text_field")] for d in materials.get("datasets", [])]
     # format 2: streaming readers (.csv, .gz), numpy split; the same seed orders prompts differently than format 1.
     return atomic.fingerprint({**corpus_settings(settings), "datasets": datasets, "local": local, "format": 2})
