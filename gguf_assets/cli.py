@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+from gguf_assets.lib.curves_log import TENSORBOARD_DIR, TENSORBOARD_URL_ENV
 from gguf_assets.lib.layout import ProjectPaths
 from gguf_assets.lib.settings import (
     SECTION_HINTS,
@@ -134,9 +135,18 @@ def _venv_tool(name: str) -> str:
     return str(candidate) if candidate.exists() else name
 
 
-def start_services(commands: list[list[str]]) -> list[subprocess.Popen]:
-    """Start long-running processes, each in its own session so a stop reaches its children."""
-    return [subprocess.Popen(cmd, env=os.environ.copy(), start_new_session=True) for cmd in commands]
+def start_services(commands: list[list[str]], *, log_file: Path | None = None) -> list[subprocess.Popen]:
+    """Start long-running processes, each in its own session so a stop reaches its children.
+
+    With ``log_file`` their output goes there instead of the console.
+    """
+    out = open(log_file, "ab") if log_file else None  # noqa: SIM115  (the children keep it open)
+    try:
+        return [subprocess.Popen(cmd, env=os.environ.copy(), start_new_session=True, stdout=out,
+                                 stderr=subprocess.STDOUT if out else None) for cmd in commands]
+    finally:
+        if out:
+            out.close()
 
 
 def supervise(procs: list[subprocess.Popen], *, grace_s: float = 10.0) -> int:
@@ -194,11 +204,24 @@ def cmd_ui(args: argparse.Namespace) -> int:
     import dagster as dg
 
     size_gpu_pool(dg.DagsterInstance.get())  # the run queue holds UI-launched GPU runs to one per GPU
+    services = []
+    if not args.no_tensorboard:
+        url = f"http://{args.host}:{args.tensorboard_port}"
+        os.environ[TENSORBOARD_URL_ENV] = url  # the adapter's page links to it (runs inherit it)
+        (paths.root / TENSORBOARD_DIR).mkdir(exist_ok=True)
+        log_file = paths.dagster_home / "tensorboard.log"
+        services += start_services([tensorboard_command(paths, args.host, args.tensorboard_port)], log_file=log_file)
+        print(f"TensorBoard (training curves) on {url} (its log: {log_file})", flush=True)
     print(f"Dagster UI for {paths.root} on http://{args.host}:{args.port} (Ctrl-C to stop)", flush=True)
     commands = [webserver_command(args.host, args.port)]
     if not args.no_daemon:
         commands.append(daemon_command())
-    return supervise(start_services(commands))
+    return supervise(services + start_services(commands))
+
+
+def tensorboard_command(paths: ProjectPaths, host: str, port: int) -> list[str]:
+    return [_venv_tool("tensorboard"), "--logdir", str(paths.root / TENSORBOARD_DIR), "--host", host,
+            "--port", str(port)]
 
 
 def cmd_auto_resume(project: str, *, daemon: bool, ui_port: int | None = None, ui_host: str = "127.0.0.1") -> int:
@@ -277,6 +300,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=3000)
     p.add_argument("--no-daemon", action="store_true", help="start only the webserver")
+    p.add_argument("--tensorboard-port", type=int, default=6006, help="TensorBoard's port (training curves)")
+    p.add_argument("--no-tensorboard", action="store_true", help="do not start TensorBoard")
     p.set_defaults(func=cmd_ui)
     return parser
 

@@ -65,4 +65,5 @@ def test_hardware_and_environment_panels_describe_this_machine():
     assert hw["ram_gib"] > 0 and hw["cpu_threads"] >= 1
     panels = panel_metadata()
     assert "RAM" in panels["hardware"].value and "torch" in panels["environment"].value
-    assert panels["gpu_count"] == len(hw["gpus"])
+    gpu_rows = [line for line in panels["hardware"].value.splitlines() if line.startswith("| GPU")]
+    assert len(gpu_rows) == max(1, len(hw["gpus"])) and set(panels) == {"hardware", "environment"}

@@ -46,6 +46,26 @@ def test_demo_dag_end_to_end_then_memoized_then_student_change(make_project):
         assert len(keys) == n
         materialized = instance.get_materialized_partitions(dg.AssetKey(f"{split}_shards"))
         assert set(keys) <= materialized
+        # One materialization per shard per run, with that shard's own figures (not the run's totals).
+        for key in keys:
+            records = instance.fetch_materializations(dg.AssetRecordsFilter(
+                asset_key=dg.AssetKey(f"{split}_shards"), asset_partitions=[key]), limit=10).records
+            assert len(records) == 1, (split, key, len(records))
+            meta = records[0].asset_materialization.metadata
+            assert meta["prompts"].value == (400 if split == "train" else 200), (split, key)
+            assert meta["teacher_tokens"].value > 0 and meta["prompts_per_s"].value > 0
+            assert "teacher_device_map" in meta
+    # Each stage's page shows the settings it depends on, the project folder and how to change them.
+    for name in ASSETS:
+        meta = instance.get_latest_materialization_event(dg.AssetKey(name)).asset_materialization.metadata
+        assert meta["project_folder"].value == str(paths.root) and "project.yaml" in meta["how_to_change"].value
+    adapter_settings = instance.get_latest_materialization_event(
+        dg.AssetKey("adapter")).asset_materialization.metadata["settings"].value
+    assert f"| `training.width` | `{settings.training.width}` |" in adapter_settings
+    # Progress and live hardware during the precompute arrive as observations of the shards.
+    live = [r.asset_observation.metadata for r in instance.fetch_observations(dg.AssetKey("train_shards"),
+                                                                               limit=1000).records]
+    assert any("half" in m and "prompts_per_s" in m and "host_cpu_pct" in m for m in live), live[:3]
 
     # Runs carry readable job names, and the asset checks beside the assets ran and passed
     # (the 0.9 threshold is a warning: this short run may stay below it).

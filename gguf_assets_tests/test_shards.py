@@ -76,10 +76,14 @@ def test_build_writes_verified_halves_and_reports_live_figures(project, caplog):
     paths, settings, materials = project
     keys = _keys(paths, settings, materials)
     assert len(keys) == 2
-    finished = []
+    finished, ticks = [], []
     with caplog.at_level(logging.INFO, logger="gguf_assets"):
         run = precompute_split(paths, settings, materials, "train", keys, on_shard_done=finished.append,
-                               sample_interval_s=0.05)
+                               on_progress=ticks.append, sample_interval_s=0.05)
+    # Live figures with each progress line: which shard and half, the rate, and a hardware sample.
+    assert {(t["shard"], t["half"]) for t in ticks} >= {(keys[-1], "teacher"), (keys[-1], "student")}
+    assert all(t["total"] == TRAIN and "host_cpu_pct" in t and "host_ram_used_gib" in t for t in ticks)
+    assert [r["teacher_tokens"] > 0 and r["student_tokens"] > 0 for r in finished] == [True, True]
     # Each shard is reported the moment it is written, in order (Dagster records it then).
     assert [r["key"] for r in finished] == keys and run.reports == finished
     for plan in plan_shards(paths, settings, materials, "train"):

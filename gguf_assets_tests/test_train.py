@@ -161,6 +161,12 @@ def test_stop_and_resume_is_bit_identical(shard_sets, reference, tmp_path):
     second = train(tmp_path, shard_sets, on_event=lambda k, d: events.append((k, d)))
     assert any(k == "note" and "resuming" in d["message"] and "step-00000010" in d["message"] for k, d in events)
     assert (run_dir / FINAL_DIR / WEIGHTS_FILE).read_bytes() == reference["weights"]
+    # TensorBoard shows each step once: steps 11-13 of the stopped run are purged, redone ones kept.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    curves = EventAccumulator(str(tmp_path / "tensorboard" / first["fingerprint"]))
+    curves.Reload()
+    assert [e.step for e in curves.Scalars("train/loss")] == list(range(5, 41, 5))
     losses = [e["loss"] for e in second["history"] if "loss" in e]
     assert losses == [e["loss"] for e in reference["summary"]["history"] if "loss" in e]
     assert second["val_centred_cosine"] == reference["summary"]["val_centred_cosine"]
@@ -377,7 +383,20 @@ def test_dagster_records_plottable_metrics_curves_and_verdict(make_project):
     svg = base64.b64decode(result["training_curves"].value.split("base64,")[1].split(")")[0]).decode()
     assert ET.fromstring(svg).findall("{http://www.w3.org/2000/svg}polyline")
     assert "val centred cosine" in result["verdict"].value
-    assert result["best_step"].value in (10.0, 20.0)
+    assert "| best step | 10 |" in result["this_run"].value or "| best step | 20 |" in result["this_run"].value
+    # One-run figures are a table, not one-point charts; what changes run to run stays a number.
+    assert not any(k.startswith(("host_", "gpu", "hw_", "best_")) for k in result)
+    assert isinstance(result["val_centred_cosine"], dg.FloatMetadataValue)
+    # TensorBoard: this run's folder, scalars against the step.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    fingerprint = result["fingerprint"].value
+    events = EventAccumulator(str(paths.root / "tensorboard" / fingerprint))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == [5, 10, 15, 20]
+    assert [e.step for e in events.Scalars("val/val_centred_cosine")] == [0, 10, 20]
+    assert "hardware/host_cpu_pct" in events.Tags()["scalars"]
+    assert fingerprint in result["tensorboard"].value
 
 
 def _flip(path: Path, offset: int = -5) -> None:

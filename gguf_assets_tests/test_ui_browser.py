@@ -1,10 +1,12 @@
-"""The Dagster UI on a materialized demo project, in headless Chromium (Debian's package).
+"""The Dagster UI and TensorBoard on a materialized demo project, in headless Chromium (Debian's package).
 
-Checks the lineage graph shows every asset, the evaluation report's metadata is visible,
-a training plot renders, and Ctrl-C stops the webserver and daemon promptly. Screenshots go
-to test-artifacts/ (CI keeps them).
+Checks the lineage graph shows every asset, the evaluation report's metadata is visible, the
+adapter's page shows its settings table and its plots, a shard partition shows its own figures,
+the runs are listed, TensorBoard (started by `gguf-trainer ui`) serves the loss against the
+step, and Ctrl-C stops them all promptly. Screenshots of each page go to test-artifacts/.
 """
 
+import json
 import os
 import shutil
 import signal
@@ -47,14 +49,22 @@ def test_ui_shows_graph_report_and_plots_then_stops_on_ctrl_c(make_project):
 
     paths = make_project(steps=40, mock_teacher=True, training={"log_every": 5, "validate_every": 10})
     run_pipeline(paths, echo=lambda _: None)
-    port = free_port()
+    port, tb_port = free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("DAGSTER_HOME", "GGUF_ASSETS_PROJECT")}
-    ui = subprocess.Popen([sys.executable, "-m", "gguf_assets.cli", "ui", str(paths.root), "--port", str(port)],
+    ui = subprocess.Popen([sys.executable, "-m", "gguf_assets.cli", "ui", str(paths.root), "--port", str(port),
+                           "--tensorboard-port", str(tb_port)],
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    base = f"http://127.0.0.1:{port}"
+    base, tensorboard = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{tb_port}"
+    fingerprint = json.loads((paths.root / "checkpoints" / "final.json").read_text())["fingerprint"]
     ARTIFACTS.mkdir(exist_ok=True)
     try:
         wait_http(f"{base}/server_info", timeout=120, proc=ui)
+        # TensorBoard serves this run's loss against the step (5, 10, ... 40: log_every 5).
+        wait_http(f"{tensorboard}/data/runs", timeout=120, proc=ui)
+        with urllib.request.urlopen(f"{tensorboard}/data/plugin/scalars/scalars?tag=train%2Floss&run={fingerprint}",
+                                    timeout=30) as answer:
+            loss = json.loads(answer.read())
+        assert [step for _, step, _ in loss] == list(range(5, 41, 5)), loss
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
             page = browser.new_page(viewport={"width": 1600, "height": 1000})
@@ -70,11 +80,33 @@ def test_ui_shows_graph_report_and_plots_then_stops_on_ctrl_c(make_project):
             page.screenshot(path=str(ARTIFACTS / "ui-eval-report.png"), full_page=True)
 
             page.goto(f"{base}/assets/adapter")
+            # The settings the adapter depends on, as a table, with the demo's width.
+            page.get_by_text("training.width", exact=True).first.wait_for(timeout=60_000)
+            assert page.get_by_text("project_folder").count() > 0 and page.get_by_text("tensorboard").count() > 0
+            page.screenshot(path=str(ARTIFACTS / "ui-adapter-settings.png"), full_page=True)
             page.get_by_role("button", name="Plots").click()
             # Numeric metadata (loss, val centred cosine) is plotted as charts.
             page.locator("canvas, svg.recharts-surface").first.wait_for(timeout=60_000)
             assert page.get_by_text("val_centred_cosine").count() > 0
             page.screenshot(path=str(ARTIFACTS / "ui-training-plots.png"), full_page=True)
+
+            # A shard partition shows its own figures: 400 prompts (not the run's 1600).
+            page.goto(f"{base}/assets/train_shards?view=partitions&partition=00001")
+            page.get_by_text("teacher_tokens").first.wait_for(timeout=60_000)
+            assert page.get_by_text("400", exact=True).count() > 0 and page.get_by_text("1600", exact=True).count() == 0
+            page.screenshot(path=str(ARTIFACTS / "ui-shard-partition.png"), full_page=True)
+
+            # The runs, by their job names.
+            page.goto(f"{base}/runs")
+            for job in ("materials_and_corpus", "precompute_train_shards", "train_export_evaluate"):
+                page.get_by_text(job).first.wait_for(timeout=60_000)
+            page.screenshot(path=str(ARTIFACTS / "ui-runs.png"), full_page=True)
+
+            # Filtered to the loss: cards scrolled out of view are not rendered.
+            page.goto(f"{tensorboard}/?tagFilter=train%2Floss#timeseries")
+            page.locator('"/loss"').first.wait_for(timeout=60_000)  # the card's title: "train" + "/loss"
+            assert page.get_by_text(fingerprint).count() > 0  # the run is named by the training fingerprint
+            page.screenshot(path=str(ARTIFACTS / "tensorboard.png"), full_page=True)
             browser.close()
     finally:
         ui.send_signal(signal.SIGINT)

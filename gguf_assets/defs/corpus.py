@@ -93,7 +93,7 @@ def corpus(context: dg.AssetExecutionContext, project: ProjectResource) -> dg.Ma
     requested = manifest.get("requested", prompts)
     # The data version is the content's fingerprint: a reused corpus leaves the shards current in the UI.
     return dg.MaterializeResult(data_version=dg.DataVersion(manifest["fingerprint"]), metadata={
-        "reused": reused, "fingerprint": manifest["fingerprint"],
+        **project.stage_metadata("corpus", settings), "reused": reused, "fingerprint": manifest["fingerprint"],
         "train_prompts": prompts["train"], "val_prompts": prompts["val"],
         "train_prompts_requested": requested["train"],
         "empty_train": manifest["splits"]["train"]["empty"], "empty_val": manifest["splits"]["val"]["empty"],

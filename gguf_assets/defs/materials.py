@@ -6,6 +6,7 @@ import dagster as dg
 from gguf_assets.defs.panels import panel_metadata
 from gguf_assets.defs.resources import ProjectResource
 from gguf_assets.defs.settings import settings_key
+from gguf_assets.lib.markdown import markdown_table
 from gguf_assets.lib.materials import resolve_materials
 
 
@@ -15,13 +16,13 @@ from gguf_assets.lib.materials import resolve_materials
 def materials(context: dg.AssetExecutionContext, project: ProjectResource) -> dg.MaterializeResult:
     manifest = resolve_materials(project.paths(), project.settings(), token=project.hub.token)
     metadata: dict = {"manifest": dg.MetadataValue.path(str(project.paths().materials_manifest))}
-    rows = ["| role | source | from | pinned to | files | MiB |", "|---|---|---|---|---|---|"]
     entries = [manifest[r] for r in ("teacher", "student", "vision_encoder") if manifest[r]] + manifest["datasets"]
+    rows = [[e["role"], f"`{e['source']}`", e.get("origin", "local"), f"`{e['commit']}`", e["files"],
+             f"{e['bytes'] / 2**20:.1f}"] for e in entries]
     for e in entries:
-        rows.append(f"| {e['role']} | `{e['source']}` | {e.get('origin', 'local')} | `{e['commit']}` | {e['files']} "
-                    f"| {e['bytes'] / 2**20:.1f} |")
-        metadata[f"{e['role']}_commit"] = e["commit"]
-    metadata["materials"] = dg.MetadataValue.md("\n".join(rows))
+        metadata[f"{e['role']}_commit"] = dg.MetadataValue.text(e["commit"])
+    metadata["materials"] = dg.MetadataValue.md(markdown_table(
+        ["role", "source", "from", "pinned to", "files", "MiB"], rows))
     metadata["total_mib"] = sum(e["bytes"] for e in entries) / 2**20
     downloads = manifest.get("_downloads", [])
     metadata["downloaded_mib"] = sum(d["downloaded_bytes"] for d in downloads) / 2**20
@@ -29,4 +30,5 @@ def materials(context: dg.AssetExecutionContext, project: ProjectResource) -> dg
     metadata["refetched_files"] = sum(d["refetched"] for d in downloads)
     metadata["hub_token_used"] = project.hub.token is not None
     metadata.update(panel_metadata())
+    metadata.update(project.stage_metadata("materials"))
     return dg.MaterializeResult(metadata=metadata)

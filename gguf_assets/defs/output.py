@@ -50,6 +50,7 @@ def gguf(context: dg.AssetExecutionContext, project: ProjectResource) -> dg.Mate
         metadata["vision_gguf"] = dg.MetadataValue.path(vision["path"])
         metadata["vision_bytes"] = vision["bytes"]
         metadata["vision_unmapped_tensors"] = ", ".join(vision["unmapped"]) or "none"
+    metadata.update(project.stage_metadata("gguf", settings))
     return dg.MaterializeResult(metadata=metadata)
 
 
@@ -120,4 +121,5 @@ def eval_report(context: dg.AssetExecutionContext, project: ProjectResource) -> 
                             metadata={"val_centred_cosine": float(score), "threshold": GOOD,
                                       "advice": report["advice"]}),
     ]
+    metadata.update(project.stage_metadata("eval_report", settings))
     return dg.MaterializeResult(metadata=metadata, check_results=checks)

@@ -3,15 +3,16 @@
 import dagster as dg
 
 from gguf_assets.lib.hardware import environment_report, hardware_report
+from gguf_assets.lib.markdown import markdown_table
 
 
 def panel_metadata() -> dict:
     hw = hardware_report()
-    rows = ["| device | details |", "|---|---|",
-            f"| CPU | {hw['cpu']} ({hw['cpu_cores']} cores, {hw['cpu_threads']} threads) |",
-            f"| RAM | {hw['ram_gib']} GiB |"]
-    rows += [f"| GPU {g['index']} | {g['name']}, {g['vram_gib']} GiB |" for g in hw["gpus"]]
-    rows.append(f"| NVIDIA driver / CUDA | {hw['driver'] or 'none'} / {hw['cuda'] or 'none'} |")
-    env = ["| package | version |", "|---|---|"] + [f"| {k} | {v} |" for k, v in environment_report().items()]
-    return {"hardware": dg.MetadataValue.md("\n".join(rows)), "environment": dg.MetadataValue.md("\n".join(env)),
-            "gpu_count": len(hw["gpus"])}
+    devices = [["CPU", f"{hw['cpu']} ({hw['cpu_cores']} cores, {hw['cpu_threads']} threads)"],
+               ["RAM", f"{hw['ram_gib']} GiB"]]
+    devices += [[f"GPU {g['index']}", f"{g['name']}, {g['vram_gib']} GiB"] for g in hw["gpus"]] or [["GPU", "none"]]
+    devices.append(["NVIDIA driver / CUDA", f"{hw['driver'] or 'none'} / {hw['cuda'] or 'none'}"])
+    # Tables, not numbers: a number here would be plotted as a one-point chart per run.
+    return {"hardware": dg.MetadataValue.md(markdown_table(["device", "details"], devices)),
+            "environment": dg.MetadataValue.md(markdown_table(["package", "version"],
+                                                              environment_report().items()))}

@@ -1,10 +1,13 @@
 """Precompute: teacher targets + student states per shard, partitioned by shard index.
 
 One run covers a range of shards (single-run backfill policy) so thousands of shards do not
-mean thousands of runs; each shard is recorded as materialized the moment it is finished,
-so a killed run keeps the shards it completed.
+mean thousands of runs. Each shard partition gets one materialization per run, carrying that
+shard's own figures (prompts, tokens, seconds, prompts/s, truncations, device map, hardware);
+while the run goes, progress and live hardware arrive as observations. A killed run loses no
+shard it finished: the planner goes by the files (lib/shards.py), and the next run records it.
 """
 
+import math
 
 import dagster as dg
 
@@ -12,6 +15,7 @@ from gguf_assets.defs.corpus import corpus
 from gguf_assets.defs.partitions import TRAIN_SHARDS, VAL_SHARDS
 from gguf_assets.defs.resources import ProjectResource
 from gguf_assets.defs.settings import settings_key
+from gguf_assets.lib.markdown import markdown_table
 from gguf_assets.lib.materials import load_manifest
 from gguf_assets.lib.shards import plan_shards, precompute_split, shard_status
 from gguf_assets.lib.teacher import summarize_placement
@@ -20,29 +24,46 @@ GPU_POOL = "gpu"
 
 
 def _numbers(report: dict) -> dict:
-    return {k: v for k, v in report.items() if isinstance(v, (int, float, str)) and not isinstance(v, bool)}
+    """The plottable and short values of a report (no bools, no inf: an ETA not known yet)."""
+    return {k: v for k, v in report.items() if isinstance(v, (int, float, str)) and not isinstance(v, bool)
+            and not (isinstance(v, float) and not math.isfinite(v))}
+
+
+def _device_map(placement: dict) -> dg.MetadataValue:
+    return dg.MetadataValue.md(markdown_table(["device", "layers", "GiB"],
+                                              [[d, v["layers"], f"{v['gib']:.2f}"] for d, v in placement.items()]))
 
 
 def materialize_shards(context: dg.AssetExecutionContext, project: ProjectResource, split: str) -> dg.MaterializeResult:
     paths, settings = project.paths(), project.settings()
 
-    def record(report: dict) -> None:
-        context.log_event(dg.AssetMaterialization(asset_key=context.asset_key, partition=report["key"],
-                                                  metadata=_numbers(report)))
+    def shard_done(report: dict) -> None:
+        key = report["key"]
+        figures = _numbers(report)
+        seconds = sum(report.get(f"{half}_seconds", 0.0) for half in ("teacher", "student"))
+        figures["seconds"] = round(seconds, 3)
+        figures["prompts_per_s"] = round(report["prompts"] / seconds, 3) if seconds else 0.0
+        if report.get("placement"):
+            figures["teacher_device_map"] = _device_map(report["placement"])
+            context.log.info("teacher placement: %s", summarize_placement(report["placement"]))
+        figures["folder"] = dg.MetadataValue.path(str(paths.shard_dir(split, key)))
+        # This shard's own materialization (one per shard per run) gets this shard's own figures.
+        context.add_asset_metadata(figures, partition_key=key)
+        # Seen at once in the UI while the run goes on (the materializations come at the step's end).
+        context.log_event(dg.AssetObservation(asset_key=context.asset_key, partition=key, metadata=_numbers(figures)))
+
+    def live(figures: dict) -> None:  # progress and live hardware, plotted on the asset's page
+        context.log_event(dg.AssetObservation(asset_key=context.asset_key, partition=figures.pop("shard"),
+                                              metadata=_numbers(figures)))
 
     run = precompute_split(paths, settings, load_manifest(paths), split, list(context.partition_keys),
-                           on_shard_done=record)
-    metadata = _numbers(run.summary)
-    metadata["prompts_per_s"] = (round(run.summary["prompts"] / run.summary["seconds"], 2)
-                                 if run.summary["seconds"] else 0.0)
-    placement = next((r.get("placement") for r in reversed(run.reports) if r.get("placement")), None)
-    if placement:
-        metadata["teacher_device_map"] = dg.MetadataValue.md(
-            "| device | layers | GiB |\n|---|---|---|\n"
-            + "\n".join(f"| {d} | {v['layers']} | {v['gib']:.2f} |" for d, v in placement.items()))
-        context.log.info("teacher placement: %s", summarize_placement(placement))
-    metadata["folder"] = dg.MetadataValue.path(str(paths.root / "shards" / split))
-    return dg.MaterializeResult(metadata=metadata)
+                           on_shard_done=shard_done, on_progress=live)
+    s = run.summary
+    rates = ", ".join(f"{half} {s[f'{half}_prompts_per_s']:.2f} prompts/s" for half in ("teacher", "student")
+                      if s.get(f"{half}_halves_computed"))
+    context.log.info("%s shards done: %d shards, %d prompts in %.1f s%s", split, s["shards"], s["prompts"],
+                     s["seconds"], f" ({rates})" if rates else " (all already current)")
+    return dg.MaterializeResult(metadata=project.stage_metadata(f"{split}_shards", settings))
 
 
 @dg.asset(group_name="precompute", partitions_def=TRAIN_SHARDS, deps=[corpus, settings_key("train_shards")],
@@ -71,12 +92,12 @@ def _shards_verified(split: str, shards: dg.AssetsDefinition) -> dg.AssetChecksD
         plans = plan_shards(paths, settings, load_manifest(paths), split)
         bad = {plan.key: states for plan in plans
                if set((states := shard_status(paths, settings, plan)).values()) != {"current"}}
-        rows = ["| shard | halves |", "|---|---|"] + [
-            f"| {key} | {', '.join(f'{half} {state}' for half, state in states.items())} |"
-            for key, states in list(bad.items())[:50]]
+        rows = [[key, ", ".join(f"{half} {state}" for half, state in states.items())]
+                for key, states in list(bad.items())[:50]]
+        table = markdown_table(["shard", "halves"], rows)
         return dg.AssetCheckResult(passed=not bad, metadata={
             "shards": len(plans), "current": len(plans) - len(bad),
-            **({"not_current": dg.MetadataValue.md("\n".join(rows))} if bad else {})})
+            **({"not_current": dg.MetadataValue.md(table)} if bad else {})})
 
     return check
 

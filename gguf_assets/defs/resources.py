@@ -40,12 +40,11 @@ def project_dir_from_env() -> str | None:
 
 
 class HubResource(dg.ConfigurableResource):
-    """Credentials for the Hugging Face hub.
+    """Hugging Face hub access. The token comes from the HF_TOKEN environment variable only (set it
+    in the shell that starts gguf-trainer or the daemon); it is never shown, logged or stored."""
 
-    The token is only ever set from ``dg.EnvVar("HF_TOKEN")``, so run storage keeps the variable's
-    name, never its value. It is handed to the downloader and nowhere else: not logged, not in
-    metadata, not written to the project folder.
-    """
+    # Developer note: the field is bound to dg.EnvVar("HF_TOKEN"), so run storage keeps the
+    # variable's name, never its value; it is handed to the downloader and nowhere else.
 
     token: str | None = Field(default=None, description="HF read token, from the HF_TOKEN environment variable")
 
@@ -57,13 +56,14 @@ class HubResource(dg.ConfigurableResource):
 
 
 class ProjectResource(dg.ConfigurableResource):
-    """The project folder; settings are read from its project.yaml at each step.
+    """The project folder: materials, corpus, shards, checkpoints and outputs all live there, and its
+    project.yaml holds every setting (each asset's page shows the ones it depends on). To change a
+    setting, edit project.yaml and run again: only what depends on it is redone. One pipeline at a
+    time writes a folder; a second one is refused and told which run holds it."""
 
-    ``project_dir`` is normally left empty: it then comes from the environment
-    (:func:`project_dir_from_env`), so no absolute path is stored in run storage.
-    While a run uses it, the run holds the project's lock, so a second pipeline writing
-    the same folder (another CLI, a UI launch) is refused with the holder's pid and run.
-    """
+    # Developer note: project_dir is normally empty and comes from the environment
+    # (project_dir_from_env: GGUF_ASSETS_PROJECT or the folder holding DAGSTER_HOME), so run
+    # storage holds no absolute path and a copied project is independent.
 
     project_dir: str | None = Field(default=None, description="project folder (default: from the environment)")
     hub: HubResource
@@ -110,3 +110,9 @@ class ProjectResource(dg.ConfigurableResource):
 
     def settings(self) -> Settings:
         return load_settings(self.paths().root)
+
+    def stage_metadata(self, stage: str, settings: Settings | None = None) -> dict:
+        """The settings table, project folder and how-to-change note for a stage asset's page."""
+        from gguf_assets.defs.settings import settings_metadata
+
+        return settings_metadata(settings or self.settings(), stage, str(self.paths().root))

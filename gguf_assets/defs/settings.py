@@ -15,6 +15,7 @@ from dagster._core.definitions.data_version import (
 )
 
 from gguf_assets.lib import atomic
+from gguf_assets.lib.markdown import markdown_table
 from gguf_assets.lib.pipeline import STAGES, stage_settings
 from gguf_assets.lib.settings import Settings
 
@@ -37,20 +38,28 @@ def settings_versions(settings: Settings) -> dict[str, str]:
     return versions
 
 
-def _table(values: dict, prefix: str = "") -> list[str]:
+def _rows(values: dict, prefix: str = "") -> list[list[str]]:
     rows = []
     for key, value in values.items():
         if isinstance(value, dict):
-            rows += _table(value, f"{prefix}{key}.")
+            rows += _rows(value, f"{prefix}{key}.")
         else:
-            rows.append(f"| `{prefix}{key}` | `{value}` |")
+            rows.append([f"`{prefix}{key}`", f"`{value}`"])
     return rows
 
 
-def _metadata(settings: Settings, stage: str) -> dict:
-    rows = ["| setting | value |", "|---|---|", *_table(stage_settings(settings)[stage])]
-    return {"settings": dg.MetadataValue.md("\n".join(rows)),
-            "how to change": "edit project.yaml in the project folder; this updates within the sensor interval"}
+def settings_metadata(settings: Settings, stage: str, project_dir: str | None = None) -> dict:
+    """The settings a stage's result is computed from, as a table, with the project folder and how to
+    change them: on the stage asset's page and on settings/<stage>. project.yaml stays the one source."""
+    metadata = {"settings": dg.MetadataValue.md(markdown_table(["setting", "value"],
+                                                               _rows(stage_settings(settings)[stage]))),
+                "how_to_change": dg.MetadataValue.md(
+                    "Edit `project.yaml` in the project folder, then `gguf-trainer run` (or Materialize here). Only "
+                    "what depends on the changed settings is redone; the UI marks it stale within the sensor "
+                    "interval.")}
+    if project_dir:
+        metadata["project_folder"] = dg.MetadataValue.path(project_dir)
+    return metadata
 
 
 def observe_settings(instance: dg.DagsterInstance, settings: Settings) -> list[str]:
@@ -61,7 +70,8 @@ def observe_settings(instance: dg.DagsterInstance, settings: Settings) -> list[s
         recorded = extract_data_version_from_entry(record.event_log_entry) if record else None
         if recorded is None or recorded.value != version:
             instance.report_runless_asset_event(dg.AssetObservation(
-                asset_key=settings_key(stage), tags={DATA_VERSION_TAG: version}, metadata=_metadata(settings, stage)))
+                asset_key=settings_key(stage), tags={DATA_VERSION_TAG: version},
+                metadata=settings_metadata(settings, stage)))
             changed.append(stage)
     return changed
 
@@ -74,9 +84,10 @@ def _settings_asset(stage: str) -> dg.SourceAsset:
         from gguf_assets.defs.resources import project_dir_from_env
         from gguf_assets.lib.settings import load_settings
 
-        settings = load_settings(project_dir_from_env())
+        folder = project_dir_from_env()
+        settings = load_settings(folder)
         return dg.ObserveResult(data_version=dg.DataVersion(settings_versions(settings)[stage]),
-                                metadata=_metadata(settings, stage))
+                                metadata=settings_metadata(settings, stage, str(folder)))
 
     return observe
 

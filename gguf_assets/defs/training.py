@@ -1,6 +1,8 @@
 """Training: the adapter, with checkpoints; metrics are logged as observations so the UI plots them."""
 
 
+import os
+
 import dagster as dg
 
 from gguf_assets.defs.panels import panel_metadata
@@ -8,7 +10,9 @@ from gguf_assets.defs.precompute import GPU_POOL, train_shards, val_shards
 from gguf_assets.defs.resources import ProjectResource
 from gguf_assets.defs.settings import settings_key
 from gguf_assets.lib import atomic, verify
+from gguf_assets.lib.curves_log import TENSORBOARD_DIR, TENSORBOARD_URL_ENV
 from gguf_assets.lib.hardware import HardwareSampler
+from gguf_assets.lib.markdown import markdown_table
 from gguf_assets.lib.materials import load_manifest
 from gguf_assets.lib.pipeline import adapter_fingerprint
 from gguf_assets.lib.shards import require_current
@@ -70,15 +74,14 @@ def adapter(context: dg.AssetExecutionContext, project: ProjectResource) -> dg.M
     def on_event(kind: str, data: dict) -> None:
         # Notes are logged by the library itself (the event log captures gguf_assets' loggers).
         if kind in ("log", "validate"):
-            # One observation per log/validate step: Dagster plots each numeric key over time.
+            # One observation per log/validate step: Dagster plots each numeric key over time. The
+            # "log" events carry the live hardware sample (GPU/CPU/RAM) taken at that step.
             numbers = {k: float(v) for k, v in data.items() if isinstance(v, (int, float))}
-            if kind == "log":  # the live hardware panel: GPU/CPU/RAM beside the loss, plotted as it runs
-                numbers.update(hardware.sample())
             context.log_event(dg.AssetObservation(asset_key=context.asset_key, metadata=numbers))
 
     with hardware:  # samples GPU/CPU/RAM in the background for the run's summary
         summary = train_adapter(paths, settings, train_folders=folders["train"], val_folders=folders["val"],
-                                fingerprint=fingerprint, on_event=on_event)
+                                fingerprint=fingerprint, on_event=on_event, sample_hardware=hardware.sample)
     run_dir = paths.checkpoints_dir(fingerprint)
     weights = run_dir / FINAL_DIR / WEIGHTS_FILE
     recorded_sha256 = (atomic.read_json(run_dir / FINAL_DIR / META_FILE).get("sha256") or {}).get(WEIGHTS_FILE)
@@ -91,19 +94,39 @@ def adapter(context: dg.AssetExecutionContext, project: ProjectResource) -> dg.M
     svg = curves.read_text(encoding="utf-8") if curves.is_file() else curves_svg(summary["history"])
     best = summary.get("best") or {}
     started = (summary.get("started") or {}).get("message", "")
+    # Numbers are plotted across materializations: only those that mean something run after run.
+    # The figures of this run alone go in a table (a one-point chart each was noise).
+    once = {"best step": best.get("step"), "best val centred cosine": best.get("val_centred_cosine"),
+            "shard read MB/s": summary.get("read_mb_per_s"), **hardware.summary()}
+    panels = panel_metadata()
     return dg.MaterializeResult(metadata={
-        **panel_metadata(), **hardware.summary(),
-        "fingerprint": fingerprint, "steps": summary["step"],
-        "val_centred_cosine": summary["val_centred_cosine"],
-        "empty_prompt_cosine": _number(summary["empty_prompt_cosine"]),
-        "untrained_val_centred_cosine": _number(summary["untrained_val_centred_cosine"]),
-        "val_loss": summary["val_loss"],
-        "best_step": _number(best.get("step")),
-        "best_val_centred_cosine": _number(best.get("val_centred_cosine")),
-        "read_mb_per_s": _number(summary.get("read_mb_per_s")),
-        "checkpoints": dg.MetadataValue.path(str(run_dir)),
-        "curves_svg": dg.MetadataValue.path(str(curves)),
+        **project.stage_metadata("adapter", settings),
         "verdict": dg.MetadataValue.md(f"**{text}**\n\n{advice}"),
+        "val_centred_cosine": summary["val_centred_cosine"],
+        "untrained_val_centred_cosine": _number(summary["untrained_val_centred_cosine"]),
+        "empty_prompt_cosine": _number(summary["empty_prompt_cosine"]),
+        "val_loss": summary["val_loss"], "steps": summary["step"],
+        "tensorboard": dg.MetadataValue.md(tensorboard_link(paths, fingerprint)),
         "training_curves": dg.MetadataValue.md(f"{curves_markdown(svg)}\n\n{started}"),
         "training_metrics": dg.MetadataValue.md(_metrics_table(summary["history"])),
+        "this_run": dg.MetadataValue.md(markdown_table(["figure", "value"], [
+            [k, _format(v)] for k, v in once.items() if v is not None])),
+        "hardware": panels["hardware"], "environment": panels["environment"],
+        "fingerprint": dg.MetadataValue.text(fingerprint),
+        "checkpoints": dg.MetadataValue.path(str(run_dir)),
+        "curves_svg": dg.MetadataValue.path(str(curves)),
     })
+
+
+def _format(value) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def tensorboard_link(paths, fingerprint: str) -> str:
+    """Where this run's curves are in TensorBoard, which `gguf-trainer ui` serves beside Dagster."""
+    url = os.environ.get(TENSORBOARD_URL_ENV)
+    where = (f"[{url}]({url}/?runFilter={fingerprint}#timeseries) (run `{fingerprint}`)" if url else
+             f"`gguf-trainer ui {paths.root}` serves them (run `{fingerprint}`)")
+    return (f"Loss, learning rate, gradient norm, val centred cosine, empty-prompt cosine, throughput and "
+            f"hardware against the step, one run per training fingerprint: {where}. The event files are in "
+            f"`{paths.root / TENSORBOARD_DIR / fingerprint}`.")

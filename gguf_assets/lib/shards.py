@@ -294,6 +294,7 @@ class ShardBuilder:
                 report.update(self._teacher.placement.metadata(), placement=meta["placement"])
             report[f"{half}_seconds"] = meta["seconds"]
             report[f"{half}_truncated"] = meta["truncated"]
+            report[f"{half}_tokens"] = int(meta.get("text_tokens", meta.get("tokens", 0)))
             report[f"{half}_prompts_per_s"] = round(len(plan.prompts) / meta["seconds"], 3) if meta["seconds"] else 0.0
         return report
 
@@ -308,11 +309,13 @@ class ShardRun:
 
 def precompute_split(paths: ProjectPaths, settings: Settings, materials: dict, split: str, keys: list[str],
                      *, on_shard_done: Callable[[dict], None] | None = None,
+                     on_progress: Callable[[dict], None] | None = None,
                      sample_interval_s: float | None = None) -> ShardRun:
     """Make the given shards current, one at a time, with live progress and hardware figures.
 
-    ``on_shard_done(report)`` runs as each shard is written (Dagster records it as materialized
-    then); the report carries that shard's hardware summary.
+    ``on_shard_done(report)`` runs as each shard is written; the report carries that shard's own
+    figures and hardware summary. ``on_progress(figures)`` runs with each progress line (every
+    PROGRESS_LOG_INTERVAL_S): the shard, the half, its rate and ETA and a hardware sample taken then.
     """
     plans = {p.key: p for p in plan_shards(paths, settings, materials, split)}
     unknown = [k for k in keys if k not in plans]
@@ -321,12 +324,24 @@ def precompute_split(paths: ProjectPaths, settings: Settings, materials: dict, s
                          f"({len(plans)} shards); rematerialize the corpus.")
     builder = ShardBuilder(paths, settings, materials)
     total = sum(len(plans[k].prompts) for k in keys)
-    progress = {half: Progress(f"{split} {half}", total) for half in halves_for_mode(settings.precompute.mode)}
+    sampler_kwargs = {} if sample_interval_s is None else {"interval_s": sample_interval_s}
+    sampler = HardwareSampler(**sampler_kwargs)
+    current = {"key": None}
+
+    def progress_line(half: str):
+        def emit(line: str) -> None:
+            log.info("%s", line)
+            if on_progress is not None:
+                on_progress({"shard": current["key"], "half": half, **progress[half].figures(), **sampler.sample()})
+        return emit
+
+    progress = {half: Progress(f"{split} {half}", total, emit=progress_line(half))
+                for half in halves_for_mode(settings.precompute.mode)}
     reports = []
     start = time.perf_counter()
-    sampler_kwargs = {} if sample_interval_s is None else {"interval_s": sample_interval_s}
-    with HardwareSampler(**sampler_kwargs) as sampler:
+    with sampler:
         for done, key in enumerate(keys, 1):
+            current["key"] = key
             shard_start = sampler.clock()
             report = builder.build(plans[key], progress=progress)
             report.update(sampler.summary(since=shard_start))

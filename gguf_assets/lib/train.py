@@ -52,6 +52,7 @@ from gguf_assets.lib.adapter import (
     lr_at,
     standardize,
 )
+from gguf_assets.lib.curves_log import TENSORBOARD_DIR, CurvesLog
 from gguf_assets.lib.errors import UserError
 from gguf_assets.lib.hardware import resolve_device
 from gguf_assets.lib.layout import (
@@ -663,12 +664,14 @@ def _non_finite_cause(step: int, what: str, value: float, *, batch: Batch, folde
 
 def train_adapter(paths: ProjectPaths, settings: Settings, *, train_folders: list[Path], val_folders: list[Path],
                   fingerprint: str, on_event: Callable[[str, dict], None] | None = None,
-                  stop_after: int | None = None) -> dict:
+                  stop_after: int | None = None, sample_hardware: Callable[[], dict] | None = None) -> dict:
     """Train (or resume) the run ``fingerprint``; returns the final summary.
 
     ``on_event(kind, data)`` receives "note" (a message), "log", "validate", "best",
     "checkpoint" and "finished" events. ``stop_after`` ends the call after that many steps
     without finishing (tests, pausing); the next call resumes from the last checkpoint.
+    ``sample_hardware()`` (GPU/CPU/RAM figures) is called at each log step; its figures go to
+    the "log" event and to TensorBoard (<project>/tensorboard/<fingerprint>, lib/curves_log.py).
     """
     t = settings.training
     emit = on_event or (lambda kind, data: None)
@@ -725,6 +728,9 @@ def train_adapter(paths: ProjectPaths, settings: Settings, *, train_folders: lis
 
     order = SampleOrder(sizes, t.seed)
     stop_at = t.steps if stop_after is None else min(t.steps, step + stop_after)
+    curves = CurvesLog(paths.root / TENSORBOARD_DIR / fingerprint, resumed_at_step=step)
+    if resumed.untrained is not None and step == 0:
+        curves.scalars(0, {"val_centred_cosine": resumed.untrained}, "val")
     stream = ShardStream(train_folders, order, batch_size=t.batch_size, end_step=stop_at)
     model.train()
     use_autocast = device.type == "cuda"
@@ -765,7 +771,10 @@ def train_adapter(paths: ProjectPaths, settings: Settings, *, train_folders: lis
                 history.append(entry)
                 log.info("step %d/%d loss %.4f lr %.2e grad %.3f %.2f steps/s %.1f samples/s", step, t.steps,
                          entry["loss"], lr, entry["grad_norm"], entry["steps_per_s"], entry["samples_per_s"])
-                emit("log", entry)
+                hardware = sample_hardware() if sample_hardware else {}
+                curves.scalars(step, entry, "train")
+                curves.scalars(step, hardware, "hardware")
+                emit("log", {**entry, **hardware})
                 window_start, window_steps = time.perf_counter(), 0
                 window_wait, window_bytes = stream.wait_seconds, stream.stats.bytes
             if step % t.validate_every == 0 or step == t.steps:
@@ -773,6 +782,7 @@ def train_adapter(paths: ProjectPaths, settings: Settings, *, train_folders: lis
                 entry = {"step": step,
                          **{k: metrics[k] for k in ("val_centred_cosine", "empty_prompt_cosine", "val_loss")}}
                 history.append(entry)
+                curves.scalars(step, entry, "val")
                 empty = metrics["empty_prompt_cosine"]
                 log.info("step %d: val centred cosine %.4f (empty prompt %s), val loss %.4f", step,
                          metrics["val_centred_cosine"], "n/a" if empty is None else f"{empty:.4f}",
@@ -794,6 +804,7 @@ def train_adapter(paths: ProjectPaths, settings: Settings, *, train_folders: lis
                 emit("checkpoint", {"step": step})
     finally:
         stream.close()
+        curves.close()
 
     if step < t.steps:
         return {"finished": False, "step": step, "fingerprint": fingerprint}

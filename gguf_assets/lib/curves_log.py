@@ -1,0 +1,39 @@
+"""Training curves for TensorBoard: one folder per training run, every scalar against the step.
+
+`gguf-trainer ui` serves <project>/tensorboard beside Dagster. Event files are TensorBoard's
+own append-only log (CRC-checked records): a kill -9 can leave a torn last record, which its
+reader skips, and a resumed run purges the steps after its checkpoint (``purge_step``), so the
+curve shows each step once, as in an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+TENSORBOARD_DIR = "tensorboard"
+# TensorBoard's address, set by `gguf-trainer ui` for the webserver, the daemon and the runs they launch.
+TENSORBOARD_URL_ENV = "GGUF_ASSETS_TENSORBOARD_URL"
+
+
+class CurvesLog:
+    """``scalars(step, values, group)`` writes ``group/name`` for every finite number in ``values``."""
+
+    def __init__(self, folder: Path, *, resumed_at_step: int = 0) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        folder.mkdir(parents=True, exist_ok=True)
+        # The checkpoint at step N was saved after step N's log and validation, so those stay; the
+        # events after it, written by the run a kill cut off, are hidden (they are redone).
+        self._writer = SummaryWriter(str(folder), purge_step=resumed_at_step + 1 if resumed_at_step else None,
+                                     flush_secs=10)
+
+    def scalars(self, step: int, values: dict, group: str) -> None:
+        for name, value in values.items():
+            if name != "step" and isinstance(value, (int, float)) and not isinstance(value, bool) \
+                    and math.isfinite(value):
+                self._writer.add_scalar(f"{group}/{name}", value, step)
+
+    def close(self) -> None:
+        self._writer.flush()
+        self._writer.close()
