@@ -113,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     rows, failed = [], False
     with tempfile.TemporaryDirectory(prefix="bench-status-") as tmp:
         materials = Path(tmp) / "demo-materials"
-        build_demo_materials(materials, seed=0)
+        # Enough distinct prompts for the largest project (the corpus dedupes and needs them all).
+        build_demo_materials(materials, seed=0, n_prompts=max(counts) * SHARD_PROMPTS * 11 // 10 + 200)
         for n in counts:
             paths = build_project(Path(tmp) / f"p{n}", materials, n)
             r = measure(paths)
