@@ -110,7 +110,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from gguf_assets.lib.demo import build_demo_materials, demo_settings
+    from gguf_assets.lib.demo import DEMO_STEPS, build_demo_materials, demo_settings
 
     start = time.perf_counter()
     paths = ProjectPaths.of(args.project)
@@ -118,7 +118,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         demo_root = paths.root / "materials" / "demo"
         print(f"building the tiny demo models and prompts in {demo_root} …")
         build_demo_materials(demo_root, seed=args.seed)
-        write_project_file(paths.root, demo_settings(steps=args.steps),
+        write_project_file(paths.root, demo_settings(steps=args.steps or DEMO_STEPS),
                            header="gguf_assets demo project: tiny random-weight Qwen3-MoE teacher, Qwen3 student.\n"
                                   + INIT_HEADER)
     else:
@@ -282,7 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_init)
     p = sub.add_parser("demo", help="build the tiny demo project and run the whole pipeline on it")
     p.add_argument("project", nargs="?", default="demo-project")
-    p.add_argument("--steps", type=int, default=400, help="training steps (default 400)")
+    p.add_argument("--steps", type=int, default=None, help="training steps (default: the demo's DEMO_STEPS, 1500)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_demo)
     p = sub.add_parser("run", help="materialize everything missing or stale, through Dagster")

@@ -5,6 +5,7 @@ import subprocess
 import time
 
 import dagster as dg
+import pytest
 from conftest import CLI, cli_env, free_port, project_instance
 
 ANSI = re.compile(r"\x1b\[")
@@ -61,3 +62,24 @@ def test_an_unreachable_hub_is_one_message_at_the_first_failure(make_project):
     assert message.startswith("pipeline failed at materials: materials.student = 'org/student'"), message
     assert "cannot be reached" in message and "local folder" in message and "HF_ENDPOINT" in message
     assert out.count("cannot be reached") == 2  # the step's console line, then the outcome
+
+
+@pytest.mark.slow
+def test_the_demo_ends_with_a_clean_console_its_score_and_where_to_look(tmp_path):
+    """`gguf-trainer demo DIR`, as the README's first command runs it: a quiet console, the score
+    of the real (tiny, random-weight) Qwen3-MoE teacher's student, then where to look next.
+
+    The demo scores 0.8725 (deterministic for its seed); the 0.9 of a passing verdict is not
+    reached yet (issue 15), so this guards the measured score, not the verdict."""
+    project = tmp_path / "demo-project"
+    env = {k: v for k, v in cli_env().items() if k not in ("DAGSTER_HOME", "GGUF_ASSETS_PROJECT")}
+    done = subprocess.run([*CLI, "demo", str(project)], capture_output=True, text=True, env=env, timeout=900)
+    out = done.stdout + done.stderr
+    print(out)
+    assert done.returncode == 0, out
+    assert_clean_console(out)
+    lines = done.stdout.strip().splitlines()
+    verdict = next(line for line in lines if line.startswith("val centred cosine:"))
+    assert float(verdict.split()[3]) >= 0.85, verdict
+    assert f"open the UI (runs, metrics, report): gguf-trainer ui {project}" in lines
+    assert lines[-1].startswith("demo wall time:")
