@@ -282,14 +282,16 @@ def main(argv: list[str] | None = None) -> int:
         materials = resolve_materials(paths, settings)
         build_corpus(paths, settings, materials, fingerprint=corpus_fingerprint(paths, settings, materials))
         results.append(Result("environment", "PASS", env))
-        for check in (lambda: check_precompute(paths, settings, materials, device, results),
-                      lambda: check_oom_lowering(paths, settings, materials, device, results, records.records),
-                      lambda: check_training_and_export(paths, settings, materials, device, results)):
+        checks = {"precompute": lambda: check_precompute(paths, settings, materials, device, results),
+                  "out-of-memory auto-lower": lambda: check_oom_lowering(paths, settings, materials, device, results,
+                                                                         records.records),
+                  "training and export": lambda: check_training_and_export(paths, settings, materials, device,
+                                                                           results)}
+        for name, check in checks.items():
             try:
                 check()
             except Exception as exc:  # report it and go on: the other checks still say something
-                results.append(Result(getattr(check, "__name__", "check"), "FAIL",
-                                      f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+                results.append(Result(name, "FAIL", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
     finally:
         if args.keep is None:
             shutil.rmtree(root, ignore_errors=True)
