@@ -18,7 +18,6 @@ from gguf_assets.defs.settings import settings_key
 from gguf_assets.lib.markdown import markdown_table
 from gguf_assets.lib.materials import load_manifest
 from gguf_assets.lib.shards import plan_shards, precompute_split, shard_status
-from gguf_assets.lib.teacher import summarize_placement
 
 GPU_POOL = "gpu"
 
@@ -43,9 +42,8 @@ def materialize_shards(context: dg.AssetExecutionContext, project: ProjectResour
         seconds = sum(report.get(f"{half}_seconds", 0.0) for half in ("teacher", "student"))
         figures["seconds"] = round(seconds, 3)
         figures["prompts_per_s"] = round(report["prompts"] / seconds, 3) if seconds else 0.0
-        if report.get("placement"):
+        if report.get("placement"):  # the console said where the teacher went when it was loaded
             figures["teacher_device_map"] = _device_map(report["placement"])
-            context.log.info("teacher placement: %s", summarize_placement(report["placement"]))
         figures["folder"] = dg.MetadataValue.path(str(paths.shard_dir(split, key)))
         # This shard's own materialization (one per shard per run) gets this shard's own figures.
         context.add_asset_metadata(figures, partition_key=key)
