@@ -149,6 +149,22 @@ class _StopRequest:
             os.close(read_fd)
 
 
+@contextmanager
+def _stop_tags_the_latest_run(instance) -> Iterator[None]:
+    """A stop on purpose (Ctrl-C, SIGTERM) tags the project's latest run as stopped, wherever it
+    landed: inside a run, or between two (a run had just succeeded). The daemon's resume sensor
+    then leaves the pipeline for the user to continue (defs/resume.py). The lock is still held."""
+    from gguf_assets.defs.resume import STOPPED_TAG
+
+    try:
+        yield
+    except KeyboardInterrupt:
+        latest = next(iter(instance.get_run_records(limit=1)), None)
+        if latest is not None and STOPPED_TAG not in latest.dagster_run.tags:
+            instance.add_run_tags(latest.dagster_run.run_id, {STOPPED_TAG: "true"})
+        raise
+
+
 def run_pipeline(paths: ProjectPaths, *, echo: Callable[[str], None] = print, workers: int = 1) -> list[StageState]:
     """Materialize everything missing or stale through the project's Dagster instance; returns the final status.
 
@@ -160,14 +176,15 @@ def run_pipeline(paths: ProjectPaths, *, echo: Callable[[str], None] = print, wo
 
     from gguf_assets.definitions import build_definitions
     from gguf_assets.defs.jobs import CONSOLE
-    from gguf_assets.defs.resume import STOPPED_TAG, mark_interrupted_runs
+    from gguf_assets.defs.resume import mark_interrupted_runs
     from gguf_assets.defs.settings import observe_settings
 
     defs = build_definitions(str(paths.root))
     instance = dg.DagsterInstance.get()
     size_gpu_pool(instance)
     with _StopRequest().installed() as stop, \
-            ProjectLock(paths.lock_file, describe=f"gguf-trainer run {paths.root.name}"):
+            ProjectLock(paths.lock_file, describe=f"gguf-trainer run {paths.root.name}"), \
+            _stop_tags_the_latest_run(instance):
         marked = mark_interrupted_runs(instance)
         if marked:
             echo(f"marked {len(marked)} run(s) cut off by a kill or reboot as failed; resuming where they stopped")
@@ -193,9 +210,7 @@ def run_pipeline(paths: ProjectPaths, *, echo: Callable[[str], None] = print, wo
                                                 asset_selection=[dg.AssetKey(a) for a in work.assets],
                                                 run_config=CONSOLE)
                 if not result.success and (stop.asked or _was_interrupted(instance, result.run_id)):
-                    # Stopped on purpose: resumable, but the daemon leaves it for the user to continue.
-                    instance.add_run_tags(result.run_id, {STOPPED_TAG: "true"})
-                    raise KeyboardInterrupt
+                    raise KeyboardInterrupt  # stopped on purpose (tagged by _stop_tags_the_latest_run)
                 if not result.success:
                     raise PipelineFailed(f"{failure_message(instance, result.run_id)}\nThe full log, stack trace "
                                          f"included: `gguf-trainer ui {paths.root}`, run {result.run_id[:8]}.")

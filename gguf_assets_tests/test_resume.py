@@ -126,3 +126,28 @@ def _status(paths):
     from gguf_assets.lib.settings import load_settings
 
     return project_status(paths, load_settings(paths.root))
+
+
+def test_a_stop_between_two_runs_still_tells_the_daemon_to_leave_the_pipeline(make_project, monkeypatch):
+    """Ctrl-C that lands after a run succeeded and before the next starts: the latest run is tagged
+    stopped, so the resume sensor waits for the user instead of starting the next job."""
+    from gguf_assets import runner
+    from gguf_assets.defs.resume import STOPPED_TAG, resume_decision
+    from gguf_assets.runner import run_pipeline
+
+    paths = make_project(steps=5, mock_teacher=True)
+    real_next_work, calls = runner.next_work, []
+
+    def stop_before_the_second_job(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real_next_work(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "next_work", stop_before_the_second_job)
+    with pytest.raises(KeyboardInterrupt):
+        run_pipeline(paths, echo=lambda _: None)
+    instance = project_instance(paths)
+    [latest] = instance.get_run_records(limit=1)
+    assert latest.dagster_run.status == dg.DagsterRunStatus.SUCCESS and STOPPED_TAG in latest.dagster_run.tags
+    assert "stopped on purpose" in resume_decision(instance).skip_message
