@@ -16,6 +16,7 @@ from gguf_assets.lib.demo import (
     PROMPTS_FILENAME,
     QUERY_ROWS_FILENAME,
     QUERY_ROWS_TENSOR,
+    TEACHER_LAYERS,
     DemoMaterials,
     build_demo_materials,
     iter_prompts,
@@ -115,7 +116,7 @@ def test_loads_with_auto_classes(built: dict[str, object]) -> None:
     assert not info["missing_keys"] and not info["unexpected_keys"]
 
     tc, sc = teacher.config, student.config
-    assert (tc.hidden_size, tc.num_hidden_layers, tc.num_attention_heads) == (64, 2, 4)
+    assert (tc.hidden_size, tc.num_hidden_layers, tc.num_attention_heads) == (64, TEACHER_LAYERS, 4)
     assert (tc.num_key_value_heads, tc.num_experts, tc.num_experts_per_tok) == (2, 4, 2)
     assert (tc.moe_intermediate_size, tc.intermediate_size) == (64, 128)
     assert tc.max_position_embeddings == 2048

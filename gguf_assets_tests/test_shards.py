@@ -11,6 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from gguf_assets.lib import atomic
 from gguf_assets.lib.corpus import build_corpus
+from gguf_assets.lib.demo import TEACHER_LAYERS
 from gguf_assets.lib.hardware import (
     HardwareSampler,
     NvmlReader,
@@ -96,11 +97,11 @@ def test_build_writes_verified_halves_and_reports_live_figures(project, caplog):
         assert student["hidden"].dtype == torch.bfloat16 and student["token_ids"].shape == student["hidden"].shape[:1]
         meta = atomic.read_json(folder / "teacher.json")
         assert meta["sha256"] == atomic.sha256_file(folder / "teacher.safetensors")
-        assert meta["placement"] == {"cpu": {"layers": 2, "gib": meta["placement"]["cpu"]["gib"]}}
+        assert meta["placement"] == {"cpu": {"layers": TEACHER_LAYERS, "gib": meta["placement"]["cpu"]["gib"]}}
         assert meta["truncated"] == 0 and meta["text_tokens"] > 0
     report = run.reports[0]
     assert report["teacher_status"] == "missing" and report["teacher_prompts_per_s"] > 0
-    assert report["teacher_cpu_layers"] == 2 and report["host_process_rss_gib_max"] > 0
+    assert report["teacher_cpu_layers"] == TEACHER_LAYERS and report["host_process_rss_gib_max"] > 0
     summary = run.summary
     assert summary["teacher_halves_computed"] == 2 and summary["student_halves_computed"] == 2
     assert summary["teacher_prompts_per_s"] > 0 and summary["teacher_tokens_per_s"] > 0

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from gguf_assets.lib.demo import demo_settings
+from gguf_assets.lib.demo import TEACHER_LAYERS, demo_settings
 from gguf_assets.lib.settings import replace
 from gguf_assets.lib.student import Student
 from gguf_assets.lib.teacher import (
@@ -152,10 +152,10 @@ def _layer_bytes(demo_materials_root, settings) -> int:
 
 def test_sequential_plan_spills_from_the_chosen_gpu_to_the_next_then_cpu(demo_materials_root, settings):
     layer = _layer_bytes(demo_materials_root, settings)
-    # The teacher is the embeddings (128,000 bytes in bf16), two layers and a final norm. The chosen
-    # GPU's budget is just short of all of it, so accelerate also keeps a layer's worth free there
-    # (for offloaded layers): it holds the embeddings and layer 0. GPU 0 holds exactly one layer;
-    # the norm goes to CPU RAM.
+    # The teacher is the embeddings (128,000 bytes in bf16), TEACHER_LAYERS (3) layers and a final
+    # norm. The chosen GPU's budget fits the embeddings and two layers, but accelerate also keeps a
+    # layer's worth free there (for offloaded layers): it holds the embeddings and layer 0. GPU 0
+    # holds exactly one layer; the rest goes to CPU RAM.
     chosen_gib = (128_000 + 2 * layer + 100) / GIB
     s = replace(settings, precompute={"device": "cuda:1", "teacher_gpu_memory_gib": chosen_gib})
     plan = plan_placement(demo_materials_root / "teacher", s, torch.device("cuda:1"), dtype=torch.bfloat16,
@@ -176,7 +176,7 @@ def test_sequential_plan_keeps_a_fitting_teacher_on_the_chosen_gpu(demo_material
     plan = plan_placement(demo_materials_root / "teacher", s, torch.device("cuda:1"), dtype=torch.bfloat16,
                           free_gpu_bytes={0: 80 * GIB, 1: 80 * GIB}, available_cpu_bytes=GIB)
     assert plan.device_map == {"": 1}
-    assert plan.summary["cuda:1"]["layers"] == 2 and plan.summary["cuda:1"]["gib"] > 0
+    assert plan.summary["cuda:1"]["layers"] == TEACHER_LAYERS and plan.summary["cuda:1"]["gib"] > 0
     assert plan.gpu_budget_gib == pytest.approx(72.0)
 
 
@@ -199,7 +199,7 @@ def test_balanced_is_transformers_even_split_under_explicit_budgets(demo_materia
 def test_cpu_teacher_is_summarized_as_cpu_only(teacher):
     assert teacher.placement.strategy == "single"
     assert list(teacher.placement.summary) == ["cpu"]
-    assert teacher.placement.summary["cpu"]["layers"] == 2
+    assert teacher.placement.summary["cpu"]["layers"] == TEACHER_LAYERS
     total = sum(p.numel() * p.element_size() for p in teacher.model.parameters()) / GIB
     assert teacher.placement.summary["cpu"]["gib"] == pytest.approx(total, rel=1e-3, abs=1e-4)
 
@@ -207,7 +207,7 @@ def test_cpu_teacher_is_summarized_as_cpu_only(teacher):
 def test_device_map_summary_resolves_modules_by_longest_prefix(teacher):
     summary = device_map_summary(teacher.model, {"embed_tokens": 0, "layers": 0, "layers.1": "cpu", "norm": "cpu",
                                                  "rotary_emb": "cpu"})
-    assert summary["cuda:0"]["layers"] == 1 and summary["cpu"]["layers"] == 1
+    assert summary["cuda:0"]["layers"] == TEACHER_LAYERS - 1 and summary["cpu"]["layers"] == 1
     embed = teacher.model.embed_tokens.weight
     assert summary["cuda:0"]["gib"] > embed.numel() * embed.element_size() / GIB
 

@@ -55,6 +55,7 @@ __all__ = [
     "PROMPTS_FILENAME",
     "TEACHER_HIDDEN_SIZE",
     "STUDENT_HIDDEN_SIZE",
+    "TEACHER_LAYERS",
     "INITIALIZER_RANGE",
     "QUERY_ROW_SCALE",
     "iter_prompts",
@@ -69,6 +70,11 @@ TOKENIZER_VOCAB_SIZE = 1000
 MAX_POSITION_EMBEDDINGS = 2048
 TEACHER_HIDDEN_SIZE = 64
 STUDENT_HIDDEN_SIZE = 48
+# Three layers, measured (1500 steps, seed 0): 1 layer 0.78 val centred cosine, 2 0.87, 3 0.92,
+# 4 0.90, 6 0.91, 8 0.89. Each layer averages the query rows over more of the prompt, so the
+# outputs become smoother functions of the prompt's tokens; past three the random MoE
+# blocks add more nonlinearity than smoothing. Seeds 1 and 2 at three layers: 0.916, 0.903.
+TEACHER_LAYERS = 3
 # Small on purpose. The demo is sized so that a small student + adapter can learn the
 # teacher in a few CPU minutes: with q/k-norm attention the logits are O(1) whatever the
 # scale, but each layer's update relative to its residual grows with initializer_range x
@@ -307,7 +313,7 @@ def _build_teacher(
     config = Qwen3MoeConfig(
         vocab_size=len(tokenizer),
         hidden_size=TEACHER_HIDDEN_SIZE,
-        num_hidden_layers=2,
+        num_hidden_layers=TEACHER_LAYERS,
         num_attention_heads=4,
         num_key_value_heads=2,
         num_experts=4,
