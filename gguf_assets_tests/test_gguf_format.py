@@ -224,35 +224,55 @@ def test_metadata_validation(tmp_path: Path) -> None:
 
 
 def test_failed_verify_keeps_old_file_and_no_temp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every byte of the temp file is checked before the rename: a torn tail, a flipped tensor byte,
+    a flipped byte in the header and a non-zero padding byte are each refused, the old file kept."""
     out = tmp_path / "adapter.gguf"
     write(out, make_adapter(0))
     good = out.read_bytes()
     real_write = gguf_format._write_file
 
-    def torn_write(path: Path, kvs, tensors) -> None:
-        real_write(path, kvs, tensors)
-        with open(path, "r+b") as fh:  # simulate a short write: drop the tail of the data
-            fh.truncate(path.stat().st_size - 100)
+    def damaged_write(damage):
+        def write_then_damage(path: Path, kvs, tensors, pool):
+            layout, sha = real_write(path, kvs, tensors, pool)
+            sha.result()  # the hash of what was meant to be written, before the damage
+            with open(path, "r+b") as fh:
+                damage(fh, layout)
+            return layout, sha
+        return write_then_damage
 
-    monkeypatch.setattr(gguf_format, "_write_file", torn_write)
-    with pytest.raises(gguf_format.GGUFVerifyError):
-        write(out, make_adapter(1))
-    assert out.read_bytes() == good
-    assert [p.name for p in tmp_path.iterdir()] == ["adapter.gguf"]
+    def flip(fh, offset: int, whence: int = 0) -> None:
+        fh.seek(offset, whence)
+        byte = fh.read(1)
+        fh.seek(offset, whence)
+        fh.write(bytes([byte[0] ^ 0xFF]))
 
-    def bit_flip_write(path: Path, kvs, tensors) -> None:
-        real_write(path, kvs, tensors)
-        with open(path, "r+b") as fh:  # same length, one data byte changed
-            fh.seek(-3, 2)
-            byte = fh.read(1)
-            fh.seek(-3, 2)
-            fh.write(bytes([byte[0] ^ 0xFF]))
+    def padding_after_prefix(layout) -> int:
+        pad = (-len(layout.prefix)) % layout.alignment
+        assert pad > 0, "this adapter's header happens to end aligned; flip another padding byte"
+        return len(layout.prefix)
 
-    monkeypatch.setattr(gguf_format, "_write_file", bit_flip_write)
-    with pytest.raises(gguf_format.GGUFVerifyError, match="bytes differ"):
-        write(out, make_adapter(1))
-    assert out.read_bytes() == good
-    assert [p.name for p in tmp_path.iterdir()] == ["adapter.gguf"]
+    damages = {
+        "torn tail": (lambda fh, layout: fh.truncate(fh.seek(0, 2) - 100), "cannot re-read|bytes"),
+        "tensor byte": (lambda fh, layout: flip(fh, -3, 2), "bytes differ"),
+        "header byte": (lambda fh, layout: flip(fh, len(layout.prefix) - 1), "differ|reads back|keys|types|cannot re-read"),
+        "padding byte": (lambda fh, layout: flip(fh, padding_after_prefix(layout)), "padding"),
+    }
+    for what, (damage, message) in damages.items():
+        monkeypatch.setattr(gguf_format, "_write_file", damaged_write(damage))
+        with pytest.raises(gguf_format.GGUFVerifyError, match=message):
+            write(out, make_adapter(1))
+        assert out.read_bytes() == good, what
+        assert [p.name for p in tmp_path.iterdir()] == ["adapter.gguf"], what
+
+
+def test_the_hash_computed_during_the_write_is_the_files(tmp_path: Path) -> None:
+    """The sha256 comes from memory while the bytes are written (no second read of the file);
+    it must equal a hash of the file as it lies on disk, for f16 and kept-f32 tensors alike."""
+    for seed in (0, 1):
+        out = tmp_path / f"adapter-{seed}.gguf"
+        summary = write(out, make_adapter(seed))
+        assert summary["sha256"] == atomic.sha256_file(out)
+        assert summary["bytes"] == out.stat().st_size
 
 
 # --- the evaluator --------------------------------------------------------------------

@@ -58,6 +58,11 @@ def fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
+def fsync_file(path: Path) -> None:
+    with open(path, "rb+") as fh:
+        os.fsync(fh.fileno())
+
+
 @contextlib.contextmanager
 def atomic_path(final: Path) -> Iterator[Path]:
     """Yield a temp path beside ``final``; on success it is fsynced and renamed over it.
@@ -74,8 +79,7 @@ def atomic_path(final: Path) -> Iterator[Path]:
         # mkstemp creates 0600; give the final file the usual umask-based mode instead.
         os.chmod(tmp, 0o666 & ~_umask())
         yield tmp
-        with open(tmp, "rb+") as fh:
-            os.fsync(fh.fileno())
+        fsync_file(tmp)
         os.replace(tmp, final)
         fsync_dir(final.parent)
     except BaseException as exc:
