@@ -254,7 +254,8 @@ def test_failed_verify_keeps_old_file_and_no_temp(tmp_path: Path, monkeypatch: p
     damages = {
         "torn tail": (lambda fh, layout: fh.truncate(fh.seek(0, 2) - 100), "cannot re-read|bytes"),
         "tensor byte": (lambda fh, layout: flip(fh, -3, 2), "bytes differ"),
-        "header byte": (lambda fh, layout: flip(fh, len(layout.prefix) - 1), "differ|reads back|keys|types|cannot re-read"),
+        "header byte": (lambda fh, layout: flip(fh, len(layout.prefix) - 1),
+                        "differ|reads back|keys|types|cannot re-read"),
         "padding byte": (lambda fh, layout: flip(fh, padding_after_prefix(layout)), "padding"),
     }
     for what, (damage, message) in damages.items():

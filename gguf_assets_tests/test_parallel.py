@@ -21,7 +21,7 @@ def test_split_range_is_contiguous_and_complete():
 
 
 def test_two_workers_give_byte_identical_shards(make_project):
-    changes = dict(steps=5, corpus={"train_prompts": 1600}, precompute={"shard_size": 200})
+    changes = dict(steps=5, corpus={"train_prompts": 400}, precompute={"shard_size": 50})
     serial, parallel = make_project(**changes), make_project(**changes)
     start = time.perf_counter()
     run_pipeline(serial, echo=lambda _: None)

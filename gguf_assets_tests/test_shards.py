@@ -12,14 +12,10 @@ from safetensors.torch import load_file, save_file
 from gguf_assets.lib import atomic
 from gguf_assets.lib.corpus import build_corpus
 from gguf_assets.lib.demo import TEACHER_LAYERS
-from gguf_assets.lib.hardware import (
-    HardwareSampler,
-    NvmlReader,
-    Progress,
-    format_seconds,
-)
+from gguf_assets.lib.hardware import HardwareSampler, NvmlReader
 from gguf_assets.lib.materials import resolve_materials
 from gguf_assets.lib.pipeline import corpus_fingerprint
+from gguf_assets.lib.progress import Progress, format_seconds
 from gguf_assets.lib.settings import load_settings, replace, write_project_file
 from gguf_assets.lib.shards import (
     HALVES,

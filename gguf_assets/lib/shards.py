@@ -33,7 +33,7 @@ from gguf_assets.lib import atomic, faults, verify
 from gguf_assets.lib.corpus import read_split, shard_prompts
 from gguf_assets.lib.errors import UserError
 from gguf_assets.lib.gguf_format import F16_MAX
-from gguf_assets.lib.hardware import HardwareSampler, Progress, resolve_device
+from gguf_assets.lib.hardware import HardwareSampler, resolve_device
 from gguf_assets.lib.layout import (
     PROMPTS_FILE,
     STUDENT_FILE,
@@ -42,6 +42,7 @@ from gguf_assets.lib.layout import (
     shard_key,
 )
 from gguf_assets.lib.materials import pins
+from gguf_assets.lib.progress import Progress
 from gguf_assets.lib.settings import Settings
 
 log = logging.getLogger(__name__)
