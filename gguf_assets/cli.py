@@ -323,9 +323,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:  # library errors already name the file/key and the fix
-        from gguf_assets.lib.corpus import CorpusError
         from gguf_assets.lib.lock import ProjectLocked
         from gguf_assets.lib.materials import MaterialsError
+        from gguf_assets.lib.prompt_files import CorpusError
 
         if isinstance(exc, (CorpusError, MaterialsError, ProjectLocked)):
             print(f"error: {exc}", file=sys.stderr)

@@ -10,19 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from gguf_assets.lib import atomic, verify
+from gguf_assets.lib import atomic, prompt_files, verify
 from gguf_assets.lib import corpus as corpus_lib
-from gguf_assets.lib.corpus import (
-    CorpusError,
-    build_corpus,
-    check_prompt_files,
-    clean,
-    empty_count,
-    read_prompt_file,
-    read_split,
-    shard_prompts,
-)
+from gguf_assets.lib.corpus import build_corpus, empty_count, read_split, shard_prompts
 from gguf_assets.lib.layout import ProjectPaths
+from gguf_assets.lib.prompt_files import CorpusError, check_prompt_files, clean, read_prompt_file
 from gguf_assets.lib.settings import Settings, replace
 
 
@@ -418,7 +410,7 @@ def test_local_files_use_corpus_text_field(project, tmp_path):
 
 
 def test_json_list_streams_across_read_chunks(tmp_path, monkeypatch):
-    monkeypatch.setattr(corpus_lib, "READ_CHUNK_BYTES", 64)  # items and numbers straddle window edges
+    monkeypatch.setattr(prompt_files, "READ_CHUNK_BYTES", 64)  # items and numbers straddle window edges
     items = [f"prompt {i} " + "é" * (i % 7) for i in range(200)]
     data = tmp_path / "p.json"
     data.write_text(json.dumps([{"text": t} if i % 2 else t for i, t in enumerate(items)], indent=1),
@@ -455,7 +447,7 @@ def test_non_utf8_in_gzip_names_decompressed_offset(tmp_path):
 
 
 def test_non_utf8_in_json_names_offset_across_chunks(tmp_path, monkeypatch):
-    monkeypatch.setattr(corpus_lib, "READ_CHUNK_BYTES", 16)
+    monkeypatch.setattr(prompt_files, "READ_CHUNK_BYTES", 16)
     body = ('["' + "é" * 20 + '", "').encode() + b"\xe9x" + b'"]'
     data = tmp_path / "p.json"
     data.write_bytes(codecs.BOM_UTF8 + body)
@@ -483,7 +475,7 @@ def test_unsupported_suffix_is_named(tmp_path):
 
 
 def test_overlong_line_is_a_bad_record_not_unbounded_memory(tmp_path, monkeypatch):
-    monkeypatch.setattr(corpus_lib, "MAX_RECORD_BYTES", 1000)
+    monkeypatch.setattr(prompt_files, "MAX_RECORD_BYTES", 1000)
     data = tmp_path / "p.txt"
     data.write_text("first\n" + "x" * 5000 + "\nlast\n", encoding="utf-8")
     with pytest.raises(CorpusError, match=rf"{data}:2: line longer than"):
@@ -670,7 +662,7 @@ def test_parquet_dataset_builds_the_same_corpus_as_jsonl(tmp_path, monkeypatch, 
 
     # Duplicates, blanks and padding, across several row groups and batches.
     texts = _prompts(150) + _prompts(10) + ["   ", "  padded prompt  "]
-    monkeypatch.setattr(corpus_lib, "PARQUET_BATCH_ROWS", 50)
+    monkeypatch.setattr(prompt_files, "PARQUET_BATCH_ROWS", 50)
     read_columns = []
     iter_batches = pq.ParquetFile.iter_batches
     monkeypatch.setattr(pq.ParquetFile, "iter_batches",

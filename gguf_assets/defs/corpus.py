@@ -8,10 +8,11 @@ from gguf_assets.defs.partitions import BY_SPLIT
 from gguf_assets.defs.resources import ProjectResource
 from gguf_assets.defs.settings import settings_key
 from gguf_assets.lib import atomic
-from gguf_assets.lib.corpus import build_corpus, check_prompt_files
+from gguf_assets.lib.corpus import build_corpus
 from gguf_assets.lib.layout import SPLITS, shard_key
 from gguf_assets.lib.materials import load_manifest
 from gguf_assets.lib.pipeline import corpus_fingerprint, corpus_is_current
+from gguf_assets.lib.prompt_files import check_prompt_files
 
 
 def expected_shard_keys(corpus_manifest: dict, settings) -> dict[str, list[str]]:
