@@ -14,12 +14,13 @@ until the configured source (for example its ``@revision``) changes.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from gguf_assets.lib import atomic, hub
+from gguf_assets.lib import atomic, hub, verify
 from gguf_assets.lib.errors import UserError
 from gguf_assets.lib.gguf_eval import safetensors_header
 from gguf_assets.lib.layout import ProjectPaths
@@ -59,18 +60,16 @@ class Material:
 
 
 def _hash_local_folder(folder: Path, cache: dict) -> tuple[str, int, int, dict]:
-    """Content hash of a folder; file hashes are cached by (size, mtime) between runs."""
+    """Content hash of a folder; a file's sha256 is reused while its stamp (size, mtime, inode) matches."""
     entries, new_cache, total = [], {}, 0
     files = sorted(p for p in folder.rglob("*") if p.is_file() and not p.name.startswith(atomic.TEMP_PREFIX))
     for file in files:
         rel = file.relative_to(folder).as_posix()
-        stat = file.stat()
-        key = f"{stat.st_size}:{stat.st_mtime_ns}"
         cached = cache.get(rel)
-        digest = cached["sha256"] if cached and cached.get("key") == key else atomic.sha256_file(file)
-        new_cache[rel] = {"key": key, "sha256": digest}
-        entries.append((rel, digest))
-        total += stat.st_size
+        entry = cached if cached and verify.stamp_matches(file, cached) else verify.record(file)
+        new_cache[rel] = entry
+        entries.append((rel, entry["sha256"]))
+        total += entry["bytes"]
     return "local:" + atomic.fingerprint(entries), len(files), total, new_cache
 
 
@@ -325,9 +324,13 @@ def resolve_materials(paths: ProjectPaths, settings: Settings, *, token: str | N
 
 def write_manifest(paths: ProjectPaths, manifest: dict) -> None:
     """Written with paths relative to the project folder (see ProjectPaths.stored)."""
+    atomic.write_json(paths.materials_manifest, _stored_form(paths, manifest))
+
+
+def _stored_form(paths: ProjectPaths, manifest: dict) -> dict:
     stored = paths.stored_doc(manifest)
     stored["_hash_cache"] = {paths.stored(folder): files for folder, files in manifest.get("_hash_cache", {}).items()}
-    atomic.write_json(paths.materials_manifest, stored)
+    return stored
 
 
 def materials_settings_key(settings: Settings) -> dict:
@@ -343,6 +346,7 @@ def manifest_is_current(paths: ProjectPaths, settings: Settings) -> bool:
     manifest = load_manifest(paths)
     if manifest.get("settings") != materials_settings_key(settings):
         return False
+    stored = copy.deepcopy(manifest)
     for folder, files in manifest.get("_hash_cache", {}).items():
         root = Path(folder)
         current = {p.relative_to(root).as_posix(): p for p in root.rglob("*")
@@ -350,9 +354,17 @@ def manifest_is_current(paths: ProjectPaths, settings: Settings) -> bool:
         if set(current) != set(files):
             return False
         for rel, entry in files.items():
-            stat = current[rel].stat()
-            if entry.get("key") != f"{stat.st_size}:{stat.st_mtime_ns}":
+            if "key" in entry:  # a hub snapshot's file (hub.verify's cache), or a local one recorded before stamps
+                stat = current[rel].stat()
+                if entry["key"] != f"{stat.st_size}:{stat.st_mtime_ns}":
+                    return False
+                continue
+            # By stamp; by content when it is unsure (a copied folder), then the new stamp is kept.
+            now = verify.confirmed(current[rel], entry)
+            if now is None:
                 return False
+            files[rel] = now
+    verify.store_refreshed(paths.materials_manifest, _stored_form(paths, stored), _stored_form(paths, manifest))
     return True
 
 

@@ -8,7 +8,6 @@ and upstream outputs; otherwise it is missing or stale and is recomputed, never 
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,9 +56,7 @@ def corpus_is_current(paths: ProjectPaths, settings: Settings, materials: dict) 
     now = {s: verify.confirmed(paths.corpus_file(s), manifest["splits"][s]) for s in SPLITS}
     if any(record is None for record in now.values()):
         return False
-    if any(verify.refreshed(manifest["splits"][s], now[s]) for s in SPLITS):
-        with contextlib.suppress(OSError):
-            atomic.write_json(paths.corpus_manifest, {**manifest, "splits": {**manifest["splits"], **now}})
+    verify.store_refreshed(paths.corpus_manifest, manifest, {**manifest, "splits": {**manifest["splits"], **now}})
     return True
 
 

@@ -16,7 +16,6 @@ memory is one shard's targets and states, whatever the corpus size.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import hashlib
 import json
@@ -100,9 +99,7 @@ def half_status(folder: Path, half: str, fingerprint: str) -> str:
     now = verify.confirmed(data_path, meta)
     if now is None:
         return "corrupt"
-    if verify.refreshed(meta, now):
-        with contextlib.suppress(OSError):  # a read-only copy is checked again next time
-            atomic.write_json(meta_path, now)
+    verify.store_refreshed(meta_path, meta, now)
     return "current"
 
 

@@ -14,9 +14,11 @@ the exported GGUF) gets a record: its size, mtime, inode and sha256. Two checks 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 from pathlib import Path
+from typing import Any
 
 from gguf_assets.lib import atomic
 from gguf_assets.lib.errors import UserError
@@ -78,6 +80,14 @@ def confirmed(path: Path, recorded: dict) -> dict | None:
 def refreshed(recorded: dict, now: dict) -> bool:
     """Whether ``now`` (from ``confirmed``) carries a newer stamp than the stored ``recorded``."""
     return any(recorded.get(k) != now.get(k) for k in STAMP_KEYS)
+
+
+def store_refreshed(record_file: Path, stored: Any, updated: Any) -> None:
+    """Write ``updated`` (records from ``confirmed``) over ``stored`` when a stamp changed, so the
+    next check costs no read again. Best effort: a read-only copy is checked by content next time."""
+    if updated != stored:
+        with contextlib.suppress(OSError):
+            atomic.write_json(record_file, updated)
 
 
 class ContentCheck:
