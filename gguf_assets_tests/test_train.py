@@ -454,3 +454,79 @@ def test_the_reader_checks_a_shard_against_its_recorded_sha256(tmp_path):
     with pytest.raises(ShardCorrupt, match=r"teacher.safetensors: its content differs.*computes this half again"):
         load_shard(shard)
     assert not (shard / "teacher.json").exists() and (shard / "student.json").exists()
+
+
+# -- the weight average (training.ema_decay) ----------------------------------------------
+
+EMA_SETTINGS = replace(SETTINGS, training={"ema_decay": 0.9})
+
+
+def test_ema_off_leaves_the_fingerprint_and_the_weights_as_before(shard_sets, reference):
+    """ema_decay 0 (the default) is the trainer as it was before the setting existed."""
+    assert SETTINGS.training.ema_decay == 0.0
+    # Computed by the trainer before ema_decay existed: a new key must not start new runs.
+    assert fingerprint_for(SETTINGS, shard_sets) == reference["summary"]["fingerprint"] == "4b3d5960ecb7cb7f"
+    assert training_fingerprint(Settings(), ["t0"], ["v0"]) == "c4bbb245f1136fba"
+    assert fingerprint_for(EMA_SETTINGS, shard_sets) != reference["summary"]["fingerprint"]
+    # Off, nothing is averaged: final/ holds the last step's raw weights, and checkpoints carry no average.
+    run_dir = reference["run_dir"]
+    last = list_checkpoints(run_dir)[-1]
+    assert last.name == "step-00000040"
+    assert reference["weights"] == (last / WEIGHTS_FILE).read_bytes()
+    assert "ema" not in torch.load(last / "trainer_state.pt", weights_only=True)
+
+
+@pytest.fixture(scope="module")
+def ema_reference(shard_sets, tmp_path_factory):
+    root = tmp_path_factory.mktemp("ema-reference")
+    summary = train(root, shard_sets, EMA_SETTINGS)
+    run_dir = ProjectPaths.of(root).checkpoints_dir(summary["fingerprint"])
+    return {"summary": summary, "run_dir": run_dir, "weights": (run_dir / FINAL_DIR / WEIGHTS_FILE).read_bytes(),
+            "best": (run_dir / BEST_DIR / WEIGHTS_FILE).read_bytes()}
+
+
+def test_ema_final_holds_the_average_not_the_raw_weights(shard_sets, ema_reference, reference):
+    from gguf_assets.lib.train import evaluate
+
+    run_dir, summary = ema_reference["run_dir"], ema_reference["summary"]
+    last = list_checkpoints(run_dir)[-1]
+    assert last.name == "step-00000040"
+    raw = load_file(str(last / WEIGHTS_FILE))
+    average = torch.load(last / "trainer_state.pt", weights_only=True)["ema"]
+    final = load_file(str(run_dir / FINAL_DIR / WEIGHTS_FILE))
+    assert set(final) == set(raw) == set(average)
+    assert all(torch.equal(final[k], average[k]) for k in final)
+    changed = [k for k in final if not torch.equal(final[k], raw[k])]
+    assert "query" in changed and "out_proj.weight" in changed
+    assert all(torch.equal(final[k], raw[k]) for k in ("target_mean", "target_std"))  # statistics are not averaged
+    # The raw weights train exactly as without the average; only what is kept differs.
+    assert (last / WEIGHTS_FILE).read_bytes() == reference["weights"]
+    # What was reported is the average's score, and the export reads the average.
+    model, meta = load_final(run_dir)
+    again = evaluate(model, shard_sets["val"], device=torch.device("cpu"),
+                     cosine_weight=SETTINGS.training.cosine_weight)
+    assert again["val_centred_cosine"] == pytest.approx(summary["val_centred_cosine"], abs=1e-6)
+    assert meta["training"]["ema_decay"] == 0.9
+    assert summary["val_centred_cosine"] != reference["summary"]["val_centred_cosine"]
+
+
+def test_ema_stop_and_resume_is_bit_identical(shard_sets, ema_reference, tmp_path):
+    first = train(tmp_path, shard_sets, EMA_SETTINGS, stop_after=13)
+    assert first["step"] == 13
+    run_dir = ProjectPaths.of(tmp_path).checkpoints_dir(first["fingerprint"])
+    assert list_checkpoints(run_dir)[-1].name == "step-00000010"
+    summary = train(tmp_path, shard_sets, EMA_SETTINGS)
+    assert summary["finished"]
+    assert (run_dir / FINAL_DIR / WEIGHTS_FILE).read_bytes() == ema_reference["weights"]
+    assert (run_dir / BEST_DIR / WEIGHTS_FILE).read_bytes() == ema_reference["best"]
+    assert summary["val_centred_cosine"] == ema_reference["summary"]["val_centred_cosine"]
+
+
+def test_ema_decay_must_be_below_one():
+    from gguf_assets.lib.settings import SettingsError, settings_from_dict
+
+    materials = {"teacher": "t", "student": "s"}
+    assert settings_from_dict({"materials": materials, "training": {"ema_decay": 0.999}}).training.ema_decay == 0.999
+    for bad in (1.0, 1.5, -0.1):
+        with pytest.raises(SettingsError, match="training.ema_decay"):
+            settings_from_dict({"materials": materials, "training": {"ema_decay": bad}})

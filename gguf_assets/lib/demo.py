@@ -55,6 +55,7 @@ __all__ = [
     "PROMPTS_FILENAME",
     "TEACHER_HIDDEN_SIZE",
     "STUDENT_HIDDEN_SIZE",
+    "STUDENT_LAYERS",
     "TEACHER_LAYERS",
     "INITIALIZER_RANGE",
     "QUERY_ROW_SCALE",
@@ -70,10 +71,11 @@ TOKENIZER_VOCAB_SIZE = 1000
 MAX_POSITION_EMBEDDINGS = 2048
 TEACHER_HIDDEN_SIZE = 64
 STUDENT_HIDDEN_SIZE = 48
-# Three layers, measured (1500 steps, seed 0): 1 layer 0.78 val centred cosine, 2 0.87, 3 0.92,
-# 4 0.90, 6 0.91, 8 0.89. Each layer averages the query rows over more of the prompt, so the
-# outputs become smoother functions of the prompt's tokens; past three the random MoE
-# blocks add more nonlinearity than smoothing. Seeds 1 and 2 at three layers: 0.916, 0.903.
+STUDENT_LAYERS = 2
+# Three layers, chosen by measurement (demo, 1500 steps, seed 0): 1 layer 0.78 val centred
+# cosine, 2 0.87, 3 0.92, 4 0.90, 6 0.91, 8 0.89; seeds 1 and 2 at three layers: 0.916, 0.903.
+# Our reading, not proven: each layer lets the query rows average over more of the prompt,
+# which smooths the outputs, and past three the random MoE blocks add more nonlinearity.
 TEACHER_LAYERS = 3
 # Small on purpose. The demo is sized so that a small student + adapter can learn the
 # teacher in a few CPU minutes: with q/k-norm attention the logits are O(1) whatever the
@@ -346,17 +348,18 @@ def _lift(student_embeddings: torch.Tensor, seed: int) -> torch.Tensor:
     return (student_embeddings.detach().float() @ lift).contiguous()
 
 
-def _build_student(tokenizer: PreTrainedTokenizerFast, seed: int) -> Qwen3ForCausalLM:
+def _build_student(tokenizer: PreTrainedTokenizerFast, seed: int, *, hidden_size: int = STUDENT_HIDDEN_SIZE,
+                   layers: int = STUDENT_LAYERS) -> Qwen3ForCausalLM:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     config = Qwen3Config(
         vocab_size=len(tokenizer),
-        hidden_size=STUDENT_HIDDEN_SIZE,
-        num_hidden_layers=2,
+        hidden_size=hidden_size,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=12,
-        intermediate_size=96,
+        intermediate_size=2 * hidden_size,
         max_position_embeddings=MAX_POSITION_EMBEDDINGS,
         initializer_range=INITIALIZER_RANGE,
         pad_token_id=tokenizer.pad_token_id,
@@ -426,17 +429,23 @@ def _install(staged: Path, final: Path, trash: Path) -> None:
 
 
 def build_demo_materials(
-    root: Path, *, seed: int = 0, n_prompts: int = 2000, query_rows: int = 256
+    root: Path, *, seed: int = 0, n_prompts: int = 2000, query_rows: int = 256,
+    student_hidden_size: int = STUDENT_HIDDEN_SIZE, student_layers: int = STUDENT_LAYERS,
 ) -> DemoMaterials:
     """Build the demo teacher, student and dataset under ``root`` (no network).
 
     Same ``seed`` and options give byte-identical files. Existing ``teacher``,
-    ``student`` and ``dataset`` folders under ``root`` are replaced.
+    ``student`` and ``dataset`` folders under ``root`` are replaced. ``student_hidden_size``
+    and ``student_layers`` give students of other shapes (benchmarks/bench_quality.py); the
+    teacher's token embeddings are a lift of whichever student's, as always.
     """
     if n_prompts < 1:
         raise ValueError(f"n_prompts must be >= 1, got {n_prompts}")
     if query_rows < 1:
         raise ValueError(f"query_rows must be >= 1, got {query_rows}")
+    if student_hidden_size < 1 or student_layers < 1:
+        raise ValueError(f"student_hidden_size and student_layers must be >= 1, got {student_hidden_size}, "
+                         f"{student_layers}")
     from safetensors.torch import save_file
 
     root = Path(root)
@@ -450,7 +459,7 @@ def build_demo_materials(
     try:
         staged = tmp / "staged"
         staged.mkdir()
-        student = _build_student(tokenizer, seed)
+        student = _build_student(tokenizer, seed, hidden_size=student_hidden_size, layers=student_layers)
         teacher = _build_teacher(tokenizer, seed, student.get_input_embeddings().weight)
         _save_model(teacher, tokenizer, staged / "teacher")
         save_file(

@@ -34,8 +34,9 @@ class SettingsError(UserError, ValueError):
 
 
 def _f(default: Any, help: str, *, choices: tuple | None = None, min: float | None = None,
-       max: float | None = None, kind: str | None = None) -> Any:
-    meta = {"help": help, "choices": choices, "min": min, "max": max, "kind": kind}
+       max: float | None = None, below: float | None = None, kind: str | None = None) -> Any:
+    """``below`` is an exclusive upper bound (``max`` an inclusive one)."""
+    meta = {"help": help, "choices": choices, "min": min, "max": max, "below": below, "kind": kind}
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -112,6 +113,8 @@ class Training:
     weight_decay: float = _f(0.01, "AdamW weight decay", min=0.0)
     grad_clip: float = _f(1.0, "clip the gradient norm to this (0 = off)", min=0.0)
     cosine_weight: float = _f(0.5, "loss = whitened MSE + cosine_weight * (1 - cos)", min=0.0)
+    ema_decay: float = _f(0.0, "exponential moving average of the weights, used for validation, best/ and final/ "
+                               "(0 = off; e.g. 0.999)", min=0.0, below=1.0)
     sigma_floor: float = _f(0.01, "floor of the per-dimension target std used to standardize", min=1e-12)
     grad_checkpoint: bool = _f(False, "recompute activations in backward to save memory")
     device: str = _f("auto", "auto, cpu, cuda or cuda:N", kind="device")
@@ -290,6 +293,8 @@ def _check_value(section: str, f: dataclasses.Field, value: Any) -> Any:
         raise ValueError(f"must be >= {meta['min']}")
     if meta.get("max") is not None and value > meta["max"]:
         raise ValueError(f"must be <= {meta['max']}")
+    if meta.get("below") is not None and value >= meta["below"]:
+        raise ValueError(f"must be below {meta['below']}")
     if kind == "device" and not (value in ("auto", "cpu", "cuda")
                                  or (value.startswith("cuda:") and value[5:].isdigit())):
         raise ValueError("must be auto, cpu, cuda or cuda:N")

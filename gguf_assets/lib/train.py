@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import base64
 import bisect
+import copy
 import io
 import json
 import logging
@@ -75,6 +76,9 @@ META_FILE = "meta.json"
 CURVES_FILE = "curves.svg"
 # Settings that change speed or bookkeeping, not the trained weights.
 NON_RESULT_KEYS = ("device", "grad_checkpoint", "log_every", "validate_every", "checkpoint_every", "keep_checkpoints")
+# Result settings added after runs existed, with the value that means "as before": they enter the
+# fingerprint only when set otherwise, so a new key never retrains an existing project.
+OFF_VALUES = {"ema_decay": 0.0}
 # Shards shuffled together. Part of the data order, hence of the run fingerprint.
 SHUFFLE_WINDOW_SHARDS = 4
 READ_CHUNK_BYTES = 32 << 20
@@ -483,15 +487,22 @@ def _weights(model: Adapter) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
 
 
-def save_checkpoint(folder: Path, *, model: Adapter, optimizer: torch.optim.Optimizer, step: int, meta: dict) -> None:
+def save_checkpoint(folder: Path, *, model: Adapter, optimizer: torch.optim.Optimizer, step: int, meta: dict,
+                    ema: Adapter | None = None) -> None:
     """Weights, optimizer, RNG, step (which fixes the data position and the lr), settings; all or nothing.
 
-    The meta, written last, records each file's sha256, so a resume can tell a damaged checkpoint.
+    ``adapter.safetensors`` holds the raw weights, the ones training continues from; the weight
+    average, when on, travels in ``trainer_state.pt`` (key "ema"). The meta, written last,
+    records each file's sha256, so a resume can tell a damaged checkpoint.
     """
     _check_finite(model, step)
+    state = {"optimizer": optimizer.state_dict(), "rng": _rng_state(), "step": step}
+    if ema is not None:  # absent when off, so such checkpoints are byte for byte what they were
+        _check_finite(ema, step)
+        state["ema"] = _weights(ema)
     with atomic.atomic_dir(folder) as tmp:
         save_file(_weights(model), str(tmp / WEIGHTS_FILE))
-        torch.save({"optimizer": optimizer.state_dict(), "rng": _rng_state(), "step": step}, tmp / STATE_FILE)
+        torch.save(state, tmp / STATE_FILE)
         faults.point("checkpoint-save", tmp / STATE_FILE)
         (tmp / META_FILE).write_text(json.dumps({**meta, "step": step, **_file_hashes(tmp, WEIGHTS_FILE, STATE_FILE)},
                                                 indent=2, sort_keys=True))
@@ -539,10 +550,11 @@ class _Resumed:
     untrained: float | None = None
     started: dict = field(default_factory=dict)
     checkpoint: str | None = None
+    ema: dict | None = None
 
 
 def _restore(run_dir: Path, model: Adapter, optimizer: torch.optim.Optimizer, device: torch.device,
-             shape: AdapterShape) -> _Resumed | None:
+             shape: AdapterShape, *, ema: bool = False) -> _Resumed | None:
     """Load the newest intact checkpoint; a damaged or unreadable one is skipped with a warning.
 
     Intact means each file's bytes match the sha256 its meta recorded. Falling back costs only
@@ -557,6 +569,8 @@ def _restore(run_dir: Path, model: Adapter, optimizer: torch.optim.Optimizer, de
             weights = {k: v.to(device) for k, v in safetensors_load(read_recorded(ckpt, WEIGHTS_FILE, meta)).items()}
             state = torch.load(io.BytesIO(read_recorded(ckpt, STATE_FILE, meta)), weights_only=True,
                                map_location=device)
+            if ema and "ema" not in state:
+                raise TrainingError(f"{ckpt}: no weight average in {STATE_FILE}, though training.ema_decay is on")
         except Exception as exc:  # any damaged or unreadable file: fall back to the previous checkpoint
             log.warning("checkpoint %s is damaged, so it is not used (%s); trying an older one", ckpt.name, exc)
             continue
@@ -566,15 +580,20 @@ def _restore(run_dir: Path, model: Adapter, optimizer: torch.optim.Optimizer, de
         if "cuda" in state["rng"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all([s.cpu() for s in state["rng"]["cuda"]])
         return _Resumed(step=meta["step"], history=meta.get("history", []), best=meta.get("best"),
-                        untrained=meta.get("untrained"), started=meta.get("started", {}), checkpoint=ckpt.name)
+                        untrained=meta.get("untrained"), started=meta.get("started", {}), checkpoint=ckpt.name,
+                        ema=state.get("ema") if ema else None)
     return None
 
 
 # -- runs and settings changes ------------------------------------------------------------
 
 def training_settings(settings: Settings) -> dict:
-    """The training settings the result depends on (cadence and device settings change nothing)."""
-    return {k: v for k, v in settings.section_dict("training").items() if k not in NON_RESULT_KEYS}
+    """The training settings the result depends on (cadence and device settings change nothing).
+
+    A key of OFF_VALUES at its off value is left out: the result is what it was before the key existed.
+    """
+    return {k: v for k, v in settings.section_dict("training").items()
+            if k not in NON_RESULT_KEYS and not (k in OFF_VALUES and v == OFF_VALUES[k])}
 
 
 def training_fingerprint(settings: Settings, train_fps: list[str], val_fps: list[str]) -> str:
@@ -611,7 +630,7 @@ def why_new_run(paths: ProjectPaths, fingerprint: str, training: dict, train_id:
     if not runs:
         return {"previous_run": None, "message": f"starting training run {fingerprint} (no earlier run)"}
     _, name, meta = max(runs)
-    old = meta.get("training", {})
+    old = {**OFF_VALUES, **meta.get("training", {})}  # a run from before a key existed ran with it off
     changed = {k: [old.get(k), v] for k, v in training.items() if k not in NON_RESULT_KEYS and old.get(k) != v}
     reasons = [f"training.{k}: {a!r} → {b!r}" for k, (a, b) in sorted(changed.items())]
     if meta.get("train_shards") not in (None, train_id):
@@ -642,6 +661,28 @@ def build_model(shape: AdapterShape, *, seed: int, grad_checkpoint: bool = False
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
         return Adapter(shape, grad_checkpoint=grad_checkpoint)
+
+
+class WeightAverage:
+    """An exponential moving average of the weights (``training.ema_decay``), a second Adapter.
+
+    The decay after n updates is min(ema_decay, (1 + n) / (10 + n)): early, mostly random weights
+    fade within tens of steps whatever the decay, so short runs profit too. It depends on the step
+    alone, and the average is saved in each checkpoint, so a resumed run averages exactly as an
+    uninterrupted one. The target statistics (buffers) are copied once; they never change.
+    """
+
+    def __init__(self, model: Adapter, decay: float) -> None:
+        self.decay = decay
+        self.model = copy.deepcopy(model)
+        self.model.grad_checkpoint = False
+        self.model.requires_grad_(False)
+
+    @torch.no_grad()
+    def update(self, model: Adapter, step: int) -> None:
+        decay = min(self.decay, (1 + step) / (10 + step))
+        for average, weight in zip(self.model.parameters(), model.parameters()):
+            average.lerp_(weight.detach(), 1.0 - decay)
 
 
 def _non_finite_cause(step: int, what: str, value: float, *, batch: Batch, folders: list[Path], model: Adapter,
@@ -704,7 +745,7 @@ def train_adapter(paths: ProjectPaths, settings: Settings, *, train_folders: lis
     base_meta = {"fingerprint": fingerprint, "shape": shape.to_dict(), "training": settings.section_dict("training"),
                  "train_prompts": sum(sizes), "train_shards": train_id, "val_shards": val_id, "format": FORMAT}
 
-    resumed = _restore(run_dir, model, optimizer, device, shape)
+    resumed = _restore(run_dir, model, optimizer, device, shape, ema=t.ema_decay > 0)
     if resumed is not None:
         note(f"resuming training run {fingerprint} from {resumed.checkpoint} (step {resumed.step} of {t.steps})")
     else:
@@ -720,6 +761,11 @@ def train_adapter(paths: ProjectPaths, settings: Settings, *, train_folders: lis
         note(f"untrained adapter: val centred cosine {resumed.untrained:.4f}")
     step, history, best = resumed.step, resumed.history, resumed.best
     base_meta["started"] = resumed.started
+    # With the average on, it is what is validated and kept (best/, final/); training steps the raw weights.
+    average = WeightAverage(model, t.ema_decay) if t.ema_decay > 0 else None
+    if average is not None and resumed.ema is not None:
+        average.model.load_state_dict(resumed.ema)
+    judged = average.model if average is not None else model
 
     def write_curves() -> str:
         svg = curves_svg(history)
@@ -759,6 +805,8 @@ def train_adapter(paths: ProjectPaths, settings: Settings, *, train_folders: lis
                                                       model=model, learning_rate=t.learning_rate))
             optimizer.step()
             step += 1
+            if average is not None:
+                average.update(model, step)
             faults.point("train-step")
             window_steps += 1
 
@@ -778,7 +826,7 @@ def train_adapter(paths: ProjectPaths, settings: Settings, *, train_folders: lis
                 window_start, window_steps = time.perf_counter(), 0
                 window_wait, window_bytes = stream.wait_seconds, stream.stats.bytes
             if step % t.validate_every == 0 or step == t.steps:
-                metrics = evaluate(model, val_folders, device=device, cosine_weight=t.cosine_weight)
+                metrics = evaluate(judged, val_folders, device=device, cosine_weight=t.cosine_weight)
                 entry = {"step": step,
                          **{k: metrics[k] for k in ("val_centred_cosine", "empty_prompt_cosine", "val_loss")}}
                 history.append(entry)
@@ -791,7 +839,7 @@ def train_adapter(paths: ProjectPaths, settings: Settings, *, train_folders: lis
                 if best is None or metrics["val_centred_cosine"] > best["val_centred_cosine"]:
                     best = {"step": step, "val_centred_cosine": metrics["val_centred_cosine"],
                             "empty_prompt_cosine": metrics["empty_prompt_cosine"], "val_loss": metrics["val_loss"]}
-                    save_weights(run_dir / BEST_DIR, model=model, step=step, meta={**base_meta, **best})
+                    save_weights(run_dir / BEST_DIR, model=judged, step=step, meta={**base_meta, **best})
                     emit("best", best)
                 # A checkpoint's time may not come for a while; keep the picture current for the UI.
                 write_curves()
@@ -799,7 +847,8 @@ def train_adapter(paths: ProjectPaths, settings: Settings, *, train_folders: lis
                 meta = {**base_meta, "history": history, "best": best, "untrained": resumed.untrained,
                         "samples_seen": step * t.batch_size, "lr_next": lr_at(step, peak=t.learning_rate,
                                                                               warmup=t.warmup_steps, total=t.steps)}
-                save_checkpoint(run_dir / f"step-{step:08d}", model=model, optimizer=optimizer, step=step, meta=meta)
+                save_checkpoint(run_dir / f"step-{step:08d}", model=model, optimizer=optimizer, step=step, meta=meta,
+                                ema=average.model if average is not None else None)
                 prune_checkpoints(run_dir, t.keep_checkpoints)
                 emit("checkpoint", {"step": step})
     finally:
@@ -808,13 +857,13 @@ def train_adapter(paths: ProjectPaths, settings: Settings, *, train_folders: lis
 
     if step < t.steps:
         return {"finished": False, "step": step, "fingerprint": fingerprint}
-    final = evaluate(model, val_folders, device=device, cosine_weight=t.cosine_weight)
+    final = evaluate(judged, val_folders, device=device, cosine_weight=t.cosine_weight)
     text, advice = verdict(final["val_centred_cosine"])
     summary = {**base_meta, "finished": True, "step": step, "history": history, "best": best,
                "untrained_val_centred_cosine": resumed.untrained, "verdict": text, "advice": advice,
                "read_mb_per_s": stream.stats.mb_per_s,
                **{k: final[k] for k in ("val_centred_cosine", "empty_prompt_cosine", "val_loss", "per_shard")}}
-    save_weights(final_dir, model=model, step=step, meta=summary, extra={CURVES_FILE: write_curves()})
+    save_weights(final_dir, model=judged, step=step, meta=summary, extra={CURVES_FILE: write_curves()})
     note(f"training finished: {text} {advice}")
     emit("finished", {"step": step, "val_centred_cosine": final["val_centred_cosine"]})
     return summary
