@@ -24,6 +24,7 @@ def test_status_reads_under_one_percent_of_the_shard_bytes():
     assert all(float(r[3].rstrip("%")) < 1.0 for r in rows), out
 
 
+@pytest.mark.slow  # about 25 s: two pairs built and trained
 def test_quality_benchmark_prints_its_table_and_applies_its_own_rule():
     """bench_quality.py --quick: every variant on both pairs, deltas against the same run's current
     recipe, and a verdict line that follows from the table by the adoption rule."""
