@@ -12,9 +12,9 @@ import pytest
 
 from gguf_assets.lib import atomic, prompt_files, verify
 from gguf_assets.lib import corpus as corpus_lib
-from gguf_assets.lib.corpus import build_corpus, empty_count, read_split, shard_prompts
+from gguf_assets.lib.corpus import build_corpus, clean, empty_count, read_split, shard_prompts
 from gguf_assets.lib.layout import ProjectPaths
-from gguf_assets.lib.prompt_files import CorpusError, check_prompt_files, clean, read_prompt_file
+from gguf_assets.lib.prompt_files import CorpusError, check_prompt_files, read_prompt_file
 from gguf_assets.lib.settings import Settings, replace
 
 

@@ -55,6 +55,11 @@ EMPTY_LINE = b'{"text": ""}\n'
 
 # -- building -----------------------------------------------------------------------------
 
+def clean(text: str) -> str:
+    """A prompt as the corpus keeps it (``_read_sources`` inlines this in its hot loop)."""
+    return unicodedata.normalize("NFC", text).strip()
+
+
 def empty_count(n: int, fraction: float) -> int:
     """Empty prompts in a split of n: round(n * fraction), at least one when fraction > 0."""
     return 0 if fraction <= 0 else max(1, round(n * fraction))
@@ -127,7 +132,7 @@ def _read_sources(sources: list[tuple[str, Path, str]], settings: Settings, spil
                     pool.bad_samples.append(value.message)
                 continue
             read += 1
-            text = normalize("NFC", value).strip()
+            text = normalize("NFC", value).strip()  # clean(value), inlined
             if not text:
                 blank += 1
                 continue

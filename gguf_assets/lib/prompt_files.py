@@ -16,10 +16,8 @@ import gzip
 import hashlib
 import io
 import json
-import logging
 import os
 import re
-import unicodedata
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -31,8 +29,6 @@ from gguf_assets.lib.errors import UserError
 from gguf_assets.lib.layout import ProjectPaths
 from gguf_assets.lib.materials import DATASET_METADATA_FILES
 from gguf_assets.lib.settings import Settings
-
-log = logging.getLogger(__name__)
 
 PROMPT_FORMATS = (".txt", ".jsonl", ".json", ".csv", ".parquet")
 GZIP_SUFFIX = ".gz"
@@ -62,10 +58,6 @@ class BadRecord:
     """A record that cannot be used; ``message`` starts with file:line."""
 
     message: str
-
-
-def clean(text: str) -> str:
-    return unicodedata.normalize("NFC", text).strip()
 
 
 def prompt_format(file: Path) -> str | None:
