@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+from gguf_assets.defs.groups import lineage_path
 from gguf_assets.lib.curves_log import TENSORBOARD_DIR, TENSORBOARD_URL_ENV
 from gguf_assets.lib.layout import ProjectPaths
 from gguf_assets.lib.settings import (
@@ -18,6 +19,7 @@ from gguf_assets.lib.settings import (
     load_settings,
     write_project_file,
 )
+from gguf_assets.runner import DEFINITIONS_MODULE
 
 INIT_HEADER = """gguf_assets project settings. Every key is documented in docs/settings.md.
 Materials are hub repo ids (owner/name, optionally @revision) or local folders (relative to this folder).
@@ -184,15 +186,14 @@ def stop_services(procs: list[subprocess.Popen], *, grace_s: float = 10.0) -> No
             p.wait()
 
 
-DEFINITIONS_MODULE = ["-m", "gguf_assets.definitions"]
 
 
 def webserver_command(host: str, port: int) -> list[str]:
-    return [_venv_tool("dagster-webserver"), *DEFINITIONS_MODULE, "-h", host, "-p", str(port)]
+    return [_venv_tool("dagster-webserver"), "-m", DEFINITIONS_MODULE, "-h", host, "-p", str(port)]
 
 
 def daemon_command() -> list[str]:
-    return [_venv_tool("dagster-daemon"), "run", *DEFINITIONS_MODULE]
+    return [_venv_tool("dagster-daemon"), "run", "-m", DEFINITIONS_MODULE]
 
 
 def cmd_ui(args: argparse.Namespace) -> int:
@@ -212,7 +213,9 @@ def cmd_ui(args: argparse.Namespace) -> int:
         log_file = paths.dagster_home / "tensorboard.log"
         services += start_services([tensorboard_command(paths, args.host, args.tensorboard_port)], log_file=log_file)
         print(f"TensorBoard (training curves) on {url} (its log: {log_file})", flush=True)
-    print(f"Dagster UI for {paths.root} on http://{args.host}:{args.port} (Ctrl-C to stop)", flush=True)
+    base = f"http://{args.host}:{args.port}"
+    print(f"Dagster UI for {paths.root} on {base} (Ctrl-C to stop); the whole pipeline: {base}{lineage_path()}",
+          flush=True)
     commands = [webserver_command(args.host, args.port)]
     if not args.no_daemon:
         commands.append(daemon_command())

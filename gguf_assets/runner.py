@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -28,6 +29,9 @@ from gguf_assets.lib.settings import Settings, load_settings
 log = logging.getLogger(__name__)
 
 DAGSTER_YAML = "dagster.yaml"
+DEFINITIONS_MODULE = "gguf_assets.definitions"
+# The name dagster-webserver and dagster-daemon give `-m gguf_assets.definitions` (the module's).
+CODE_LOCATION = DEFINITIONS_MODULE
 WORKER_TAG = "gguf_assets/worker"
 POLL_S = 1.0
 REPORT_EVERY_S = 10.0
@@ -173,18 +177,17 @@ def run_pipeline(paths: ProjectPaths, *, echo: Callable[[str], None] = print, wo
     """
     prepare_instance(paths)
     import dagster as dg
+    from dagster._core.execution.api import execute_run
+    from dagster._utils.hosted_user_process import recon_job_from_origin
 
-    from gguf_assets.definitions import build_definitions
-    from gguf_assets.defs.jobs import CONSOLE
     from gguf_assets.defs.resume import mark_interrupted_runs
     from gguf_assets.defs.settings import observe_settings
 
-    defs = build_definitions(str(paths.root))
     instance = dg.DagsterInstance.get()
     size_gpu_pool(instance)
     with _StopRequest().installed() as stop, \
             ProjectLock(paths.lock_file, describe=f"gguf-trainer run {paths.root.name}"), \
-            _stop_tags_the_latest_run(instance):
+            _stop_tags_the_latest_run(instance), _workspace(instance, in_process=True) as workspace:
         marked = mark_interrupted_runs(instance)
         if marked:
             echo(f"marked {len(marked)} run(s) cut off by a kill or reboot as failed; resuming where they stopped")
@@ -205,10 +208,8 @@ def run_pipeline(paths: ProjectPaths, *, echo: Callable[[str], None] = print, wo
                 _run_workers(paths, instance, work, settings, workers, echo)
             else:
                 echo(f"→ {work.describe()}")
-                job = defs.resolve_job_def(work.job)
-                result = job.execute_in_process(instance=instance, tags=work.tags(settings), raise_on_error=False,
-                                                asset_selection=[dg.AssetKey(a) for a in work.assets],
-                                                run_config=CONSOLE)
+                run = _create_run(workspace, work, work.tags(settings))
+                result = execute_run(recon_job_from_origin(run.job_code_origin), run, instance)
                 if not result.success and (stop.asked or _was_interrupted(instance, result.run_id)):
                     raise KeyboardInterrupt  # stopped on purpose (tagged by _stop_tags_the_latest_run)
                 if not result.success:
@@ -222,6 +223,55 @@ def run_pipeline(paths: ProjectPaths, *, echo: Callable[[str], None] = print, wo
         return status
 
 
+@contextmanager
+def _workspace(instance, *, in_process: bool) -> Iterator:
+    """The project's code location, under the name the webserver and daemon give it.
+
+    Runs are created from it, so they carry its origin: the UI's Overview timeline, the job
+    pages and "Re-execute" find them, whichever entry point started them. ``in_process`` loads
+    the definitions already imported here; otherwise a code server is started, which the run
+    launcher needs to start runs in their own processes.
+    """
+    from dagster._core.remote_origin import InProcessCodeLocationOrigin
+    from dagster._core.types.loadable_target_origin import LoadableTargetOrigin
+    from dagster._core.workspace.context import WorkspaceProcessContext
+    from dagster._core.workspace.load_target import InProcessWorkspaceLoadTarget, ModuleTarget
+
+    if in_process:
+        target = InProcessWorkspaceLoadTarget(InProcessCodeLocationOrigin(
+            LoadableTargetOrigin(executable_path=sys.executable, module_name=DEFINITIONS_MODULE),
+            location_name=CODE_LOCATION))
+    else:
+        target = ModuleTarget(module_name=DEFINITIONS_MODULE, attribute=None, working_directory=None,
+                              location_name=CODE_LOCATION)
+    with WorkspaceProcessContext(instance, target) as process_context:
+        yield process_context.create_request_context()
+
+
+def _create_run(workspace, work: Work, tags: dict[str, str]):
+    """A run of ``work``'s job for its assets, created from the code location (so it has an origin)."""
+    import dagster as dg
+    from dagster._core.definitions.selector import JobSubsetSelector
+
+    from gguf_assets.defs.jobs import CONSOLE
+
+    location = workspace.get_code_location(CODE_LOCATION)
+    repo = next(iter(location.get_repositories().values()))
+    assets = frozenset(dg.AssetKey(a) for a in work.assets)
+    remote_job = location.get_job(JobSubsetSelector(location_name=CODE_LOCATION, repository_name=repo.name,
+                                                    job_name=work.job, op_selection=None, asset_selection=assets))
+    plan = location.get_execution_plan(remote_job, CONSOLE, step_keys_to_execute=None, known_state=None,
+                                       instance=workspace.instance)
+    return workspace.instance.create_run(
+        job_name=work.job, run_id=None, run_config=CONSOLE, resolved_op_selection=None,
+        step_keys_to_execute=plan.execution_plan_snapshot.step_keys_to_execute, op_selection=None,
+        status=None, root_run_id=None, parent_run_id=None, tags={**remote_job.tags, **tags},
+        job_snapshot=remote_job.job_snapshot, execution_plan_snapshot=plan.execution_plan_snapshot,
+        parent_job_snapshot=remote_job.parent_job_snapshot, remote_job_origin=remote_job.get_remote_origin(),
+        job_code_origin=remote_job.get_python_origin(), asset_selection=assets, asset_check_selection=None,
+        asset_graph=repo.asset_graph)
+
+
 def _run_workers(paths: ProjectPaths, instance, work: Work, settings: Settings, workers: int,
                  echo: Callable[[str], None]) -> None:
     """Launch one Dagster run per contiguous shard range through the instance's run launcher; wait for all.
@@ -232,28 +282,16 @@ def _run_workers(paths: ProjectPaths, instance, work: Work, settings: Settings, 
     whatever the number of workers.
     """
     import dagster as dg
-    from dagster._cli.job import _create_run
-    from dagster._core.workspace.context import WorkspaceProcessContext
-    from dagster._core.workspace.load_target import ModuleTarget
 
-    from gguf_assets.defs.jobs import CONSOLE
     from gguf_assets.defs.resources import LEADER_TAG
 
-    target = ModuleTarget(module_name="gguf_assets.definitions", attribute=None, working_directory=None,
-                          location_name="gguf_assets")
     ranges = split_range(work.partitions, workers)
-    with WorkspaceProcessContext(instance, target) as process_context:
-        workspace = process_context.create_request_context()
-        location = workspace.get_code_location("gguf_assets")
-        repo = next(iter(location.get_repositories().values()))
-        remote_job = repo.get_full_job(work.job)
+    with _workspace(instance, in_process=False) as workspace:
         run_ids = []
         try:
             for keys in ranges:
-                run = _create_run(instance=instance, code_location=location, remote_repo=repo,
-                                  remote_job=remote_job, run_config=CONSOLE, op_selection=None, run_id=None,
-                                  tags={**work.tags(settings, keys), WORKER_TAG: f"{len(run_ids) + 1}/{len(ranges)}",
-                                        LEADER_TAG: str(os.getpid())})
+                run = _create_run(workspace, work, {**work.tags(settings, keys), LEADER_TAG: str(os.getpid()),
+                                                    WORKER_TAG: f"{len(run_ids) + 1}/{len(ranges)}"})
                 instance.launch_run(run.run_id, workspace)
                 run_ids.append(run.run_id)
                 echo(f"→ {work.job} shards {keys[0]}..{keys[-1]} as run {run.run_id[:8]} "

@@ -1,9 +1,10 @@
 """The Dagster UI and TensorBoard on a materialized demo project, in headless Chromium (Debian's package).
 
-Checks the lineage graph shows every asset, the evaluation report's metadata is visible, the
-adapter's page shows its settings table and its plots, a shard partition shows its own figures,
-the runs are listed, TensorBoard (started by `gguf-trainer ui`) serves the loss against the
-step, and Ctrl-C stops them all promptly. Screenshots of each page go to test-artifacts/.
+Checks the Overview lists the runs of `gguf-trainer run`, the lineage graph shows every asset,
+the evaluation report's metadata is visible, the adapter's page shows its settings table and its
+plots, a shard partition shows its own figures, the runs are listed, TensorBoard (started by
+`gguf-trainer ui`) serves the loss against the step, and Ctrl-C stops them all promptly.
+Screenshots of each page go to test-artifacts/.
 """
 
 import json
@@ -18,6 +19,7 @@ from pathlib import Path
 import pytest
 from conftest import free_port, wait_http
 
+from gguf_assets.defs.groups import lineage_path
 from gguf_assets.runner import run_pipeline
 
 pytestmark = pytest.mark.slow  # whole pipelines: excluded from the fast loop (-m 'not slow')
@@ -25,6 +27,7 @@ pytestmark = pytest.mark.slow  # whole pipelines: excluded from the fast loop (-
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
 ASSETS = ("materials", "corpus", "train_shards", "val_shards", "adapter", "gguf", "eval_report")
+JOBS = ("materials_and_corpus", "precompute_train_shards", "precompute_val_shards", "train_export_evaluate")
 # Flags for a sandboxed, offline machine: without the background-networking ones Chromium
 # keeps trying to reach Google's hosts.
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -69,7 +72,16 @@ def test_ui_shows_graph_report_and_plots_then_stops_on_ctrl_c(make_project):
             browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
             page = browser.new_page(viewport={"width": 1600, "height": 1000})
 
-            page.goto(f"{base}/assets/eval_report?view=lineage&lineageScope=upstream&lineageDepth=10")
+            # The landing page (Overview, timeline) lists the runs that `gguf-trainer run` made, by job.
+            page.goto(base)
+            page.wait_for_url("**/overview/**", timeout=60_000)
+            for job in JOBS:
+                page.get_by_text(job, exact=True).first.wait_for(timeout=60_000)
+            assert page.get_by_text("No runs or scheduled ticks").count() == 0
+            page.screenshot(path=str(ARTIFACTS / "ui-overview.png"), full_page=True)
+
+            # The lineage link `gguf-trainer ui` prints: every group open, in pipeline order.
+            page.goto(base + lineage_path())
             for name in ASSETS:
                 page.get_by_text(name, exact=True).first.wait_for(timeout=60_000)
             page.screenshot(path=str(ARTIFACTS / "ui-graph.png"))
@@ -98,7 +110,7 @@ def test_ui_shows_graph_report_and_plots_then_stops_on_ctrl_c(make_project):
 
             # The runs, by their job names.
             page.goto(f"{base}/runs")
-            for job in ("materials_and_corpus", "precompute_train_shards", "train_export_evaluate"):
+            for job in JOBS:
                 page.get_by_text(job).first.wait_for(timeout=60_000)
             page.screenshot(path=str(ARTIFACTS / "ui-runs.png"), full_page=True)
 

@@ -3,6 +3,7 @@
 
 import dagster as dg
 
+from gguf_assets.defs import groups
 from gguf_assets.defs.materials import materials
 from gguf_assets.defs.partitions import BY_SPLIT
 from gguf_assets.defs.resources import ProjectResource
@@ -74,7 +75,7 @@ def corpus_markdown(manifest: dict) -> dict[str, str]:
     return tables
 
 
-@dg.asset(group_name="corpus", deps=[materials, settings_key("corpus")],
+@dg.asset(group_name=groups.CORPUS, deps=[materials, settings_key("corpus")],
           description="Text prompts (about 1% empty for the CFG prompt), "
           "deduplicated, length-filtered and split train/val with no overlap; deterministic for the seed.")
 def corpus(context: dg.AssetExecutionContext, project: ProjectResource) -> dg.MaterializeResult:

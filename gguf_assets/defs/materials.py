@@ -3,6 +3,7 @@
 
 import dagster as dg
 
+from gguf_assets.defs import groups
 from gguf_assets.defs.panels import panel_metadata
 from gguf_assets.defs.resources import ProjectResource
 from gguf_assets.defs.settings import settings_key
@@ -10,7 +11,7 @@ from gguf_assets.lib.markdown import markdown_table
 from gguf_assets.lib.materials import resolve_materials
 
 
-@dg.asset(group_name="materials", deps=[settings_key("materials")],
+@dg.asset(group_name=groups.MATERIALS, deps=[settings_key("materials")],
           description="Teacher, student, prompt datasets and the optional vision "
           "encoder, each a local folder or hub repo pinned to the commit (or content hash) it resolved to.")
 def materials(context: dg.AssetExecutionContext, project: ProjectResource) -> dg.MaterializeResult:

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import dagster as dg
 
+from gguf_assets.defs import groups
 from gguf_assets.defs.materials import materials
 from gguf_assets.defs.precompute import val_shards
 from gguf_assets.defs.resources import ProjectResource
@@ -31,7 +32,7 @@ from gguf_assets.lib.shards import require_current
 from gguf_assets.lib.verdict import GOOD
 
 
-@dg.asset(group_name="output", deps=[adapter, materials, settings_key("gguf")],
+@dg.asset(group_name=groups.OUTPUT, deps=[adapter, materials, settings_key("gguf")],
           description="The adapter as an f16 GGUF: "
           "matrices f16; norms, biases and target statistics f32; self-describing metadata (docs/gguf_layout.md). "
           "Plus the paired vision encoder as a clip/mmproj GGUF when one was downloaded (docs/vision_gguf.md).")
@@ -77,7 +78,7 @@ def exported_files_unchanged(project: ProjectResource) -> dg.AssetCheckResult:
                                 if problems else {})})
 
 
-@dg.asset(group_name="output", deps=[gguf, val_shards, settings_key("eval_report")],
+@dg.asset(group_name=groups.OUTPUT, deps=[gguf, val_shards, settings_key("eval_report")],
           check_specs=[
               dg.AssetCheckSpec("gguf_agrees_with_torch", asset="eval_report",
                                 description=f"The exported GGUF, read back by numpy, scores within "

@@ -11,6 +11,7 @@ import math
 
 import dagster as dg
 
+from gguf_assets.defs import groups
 from gguf_assets.defs.corpus import corpus
 from gguf_assets.defs.partitions import TRAIN_SHARDS, VAL_SHARDS
 from gguf_assets.defs.resources import ProjectResource
@@ -64,7 +65,7 @@ def materialize_shards(context: dg.AssetExecutionContext, project: ProjectResour
     return dg.MaterializeResult(metadata=project.stage_metadata(f"{split}_shards", settings))
 
 
-@dg.asset(group_name="precompute", partitions_def=TRAIN_SHARDS, deps=[corpus, settings_key("train_shards")],
+@dg.asset(group_name=groups.PRECOMPUTE, partitions_def=TRAIN_SHARDS, deps=[corpus, settings_key("train_shards")],
           pool=GPU_POOL,
           backfill_policy=dg.BackfillPolicy.single_run(),
           description="Train shards: teacher targets (Q x D per prompt) and student hidden states, safetensors "
@@ -73,7 +74,8 @@ def train_shards(context: dg.AssetExecutionContext, project: ProjectResource) ->
     return materialize_shards(context, project, "train")
 
 
-@dg.asset(group_name="precompute", partitions_def=VAL_SHARDS, deps=[corpus, settings_key("val_shards")], pool=GPU_POOL,
+@dg.asset(group_name=groups.PRECOMPUTE, partitions_def=VAL_SHARDS, deps=[corpus, settings_key("val_shards")],
+          pool=GPU_POOL,
           backfill_policy=dg.BackfillPolicy.single_run(),
           description="Val shards: like the train shards, for the val prompts.")
 def val_shards(context: dg.AssetExecutionContext, project: ProjectResource) -> dg.MaterializeResult:

@@ -14,19 +14,20 @@ from dagster._core.definitions.data_version import (
     extract_data_version_from_entry,
 )
 
+from gguf_assets.defs import groups
 from gguf_assets.lib import atomic
 from gguf_assets.lib.markdown import markdown_table
 from gguf_assets.lib.pipeline import STAGES, stage_settings
 from gguf_assets.lib.settings import Settings
 
-GROUP = "settings"
+KEY_PREFIX = "settings"  # settings/<stage>
 # The stages whose settings each stage's result also depends on.
 READS = {"materials": (), "corpus": (), "train_shards": ("corpus",), "val_shards": ("corpus",),
          "adapter": ("train_shards", "val_shards"), "gguf": ("adapter",), "eval_report": ("gguf",)}
 
 
 def settings_key(stage: str) -> dg.AssetKey:
-    return dg.AssetKey([GROUP, stage])
+    return dg.AssetKey([KEY_PREFIX, stage])
 
 
 def settings_versions(settings: Settings) -> dict[str, str]:
@@ -77,7 +78,7 @@ def observe_settings(instance: dg.DagsterInstance, settings: Settings) -> list[s
 
 
 def _settings_asset(stage: str) -> dg.SourceAsset:
-    @dg.observable_source_asset(key=settings_key(stage), group_name=GROUP,
+    @dg.observable_source_asset(key=settings_key(stage), group_name=groups.SETTINGS,
                                 description=f"The project.yaml settings the {stage} stage is computed from. "
                                             "Edit project.yaml to change them.")
     def observe(context) -> dg.ObserveResult:

@@ -5,6 +5,7 @@ import os
 
 import dagster as dg
 
+from gguf_assets.defs import groups
 from gguf_assets.defs.panels import panel_metadata
 from gguf_assets.defs.precompute import GPU_POOL, train_shards, val_shards
 from gguf_assets.defs.resources import ProjectResource
@@ -58,7 +59,7 @@ def _metrics_table(history: list[dict]) -> str:
     return "\n".join(rows)
 
 
-@dg.asset(group_name="training", deps=[train_shards, val_shards, settings_key("adapter")], pool=GPU_POOL,
+@dg.asset(group_name=groups.TRAINING, deps=[train_shards, val_shards, settings_key("adapter")], pool=GPU_POOL,
           description="The adapter (learned query rows attending to the student's states), trained with the "
                       "trainer8 recipe; resumes exactly from the last checkpoint of the same settings.")
 def adapter(context: dg.AssetExecutionContext, project: ProjectResource) -> dg.MaterializeResult:
