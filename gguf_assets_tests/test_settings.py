@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from pathlib import Path
 
@@ -13,13 +12,13 @@ from gguf_assets.cli import main as cli_main
 from gguf_assets.lib import settings as S
 from gguf_assets.lib.settings import (
     PROJECT_FILE,
-    SECTION_CLASSES,
     SECTIONS,
     Settings,
     SettingsError,
     load_settings,
     render_yaml,
     replace,
+    section_fields,
     settings_from_dict,
     settings_reference_markdown,
     write_project_file,
@@ -46,7 +45,7 @@ def _valid() -> Settings:
 
 
 def _all_keys() -> list[str]:
-    return [f"{name}.{f.name}" for name in SECTIONS for f in dataclasses.fields(SECTION_CLASSES[name])]
+    return [f"{name}.{f.name}" for name in SECTIONS for f in section_fields(name)]
 
 
 def _write(folder: Path, text: str) -> Path:
@@ -112,8 +111,7 @@ def test_every_field_is_rendered_under_a_comment_line():
     assert sorted(found) == sorted(_all_keys())
     for key, above in found.items():
         section, name = key.split(".")
-        help_text = dataclasses.fields(SECTION_CLASSES[section])[
-            [f.name for f in dataclasses.fields(SECTION_CLASSES[section])].index(name)].metadata["help"]
+        help_text = next(f.help for f in section_fields(section) if f.name == name)
         assert above.startswith("  # "), f"{key} has no comment above it: {above!r}"
         assert help_text in above, key
 
@@ -127,7 +125,7 @@ def test_choice_fields_list_their_choices_in_the_comment():
 
 def test_promised_keys_exist_with_these_names():
     for section, keys in PROMISED_KEYS.items():
-        names = {f.name for f in dataclasses.fields(SECTION_CLASSES[section])}
+        names = {f.name for f in section_fields(section)}
         missing = [k for k in keys if k not in names]
         assert not missing, f"{section} lacks {missing}"
     assert set(SECTIONS) == set(PROMISED_KEYS)
