@@ -25,6 +25,7 @@ from gguf_assets.lib.gguf_format import F16_MAX, is_f16_tensor, write_adapter_gg
 from gguf_assets.lib.layout import ProjectPaths
 from gguf_assets.lib.pipeline import export_sidecar, gguf_fingerprint, gguf_path
 from gguf_assets.lib.settings import Settings
+from gguf_assets.lib.teacher_choice import teacher_choice
 from gguf_assets.lib.train import load_final
 from gguf_assets.lib.vision import vision_gguf_path, write_vision_gguf
 
@@ -32,8 +33,6 @@ log = logging.getLogger(__name__)
 
 ROLE_ADAPTER = "adapter"
 ROLE_VISION = "vision_encoder"
-MOCK_TEACHER_REPO = "mock-teacher"
-MOCK_TEACHER_COMMIT = "none"
 
 
 class ExportError(UserError, ValueError):
@@ -53,13 +52,12 @@ def check_file_name(name: str, *, setting: str = "output.adapter_name") -> str:
 
 def provenance(settings: Settings, materials: dict, meta: dict) -> dict[str, Any]:
     """The adapter GGUF's provenance keys (gguf_format.REQUIRED_PROVENANCE and the rest)."""
-    student, teacher = materials["student"], materials.get("teacher")
-    real_teacher = teacher is not None and not settings.precompute.mock_teacher
+    student = materials["student"]
+    teacher_repo, teacher_commit = teacher_choice(settings).provenance(materials)
     return {
         "student.repo": student["source"], "student.commit": student["commit"],
         "student.layer": settings.materials.student_layer, "student.hidden_size": meta["shape"]["student_dim"],
-        "teacher.repo": teacher["source"] if real_teacher else MOCK_TEACHER_REPO,
-        "teacher.commit": teacher["commit"] if real_teacher else MOCK_TEACHER_COMMIT,
+        "teacher.repo": teacher_repo, "teacher.commit": teacher_commit,
         "teacher.layer": settings.materials.teacher_layer,
         "prompt_template": settings.precompute.prompt_template,
         "training.steps": meta["step"], "training.seed": settings.training.seed,

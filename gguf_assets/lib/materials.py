@@ -22,9 +22,10 @@ from pathlib import Path
 
 from gguf_assets.lib import atomic, hub, verify
 from gguf_assets.lib.errors import UserError
-from gguf_assets.lib.gguf_eval import safetensors_header
 from gguf_assets.lib.layout import ProjectPaths
+from gguf_assets.lib.safetensors_io import safetensors_header
 from gguf_assets.lib.settings import Settings
+from gguf_assets.lib.teacher_choice import teacher_choice
 
 log = logging.getLogger(__name__)
 
@@ -215,8 +216,7 @@ def _resolve_hub(role: str, source: str, paths: ProjectPaths, settings: Settings
             report["network"] = True
             full = hub.list_repo(ref, revision=pinned, token=token, options=options)
             folder = hub.snapshot_dir(root, ref, full.commit)
-            needs_query_rows = role == "teacher" and settings.precompute.mode != "student" \
-                and not settings.precompute.mock_teacher
+            needs_query_rows = role == "teacher" and teacher_choice(settings).loads_teacher_model
             if role == "datasets":
                 meta, weights = [], _select_dataset_files(source, full)
             else:
@@ -291,7 +291,7 @@ def resolve_materials(paths: ProjectPaths, settings: Settings, *, token: str | N
     downloads: list[dict] = []
     manifest: dict = {"teacher": None, "student": None, "vision_encoder": None, "datasets": []}
     m = settings.materials
-    needs_teacher = settings.precompute.mode != "student" and not settings.precompute.mock_teacher
+    needs_teacher = teacher_choice(settings).loads_teacher_model
     wanted: list[tuple[str, str, str | None]] = []
     for role in MODEL_ROLES:
         source = getattr(m, role)
@@ -336,7 +336,8 @@ def _stored_form(paths: ProjectPaths, manifest: dict) -> dict:
 def materials_settings_key(settings: Settings) -> dict:
     """The settings a materials manifest was resolved under (the layers are read later, by the shards)."""
     m = {k: v for k, v in settings.section_dict("materials").items() if k not in ("teacher_layer", "student_layer")}
-    return {**m, "mode": settings.precompute.mode, "mock_teacher": settings.precompute.mock_teacher}
+    choice = teacher_choice(settings)
+    return {**m, "mode": choice.mode, "mock_teacher": choice.mock}
 
 
 def manifest_is_current(paths: ProjectPaths, settings: Settings) -> bool:

@@ -15,6 +15,7 @@ from gguf_assets.lib import atomic, verify
 from gguf_assets.lib.layout import SPLITS, ProjectPaths
 from gguf_assets.lib.materials import load_manifest, manifest_is_current, pins
 from gguf_assets.lib.settings import Settings
+from gguf_assets.lib.teacher_choice import teacher_choice
 
 STAGES = ("materials", "corpus", "train_shards", "val_shards", "adapter", "gguf", "eval_report")
 GGUF_SUFFIX = ".gguf"
@@ -122,8 +123,9 @@ def stage_settings(settings: Settings) -> dict[str, dict]:
     halves = {half: half_settings(half, settings) for half in halves_for_mode(p.mode)}
     # The fingerprints see a material through its pin (source and commit); a stage that reads a
     # material lists its source here, so a new source marks that stage, not every stage.
-    models = {"student": m.student if p.mode != "teacher" or p.mock_teacher else None,
-              "teacher": m.teacher if p.mode != "student" and not p.mock_teacher else None}
+    choice = teacher_choice(settings)
+    models = {"student": m.student if choice.loads_student_model else None,
+              "teacher": m.teacher if choice.loads_teacher_model else None}
     return {
         "materials": materials_settings_key(settings),
         "corpus": {**corpus_settings(settings), "datasets": m.datasets},

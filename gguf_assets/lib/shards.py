@@ -43,6 +43,7 @@ from gguf_assets.lib.layout import (
 from gguf_assets.lib.materials import pins
 from gguf_assets.lib.progress import Progress
 from gguf_assets.lib.settings import Settings
+from gguf_assets.lib.teacher_choice import teacher_choice
 
 log = logging.getLogger(__name__)
 
@@ -63,15 +64,14 @@ def half_settings(half: str, settings: Settings) -> dict:
     change speed, not results. Part of the half's fingerprint, and what Dagster observes."""
     m, p = settings.materials, settings.precompute
     if half == "teacher":
-        source = {"mock": True, "student_layer": m.student_layer, "student_dtype": p.student_dtype} \
-            if p.mock_teacher else {"query_rows": [m.query_rows_file, m.query_rows_tensor], "layer": m.teacher_layer}
-        return {**source, "dtype": p.target_dtype, "template": p.prompt_template}
+        return {**teacher_choice(settings).targets_settings(settings), "dtype": p.target_dtype,
+                "template": p.prompt_template}
     return {"layer": m.student_layer, "dtype": p.student_dtype, "template": p.prompt_template}
 
 
 def half_fingerprint(half: str, settings: Settings, materials: dict, shard_prompts_hash: str) -> str:
     """Everything a half depends on: its settings, the pinned models it runs, and its prompts."""
-    model = "student" if half == "student" or settings.precompute.mock_teacher else "teacher"
+    model = "student" if half == "student" else teacher_choice(settings).targets_model
     return atomic.fingerprint({"half": half, "prompts": shard_prompts_hash, **half_settings(half, settings),
                                model: pins(materials, model), "format": 1})
 
@@ -85,7 +85,7 @@ def half_status(folder: Path, half: str, fingerprint: str) -> str:
 
     The data file is checked by its recorded size, mtime and inode (lib/verify.py): no byte is
     read unless its stamp is unsure; then its content decides, and the new stamp is stored.
-    Readers check the content as they read it (lib/train.py: read_safetensors).
+    Readers check the content as they read it (lib/safetensors_io.py: read_torch).
     """
     meta_path, data_path = folder / f"{half}.json", data_file(folder, half)
     if not meta_path.is_file() or not data_path.is_file():
@@ -172,27 +172,23 @@ class ShardBuilder:
     def __init__(self, paths: ProjectPaths, settings: Settings, materials: dict) -> None:
         self.paths, self.settings, self.materials = paths, settings, materials
         self.device = resolve_device(settings.precompute.device)
+        self.choice = teacher_choice(settings)
         self._teacher = None
         self._student = None
         self.gpu_budget_gib: float | None = None  # the teacher's current GPU budget (CUDA only)
 
     def teacher(self, *, gpu_budget_gib: float | None = None):
         """The teacher, (re)loaded when a different GPU budget is asked for."""
-        from gguf_assets.lib.teacher import HFTeacher, MockTeacher
-
-        p = self.settings.precompute
         if self._teacher is not None and (gpu_budget_gib is None or gpu_budget_gib == self.gpu_budget_gib):
-            return self._teacher
-        if p.mock_teacher:
-            self._teacher = MockTeacher(self.student())
             return self._teacher
         if self._teacher is not None:
             self._teacher = None  # free the old placement before loading the new one
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-        self._teacher = HFTeacher(Path(self.materials["teacher"]["path"]), self.settings, self.device,
-                                  gpu_budget_gib=gpu_budget_gib)
+        folder = Path(self.materials["teacher"]["path"]) if self.choice.loads_teacher_model else None
+        self._teacher = self.choice.load(self.settings, teacher_folder=folder, student=self.student,
+                                         device=self.device, gpu_budget_gib=gpu_budget_gib)
         self.gpu_budget_gib = gpu_budget_gib if gpu_budget_gib is not None else self._teacher.placement.gpu_budget_gib
         return self._teacher
 
@@ -213,7 +209,7 @@ class ShardBuilder:
 
         p = self.settings.precompute
         dtype = TARGET_DTYPES[p.target_dtype]
-        if p.mock_teacher or self.device.type != "cuda":
+        if not self.choice.loads_teacher_model or self.device.type != "cuda":
             return self.teacher().encode(prompts, dtype=dtype, on_batch=on_batch)
         if self.gpu_budget_gib is None:
             self.gpu_budget_gib = auto_gpu_budget_gib(self.settings, self.device)
