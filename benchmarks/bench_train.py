@@ -5,7 +5,7 @@
    already collated in memory. Target: overhead at most 5 %.
 2. Peak RSS of a child process streaming one epoch (plus a bit) through ``ShardStream``
    with 10x the shards vs 1x. Target: at most 1.1x.
-3. Reader MB/s (``read_safetensors``) with each file evicted from the page cache first
+3. Reader MB/s (``safetensors_io.read_torch``) with each file evicted from the page cache first
    (posix_fadvise DONTNEED, so the shard set acts as if larger than the spare page cache)
    vs ``cat``-like raw sequential reads of the same evicted files (the disk's own rate).
 
@@ -35,6 +35,7 @@ from gguf_assets.lib.layout import (
     TEACHER_FILE,
     ProjectPaths,
 )
+from gguf_assets.lib.safetensors_io import read_torch
 from gguf_assets.lib.settings import Settings, Training
 from gguf_assets.lib.train import (
     SampleOrder,
@@ -42,7 +43,6 @@ from gguf_assets.lib.train import (
     adapter_shape,
     build_model,
     collate,
-    read_safetensors,
     shard_size,
     target_stats,
     train_adapter,
@@ -173,7 +173,7 @@ def bench_reader(folders: list[Path], *, rounds: int) -> dict:
 
     def reader() -> None:
         for file in files:
-            read_safetensors(file)
+            read_torch(file)
 
     rates: dict[str, list[float]] = {"raw": [], "reader": []}
     for _ in range(rounds):
@@ -230,7 +230,7 @@ def main() -> None:
               f"rounds (trainer, bare) {[(round(a, 2), round(b, 2)) for a, b in steps['rounds']]}")
 
         reader = bench_reader(ten, rounds=3)
-        print(f"reader, page cache evicted: read_safetensors {reader['reader_mb_per_s']:.0f} MB/s, raw sequential "
+        print(f"reader, page cache evicted: read_torch {reader['reader_mb_per_s']:.0f} MB/s, raw sequential "
               f"reads {reader['raw_mb_per_s']:.0f} MB/s over {reader['mb']:.0f} MB -> ratio "
               f"{reader['reader_vs_raw']:.2f} (the reference pace needs about 200 MB/s)")
 

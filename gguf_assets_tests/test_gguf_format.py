@@ -16,7 +16,7 @@ from gguf import GGMLQuantizationType, GGUFReader
 from safetensors.numpy import save_file as save_numpy
 from safetensors.torch import save_file
 
-from gguf_assets.lib import atomic, gguf_eval, gguf_format
+from gguf_assets.lib import atomic, gguf_eval, gguf_format, safetensors_io
 from gguf_assets.lib.adapter import (
     MLP_RATIO,
     NORM_EPS,
@@ -289,13 +289,13 @@ def test_safetensors_reader_dtypes(tmp_path: Path) -> None:
         "empty": np.zeros((0, 3), dtype=np.float32),
     }
     save_numpy(arrays, str(tmp_path / "a.safetensors"))
-    got = gguf_eval.read_safetensors(tmp_path / "a.safetensors")
+    got = safetensors_io.read_numpy(tmp_path / "a.safetensors")
     for k, v in arrays.items():
         assert got[k].dtype == v.dtype and got[k].shape == v.shape
         np.testing.assert_array_equal(got[k], v)
     bf = torch.randn(3, 5).to(torch.bfloat16)
     save_file({"bf": bf}, str(tmp_path / "b.safetensors"))
-    st = gguf_eval.SafetensorsFile(tmp_path / "b.safetensors")
+    st = safetensors_io.SafetensorsFile(tmp_path / "b.safetensors")
     assert st.dtype("bf") == "BF16"
     np.testing.assert_array_equal(st.get("bf"), bf.float().numpy())
 
@@ -402,8 +402,10 @@ def test_gguf_eval_imports_no_training_code() -> None:
     assert third_party <= {"numpy", "gguf", "gguf_assets"}
     layout_names = {"gguf_assets.lib.layout"} | {f"gguf_assets.lib.layout.{n}" for n in
                                                  ("TEACHER_FILE", "STUDENT_FILE", "PROMPTS_FILE")}
+    reader = {"gguf_assets.lib.safetensors_io"} | {f"gguf_assets.lib.safetensors_io.{n}" for n in
+                                                   ("SafetensorsFile", "to_float32")}
     assert {m for m in modules if m.startswith("gguf_assets")} <= {"gguf_assets.lib", "gguf_assets.lib.gguf_format",
-                                                                   *layout_names}
+                                                                   *layout_names, *reader}
     # And at run time: reading a GGUF and the shards loads no torch (the shard file names come from layout).
     loaded = subprocess.run([sys.executable, "-c", "import sys, gguf_assets.lib.gguf_eval; "
                              "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')))"],

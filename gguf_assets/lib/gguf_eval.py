@@ -33,6 +33,7 @@ import numpy as np
 
 from gguf_assets.lib import gguf_format as fmt
 from gguf_assets.lib.layout import PROMPTS_FILE, STUDENT_FILE, TEACHER_FILE  # noqa: F401  (the shard layout)
+from gguf_assets.lib.safetensors_io import SafetensorsFile, to_float32
 
 logger = logging.getLogger(__name__)
 
@@ -45,118 +46,6 @@ COSINE_EPS = 1e-8  # as torch.nn.functional.cosine_similarity
 WORST_COUNT = 10
 # Student rows projected at once (memory and K/V of every block): bounds RAM per group.
 GROUP_TOKENS = 32768
-
-# --- safetensors ----------------------------------------------------------------------
-
-# BF16 is read as raw uint16 and widened by to_float32.
-_ST_DTYPES: dict[str, np.dtype] = {
-    "F64": np.dtype("<f8"),
-    "F32": np.dtype("<f4"),
-    "F16": np.dtype("<f2"),
-    "BF16": np.dtype("<u2"),
-    "I64": np.dtype("<i8"),
-    "I32": np.dtype("<i4"),
-    "U8": np.dtype("u1"),
-}
-_MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
-
-
-def to_float32(raw: np.ndarray, st_dtype: str) -> np.ndarray:
-    """float32 copy of a raw safetensors array (bf16: its bits are the top half of an f32)."""
-    if st_dtype == "BF16":
-        return (raw.astype(np.uint32) << 16).view(np.float32)
-    return np.asarray(raw, dtype=np.float32).copy()
-
-
-def safetensors_header(path: Path) -> tuple[dict[str, Any], int, int]:
-    """(header, first data byte, file size) of a .safetensors file; reads the header only.
-
-    Raises ValueError when the file is too short for its header, or a tensor's data reaches past
-    the end of the file (a truncated download or copy).
-    """
-    size = Path(path).stat().st_size
-    with open(path, "rb") as fh:
-        head = fh.read(8)
-        if len(head) != 8:
-            raise ValueError(f"{path}: too short for a safetensors file ({size} bytes)")
-        n = int.from_bytes(head, "little")
-        if n > min(size - 8, _MAX_HEADER):
-            raise ValueError(f"{path}: header length {n} exceeds the file ({size} bytes)")
-        try:
-            header = json.loads(fh.read(n).decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ValueError(f"{path}: the header is not valid JSON ({exc})") from None
-    if not isinstance(header, dict):
-        raise ValueError(f"{path}: the header is not a JSON object")
-    ends = [e["data_offsets"][1] for k, e in header.items() if k != "__metadata__"]
-    if ends and 8 + n + max(ends) > size:
-        raise ValueError(f"{path}: truncated: its tensors need {8 + n + max(ends)} bytes, the file has {size}")
-    return header, 8 + n, size
-
-
-class SafetensorsFile:
-    """Read-only, memory-mapped view of one .safetensors file (no torch, no safetensors pkg).
-
-    Format: u64 little-endian header length N, N bytes of JSON header
-    ``{name: {dtype, shape, data_offsets: [begin, end]}, "__metadata__": {...}}``,
-    then the data; offsets are relative to the first data byte.
-    """
-
-    def __init__(self, path: Path) -> None:
-        self.path = Path(path)
-        header, self._start, size = safetensors_header(self.path)
-        self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}
-        self._entries: dict[str, dict[str, Any]] = header
-        data_len = size - self._start
-        for name, entry in header.items():
-            dtype = entry.get("dtype")
-            if dtype not in _ST_DTYPES:
-                raise ValueError(f"{self.path}: tensor {name!r} has unsupported dtype {dtype!r} "
-                                 f"(supported: {sorted(_ST_DTYPES)})")
-            begin, end = entry["data_offsets"]
-            nbytes = math.prod(entry["shape"]) * _ST_DTYPES[dtype].itemsize
-            if end - begin != nbytes or not 0 <= begin <= end <= data_len:
-                raise ValueError(f"{self.path}: tensor {name!r} data_offsets {entry['data_offsets']} do not "
-                                 f"fit its shape {entry['shape']} / the file")
-        self._mm = np.memmap(self.path, dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8)
-
-    def keys(self) -> list[str]:
-        return list(self._entries)
-
-    def __contains__(self, name: str) -> bool:
-        return name in self._entries
-
-    def dtype(self, name: str) -> str:
-        """The safetensors dtype tag ("F32", "BF16", ...)."""
-        return self._entry(name)["dtype"]
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._entry(name)["shape"])
-
-    def raw(self, name: str) -> np.ndarray:
-        """Zero-copy memmap view in the stored dtype (BF16 as uint16)."""
-        entry = self._entry(name)
-        begin, end = entry["data_offsets"]
-        data = self._mm[self._start + begin:self._start + end]
-        return data.view(_ST_DTYPES[entry["dtype"]]).reshape(entry["shape"])
-
-    def get(self, name: str) -> np.ndarray:
-        """The tensor as an in-memory array; BF16 becomes float32, other dtypes are kept."""
-        if self.dtype(name) == "BF16":
-            return to_float32(self.raw(name), "BF16")
-        return np.array(self.raw(name))
-
-    def _entry(self, name: str) -> dict[str, Any]:
-        if name not in self._entries:
-            raise KeyError(f"{self.path}: no tensor {name!r} (has {sorted(self._entries)})")
-        return self._entries[name]
-
-
-def read_safetensors(path: Path) -> dict[str, np.ndarray]:
-    """Every tensor of a .safetensors file (BF16 widened to float32)."""
-    st = SafetensorsFile(path)
-    return {name: st.get(name) for name in st.keys()}
-
 
 # --- the adapter in numpy -------------------------------------------------------------
 

@@ -28,11 +28,9 @@ import io
 import json
 import logging
 import math
-import mmap
 import os
 import re
 import shutil
-import struct
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -61,6 +59,7 @@ from gguf_assets.lib.layout import (
     TEACHER_FILE,
     ProjectPaths,
 )
+from gguf_assets.lib.safetensors_io import ReadStats, read_torch
 from gguf_assets.lib.settings import Settings
 from gguf_assets.lib.verdict import verdict
 
@@ -81,7 +80,6 @@ NON_RESULT_KEYS = ("device", "grad_checkpoint", "log_every", "validate_every", "
 OFF_VALUES = {"ema_decay": 0.0}
 # Shards shuffled together. Part of the data order, hence of the run fingerprint.
 SHUFFLE_WINDOW_SHARDS = 4
-READ_CHUNK_BYTES = 32 << 20
 # Prompts per chunk when streaming target statistics: a 1000-prompt shard of 256x4096
 # targets would be 8 GB in float64 at once.
 STATS_CHUNK_PROMPTS = 32
@@ -93,76 +91,6 @@ class TrainingError(UserError, RuntimeError):
 
 
 # -- reading shards -----------------------------------------------------------------------
-
-_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-                       "U8": torch.uint8, "BOOL": torch.bool}
-
-
-_MMAP_OPTIONS = ({"flags": mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)}
-                 if hasattr(mmap, "MAP_ANONYMOUS") else {})
-
-
-@dataclass
-class ReadStats:
-    bytes: int = 0
-    seconds: float = 0.0
-
-    @property
-    def mb_per_s(self) -> float:
-        return self.bytes / 1e6 / self.seconds if self.seconds > 0 else 0.0
-
-
-def read_safetensors(path: Path, *, stats: ReadStats | None = None, chunk_bytes: int = READ_CHUNK_BYTES,
-                     expected_sha256: str | None = None) -> dict[str, torch.Tensor]:
-    """Read a whole safetensors file front to back in large chunks into one buffer.
-
-    Unlike safetensors' mmap loader, the page faults of which read in small steps, this
-    issues a few large reads (and tells the kernel the access is sequential), which is what
-    keeps a spinning or network disk near its streaming rate. With ``expected_sha256`` the
-    bytes are hashed as they arrive and verify.CorruptFile is raised on a difference.
-    """
-    start = time.perf_counter()
-    check = verify.ContentCheck(path, expected_sha256)
-    with open(path, "rb", buffering=0) as fh:
-        if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        prefix = fh.read(8)
-        check.update(prefix)
-        (header_len,) = struct.unpack("<Q", prefix)
-        header_bytes = fh.read(header_len)
-        check.update(header_bytes)
-        header = json.loads(header_bytes)
-        header.pop("__metadata__", None)
-        data_len = max((v["data_offsets"][1] for v in header.values()), default=0)
-        # Straight from the kernel: freeing a shard unmaps it, where malloc'd buffers of shard size would
-        # fragment the heap and let RSS creep up with the number of shards streamed. Populating the
-        # mapping up front costs one call instead of a page fault per 4 KiB read into it.
-        mapping = mmap.mmap(-1, max(1, data_len), **_MMAP_OPTIONS)
-        buffer = torch.frombuffer(mapping, dtype=torch.uint8)[:data_len]
-        view = memoryview(mapping)
-        done = 0
-        while done < data_len:
-            got = fh.readinto(view[done:done + chunk_bytes])
-            if not got:
-                raise TrainingError(f"{path}: truncated ({done} of {data_len} data bytes); recompute this shard.")
-            check.update(view[done:done + got])
-            done += got
-        check.update(fh.read())  # nothing, in a well-formed file; anything appended counts as a change
-    check.finish()
-    tensors = {}
-    for name, info in header.items():
-        begin, end = info["data_offsets"]
-        dtype = _SAFETENSORS_DTYPES[info["dtype"]]
-        raw = buffer[begin:end]
-        if begin % dtype.itemsize:  # views need aligned storage offsets
-            raw = raw.clone()
-        tensors[name] = raw.view(dtype).reshape(info["shape"])
-    if stats is not None:
-        stats.bytes += 8 + header_len + data_len
-        stats.seconds += time.perf_counter() - start
-    return tensors
-
 
 @dataclass(frozen=True)
 class ShardData:
@@ -187,8 +115,10 @@ def read_half(folder: Path, half: str, *, stats: ReadStats | None = None) -> dic
     record_file = folder / f"{half}.json"  # required_current() made sure it is there; hand-made shards may lack it
     recorded = atomic.read_json(record_file) if record_file.is_file() else {}
     try:
-        return read_safetensors(path, stats=stats, expected_sha256=recorded.get("sha256"))
-    except verify.CorruptFile as exc:
+        return read_torch(path, stats=stats, expected_sha256=recorded.get("sha256"))
+    except (verify.CorruptFile, ValueError) as exc:  # ValueError: the file is shorter than its header says
+        if not recorded:
+            raise TrainingError(f"{exc}; recompute this shard.") from exc
         forget_half(folder, half)
         raise ShardCorrupt(f"{exc} Nothing was trained on it. Its record was dropped, so `gguf-trainer run` "
                            "computes this half again, and only it.") from exc

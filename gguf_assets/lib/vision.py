@@ -28,7 +28,7 @@ from gguf import GGUFValueType
 
 from gguf_assets.lib import gguf_format as fmt
 from gguf_assets.lib.errors import UserError
-from gguf_assets.lib.gguf_eval import SafetensorsFile, to_float32
+from gguf_assets.lib.safetensors_io import SafetensorsFile, to_float32
 
 logger = logging.getLogger(__name__)
 
