@@ -61,7 +61,8 @@ from gguf_assets.lib.pipeline import corpus_fingerprint
 from gguf_assets.lib.quiet import quiet_libraries
 from gguf_assets.lib.settings import Settings, replace, write_project_file
 from gguf_assets.lib.shards import plan_shards, precompute_split
-from gguf_assets.lib.train import read_half, shards_identity, train_adapter, training_fingerprint
+from gguf_assets.lib.train import shards_identity, train_adapter, training_fingerprint
+from gguf_assets.lib.train_data import read_half, shard_size
 
 MARGIN = 0.01          # val centred cosine a variant must gain on every pair to be adopted
 CPU_TOLERANCE = 1.10   # "equal CPU time": at most this much of the current recipe's CPU seconds
@@ -287,8 +288,8 @@ def main(argv: list[str] | None = None) -> int:
             dims = atomic.read_json(data.shards["layer0"]["train"][0] / "student.json")["dim"]
             print(f"pair {pair.name}: student {dims} wide, {pair.student_layers} layers ({data.layers} hidden states), "
                   f"teacher {TEACHER_HIDDEN_SIZE} wide x {size.query_rows} query rows; "
-                  f"{sum(train_module.shard_size(f) for f in data.shards['layer0']['train'])} train / "
-                  f"{sum(train_module.shard_size(f) for f in data.shards['layer0']['val'])} val prompts; "
+                  f"{sum(shard_size(f) for f in data.shards['layer0']['train'])} train / "
+                  f"{sum(shard_size(f) for f in data.shards['layer0']['val'])} val prompts; "
                   f"materials + corpus + precompute {data.precompute_cpu_s:.0f} CPU s", file=sys.stderr, flush=True)
             costs = step_costs(root / "runs", data, size)
             for variant in VARIANTS:

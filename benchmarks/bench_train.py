@@ -37,16 +37,8 @@ from gguf_assets.lib.layout import (
 )
 from gguf_assets.lib.safetensors_io import read_torch
 from gguf_assets.lib.settings import Settings, Training
-from gguf_assets.lib.train import (
-    SampleOrder,
-    ShardStream,
-    adapter_shape,
-    build_model,
-    collate,
-    shard_size,
-    target_stats,
-    train_adapter,
-)
+from gguf_assets.lib.train import adapter_shape, build_model, train_adapter
+from gguf_assets.lib.train_data import SampleOrder, ShardStream, collate, shard_size, target_stats
 
 
 def write_shards(folder: Path, *, shards: int, prompts: int, query_rows: int, target_dim: int, student_dim: int,
@@ -139,7 +131,7 @@ Path("/proc/self/clear_refs").write_text("5")
 import torch
 torch.set_num_threads(int(sys.argv[3]))
 from pathlib import Path
-from gguf_assets.lib.train import SampleOrder, ShardStream, shard_size
+from gguf_assets.lib.train_data import SampleOrder, ShardStream, shard_size
 folders = [Path(p) for p in json.loads(sys.argv[1])]
 batch = int(sys.argv[2])
 order = SampleOrder([shard_size(f) for f in folders], 0)

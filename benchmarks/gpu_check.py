@@ -147,7 +147,7 @@ def check_precompute(paths, settings, materials, device, results) -> None:
         began = time.perf_counter()
         summary = _precompute(paths, chosen, materials)
         shard = plan_shards(paths, chosen, materials, "train")[0].folder(paths)
-        from gguf_assets.lib.train import read_half
+        from gguf_assets.lib.train_data import read_half
 
         targets = read_half(shard, "teacher")["targets"]
         hidden = read_half(shard, "student")["hidden"]

@@ -193,7 +193,7 @@ def test_a_change_that_keeps_the_stamp_is_caught_when_training_reads_it(project)
     on nothing, and drops the half's record, so the next run computes exactly that half again."""
     import os
 
-    from gguf_assets.lib.train import ShardCorrupt, load_shard
+    from gguf_assets.lib.train_data import ShardCorrupt, load_shard
 
     paths, settings, materials = project
     keys = _keys(paths, settings, materials)

@@ -3,7 +3,7 @@
 import dagster as dg
 
 from gguf_assets.lib.hardware import environment_report, hardware_report
-from gguf_assets.lib.markdown import markdown_table
+from gguf_assets.lib.render import markdown_table
 
 
 def panel_metadata() -> dict:

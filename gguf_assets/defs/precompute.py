@@ -16,8 +16,8 @@ from gguf_assets.defs.corpus import corpus
 from gguf_assets.defs.partitions import TRAIN_SHARDS, VAL_SHARDS
 from gguf_assets.defs.resources import ProjectResource
 from gguf_assets.defs.settings import settings_key
-from gguf_assets.lib.markdown import markdown_table
 from gguf_assets.lib.materials import load_manifest
+from gguf_assets.lib.render import markdown_table
 from gguf_assets.lib.shards import plan_shards, precompute_split, shard_status
 
 GPU_POOL = "gpu"

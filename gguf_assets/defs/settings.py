@@ -16,8 +16,8 @@ from dagster._core.definitions.data_version import (
 
 from gguf_assets.defs import groups
 from gguf_assets.lib import atomic
-from gguf_assets.lib.markdown import markdown_table
 from gguf_assets.lib.pipeline import STAGES, stage_settings
+from gguf_assets.lib.render import markdown_table
 from gguf_assets.lib.settings import Settings
 
 KEY_PREFIX = "settings"  # settings/<stage>

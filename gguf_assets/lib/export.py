@@ -20,13 +20,13 @@ import torch
 
 from gguf_assets.lib import atomic, verify
 from gguf_assets.lib.adapter import MLP_RATIO, NORM_EPS
+from gguf_assets.lib.checkpoints import load_final
 from gguf_assets.lib.errors import UserError
 from gguf_assets.lib.gguf_format import F16_MAX, is_f16_tensor, write_adapter_gguf
 from gguf_assets.lib.layout import ProjectPaths
 from gguf_assets.lib.pipeline import export_sidecar, gguf_fingerprint, gguf_path
 from gguf_assets.lib.settings import Settings
 from gguf_assets.lib.teacher_choice import teacher_choice
-from gguf_assets.lib.train import load_final
 from gguf_assets.lib.vision import vision_gguf_path, write_vision_gguf
 
 log = logging.getLogger(__name__)

@@ -166,7 +166,7 @@ def _exported_files_unchanged(paths: ProjectPaths, settings: Settings) -> bool:
 
 def _adapter_is_current(paths: ProjectPaths, adapter_fp: str) -> bool:
     """The adapter manifest names this fingerprint, and the finished weights are still as written."""
-    from gguf_assets.lib.train import FINAL_DIR, WEIGHTS_FILE
+    from gguf_assets.lib.checkpoints import FINAL_DIR, WEIGHTS_FILE
 
     try:
         manifest = atomic.read_json(paths.adapter_manifest)

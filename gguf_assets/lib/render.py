@@ -1,0 +1,78 @@
+"""What the UI and the reports show, as text: Markdown tables (one builder, so every table escapes the
+same way) and the training curves as an inline SVG."""
+
+from __future__ import annotations
+
+import base64
+import math
+from collections.abc import Iterable, Sequence
+
+
+def cell(value: object) -> str:
+    """A table cell: pipes escaped and newlines flattened, so a value never breaks the row."""
+    return str(value).replace("|", "\\|").replace("\n", " ")
+
+
+def markdown_table(header: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
+    lines = ["| " + " | ".join(cell(h) for h in header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def curves_svg(history: list[dict], *, panel_width: int = 320, panel_height: int = 180) -> str:
+    """Two small line charts as SVG text: training loss (log scale, plus val loss) and val cosines."""
+    pad = 34
+    panels = [("loss (log10)", [("loss", "#1f77b4", True), ("val_loss", "#ff7f0e", True)]),
+              ("val centred cosine", [("val_centred_cosine", "#2ca02c", False),
+                                      ("empty_prompt_cosine", "#9467bd", False)])]
+    width = panel_width * len(panels)
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{panel_height}" '
+           f'viewBox="0 0 {width} {panel_height}" font-family="sans-serif" font-size="10">',
+           f'<rect width="{width}" height="{panel_height}" fill="white"/>']
+    for p, (title, series) in enumerate(panels):
+        x0 = p * panel_width
+        points = {key: [(e["step"], math.log10(e[key]) if log_y else e[key]) for e in history
+                        if isinstance(e.get(key), (int, float)) and math.isfinite(e[key]) and (not log_y or e[key] > 0)]
+                  for key, _, log_y in series}
+        every = [xy for pts in points.values() for xy in pts]
+        out.append(f'<text x="{x0 + pad}" y="12">{title}</text>')
+        out.append(f'<rect x="{x0 + pad}" y="18" width="{panel_width - pad - 8}" height="{panel_height - 36}" '
+                   'fill="none" stroke="#999"/>')
+        if not every:
+            continue
+        sx0, sx1 = min(x for x, _ in every), max(x for x, _ in every)
+        sy0, sy1 = min(y for _, y in every), max(y for _, y in every)
+        if sy1 - sy0 < 1e-9:
+            sy0, sy1 = sy0 - 0.5, sy1 + 0.5
+
+        def xy(x: float, y: float) -> str:
+            px = x0 + pad + (x - sx0) / max(1e-9, sx1 - sx0) * (panel_width - pad - 8)
+            py = 18 + (1 - (y - sy0) / (sy1 - sy0)) * (panel_height - 36)
+            return f"{px:.1f},{py:.1f}"
+
+        out.append(f'<text x="{x0 + 2}" y="24">{sy1:.3g}</text>'
+                   f'<text x="{x0 + 2}" y="{panel_height - 18}">{sy0:.3g}</text>')
+        out.append(f'<text x="{x0 + pad}" y="{panel_height - 6}">step {sx0}</text>'
+                   f'<text x="{x0 + panel_width - 8}" y="{panel_height - 6}" text-anchor="end">{sx1}</text>')
+        for i, (key, colour, _) in enumerate(series):
+            pts = points[key]
+            if len(pts) > 400:  # keep the embedded image small
+                pts = pts[:: math.ceil(len(pts) / 400)] + [pts[-1]]
+            if pts:
+                out.append(f'<polyline fill="none" stroke="{colour}" stroke-width="1.5" '
+                           f'points="{" ".join(xy(x, y) for x, y in pts)}"/>')
+                out.append(f'<text x="{x0 + panel_width - 10}" y="{30 + 12 * i}" text-anchor="end" '
+                           f'fill="{colour}">{key}</text>')
+    out.append("</svg>")
+    return "\n".join(out)
+
+
+def curves_markdown(svg: str) -> str:
+    """The SVG as a Markdown image with a data: URI.
+
+    Dagster's UI renders Markdown metadata with react-markdown and a rehype-sanitize schema
+    that allows the ``data`` protocol for image sources; a file path would be resolved
+    against the web server and not found.
+    """
+    encoded = base64.b64encode(svg.encode("utf-8")).decode("ascii")
+    return f"![loss and val centred cosine](data:image/svg+xml;base64,{encoded})"
