@@ -14,6 +14,7 @@ from gguf_assets.lib.layout import SPLITS, shard_key
 from gguf_assets.lib.materials import load_manifest
 from gguf_assets.lib.pipeline import corpus_fingerprint, corpus_is_current
 from gguf_assets.lib.prompt_files import check_prompt_files
+from gguf_assets.lib.render import markdown_table, user_text
 
 
 def expected_shard_keys(corpus_manifest: dict, settings) -> dict[str, list[str]]:
@@ -43,33 +44,25 @@ def sync_shard_partitions(instance: dg.DagsterInstance, wanted_by_split: dict[st
             instance.add_dynamic_partitions(name, missing)
 
 
-_MD_SPECIAL = str.maketrans({c: "\\" + c for c in "\\`*_[]<>|#"} | {"\n": " ", "\r": " ", "\t": " "})
 _BAR_WIDTH = 30
-
-
-def _md_cell(text: str, limit: int = 160) -> str:
-    """Prompt text safe inside one Markdown table cell."""
-    short = text if len(text) <= limit else text[:limit - 1] + "…"
-    return short.translate(_MD_SPECIAL)
 
 
 def corpus_markdown(manifest: dict) -> dict[str, str]:
     """The UI tables of a corpus manifest: preview, length histogram, sources, bad lines."""
-    preview = ["| split | source | chars | prompt |", "|---|---|---:|---|"] + [
-        f"| {row['split']} | {_md_cell(row['source'], 40)} | {row['chars']} | "
-        f"{_md_cell(row['text']) if row['text'] else '*(empty: the CFG prompt)*'} |"
-        for row in manifest.get("preview", [])]
+    preview = markdown_table(["split", "source", "chars", "prompt"], (
+        [row["split"], user_text(row["source"], 40), row["chars"],
+         user_text(row["text"]) if row["text"] else "*(empty: the CFG prompt)*"]
+        for row in manifest.get("preview", [])), right=[2])
     bins = manifest.get("length_histogram", [])
     peak = max((b["prompts"] for b in bins), default=0) or 1
-    hist = ["| chars | prompts | |", "|---|---:|---|"] + [
-        f"| {b['chars_from']}–{b['chars_to']} | {b['prompts']} | {'█' * round(_BAR_WIDTH * b['prompts'] / peak)} |"
-        for b in bins]
-    sources = ["| source | file | read | blank | length | duplicate | bad | kept |",
-               "|---|---|---:|---:|---:|---:|---:|---:|"] + [
-        f"| {_md_cell(st['source'], 60)} | {_md_cell(st['file'].rsplit('/', 1)[-1], 60)} | {st['read']} | "
-        f"{st['dropped_blank']} | {st['dropped_length']} | {st['dropped_duplicate']} | {st['skipped_bad_lines']} | "
-        f"{st['kept']} |" for st in manifest.get("sources", [])]
-    tables = {"preview": "\n".join(preview), "length_histogram": "\n".join(hist), "sources": "\n".join(sources)}
+    hist = markdown_table(["chars", "prompts", ""], (
+        [f"{b['chars_from']}–{b['chars_to']}", b["prompts"], "█" * round(_BAR_WIDTH * b["prompts"] / peak)]
+        for b in bins), right=[1])
+    sources = markdown_table(["source", "file", "read", "blank", "length", "duplicate", "bad", "kept"], (
+        [user_text(st["source"], 60), user_text(st["file"].rsplit("/", 1)[-1], 60), st["read"], st["dropped_blank"],
+         st["dropped_length"], st["dropped_duplicate"], st["skipped_bad_lines"], st["kept"]]
+        for st in manifest.get("sources", [])), right=range(2, 8))
+    tables = {"preview": preview, "length_histogram": hist, "sources": sources}
     if manifest.get("bad_line_samples"):
         tables["bad_lines"] = "\n".join(f"- `{m.replace('`', chr(39))}`" for m in manifest["bad_line_samples"])
     return tables

@@ -30,8 +30,6 @@ def _number(value) -> float:
 
 
 def _metrics_table(history: list[dict]) -> str:
-    rows = ["| step | loss | lr | grad norm | samples/s | val centred cosine | empty prompt | val loss |",
-            "|---|---|---|---|---|---|---|---|"]
     merged: dict[int, dict] = {}
     for entry in history:
         merged.setdefault(entry["step"], {}).update(entry)
@@ -44,12 +42,11 @@ def _metrics_table(history: list[dict]) -> str:
         value = entry.get(key)
         return format(value, fmt) if isinstance(value, (int, float)) else ""
 
-    for step in steps:
-        e = merged[step]
-        rows.append(f"| {step} | {cell(e, 'loss', '.4f')} | {cell(e, 'lr', '.2e')} | {cell(e, 'grad_norm', '.3f')} | "
-                    f"{cell(e, 'samples_per_s', '.1f')} | {cell(e, 'val_centred_cosine', '.4f')} | "
-                    f"{cell(e, 'empty_prompt_cosine', '.4f')} | {cell(e, 'val_loss', '.4f')} |")
-    return "\n".join(rows)
+    columns = [("loss", ".4f"), ("lr", ".2e"), ("grad_norm", ".3f"), ("samples_per_s", ".1f"),
+               ("val_centred_cosine", ".4f"), ("empty_prompt_cosine", ".4f"), ("val_loss", ".4f")]
+    return markdown_table(["step", "loss", "lr", "grad norm", "samples/s", "val centred cosine", "empty prompt",
+                           "val loss"], ([step, *(cell(merged[step], key, fmt) for key, fmt in columns)]
+                                         for step in steps), right=range(8))
 
 
 @dg.asset(group_name=groups.TRAINING, deps=[train_shards, val_shards, settings_key("adapter")], pool=GPU_POOL,

@@ -15,6 +15,7 @@ from typing import Any
 
 from gguf_assets.lib import atomic, verify
 from gguf_assets.lib.layout import REPORT_JSON, REPORT_MD, ProjectPaths
+from gguf_assets.lib.render import markdown_table, user_text
 from gguf_assets.lib.settings import Settings
 from gguf_assets.lib.verdict import verdict
 
@@ -115,39 +116,34 @@ def _fmt(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.4f}"
 
 
-def _cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
-
-
 def render_evaluation(r: dict) -> str:
     """Verdict, advice and the numbers (overall, empty prompt, per shard, worst prompts)."""
     lines = [f"**{r['verdict']}**", "", r["advice"], "",
-             "| measure | value |", "|---|---|",
-             f"| val centred cosine (GGUF, numpy) | {_fmt(r['val_centred_cosine'])} |",
-             f"| val centred cosine (torch checkpoint) | {_fmt(r['val_centred_cosine_torch'])} |",
-             f"| GGUF vs torch difference | "
-             f"{'n/a' if r['gguf_vs_torch'] is None else format(r['gguf_vs_torch'], '.2e')} |",
-             f"| empty prompt cosine | {_fmt(r['empty_prompt_cosine'])} |",
-             f"| val prompts | {r['n_prompts'] if r['n_prompts'] is not None else 'n/a'} |", ""]
+             markdown_table(["measure", "value"], [
+                 ["val centred cosine (GGUF, numpy)", _fmt(r["val_centred_cosine"])],
+                 ["val centred cosine (torch checkpoint)", _fmt(r["val_centred_cosine_torch"])],
+                 ["GGUF vs torch difference",
+                  "n/a" if r["gguf_vs_torch"] is None else format(r["gguf_vs_torch"], ".2e")],
+                 ["empty prompt cosine", _fmt(r["empty_prompt_cosine"])],
+                 ["val prompts", r["n_prompts"] if r["n_prompts"] is not None else "n/a"]]), ""]
     if not r["evaluated"]:
         lines += ["The GGUF was not evaluated (`output.evaluate` is off); the verdict uses the torch score.", ""]
     if r["per_shard"]:
-        lines += ["### Per shard", "", "| shard | prompts | GGUF | torch |", "|---|---|---|---|"]
-        lines += [f"| {s['shard']} | {s['n']} | {_fmt(s['val_centred_cosine'])} | "
-                  f"{_fmt(s['val_centred_cosine_torch'])} |" for s in r["per_shard"]]
-        lines.append("")
+        lines += ["### Per shard", "", markdown_table(["shard", "prompts", "GGUF", "torch"], (
+            [s["shard"], s["n"], _fmt(s["val_centred_cosine"]), _fmt(s["val_centred_cosine_torch"])]
+            for s in r["per_shard"]), right=[1, 2, 3]), ""]
     if r["worst"]:
-        lines += [f"### The {len(r['worst'])} worst val prompts", "", "| cosine | prompt |", "|---|---|"]
-        lines += [f"| {w['cosine']:.4f} | {_cell(w['text'][:120]) or '(empty: the CFG prompt)'} |" for w in r["worst"]]
-        lines.append("")
+        lines += [f"### The {len(r['worst'])} worst val prompts", "", markdown_table(["cosine", "prompt"], (
+            [f"{w['cosine']:.4f}", user_text(w["text"], 120) or "*(empty: the CFG prompt)*"] for w in r["worst"]),
+            right=[0]), ""]
     return "\n".join(lines)
 
 
 def render_files(files: list[dict], *, kept_f32: list[str]) -> str:
     """The exported files (and copies) with sizes and sha256."""
-    lines = ["| file | role | bytes | sha256 |", "|---|---|---|---|"]
-    lines += [f"| `{f['path']}` | {f['role']}{' (copy)' if f.get('copy_of') else ''} | {f['bytes']:,} | "
-              f"`{f['sha256']}` |" for f in files]
+    lines = [markdown_table(["file", "role", "bytes", "sha256"], (
+        [f"`{f['path']}`", f["role"] + (" (copy)" if f.get("copy_of") else ""), f"{f['bytes']:,}", f"`{f['sha256']}`"]
+        for f in files), right=[2])]
     if kept_f32:
         lines += ["", f"Kept in f32 because values exceed the f16 range: {', '.join(kept_f32)}."]
     return "\n".join(lines) + "\n"
@@ -156,12 +152,12 @@ def render_files(files: list[dict], *, kept_f32: list[str]) -> str:
 def render_use_in_ggk(r: dict) -> str:
     """Which file goes where, and the command line."""
     s, ggk = r["student"], r["ggk_files"]
-    lines = ["| what | file | ggk flag |", "|---|---|---|",
-             f"| the adapter (this project's output) | `{ggk['adapter']}` | `{ADAPTER_FLAG}` |",
-             f"| the student LLM it was trained on: `{s['repo']}` at `{s['commit']}`, hidden states of layer "
-             f"{s['layer']} | `{s['path']}` | `{STUDENT_FLAG}` |"]
+    rows = [["the adapter (this project's output)", f"`{ggk['adapter']}`", f"`{ADAPTER_FLAG}`"],
+            [f"the student LLM it was trained on: `{s['repo']}` at `{s['commit']}`, hidden states of layer "
+             f"{s['layer']}", f"`{s['path']}`", f"`{STUDENT_FLAG}`"]]
     if ggk["vision_encoder"]:
-        lines.append(f"| the paired vision encoder | `{ggk['vision_encoder']}` | `{VISION_FLAG}` |")
+        rows.append(["the paired vision encoder", f"`{ggk['vision_encoder']}`", f"`{VISION_FLAG}`"])
+    lines = [markdown_table(["what", "file", "ggk flag"], rows)]
     copies = [f["path"] for f in r["files"] if f.get("copy_of")]
     lines += [""]
     if copies:

@@ -30,6 +30,7 @@ from pydantic_core import PydanticCustomError
 
 from gguf_assets.lib import atomic
 from gguf_assets.lib.errors import UserError
+from gguf_assets.lib.render import markdown_table
 
 PROJECT_FILE = "project.yaml"
 # The output folder's report.json would collide with an adapter of this name's sidecar (<name>.json).
@@ -463,14 +464,12 @@ def replace(settings: Settings, **changes: dict) -> Settings:
 
 
 def settings_reference_markdown() -> str:
-    """docs/settings.md, generated from the dataclasses above."""
+    """docs/settings.md, generated from the models above."""
     out = ["# Settings reference", "",
            "Generated from `gguf_assets/lib/settings.py` by `python -m gguf_assets.docs`; do not edit by hand.", ""]
     defaults = Settings()
     for name in SECTIONS:
-        out += [f"## `{name}`", "", "| key | default | meaning |", "|---|---|---|"]
-        for f in section_fields(name):
-            note = f.help + (f" (one of: {', '.join(f.choices)})" if f.choices else "")
-            out.append(f"| `{name}.{f.name}` | `{_yaml_value(getattr(getattr(defaults, name), f.name))}` | {note} |")
-        out.append("")
+        rows = [[f"`{name}.{f.name}`", f"`{_yaml_value(getattr(getattr(defaults, name), f.name))}`",
+                 f.help + (f" (one of: {', '.join(f.choices)})" if f.choices else "")] for f in section_fields(name)]
+        out += [f"## `{name}`", "", markdown_table(["key", "default", "meaning"], rows), ""]
     return "\n".join(out)
