@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from gguf_assets.lib import atomic, verify
+from gguf_assets.lib import atomic, formats, verify
 from gguf_assets.lib.layout import SPLITS, ProjectPaths
 from gguf_assets.lib.materials import load_manifest, manifest_is_current, pins
 from gguf_assets.lib.settings import Settings
@@ -43,8 +43,8 @@ def corpus_fingerprint(paths: ProjectPaths, settings: Settings, materials: dict)
         unchanged = known is not None and verify.stamp_matches(file, known) is True
         local.append([value, known["sha256"] if unchanged else atomic.sha256_file(file) if file.is_file() else None])
     datasets = [[d["source"], d["commit"], d.get("text_field")] for d in materials.get("datasets", [])]
-    # format 2: streaming readers (.csv, .gz), numpy split; the same seed orders prompts differently than format 1.
-    return atomic.fingerprint({**corpus_settings(settings), "datasets": datasets, "local": local, "format": 2})
+    return atomic.fingerprint({**corpus_settings(settings), "datasets": datasets, "local": local,
+                               "format": formats.CORPUS})
 
 
 def corpus_is_current(paths: ProjectPaths, settings: Settings, materials: dict) -> bool:
@@ -91,7 +91,7 @@ def gguf_fingerprint(settings: Settings, materials: dict, adapter_fp: str) -> st
     return atomic.fingerprint({"adapter": adapter_fp, "name": s["name"], "template": s["template"],
                                "student": pins(materials, "student"), "teacher": pins(materials, "teacher"),
                                "vision": [pins(materials, "vision_encoder"), s["export_vision_encoder"]],
-                               "also_copy_to": s["also_copy_to"], "format": 2})
+                               "also_copy_to": s["also_copy_to"], "format": formats.GGUF_EXPORT})
 
 
 def report_settings(settings: Settings) -> dict:
@@ -104,7 +104,7 @@ def report_settings(settings: Settings) -> dict:
 def report_fingerprint(settings: Settings, gguf_sidecar: dict, val_fps: list[str]) -> str:
     # The sidecar's own fingerprint covers what the export was made from (vision source included).
     return atomic.fingerprint({"gguf": [gguf_sidecar["sha256"], gguf_sidecar["fingerprint"]], "val": val_fps,
-                               **report_settings(settings), "format": 2})
+                               **report_settings(settings), "format": formats.EVAL_REPORT})
 
 
 def stage_settings(settings: Settings) -> dict[str, dict]:

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from gguf_assets.lib import atomic, faults, verify
+from gguf_assets.lib import atomic, faults, formats, verify
 from gguf_assets.lib.corpus import read_split, shard_prompts
 from gguf_assets.lib.errors import UserError
 from gguf_assets.lib.gguf_format import F16_MAX
@@ -73,7 +73,7 @@ def half_fingerprint(half: str, settings: Settings, materials: dict, shard_promp
     """Everything a half depends on: its settings, the pinned models it runs, and its prompts."""
     model = "student" if half == "student" else teacher_choice(settings).targets_model
     return atomic.fingerprint({"half": half, "prompts": shard_prompts_hash, **half_settings(half, settings),
-                               model: pins(materials, model), "format": 1})
+                               model: pins(materials, model), "format": formats.SHARD_HALF})
 
 
 def halves_for_mode(mode: str) -> tuple[str, ...]:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from gguf_assets.lib import atomic, faults
+from gguf_assets.lib import atomic, faults, formats
 from gguf_assets.lib.adapter import (
     Adapter,
     AdapterShape,
@@ -67,7 +67,6 @@ NON_RESULT_KEYS = ("device", "grad_checkpoint", "log_every", "validate_every", "
 # Result settings added after runs existed, with the value that means "as before": they enter the
 # fingerprint only when set otherwise, so a new key never retrains an existing project.
 OFF_VALUES = {"ema_decay": 0.0}
-FORMAT = 2
 
 
 # -- validation ---------------------------------------------------------------------------
@@ -113,7 +112,7 @@ def training_settings(settings: Settings) -> dict:
 
 def training_fingerprint(settings: Settings, train_fps: list[str], val_fps: list[str]) -> str:
     return atomic.fingerprint({"training": training_settings(settings), "train": train_fps, "val": val_fps,
-                               "shuffle_window_shards": SHUFFLE_WINDOW_SHARDS, "format": FORMAT})
+                               "shuffle_window_shards": SHUFFLE_WINDOW_SHARDS, "format": formats.TRAINING_RUN})
 
 
 def shards_identity(folders: list[Path]) -> str:
@@ -282,7 +281,7 @@ class _TrainingRun:
         train_id, val_id = shards_identity(self.train_folders), shards_identity(self.val_folders)
         self.base_meta = {"fingerprint": self.fingerprint, "shape": shape.to_dict(),
                           "training": self.settings.section_dict("training"), "train_prompts": sum(self.sizes),
-                          "train_shards": train_id, "val_shards": val_id, "format": FORMAT}
+                          "train_shards": train_id, "val_shards": val_id, "format": formats.TRAINING_RUN}
         resumed = restore(self.run_dir, self.model, self.optimizer, self.device, shape, ema=t.ema_decay > 0)
         if resumed is not None:
             self.note(f"resuming training run {self.fingerprint} from {resumed.checkpoint} "
