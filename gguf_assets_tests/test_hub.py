@@ -45,7 +45,7 @@ def test_full_download_is_pinned_minimal_loadable_and_reused_offline(make_projec
     paths = make_project(materials=HUB_SOURCES)
     manifest = _resolve(paths)
 
-    teacher, student, dataset = manifest["teacher"], manifest["student"], manifest["datasets"][0]
+    teacher, student, dataset = manifest.teacher, manifest.student, manifest.datasets[0]
     for entry, repo, kind in ((teacher, "demo/teacher", "model"), (student, "demo/student", "model"),
                               (dataset, "demo/prompts", "dataset")):
         assert entry["origin"] == "hub"
@@ -75,7 +75,7 @@ def test_full_download_is_pinned_minimal_loadable_and_reused_offline(make_projec
     before = len(loopback_hub.requests)
     again = _resolve(paths)
     assert len(loopback_hub.requests) == before
-    assert again["student"]["commit"] == student["commit"] and not any(d["network"] for d in again["_downloads"])
+    assert again.student["commit"] == student["commit"] and not any(d["network"] for d in again.downloads)
 
     # A wrong query rows tensor name lists the tensors of the right width (no download needed).
     paths.project_file.write_text(paths.project_file.read_text().replace(
@@ -99,7 +99,7 @@ def test_gated_repo_needs_the_right_token(make_project, loopback_hub, demo_mater
     assert "invalid" in {r["auth"] for r in loopback_hub.requests}  # refused at the first API call
 
     manifest = _resolve(paths, token=loopback_hub.token)
-    assert (Path(manifest["student"]["path"]) / "model.safetensors").is_file()
+    assert (Path(manifest.student["path"]) / "model.safetensors").is_file()
     # The token went only to the hub; nothing of it is in the project folder.
     assert not any(loopback_hub.token.encode() in p.read_bytes() for p in paths.root.rglob("*") if p.is_file())
 
@@ -111,7 +111,7 @@ def test_dropped_connections_and_server_errors_are_retried(make_project, loopbac
     loopback_hub.add_fault("error500", path_contains="config.json", method="HEAD", times=1)
 
     manifest = _resolve(paths)
-    weights = Path(manifest["student"]["path"]) / "model.safetensors"
+    weights = Path(manifest.student["path"]) / "model.safetensors"
     assert _sha256(weights) == _sha256(demo_materials_root / "student" / "model.safetensors")
     assert len(loopback_hub.file_requests("model.safetensors")) >= 3  # two cut short, then the rest
     assert len(loopback_hub.file_requests("config.json", method="HEAD")) >= 2
@@ -142,7 +142,7 @@ def test_stalls_are_bounded_and_a_killed_download_resumes(make_project, loopback
     orphan.write_bytes(b"x" * 1000)
     loopback_hub.clear_faults()
     manifest = resolve_materials(paths, settings, hub_options=FAST)
-    weights = Path(manifest["student"]["path"]) / "model.safetensors"
+    weights = Path(manifest.student["path"]) / "model.safetensors"
     assert _sha256(weights) == _sha256(demo_materials_root / "student" / "model.safetensors")
     resumed = [r["range"] for r in loopback_hub.file_requests("model.safetensors")][-1]
     assert resumed == f"bytes={kept}-"
@@ -171,7 +171,7 @@ def test_missing_file_unknown_repo_and_unknown_revision(make_project, loopback_h
 
 def test_upstream_change_after_pinning_keeps_the_pinned_commit(make_project, loopback_hub, demo_materials_root):
     paths = make_project(materials={"student": "demo/student"}, precompute={"mock_teacher": True})
-    first = _resolve(paths)["student"]
+    first = _resolve(paths).student
     config = Path(first["path"]) / "config.json"
     original = config.read_bytes()
 
@@ -182,7 +182,7 @@ def test_upstream_change_after_pinning_keeps_the_pinned_commit(make_project, loo
 
     # main moved upstream, but the pinned commit is kept, even when files must be fetched again.
     config.unlink()
-    again = _resolve(paths)["student"]
+    again = _resolve(paths).student
     assert again["commit"] == first["commit"] and config.read_bytes() == original
 
     # Changing the configured revision pins anew; an unfinished download of some other commit of
@@ -192,7 +192,7 @@ def test_upstream_change_after_pinning_keeps_the_pinned_commit(make_project, loo
     (abandoned / "model.safetensors").write_bytes(b"partial")
     paths.project_file.write_text(paths.project_file.read_text().replace("demo/student", "demo/student@main"))
     assert not manifest_is_current(paths, load_settings(paths.root))
-    newer = _resolve(paths)["student"]
+    newer = _resolve(paths).student
     assert newer["commit"] == moved
     assert json.loads((Path(newer["path"]) / "config.json").read_bytes())["torch_dtype"] == "float16"
     assert not abandoned.exists() and (Path(first["path"]) / "config.json").read_bytes() == original
@@ -204,8 +204,8 @@ def test_corrupted_downloads_are_refetched_or_refused(make_project, loopback_hub
 
     loopback_hub.add_fault("corrupt", path_contains="model.safetensors", times=1)
     manifest = _resolve(paths)
-    weights = Path(manifest["student"]["path"]) / "model.safetensors"
-    assert _sha256(weights) == expected and manifest["_downloads"][0]["refetched"] == 1
+    weights = Path(manifest.student["path"]) / "model.safetensors"
+    assert _sha256(weights) == expected and manifest.downloads[0]["refetched"] == 1
 
     # A bit flipped on disk after the download: the manifest is no longer current, and the
     # next run fetches the file again from the pinned commit.
@@ -214,7 +214,7 @@ def test_corrupted_downloads_are_refetched_or_refused(make_project, loopback_hub
     weights.write_bytes(bytes(data))
     assert not manifest_is_current(paths, load_settings(paths.root))
     manifest = _resolve(paths)
-    assert _sha256(weights) == expected and manifest["_downloads"][0]["refetched"] >= 1
+    assert _sha256(weights) == expected and manifest.downloads[0]["refetched"] >= 1
 
     # A server that always sends a different file: refused, and the bad copy is not kept.
     other = make_project(materials={"student": "demo/student"}, precompute={"mock_teacher": True})
@@ -249,7 +249,7 @@ def test_refusals_come_before_the_download(make_project, loopback_hub, demo_mate
 
     trusted = make_project(materials={"student": "org/remote-code", "trust_remote_code": True},
                            precompute={"mock_teacher": True})
-    assert (Path(_resolve(trusted)["student"]["path"]) / "modeling_x.py").is_file()
+    assert (Path(_resolve(trusted).student["path"]) / "modeling_x.py").is_file()
 
     # A repo bigger than the free disk is refused before a single byte is fetched.
     loopback_hub.add_repo("org/huge", student)
@@ -299,7 +299,7 @@ def test_materials_asset_through_dagster_keeps_the_token_out_of_storage(make_pro
     public = make_project(materials={"teacher": "demo/teacher", "student": "demo/student"},
                           precompute={"mock_teacher": True})
     resource = ProjectResource(project_dir=str(public.root))
-    assert resource.hub.token is None
+    assert resource.hub.read_token() is None
     result = dg.materialize([materials], instance=instance, resources={"project": resource})
     assert result.success
     assert result.asset_materializations_for_node("materials")[0].metadata["hub_token_used"].value is False

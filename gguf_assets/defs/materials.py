@@ -15,9 +15,10 @@ from gguf_assets.lib.render import markdown_table
           description="Teacher, student, prompt datasets and the optional vision "
           "encoder, each a local folder or hub repo pinned to the commit (or content hash) it resolved to.")
 def materials(context: dg.AssetExecutionContext, project: ProjectResource) -> dg.MaterializeResult:
-    manifest = resolve_materials(project.paths(), project.settings(), token=project.hub.token)
+    token = project.hub.read_token()
+    manifest = resolve_materials(project.paths(), project.settings(), token=token)
     metadata: dict = {"manifest": dg.MetadataValue.path(str(project.paths().materials_manifest))}
-    entries = [manifest[r] for r in ("teacher", "student", "vision_encoder") if manifest[r]] + manifest["datasets"]
+    entries = manifest.entries()
     rows = [[e["role"], f"`{e['source']}`", e.get("origin", "local"), f"`{e['commit']}`", e["files"],
              f"{e['bytes'] / 2**20:.1f}"] for e in entries]
     for e in entries:
@@ -25,11 +26,11 @@ def materials(context: dg.AssetExecutionContext, project: ProjectResource) -> dg
     metadata["materials"] = dg.MetadataValue.md(markdown_table(
         ["role", "source", "from", "pinned to", "files", "MiB"], rows))
     metadata["total_mib"] = sum(e["bytes"] for e in entries) / 2**20
-    downloads = manifest.get("_downloads", [])
+    downloads = manifest.downloads
     metadata["downloaded_mib"] = sum(d["downloaded_bytes"] for d in downloads) / 2**20
     metadata["download_seconds"] = sum(d["seconds"] for d in downloads)
     metadata["refetched_files"] = sum(d["refetched"] for d in downloads)
-    metadata["hub_token_used"] = project.hub.token is not None
+    metadata["hub_token_used"] = token is not None
     metadata.update(panel_metadata())
     metadata.update(project.stage_metadata("materials"))
     return dg.MaterializeResult(metadata=metadata)

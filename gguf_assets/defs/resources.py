@@ -43,16 +43,13 @@ class HubResource(dg.ConfigurableResource):
     """Hugging Face hub access. The token comes from the HF_TOKEN environment variable only (set it
     in the shell that starts gguf-trainer or the daemon); it is never shown, logged or stored."""
 
-    # Developer note: the field is bound to dg.EnvVar("HF_TOKEN"), so run storage keeps the
-    # variable's name, never its value; it is handed to the downloader and nowhere else.
+    # Developer note: the token is read when a step needs it (read_token), in the run's own
+    # process, so neither the definitions nor run storage ever hold it, and a process that runs
+    # several pipelines (tests, a notebook) sees HF_TOKEN as it is at each run. (A field bound to
+    # dg.EnvVar when the definitions loaded failed every later run once the variable was unset.)
 
-    token: str | None = Field(default=None, description="HF read token, from the HF_TOKEN environment variable")
-
-    @classmethod
-    def from_env(cls) -> "HubResource":
-        # dg.EnvVar on an unset variable fails the run's config, but a missing token is normal
-        # (public repos), so the field is bound to the variable only when it is set.
-        return cls(token=dg.EnvVar(HF_TOKEN_ENV)) if os.environ.get(HF_TOKEN_ENV) else cls()
+    def read_token(self) -> str | None:
+        return os.environ.get(HF_TOKEN_ENV) or None
 
 
 class ProjectResource(dg.ConfigurableResource):
@@ -70,7 +67,7 @@ class ProjectResource(dg.ConfigurableResource):
     _lock: ProjectLock | None = PrivateAttr(default=None)
 
     def __init__(self, **data) -> None:
-        data.setdefault("hub", HubResource.from_env())
+        data.setdefault("hub", HubResource())
         super().__init__(**data)
 
     def setup_for_execution(self, context: dg.InitResourceContext) -> None:
