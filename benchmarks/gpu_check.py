@@ -224,11 +224,11 @@ def check_training_and_export(paths, settings, materials, device, results) -> No
     began = time.perf_counter()
     sidecar = export_adapter(paths, settings, materials, atomic.read_json(paths.adapter_manifest))
     export_s = time.perf_counter() - began
-    evaluation = evaluate_gguf(Path(sidecar["path"]), folders["val"])
-    difference = abs(evaluation["val_centred_cosine"] - sidecar["val_centred_cosine_torch"])
+    evaluation = evaluate_gguf(Path(sidecar.path), folders["val"])
+    difference = abs(evaluation["val_centred_cosine"] - sidecar.val_centred_cosine_torch)
     results.append(Result("GGUF agrees with torch", "PASS" if difference < AGREEMENT else "FAIL",
-                          f"{sidecar['bytes'] / 2**20:.1f} MiB exported in {export_s:.2f} s; numpy "
-                          f"{evaluation['val_centred_cosine']:.6f} vs torch {sidecar['val_centred_cosine_torch']:.6f} "
+                          f"{sidecar.bytes / 2**20:.1f} MiB exported in {export_s:.2f} s; numpy "
+                          f"{evaluation['val_centred_cosine']:.6f} vs torch {sidecar.val_centred_cosine_torch:.6f} "
                           f"(difference {difference:.1e}, bound {AGREEMENT})"))
 
 

@@ -14,6 +14,7 @@ from gguf_assets.lib import atomic, prompt_files, verify
 from gguf_assets.lib import corpus as corpus_lib
 from gguf_assets.lib.corpus import build_corpus, clean, empty_count, read_split, shard_prompts
 from gguf_assets.lib.layout import ProjectPaths
+from gguf_assets.lib.manifests import MaterialsManifest
 from gguf_assets.lib.prompt_files import CorpusError, check_prompt_files, read_prompt_file
 from gguf_assets.lib.settings import Settings, replace
 
@@ -28,8 +29,8 @@ def _write_jsonl(path: Path, texts: list, key: str = "text") -> Path:
     return path
 
 
-def _dataset(path: Path, text_field: str = "text") -> dict:
-    return {"datasets": [{"source": "test/prompts", "path": str(path), "text_field": text_field}]}
+def _dataset(path: Path, text_field: str = "text") -> MaterialsManifest:
+    return MaterialsManifest(datasets=[{"source": "test/prompts", "path": str(path), "text_field": text_field}])
 
 
 def _prompts(n: int, prefix: str = "prompt") -> list[str]:
@@ -149,8 +150,8 @@ def test_duplicates_removed_and_counted_including_nfc_equivalents(project, tmp_p
 def test_duplicates_across_sources_and_per_source_counts(project, tmp_path):
     a = _write_jsonl(tmp_path / "a" / "p.jsonl", _prompts(30))
     b = _write_jsonl(tmp_path / "b" / "p.jsonl", _prompts(10) + _prompts(15, prefix="other"))
-    materials = {"datasets": [{"source": "org/a", "path": str(a.parent), "text_field": "text"},
-                              {"source": "org/b", "path": str(b), "text_field": "text"}]}
+    materials = MaterialsManifest(datasets=[{"source": "org/a", "path": str(a.parent), "text_field": "text"},
+                              {"source": "org/b", "path": str(b), "text_field": "text"}])
     manifest = build_corpus(project, _settings(train_prompts=30, val_prompts=10, empty_fraction=0.0), materials,
                             fingerprint="x")
     assert manifest["per_source"] == {"org/a": 30, "org/b": 15}
@@ -218,7 +219,7 @@ def test_local_prompt_files_relative_to_project(project, tmp_path):
     project.root.mkdir(parents=True)
     (project.root / "extra.txt").write_text("\n".join(_prompts(12, prefix="local")), encoding="utf-8")
     manifest = build_corpus(project, _settings(train_prompts=8, val_prompts=2, empty_fraction=0.0,
-                                               local_prompt_files=["extra.txt"]), {"datasets": []}, fingerprint="x")
+                                               local_prompt_files=["extra.txt"]), MaterialsManifest(), fingerprint="x")
     assert manifest["per_source"] == {"extra.txt": 12}
 
 
@@ -229,13 +230,13 @@ def test_the_corpus_fingerprint_rereads_a_local_file_only_when_its_stamp_changed
     extra = project.root / "extra.txt"
     extra.write_text("\n".join(_prompts(12, prefix="local")), encoding="utf-8")
     settings = _settings(train_prompts=8, val_prompts=2, empty_fraction=0.0, local_prompt_files=["extra.txt"])
-    before = corpus_fingerprint(project, settings, {"datasets": []})
-    build_corpus(project, settings, {"datasets": []}, fingerprint=before)
+    before = corpus_fingerprint(project, settings, MaterialsManifest())
+    build_corpus(project, settings, MaterialsManifest(), fingerprint=before)
     real_sha256, hashed = atomic.sha256_file, []
     monkeypatch.setattr(atomic, "sha256_file", lambda path, **kw: hashed.append(path) or real_sha256(path, **kw))
-    assert corpus_fingerprint(project, settings, {"datasets": []}) == before and hashed == []
+    assert corpus_fingerprint(project, settings, MaterialsManifest()) == before and hashed == []
     extra.write_text("\n".join(_prompts(12, prefix="other")), encoding="utf-8")  # same size, new content
-    assert corpus_fingerprint(project, settings, {"datasets": []}) != before and hashed == [extra]
+    assert corpus_fingerprint(project, settings, MaterialsManifest()) != before and hashed == [extra]
 
 
 # -- bad input ------------------------------------------------------------------------------
@@ -284,8 +285,8 @@ def test_empty_file_is_named(project, tmp_path):
     good = _write_jsonl(tmp_path / "good.jsonl", _prompts(20))
     empty = tmp_path / "empty.jsonl"
     empty.write_text("", encoding="utf-8")
-    materials = {"datasets": [{"source": "a", "path": str(good), "text_field": "text"},
-                              {"source": "b", "path": str(empty), "text_field": "text"}]}
+    materials = MaterialsManifest(datasets=[{"source": "a", "path": str(good), "text_field": "text"},
+                              {"source": "b", "path": str(empty), "text_field": "text"}])
     with pytest.raises(CorpusError) as info:
         build_corpus(project, _settings(train_prompts=5, val_prompts=2), materials, fingerprint="x")
     assert str(empty) in str(info.value) and "no prompts" in str(info.value)
@@ -405,7 +406,7 @@ def test_local_files_use_corpus_text_field(project, tmp_path):
     _write_jsonl(project.root / "p.jsonl", _prompts(10, "jsonl"), key="caption")
     manifest = build_corpus(project, _settings(train_prompts=15, val_prompts=5, empty_fraction=0.0,
                                                text_field="caption", local_prompt_files=["p.csv", "p.jsonl"]),
-                            {"datasets": []}, fingerprint="x")
+                            MaterialsManifest(), fingerprint="x")
     assert manifest["per_source"] == {"p.csv": 10, "p.jsonl": 10}
 
 

@@ -15,17 +15,17 @@ from test_gguf_format import SHAPE, make_adapter, write_shard
 
 from gguf_assets.lib import atomic, checkpoints, export, gguf_eval, gguf_format, train
 from gguf_assets.lib.layout import REPORT_JSON, REPORT_MD, ProjectPaths
+from gguf_assets.lib.manifests import ExportSidecar, MaterialsManifest
 from gguf_assets.lib.report import build_report, ggk_command
 from gguf_assets.lib.settings import Settings, replace
 
 GOLDEN = Path(__file__).parent / "golden" / "tiny_adapter.gguf"
 REGEN_ENV = "GGUF_GOLDEN_REGEN"  # set to 1 to rewrite the golden file after a deliberate format change
 
-MATERIALS = {
-    "student": {"source": "org/student", "commit": "0123abcd" * 5, "path": "/models/student dir"},
-    "teacher": {"source": "org/teacher", "commit": "fedc9876" * 5, "path": "/models/teacher"},
-    "vision_encoder": None, "datasets": [],
-}
+MATERIALS = MaterialsManifest(
+    student={"source": "org/student", "commit": "0123abcd" * 5, "path": "/models/student dir"},
+    teacher={"source": "org/teacher", "commit": "fedc9876" * 5, "path": "/models/teacher"},
+)
 
 
 def fake_run(paths: ProjectPaths, adapter: torch.nn.Module, *, val_folders: list[Path] | None = None,
@@ -60,7 +60,7 @@ def test_exported_metadata_is_complete_and_typed(tmp_path: Path) -> None:
     paths, settings = project(tmp_path)
     adapter = make_adapter(0)
     sidecar = export.export_adapter(paths, settings, MATERIALS, fake_run(paths, adapter))
-    path = Path(sidecar["path"])
+    path = Path(sidecar.path)
     assert path == paths.root / "output" / "adapter.gguf"  # output_dir defaults to <project>/output
     fields = {k: f for k, f in GGUFReader(path).fields.items() if not k.startswith("GGUF.")}
     S, U32, I64, F32, F64 = (GGUFValueType.STRING, GGUFValueType.UINT32, GGUFValueType.INT64, GGUFValueType.FLOAT32,
@@ -86,7 +86,7 @@ def test_exported_metadata_is_complete_and_typed(tmp_path: Path) -> None:
         assert fields[key].types == [vtype], (key, fields[key].types)
         assert fields[key].contents() == value, key
     assert set(gguf_format.REQUIRED_PROVENANCE) <= {k.removeprefix("llm_adapter.") for k in fields}
-    assert sidecar["provenance"]["student.layer"] == -3
+    assert sidecar.provenance["student.layer"] == -3
 
 
 @pytest.mark.parametrize("key", sorted(gguf_format.REQUIRED_PROVENANCE))
@@ -127,13 +127,13 @@ def test_also_copy_to_is_verified_and_a_failed_copy_keeps_the_old_one(tmp_path: 
     paths, settings = project(tmp_path, also_copy_to=str(ggk_dir), output_dir="out")
     sidecar = export.export_adapter(paths, settings, MATERIALS, fake_run(paths, make_adapter(0)))
     copy = ggk_dir / "adapter.gguf"
-    assert Path(sidecar["path"]) == paths.root / "out" / "adapter.gguf"
-    assert sidecar["copies"] == [str(copy)]
-    assert copy.read_bytes() == Path(sidecar["path"]).read_bytes()
-    assert [f["role"] for f in sidecar["files"]] == ["adapter", "adapter"]
-    assert sidecar["files"][1] == {"role": "adapter", "path": str(copy), "bytes": copy.stat().st_size,
+    assert Path(sidecar.path) == paths.root / "out" / "adapter.gguf"
+    assert sidecar.copies == [str(copy)]
+    assert copy.read_bytes() == Path(sidecar.path).read_bytes()
+    assert [f["role"] for f in sidecar.files] == ["adapter", "adapter"]
+    assert sidecar.files[1] == {"role": "adapter", "path": str(copy), "bytes": copy.stat().st_size,
                                    "mtime_ns": copy.stat().st_mtime_ns, "inode": copy.stat().st_ino,
-                                   "sha256": atomic.sha256_file(copy), "copy_of": sidecar["path"]}
+                                   "sha256": atomic.sha256_file(copy), "copy_of": sidecar.path}
     good = copy.read_bytes()
 
     real_copy = export.shutil.copyfile
@@ -153,7 +153,7 @@ def test_also_copy_to_is_verified_and_a_failed_copy_keeps_the_old_one(tmp_path: 
     assert copy.read_bytes() == good
     assert sorted(p.name for p in ggk_dir.iterdir()) == ["adapter.gguf"]  # no temp file left behind
     # The sidecar still describes the old export, so the stage is not mistaken for done.
-    assert atomic.read_json(paths.root / "out" / "adapter.json")["sha256"] == sidecar["sha256"]
+    assert atomic.read_json(paths.root / "out" / "adapter.json")["sha256"] == sidecar.sha256
 
 
 def test_a_changed_export_or_a_copy_shared_with_another_project_is_not_current(tmp_path: Path, caplog) -> None:
@@ -192,10 +192,10 @@ def test_projects_sharing_an_output_dir_keep_their_reports_apart(tmp_path: Path)
         reports[name] = build_report(paths, settings, MATERIALS, sidecar, None, fingerprint=f"fp-{name}")
         assert paths.report_json(settings) == shared / f"{name}.report.json"
     for name, report in reports.items():
-        assert atomic.read_json(shared / f"{name}.report.json") == report
+        assert atomic.read_json(shared / f"{name}.report.json") == report.to_json()
         assert f"{name}.gguf" in (shared / f"{name}.report.md").read_text(encoding="utf-8")
-    assert atomic.read_json(shared / REPORT_JSON) == reports["second"]
-    assert reports["first"]["gguf_sha256"] != reports["second"]["gguf_sha256"]
+    assert atomic.read_json(shared / REPORT_JSON) == reports["second"].to_json()
+    assert reports["first"].gguf_sha256 != reports["second"].gguf_sha256
 
 
 def test_ggk_command_fills_and_quotes_placeholders() -> None:
@@ -222,32 +222,32 @@ def test_numpy_evaluation_agrees_with_torch_and_report_carries_both(tmp_path: Pa
                     targets_dtype=torch.float32, hidden_dtype=torch.float32, seed=20 + i)
         shards.append(folder)
     sidecar = export.export_adapter(paths, settings, MATERIALS, fake_run(paths, adapter, val_folders=shards))
-    evaluation = gguf_eval.evaluate_gguf(Path(sidecar["path"]), shards)
+    evaluation = gguf_eval.evaluate_gguf(Path(sidecar.path), shards)
     report = build_report(paths, settings, MATERIALS, sidecar, evaluation, fingerprint="fp-report")
 
     on_disk = atomic.read_json(paths.root / "output" / REPORT_JSON)
-    assert on_disk == report
-    assert 0.2 < report["val_centred_cosine"] < 0.99
+    assert on_disk == report.to_json()
+    assert 0.2 < report.val_centred_cosine < 0.99
     # f16 GGUF read by numpy vs the f32 torch checkpoint: the 1e-3 bound.
-    assert abs(report["val_centred_cosine"] - report["val_centred_cosine_torch"]) < 1e-3
-    assert report["gguf_vs_torch"] == pytest.approx(abs(report["val_centred_cosine"] -
-                                                        report["val_centred_cosine_torch"]))
-    assert abs(report["empty_prompt_cosine"] - report["empty_prompt_cosine_torch"]) < 1e-3
-    assert [s["shard"] for s in report["per_shard"]] == ["00000", "00001"]
-    for row in report["per_shard"]:
+    assert abs(report.val_centred_cosine - report.val_centred_cosine_torch) < 1e-3
+    assert report.gguf_vs_torch == pytest.approx(abs(report.val_centred_cosine -
+                                                        report.val_centred_cosine_torch))
+    assert abs(report.empty_prompt_cosine - report.empty_prompt_cosine_torch) < 1e-3
+    assert [s["shard"] for s in report.per_shard] == ["00000", "00001"]
+    for row in report.per_shard:
         assert abs(row["val_centred_cosine"] - row["val_centred_cosine_torch"]) < 1e-3
-    assert len(report["worst"]) == 10 and report["n_prompts"] == 13
-    assert [w["cosine"] for w in report["worst"]] == sorted(w["cosine"] for w in report["worst"])
+    assert len(report.worst) == 10 and report.n_prompts == 13
+    assert [w["cosine"] for w in report.worst] == sorted(w["cosine"] for w in report.worst)
     # Paths inside the project are stored relative to it, so a copied project is independent.
-    assert report["files"] == [{"role": "adapter", "path": "output/adapter.gguf",
-                                "bytes": Path(sidecar["path"]).stat().st_size,
-                                "sha256": atomic.sha256_file(sidecar["path"])}]
-    assert report["ggk_command"] == "ggk --llm '/models/student dir' --llm_adapter output/adapter.gguf -p \"a cat\""
-    assert report["vision_gguf"] is None
+    assert report.files == [{"role": "adapter", "path": "output/adapter.gguf",
+                                "bytes": Path(sidecar.path).stat().st_size,
+                                "sha256": atomic.sha256_file(sidecar.path)}]
+    assert report.ggk_command == "ggk --llm '/models/student dir' --llm_adapter output/adapter.gguf -p \"a cat\""
+    assert report.vision_gguf is None
 
     md = (paths.root / "output" / REPORT_MD).read_text(encoding="utf-8")
     for needle in ("## Exported files", "## Use it in ggk", "### Per shard", "### The 10 worst val prompts",
-                   report["gguf_sha256"], report["ggk_command"], report["verdict"], "`org/student`",
+                   report.gguf_sha256, report.ggk_command, report.verdict, "`org/student`",
                    "layer -3"):
         assert needle in md, needle
     assert "\\| with a pipe" in md  # a pipe in a prompt must not break the table
@@ -256,13 +256,14 @@ def test_numpy_evaluation_agrees_with_torch_and_report_carries_both(tmp_path: Pa
 @pytest.mark.parametrize("score, advice", [(0.62, "1536"), (0.95, "Use it")])
 def test_report_verdict_and_advice(tmp_path: Path, score: float, advice: str) -> None:
     paths, settings = project(tmp_path, evaluate=False)
-    sidecar = {"path": "/o/adapter.gguf", "bytes": 10, "sha256": "ab" * 32, "val_centred_cosine_torch": score,
-               "files": [{"role": "adapter", "path": "/o/adapter.gguf", "bytes": 10, "sha256": "ab" * 32}]}
+    sidecar = ExportSidecar(path="/o/adapter.gguf", bytes=10, sha256="ab" * 32, fingerprint="fp",
+                            val_centred_cosine_torch=score,
+                            files=[{"role": "adapter", "path": "/o/adapter.gguf", "bytes": 10, "sha256": "ab" * 32}])
     report = build_report(paths, settings, MATERIALS, sidecar, None, fingerprint="x")
-    assert report["score_source"] == "torch" and report["val_centred_cosine"] is None
-    assert advice in report["advice"]
+    assert report.score_source == "torch" and report.val_centred_cosine is None
+    assert advice in report.advice
     if score < 0.9:
-        assert "deepen" in report["advice"] and "0.9" in report["verdict"]
+        assert "deepen" in report.advice and "0.9" in report.verdict
     md = (paths.root / "output" / REPORT_MD).read_text(encoding="utf-8")
     assert "not evaluated" in md and advice in md
 

@@ -58,14 +58,14 @@ def test_run_downloads_every_material_from_the_hub(tmp_path, demo_materials_root
 
     manifest = load_manifest(paths)
     stored = atomic.read_json(paths.materials_manifest)
-    for entry, repo, kind in ((manifest["teacher"], TEACHER, "model"), (manifest["student"], STUDENT, "model"),
-                              (manifest["datasets"][0], DATASET, "dataset")):
+    for entry, repo, kind in ((manifest.teacher, TEACHER, "model"), (manifest.student, STUDENT, "model"),
+                              (manifest.datasets[0], DATASET, "dataset")):
         assert entry["origin"] == "hub" and entry["commit"] == loopback_hub.head(repo, kind=kind), repo
         assert Path(entry["path"]).is_relative_to(paths.materials_dir)
     # On disk the downloads are named relative to the project folder, so a copy is independent.
     assert stored["teacher"]["path"].startswith("materials/hub/")
-    dataset_files = sorted(p.relative_to(manifest["datasets"][0]["path"]).as_posix()
-                           for p in Path(manifest["datasets"][0]["path"]).rglob("*") if p.is_file())
+    dataset_files = sorted(p.relative_to(manifest.datasets[0]["path"]).as_posix()
+                           for p in Path(manifest.datasets[0]["path"]).rglob("*") if p.is_file())
     assert dataset_files == [PARQUET_FILE]  # the data file only, no README
 
     corpus = atomic.read_json(paths.corpus_manifest)
@@ -85,7 +85,7 @@ def test_run_downloads_every_material_from_the_hub(tmp_path, demo_materials_root
                            capture_output=True, text=True)
     assert found.returncode == 1, found.stdout
     # The same search does find what the runs stored (the teacher's pinned commit in the event log).
-    stored = subprocess.run(["grep", "-r", "-l", "-a", "-F", manifest["teacher"]["commit"], str(paths.dagster_home)],
+    stored = subprocess.run(["grep", "-r", "-l", "-a", "-F", manifest.teacher["commit"], str(paths.dagster_home)],
                             capture_output=True, text=True)
     assert stored.returncode == 0, stored.stderr
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shutil
@@ -192,23 +193,24 @@ def test_export_report_and_ggk_command_include_the_vision_gguf(siglip_dir: Path,
                                                                 enabled: bool) -> None:
     ggk_dir = tmp_path / "ggk"
     paths, settings = project(tmp_path, also_copy_to=str(ggk_dir), export_vision_encoder=enabled)
-    materials = {**MATERIALS, "vision_encoder": {"source": "org/siglip", "path": str(siglip_dir), "commit": "abc123"}}
+    materials = dataclasses.replace(MATERIALS, vision_encoder={"source": "org/siglip", "path": str(siglip_dir),
+                                                               "commit": "abc123"})
     sidecar = export.export_adapter(paths, settings, materials, fake_run(paths, make_adapter(0)))
     report = build_report(paths, settings, materials, sidecar, None, fingerprint="x")
     vision_file = paths.root / "output" / "adapter-vision.gguf"
     if not enabled:
-        assert sidecar["vision"] is None and not vision_file.exists() and report["vision_gguf"] is None
-        assert "--llm_vision" not in report["ggk_command"]
+        assert sidecar.vision is None and not vision_file.exists() and report.vision_gguf is None
+        assert "--llm_vision" not in report.ggk_command
         return
     copy = ggk_dir / "adapter-vision.gguf"
-    assert sidecar["vision"]["path"] == str(vision_file)
+    assert sidecar.vision["path"] == str(vision_file)
     assert copy.read_bytes() == vision_file.read_bytes()
     # Files inside the project are named relative to it; the copies elsewhere keep their absolute path.
-    assert [(f["role"], f["path"]) for f in report["files"]] == [
+    assert [(f["role"], f["path"]) for f in report.files] == [
         ("adapter", "output/adapter.gguf"), ("vision_encoder", "output/adapter-vision.gguf"),
         ("adapter", str(ggk_dir / "adapter.gguf")), ("vision_encoder", str(copy))]
-    assert {f["path"]: f["sha256"] for f in report["files"]}[str(copy)] == atomic.sha256_file(copy)
-    assert report["vision_gguf"] == "output/adapter-vision.gguf"
-    assert report["ggk_command"].count("--llm_vision") == 1 and f"--llm_vision {copy} " in report["ggk_command"]
+    assert {f["path"]: f["sha256"] for f in report.files}[str(copy)] == atomic.sha256_file(copy)
+    assert report.vision_gguf == "output/adapter-vision.gguf"
+    assert report.ggk_command.count("--llm_vision") == 1 and f"--llm_vision {copy} " in report.ggk_command
     md = (paths.root / "output" / "report.md").read_text(encoding="utf-8")
     assert f"`{copy}`" in md and "the paired vision encoder" in md

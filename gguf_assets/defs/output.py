@@ -40,14 +40,14 @@ def gguf(context: dg.AssetExecutionContext, project: ProjectResource) -> dg.Mate
     paths, settings = project.paths(), project.settings()
     summary = export_adapter(paths, settings, load_manifest(paths), atomic.read_json(paths.adapter_manifest))
     metadata = {
-        "path": dg.MetadataValue.path(summary["path"]), "bytes": summary["bytes"], "sha256": summary["sha256"],
-        "tensors": summary["tensor_count"], "f16_tensors": summary["f16_count"], "f32_tensors": summary["f32_count"],
-        "kept_f32": ", ".join(summary["kept_f32"]) or "none",
-        "exported_files": dg.MetadataValue.md(render_files(summary["files"], kept_f32=summary["kept_f32"])),
-        "provenance": dg.MetadataValue.json(summary["provenance"]),
+        "path": dg.MetadataValue.path(summary.path), "bytes": summary.bytes, "sha256": summary.sha256,
+        "tensors": summary.tensor_count, "f16_tensors": summary.f16_count, "f32_tensors": summary.f32_count,
+        "kept_f32": ", ".join(summary.kept_f32) or "none",
+        "exported_files": dg.MetadataValue.md(render_files(summary.files, kept_f32=summary.kept_f32)),
+        "provenance": dg.MetadataValue.json(summary.provenance),
     }
-    if summary["vision"]:
-        vision = summary["vision"]
+    if summary.vision:
+        vision = summary.vision
         metadata["vision_gguf"] = dg.MetadataValue.path(vision["path"])
         metadata["vision_bytes"] = vision["bytes"]
         metadata["vision_unmapped_tensors"] = ", ".join(vision["unmapped"]) or "none"
@@ -63,7 +63,7 @@ GGUF_TORCH_TOLERANCE = 1e-3
                 "output.also_copy_to) is still there with the size and sha256 the export recorded.")
 def exported_files_unchanged(project: ProjectResource) -> dg.AssetCheckResult:
     paths, settings = project.paths(), project.settings()
-    files = export_sidecar(paths, settings)["files"]
+    files = export_sidecar(paths, settings).written_files()
     problems = []
     for entry in files:
         file = Path(entry["path"])
@@ -102,25 +102,26 @@ def eval_report(context: dg.AssetExecutionContext, project: ProjectResource) -> 
     metadata = {"report_json": dg.MetadataValue.path(str(paths.report_json(settings))),
                 "report": dg.MetadataValue.md(render_markdown(report)),
                 "evaluation": dg.MetadataValue.md(render_evaluation(report)),
-                "exported_files": dg.MetadataValue.md(render_files(report["files"], kept_f32=report["kept_f32"])),
+                "exported_files": dg.MetadataValue.md(render_files(report.files, kept_f32=report.kept_f32)),
                 "use_it_in_ggk": dg.MetadataValue.md(render_use_in_ggk(report)),
-                "ggk_command": dg.MetadataValue.text(report["ggk_command"]),
-                "verdict": report["verdict"], "gguf_sha256": report["gguf_sha256"]}
+                "ggk_command": dg.MetadataValue.text(report.ggk_command),
+                "verdict": report.verdict, "gguf_sha256": report.gguf_sha256}
     # Numeric entries are plotted over time in the UI.
     for key in ("val_centred_cosine", "val_centred_cosine_torch", "gguf_vs_torch", "empty_prompt_cosine",
                 "n_prompts", "eval_seconds"):
-        if report[key] is not None:
-            metadata[key] = float(report[key]) if key != "n_prompts" else int(report[key])
-    score = report["val_centred_cosine"] if report["evaluated"] else report["val_centred_cosine_torch"]
+        value = getattr(report, key)
+        if value is not None:
+            metadata[key] = float(value) if key != "n_prompts" else int(value)
+    score = report.val_centred_cosine if report.evaluated else report.val_centred_cosine_torch
     checks = [
         dg.AssetCheckResult(check_name="gguf_agrees_with_torch",
-                            passed=not report["evaluated"] or report["gguf_vs_torch"] < GGUF_TORCH_TOLERANCE,
-                            metadata={"difference": float(report["gguf_vs_torch"] or 0.0),
-                                      "evaluated": report["evaluated"]}),
+                            passed=not report.evaluated or report.gguf_vs_torch < GGUF_TORCH_TOLERANCE,
+                            metadata={"difference": float(report.gguf_vs_torch or 0.0),
+                                      "evaluated": report.evaluated}),
         dg.AssetCheckResult(check_name="val_centred_cosine_threshold", passed=score >= GOOD,
                             severity=dg.AssetCheckSeverity.WARN,
                             metadata={"val_centred_cosine": float(score), "threshold": GOOD,
-                                      "advice": report["advice"]}),
+                                      "advice": report.advice}),
     ]
     metadata.update(project.stage_metadata("eval_report", settings))
     return dg.MaterializeResult(metadata=metadata, check_results=checks)

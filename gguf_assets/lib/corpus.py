@@ -32,6 +32,7 @@ import numpy as np
 
 from gguf_assets.lib import atomic, verify
 from gguf_assets.lib.layout import SPLITS, ProjectPaths
+from gguf_assets.lib.manifests import MaterialsManifest
 from gguf_assets.lib.prompt_files import (
     SKIP_HINT,
     CorpusError,
@@ -171,7 +172,7 @@ def _length_histogram(chars: np.ndarray) -> list[dict]:
             for i, n in enumerate(counts)]
 
 
-def build_corpus(paths: ProjectPaths, settings: Settings, materials: dict, *, fingerprint: str) -> dict:
+def build_corpus(paths: ProjectPaths, settings: Settings, materials: MaterialsManifest, *, fingerprint: str) -> dict:
     """Write corpus/train.jsonl, corpus/val.jsonl and corpus/manifest.json; return the manifest."""
     c = settings.corpus
     sources = list(iter_sources(paths, settings, materials))

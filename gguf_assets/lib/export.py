@@ -24,6 +24,7 @@ from gguf_assets.lib.checkpoints import load_final
 from gguf_assets.lib.errors import UserError
 from gguf_assets.lib.gguf_format import F16_MAX, is_f16_tensor, write_adapter_gguf
 from gguf_assets.lib.layout import ProjectPaths
+from gguf_assets.lib.manifests import ExportSidecar, MaterialsManifest
 from gguf_assets.lib.pipeline import export_sidecar, gguf_fingerprint, gguf_path
 from gguf_assets.lib.settings import Settings
 from gguf_assets.lib.teacher_choice import teacher_choice
@@ -50,9 +51,9 @@ def check_file_name(name: str, *, setting: str = "output.adapter_name") -> str:
     return name
 
 
-def provenance(settings: Settings, materials: dict, meta: dict) -> dict[str, Any]:
+def provenance(settings: Settings, materials: MaterialsManifest, meta: dict) -> dict[str, Any]:
     """The adapter GGUF's provenance keys (gguf_format.REQUIRED_PROVENANCE and the rest)."""
-    student = materials["student"]
+    student = materials.student
     teacher_repo, teacher_commit = teacher_choice(settings).provenance(materials)
     return {
         "student.repo": student["source"], "student.commit": student["commit"],
@@ -107,7 +108,7 @@ def _cast_once(state_dict: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
 def _previous_files(paths: ProjectPaths, settings: Settings) -> dict[str, dict]:
     """The files this project's last export wrote, by path (none if it never exported)."""
     try:
-        return {f["path"]: f for f in export_sidecar(paths, settings).get("files", [])}
+        return {f["path"]: f for f in export_sidecar(paths, settings).files}
     except (OSError, ValueError):
         return {}
 
@@ -123,7 +124,8 @@ def _warn_if_not_ours(target: Path, previous_files: dict[str, dict]) -> None:
                     "adapter_name or also_copy_to, or they overwrite each other.", target, target.stem)
 
 
-def export_adapter(paths: ProjectPaths, settings: Settings, materials: dict, adapter_manifest: dict) -> dict:
+def export_adapter(paths: ProjectPaths, settings: Settings, materials: MaterialsManifest,
+                   adapter_manifest: dict) -> ExportSidecar:
     """Write <output_dir>/<adapter_name>.gguf (+ vision GGUF, + copies) and the sidecar; return the sidecar."""
     name = check_file_name(settings.output.adapter_name)
     run_dir = paths.root / adapter_manifest["run_dir"]
@@ -142,7 +144,7 @@ def export_adapter(paths: ProjectPaths, settings: Settings, materials: dict, ada
     files = [_file_entry(ROLE_ADAPTER, target, summary)]
 
     vision = None
-    encoder = materials.get("vision_encoder")
+    encoder = materials.vision_encoder
     if encoder and settings.output.export_vision_encoder:
         vision = write_vision_gguf(Path(encoder["path"]), vision_gguf_path(target.parent, name),
                                    name=f"{name}-vision", source=encoder["source"], commit=encoder["commit"])
@@ -160,12 +162,11 @@ def export_adapter(paths: ProjectPaths, settings: Settings, materials: dict, ada
             copies.append(str(copy))
             files.append(_file_entry(entry["role"], copy, entry, copy_of=entry["path"]))
 
-    sidecar = {**{k: (str(v) if isinstance(v, Path) else v) for k, v in summary.items()},
-               "fingerprint": gguf_fingerprint(settings, materials, adapter_manifest["fingerprint"]),
-               "adapter_fingerprint": adapter_manifest["fingerprint"], "copies": copies, "files": files,
-               "vision": vision, "provenance": provenance(settings, materials, meta),
-               "val_centred_cosine_torch": float(meta["val_centred_cosine"]),
-               "empty_prompt_cosine_torch": meta.get("empty_prompt_cosine"),
-               "per_shard_torch": meta.get("per_shard", [])}
-    atomic.write_json(target.with_suffix(".json"), paths.stored_doc(sidecar))
+    sidecar = ExportSidecar(
+        **{k: (str(v) if isinstance(v, Path) else v) for k, v in summary.items()},
+        fingerprint=gguf_fingerprint(settings, materials, adapter_manifest["fingerprint"]),
+        adapter_fingerprint=adapter_manifest["fingerprint"], copies=copies, files=files, vision=vision,
+        provenance=provenance(settings, materials, meta), val_centred_cosine_torch=float(meta["val_centred_cosine"]),
+        empty_prompt_cosine_torch=meta.get("empty_prompt_cosine"), per_shard_torch=meta.get("per_shard", []))
+    atomic.write_json(target.with_suffix(".json"), paths.stored_doc(sidecar.to_json()))
     return sidecar

@@ -23,13 +23,13 @@ from pathlib import Path
 from gguf_assets.lib import atomic, hub, verify
 from gguf_assets.lib.errors import UserError
 from gguf_assets.lib.layout import ProjectPaths
+from gguf_assets.lib.manifests import MODEL_ROLES, MaterialsManifest
 from gguf_assets.lib.safetensors_io import safetensors_header
 from gguf_assets.lib.settings import Settings
 from gguf_assets.lib.teacher_choice import teacher_choice
 
 log = logging.getLogger(__name__)
 
-MODEL_ROLES = ("teacher", "student", "vision_encoder")
 # What a model needs besides its weights: config, tokenizer, generation and preprocessor configs.
 MODEL_META_SUFFIXES = (".json", ".txt", ".model", ".tiktoken", ".jinja")
 WEIGHTS_SUFFIX = ".safetensors"
@@ -270,9 +270,9 @@ def _resolve(role: str, source: str, paths: ProjectPaths, settings: Settings, ca
                          "(owner/name, optionally @revision).")
 
 
-def _pinned_commit(old: dict, role: str, source: str) -> str | None:
+def _pinned_commit(old: MaterialsManifest, role: str, source: str) -> str | None:
     """The commit an earlier run pinned this exact source to, if it came from the hub."""
-    entries = old.get("datasets", []) if role == "datasets" else [old.get(role)]
+    entries = old.datasets if role == "datasets" else [getattr(old, role)]
     for entry in entries:
         if entry and entry.get("source") == source and entry.get("origin") == "hub":
             return entry["commit"]
@@ -280,16 +280,16 @@ def _pinned_commit(old: dict, role: str, source: str) -> str | None:
 
 
 def resolve_materials(paths: ProjectPaths, settings: Settings, *, token: str | None = None,
-                      hub_options: hub.HubOptions | None = None) -> dict:
+                      hub_options: hub.HubOptions | None = None) -> MaterialsManifest:
     """Resolve and pin every configured source; write materials/manifest.json; return it.
 
     ``token`` is the HF token for gated or private repos (None: send none); it is never stored.
     """
-    old = load_manifest(paths) if paths.materials_manifest.is_file() else {}
-    cache = old.get("_hash_cache", {})
+    old = load_manifest(paths) if paths.materials_manifest.is_file() else MaterialsManifest()
+    cache = old.hash_cache
     new_cache: dict = {}
     downloads: list[dict] = []
-    manifest: dict = {"teacher": None, "student": None, "vision_encoder": None, "datasets": []}
+    manifest = MaterialsManifest()
     m = settings.materials
     needs_teacher = teacher_choice(settings).loads_teacher_model
     wanted: list[tuple[str, str, str | None]] = []
@@ -304,32 +304,32 @@ def resolve_materials(paths: ProjectPaths, settings: Settings, *, token: str | N
         material, c, report = _resolve(role, source, paths, settings, cache, text_field=text_field,
                                        pinned=_pinned_commit(old, role, source), token=token, options=hub_options)
         if role == "datasets":
-            manifest["datasets"].append(asdict(material))
+            manifest.datasets.append(asdict(material))
         else:
-            manifest[role] = asdict(material)
+            setattr(manifest, role, asdict(material))
         new_cache.update(c)
         if report:
             downloads.append({"role": role, **report})
-    if manifest["teacher"] and needs_teacher:
-        _check_query_rows(Path(manifest["teacher"]["path"]), settings)
+    if manifest.teacher and needs_teacher:
+        _check_query_rows(Path(manifest.teacher["path"]), settings)
     in_use = {Path(folder) for folder in new_cache}
     for stale in hub.remove_unfinished_snapshots(paths.materials_dir / hub.HUB_DIR, keep=in_use):
         log.info("removed the unfinished download %s (no longer configured)", stale)
-    manifest["_hash_cache"] = new_cache
-    manifest["_downloads"] = downloads
-    manifest["settings"] = materials_settings_key(settings)
+    manifest.hash_cache, manifest.downloads = new_cache, downloads
+    manifest.settings = materials_settings_key(settings)
     write_manifest(paths, manifest)
     return manifest
 
 
-def write_manifest(paths: ProjectPaths, manifest: dict) -> None:
+def write_manifest(paths: ProjectPaths, manifest: MaterialsManifest) -> None:
     """Written with paths relative to the project folder (see ProjectPaths.stored)."""
     atomic.write_json(paths.materials_manifest, _stored_form(paths, manifest))
 
 
-def _stored_form(paths: ProjectPaths, manifest: dict) -> dict:
-    stored = paths.stored_doc(manifest)
-    stored["_hash_cache"] = {paths.stored(folder): files for folder, files in manifest.get("_hash_cache", {}).items()}
+def _stored_form(paths: ProjectPaths, manifest: MaterialsManifest) -> dict:
+    stored = paths.stored_doc(manifest.to_json())
+    # The folders are the cache's keys, which stored_doc leaves as they are.
+    stored["_hash_cache"] = {paths.stored(folder): files for folder, files in manifest.hash_cache.items()}
     return stored
 
 
@@ -345,10 +345,10 @@ def manifest_is_current(paths: ProjectPaths, settings: Settings) -> bool:
     if not paths.materials_manifest.is_file():
         return False
     manifest = load_manifest(paths)
-    if manifest.get("settings") != materials_settings_key(settings):
+    if manifest.settings != materials_settings_key(settings):
         return False
     stored = copy.deepcopy(manifest)
-    for folder, files in manifest.get("_hash_cache", {}).items():
+    for folder, files in manifest.hash_cache.items():
         root = Path(folder)
         current = {p.relative_to(root).as_posix(): p for p in root.rglob("*")
                    if p.is_file() and not p.name.startswith(atomic.TEMP_PREFIX)} if root.is_dir() else {}
@@ -390,17 +390,11 @@ def _check_query_rows(teacher: Path, settings: Settings) -> None:
                              f"{hidden}; the query rows must be Q x {hidden}.")
 
 
-def load_manifest(paths: ProjectPaths) -> dict:
+def load_manifest(paths: ProjectPaths) -> MaterialsManifest:
     """The materials manifest, with absolute paths for this project folder wherever it is now."""
     if not paths.materials_manifest.is_file():
         raise MaterialsError(f"{paths.materials_manifest} is missing: materialize the materials asset first.")
     stored = atomic.read_json(paths.materials_manifest)
-    manifest = paths.located_doc(stored)
-    manifest["_hash_cache"] = {str(paths.located(folder)): files
-                               for folder, files in stored.get("_hash_cache", {}).items()}
+    manifest = MaterialsManifest.from_json(paths.located_doc(stored))
+    manifest.hash_cache = {str(paths.located(folder)): files for folder, files in stored.get("_hash_cache", {}).items()}
     return manifest
-
-
-def pins(manifest: dict, role: str) -> dict | None:
-    entry = manifest.get(role)
-    return None if entry is None else {"source": entry["source"], "commit": entry["commit"]}

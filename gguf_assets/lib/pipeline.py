@@ -13,7 +13,8 @@ from pathlib import Path
 
 from gguf_assets.lib import atomic, formats, verify
 from gguf_assets.lib.layout import SPLITS, ProjectPaths
-from gguf_assets.lib.materials import load_manifest, manifest_is_current, pins
+from gguf_assets.lib.manifests import ExportSidecar, MaterialsManifest
+from gguf_assets.lib.materials import load_manifest, manifest_is_current
 from gguf_assets.lib.settings import Settings
 from gguf_assets.lib.teacher_choice import teacher_choice
 
@@ -34,7 +35,7 @@ def _recorded_source_hashes(paths: ProjectPaths) -> dict[Path, dict]:
     return {paths.located(s["file"]): {**s.get("stamp", {}), "sha256": s.get("sha256")} for s in sources}
 
 
-def corpus_fingerprint(paths: ProjectPaths, settings: Settings, materials: dict) -> str:
+def corpus_fingerprint(paths: ProjectPaths, settings: Settings, materials: MaterialsManifest) -> str:
     local, recorded = [], _recorded_source_hashes(paths)
     for value in settings.corpus.local_prompt_files:
         file = paths.resolve_local(value)
@@ -42,12 +43,12 @@ def corpus_fingerprint(paths: ProjectPaths, settings: Settings, materials: dict)
         known = recorded.get(file)
         unchanged = known is not None and verify.stamp_matches(file, known) is True
         local.append([value, known["sha256"] if unchanged else atomic.sha256_file(file) if file.is_file() else None])
-    datasets = [[d["source"], d["commit"], d.get("text_field")] for d in materials.get("datasets", [])]
+    datasets = [[d["source"], d["commit"], d.get("text_field")] for d in materials.datasets]
     return atomic.fingerprint({**corpus_settings(settings), "datasets": datasets, "local": local,
                                "format": formats.CORPUS})
 
 
-def corpus_is_current(paths: ProjectPaths, settings: Settings, materials: dict) -> bool:
+def corpus_is_current(paths: ProjectPaths, settings: Settings, materials: MaterialsManifest) -> bool:
     if not paths.corpus_manifest.is_file():
         return False
     manifest = atomic.read_json(paths.corpus_manifest)
@@ -61,14 +62,14 @@ def corpus_is_current(paths: ProjectPaths, settings: Settings, materials: dict) 
     return True
 
 
-def shard_fingerprints(paths: ProjectPaths, settings: Settings, materials: dict, split: str) -> list[str]:
+def shard_fingerprints(paths: ProjectPaths, settings: Settings, materials: MaterialsManifest, split: str) -> list[str]:
     from gguf_assets.lib.shards import halves_for_mode, plan_shards
 
     halves = halves_for_mode(settings.precompute.mode)
     return [":".join(plan.fingerprints[h] for h in halves) for plan in plan_shards(paths, settings, materials, split)]
 
 
-def adapter_fingerprint(paths: ProjectPaths, settings: Settings, materials: dict) -> str:
+def adapter_fingerprint(paths: ProjectPaths, settings: Settings, materials: MaterialsManifest) -> str:
     from gguf_assets.lib.train import training_fingerprint
 
     return training_fingerprint(settings, shard_fingerprints(paths, settings, materials, "train"),
@@ -86,11 +87,11 @@ def gguf_settings(settings: Settings) -> dict:
             "export_vision_encoder": o.export_vision_encoder, "also_copy_to": o.also_copy_to}
 
 
-def gguf_fingerprint(settings: Settings, materials: dict, adapter_fp: str) -> str:
+def gguf_fingerprint(settings: Settings, materials: MaterialsManifest, adapter_fp: str) -> str:
     s = gguf_settings(settings)
     return atomic.fingerprint({"adapter": adapter_fp, "name": s["name"], "template": s["template"],
-                               "student": pins(materials, "student"), "teacher": pins(materials, "teacher"),
-                               "vision": [pins(materials, "vision_encoder"), s["export_vision_encoder"]],
+                               "student": materials.pin("student"), "teacher": materials.pin("teacher"),
+                               "vision": [materials.pin("vision_encoder"), s["export_vision_encoder"]],
                                "also_copy_to": s["also_copy_to"], "format": formats.GGUF_EXPORT})
 
 
@@ -101,9 +102,9 @@ def report_settings(settings: Settings) -> dict:
             "also_copy_to": o.also_copy_to}
 
 
-def report_fingerprint(settings: Settings, gguf_sidecar: dict, val_fps: list[str]) -> str:
+def report_fingerprint(settings: Settings, gguf_sidecar: ExportSidecar, val_fps: list[str]) -> str:
     # The sidecar's own fingerprint covers what the export was made from (vision source included).
-    return atomic.fingerprint({"gguf": [gguf_sidecar["sha256"], gguf_sidecar["fingerprint"]], "val": val_fps,
+    return atomic.fingerprint({"gguf": [gguf_sidecar.sha256, gguf_sidecar.fingerprint], "val": val_fps,
                                **report_settings(settings), "format": formats.EVAL_REPORT})
 
 
@@ -144,9 +145,9 @@ def recorded_fingerprint(sidecar: Path) -> str | None:
         return None
 
 
-def export_sidecar(paths: ProjectPaths, settings: Settings) -> dict:
+def export_sidecar(paths: ProjectPaths, settings: Settings) -> ExportSidecar:
     """The export's sidecar (<adapter_name>.json beside the GGUF), with absolute paths."""
-    return paths.located_doc(atomic.read_json(gguf_path(paths, settings).with_suffix(".json")))
+    return ExportSidecar.from_json(paths.located_doc(atomic.read_json(gguf_path(paths, settings).with_suffix(".json"))))
 
 
 def _exported_files_unchanged(paths: ProjectPaths, settings: Settings) -> bool:
@@ -156,11 +157,9 @@ def _exported_files_unchanged(paths: ProjectPaths, settings: Settings) -> bool:
     a folder that another project also exports to counts as changed once that project writes it.
     """
     try:
-        entry = export_sidecar(paths, settings)
-    except (OSError, ValueError):
+        files = export_sidecar(paths, settings).written_files()
+    except (OSError, ValueError, TypeError):  # TypeError: a sidecar missing a required key
         return False
-    files = entry.get("files") or [{"path": entry.get("path", ""), "bytes": entry.get("bytes"),
-                                    "sha256": entry.get("sha256")}]
     return all(verify.unchanged(Path(f["path"]), f) for f in files)
 
 
@@ -234,7 +233,7 @@ def project_status(paths: ProjectPaths, settings: Settings) -> list[StageState]:
         return out + [StageState("gguf", "stale" if sidecar.is_file() else "missing")] + blocked_rest("gguf")
     out.append(StageState("gguf", "current"))
     report = paths.report_json(settings)
-    expected = report_fingerprint(settings, atomic.read_json(sidecar),
+    expected = report_fingerprint(settings, ExportSidecar.from_json(atomic.read_json(sidecar)),
                                   shard_fingerprints(paths, settings, materials, "val"))
     out.append(StageState("eval_report", "current" if recorded_fingerprint(report) == expected else
                           ("stale" if report.is_file() else "missing")))

@@ -27,6 +27,7 @@ from typing import BinaryIO
 from gguf_assets.lib import atomic
 from gguf_assets.lib.errors import UserError
 from gguf_assets.lib.layout import ProjectPaths
+from gguf_assets.lib.manifests import MaterialsManifest
 from gguf_assets.lib.materials import DATASET_METADATA_FILES
 from gguf_assets.lib.settings import Settings
 
@@ -488,9 +489,10 @@ def _dataset_files(folder: Path) -> list[Path]:
     return files
 
 
-def iter_sources(paths: ProjectPaths, settings: Settings, materials: dict) -> Iterator[tuple[str, Path, str]]:
+def iter_sources(paths: ProjectPaths, settings: Settings,
+                 materials: MaterialsManifest) -> Iterator[tuple[str, Path, str]]:
     """(source label, file, text_field) for every prompt file, in a fixed order."""
-    for ds in materials.get("datasets", []):
+    for ds in materials.datasets:
         for file in _dataset_files(Path(ds["path"])):
             yield ds["source"], file, ds.get("text_field") or "text"
     for value in settings.corpus.local_prompt_files:

@@ -40,7 +40,7 @@ from gguf_assets.lib.layout import (
     ProjectPaths,
     shard_key,
 )
-from gguf_assets.lib.materials import pins
+from gguf_assets.lib.manifests import MaterialsManifest
 from gguf_assets.lib.progress import Progress
 from gguf_assets.lib.settings import Settings
 from gguf_assets.lib.teacher_choice import teacher_choice
@@ -69,11 +69,11 @@ def half_settings(half: str, settings: Settings) -> dict:
     return {"layer": m.student_layer, "dtype": p.student_dtype, "template": p.prompt_template}
 
 
-def half_fingerprint(half: str, settings: Settings, materials: dict, shard_prompts_hash: str) -> str:
+def half_fingerprint(half: str, settings: Settings, materials: MaterialsManifest, shard_prompts_hash: str) -> str:
     """Everything a half depends on: its settings, the pinned models it runs, and its prompts."""
     model = "student" if half == "student" else teacher_choice(settings).targets_model
     return atomic.fingerprint({"half": half, "prompts": shard_prompts_hash, **half_settings(half, settings),
-                               model: pins(materials, model), "format": formats.SHARD_HALF})
+                               model: materials.pin(model), "format": formats.SHARD_HALF})
 
 
 def halves_for_mode(mode: str) -> tuple[str, ...]:
@@ -119,7 +119,7 @@ class ShardPlan:
         return paths.shard_dir(self.split, self.key)
 
 
-def plan_shards(paths: ProjectPaths, settings: Settings, materials: dict, split: str) -> list[ShardPlan]:
+def plan_shards(paths: ProjectPaths, settings: Settings, materials: MaterialsManifest, split: str) -> list[ShardPlan]:
     size = settings.precompute.shard_size if split == "train" else settings.precompute.val_shard_size
     plans = []
     for index, prompts in enumerate(shard_prompts(read_split(paths, split), size)):
@@ -150,7 +150,7 @@ def _write_half(folder: Path, half: str, tensors: dict[str, torch.Tensor], meta:
     return meta
 
 
-def require_current(paths: ProjectPaths, settings: Settings, materials: dict, split: str) -> list[Path]:
+def require_current(paths: ProjectPaths, settings: Settings, materials: MaterialsManifest, split: str) -> list[Path]:
     """The split's shard folders, after checking every half the mode needs is current.
 
     Readers (training, evaluation) call this so a stale or changed half is never used; they check
@@ -169,7 +169,7 @@ def require_current(paths: ProjectPaths, settings: Settings, materials: dict, sp
 class ShardBuilder:
     """Computes missing halves; loads each model only when some shard needs it."""
 
-    def __init__(self, paths: ProjectPaths, settings: Settings, materials: dict) -> None:
+    def __init__(self, paths: ProjectPaths, settings: Settings, materials: MaterialsManifest) -> None:
         self.paths, self.settings, self.materials = paths, settings, materials
         self.device = resolve_device(settings.precompute.device)
         self.choice = teacher_choice(settings)
@@ -186,7 +186,7 @@ class ShardBuilder:
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-        folder = Path(self.materials["teacher"]["path"]) if self.choice.loads_teacher_model else None
+        folder = Path(self.materials.teacher["path"]) if self.choice.loads_teacher_model else None
         self._teacher = self.choice.load(self.settings, teacher_folder=folder, student=self.student,
                                          device=self.device, gpu_budget_gib=gpu_budget_gib)
         self.gpu_budget_gib = gpu_budget_gib if gpu_budget_gib is not None else self._teacher.placement.gpu_budget_gib
@@ -196,7 +196,7 @@ class ShardBuilder:
         if self._student is None:
             from gguf_assets.lib.student import Student
 
-            self._student = Student(Path(self.materials["student"]["path"]), self.settings, self.device)
+            self._student = Student(Path(self.materials.student["path"]), self.settings, self.device)
         return self._student
 
     def targets(self, prompts: list[str], *, on_batch=None):
@@ -301,7 +301,7 @@ class ShardRun:
     summary: dict
 
 
-def precompute_split(paths: ProjectPaths, settings: Settings, materials: dict, split: str, keys: list[str],
+def precompute_split(paths: ProjectPaths, settings: Settings, materials: MaterialsManifest, split: str, keys: list[str],
                      *, on_shard_done: Callable[[dict], None] | None = None,
                      on_progress: Callable[[dict], None] | None = None,
                      sample_interval_s: float | None = None) -> ShardRun:
@@ -360,7 +360,7 @@ def precompute_split(paths: ProjectPaths, settings: Settings, materials: dict, s
     return ShardRun(reports, summary)
 
 
-def build_shards(paths: ProjectPaths, settings: Settings, materials: dict, split: str, keys: list[str],
+def build_shards(paths: ProjectPaths, settings: Settings, materials: MaterialsManifest, split: str, keys: list[str],
                  *, on_shard_done: Callable[[dict], None] | None = None) -> list[dict]:
     """The per-shard reports of `precompute_split`."""
     return precompute_split(paths, settings, materials, split, keys, on_shard_done=on_shard_done).reports

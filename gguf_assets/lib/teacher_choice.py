@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from gguf_assets.lib.manifests import MaterialsManifest
 from gguf_assets.lib.settings import Settings
 
 MOCK_TEACHER_REPO = "mock-teacher"
@@ -46,9 +47,9 @@ class TeacherChoice:
             return {"mock": True, "student_layer": m.student_layer, "student_dtype": p.student_dtype}
         return {"query_rows": [m.query_rows_file, m.query_rows_tensor], "layer": m.teacher_layer}
 
-    def provenance(self, materials: dict) -> tuple[str, str]:
+    def provenance(self, materials: MaterialsManifest) -> tuple[str, str]:
         """(repo, commit) the GGUF names as its teacher."""
-        teacher = materials.get("teacher")
+        teacher = materials.teacher
         if self.mock or teacher is None:
             return MOCK_TEACHER_REPO, MOCK_TEACHER_COMMIT
         return teacher["source"], teacher["commit"]
