@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, Keys
 
 from gguf_assets.lib import atomic, faults
 
@@ -47,8 +47,11 @@ logger = logging.getLogger(__name__)
 ARCH = "llm_adapter"
 FORMAT_VERSION = 1
 
-KEY_ARCHITECTURE = "general.architecture"
-KEY_NAME = "general.name"
+# The general.* keys every GGUF shares, from gguf-py (the adapter and the vision GGUF both use them).
+KEY_ARCHITECTURE = Keys.General.ARCHITECTURE
+KEY_NAME = Keys.General.NAME
+KEY_TYPE = Keys.General.TYPE
+KEY_FILE_TYPE = Keys.General.FILE_TYPE
 KEY_FORMAT_VERSION = f"{ARCH}.format_version"
 # Provenance and hyperparameters share this namespace: llm_adapter.<key>.
 KEY_PREFIX = f"{ARCH}."

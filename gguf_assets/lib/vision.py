@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGUFValueType
+from gguf import GGUFValueType, Keys, LlamaFileType
 
 from gguf_assets.lib import gguf_format as fmt
 from gguf_assets.lib.errors import UserError
@@ -34,15 +34,14 @@ logger = logging.getLogger(__name__)
 
 ARCH = "clip"
 GGUF_TYPE = "mmproj"  # general.type of llama.cpp's multimodal projector files
-FILE_TYPE_MOSTLY_F16 = 1  # gguf.LlamaFileType.MOSTLY_F16: 1-D tensors stay f32
+FILE_TYPE_MOSTLY_F16 = int(LlamaFileType.MOSTLY_F16)  # 1-D tensors stay f32
 VISION_SUFFIX = "-vision.gguf"
 CONFIG_FILE = "config.json"
 PREPROCESSOR_FILE = "preprocessor_config.json"
 
-KEY_TYPE = "general.type"
-KEY_FILE_TYPE = "general.file_type"
-KEY_HAS_VISION = "clip.has_vision_encoder"
-KEY_USE_GELU = "clip.use_gelu"
+# llama.cpp's clip keys, from gguf-py's constants.
+KEY_HAS_VISION = Keys.Clip.HAS_VISION_ENCODER
+KEY_USE_GELU = Keys.ClipVision.USE_GELU
 # Our own provenance, outside llama.cpp's namespaces.
 KEY_SOURCE = "gguf_assets.vision.source"
 KEY_COMMIT = "gguf_assets.vision.commit"
@@ -50,16 +49,16 @@ KEY_HIDDEN_ACT = "gguf_assets.vision.hidden_act"
 
 # clip.vision.<key> ← config field (all required; a config without one is refused by name).
 VISION_HPARAMS: dict[str, tuple[str, GGUFValueType]] = {
-    "clip.vision.image_size": ("image_size", GGUFValueType.UINT32),
-    "clip.vision.patch_size": ("patch_size", GGUFValueType.UINT32),
-    "clip.vision.embedding_length": ("hidden_size", GGUFValueType.UINT32),
-    "clip.vision.feed_forward_length": ("intermediate_size", GGUFValueType.UINT32),
-    "clip.vision.block_count": ("num_hidden_layers", GGUFValueType.UINT32),
-    "clip.vision.attention.head_count": ("num_attention_heads", GGUFValueType.UINT32),
-    "clip.vision.attention.layer_norm_epsilon": ("layer_norm_eps", GGUFValueType.FLOAT32),
+    Keys.ClipVision.IMAGE_SIZE: ("image_size", GGUFValueType.UINT32),
+    Keys.ClipVision.PATCH_SIZE: ("patch_size", GGUFValueType.UINT32),
+    Keys.ClipVision.EMBEDDING_LENGTH: ("hidden_size", GGUFValueType.UINT32),
+    Keys.ClipVision.FEED_FORWARD_LENGTH: ("intermediate_size", GGUFValueType.UINT32),
+    Keys.ClipVision.BLOCK_COUNT: ("num_hidden_layers", GGUFValueType.UINT32),
+    Keys.ClipVision.Attention.HEAD_COUNT: ("num_attention_heads", GGUFValueType.UINT32),
+    Keys.ClipVision.Attention.LAYERNORM_EPS: ("layer_norm_eps", GGUFValueType.FLOAT32),
 }
-KEY_IMAGE_MEAN = "clip.vision.image_mean"
-KEY_IMAGE_STD = "clip.vision.image_std"
+KEY_IMAGE_MEAN = Keys.ClipVision.IMAGE_MEAN
+KEY_IMAGE_STD = Keys.ClipVision.IMAGE_STD
 
 # Prefixes under which checkpoints keep the vision tower (longest first). transformers 5
 # saves a bare SiglipVisionModel with no prefix at all.
@@ -141,9 +140,9 @@ def vision_metadata(folder: Path, *, name: str, source: str, commit: str) -> lis
     """Every metadata entry of the vision GGUF, typed, in file order."""
     config = _vision_config(folder)
     kvs = [fmt.KV(fmt.KEY_ARCHITECTURE, GGUFValueType.STRING, ARCH),
-           fmt.KV(KEY_TYPE, GGUFValueType.STRING, GGUF_TYPE),
+           fmt.KV(fmt.KEY_TYPE, GGUFValueType.STRING, GGUF_TYPE),
            fmt.KV(fmt.KEY_NAME, GGUFValueType.STRING, name),
-           fmt.KV(KEY_FILE_TYPE, GGUFValueType.UINT32, FILE_TYPE_MOSTLY_F16),
+           fmt.KV(fmt.KEY_FILE_TYPE, GGUFValueType.UINT32, FILE_TYPE_MOSTLY_F16),
            fmt.KV(KEY_HAS_VISION, GGUFValueType.BOOL, True)]
     hidden_act = config.get("hidden_act")
     if isinstance(hidden_act, str) and hidden_act:
@@ -250,21 +249,21 @@ def write_vision_gguf(folder: Path, out: Path, *, name: str, source: str, commit
 
 def _check_blocks(folder: Path, tensors: dict[str, np.ndarray], hp: dict[str, Any]) -> None:
     """The config and the weights must describe the same tower."""
-    width = hp["clip.vision.embedding_length"]
+    width, blocks = hp[Keys.ClipVision.EMBEDDING_LENGTH], hp[Keys.ClipVision.BLOCK_COUNT]
     needed = ["v.patch_embd.weight", "v.position_embd.weight"]
-    for i in range(hp["clip.vision.block_count"]):
+    for i in range(blocks):
         needed += [f"v.blk.{i}.{t}.weight" for t in ("attn_q", "attn_k", "attn_v", "attn_out", "ffn_up", "ffn_down")]
     missing = [n for n in needed if n not in tensors]
     if missing:
         raise VisionExportError(f"{folder}: weights lack {missing[:6]}{' …' if len(missing) > 6 else ''} for the "
-                                f"{hp['clip.vision.block_count']}-block SigLIP tower its config.json describes")
+                                f"{blocks}-block SigLIP tower its config.json describes")
     extra = sorted({int(m.group(1)) for n in tensors if (m := re.match(r"v\.blk\.(\d+)\.", n))}
-                   - set(range(hp["clip.vision.block_count"])))
+                   - set(range(blocks)))
     if extra:
         raise VisionExportError(f"{folder}: weights have blocks {extra} beyond config.json's num_hidden_layers "
-                                f"({hp['clip.vision.block_count']})")
+                                f"({blocks})")
     patch = tensors["v.patch_embd.weight"].shape
-    p = hp["clip.vision.patch_size"]
+    p = hp[Keys.ClipVision.PATCH_SIZE]
     if patch[0] != width or tuple(patch[-2:]) != (p, p):
         raise VisionExportError(f"{folder}: patch embedding shape {list(patch)} does not match hidden_size {width} "
                                 f"and patch_size {p} in config.json")
