@@ -13,9 +13,11 @@ from pathlib import Path
 import pytest
 from hub_server import STORED_HF_TOKEN
 
-from gguf_assets.lib import hub
+from gguf_assets.lib import atomic, hub
+from gguf_assets.lib.layout import ProjectPaths
 from gguf_assets.lib.materials import (
     MaterialsError,
+    load_manifest,
     manifest_is_current,
     resolve_materials,
 )
@@ -83,6 +85,45 @@ def test_full_download_is_pinned_minimal_loadable_and_reused_offline(make_projec
     with pytest.raises(MaterialsError, match=r"query_rows_tensor = 'rows' is not in .*width \d+: \['query_rows'\]"):
         _resolve(paths)
     assert len(loopback_hub.requests) == before
+
+
+def test_hub_files_follow_the_stamp_rule_in_a_copy_and_in_a_manifest_recorded_before_stamps(
+        make_project, loopback_hub, tmp_path, monkeypatch):
+    """Hub files are recorded like every reused file (lib/verify's stamp, plus the etag they matched):
+    a copied project's new inodes are settled by the content against the etag, once, offline; a
+    manifest written before stamps ("key": size:mtime) still reads as current; a changed file is not."""
+    import shutil
+
+    paths = make_project(materials=HUB_SOURCES)
+    _resolve(paths)
+    entries = [e for files in load_manifest(paths).hash_cache.values() for e in files.values()]
+    assert entries and all(set(e) == {"bytes", "mtime_ns", "inode", "etag"} for e in entries)
+
+    copy = ProjectPaths.of(shutil.copytree(paths.root, tmp_path / "copy", symlinks=True))
+    hashed = []
+    monkeypatch.setattr(hub, "matches_etag", lambda path, etag, real=hub.matches_etag: hashed.append(path) or
+                        real(path, etag))
+    before = len(loopback_hub.requests)
+    assert manifest_is_current(copy, load_settings(copy.root))
+    assert len(hashed) == len(entries) and len(loopback_hub.requests) == before  # each file once, no network
+    hashed.clear()
+    assert manifest_is_current(copy, load_settings(copy.root)) and hashed == []  # the new stamps were kept
+
+    # A manifest from before stamps: {"key": "size:mtime_ns", "verified": etag} per hub file.
+    stored = atomic.read_json(paths.materials_manifest)
+    for folder, files in stored["_hash_cache"].items():
+        for rel, entry in files.items():
+            if "etag" in entry:
+                files[rel] = {"key": f"{entry['bytes']}:{entry['mtime_ns']}", "verified": entry["etag"]}
+    atomic.write_json(paths.materials_manifest, stored)
+    assert manifest_is_current(paths, load_settings(paths.root)) and hashed == []
+    _resolve(paths)  # reuses the snapshot offline and writes stamps
+    assert len(loopback_hub.requests) == before and hashed == []
+    weights = Path(load_manifest(paths).student["path"]) / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1
+    weights.write_bytes(bytes(data))
+    assert not manifest_is_current(paths, load_settings(paths.root))
 
 
 def test_gated_repo_needs_the_right_token(make_project, loopback_hub, demo_materials_root):

@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from gguf_assets.lib import atomic, faults
+from gguf_assets.lib import verify as stamps
 from gguf_assets.lib.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -189,16 +190,34 @@ def git_blob_id(path: Path, *, chunk_bytes: int = 8 << 20) -> str:
     return digest.hexdigest()
 
 
-def file_key(path: Path) -> str:
-    stat = path.stat()
-    return f"{stat.st_size}:{stat.st_mtime_ns}"
+def matches_etag(path: Path, etag: str) -> bool:
+    """The file's content against the hub's checksum: a sha256 for LFS files (64 hex digits), else a git blob id."""
+    return (atomic.sha256_file(path) if len(etag) == 64 else git_blob_id(path)) == etag
+
+
+def verified_entry(path: Path, etag: str) -> dict:
+    """The record of a file that matched ``etag``: lib/verify's stamp plus the etag."""
+    return {**stamps.stamp(path), "etag": etag}
+
+
+def still_verified(path: Path, entry: dict) -> bool | None:
+    """Is a recorded file still the one that matched its etag? lib/verify's rule: True or False by the
+    stamp; None when it is unsure (a copied project: new inodes), which the content then settles."""
+    if "key" in entry:  # recorded before stamps: "size:mtime_ns", and the etag under "verified"
+        st = path.stat() if path.is_file() else None
+        return st is not None and entry["key"] == f"{st.st_size}:{st.st_mtime_ns}"
+    return stamps.stamp_matches(path, entry)
+
+
+def recorded_etag(entry: dict) -> str | None:
+    return entry.get("etag", entry.get("verified"))
 
 
 def verify(folder: Path, listing: Listing, cache: dict) -> tuple[list[str], dict]:
     """Files of ``listing`` missing from ``folder`` or differing from what the hub announced.
 
-    ``cache`` maps a file to ``{"key": size:mtime, "verified": etag}`` from an earlier check, so an
-    unchanged file is not hashed again; the returned cache covers the files that passed.
+    ``cache`` holds each file's record from an earlier check (``verified_entry``), so a file whose
+    stamp still matches is not hashed again; the returned cache covers the files that passed.
     """
     bad, new_cache = [], {}
     for rel, remote in sorted(listing.files.items()):
@@ -206,14 +225,12 @@ def verify(folder: Path, listing: Listing, cache: dict) -> tuple[list[str], dict
         if not path.is_file() or path.stat().st_size != remote.size:
             bad.append(rel)
             continue
-        key = file_key(path)
-        cached = cache.get(rel)
-        if not (cached and cached.get("key") == key and cached.get("verified") == remote.etag):
-            actual = atomic.sha256_file(path) if remote.sha256 else git_blob_id(path)
-            if actual != remote.etag:
-                bad.append(rel)
-                continue
-        new_cache[rel] = {"key": key, "verified": remote.etag}
+        cached = cache.get(rel) or {}
+        known = recorded_etag(cached) == remote.etag and still_verified(path, cached) is True
+        if not known and not matches_etag(path, remote.etag):
+            bad.append(rel)
+            continue
+        new_cache[rel] = verified_entry(path, remote.etag)
     return bad, new_cache
 
 

@@ -355,12 +355,20 @@ def manifest_is_current(paths: ProjectPaths, settings: Settings) -> bool:
         if set(current) != set(files):
             return False
         for rel, entry in files.items():
-            if "key" in entry:  # a hub snapshot's file (hub.verify's cache), or a local one recorded before stamps
+            # By stamp; by content when it is unsure (a copied folder), then the new stamp is kept.
+            # The content of a hub file is checked against the hub's etag, of a local one against its sha256.
+            if "etag" in entry or "verified" in entry:
+                known = hub.still_verified(current[rel], entry)
+                if known is None and hub.matches_etag(current[rel], hub.recorded_etag(entry)):
+                    files[rel] = hub.verified_entry(current[rel], hub.recorded_etag(entry))
+                elif not known:
+                    return False
+                continue
+            if "key" in entry:  # a local file recorded before stamps: "size:mtime_ns"
                 stat = current[rel].stat()
                 if entry["key"] != f"{stat.st_size}:{stat.st_mtime_ns}":
                     return False
                 continue
-            # By stamp; by content when it is unsure (a copied folder), then the new stamp is kept.
             now = verify.confirmed(current[rel], entry)
             if now is None:
                 return False
