@@ -16,6 +16,7 @@ def _run(script: str, *args: str) -> str:
     return done.stdout
 
 
+@pytest.mark.slow  # about 10 s: builds shards and times status against hashing them
 def test_status_reads_under_one_percent_of_the_shard_bytes():
     """bench_status.py --quick: status reads records, never shard data."""
     out = _run("bench_status.py", "--quick")

@@ -22,6 +22,7 @@ def assert_clean_console(out: str) -> None:
     assert not doubled, doubled
 
 
+@pytest.mark.slow  # a `gguf-trainer run` subprocess (about 10 s)
 def test_a_user_error_in_a_step_is_one_message_with_where_the_full_log_is(make_project):
     paths = make_project(steps=5, mock_teacher=True, materials={"student": "materials/demo/no-such-student"})
     done = subprocess.run([*CLI, "run", str(paths.root)], capture_output=True, text=True, env=cli_env(), timeout=300)
@@ -43,6 +44,7 @@ def test_a_user_error_in_a_step_is_one_message_with_where_the_full_log_is(make_p
     assert run.job_name == "materials_and_corpus"
 
 
+@pytest.mark.slow  # a `gguf-trainer run` subprocess (about 8 s)
 def test_an_unreachable_hub_is_one_message_at_the_first_failure(make_project):
     """Offline (here: nothing listens at HF_ENDPOINT): no retries for 40 s, no stack trace, and the
     message suggests a local folder or HF_ENDPOINT."""
