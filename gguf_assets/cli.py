@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from gguf_assets.defs.groups import lineage_path
+from gguf_assets import DEFINITIONS_MODULE
 from gguf_assets.lib.curves_log import TENSORBOARD_DIR, TENSORBOARD_URL_ENV
 from gguf_assets.lib.layout import ProjectPaths
 from gguf_assets.lib.settings import (
@@ -19,7 +19,6 @@ from gguf_assets.lib.settings import (
     load_settings,
     write_project_file,
 )
-from gguf_assets.runner import DEFINITIONS_MODULE
 
 INIT_HEADER = """gguf_assets project settings. Every key is documented in docs/settings.md.
 Materials are hub repo ids (owner/name, optionally @revision) or local folders (relative to this folder).
@@ -213,6 +212,8 @@ def cmd_ui(args: argparse.Namespace) -> int:
         log_file = paths.dagster_home / "tensorboard.log"
         services += start_services([tensorboard_command(paths, args.host, args.tensorboard_port)], log_file=log_file)
         print(f"TensorBoard (training curves) on {url} (its log: {log_file})", flush=True)
+    from gguf_assets.defs.groups import lineage_path
+
     base = f"http://{args.host}:{args.port}"
     print(f"Dagster UI for {paths.root} on {base} (Ctrl-C to stop); the whole pipeline: {base}{lineage_path()}",
           flush=True)

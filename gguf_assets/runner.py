@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from importlib import resources
 from pathlib import Path
 
+from gguf_assets import DEFINITIONS_MODULE
 from gguf_assets.defs.plan import RANGE_START_TAG, Work, next_work, split_range  # noqa: F401 (re-exported)
 from gguf_assets.lib import atomic
 from gguf_assets.lib.layout import ProjectPaths
@@ -29,9 +30,7 @@ from gguf_assets.lib.settings import Settings, load_settings
 log = logging.getLogger(__name__)
 
 DAGSTER_YAML = "dagster.yaml"
-DEFINITIONS_MODULE = "gguf_assets.definitions"
-# The name dagster-webserver and dagster-daemon give `-m gguf_assets.definitions` (the module's).
-CODE_LOCATION = DEFINITIONS_MODULE
+CODE_LOCATION = DEFINITIONS_MODULE  # the name dagster-webserver and dagster-daemon give `-m` (the module's)
 WORKER_TAG = "gguf_assets/worker"
 POLL_S = 1.0
 REPORT_EVERY_S = 10.0
