@@ -13,13 +13,24 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-def _from_json(cls, doc: dict[str, Any]):
-    known = {f.name for f in dataclasses.fields(cls)}
-    return cls(**{k: v for k, v in doc.items() if k in known})
+class _JsonFields:
+    """A dataclass stored as a JSON object of its fields; ``_STORED_AS`` renames a field in the file."""
+
+    _STORED_AS: dict[str, str] = {}
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]):
+        """Keys a newer version added are dropped; fields an older file lacks take their defaults."""
+        names = {stored: name for name, stored in cls._STORED_AS.items()}
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{names.get(k, k): v for k, v in doc.items() if names.get(k, k) in known})
+
+    def to_json(self) -> dict[str, Any]:
+        return {self._STORED_AS.get(k, k): v for k, v in dataclasses.asdict(self).items()}
 
 
 @dataclass(frozen=True)
-class ExportSidecar:
+class ExportSidecar(_JsonFields):
     """<output_dir>/<adapter_name>.json: what the export wrote (lib/export.py); the report and status read it.
 
     ``files`` lists every file written, copies included: {role, path, bytes, sha256, mtime_ns,
@@ -46,20 +57,13 @@ class ExportSidecar:
     empty_prompt_cosine_torch: float | None = None
     per_shard_torch: list[dict] = field(default_factory=list)
 
-    @classmethod
-    def from_json(cls, doc: dict[str, Any]) -> ExportSidecar:
-        return _from_json(cls, doc)
-
-    def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
     def written_files(self) -> list[dict]:
         """Every file the export wrote; a sidecar from before ``files`` existed names only the GGUF."""
         return self.files or [{"role": "adapter", "path": self.path, "bytes": self.bytes, "sha256": self.sha256}]
 
 
 @dataclass(frozen=True)
-class Report:
+class Report(_JsonFields):
     """<output_dir>/report.json (and <adapter_name>.report.json): the evaluation of the exported GGUF.
 
     Paths inside the project are stored relative to the project folder.
@@ -89,19 +93,13 @@ class Report:
     ggk_command: str
     kept_f32: list[str] = field(default_factory=list)
 
-    @classmethod
-    def from_json(cls, doc: dict[str, Any]) -> Report:
-        return _from_json(cls, doc)
-
-    def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
 
 MODEL_ROLES = ("teacher", "student", "vision_encoder")
 
 
 @dataclass
-class MaterialsManifest:
+class MaterialsManifest(_JsonFields):
     """materials/manifest.json: every configured source, pinned (lib/materials.py).
 
     An entry is a materials.Material as a dict: {role, source, path, commit, files, bytes,
@@ -114,7 +112,8 @@ class MaterialsManifest:
     vision_encoder: dict | None = None
     datasets: list[dict] = field(default_factory=list)
     settings: dict = field(default_factory=dict)  # what it was resolved under (materials.materials_settings_key)
-    # Per local or downloaded folder: {relative file: its stamp (lib/verify.py) or hub.verify's size:mtime key}.
+    # Per local or downloaded folder, {relative file: record}: lib/verify's stamp with the sha256 (a local
+    # file) or with the hub etag it matched (a download); manifests from before stamps hold "size:mtime" keys.
     hash_cache: dict[str, dict] = field(default_factory=dict)
     downloads: list[dict] = field(default_factory=list)  # per hub source: bytes, seconds, refetched files
 
@@ -128,11 +127,3 @@ class MaterialsManifest:
         """What downstream fingerprints depend on: the source and the exact content."""
         entry = getattr(self, role)
         return None if entry is None else {"source": entry["source"], "commit": entry["commit"]}
-
-    @classmethod
-    def from_json(cls, doc: dict[str, Any]) -> MaterialsManifest:
-        names = {stored: name for name, stored in cls._STORED_AS.items()}
-        return _from_json(cls, {names.get(k, k): v for k, v in doc.items()})
-
-    def to_json(self) -> dict[str, Any]:
-        return {self._STORED_AS.get(k, k): v for k, v in dataclasses.asdict(self).items()}
