@@ -61,8 +61,9 @@ from gguf_assets.lib.pipeline import corpus_fingerprint
 from gguf_assets.lib.quiet import quiet_libraries
 from gguf_assets.lib.settings import Settings, replace, write_project_file
 from gguf_assets.lib.shards import plan_shards, precompute_split
-from gguf_assets.lib.train import shards_identity, train_adapter, training_fingerprint
+from gguf_assets.lib.train import train_adapter
 from gguf_assets.lib.train_data import read_half, shard_size
+from gguf_assets.lib.training_run import shards_identity, training_fingerprint
 
 MARGIN = 0.01          # val centred cosine a variant must gain on every pair to be adopted
 CPU_TOLERANCE = 1.10   # "equal CPU time": at most this much of the current recipe's CPU seconds

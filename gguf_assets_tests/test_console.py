@@ -22,6 +22,25 @@ def assert_clean_console(out: str) -> None:
     assert not doubled, doubled
 
 
+@pytest.mark.slow  # a whole (small) pipeline first, so that status walks every stage
+def test_status_answers_without_loading_torch_or_dagster(make_project):
+    """`gguf-trainer status` reads records and fingerprints only: no torch, dagster or transformers import
+    (they cost seconds before the first line)."""
+    import sys
+
+    from gguf_assets.runner import run_pipeline
+
+    paths = make_project(steps=10, mock_teacher=True, corpus={"train_prompts": 200, "val_prompts": 50},
+                         precompute={"shard_size": 100, "val_shard_size": 50})
+    run_pipeline(paths, echo=lambda _: None)
+    code = ("import sys; from gguf_assets.cli import main; main(['status', sys.argv[1]]); "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'dagster', 'transformers'}))")
+    out = subprocess.run([sys.executable, "-c", code, str(paths.root)], capture_output=True, text=True,
+                         env=cli_env(), timeout=60, check=True).stdout
+    assert "eval_report  current" in out and "2/2 shards current" in out, out
+    assert out.strip().splitlines()[-1] == "[]", out
+
+
 @pytest.mark.slow  # a `gguf-trainer run` subprocess (about 10 s)
 def test_a_user_error_in_a_step_is_one_message_with_where_the_full_log_is(make_project):
     paths = make_project(steps=5, mock_teacher=True, materials={"student": "materials/demo/no-such-student"})

@@ -13,8 +13,8 @@ from gguf import GGUFReader, GGUFValueType
 from safetensors.torch import save_file
 from test_gguf_format import SHAPE, make_adapter, write_shard
 
-from gguf_assets.lib import atomic, checkpoints, export, gguf_eval, gguf_format, train
-from gguf_assets.lib.layout import REPORT_JSON, REPORT_MD, ProjectPaths
+from gguf_assets.lib import atomic, export, gguf_eval, gguf_format, train
+from gguf_assets.lib.layout import FINAL_DIR, META_FILE, REPORT_JSON, REPORT_MD, WEIGHTS_FILE, ProjectPaths
 from gguf_assets.lib.manifests import ExportSidecar, MaterialsManifest
 from gguf_assets.lib.report import build_report, ggk_command
 from gguf_assets.lib.settings import Settings, replace
@@ -35,15 +35,15 @@ def fake_run(paths: ProjectPaths, adapter: torch.nn.Module, *, val_folders: list
     The scores in meta.json are the torch checkpoint's own, measured by train.evaluate.
     """
     run_rel = "checkpoints/fp-test"
-    final = paths.root / run_rel / checkpoints.FINAL_DIR
+    final = paths.root / run_rel / FINAL_DIR
     final.mkdir(parents=True)
-    save_file({k: v.contiguous() for k, v in adapter.state_dict().items()}, str(final / checkpoints.WEIGHTS_FILE))
+    save_file({k: v.contiguous() for k, v in adapter.state_dict().items()}, str(final / WEIGHTS_FILE))
     meta = {"shape": SHAPE.to_dict(), "step": step, "fingerprint": "fp-test", "val_centred_cosine": 0.5,
             "empty_prompt_cosine": None, "per_shard": []}
     if val_folders:
         scores = train.evaluate(adapter, val_folders, device=torch.device("cpu"), cosine_weight=0.5)
         meta.update({k: scores[k] for k in ("val_centred_cosine", "empty_prompt_cosine", "per_shard")})
-    atomic.write_json(final / checkpoints.META_FILE, meta)
+    atomic.write_json(final / META_FILE, meta)
     return {"run_dir": run_rel, "fingerprint": "fp-test"}
 
 

@@ -21,8 +21,8 @@ from conftest import CLI, FAULT_SETTINGS, cli_env, pipeline_outputs
 from safetensors.torch import load as safetensors_load
 
 from gguf_assets.lib import atomic, faults
-from gguf_assets.lib.checkpoints import STATE_FILE
 from gguf_assets.lib.hub import INCOMPLETE_SUFFIX, HubOptions
+from gguf_assets.lib.layout import STATE_FILE
 from gguf_assets.runner import PipelineFailed, run_pipeline
 
 pytestmark = pytest.mark.slow  # whole pipelines: excluded from the fast loop (-m 'not slow')

@@ -23,26 +23,24 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from gguf_assets.lib import atomic
-from gguf_assets.lib.checkpoints import (
+from gguf_assets.lib.checkpoints import list_checkpoints, load_final
+from gguf_assets.lib.layout import (
     BEST_DIR,
     CURVES_FILE,
     FINAL_DIR,
     META_FILE,
-    WEIGHTS_FILE,
-    list_checkpoints,
-    load_final,
-)
-from gguf_assets.lib.layout import (
     PROMPTS_FILE,
     STUDENT_FILE,
     TEACHER_FILE,
+    WEIGHTS_FILE,
     ProjectPaths,
 )
 from gguf_assets.lib.render import curves_markdown, curves_svg
 from gguf_assets.lib.safetensors_io import read_torch
 from gguf_assets.lib.settings import Settings, Training, replace
-from gguf_assets.lib.train import shards_identity, train_adapter, training_fingerprint
+from gguf_assets.lib.train import train_adapter
 from gguf_assets.lib.train_data import SampleOrder, ShardStream, TrainingError
+from gguf_assets.lib.training_run import shards_identity, training_fingerprint
 
 STUDENT_DIM, QUERY_ROWS, TARGET_DIM = 24, 8, 16
 SETTINGS = Settings(training=Training(width=32, depth=1, heads=2, steps=40, batch_size=8, learning_rate=1e-2,
@@ -415,7 +413,7 @@ def test_a_damaged_checkpoint_is_skipped_and_the_final_weights_are_identical(sha
 
 
 def test_damaged_final_weights_are_set_aside_and_trained_again_identically(shard_sets, reference, tmp_path):
-    from gguf_assets.lib.checkpoints import DAMAGED_FINAL_DIR
+    from gguf_assets.lib.layout import DAMAGED_FINAL_DIR
 
     train(tmp_path, shard_sets)
     run_dir = ProjectPaths.of(tmp_path).checkpoints_dir(reference["summary"]["fingerprint"])

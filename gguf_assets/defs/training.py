@@ -11,9 +11,9 @@ from gguf_assets.defs.precompute import GPU_POOL, train_shards, val_shards
 from gguf_assets.defs.resources import ProjectResource
 from gguf_assets.defs.settings import settings_key
 from gguf_assets.lib import atomic, verify
-from gguf_assets.lib.checkpoints import CURVES_FILE, FINAL_DIR, META_FILE, WEIGHTS_FILE
 from gguf_assets.lib.curves_log import TENSORBOARD_DIR, TENSORBOARD_URL_ENV
 from gguf_assets.lib.hardware import HardwareSampler
+from gguf_assets.lib.layout import CURVES_FILE, FINAL_DIR, META_FILE, WEIGHTS_FILE
 from gguf_assets.lib.materials import load_manifest
 from gguf_assets.lib.pipeline import adapter_fingerprint
 from gguf_assets.lib.render import curves_markdown, curves_svg, markdown_table

@@ -15,7 +15,6 @@ import io
 import json
 import logging
 import os
-import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,18 +28,11 @@ from gguf_assets.lib.adapter import (
     Adapter,
     AdapterShape,
 )
+from gguf_assets.lib.layout import DAMAGED_FINAL_DIR, FINAL_DIR, META_FILE, STATE_FILE, STEP_DIR, WEIGHTS_FILE
 from gguf_assets.lib.train_data import TrainingError
 
 log = logging.getLogger(__name__)
 
-STEP_DIR = re.compile(r"^step-(\d{8})$")
-BEST_DIR = "best"
-FINAL_DIR = "final"
-DAMAGED_FINAL_DIR = "final.damaged"  # finished weights whose bytes changed, kept for a look
-WEIGHTS_FILE = "adapter.safetensors"
-STATE_FILE = "trainer_state.pt"
-META_FILE = "meta.json"
-CURVES_FILE = "curves.svg"
 
 
 def _rng_state() -> dict:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,15 @@ PROMPTS_FILE = "prompts.jsonl"
 REPORT_JSON = f"{RESERVED_ADAPTER_NAME}.json"
 REPORT_MD = f"{RESERVED_ADAPTER_NAME}.md"
 REPORT_SUFFIX = ".report"
+# Inside checkpoints/<fingerprint>/ (lib/checkpoints.py writes them; `status` reads final/ without torch).
+STEP_DIR = re.compile(r"^step-(\d{8})$")
+BEST_DIR = "best"
+FINAL_DIR = "final"
+DAMAGED_FINAL_DIR = "final.damaged"  # finished weights whose bytes changed, kept for a look
+WEIGHTS_FILE = "adapter.safetensors"
+STATE_FILE = "trainer_state.pt"
+META_FILE = "meta.json"
+CURVES_FILE = "curves.svg"
 
 
 # Keys whose values are file or folder paths in the project's JSON files (manifests, sidecars,

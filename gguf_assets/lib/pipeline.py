@@ -70,7 +70,7 @@ def shard_fingerprints(paths: ProjectPaths, settings: Settings, materials: Mater
 
 
 def adapter_fingerprint(paths: ProjectPaths, settings: Settings, materials: MaterialsManifest) -> str:
-    from gguf_assets.lib.train import training_fingerprint
+    from gguf_assets.lib.training_run import training_fingerprint
 
     return training_fingerprint(settings, shard_fingerprints(paths, settings, materials, "train"),
                                 shard_fingerprints(paths, settings, materials, "val"))
@@ -118,7 +118,7 @@ def stage_settings(settings: Settings) -> dict[str, dict]:
     """
     from gguf_assets.lib.materials import materials_settings_key
     from gguf_assets.lib.shards import half_settings, halves_for_mode
-    from gguf_assets.lib.train import training_settings
+    from gguf_assets.lib.training_run import training_settings
 
     m, p = settings.materials, settings.precompute
     halves = {half: half_settings(half, settings) for half in halves_for_mode(p.mode)}
@@ -165,7 +165,7 @@ def _exported_files_unchanged(paths: ProjectPaths, settings: Settings) -> bool:
 
 def _adapter_is_current(paths: ProjectPaths, adapter_fp: str) -> bool:
     """The adapter manifest names this fingerprint, and the finished weights are still as written."""
-    from gguf_assets.lib.checkpoints import FINAL_DIR, WEIGHTS_FILE
+    from gguf_assets.lib.layout import FINAL_DIR, WEIGHTS_FILE
 
     try:
         manifest = atomic.read_json(paths.adapter_manifest)

@@ -24,15 +24,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
-from safetensors.torch import save_file
+from typing import TYPE_CHECKING
 
 from gguf_assets.lib import atomic, faults, formats, verify
 from gguf_assets.lib.corpus import read_split, shard_prompts
 from gguf_assets.lib.errors import UserError
 from gguf_assets.lib.gguf_format import F16_MAX
-from gguf_assets.lib.hardware import HardwareSampler, resolve_device
 from gguf_assets.lib.layout import (
     PROMPTS_FILE,
     STUDENT_FILE,
@@ -45,10 +42,12 @@ from gguf_assets.lib.progress import Progress
 from gguf_assets.lib.settings import Settings
 from gguf_assets.lib.teacher_choice import teacher_choice
 
+if TYPE_CHECKING:
+    import torch
+
 log = logging.getLogger(__name__)
 
 HALVES = ("teacher", "student")
-TARGET_DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16}
 
 
 class ShardError(UserError, RuntimeError):
@@ -141,6 +140,8 @@ def data_file(folder: Path, half: str) -> Path:
 def _write_half(folder: Path, half: str, tensors: dict[str, torch.Tensor], meta: dict) -> dict:
     data_path = data_file(folder, half)
     with atomic.atomic_path(data_path) as tmp:
+        from safetensors.torch import save_file
+
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp),
                   metadata={"fingerprint": meta["fingerprint"]})
         faults.point("shard-write", tmp)
@@ -170,6 +171,8 @@ class ShardBuilder:
     """Computes missing halves; loads each model only when some shard needs it."""
 
     def __init__(self, paths: ProjectPaths, settings: Settings, materials: MaterialsManifest) -> None:
+        from gguf_assets.lib.hardware import resolve_device
+
         self.paths, self.settings, self.materials = paths, settings, materials
         self.device = resolve_device(settings.precompute.device)
         self.choice = teacher_choice(settings)
@@ -182,6 +185,8 @@ class ShardBuilder:
         if self._teacher is not None and (gpu_budget_gib is None or gpu_budget_gib == self.gpu_budget_gib):
             return self._teacher
         if self._teacher is not None:
+            import torch
+
             self._teacher = None  # free the old placement before loading the new one
             gc.collect()
             if torch.cuda.is_available():
@@ -201,6 +206,8 @@ class ShardBuilder:
 
     def targets(self, prompts: list[str], *, on_batch=None):
         """The teacher's targets for ``prompts``, retrying CUDA out-of-memory with a lower GPU budget."""
+        import torch
+
         from gguf_assets.lib.teacher import (
             auto_gpu_budget_gib,
             lower_budget_on_oom,
@@ -208,7 +215,7 @@ class ShardBuilder:
         )
 
         p = self.settings.precompute
-        dtype = TARGET_DTYPES[p.target_dtype]
+        dtype = {"f16": torch.float16, "bf16": torch.bfloat16}[p.target_dtype]
         if not self.choice.loads_teacher_model or self.device.type != "cuda":
             return self.teacher().encode(prompts, dtype=dtype, on_batch=on_batch)
         if self.gpu_budget_gib is None:
@@ -316,6 +323,8 @@ def precompute_split(paths: ProjectPaths, settings: Settings, materials: Materia
     if unknown:
         raise ShardError(f"{split} shards {unknown} do not exist in the current corpus "
                          f"({len(plans)} shards); rematerialize the corpus.")
+    from gguf_assets.lib.hardware import HardwareSampler
+
     builder = ShardBuilder(paths, settings, materials)
     total = sum(len(plans[k].prompts) for k in keys)
     sampler_kwargs = {} if sample_interval_s is None else {"interval_s": sample_interval_s}

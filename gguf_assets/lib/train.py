@@ -26,11 +26,6 @@ from gguf_assets.lib.adapter import (
     standardize,
 )
 from gguf_assets.lib.checkpoints import (
-    BEST_DIR,
-    CURVES_FILE,
-    DAMAGED_FINAL_DIR,
-    FINAL_DIR,
-    META_FILE,
     Resumed,
     final_is_intact,
     list_checkpoints,
@@ -42,13 +37,10 @@ from gguf_assets.lib.checkpoints import (
 )
 from gguf_assets.lib.curves_log import TENSORBOARD_DIR, CurvesLog
 from gguf_assets.lib.hardware import resolve_device
-from gguf_assets.lib.layout import (
-    ProjectPaths,
-)
+from gguf_assets.lib.layout import BEST_DIR, CURVES_FILE, DAMAGED_FINAL_DIR, FINAL_DIR, META_FILE, ProjectPaths
 from gguf_assets.lib.render import curves_svg
 from gguf_assets.lib.settings import Settings
 from gguf_assets.lib.train_data import (
-    SHUFFLE_WINDOW_SHARDS,
     Batch,
     SampleOrder,
     ShardStream,
@@ -58,16 +50,10 @@ from gguf_assets.lib.train_data import (
     shard_size,
     target_stats,
 )
+from gguf_assets.lib.training_run import NON_RESULT_KEYS, OFF_VALUES, shards_identity
 from gguf_assets.lib.verdict import verdict
 
 log = logging.getLogger(__name__)
-
-# Settings that change speed or bookkeeping, not the trained weights.
-NON_RESULT_KEYS = ("device", "grad_checkpoint", "log_every", "validate_every", "checkpoint_every", "keep_checkpoints")
-# Result settings added after runs existed, with the value that means "as before": they enter the
-# fingerprint only when set otherwise, so a new key never retrains an existing project.
-OFF_VALUES = {"ema_decay": 0.0}
-
 
 # -- validation ---------------------------------------------------------------------------
 
@@ -100,29 +86,6 @@ def evaluate(model: Adapter, folders: list[Path], *, device: torch.device, cosin
 
 
 # -- runs and settings changes ------------------------------------------------------------
-
-def training_settings(settings: Settings) -> dict:
-    """The training settings the result depends on (cadence and device settings change nothing).
-
-    A key of OFF_VALUES at its off value is left out: the result is what it was before the key existed.
-    """
-    return {k: v for k, v in settings.section_dict("training").items()
-            if k not in NON_RESULT_KEYS and not (k in OFF_VALUES and v == OFF_VALUES[k])}
-
-
-def training_fingerprint(settings: Settings, train_fps: list[str], val_fps: list[str]) -> str:
-    return atomic.fingerprint({"training": training_settings(settings), "train": train_fps, "val": val_fps,
-                               "shuffle_window_shards": SHUFFLE_WINDOW_SHARDS, "format": formats.TRAINING_RUN})
-
-
-def shards_identity(folders: list[Path]) -> str:
-    """What the shards hold (their recorded half fingerprints), to tell a data change from a settings change."""
-    parts = []
-    for folder in folders:
-        parts.append([folder.name] + [atomic.read_json(folder / f"{half}.json").get("fingerprint")
-                                      for half in ("teacher", "student") if (folder / f"{half}.json").is_file()])
-    return atomic.fingerprint(parts)
-
 
 def _run_meta(run_dir: Path) -> dict | None:
     for candidate in [run_dir / FINAL_DIR] + list(reversed(list_checkpoints(run_dir))):

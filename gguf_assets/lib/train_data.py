@@ -32,11 +32,10 @@ from gguf_assets.lib.layout import (
     TEACHER_FILE,
 )
 from gguf_assets.lib.safetensors_io import ReadStats, read_torch
+from gguf_assets.lib.training_run import SHUFFLE_WINDOW_SHARDS
 
 log = logging.getLogger(__name__)
 
-# Shards shuffled together. Part of the data order, hence of the run fingerprint.
-SHUFFLE_WINDOW_SHARDS = 4
 # Prompts per chunk when streaming target statistics: a 1000-prompt shard of 256x4096
 # targets would be 8 GB in float64 at once.
 STATS_CHUNK_PROMPTS = 32
