@@ -55,10 +55,6 @@ class Material:
     text_field: str | None = None
     origin: str = "local"  # local | hub
 
-    def pin(self) -> dict:
-        """What downstream fingerprints depend on: the source and the exact content."""
-        return {"source": self.source, "commit": self.commit}
-
 
 def _hash_local_folder(folder: Path, cache: dict) -> tuple[str, int, int, dict]:
     """Content hash of a folder; a file's sha256 is reused while its stamp (size, mtime, inode) matches."""
