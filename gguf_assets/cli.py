@@ -231,7 +231,9 @@ def tensorboard_command(paths: ProjectPaths, host: str, port: int) -> list[str]:
 def cmd_auto_resume(project: str, *, daemon: bool, ui_port: int | None = None, ui_host: str = "127.0.0.1") -> int:
     """At boot: mark cut-off runs failed, continue the pipeline, then keep the daemon running.
 
-    With ``ui_port`` the webserver starts first, so the resumed run can be watched.
+    With ``ui_port`` the webserver starts first, so the resumed run can be watched. With
+    ``output.auto_resume: false`` it only reports what is unfinished and exits: no run, no daemon,
+    no UI (the project asked not to be resumed by itself).
     """
     from gguf_assets.runner import prepare_instance, size_gpu_pool
 
@@ -242,20 +244,24 @@ def cmd_auto_resume(project: str, *, daemon: bool, ui_port: int | None = None, u
 
     from gguf_assets.defs.resume import mark_interrupted_runs
 
-    size_gpu_pool(dg.DagsterInstance.get())
+    instance = dg.DagsterInstance.get()
+    if not settings.output.auto_resume:
+        marked = mark_interrupted_runs(instance)
+        print(f"project {paths.root}: marked {len(marked)} interrupted run(s) as failed {marked if marked else ''}")
+        _print_status(paths)
+        print(f"output.auto_resume is false in {paths.project_file}: only reporting what is unfinished; "
+              f"`{_venv_tool('gguf-trainer')} run {paths.root}` continues it")
+        return 0
+    size_gpu_pool(instance)
     services = []
     if ui_port is not None:
         print(f"Dagster UI for {paths.root} on http://{ui_host}:{ui_port}", flush=True)
         services = start_services([webserver_command(ui_host, ui_port)])
     try:
-        marked = mark_interrupted_runs(dg.DagsterInstance.get())
+        marked = mark_interrupted_runs(instance)
         print(f"project {paths.root}: marked {len(marked)} interrupted run(s) as failed {marked if marked else ''}")
         _print_status(paths)
-        code = 0
-        if settings.output.auto_resume:
-            code = cmd_run(argparse.Namespace(project=project))
-        else:
-            print("output.auto_resume is false: only reporting what is unfinished")
+        code = cmd_run(argparse.Namespace(project=project))
     except BaseException:
         stop_services(services)
         raise

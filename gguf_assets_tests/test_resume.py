@@ -151,3 +151,19 @@ def test_a_stop_between_two_runs_still_tells_the_daemon_to_leave_the_pipeline(ma
     [latest] = instance.get_run_records(limit=1)
     assert latest.dagster_run.status == dg.DagsterRunStatus.SUCCESS and STOPPED_TAG in latest.dagster_run.tags
     assert "stopped on purpose" in resume_decision(instance).skip_message
+
+
+def test_auto_resume_with_auto_resume_off_only_reports_and_exits(make_project):
+    """`output.auto_resume: false`: `--auto-resume` reports what is unfinished and exits 0, with no
+    run created and no daemon or webserver left behind (it used to start dagster-daemon anyway)."""
+    from gguf_assets.lib.settings import load_settings, replace, write_project_file
+
+    paths = make_project(steps=5, mock_teacher=True)
+    write_project_file(paths.root, replace(load_settings(paths.root), output={"auto_resume": False}))
+    done = subprocess.run([*CLI, "--auto-resume", str(paths.root), "--ui-port", str(free_port())],
+                          capture_output=True, text=True, env=cli_env(), timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "output.auto_resume is false" in done.stdout and "only reporting what is unfinished" in done.stdout
+    assert "materials    missing" in done.stdout, done.stdout
+    assert "starting dagster-daemon" not in done.stdout and "Dagster UI" not in done.stdout
+    assert project_instance(paths).get_run_records() == []
