@@ -18,14 +18,20 @@ from gguf_assets.defs.precompute import SHARD_CHECKS
 from gguf_assets.defs.resources import ProjectResource, project_dir_from_env
 from gguf_assets.defs.resume import interrupted_runs_sensor, resume_sensor
 from gguf_assets.defs.settings import SETTINGS_ASSETS
-from gguf_assets.lib.settings import PROJECT_FILE, load_settings
+from gguf_assets.lib.settings import PROJECT_FILE, SettingsError, load_settings
 
 
 def build_definitions(project_dir: str | None) -> dg.Definitions:
     assets = [*dg.load_assets_from_modules([materials, corpus, precompute, training, output]), *SETTINGS_ASSETS]
     auto_resume = True
     if project_dir and os.path.isfile(os.path.join(project_dir, PROJECT_FILE)):
-        auto_resume = load_settings(project_dir).output.auto_resume
+        try:
+            auto_resume = load_settings(project_dir).output.auto_resume
+        except SettingsError:
+            # No setting may turn the code location into an error (every asset page would show "–"):
+            # the message (file:line, the fix) shows where the settings are read, in the resume
+            # sensor's skip reason and each settings/<stage> observation, and fails any run at once.
+            pass
     return dg.Definitions(
         assets=assets,
         asset_checks=[*SHARD_CHECKS, exported_files_unchanged],

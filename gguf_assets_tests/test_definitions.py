@@ -70,3 +70,37 @@ def test_hardware_and_environment_panels_describe_this_machine():
     assert "RAM" in panels["hardware"].value and "torch" in panels["environment"].value
     gpu_rows = [line for line in panels["hardware"].value.splitlines() if line.startswith("| GPU")]
     assert len(gpu_rows) == max(1, len(hw["gpus"])) and set(panels) == {"hardware", "environment"}
+
+
+def test_a_typo_in_project_yaml_leaves_the_code_location_loaded_with_the_message_reachable(make_project):
+    """A typo must not turn the code location into an error (every asset page would show "–"): the
+    definitions load through Dagster's own loader, and the message (file:line, did you mean) is in
+    the resume sensor's skip reason and in the failed settings observation."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import cli_env, project_instance
+
+    from gguf_assets.defs.resume import resume_decision
+    from gguf_assets.defs.settings import SETTINGS_ASSETS
+
+    paths = make_project(steps=5, mock_teacher=True)
+    text = paths.project_file.read_text()
+    assert "  learning_rate:" in text
+    paths.project_file.write_text(text.replace("  learning_rate:", "  learning_rat:"))
+    instance = project_instance(paths)  # DAGSTER_HOME and the project now point at this project
+    env = cli_env(DAGSTER_HOME=os.environ["DAGSTER_HOME"], GGUF_ASSETS_PROJECT=str(paths.root))
+    done = subprocess.run([sys.executable, "-m", "dagster", "definitions", "validate", "-m", "gguf_assets.definitions"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    skip = resume_decision(instance)
+    assert isinstance(skip, dg.SkipReason)
+    assert "project.yaml:" in skip.skip_message and "learning_rate" in skip.skip_message, skip.skip_message
+    observe = dg.Definitions(assets=[SETTINGS_ASSETS[0]], jobs=[dg.define_asset_job(
+        "observe", selection=[SETTINGS_ASSETS[0].key])]).resolve_job_def("observe")
+    result = observe.execute_in_process(instance=instance, raise_on_error=False)
+    assert not result.success
+    failure = next(e for e in result.all_events if e.is_step_failure)
+    message = failure.step_failure_data.user_failure_data.description
+    assert "project.yaml:" in message and "learning_rat" in message, message

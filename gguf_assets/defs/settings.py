@@ -83,10 +83,13 @@ def _settings_asset(stage: str) -> dg.SourceAsset:
                                             "Edit project.yaml to change them.")
     def observe(context) -> dg.ObserveResult:
         from gguf_assets.defs.resources import project_dir_from_env
-        from gguf_assets.lib.settings import load_settings
+        from gguf_assets.lib.settings import SettingsError, load_settings
 
         folder = project_dir_from_env()
-        settings = load_settings(folder)
+        try:
+            settings = load_settings(folder)
+        except SettingsError as exc:  # one clear message in the UI, not a stack trace
+            raise dg.Failure(description=str(exc), allow_retries=False) from None
         return dg.ObserveResult(data_version=dg.DataVersion(settings_versions(settings)[stage]),
                                 metadata=settings_metadata(settings, stage, str(folder)))
 
