@@ -15,7 +15,7 @@ from gguf_assets.defs.console import short_console
 from gguf_assets.defs.jobs import JOBS
 from gguf_assets.defs.output import exported_files_unchanged
 from gguf_assets.defs.precompute import SHARD_CHECKS
-from gguf_assets.defs.resources import ProjectResource, project_dir_from_env
+from gguf_assets.defs.resources import EnvironmentMismatch, ProjectResource, project_dir_from_env
 from gguf_assets.defs.resume import interrupted_runs_sensor, resume_sensor
 from gguf_assets.defs.settings import SETTINGS_ASSETS
 from gguf_assets.lib.settings import PROJECT_FILE, SettingsError, load_settings
@@ -46,4 +46,13 @@ def build_definitions(project_dir: str | None) -> dg.Definitions:
     )
 
 
-defs = build_definitions(project_dir_from_env())
+def _project_dir() -> str | None:
+    try:
+        return project_dir_from_env()
+    except EnvironmentMismatch as exc:
+        # Refuse to start, before any run writes one project's files into another's records: one
+        # line, not the import's stack trace (SystemExit passes through Dagster's loaders).
+        raise SystemExit(f"error: {exc}") from None
+
+
+defs = build_definitions(_project_dir())

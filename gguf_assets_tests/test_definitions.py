@@ -104,3 +104,25 @@ def test_a_typo_in_project_yaml_leaves_the_code_location_loaded_with_the_message
     failure = next(e for e in result.all_events if e.is_step_failure)
     message = failure.step_failure_data.user_failure_data.description
     assert "project.yaml:" in message and "learning_rat" in message, message
+
+
+def test_a_dagster_home_of_another_project_is_refused_naming_both(make_project):
+    """`eval "$(gguf-trainer env A)"`, then DAGSTER_HOME=B/.dagster: `dagster asset materialize` used to
+    write A's files and record the run in B's instance. It refuses to start, naming both, in one line."""
+    import subprocess
+    import sys
+
+    from conftest import cli_env, project_instance
+
+    a, b = make_project(steps=5, mock_teacher=True), make_project(steps=5, mock_teacher=True)
+    project_instance(b)  # B's instance exists, as after any gguf-trainer command on B
+    env = cli_env(GGUF_ASSETS_PROJECT=str(a.root), DAGSTER_HOME=str(b.dagster_home))
+    done = subprocess.run([sys.executable, "-m", "dagster", "asset", "materialize", "-m", "gguf_assets.definitions",
+                           "--select", "materials"], capture_output=True, text=True, env=env, timeout=120)
+    out = done.stdout + done.stderr
+    assert done.returncode != 0, out
+    assert "Traceback" not in out, out
+    line = next(x for x in out.splitlines() if x.startswith("error: "))
+    assert f"DAGSTER_HOME={b.dagster_home}" in line and f"GGUF_ASSETS_PROJECT={a.root}" in line, line
+    assert not a.materials_manifest.exists() and not a.dagster_home.exists()
+    assert project_instance(b).get_run_records() == []

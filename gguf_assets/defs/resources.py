@@ -6,6 +6,7 @@ from pathlib import Path
 import dagster as dg
 from pydantic import Field, PrivateAttr
 
+from gguf_assets.lib.errors import UserError
 from gguf_assets.lib.layout import ProjectPaths
 from gguf_assets.lib.liveness import boot_id, process_started
 from gguf_assets.lib.lock import ProjectLock
@@ -25,15 +26,29 @@ LEADER_TAG = "gguf_assets/leader_pid"
 SETTINGS_TAG = "gguf_assets/settings"
 
 
+class EnvironmentMismatch(UserError, RuntimeError):
+    """DAGSTER_HOME is not the instance of the project that GGUF_ASSETS_PROJECT names."""
+
+
 def project_dir_from_env() -> str | None:
     """The project folder: GGUF_ASSETS_PROJECT, else the folder that holds DAGSTER_HOME (<project>/.dagster).
 
     So `DAGSTER_HOME=<project>/.dagster dagster asset materialize ...` is all the Dagster CLI needs,
-    and a copied project's instance always points at the copy.
+    and a copied project's instance always points at the copy. When both are set they must belong
+    together: otherwise a run would write one project's files and record itself in another's
+    instance, where no status, resume or stale mark could find it.
     """
-    if os.environ.get(PROJECT_ENV):
-        return os.environ[PROJECT_ENV]
     home = os.environ.get("DAGSTER_HOME")
+    if os.environ.get(PROJECT_ENV):
+        project = Path(os.environ[PROJECT_ENV])
+        own_home = ProjectPaths.of(project).dagster_home
+        if home and (project / PROJECT_FILE).is_file() and Path(home).resolve() != own_home:
+            raise EnvironmentMismatch(
+                f"DAGSTER_HOME={home} is not the instance of the project {PROJECT_ENV}={project} (that is "
+                f"{own_home}). Set both for one project: "
+                f"`eval \"$(gguf-trainer env {project})\"`, or unset {PROJECT_ENV} to use the project that holds "
+                "DAGSTER_HOME.")
+        return str(project)
     if home and (Path(home).parent / PROJECT_FILE).is_file():
         return str(Path(home).resolve().parent)
     return None
