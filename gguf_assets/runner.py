@@ -191,7 +191,7 @@ def run_pipeline(paths: ProjectPaths, *, echo: Callable[[str], None] = print, wo
         if marked:
             echo(f"marked {len(marked)} run(s) cut off by a kill or reboot as failed; resuming where they stopped")
         settings = load_settings(paths.root)
-        observe_settings(instance, settings)  # the UI's stale marks follow project.yaml as of now
+        observe_settings(instance, settings, paths)  # the UI's stale marks follow project.yaml as of now
         # A typo in a prompt file path should fail in seconds, not after a teacher download.
         from gguf_assets.lib.prompt_files import check_prompt_files
 

@@ -19,6 +19,8 @@ from dagster._core.loader import LoadingContextForTest
 from gguf_assets.definitions import build_definitions
 from gguf_assets.defs.resources import ProjectResource
 from gguf_assets.defs.resume import resume_decision
+from gguf_assets.defs.settings import STALE_BECAUSE, settings_key
+from gguf_assets.lib.pipeline import project_status
 from gguf_assets.lib.settings import load_settings, replace, write_project_file
 from gguf_assets.runner import run_pipeline
 
@@ -41,6 +43,12 @@ def _stale(paths) -> set[str]:
         if any(resolver.get_status(key, partition_key=p) == StaleStatus.STALE for p in partitions):
             stale.add(name)
     return stale
+
+
+def _latest_observation_metadata(key: dg.AssetKey) -> dict:
+    instance = dg.DagsterInstance.get()
+    record = instance.fetch_observations(key, limit=1).records[0]
+    return record.asset_observation.metadata
 
 
 def _materialized_since(storage_id: int) -> set[str]:
@@ -66,18 +74,31 @@ def test_settings_changes_mark_exactly_the_dependent_assets_stale_and_only_those
     run_pipeline(paths, echo=lambda _: None)
     assert _stale(paths) == set()
 
-    changes = [
-        ({"training": {"log_every": 7}}, set()),  # cadence settings change nothing that was computed
-        ({"materials": {"student_layer": 1}}, DOWNSTREAM_OF_SHARDS),
-        ({"materials": {"teacher_layer": 1}}, DOWNSTREAM_OF_SHARDS),
-        ({"materials": {"teacher": "materials/demo/teacher-copy"}}, {"materials"} | DOWNSTREAM_OF_SHARDS),
-        ({"corpus": {"seed": 3}}, {"corpus"} | DOWNSTREAM_OF_SHARDS),
-        ({"output": {"ggk_command": "ggk --adapter {adapter_gguf}"}}, {"eval_report"}),
-        ({"training": {"learning_rate": 5e-4}}, {"adapter", "gguf", "eval_report"}),
+    changes = [  # (change, what turns stale, the first stale stage and why `status` says it is)
+        ({"training": {"log_every": 7}}, set(), None),  # cadence settings change nothing that was computed
+        ({"materials": {"student_layer": 1}}, DOWNSTREAM_OF_SHARDS,
+         ("train_shards", "materials.student_layer 0 → 1")),
+        ({"materials": {"teacher_layer": 1}}, DOWNSTREAM_OF_SHARDS, ("train_shards", "materials.teacher_layer -1 → 1")),
+        ({"materials": {"teacher": "materials/demo/teacher-copy"}}, {"materials"} | DOWNSTREAM_OF_SHARDS,
+         ("materials", "materials.teacher materials/demo/teacher → materials/demo/teacher-copy")),
+        ({"corpus": {"seed": 3}}, {"corpus"} | DOWNSTREAM_OF_SHARDS, ("corpus", "corpus.seed 0 → 3")),
+        ({"output": {"ggk_command": "ggk --adapter {adapter_gguf}"}}, {"eval_report"},
+         ("eval_report", "output.ggk_command ")),
+        ({"training": {"learning_rate": 5e-4}}, {"adapter", "gguf", "eval_report"},
+         ("adapter", "training.learning_rate 0.004 → 0.0005")),
     ]
-    for change, dependent in changes:
-        write_project_file(paths.root, replace(load_settings(paths.root), **change))
+    for change, dependent, (stage, why) in ((c, d, w or (None, None)) for c, d, w in changes):
+        before_edit = load_settings(paths.root)
+        write_project_file(paths.root, replace(before_edit, **change))
         assert _stale(paths) == dependent, change
+        status = {s.stage: s for s in project_status(paths, load_settings(paths.root))}
+        if stage is not None:
+            # The same words in `status` and on the stage's settings asset in the UI.
+            assert status[stage].state == "stale" and why in status[stage].detail, (change, status[stage])
+            observed = _latest_observation_metadata(settings_key(stage))
+            assert why in observed[STALE_BECAUSE].value, (change, observed)
+        else:
+            assert all(s.state == "current" for s in status.values()), status
         teacher_files = {p: p.stat().st_mtime_ns for p in paths.root.glob("shards/*/*/teacher.safetensors")}
         corpus_mtime = paths.corpus_manifest.stat().st_mtime_ns
         before = _last_storage_id()

@@ -97,7 +97,7 @@ class ProjectResource(dg.ConfigurableResource):
 
             settings = self.settings()
             # The materializations record the settings they were made under (data provenance).
-            observe_settings(context.instance, settings)
+            observe_settings(context.instance, settings, self.paths())
             context.instance.add_run_tags(run.run_id, {PID_TAG: str(os.getpid()),
                                                        PID_STARTED_TAG: process_started(os.getpid()),
                                                        BOOT_TAG: boot_id(),

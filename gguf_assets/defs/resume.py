@@ -108,7 +108,7 @@ def resume_decision(instance: dg.DagsterInstance) -> dg.RunRequest | dg.SkipReas
         settings = load_settings(paths.root)
     except SettingsError as exc:
         return dg.SkipReason(f"project.yaml is not valid: {exc}")
-    observe_settings(instance, settings)  # the UI's stale marks follow project.yaml edits
+    observe_settings(instance, settings, paths)  # the UI's stale marks follow project.yaml edits
     if busy := instance.get_run_records(filters=dg.RunsFilter(statuses=WAITING), limit=1):
         return dg.SkipReason(f"run {busy[0].dagster_run.run_id[:8]} ({busy[0].dagster_run.job_name}) is "
                              f"{busy[0].dagster_run.status.value.lower()}")

@@ -16,11 +16,14 @@ from dagster._core.definitions.data_version import (
 
 from gguf_assets.defs import groups
 from gguf_assets.lib import atomic
-from gguf_assets.lib.pipeline import STAGES, stage_settings
+from gguf_assets.lib.layout import ProjectPaths
+from gguf_assets.lib.pipeline import STAGES, project_status, stage_settings
 from gguf_assets.lib.render import markdown_table
 from gguf_assets.lib.settings import Settings
 
 KEY_PREFIX = "settings"  # settings/<stage>
+# The metadata entry that says why the stage is stale after this observation (as `status` does).
+STALE_BECAUSE = "stale_because"
 # The stages whose settings each stage's result also depends on.
 READS = {"materials": (), "corpus": (), "train_shards": ("corpus",), "val_shards": ("corpus",),
          "adapter": ("train_shards", "val_shards"), "gguf": ("adapter",), "eval_report": ("gguf",)}
@@ -63,16 +66,25 @@ def settings_metadata(settings: Settings, stage: str, project_dir: str | None = 
     return metadata
 
 
-def observe_settings(instance: dg.DagsterInstance, settings: Settings) -> list[str]:
-    """Record the current settings versions where they changed; returns the stages whose settings changed."""
-    changed = []
+def observe_settings(instance: dg.DagsterInstance, settings: Settings, paths: ProjectPaths | None = None) -> list[str]:
+    """Record the current settings versions where they changed; returns the stages whose settings changed.
+
+    With ``paths``, an observation also says why its stage is stale (the keys that changed since
+    its result was made, old → new): the same words `gguf-trainer status` prints.
+    """
+    changed, status = [], None
     for stage, version in settings_versions(settings).items():
         record = instance.get_latest_data_version_record(settings_key(stage), is_source=True)
         recorded = extract_data_version_from_entry(record.event_log_entry) if record else None
         if recorded is None or recorded.value != version:
+            metadata = settings_metadata(settings, stage)
+            if paths is not None:
+                if status is None:
+                    status = {s.stage: s for s in project_status(paths, settings)}
+                if status[stage].state == "stale":
+                    metadata[STALE_BECAUSE] = dg.MetadataValue.text(status[stage].detail)
             instance.report_runless_asset_event(dg.AssetObservation(
-                asset_key=settings_key(stage), tags={DATA_VERSION_TAG: version},
-                metadata=settings_metadata(settings, stage)))
+                asset_key=settings_key(stage), tags={DATA_VERSION_TAG: version}, metadata=metadata))
             changed.append(stage)
     return changed
 

@@ -10,10 +10,9 @@ from gguf_assets.defs.panels import panel_metadata
 from gguf_assets.defs.precompute import GPU_POOL, train_shards, val_shards
 from gguf_assets.defs.resources import ProjectResource
 from gguf_assets.defs.settings import settings_key
-from gguf_assets.lib import atomic, verify
 from gguf_assets.lib.curves_log import TENSORBOARD_DIR, TENSORBOARD_URL_ENV
 from gguf_assets.lib.hardware import HardwareSampler
-from gguf_assets.lib.layout import CURVES_FILE, FINAL_DIR, META_FILE, WEIGHTS_FILE
+from gguf_assets.lib.layout import CURVES_FILE, FINAL_DIR
 from gguf_assets.lib.materials import load_manifest
 from gguf_assets.lib.pipeline import adapter_fingerprint
 from gguf_assets.lib.render import curves_markdown, curves_svg, markdown_table
@@ -74,12 +73,6 @@ def adapter(context: dg.AssetExecutionContext, project: ProjectResource) -> dg.M
         summary = train_adapter(paths, settings, train_folders=folders["train"], val_folders=folders["val"],
                                 fingerprint=fingerprint, on_event=on_event, sample_hardware=hardware.sample)
     run_dir = paths.checkpoints_dir(fingerprint)
-    weights = run_dir / FINAL_DIR / WEIGHTS_FILE
-    recorded_sha256 = (atomic.read_json(run_dir / FINAL_DIR / META_FILE).get("sha256") or {}).get(WEIGHTS_FILE)
-    atomic.write_json(paths.adapter_manifest, {"fingerprint": fingerprint,
-                                               "run_dir": str(run_dir.relative_to(paths.root)),
-                                               "final_weights": verify.record(weights, recorded_sha256),
-                                               "val_centred_cosine": summary["val_centred_cosine"]})
     text, advice = verdict(summary["val_centred_cosine"])
     curves = run_dir / FINAL_DIR / CURVES_FILE
     svg = curves.read_text(encoding="utf-8") if curves.is_file() else curves_svg(summary["history"])

@@ -30,7 +30,7 @@ from typing import BinaryIO
 
 import numpy as np
 
-from gguf_assets.lib import atomic, verify
+from gguf_assets.lib import atomic, settings_history, verify
 from gguf_assets.lib.layout import SPLITS, ProjectPaths
 from gguf_assets.lib.manifests import MaterialsManifest
 from gguf_assets.lib.prompt_files import (
@@ -234,6 +234,7 @@ def build_corpus(paths: ProjectPaths, settings: Settings, materials: MaterialsMa
     manifest = {
         "fingerprint": fingerprint,
         "settings": settings.section_dict("corpus"),
+        "settings_hash": settings_history.remember(paths.root, settings),
         "counts": counts,
         "per_source": dict(per_source),
         "sources": [{**asdict(st), "file": paths.stored(st.file)} for st in stats],

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from gguf_assets.lib import atomic, verify
+from gguf_assets.lib import atomic, settings_history, verify
 from gguf_assets.lib.adapter import MLP_RATIO, NORM_EPS
 from gguf_assets.lib.checkpoints import load_final
 from gguf_assets.lib.errors import UserError
@@ -167,6 +167,7 @@ def export_adapter(paths: ProjectPaths, settings: Settings, materials: Materials
         fingerprint=gguf_fingerprint(settings, materials, adapter_manifest["fingerprint"]),
         adapter_fingerprint=adapter_manifest["fingerprint"], copies=copies, files=files, vision=vision,
         provenance=provenance(settings, materials, meta), val_centred_cosine_torch=float(meta["val_centred_cosine"]),
-        empty_prompt_cosine_torch=meta.get("empty_prompt_cosine"), per_shard_torch=meta.get("per_shard", []))
+        empty_prompt_cosine_torch=meta.get("empty_prompt_cosine"), per_shard_torch=meta.get("per_shard", []),
+        settings_hash=settings_history.remember(paths.root, settings))
     atomic.write_json(target.with_suffix(".json"), paths.stored_doc(sidecar.to_json()))
     return sidecar

@@ -56,6 +56,7 @@ class ExportSidecar(_JsonFields):
     provenance: dict[str, Any] = field(default_factory=dict)
     empty_prompt_cosine_torch: float | None = None
     per_shard_torch: list[dict] = field(default_factory=list)
+    settings_hash: str = ""  # the settings snapshot it was exported under (lib/settings_history.py)
 
     def written_files(self) -> list[dict]:
         """Every file the export wrote; a sidecar from before ``files`` existed names only the GGUF."""
@@ -92,6 +93,7 @@ class Report(_JsonFields):
     student: dict[str, Any]  # {repo, commit, path, layer}
     ggk_command: str
     kept_f32: list[str] = field(default_factory=list)
+    settings_hash: str = ""  # the settings snapshot it was made under (lib/settings_history.py)
 
 
 
@@ -112,6 +114,7 @@ class MaterialsManifest(_JsonFields):
     vision_encoder: dict | None = None
     datasets: list[dict] = field(default_factory=list)
     settings: dict = field(default_factory=dict)  # what it was resolved under (materials.materials_settings_key)
+    settings_hash: str = ""  # the whole snapshot it was resolved under (lib/settings_history.py)
     # Per local or downloaded folder, {relative file: record}: lib/verify's stamp with the sha256 (a local
     # file) or with the hub etag it matched (a download); manifests from before stamps hold "size:mtime" keys.
     hash_cache: dict[str, dict] = field(default_factory=dict)

@@ -20,7 +20,7 @@ import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from gguf_assets.lib import atomic, hub, verify
+from gguf_assets.lib import atomic, hub, settings_history, verify
 from gguf_assets.lib.errors import UserError
 from gguf_assets.lib.layout import ProjectPaths
 from gguf_assets.lib.manifests import MODEL_ROLES, MaterialsManifest
@@ -313,6 +313,7 @@ def resolve_materials(paths: ProjectPaths, settings: Settings, *, token: str | N
         log.info("removed the unfinished download %s (no longer configured)", stale)
     manifest.hash_cache, manifest.downloads = new_cache, downloads
     manifest.settings = materials_settings_key(settings)
+    manifest.settings_hash = settings_history.remember(paths.root, settings)
     write_manifest(paths, manifest)
     return manifest
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from gguf_assets.lib import atomic, formats, verify
+from gguf_assets.lib import atomic, formats, settings_history, verify
 from gguf_assets.lib.layout import SPLITS, ProjectPaths
 from gguf_assets.lib.manifests import ExportSidecar, MaterialsManifest
 from gguf_assets.lib.materials import load_manifest, manifest_is_current
@@ -184,7 +184,26 @@ class StageState:
     # current | missing (never made under any settings, or only partly) | stale (made under other
     # settings, or changed on disk) | blocked (waits for an earlier stage)
     state: str
+    # Why: for a stale stage, the project.yaml keys that changed (old → new) or what changed on disk.
     detail: str = ""
+
+
+def why_stale(paths: ProjectPaths, settings: Settings, stage: str, recorded_hash: str | None, otherwise: str) -> str:
+    """The settings keys whose change made ``stage`` stale, old → new, from the snapshot its record names
+    (lib/settings_history.py); ``otherwise`` when none of its own settings changed (an input or a file did)."""
+    old = settings_history.recall(paths.root, recorded_hash)
+    if old is not None:
+        keys = settings_history.changed_keys(old, settings, lambda s: stage_settings(s)[stage])
+        if keys:
+            return ", ".join(keys)
+    return otherwise
+
+
+def _recorded_hash(record: Path) -> str | None:
+    try:
+        return atomic.read_json(record).get("settings_hash")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def project_status(paths: ProjectPaths, settings: Settings) -> list[StageState]:
@@ -197,13 +216,19 @@ def project_status(paths: ProjectPaths, settings: Settings) -> list[StageState]:
         return [StageState(s, "blocked", f"waits for {after}") for s in STAGES[STAGES.index(after) + 1:]]
 
     if not manifest_is_current(paths, settings):
-        state = "stale" if paths.materials_manifest.is_file() else "missing"
-        return [StageState("materials", state)] + blocked_rest("materials")
+        if not paths.materials_manifest.is_file():
+            return [StageState("materials", "missing")] + blocked_rest("materials")
+        why = why_stale(paths, settings, "materials", _recorded_hash(paths.materials_manifest),
+                        "a material changed on disk since it was pinned")
+        return [StageState("materials", "stale", why)] + blocked_rest("materials")
     out.append(StageState("materials", "current"))
     materials = load_manifest(paths)
     if not corpus_is_current(paths, settings, materials):
-        state = "stale" if paths.corpus_manifest.is_file() else "missing"
-        return out + [StageState("corpus", state)] + blocked_rest("corpus")
+        if not paths.corpus_manifest.is_file():
+            return out + [StageState("corpus", "missing")] + blocked_rest("corpus")
+        why = why_stale(paths, settings, "corpus", _recorded_hash(paths.corpus_manifest),
+                        "a prompt source changed (a local prompt file, or a dataset's pin) or the corpus files did")
+        return out + [StageState("corpus", "stale", why)] + blocked_rest("corpus")
     out.append(StageState("corpus", "current"))
     unfinished = False
     for split in SPLITS:
@@ -214,7 +239,10 @@ def project_status(paths: ProjectPaths, settings: Settings) -> list[StageState]:
         # half was written under other settings or changed on disk.
         state = "current" if not todo else (
             "missing" if all(states[key] <= {"current", "missing"} for key in todo) else "stale")
-        out.append(StageState(f"{split}_shards", state, f"{len(plans) - len(todo)}/{len(plans)} shards current"))
+        detail = f"{len(plans) - len(todo)}/{len(plans)} shards current"
+        if state == "stale":
+            detail += f"; {_why_shards_stale(paths, settings, split, [p for p in plans if p.key in todo])}"
+        out.append(StageState(f"{split}_shards", state, detail))
         unfinished |= bool(todo)
     if unfinished:
         return out + blocked_rest("val_shards")
@@ -223,18 +251,50 @@ def project_status(paths: ProjectPaths, settings: Settings) -> list[StageState]:
                                  "teacher+student") for s in STAGES[STAGES.index("adapter"):]]
     adapter_fp = adapter_fingerprint(paths, settings, materials)
     if not _adapter_is_current(paths, adapter_fp):
-        return (out + [StageState("adapter", "stale" if paths.adapter_manifest.is_file() else "missing")]
-                + blocked_rest("adapter"))
+        if not paths.adapter_manifest.is_file():
+            return out + [StageState("adapter", "missing")] + blocked_rest("adapter")
+        same_run = recorded_fingerprint(paths.adapter_manifest) == adapter_fp
+        why = why_stale(paths, settings, "adapter", _recorded_hash(paths.adapter_manifest),
+                        "its final weights changed on disk" if same_run else
+                        "its train or val shards changed since it was trained")
+        return out + [StageState("adapter", "stale", why)] + blocked_rest("adapter")
     out.append(StageState("adapter", "current"))
     gguf = gguf_path(paths, settings)
     sidecar = gguf.with_suffix(".json")
-    if (recorded_fingerprint(sidecar) != gguf_fingerprint(settings, materials, adapter_fp)
-            or not _exported_files_unchanged(paths, settings)):
-        return out + [StageState("gguf", "stale" if sidecar.is_file() else "missing")] + blocked_rest("gguf")
+    same_export = recorded_fingerprint(sidecar) == gguf_fingerprint(settings, materials, adapter_fp)
+    if not same_export or not _exported_files_unchanged(paths, settings):
+        if not sidecar.is_file():
+            return out + [StageState("gguf", "missing")] + blocked_rest("gguf")
+        why = why_stale(paths, settings, "gguf", _recorded_hash(sidecar),
+                        "an exported file changed on disk" if same_export else
+                        "the adapter was retrained since the export")
+        return out + [StageState("gguf", "stale", why)] + blocked_rest("gguf")
     out.append(StageState("gguf", "current"))
     report = paths.report_json(settings)
     expected = report_fingerprint(settings, ExportSidecar.from_json(atomic.read_json(sidecar)),
                                   shard_fingerprints(paths, settings, materials, "val"))
-    out.append(StageState("eval_report", "current" if recorded_fingerprint(report) == expected else
-                          ("stale" if report.is_file() else "missing")))
+    if recorded_fingerprint(report) == expected:
+        out.append(StageState("eval_report", "current"))
+    elif not report.is_file():
+        out.append(StageState("eval_report", "missing"))
+    else:
+        out.append(StageState("eval_report", "stale", why_stale(
+            paths, settings, "eval_report", _recorded_hash(report),
+            "the GGUF was exported again, or the val shards changed, since it was evaluated")))
     return out
+
+
+def _why_shards_stale(paths: ProjectPaths, settings: Settings, split: str, todo: list) -> str:
+    """Why the first stale shard is stale: the settings its half was made under, or a changed file."""
+    from gguf_assets.lib.shards import half_status, halves_for_mode
+
+    for plan in todo:
+        folder = plan.folder(paths)
+        for half in halves_for_mode(settings.precompute.mode):
+            state = half_status(folder, half, plan.fingerprints[half])
+            if state == "corrupt":
+                return f"shard {split}/{plan.key}: its {half} half changed on disk"
+            if state == "stale":
+                return why_stale(paths, settings, f"{split}_shards", _recorded_hash(folder / f"{half}.json"),
+                                 f"shard {split}/{plan.key}: its {half} half was made from other prompts or models")
+    return "some shards were made under other settings"

@@ -12,7 +12,7 @@ import re
 import shlex
 from pathlib import Path
 
-from gguf_assets.lib import atomic, verify
+from gguf_assets.lib import atomic, settings_history, verify
 from gguf_assets.lib.layout import REPORT_JSON, REPORT_MD, ProjectPaths
 from gguf_assets.lib.manifests import ExportSidecar, MaterialsManifest, Report
 from gguf_assets.lib.render import markdown_table, user_text
@@ -95,6 +95,7 @@ def build_report(paths: ProjectPaths, settings: Settings, materials: MaterialsMa
                                 adapter_gguf=paths.stored(adapter_file["path"]),
                                 vision_gguf=paths.stored(vision_file["path"]) if vision_file else None),
         kept_f32=gguf.kept_f32,
+        settings_hash=settings_history.remember(paths.root, settings),
     )
     out = paths.output_dir(settings)
     # No absolute path into the project: a copied project's report points at its own files.

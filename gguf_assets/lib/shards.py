@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from gguf_assets.lib import atomic, faults, formats, verify
+from gguf_assets.lib import atomic, faults, formats, settings_history, verify
 from gguf_assets.lib.corpus import read_split, shard_prompts
 from gguf_assets.lib.errors import UserError
 from gguf_assets.lib.gguf_format import F16_MAX
@@ -174,6 +174,7 @@ class ShardBuilder:
         from gguf_assets.lib.hardware import resolve_device
 
         self.paths, self.settings, self.materials = paths, settings, materials
+        self._settings_hash = settings_history.remember(paths.root, settings)
         self.device = resolve_device(settings.precompute.device)
         self.choice = teacher_choice(settings)
         self._teacher = None
@@ -249,7 +250,8 @@ class ShardBuilder:
 
     def _compute_half(self, plan: ShardPlan, half: str, *, on_batch=None) -> tuple[dict[str, torch.Tensor], dict]:
         """The tensors of one half and its sidecar fields (without sizes and checksum)."""
-        meta = {"fingerprint": plan.fingerprints[half], "prompts": len(plan.prompts)}
+        meta = {"fingerprint": plan.fingerprints[half], "prompts": len(plan.prompts),
+                "settings_hash": self._settings_hash}
         if half == "teacher":
             result = self.compute(half, plan.prompts, on_batch=on_batch)
             if not result.peak_abs <= F16_MAX:

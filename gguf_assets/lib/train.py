@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from gguf_assets.lib import atomic, faults, formats
+from gguf_assets.lib import atomic, faults, formats, settings_history, verify
 from gguf_assets.lib.adapter import (
     Adapter,
     AdapterShape,
@@ -37,7 +37,15 @@ from gguf_assets.lib.checkpoints import (
 )
 from gguf_assets.lib.curves_log import TENSORBOARD_DIR, CurvesLog
 from gguf_assets.lib.hardware import resolve_device
-from gguf_assets.lib.layout import BEST_DIR, CURVES_FILE, DAMAGED_FINAL_DIR, FINAL_DIR, META_FILE, ProjectPaths
+from gguf_assets.lib.layout import (
+    BEST_DIR,
+    CURVES_FILE,
+    DAMAGED_FINAL_DIR,
+    FINAL_DIR,
+    META_FILE,
+    WEIGHTS_FILE,
+    ProjectPaths,
+)
 from gguf_assets.lib.render import curves_svg
 from gguf_assets.lib.settings import Settings
 from gguf_assets.lib.train_data import (
@@ -193,11 +201,26 @@ def train_adapter(paths: ProjectPaths, settings: Settings, *, train_folders: lis
     """
     run = _TrainingRun(paths, settings, train_folders, val_folders, fingerprint,
                        emit=on_event or (lambda kind, data: None), sample_hardware=sample_hardware)
-    finished = run.already_finished()
-    if finished is not None:
-        return finished
-    run.start_or_resume()
-    return run.train(stop_after)
+    summary = run.already_finished()
+    if summary is None:
+        run.start_or_resume()
+        summary = run.train(stop_after)
+    if summary.get("finished"):
+        record_adapter(paths, settings, fingerprint=fingerprint, summary=summary)
+    return summary
+
+
+def record_adapter(paths: ProjectPaths, settings: Settings, *, fingerprint: str, summary: dict) -> None:
+    """checkpoints/final.json: which finished run is the adapter, its weights' stamp and the settings it was
+    trained under (what `status` and the export read)."""
+    run_dir = paths.checkpoints_dir(fingerprint)
+    weights = run_dir / FINAL_DIR / WEIGHTS_FILE
+    recorded_sha256 = (atomic.read_json(run_dir / FINAL_DIR / META_FILE).get("sha256") or {}).get(WEIGHTS_FILE)
+    atomic.write_json(paths.adapter_manifest, {"fingerprint": fingerprint,
+                                               "run_dir": str(run_dir.relative_to(paths.root)),
+                                               "final_weights": verify.record(weights, recorded_sha256),
+                                               "val_centred_cosine": summary["val_centred_cosine"],
+                                               "settings_hash": settings_history.remember(paths.root, settings)})
 
 
 class _TrainingRun:
