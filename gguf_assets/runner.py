@@ -21,7 +21,7 @@ from pathlib import Path
 
 from gguf_assets import DEFINITIONS_MODULE
 from gguf_assets.defs.plan import RANGE_START_TAG, Work, next_work, split_range  # noqa: F401 (re-exported)
-from gguf_assets.lib import atomic
+from gguf_assets.lib import atomic, settings_history
 from gguf_assets.lib.layout import ProjectPaths
 from gguf_assets.lib.lock import ProjectLock
 from gguf_assets.lib.pipeline import StageState, project_status
@@ -190,7 +190,10 @@ def run_pipeline(paths: ProjectPaths, *, echo: Callable[[str], None] = print, wo
         marked = mark_interrupted_runs(instance)
         if marked:
             echo(f"marked {len(marked)} run(s) cut off by a kill or reboot as failed; resuming where they stopped")
+        # Read once: every job of this pipeline loads this snapshot by its tag (defs/resources.py), so an
+        # edit of project.yaml while it runs affects only the next run.
         settings = load_settings(paths.root)
+        settings_history.remember(paths.root, settings)
         observe_settings(instance, settings, paths)  # the UI's stale marks follow project.yaml as of now
         # A typo in a prompt file path should fail in seconds, not after a teacher download.
         from gguf_assets.lib.prompt_files import check_prompt_files
@@ -219,7 +222,25 @@ def run_pipeline(paths: ProjectPaths, *, echo: Callable[[str], None] = print, wo
         blocked = [s for s in status if s.state == "blocked"]
         if blocked and all(s.detail.startswith("precompute.mode") for s in blocked):
             echo(f"not running {', '.join(s.stage for s in blocked)}: {blocked[0].detail}")
+        _tell_about_edits(paths, settings, instance, echo)
         return status
+
+
+def _tell_about_edits(paths: ProjectPaths, settings: Settings, instance, echo: Callable[[str], None]) -> None:
+    """project.yaml edited while the pipeline ran: say so, and let the UI's stale marks follow the edit."""
+    from gguf_assets.defs.settings import observe_settings
+    from gguf_assets.lib.settings import SettingsError
+
+    try:
+        now = load_settings(paths.root)
+    except SettingsError as exc:
+        echo(f"project.yaml was edited during the run and is not valid now: {exc}")
+        return
+    edits = settings_history.changed_keys(settings, now, lambda s: s.to_dict())
+    if edits:
+        echo(f"project.yaml changed during the run ({', '.join(edits)}): this run finished under the settings it "
+             f"started with; the edit applies to the next run (`gguf-trainer run {paths.root}`)")
+        observe_settings(instance, now, paths)
 
 
 @contextmanager

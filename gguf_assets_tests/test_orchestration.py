@@ -6,6 +6,7 @@ project (mock teacher, about 20 s a pipeline), as a user would after a kill -9 o
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -231,3 +232,36 @@ def test_the_documented_dagster_cli_commands_work(make_project):
     assert runs[0].dagster_run.job_name == "train_export_evaluate"
     assert [r.dagster_run.status for r in runs[:3]] == [dg.DagsterRunStatus.SUCCESS] * 3
     assert json.dumps(runs[0].dagster_run.run_config).find(str(paths.root)) == -1  # no path in run storage
+
+
+def test_an_edit_during_training_affects_only_the_next_run(make_project):
+    """One settings snapshot per run: `steps 40 → 20` and `adapter_name → edited` written at a
+    checkpoint mid-training. The run trains its 40 steps and exports under the name it started with;
+    the console says the edit is for the next run, and status names the edit as the reason."""
+    from gguf_assets.lib.pipeline import project_status
+    from gguf_assets.lib.settings import load_settings, replace, write_project_file
+
+    paths = make_project(**FAULT_SETTINGS)
+    name = load_settings(paths.root).output.adapter_name
+    proc = _start_run(paths)
+    try:
+        wait_for(lambda: any(paths.root.glob("checkpoints/*/step-00000010")), timeout=240,
+                 what="the second checkpoint", proc=proc)
+        write_project_file(paths.root, replace(load_settings(paths.root), training={"steps": 20},
+                                               output={"adapter_name": "edited"}))
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, out
+    assert_clean_console(out)
+    assert "project.yaml changed during the run (" in out and "training.steps 40 → 20" in out, out
+    assert "still not current" not in out
+    final = json.loads(next(paths.root.glob("checkpoints/*/final/meta.json")).read_text())
+    assert final["step"] == 40
+    assert (paths.root / "output" / f"{name}.gguf").is_file() and not (paths.root / "output" / "edited.gguf").exists()
+    report = json.loads((paths.root / "output" / f"{name}.report.json").read_text())
+    assert report["settings_hash"] == json.loads(paths.adapter_manifest.read_text())["settings_hash"]
+    status = {s.stage: s for s in project_status(paths, load_settings(paths.root))}
+    assert status["adapter"].state == "stale" and "training.steps 40 → 20" in status["adapter"].detail, status
+    assert re.search(r"adapter +stale +training.steps 40 → 20", out), out  # the closing status says it too

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gguf_assets.lib import atomic
+from gguf_assets.lib import atomic, settings_history
 from gguf_assets.lib.layout import SPLITS, ProjectPaths
 from gguf_assets.lib.pipeline import project_status
 from gguf_assets.lib.settings import Settings
@@ -21,8 +21,7 @@ RANGE_END_TAG = "dagster/asset_partition_range_end"
 PIPELINE_TAG = "gguf_assets/pipeline"
 
 
-def settings_hash(settings: Settings) -> str:
-    return atomic.fingerprint(settings.to_dict())
+settings_hash = settings_history.settings_hash  # the PIPELINE_TAG's value: the snapshot a pipeline runs under
 
 
 @dataclass(frozen=True)

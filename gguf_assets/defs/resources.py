@@ -6,6 +6,7 @@ from pathlib import Path
 import dagster as dg
 from pydantic import Field, PrivateAttr
 
+from gguf_assets.lib import settings_history
 from gguf_assets.lib.errors import UserError
 from gguf_assets.lib.layout import ProjectPaths
 from gguf_assets.lib.liveness import boot_id, process_started
@@ -80,6 +81,7 @@ class ProjectResource(dg.ConfigurableResource):
     project_dir: str | None = Field(default=None, description="project folder (default: from the environment)")
     hub: HubResource
     _lock: ProjectLock | None = PrivateAttr(default=None)
+    _settings: Settings | None = PrivateAttr(default=None)
 
     def __init__(self, **data) -> None:
         data.setdefault("hub", HubResource())
@@ -92,16 +94,16 @@ class ProjectResource(dg.ConfigurableResource):
 
             # Every entry point cleans up after a kill -9 before it starts, not only the daemon.
             mark_interrupted_runs(context.instance)
-            from gguf_assets.defs.plan import settings_hash
             from gguf_assets.defs.settings import observe_settings
 
-            settings = self.settings()
+            # One snapshot for the whole run: an edit of project.yaml while it runs is for the next run.
+            settings = self._settings = self._settings_of(run)
             # The materializations record the settings they were made under (data provenance).
             observe_settings(context.instance, settings, self.paths())
             context.instance.add_run_tags(run.run_id, {PID_TAG: str(os.getpid()),
                                                        PID_STARTED_TAG: process_started(os.getpid()),
                                                        BOOT_TAG: boot_id(),
-                                                       SETTINGS_TAG: settings_hash(settings)})
+                                                       SETTINGS_TAG: settings_history.settings_hash(settings)})
         describe = f"Dagster run {run.run_id[:8]} of {run.job_name}" if run is not None else ""
         leader = run.tags.get(LEADER_TAG) if run is not None else None
         self._lock = ProjectLock(self.paths().lock_file, describe=describe,
@@ -121,7 +123,16 @@ class ProjectResource(dg.ConfigurableResource):
         return ProjectPaths.of(folder)
 
     def settings(self) -> Settings:
-        return load_settings(self.paths().root)
+        """The run's settings snapshot (read once, when the run started); project.yaml outside a run."""
+        return self._settings if self._settings is not None else load_settings(self.paths().root)
+
+    def _settings_of(self, run: dg.DagsterRun) -> Settings:
+        """A run of a pipeline (`gguf-trainer run`, the resume sensor) uses the snapshot the pipeline
+        started with, named by its tag; any other run reads project.yaml now, once."""
+        from gguf_assets.defs.plan import PIPELINE_TAG
+
+        snapshot = settings_history.recall(self.paths().root, run.tags.get(PIPELINE_TAG))
+        return snapshot if snapshot is not None else load_settings(self.paths().root)
 
     def stage_metadata(self, stage: str, settings: Settings | None = None) -> dict:
         """The settings table, project folder and how-to-change note for a stage asset's page."""

@@ -14,6 +14,7 @@ import dagster as dg
 import psutil
 
 from gguf_assets.defs.resources import BOOT_TAG, PID_STARTED_TAG, PID_TAG
+from gguf_assets.lib import settings_history
 from gguf_assets.lib.liveness import holder_is_gone
 
 # A run that died with its process (kill -9, OOM, reboot): the resume sensor finishes its work.
@@ -135,6 +136,7 @@ def resume_decision(instance: dg.DagsterInstance) -> dg.RunRequest | dg.SkipReas
     if not (work.missing or asked):
         return dg.SkipReason(f"{work.describe()} is stale after a settings edit; it starts when you ask "
                              "(Materialize, or `gguf-trainer run`)")
+    settings_history.remember(paths.root, settings)  # the run loads its settings by the tag's hash
     return dg.RunRequest(job_name=work.job, asset_selection=[dg.AssetKey(a) for a in work.assets],
                          tags=work.tags(settings), run_config=CONSOLE)
 
