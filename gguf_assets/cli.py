@@ -49,10 +49,52 @@ def _print_status(paths: ProjectPaths) -> None:
 
 
 STOPPED_EXIT = 130  # the shell's code for a Ctrl-C
+# Set in the process that executes the pipeline (see _run_in_own_process_group).
+RUN_CHILD_ENV = "GGUF_ASSETS_RUN_CHILD"
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: the kernel kills it when the parent dies (a kill -9 of
+    `gguf-trainer run` still stops the work at once, as it did when the work ran in that process)."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _run_in_own_process_group(paths: ProjectPaths, workers: int) -> int:
+    """Execute the pipeline in a child process of its own process group, and forward Ctrl-C and SIGTERM to it.
+
+    A Ctrl-C in a terminal reaches the whole foreground process group. Dagster's step helpers (the
+    compute-log `tail` and its `watch_orphans.py` watcher) are children of the executing process, so
+    each printed a KeyboardInterrupt traceback over the clean "stopped" line; in a group of its own
+    only the pipeline hears the stop, once, and ends its helpers itself.
+    """
+    command = [sys.executable, "-m", "gguf_assets.cli", "run", str(paths.root), "--workers", str(workers)]
+    child = subprocess.Popen(command, env={**os.environ, RUN_CHILD_ENV: "1"}, process_group=0,
+                             preexec_fn=_die_with_parent)
+
+    def forward(signum, _frame):
+        if child.poll() is None:
+            os.kill(child.pid, signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        code = child.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if code < 0 and -code not in (signal.SIGINT, signal.SIGTERM):  # killed (a power cut, the OOM killer)
+        if -code != signal.SIGKILL:  # SIGKILL cannot be caught, so it needs no reset
+            signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)  # ends this process the same way, as if the work had run in it
+    return code
 
 
 def _run(paths: ProjectPaths, *, workers: int = 1) -> int:
-    """Run the pipeline, print the status, then the outcome: the results, or why it stopped."""
+    """Run the pipeline, print the status, then the outcome: the results, or why (and where) it stopped."""
+    if os.environ.get(RUN_CHILD_ENV) != "1":
+        return _run_in_own_process_group(paths, workers)
     from gguf_assets.runner import PipelineFailed, run_pipeline
 
     outcome, code = None, 0
@@ -61,14 +103,23 @@ def _run(paths: ProjectPaths, *, workers: int = 1) -> int:
     except PipelineFailed as exc:
         outcome, code = f"pipeline failed at {exc}", 1
     except KeyboardInterrupt:
-        outcome, code = (f"stopped. Everything finished so far is kept; `gguf-trainer run {paths.root}` continues "
-                         "from there.", STOPPED_EXIT)
+        outcome, code = (f"stopped {_where_stopped(paths)}. Everything finished so far is kept; "
+                         f"`{_venv_tool('gguf-trainer')} run {paths.root}` continues from there.", STOPPED_EXIT)
     _print_status(paths)
     if outcome:
         print(outcome, file=sys.stderr)
     else:
         _print_results(paths)
     return code
+
+
+def _where_stopped(paths: ProjectPaths) -> str:
+    from gguf_assets.lib.pipeline import where_stopped
+
+    try:
+        return where_stopped(paths, load_settings(paths.root))
+    except SettingsError:
+        return "(project.yaml is not valid now)"
 
 
 def _print_results(paths: ProjectPaths) -> None:

@@ -98,35 +98,84 @@ def failure_message(instance, run_id: str) -> str:
 
 
 class _StopRequest:
-    """SIGTERM (systemd stop, kill) stops a pipeline like Ctrl-C does; remembers that it was asked.
+    """A stop on purpose: Ctrl-C, SIGTERM (systemd stop, kill), or Terminate in the Dagster UI.
 
-    Dagster turns the interrupt inside a step into a failed run, so after a failed run this
-    tells a stop from a genuine failure. Dagster's own handler raises inside whatever code runs
-    when the signal lands; in a garbage-collector callback that exception is swallowed and the
-    stop is lost. So the signal is also seen through the wakeup fd by a watcher thread, which
-    delivers SIGINT again every 2 s until the pipeline has stopped.
+    Each ends the current run CANCELED, as Dagster does for a run it terminates itself: Dagster
+    records an interrupted run as canceled when the run is CANCELING at that moment, so a signal
+    marks the run CANCELING, and Terminate in the UI (which marks it CANCELING but cannot reach an
+    in-process run) is seen here by polling the run's status, and turned into an interrupt.
+
+    Dagster's own handler raises inside whatever code runs when the signal lands; in a
+    garbage-collector callback that exception is swallowed and the stop is lost. So the signal is
+    also seen through the wakeup fd by a watcher thread, which delivers SIGINT again every 2 s
+    until the pipeline has stopped.
     """
 
     RESEND_S = 2.0
+    POLL_S = 1.0
 
-    def __init__(self) -> None:
+    def __init__(self, instance=None) -> None:
         self.asked = False
+        self.by = ""  # what asked: "Ctrl-C", "SIGTERM" or "Terminate in the Dagster UI"
+        self.instance = instance
+        self.run_id: str | None = None  # the run this process executes now
         self._over = threading.Event()
 
-    def _interrupt(self, _signum, _frame):
+    def _interrupt(self, signum, _frame):
         self.asked = True
+        self.by = self.by or _SIGNAL_NAMES.get(signum, "a signal")
         raise KeyboardInterrupt
 
+    def _run_status(self):
+        if self.instance is None or self.run_id is None:
+            return None
+        run = self.instance.get_run_by_id(self.run_id)
+        return run.status if run is not None else None
+
+    def _mark_canceling(self) -> None:
+        import dagster as dg
+
+        run = self.instance.get_run_by_id(self.run_id) if self.instance and self.run_id else None
+        if run is not None and run.status in (dg.DagsterRunStatus.STARTED, dg.DagsterRunStatus.STARTING):
+            self.instance.report_run_canceling(run, message=f"Stopped on purpose ({self.by}).")
+
     def _watch(self, read_fd: int) -> None:
+        import select
+
+        import dagster as dg
+
         while not self._over.is_set():
-            data = os.read(read_fd, 64)
-            if not data or self._over.is_set():
+            ready, _, _ = select.select([read_fd], [], [], self.POLL_S)
+            if self._over.is_set():
                 return
-            if any(b in (signal.SIGINT, signal.SIGTERM) for b in data):
+            if ready:
+                data = os.read(read_fd, 64)
+                if not data:
+                    return
+                signals = [b for b in data if b in (signal.SIGINT, signal.SIGTERM)]
+                if not signals:
+                    continue
                 self.asked = True
-                while not self._over.wait(self.RESEND_S):
-                    os.kill(os.getpid(), signal.SIGINT)
-                return
+                self.by = self.by or _SIGNAL_NAMES[signals[0]]
+                self._mark_canceling()
+            elif self._run_status() == dg.DagsterRunStatus.CANCELING:
+                self.asked, self.by = True, self.by or "Terminate in the Dagster UI"
+                os.kill(os.getpid(), signal.SIGINT)
+            else:
+                continue
+            while not self._over.wait(self.RESEND_S):
+                os.kill(os.getpid(), signal.SIGINT)
+            return
+
+    def record_cancel(self, run_id: str) -> None:
+        """The run this stop cut short is CANCELED, never a failure (a signal may have beaten the mark)."""
+        import dagster as dg
+
+        run = self.instance.get_run_by_id(run_id)
+        if run is not None and run.status != dg.DagsterRunStatus.CANCELED:
+            self.instance.report_run_canceled(run, message=f"Stopped on purpose ({self.by or 'a stop'}); "
+                                              "`gguf-trainer run` continues from the last finished shard and "
+                                              "checkpoint.")
 
     @contextmanager
     def installed(self) -> Iterator["_StopRequest"]:
@@ -150,6 +199,9 @@ class _StopRequest:
             watcher.join(timeout=5)
             os.close(write_fd)
             os.close(read_fd)
+
+
+_SIGNAL_NAMES = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}
 
 
 @contextmanager
@@ -184,7 +236,7 @@ def run_pipeline(paths: ProjectPaths, *, echo: Callable[[str], None] = print, wo
 
     instance = dg.DagsterInstance.get()
     size_gpu_pool(instance)
-    with _StopRequest().installed() as stop, \
+    with _StopRequest(instance).installed() as stop, \
             ProjectLock(paths.lock_file, describe=f"gguf-trainer run {paths.root.name}"), \
             _stop_tags_the_latest_run(instance), _workspace(instance, in_process=True) as workspace:
         marked = mark_interrupted_runs(instance)
@@ -211,8 +263,11 @@ def run_pipeline(paths: ProjectPaths, *, echo: Callable[[str], None] = print, wo
             else:
                 echo(f"→ {work.describe()}")
                 run = _create_run(workspace, work, work.tags(settings))
+                stop.run_id = run.run_id
                 result = execute_run(recon_job_from_origin(run.job_code_origin), run, instance)
+                stop.run_id = None
                 if not result.success and (stop.asked or _was_interrupted(instance, result.run_id)):
+                    stop.record_cancel(result.run_id)
                     raise KeyboardInterrupt  # stopped on purpose (tagged by _stop_tags_the_latest_run)
                 if not result.success:
                     raise PipelineFailed(f"{failure_message(instance, result.run_id)}\nThe full log, stack trace "

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import dagster as dg
+import psutil
 import pytest
 from conftest import CLI, FAULT_SETTINGS, cli_env, pipeline_outputs, project_instance, wait_for
 from test_console import assert_clean_console
@@ -25,9 +26,9 @@ def _instance(paths) -> dg.DagsterInstance:
     return project_instance(paths)
 
 
-def _start_run(paths, command=("run",)) -> subprocess.Popen:
+def _start_run(paths, command=("run",), **env) -> subprocess.Popen:
     return subprocess.Popen([*CLI, *command, str(paths.root)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=cli_env(), start_new_session=True)
+                            text=True, env=cli_env(**env), start_new_session=True)
 
 
 def _kill9_during_training(paths, *, refuse_second: bool = False) -> None:
@@ -40,7 +41,10 @@ def _kill9_during_training(paths, *, refuse_second: bool = False) -> None:
             second = subprocess.run([*CLI, "run", str(paths.root)], capture_output=True, text=True, env=cli_env(),
                                     timeout=120)
             assert second.returncode != 0
-            assert "in use by another pipeline" in second.stderr and f"pid {proc.pid}" in second.stderr
+            assert "in use by another pipeline" in second.stderr
+            # The holder is the process that executes the pipeline: `gguf-trainer run`'s own child.
+            holder = int(re.search(r"\(pid (\d+)", second.stderr).group(1))
+            assert holder in {c.pid for c in psutil.Process(proc.pid).children()}, second.stderr
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
@@ -265,3 +269,47 @@ def test_an_edit_during_training_affects_only_the_next_run(make_project):
     status = {s.stage: s for s in project_status(paths, load_settings(paths.root))}
     assert status["adapter"].state == "stale" and "training.steps 40 → 20" in status["adapter"].detail, status
     assert re.search(r"adapter +stale +training.steps 40 → 20", out), out  # the closing status says it too
+
+
+def _latest_step(paths) -> int:
+    from gguf_assets.lib.layout import STEP_DIR
+
+    return max((int(m.group(1)) for d in paths.root.glob("checkpoints/*/step-*") if (m := STEP_DIR.match(d.name))),
+               default=0)
+
+
+def test_terminate_in_the_ui_and_ctrl_c_stop_a_cli_run_canceled_and_resumable(make_project, reference_run):
+    """Terminate (what the UI's button calls: the run launcher's terminate, which cannot reach an
+    in-process run) stops a `gguf-trainer run` within 10 s; so does a Ctrl-C to the terminal's whole
+    process group. Each run ends CANCELED, never FAILURE, with no traceback and a "stopped" line that
+    says where; the next run finishes byte-identical to an uninterrupted one."""
+    paths = make_project(**FAULT_SETTINGS)
+    # Training stalls after step 11 (one step past a checkpoint), so each stop lands mid-training.
+    proc = _start_run(paths, GGUF_ASSETS_FAULT="train-step@11:stall:120")
+    wait_for(lambda: _latest_step(paths) >= 10, timeout=240, what="the second checkpoint", proc=proc)
+    instance = _instance(paths)
+    (running,) = _runs(paths, dg.DagsterRunStatus.STARTED)
+    asked = time.monotonic()
+    instance.run_launcher.terminate(running.run_id)
+    out, _ = proc.communicate(timeout=60)
+    print(f"Terminate to exit: {time.monotonic() - asked:.1f} s")
+    assert time.monotonic() - asked < 10 and proc.returncode == 130, out
+    assert_clean_console(out)
+    assert instance.get_run_by_id(running.run_id).status == dg.DagsterRunStatus.CANCELED
+    assert "stopped during adapter training, at the checkpoint of step 10 of 40" in out, out
+
+    # Resumes training from that checkpoint (step 10), stalls after step 16; Ctrl-C it there.
+    proc = _start_run(paths, GGUF_ASSETS_FAULT="train-step@6:stall:120")
+    reached = _latest_step(paths)
+    wait_for(lambda: _latest_step(paths) > reached, timeout=240, what="a later checkpoint", proc=proc)
+    os.killpg(proc.pid, signal.SIGINT)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, out
+    assert_clean_console(out)  # no KeyboardInterrupt traceback from Dagster's helper processes
+    assert "stopped during adapter training, at the checkpoint of step 15 of 40" in out, out
+    statuses = [r.status for r in _runs(paths, dg.DagsterRunStatus.CANCELED, dg.DagsterRunStatus.FAILURE)]
+    assert statuses == [dg.DagsterRunStatus.CANCELED] * 2, statuses
+
+    done = subprocess.run([*CLI, "run", str(paths.root)], capture_output=True, text=True, env=cli_env(), timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert pipeline_outputs(paths.root) == reference_run[0]

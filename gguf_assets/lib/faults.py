@@ -11,9 +11,11 @@ the ``nth`` time (default 1) this process reaches ``<point>`` it acts:
 - ``kill`` (default): SIGKILL to the whole process group, as a power cut would do to the
   pipeline, its download child and its shard workers. Start the pipeline in its own session.
 - ``enospc``: raise ``OSError(ENOSPC)``, as a full disk would.
+- ``stall``: sleep for ``<fraction>`` seconds (default 60), as a slow disk or GPU would: a stop
+  (Ctrl-C, SIGTERM, Terminate in the UI) then lands at a known moment, whatever the machine's speed.
 
-Either way the file being written is first cut to ``fraction`` (default 0.5) of its length,
-so what is left behind is a torn write, not a complete temp file.
+For ``kill`` and ``enospc`` the file being written is first cut to ``fraction`` (default 0.5)
+of its length, so what is left behind is a torn write, not a complete temp file.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ POINTS = {
     "checkpoint-save": "a checkpoint's weights and optimizer state are in its temp folder, before the rename",
     "gguf-export": "a GGUF is written to its temp file, before it is verified and renamed",
 }
-ACTIONS = ("kill", "enospc")
+ACTIONS = ("kill", "enospc", "stall")
+STALL_S = 60.0
 
 
 class FaultSpecError(UserError, ValueError):
@@ -67,7 +70,9 @@ def parse(spec: str) -> Fault:
     except ValueError:
         raise FaultSpecError(usage) from None
     action = rest[0] if rest else "kill"
-    if action not in ACTIONS or nth < 1 or not 0.0 <= fraction <= 1.0:
+    if action == "stall" and len(rest) < 2:
+        fraction = STALL_S
+    if action not in ACTIONS or nth < 1 or not 0.0 <= fraction <= (STALL_S * 10 if action == "stall" else 1.0):
         raise FaultSpecError(usage)
     return Fault(point, nth, action, fraction)
 
@@ -96,6 +101,11 @@ def point(name: str, torn: Path | None = None) -> None:
     fault = parse(spec)
     _reached[name] = _reached.get(name, 0) + 1
     if _reached[name] != fault.nth:
+        return
+    if fault.action == "stall":
+        import time
+
+        time.sleep(fault.fraction)
         return
     if torn is not None and Path(torn).is_file():
         with open(torn, "r+b") as fh:

@@ -298,3 +298,24 @@ def _why_shards_stale(paths: ProjectPaths, settings: Settings, split: str, todo:
                 return why_stale(paths, settings, f"{split}_shards", _recorded_hash(folder / f"{half}.json"),
                                  f"shard {split}/{plan.key}: its {half} half was made from other prompts or models")
     return "some shards were made under other settings"
+
+
+def where_stopped(paths: ProjectPaths, settings: Settings) -> str:
+    """Where an unfinished pipeline stands, for the "stopped" line: the first unfinished stage, with its
+    shards or the training step its newest checkpoint holds."""
+    from gguf_assets.lib.layout import STEP_DIR
+
+    unfinished = next((s for s in project_status(paths, settings) if s.state in ("missing", "stale")), None)
+    if unfinished is None:
+        return "with every stage finished"
+    if unfinished.stage.endswith("_shards"):
+        return f"during {unfinished.stage} ({unfinished.detail.split(';')[0]})"
+    if unfinished.stage == "adapter":
+        run_dir = paths.checkpoints_dir(adapter_fingerprint(paths, settings, load_manifest(paths)))
+        steps = sorted(int(m.group(1)) for d in (run_dir.iterdir() if run_dir.is_dir() else [])
+                       if (m := STEP_DIR.match(d.name)))
+        if steps:
+            return (f"during adapter training, at the checkpoint of step {steps[-1]} of {settings.training.steps} "
+                    "(kept; training resumes from it)")
+        return "during adapter training, before its first checkpoint"
+    return f"at {unfinished.stage}"
