@@ -161,3 +161,37 @@ def test_a_worker_shares_the_lock_only_with_its_own_ancestor(lock_file):
         holder.stdin.write("\n")
         holder.stdin.flush()
         holder.wait(timeout=30)
+
+
+# A worker of the given leader that joins, says so, then keeps writing until a line on stdin.
+WORKER = textwrap.dedent("""
+    import sys
+    from gguf_assets.lib.lock import ProjectLock, ProjectLocked
+    try:
+        with ProjectLock(sys.argv[1], leader_pid=int(sys.argv[2])) as lock:
+            print("joined", lock.shared_with, flush=True)
+            sys.stdin.readline()
+    except ProjectLocked as exc:
+        print("refused:", exc, flush=True)
+""")
+
+
+def test_a_worker_outliving_its_leader_still_holds_the_folder(lock_file):
+    """The leader goes first (a kill -9 of `gguf-trainer run`): its worker keeps a lock of its own, so a new
+    pipeline is refused until the worker is done; a worker that starts after its leader is gone is refused."""
+    with ProjectLock(lock_file, describe="gguf-trainer run demo"):
+        worker = subprocess.Popen([sys.executable, "-c", WORKER, str(lock_file), str(os.getpid())],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert worker.stdout.readline().strip() == f"joined {os.getpid()}"
+    try:
+        refused = _try_in_child(lock_file)
+        assert refused.startswith("refused:") and "worker runs of an earlier pipeline" in refused, refused
+        assert "gguf-trainer run demo" in refused  # the earlier pipeline is named
+        late = subprocess.run([sys.executable, "-c", JOIN, str(lock_file), str(os.getpid())],
+                              capture_output=True, text=True, timeout=60)
+        assert late.stdout.startswith("refused:") and "is gone" in late.stdout, late.stdout + late.stderr
+    finally:
+        worker.stdin.write("\n")
+        worker.stdin.flush()
+        worker.wait(timeout=30)
+    assert _try_in_child(lock_file) == "acquired"

@@ -52,3 +52,40 @@ def test_two_workers_give_byte_identical_shards(make_project):
     assert {r.job_name for r in worker_runs} == {"precompute_train_shards"}
     assert len({r.tags["gguf_assets/pid"] for r in worker_runs} | {str(os.getpid())}) == 3
     assert len(instance.get_materialized_partitions(dg.AssetKey("train_shards"))) == 8
+
+
+def test_killing_only_the_workers_leader_refuses_a_new_run_until_its_workers_are_done(make_project, reference_run):
+    """`run --workers 2`, then a kill -9 of `gguf-trainer run` alone once both worker runs started: the
+    worker runs go on under their code server, so a new `run` is refused while they write (two teachers
+    at once, otherwise), and once they are done the next `run` finishes byte-identical."""
+    import signal
+    import subprocess
+
+    from conftest import CLI, FAULT_SETTINGS, cli_env, pipeline_outputs, wait_for
+
+    from gguf_assets.lib.lock import is_locked
+
+    paths = make_project(**FAULT_SETTINGS)
+    # Each worker stalls 15 s at its first shard write, so they are surely still writing after the kill.
+    proc = subprocess.Popen([*CLI, "run", str(paths.root), "--workers", "2"], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env=cli_env(GGUF_ASSETS_FAULT="shard-write@1:stall:15"))
+    seen = []
+    try:
+        for line in proc.stdout:
+            seen.append(line)
+            if "(worker 2/2)" in line:
+                break
+        assert any("(worker 2/2)" in line for line in seen), "".join(seen)
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)  # the leader only: the worker runs are not in its process group
+        proc.wait()
+    refused = subprocess.run([*CLI, "run", str(paths.root)], capture_output=True, text=True, env=cli_env(),
+                             timeout=120)
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert "still written by the worker runs of an earlier pipeline" in refused.stderr, refused.stderr
+    assert "Traceback" not in refused.stderr
+    wait_for(lambda: not is_locked(paths.lock_file), timeout=240, what="the worker runs to finish")
+    done = subprocess.run([*CLI, "run", str(paths.root)], capture_output=True, text=True, env=cli_env(), timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert pipeline_outputs(paths.root) == reference_run[0]

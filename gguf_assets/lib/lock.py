@@ -5,9 +5,15 @@ taken over without any guessing about stale pids; the pid, start time and Dagste
 written into the file are only there to tell the user who holds it.
 
 A worker of the holder's own pipeline (a Dagster run that `gguf-trainer run --workers N`
-launched through the run launcher) shares its lock when it names the holder's pid and that
+launched through the run launcher) joins its pipeline when it names the holder's pid and that
 process is one of its ancestors. Nothing secret is written anywhere; an unrelated process,
 or any other descendant (a run launched from a UI that the holder started), is refused.
+
+A worker holds a lock of its own, a shared flock on <project>/.pipeline.workers.lock, for as
+long as it writes: its leader may die first (a kill -9 of `gguf-trainer run` leaves the worker
+runs computing under their code server), and a new pipeline must then be refused until the last
+worker is done, or two teachers would run at once. A new pipeline takes that file exclusively
+for a moment, which only succeeds once no worker of an earlier one holds it.
 """
 
 from __future__ import annotations
@@ -25,6 +31,13 @@ from gguf_assets.lib.errors import UserError
 
 class ProjectLocked(UserError, RuntimeError):
     pass
+
+
+WORKERS_SUFFIX = ".workers"  # .pipeline.lock -> .pipeline.workers.lock
+
+
+def workers_file(lock_file: Path) -> Path:
+    return lock_file.with_name(lock_file.stem + WORKERS_SUFFIX + lock_file.suffix)
 
 
 # Lock files this process holds, with a nesting count: the CLI holds the lock for a whole
@@ -46,7 +59,8 @@ class ProjectLock:
         self.lock_file = Path(lock_file).resolve()
         self.describe = describe
         self.leader_pid = leader_pid
-        self.shared_with: int | None = None  # the ancestor pid whose lock this process shares
+        self.shared_with: int | None = None  # the ancestor pid whose pipeline this process joined
+        self._worker_fd: int | None = None  # the shared flock a worker holds on the workers file
 
     def __enter__(self) -> "ProjectLock":
         if self.lock_file in _held:
@@ -61,13 +75,32 @@ class ProjectLock:
             os.close(fd)
             pid = int(holder.get("pid", -1))
             if pid > 0 and pid == self.leader_pid and _is_ancestor(pid):
-                self.shared_with = pid
-                return self
+                self._worker_fd = _flock(workers_file(self.lock_file), fcntl.LOCK_SH)
+                if self._worker_fd is not None:
+                    self.shared_with = pid
+                    return self
             what = f", {holder['what']}" if holder.get("what") else ""
             raise ProjectLocked(
                 f"{self.lock_file.parent} is in use by another pipeline (pid {holder.get('pid', '?')}, started "
                 f"{holder.get('started', '?')}{what}). Wait for it to finish or stop it; two pipelines must not "
                 "write the same project folder.") from None
+        if self.leader_pid is not None:  # a worker whose leader is gone never leads a pipeline of its own
+            os.close(fd)
+            raise ProjectLocked(
+                f"the pipeline that launched this worker run (pid {self.leader_pid}) is gone, so the run stops "
+                f"before writing {self.lock_file.parent}; `gguf-trainer run` continues the work.")
+        workers = _flock(workers_file(self.lock_file), fcntl.LOCK_EX)
+        if workers is None:  # workers of an earlier pipeline, whose leader is gone, still write
+            earlier = _read_holder(fd)
+            os.close(fd)
+            what = f", {earlier['what']}" if earlier.get("what") else ""
+            raise ProjectLocked(
+                f"{self.lock_file.parent} is still written by the worker runs of an earlier pipeline (pid "
+                f"{earlier.get('pid', '?')}, started {earlier.get('started', '?')}{what}), which is gone. Wait for "
+                "them to finish (they keep their shards), or stop them with Terminate in the Dagster UI; two "
+                "pipelines must not write the same project folder.")
+        fcntl.flock(workers, fcntl.LOCK_UN)  # only a check: this pipeline's own workers share it
+        os.close(workers)
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps({"pid": os.getpid(), "started": dt.datetime.now().isoformat(timespec="seconds"),
                                   "what": self.describe}).encode(), 0)
@@ -77,6 +110,10 @@ class ProjectLock:
 
     def __exit__(self, *exc) -> None:
         if self.shared_with is not None:
+            if self._worker_fd is not None:
+                fcntl.flock(self._worker_fd, fcntl.LOCK_UN)
+                os.close(self._worker_fd)
+                self._worker_fd = None
             return
         entry = _held.get(self.lock_file)
         if entry is None:
@@ -88,11 +125,28 @@ class ProjectLock:
             os.close(entry[0])
 
 
+def _flock(path: Path, mode: int) -> int | None:
+    """An open fd holding ``mode`` (shared or exclusive) on ``path``, or None if that is held otherwise now."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, mode | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
 def is_locked(lock_file: Path) -> bool:
-    """True while some process holds the lock (this one included); takes nothing."""
+    """True while some process holds the lock (this one included), or a worker still writes; takes nothing."""
     lock_file = Path(lock_file).resolve()
     if lock_file in _held:
         return True
+    if workers_file(lock_file).is_file():
+        workers = _flock(workers_file(lock_file), fcntl.LOCK_EX)
+        if workers is None:
+            return True
+        fcntl.flock(workers, fcntl.LOCK_UN)
+        os.close(workers)
     try:
         fd = os.open(lock_file, os.O_RDONLY)
     except FileNotFoundError:
