@@ -12,10 +12,11 @@ import dagster as dg
 
 from gguf_assets.defs import corpus, materials, output, precompute, training
 from gguf_assets.defs.console import short_console
+from gguf_assets.defs.environment import EnvironmentMismatch, project_dir_from_env
 from gguf_assets.defs.jobs import JOBS
 from gguf_assets.defs.output import exported_files_unchanged
 from gguf_assets.defs.precompute import SHARD_CHECKS
-from gguf_assets.defs.resources import EnvironmentMismatch, ProjectResource, project_dir_from_env
+from gguf_assets.defs.resources import ProjectResource
 from gguf_assets.defs.resume import interrupted_runs_sensor, resume_sensor
 from gguf_assets.defs.settings import SETTINGS_ASSETS
 from gguf_assets.lib.settings import PROJECT_FILE, SettingsError, load_settings

@@ -20,7 +20,8 @@ from importlib import resources
 from pathlib import Path
 
 from gguf_assets import DEFINITIONS_MODULE
-from gguf_assets.defs.plan import RANGE_START_TAG, Work, next_work, split_range  # noqa: F401 (re-exported)
+from gguf_assets.defs.plan import Work, next_work, split_range
+from gguf_assets.defs.run_tags import LEADER_TAG, RANGE_START_TAG, STOPPED_TAG, WORKER_TAG  # noqa: F401
 from gguf_assets.lib import atomic, settings_history
 from gguf_assets.lib.layout import ProjectPaths
 from gguf_assets.lib.lock import ProjectLock
@@ -31,7 +32,6 @@ log = logging.getLogger(__name__)
 
 DAGSTER_YAML = "dagster.yaml"
 CODE_LOCATION = DEFINITIONS_MODULE  # the name dagster-webserver and dagster-daemon give `-m` (the module's)
-WORKER_TAG = "gguf_assets/worker"
 POLL_S = 1.0
 REPORT_EVERY_S = 10.0
 
@@ -68,7 +68,7 @@ def size_gpu_pool(instance) -> int:
 
 def instance_env(paths: ProjectPaths) -> dict[str, str]:
     """What the Dagster CLI, webserver and daemon need to work on this project."""
-    from gguf_assets.defs.resources import PROJECT_ENV
+    from gguf_assets.defs.environment import PROJECT_ENV
 
     return {"DAGSTER_HOME": str(paths.dagster_home), PROJECT_ENV: str(paths.root)}
 
@@ -209,8 +209,6 @@ def _stop_tags_the_latest_run(instance) -> Iterator[None]:
     """A stop on purpose (Ctrl-C, SIGTERM) tags the project's latest run as stopped, wherever it
     landed: inside a run, or between two (a run had just succeeded). The daemon's resume sensor
     then leaves the pipeline for the user to continue (defs/resume.py). The lock is still held."""
-    from gguf_assets.defs.resume import STOPPED_TAG
-
     try:
         yield
     except KeyboardInterrupt:
@@ -228,9 +226,8 @@ def run_pipeline(paths: ProjectPaths, *, echo: Callable[[str], None] = print, wo
     """
     prepare_instance(paths)
     import dagster as dg
-    from dagster._core.execution.api import execute_run
-    from dagster._utils.hosted_user_process import recon_job_from_origin
 
+    from gguf_assets.defs.private_api import execute_run, recon_job_from_origin
     from gguf_assets.defs.resume import mark_interrupted_runs
     from gguf_assets.defs.settings import observe_settings
 
@@ -307,10 +304,13 @@ def _workspace(instance, *, in_process: bool) -> Iterator:
     the definitions already imported here; otherwise a code server is started, which the run
     launcher needs to start runs in their own processes.
     """
-    from dagster._core.remote_origin import InProcessCodeLocationOrigin
-    from dagster._core.types.loadable_target_origin import LoadableTargetOrigin
-    from dagster._core.workspace.context import WorkspaceProcessContext
-    from dagster._core.workspace.load_target import InProcessWorkspaceLoadTarget, ModuleTarget
+    from gguf_assets.defs.private_api import (
+        InProcessCodeLocationOrigin,
+        InProcessWorkspaceLoadTarget,
+        LoadableTargetOrigin,
+        ModuleTarget,
+        WorkspaceProcessContext,
+    )
 
     if in_process:
         target = InProcessWorkspaceLoadTarget(InProcessCodeLocationOrigin(
@@ -326,9 +326,9 @@ def _workspace(instance, *, in_process: bool) -> Iterator:
 def _create_run(workspace, work: Work, tags: dict[str, str]):
     """A run of ``work``'s job for its assets, created from the code location (so it has an origin)."""
     import dagster as dg
-    from dagster._core.definitions.selector import JobSubsetSelector
 
     from gguf_assets.defs.jobs import CONSOLE
+    from gguf_assets.defs.private_api import JobSubsetSelector
 
     location = workspace.get_code_location(CODE_LOCATION)
     repo = next(iter(location.get_repositories().values()))
@@ -357,8 +357,6 @@ def _run_workers(paths: ProjectPaths, instance, work: Work, settings: Settings, 
     whatever the number of workers.
     """
     import dagster as dg
-
-    from gguf_assets.defs.resources import LEADER_TAG
 
     ranges = split_range(work.partitions, workers)
     with _workspace(instance, in_process=False) as workspace:

@@ -145,3 +145,18 @@ def wait_http(url: str, *, timeout: float, proc: subprocess.Popen) -> None:
         except OSError:
             time.sleep(0.5)
     raise AssertionError(f"{url} did not answer within {timeout}s")
+
+
+def create_run_with_status(instance, *, status, tags: dict[str, str]):
+    """A run record with these tags and status, as a run of a trivial job (what the sensors see)."""
+    import dagster as dg
+
+    @dg.op
+    def nothing() -> None:
+        pass
+
+    @dg.job
+    def a_run():
+        nothing()
+
+    return instance.create_run_for_job(a_run, status=status, tags=tags)

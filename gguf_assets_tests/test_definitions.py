@@ -126,3 +126,77 @@ def test_a_dagster_home_of_another_project_is_refused_naming_both(make_project):
     assert f"DAGSTER_HOME={b.dagster_home}" in line and f"GGUF_ASSETS_PROJECT={a.root}" in line, line
     assert not a.materials_manifest.exists() and not a.dagster_home.exists()
     assert project_instance(b).get_run_records() == []
+
+
+ROOT = Path(gguf_assets.__file__).parent.parent
+PACKAGE_NAME = "gguf_assets"
+
+
+def _python_files():
+    for folder in ("gguf_assets", "gguf_assets_tests", "benchmarks"):
+        yield from (ROOT / folder).rglob("*.py")
+
+
+def test_dagster_private_api_is_used_in_one_module_only():
+    """Dagster's private modules are imported only by defs/private_api.py, which says why for each."""
+    offenders = []
+    for file in _python_files():
+        for node in ast.walk(ast.parse(file.read_text())):
+            names = ([node.module or ""] if isinstance(node, ast.ImportFrom)
+                     else [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            offenders += [f"{file.relative_to(ROOT)}:{node.lineno} {n}" for n in names if n.startswith("dagster._")]
+    assert all(o.startswith("gguf_assets/defs/private_api.py:") for o in offenders), offenders
+    assert offenders  # the one module is where they are
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """gguf_assets' modules and the modules of the package each imports, at any level (functions too)."""
+    package = ROOT / PACKAGE_NAME
+    modules = {}
+    for file in package.rglob("*.py"):
+        name = ".".join(file.relative_to(ROOT).with_suffix("").parts)
+        modules[name.removesuffix(".__init__")] = file
+    graph = {}
+    for name, file in modules.items():
+        deps = set()
+        for node in ast.walk(ast.parse(file.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                deps |= {node.module} & modules.keys()
+                deps |= {f"{node.module}.{a.name}" for a in node.names} & modules.keys()
+            elif isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names} & modules.keys()
+        graph[name] = deps - {name}
+    return graph
+
+
+def test_no_import_cycles_counting_imports_inside_functions():
+    graph = _import_graph()
+    cycles = []
+
+    def visit(module: str, path: list[str]) -> None:
+        for dep in sorted(graph[module]):
+            if dep in path:
+                cycles.append(path[path.index(dep):] + [dep])
+            elif dep not in done:
+                visit(dep, path + [dep])
+        done.add(module)
+
+    done: set[str] = set()
+    for module in sorted(graph):
+        if module not in done:
+            visit(module, [module])
+    assert not cycles, cycles[:5]
+    # The check sees function-level imports: the runner imports the definitions' wiring inside functions.
+    assert "gguf_assets.defs.private_api" in graph["gguf_assets.runner"]
+
+
+def test_bookkeeping_tags_are_hidden_from_the_runs_list_and_the_others_shown():
+    from gguf_assets.defs import run_tags
+    from gguf_assets.defs.private_api import TagType, get_tag_type
+
+    assert all(get_tag_type(tag) == TagType.HIDDEN for tag in run_tags.HIDDEN_TAGS)
+    for shown in (run_tags.WORKER_TAG, run_tags.INTERRUPTED_TAG, run_tags.STOPPED_TAG):
+        assert get_tag_type(shown) == TagType.USER_PROVIDED
+    # A run an earlier version tagged is still read.
+    assert run_tags.get({"gguf_assets/pid": "12"}, run_tags.PID_TAG) == "12"
+    assert run_tags.get({run_tags.PID_TAG: "13", "gguf_assets/pid": "12"}, run_tags.PID_TAG) == "13"

@@ -43,14 +43,14 @@ def test_two_workers_give_byte_identical_shards(make_project):
             assert (serial.root / rel).read_bytes() == (parallel.root / rel).read_bytes(), rel
     # Two separate runs covered the train shards, and every partition is recorded.
     instance = dg.DagsterInstance.get()
-    from gguf_assets.runner import RANGE_START_TAG, WORKER_TAG
+    from gguf_assets.defs.run_tags import PID_TAG, RANGE_START_TAG, WORKER_TAG
 
     worker_runs = [r.dagster_run for r in instance.get_run_records() if WORKER_TAG in r.dagster_run.tags]
     # Two train ranges ran as worker runs of the named job, each in its own process; the single
     # val shard needs no split.
     assert sorted(r.tags[RANGE_START_TAG] for r in worker_runs) == ["00000", "00004"]
     assert {r.job_name for r in worker_runs} == {"precompute_train_shards"}
-    assert len({r.tags["gguf_assets/pid"] for r in worker_runs} | {str(os.getpid())}) == 3
+    assert len({r.tags[PID_TAG] for r in worker_runs} | {str(os.getpid())}) == 3
     assert len(instance.get_materialized_partitions(dg.AssetKey("train_shards"))) == 8
 
 

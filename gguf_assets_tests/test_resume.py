@@ -24,9 +24,10 @@ pytestmark = pytest.mark.slow  # whole pipelines: excluded from the fast loop (-
 def test_sensor_marks_cut_off_runs_failed_and_frees_their_gpu_slots(tmp_path):
     """What the daemon does between boots: a run whose process is gone, or that began before a
     reboot, is failed with the reason and its `gpu` slot freed; a live run is left alone."""
-    from dagster._core.test_utils import create_run_for_test
+    from conftest import create_run_with_status
 
-    from gguf_assets.defs.resume import BOOT_TAG, PID_TAG, interrupted_runs_sensor
+    from gguf_assets.defs.resume import interrupted_runs_sensor
+    from gguf_assets.defs.run_tags import BOOT_TAG, PID_TAG
     from gguf_assets.lib.liveness import boot_id
 
     gone = subprocess.Popen(["true"])
@@ -41,7 +42,7 @@ def test_sensor_marks_cut_off_runs_failed_and_frees_their_gpu_slots(tmp_path):
         }
         ids = {}
         for name, tags in runs.items():
-            ids[name] = create_run_for_test(instance, status=dg.DagsterRunStatus.STARTED, tags=tags).run_id
+            ids[name] = create_run_with_status(instance, status=dg.DagsterRunStatus.STARTED, tags=tags).run_id
         for name in ("killed", "alive"):
             assert storage.claim_concurrency_slot("gpu", ids[name], "adapter").is_claimed
 
@@ -76,9 +77,9 @@ def test_auto_resume_serves_the_ui_and_its_daemon_fails_runs_cut_off_later(make_
     """`--auto-resume DIR --ui-port P`: the UI answers, the daemon's sensor (on by default) fails
     a run that dies while it watches, and Ctrl-C stops the webserver and the daemon."""
     import psutil
-    from dagster._core.test_utils import create_run_for_test
+    from conftest import create_run_with_status
 
-    from gguf_assets.defs.resume import BOOT_TAG, PID_TAG
+    from gguf_assets.defs.run_tags import BOOT_TAG, PID_TAG
     from gguf_assets.lib.liveness import boot_id
 
     paths = make_project(steps=5, mock_teacher=True)
@@ -93,7 +94,7 @@ def test_auto_resume_serves_the_ui_and_its_daemon_fails_runs_cut_off_later(make_
         instance = project_instance(paths)
         gone = subprocess.Popen(["true"])
         gone.wait()
-        cut_off = create_run_for_test(instance, status=dg.DagsterRunStatus.STARTED,
+        cut_off = create_run_with_status(instance, status=dg.DagsterRunStatus.STARTED,
                                       tags={PID_TAG: str(gone.pid), BOOT_TAG: boot_id()}).run_id
         wait_for(lambda: instance.get_run_by_id(cut_off).status == dg.DagsterRunStatus.FAILURE, timeout=120,
                   what="the sensor to fail the cut-off run", proc=proc)
@@ -132,7 +133,8 @@ def test_a_stop_between_two_runs_still_tells_the_daemon_to_leave_the_pipeline(ma
     """Ctrl-C that lands after a run succeeded and before the next starts: the latest run is tagged
     stopped, so the resume sensor waits for the user instead of starting the next job."""
     from gguf_assets import runner
-    from gguf_assets.defs.resume import STOPPED_TAG, resume_decision
+    from gguf_assets.defs.resume import resume_decision
+    from gguf_assets.defs.run_tags import STOPPED_TAG
     from gguf_assets.runner import run_pipeline
 
     paths = make_project(steps=5, mock_teacher=True)

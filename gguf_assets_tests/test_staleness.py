@@ -10,13 +10,9 @@ import shutil
 
 import dagster as dg
 import pytest
-from dagster._core.definitions.data_version import (
-    CachingStaleStatusResolver,
-    StaleStatus,
-)
-from dagster._core.loader import LoadingContextForTest
 
 from gguf_assets.definitions import build_definitions
+from gguf_assets.defs.private_api import CachingStaleStatusResolver, LoadingContextForTest, StaleStatus
 from gguf_assets.defs.resources import ProjectResource
 from gguf_assets.defs.resume import resume_decision
 from gguf_assets.defs.settings import STALE_BECAUSE, settings_key

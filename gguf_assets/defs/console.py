@@ -11,7 +11,8 @@ import sys
 import time
 
 import dagster as dg
-from dagster._core.log_manager import LOG_RECORD_METADATA_ATTR
+
+from gguf_assets.defs.private_api import LOG_RECORD_METADATA_ATTR
 
 
 def user_message(error) -> str:

@@ -5,44 +5,16 @@ import dagster as dg
 
 from gguf_assets.defs import groups
 from gguf_assets.defs.materials import materials
-from gguf_assets.defs.partitions import BY_SPLIT
+from gguf_assets.defs.partitions import expected_shard_keys, sync_shard_partitions
 from gguf_assets.defs.resources import ProjectResource
 from gguf_assets.defs.settings import settings_key
 from gguf_assets.lib import atomic
 from gguf_assets.lib.corpus import build_corpus
-from gguf_assets.lib.layout import SPLITS, shard_key
+from gguf_assets.lib.layout import SPLITS
 from gguf_assets.lib.materials import load_manifest
 from gguf_assets.lib.pipeline import corpus_fingerprint, corpus_is_current
 from gguf_assets.lib.prompt_files import check_prompt_files
 from gguf_assets.lib.render import markdown_table, user_text
-
-
-def expected_shard_keys(corpus_manifest: dict, settings) -> dict[str, list[str]]:
-    """Per split, the partition keys of shards 0..n-1 for this corpus and these shard sizes."""
-    sizes = {"train": settings.precompute.shard_size, "val": settings.precompute.val_shard_size}
-    return {split: [shard_key(i) for i in range(-(-corpus_manifest["splits"][split]["prompts"] // sizes[split]))]
-            for split in SPLITS}
-
-
-def partitions_match(instance: dg.DagsterInstance, wanted: dict[str, list[str]]) -> bool:
-    return all(list(instance.get_dynamic_partitions(BY_SPLIT[split].name)) == keys for split, keys in wanted.items())
-
-
-def sync_shard_partitions(instance: dg.DagsterInstance, wanted_by_split: dict[str, list[str]]) -> None:
-    """Make each split's dynamic partitions exactly ``wanted`` (insertion order = index order)."""
-    for split, wanted in wanted_by_split.items():
-        name = BY_SPLIT[split].name
-        existing = list(instance.get_dynamic_partitions(name))
-        if existing[: len(wanted)] != wanted[: len(existing)]:
-            for key in existing:  # order broken (should not happen): rebuild so ranges stay contiguous
-                instance.delete_dynamic_partition(name, key)
-            existing = []
-        for key in existing[len(wanted):]:
-            instance.delete_dynamic_partition(name, key)
-        missing = wanted[len(existing):]
-        if missing:
-            instance.add_dynamic_partitions(name, missing)
-
 
 _BAR_WIDTH = 30
 

@@ -1,27 +1,18 @@
 """What is left to do for a project, as the next named job to run: one function for `gguf-trainer run`
 and for the daemon's resume sensor.
 
-The decision comes from the project status (the fingerprints of lib/pipeline.py). Importing
-this module does not import dagster, so the CLI stays quick.
+The decision comes from the project status (the fingerprints of lib/pipeline.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gguf_assets.defs.run_tags import PIPELINE_TAG, RANGE_END_TAG, RANGE_START_TAG
 from gguf_assets.lib import atomic, settings_history
 from gguf_assets.lib.layout import SPLITS, ProjectPaths
 from gguf_assets.lib.pipeline import project_status
 from gguf_assets.lib.settings import Settings
-
-RANGE_START_TAG = "dagster/asset_partition_range_start"
-RANGE_END_TAG = "dagster/asset_partition_range_end"
-# On runs that `gguf-trainer run` or the resume sensor launch: "finish the pipeline under these
-# settings" (their hash). The resume sensor continues such a pipeline after a crash.
-PIPELINE_TAG = "gguf_assets/pipeline"
-
-
-settings_hash = settings_history.settings_hash  # the PIPELINE_TAG's value: the snapshot a pipeline runs under
 
 
 @dataclass(frozen=True)
@@ -41,7 +32,7 @@ class Work:
 
     def tags(self, settings: Settings, partitions: tuple[str, ...] | None = None) -> dict[str, str]:
         keys = self.partitions if partitions is None else partitions
-        tags = {PIPELINE_TAG: settings_hash(settings)}
+        tags = {PIPELINE_TAG: settings_history.settings_hash(settings)}
         if keys:
             tags.update({RANGE_START_TAG: keys[0], RANGE_END_TAG: keys[-1]})
         return tags
@@ -49,9 +40,8 @@ class Work:
 
 def next_work(paths: ProjectPaths, settings: Settings, instance) -> Work | None:
     """The next job to run for this project, or None when everything is current (or blocked)."""
-    from gguf_assets.defs.corpus import expected_shard_keys, partitions_match
     from gguf_assets.defs.jobs import MATERIALS_AND_CORPUS, SHARDS_JOB, TRAIN_AND_EXPORT
-    from gguf_assets.defs.partitions import BY_SPLIT
+    from gguf_assets.defs.partitions import BY_SPLIT, expected_shard_keys, partitions_match
 
     status = {s.stage: s for s in project_status(paths, settings)}
     if status["materials"].state != "current":

@@ -1,58 +1,13 @@
 """The per-project config resource (points every asset at its project folder) and the hub credentials."""
 
 import os
-from pathlib import Path
 
 import dagster as dg
 from pydantic import Field, PrivateAttr
 
-from gguf_assets.lib import settings_history
-from gguf_assets.lib.errors import UserError
+from gguf_assets.defs.environment import HF_TOKEN_ENV, PROJECT_ENV, project_dir_from_env
 from gguf_assets.lib.layout import ProjectPaths
-from gguf_assets.lib.liveness import boot_id, process_started
-from gguf_assets.lib.lock import ProjectLock
-from gguf_assets.lib.settings import PROJECT_FILE, Settings, load_settings
-
-PROJECT_ENV = "GGUF_ASSETS_PROJECT"
-HF_TOKEN_ENV = "HF_TOKEN"
-# Tags that identify the process executing a run, so a run cut off by a kill -9 or a reboot is
-# recognised (defs/resume.py). Every job runs in-process, so this process is the run's for its life.
-PID_TAG = "gguf_assets/pid"
-PID_STARTED_TAG = "gguf_assets/pid_started"
-BOOT_TAG = "gguf_assets/boot_id"
-# On the worker runs of `gguf-trainer run --workers N`: the pid of the run that launched them,
-# whose project lock they share (lib/lock.py).
-LEADER_TAG = "gguf_assets/leader_pid"
-# The hash of the settings a run started under (defs/plan.py settings_hash).
-SETTINGS_TAG = "gguf_assets/settings"
-
-
-class EnvironmentMismatch(UserError, RuntimeError):
-    """DAGSTER_HOME is not the instance of the project that GGUF_ASSETS_PROJECT names."""
-
-
-def project_dir_from_env() -> str | None:
-    """The project folder: GGUF_ASSETS_PROJECT, else the folder that holds DAGSTER_HOME (<project>/.dagster).
-
-    So `DAGSTER_HOME=<project>/.dagster dagster asset materialize ...` is all the Dagster CLI needs,
-    and a copied project's instance always points at the copy. When both are set they must belong
-    together: otherwise a run would write one project's files and record itself in another's
-    instance, where no status, resume or stale mark could find it.
-    """
-    home = os.environ.get("DAGSTER_HOME")
-    if os.environ.get(PROJECT_ENV):
-        project = Path(os.environ[PROJECT_ENV])
-        own_home = ProjectPaths.of(project).dagster_home
-        if home and (project / PROJECT_FILE).is_file() and Path(home).resolve() != own_home:
-            raise EnvironmentMismatch(
-                f"DAGSTER_HOME={home} is not the instance of the project {PROJECT_ENV}={project} (that is "
-                f"{own_home}). Set both for one project: "
-                f"`eval \"$(gguf-trainer env {project})\"`, or unset {PROJECT_ENV} to use the project that holds "
-                "DAGSTER_HOME.")
-        return str(project)
-    if home and (Path(home).parent / PROJECT_FILE).is_file():
-        return str(Path(home).resolve().parent)
-    return None
+from gguf_assets.lib.settings import Settings, load_settings
 
 
 class HubResource(dg.ConfigurableResource):
@@ -76,43 +31,27 @@ class ProjectResource(dg.ConfigurableResource):
 
     # Developer note: project_dir is normally empty and comes from the environment
     # (project_dir_from_env: GGUF_ASSETS_PROJECT or the folder holding DAGSTER_HOME), so run
-    # storage holds no absolute path and a copied project is independent.
+    # storage holds no absolute path and a copied project is independent. The run's bookkeeping
+    # (lock, settings snapshot, tags, dead runs) is defs/run_bookkeeping.py's; this resource only
+    # starts and ends it, the one hook Dagster calls in the run's process before any step.
 
     project_dir: str | None = Field(default=None, description="project folder (default: from the environment)")
     hub: HubResource
-    _lock: ProjectLock | None = PrivateAttr(default=None)
-    _settings: Settings | None = PrivateAttr(default=None)
+    _run: object = PrivateAttr(default=None)  # run_bookkeeping.RunBookkeeping while a run executes
 
     def __init__(self, **data) -> None:
         data.setdefault("hub", HubResource())
         super().__init__(**data)
 
     def setup_for_execution(self, context: dg.InitResourceContext) -> None:
-        run = context.dagster_run
-        if context.instance is not None and run is not None:
-            from gguf_assets.defs.resume import mark_interrupted_runs
+        from gguf_assets.defs.run_bookkeeping import RunBookkeeping
 
-            # Every entry point cleans up after a kill -9 before it starts, not only the daemon.
-            mark_interrupted_runs(context.instance)
-            from gguf_assets.defs.settings import observe_settings
-
-            # One snapshot for the whole run: an edit of project.yaml while it runs is for the next run.
-            settings = self._settings = self._settings_of(run)
-            # The materializations record the settings they were made under (data provenance).
-            observe_settings(context.instance, settings, self.paths())
-            context.instance.add_run_tags(run.run_id, {PID_TAG: str(os.getpid()),
-                                                       PID_STARTED_TAG: process_started(os.getpid()),
-                                                       BOOT_TAG: boot_id(),
-                                                       SETTINGS_TAG: settings_history.settings_hash(settings)})
-        describe = f"Dagster run {run.run_id[:8]} of {run.job_name}" if run is not None else ""
-        leader = run.tags.get(LEADER_TAG) if run is not None else None
-        self._lock = ProjectLock(self.paths().lock_file, describe=describe,
-                                 leader_pid=int(leader) if leader else None).__enter__()
+        self._run = RunBookkeeping.begin(context.instance, context.dagster_run, self.paths())
 
     def teardown_after_execution(self, context: dg.InitResourceContext) -> None:
-        if self._lock is not None:
-            self._lock.__exit__(None, None, None)
-            self._lock = None
+        if self._run is not None:
+            self._run.end()
+            self._run = None
 
     def paths(self) -> ProjectPaths:
         folder = self.project_dir or project_dir_from_env()
@@ -124,15 +63,7 @@ class ProjectResource(dg.ConfigurableResource):
 
     def settings(self) -> Settings:
         """The run's settings snapshot (read once, when the run started); project.yaml outside a run."""
-        return self._settings if self._settings is not None else load_settings(self.paths().root)
-
-    def _settings_of(self, run: dg.DagsterRun) -> Settings:
-        """A run of a pipeline (`gguf-trainer run`, the resume sensor) uses the snapshot the pipeline
-        started with, named by its tag; any other run reads project.yaml now, once."""
-        from gguf_assets.defs.plan import PIPELINE_TAG
-
-        snapshot = settings_history.recall(self.paths().root, run.tags.get(PIPELINE_TAG))
-        return snapshot if snapshot is not None else load_settings(self.paths().root)
+        return self._run.settings if self._run is not None else load_settings(self.paths().root)
 
     def stage_metadata(self, stage: str, settings: Settings | None = None) -> dict:
         """The settings table, project folder and how-to-change note for a stage asset's page."""

@@ -13,29 +13,24 @@ import os
 import dagster as dg
 import psutil
 
-from gguf_assets.defs.resources import BOOT_TAG, PID_STARTED_TAG, PID_TAG
+from gguf_assets.defs import run_tags
+from gguf_assets.defs.run_tags import INTERRUPTED_TAG, PIPELINE_TAG, SETTINGS_TAG, STOPPED_TAG
 from gguf_assets.lib import settings_history
 from gguf_assets.lib.liveness import holder_is_gone
 
-# A run that died with its process (kill -9, OOM, reboot): the resume sensor finishes its work.
-INTERRUPTED_TAG = "gguf_assets/interrupted"
-# A run stopped on purpose (Ctrl-C, SIGTERM): resumable, but only when the user asks.
-STOPPED_TAG = "gguf_assets/stopped"
-
-__all__ = ["BOOT_TAG", "PID_TAG", "PID_STARTED_TAG", "mark_interrupted_runs", "interrupted_runs_sensor",
-           "resume_sensor"]
 ACTIVE = [dg.DagsterRunStatus.STARTED, dg.DagsterRunStatus.STARTING, dg.DagsterRunStatus.CANCELING]
 
 
 def _is_cut_off(record) -> str | None:
     """The reason a run is dead, or None if it may still be running."""
     tags = record.dagster_run.tags
-    pid = int(tags[PID_TAG]) if PID_TAG in tags else None
-    if pid is not None or BOOT_TAG in tags:
+    pid_text, boot = run_tags.get(tags, run_tags.PID_TAG), run_tags.get(tags, run_tags.BOOT_TAG)
+    pid = int(pid_text) if pid_text else None
+    if pid is not None or boot is not None:
         if pid == os.getpid():
             return None
-        if holder_is_gone(holder_boot_id=tags.get(BOOT_TAG, ""), holder_pid=pid,
-                          holder_started=tags.get(PID_STARTED_TAG, "")):
+        if holder_is_gone(holder_boot_id=boot or "", holder_pid=pid,
+                          holder_started=run_tags.get(tags, run_tags.PID_STARTED_TAG) or ""):
             return f"its process (pid {pid}) is gone or the machine rebooted since it started"
         return None
     started = record.start_time or record.create_timestamp.timestamp()
@@ -92,9 +87,9 @@ def resume_decision(instance: dg.DagsterInstance) -> dg.RunRequest | dg.SkipReas
     under the current settings; it never starts work that a settings edit made stale (that waits
     for Materialize, `gguf-trainer run`, or an edit back), and never retries a genuine failure.
     """
+    from gguf_assets.defs.environment import project_dir_from_env
     from gguf_assets.defs.jobs import CONSOLE
-    from gguf_assets.defs.plan import PIPELINE_TAG, next_work, settings_hash
-    from gguf_assets.defs.resources import SETTINGS_TAG, project_dir_from_env
+    from gguf_assets.defs.plan import next_work
     from gguf_assets.defs.settings import observe_settings
     from gguf_assets.lib.layout import ProjectPaths
     from gguf_assets.lib.lock import is_locked
@@ -130,9 +125,9 @@ def resume_decision(instance: dg.DagsterInstance) -> dg.RunRequest | dg.SkipReas
     work = next_work(paths, settings, instance)
     if work is None:
         return dg.SkipReason("everything is current")
-    current = settings_hash(settings)
-    asked = (latest_run.tags.get(PIPELINE_TAG) == current
-             or (INTERRUPTED_TAG in latest_run.tags and latest_run.tags.get(SETTINGS_TAG) == current))
+    current = settings_history.settings_hash(settings)
+    asked = (run_tags.get(latest_run.tags, PIPELINE_TAG) == current
+             or (INTERRUPTED_TAG in latest_run.tags and run_tags.get(latest_run.tags, SETTINGS_TAG) == current))
     if not (work.missing or asked):
         return dg.SkipReason(f"{work.describe()} is stale after a settings edit; it starts when you ask "
                              "(Materialize, or `gguf-trainer run`)")

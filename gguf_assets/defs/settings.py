@@ -9,12 +9,9 @@ daemon's sensors, from `gguf-trainer run`, and from every run before it starts.
 """
 
 import dagster as dg
-from dagster._core.definitions.data_version import (
-    DATA_VERSION_TAG,
-    extract_data_version_from_entry,
-)
 
 from gguf_assets.defs import groups
+from gguf_assets.defs.private_api import DATA_VERSION_TAG
 from gguf_assets.lib import atomic
 from gguf_assets.lib.layout import ProjectPaths
 from gguf_assets.lib.pipeline import STAGES, project_status, stage_settings
@@ -75,8 +72,8 @@ def observe_settings(instance: dg.DagsterInstance, settings: Settings, paths: Pr
     changed, status = [], None
     for stage, version in settings_versions(settings).items():
         record = instance.get_latest_data_version_record(settings_key(stage), is_source=True)
-        recorded = extract_data_version_from_entry(record.event_log_entry) if record else None
-        if recorded is None or recorded.value != version:
+        recorded = (record.event_log_entry.tags or {}).get(DATA_VERSION_TAG) if record else None
+        if recorded != version:
             metadata = settings_metadata(settings, stage)
             if paths is not None:
                 if status is None:
@@ -94,7 +91,7 @@ def _settings_asset(stage: str) -> dg.SourceAsset:
                                 description=f"The project.yaml settings the {stage} stage is computed from. "
                                             "Edit project.yaml to change them.")
     def observe(context) -> dg.ObserveResult:
-        from gguf_assets.defs.resources import project_dir_from_env
+        from gguf_assets.defs.environment import project_dir_from_env
         from gguf_assets.lib.settings import SettingsError, load_settings
 
         folder = project_dir_from_env()

@@ -1,0 +1,38 @@
+"""Which project a Dagster process works on, from its environment (no path is stored in the instance)."""
+
+import os
+from pathlib import Path
+
+from gguf_assets.lib.errors import UserError
+from gguf_assets.lib.layout import ProjectPaths
+from gguf_assets.lib.settings import PROJECT_FILE
+
+PROJECT_ENV = "GGUF_ASSETS_PROJECT"
+HF_TOKEN_ENV = "HF_TOKEN"
+
+
+class EnvironmentMismatch(UserError, RuntimeError):
+    """DAGSTER_HOME is not the instance of the project that GGUF_ASSETS_PROJECT names."""
+
+
+def project_dir_from_env() -> str | None:
+    """The project folder: GGUF_ASSETS_PROJECT, else the folder that holds DAGSTER_HOME (<project>/.dagster).
+
+    So `DAGSTER_HOME=<project>/.dagster dagster asset materialize ...` is all the Dagster CLI needs,
+    and a copied project's instance always points at the copy. When both are set they must belong
+    together: otherwise a run would write one project's files and record itself in another's
+    instance, where no status, resume or stale mark could find it.
+    """
+    home = os.environ.get("DAGSTER_HOME")
+    if os.environ.get(PROJECT_ENV):
+        project = Path(os.environ[PROJECT_ENV])
+        own_home = ProjectPaths.of(project).dagster_home
+        if home and (project / PROJECT_FILE).is_file() and Path(home).resolve() != own_home:
+            raise EnvironmentMismatch(
+                f"DAGSTER_HOME={home} is not the instance of the project {PROJECT_ENV}={project} (that is "
+                f"{own_home}). Set both for one project: `eval \"$(gguf-trainer env {project})\"`, or unset "
+                f"{PROJECT_ENV} to use the project that holds DAGSTER_HOME.")
+        return str(project)
+    if home and (Path(home).parent / PROJECT_FILE).is_file():
+        return str(Path(home).resolve().parent)
+    return None

@@ -1,0 +1,45 @@
+"""Every use of Dagster's private API (``dagster._…``) in gguf_assets, in one place, each with why.
+
+Dagster 1.13 has no public API for these; a test (test_definitions.py) fails on a ``dagster._``
+import anywhere else, so this list is the whole of what a Dagster upgrade must check, and it is
+why pyproject.toml pins ``dagster<1.14``.
+
+- ``JobSubsetSelector``, ``InProcessCodeLocationOrigin``, ``LoadableTargetOrigin``,
+  ``WorkspaceProcessContext``, ``InProcessWorkspaceLoadTarget``, ``ModuleTarget``: `gguf-trainer
+  run` creates each run from the project's code location (the public ``execute_job`` creates it
+  from a bare job), so the run carries the location's origin; only then do the UI's Overview
+  timeline, job pages and "Re-execute" show it.
+- ``execute_run``, ``recon_job_from_origin``: execute such a run in this process (the public
+  ``execute_job`` creates a run of its own). In-process execution makes a run one process from
+  start to end: its pid identifies it to the interrupted-runs sensor, and GPU work never runs in
+  a child that outlives a killed worker.
+- ``LOG_RECORD_METADATA_ATTR``: the log record attribute holding its Dagster event (step key,
+  error), which the console logger's short lines read; a logger only gets the formatted message.
+- ``DATA_VERSION_TAG``: a runless observation carries its data version in this tag:
+  ``report_runless_asset_event`` takes an AssetObservation, which has no data_version argument
+  (ObserveResult, which has one, exists only inside a run).
+- ``HIDDEN_TAG_PREFIX``, ``TagType``, ``get_tag_type``: run tags under Dagster's hidden prefix are
+  left out of the UI's runs list and run page, where the project's bookkeeping tags belong
+  (run_tags.py).
+- ``CachingStaleStatusResolver``, ``StaleStatus``, ``LoadingContextForTest``: the tests read the
+  UI's stale marks with the resolver the webserver draws them with.
+"""
+
+from dagster._core.definitions.data_version import DATA_VERSION_TAG, CachingStaleStatusResolver, StaleStatus
+from dagster._core.definitions.selector import JobSubsetSelector
+from dagster._core.execution.api import execute_run
+from dagster._core.loader import LoadingContextForTest
+from dagster._core.log_manager import LOG_RECORD_METADATA_ATTR
+from dagster._core.remote_origin import InProcessCodeLocationOrigin
+from dagster._core.storage.tags import HIDDEN_TAG_PREFIX, TagType, get_tag_type
+from dagster._core.types.loadable_target_origin import LoadableTargetOrigin
+from dagster._core.workspace.context import WorkspaceProcessContext
+from dagster._core.workspace.load_target import InProcessWorkspaceLoadTarget, ModuleTarget
+from dagster._utils.hosted_user_process import recon_job_from_origin
+
+__all__ = [
+    "DATA_VERSION_TAG", "HIDDEN_TAG_PREFIX", "LOG_RECORD_METADATA_ATTR", "CachingStaleStatusResolver",
+    "InProcessCodeLocationOrigin", "InProcessWorkspaceLoadTarget", "JobSubsetSelector", "LoadableTargetOrigin",
+    "LoadingContextForTest", "ModuleTarget", "StaleStatus", "TagType", "WorkspaceProcessContext", "execute_run",
+    "get_tag_type", "recon_job_from_origin",
+]

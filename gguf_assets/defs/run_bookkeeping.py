@@ -1,0 +1,57 @@
+"""What every run does before its first step and after its last, whichever entry point started it.
+
+Before: mark runs cut off by a kill -9 or a reboot as failed (so their pool slots are free), load
+the run's one settings snapshot, observe it (the materializations then record the settings they
+were made under), tag the run with its process, and take the project folder's lock. After:
+release the lock. ProjectResource calls ``begin`` and ``end``: a resource's setup is the hook
+Dagster runs in the run's own process before any step.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import dagster as dg
+
+from gguf_assets.defs import run_tags
+from gguf_assets.defs.resume import mark_interrupted_runs
+from gguf_assets.defs.settings import observe_settings
+from gguf_assets.lib import settings_history
+from gguf_assets.lib.layout import ProjectPaths
+from gguf_assets.lib.liveness import boot_id, process_started
+from gguf_assets.lib.lock import ProjectLock
+from gguf_assets.lib.settings import Settings, load_settings
+
+
+def run_settings(paths: ProjectPaths, run: dg.DagsterRun | None) -> Settings:
+    """A run of a pipeline (`gguf-trainer run`, the resume sensor) uses the snapshot the pipeline
+    started with, named by its tag; any other run reads project.yaml now, once."""
+    digest = run_tags.get(run.tags, run_tags.PIPELINE_TAG) if run is not None else None
+    snapshot = settings_history.recall(paths.root, digest)
+    return snapshot if snapshot is not None else load_settings(paths.root)
+
+
+@dataclass
+class RunBookkeeping:
+    settings: Settings
+    lock: ProjectLock
+
+    @classmethod
+    def begin(cls, instance: dg.DagsterInstance | None, run: dg.DagsterRun | None,
+              paths: ProjectPaths) -> RunBookkeeping:
+        settings = run_settings(paths, run)
+        if instance is not None and run is not None:
+            mark_interrupted_runs(instance)  # every entry point cleans up after a kill -9, not only the daemon
+            observe_settings(instance, settings, paths)
+            instance.add_run_tags(run.run_id, {run_tags.PID_TAG: str(os.getpid()),
+                                               run_tags.PID_STARTED_TAG: process_started(os.getpid()),
+                                               run_tags.BOOT_TAG: boot_id(),
+                                               run_tags.SETTINGS_TAG: settings_history.settings_hash(settings)})
+        describe = f"Dagster run {run.run_id[:8]} of {run.job_name}" if run is not None else ""
+        leader = run_tags.get(run.tags, run_tags.LEADER_TAG) if run is not None else None
+        lock = ProjectLock(paths.lock_file, describe=describe, leader_pid=int(leader) if leader else None)
+        return cls(settings=settings, lock=lock.__enter__())
+
+    def end(self) -> None:
+        self.lock.__exit__(None, None, None)
