@@ -42,9 +42,10 @@ def cmd_init(args: argparse.Namespace) -> int:
 
 
 def _print_status(paths: ProjectPaths) -> None:
-    from gguf_assets.lib.pipeline import project_status
+    from gguf_assets.lib.lock import holder
+    from gguf_assets.lib.pipeline import project_status, with_running
 
-    for s in project_status(paths, load_settings(paths.root)):
+    for s in with_running(project_status(paths, load_settings(paths.root)), holder(paths.lock_file)):
         print(f"  {s.stage:<12} {s.state:<8} {s.detail}")
 
 

@@ -19,6 +19,8 @@ import pytest
 from conftest import CLI, FAULT_SETTINGS, cli_env, pipeline_outputs, project_instance, wait_for
 from test_console import assert_clean_console
 
+from gguf_assets.defs.run_tags import PID_TAG
+
 pytestmark = pytest.mark.slow
 
 
@@ -132,7 +134,7 @@ def test_daemon_alone_resumes_a_killed_pipeline_and_its_runs_are_never_reaped_al
     resumed = [r.dagster_run for r in instance.get_run_records() if r.dagster_run.run_id != cut_off
                and r.dagster_run.job_name == "train_export_evaluate"]
     assert len(resumed) == 1 and resumed[0].status == dg.DagsterRunStatus.SUCCESS
-    assert resumed[0].tags["gguf_assets/pid"] != str(daemon.pid)  # its own run worker process
+    assert resumed[0].tags[PID_TAG] != str(daemon.pid)  # its own run worker process
     assert not instance.all_logs(resumed[0].run_id, of_type=dg.DagsterEventType.RUN_FAILURE)
     assert {s for s in ("adapter", "gguf", "eval_report")} <= {
         e.dagster_event.asset_key.to_user_string() for e in
@@ -289,6 +291,11 @@ def test_terminate_in_the_ui_and_ctrl_c_stop_a_cli_run_canceled_and_resumable(ma
     wait_for(lambda: _latest_step(paths) >= 10, timeout=240, what="the second checkpoint", proc=proc)
     instance = _instance(paths)
     (running,) = _runs(paths, dg.DagsterRunStatus.STARTED)
+    # While it trains, status says so, with the run.
+    status = subprocess.run([*CLI, "status", str(paths.root)], capture_output=True, text=True, env=cli_env(),
+                            timeout=60, check=True).stdout
+    assert re.search(rf"adapter +running +run {running.run_id[:8]} of train_export_evaluate; was missing", status), \
+        status
     asked = time.monotonic()
     instance.run_launcher.terminate(running.run_id)
     out, _ = proc.communicate(timeout=60)

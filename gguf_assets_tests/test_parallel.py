@@ -77,6 +77,10 @@ def test_killing_only_the_workers_leader_refuses_a_new_run_until_its_workers_are
             if "(worker 2/2)" in line:
                 break
         assert any("(worker 2/2)" in line for line in seen), "".join(seen)
+        # Both workers hold their lock and compute (each has laid out its first shard, 00000 and 00002).
+        firsts = [paths.root / f"shards/train/{key}/prompts.jsonl" for key in ("00000", "00002")]
+        wait_for(lambda: all(f.is_file() for f in firsts),
+                 timeout=120, what="both workers at their first shard")
     finally:
         os.kill(proc.pid, signal.SIGKILL)  # the leader only: the worker runs are not in its process group
         proc.wait()

@@ -50,7 +50,10 @@ class RunBookkeeping:
                                                run_tags.SETTINGS_TAG: settings_history.settings_hash(settings)})
         describe = f"Dagster run {run.run_id[:8]} of {run.job_name}" if run is not None else ""
         leader = run_tags.get(run.tags, run_tags.LEADER_TAG) if run is not None else None
-        lock = ProjectLock(paths.lock_file, describe=describe, leader_pid=int(leader) if leader else None)
+        running = None if run is None else {"run_id": run.run_id, "job": run.job_name,
+                                            "assets": sorted(k.to_user_string() for k in run.asset_selection or ())}
+        lock = ProjectLock(paths.lock_file, describe=describe, leader_pid=int(leader) if leader else None,
+                           running=running)
         return cls(settings=settings, lock=lock.__enter__())
 
     def end(self) -> None:

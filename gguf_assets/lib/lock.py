@@ -41,8 +41,9 @@ def workers_file(lock_file: Path) -> Path:
 
 
 # Lock files this process holds, with a nesting count: the CLI holds the lock for a whole
-# `run`, and each Dagster run (which may execute in that same process) takes it again.
-_held: dict[Path, list] = {}  # path -> [fd, nesting count]
+# `run`, and each Dagster run (which may execute in that same process) takes it again; the
+# records the nested takers replaced, to put back when they leave.
+_held: dict[Path, list] = {}  # path -> [fd, nesting count, [records replaced]]
 
 
 def _is_ancestor(pid: int) -> bool:
@@ -53,18 +54,30 @@ def _is_ancestor(pid: int) -> bool:
 
 
 class ProjectLock:
-    """Exclusive lock on a project folder; ``describe`` is shown to whoever is refused (e.g. the run)."""
+    """Exclusive lock on a project folder; ``describe`` is shown to whoever is refused (e.g. the run).
 
-    def __init__(self, lock_file: Path, *, describe: str = "", leader_pid: int | None = None) -> None:
+    ``running`` ({run_id, job, assets}) says which Dagster run executes now; `status` reads it
+    (``holder``) to show those stages as running. A nested taker in the same process (the run
+    inside `gguf-trainer run`) records its own while it holds the lock.
+    """
+
+    def __init__(self, lock_file: Path, *, describe: str = "", leader_pid: int | None = None,
+                 running: dict | None = None) -> None:
         self.lock_file = Path(lock_file).resolve()
         self.describe = describe
         self.leader_pid = leader_pid
+        self.running = running
         self.shared_with: int | None = None  # the ancestor pid whose pipeline this process joined
         self._worker_fd: int | None = None  # the shared flock a worker holds on the workers file
 
     def __enter__(self) -> "ProjectLock":
         if self.lock_file in _held:
-            _held[self.lock_file][1] += 1
+            entry = _held[self.lock_file]
+            entry[1] += 1
+            previous = _read_holder(entry[0])
+            entry[2].append(previous)
+            if self.running is not None:
+                _write_holder(entry[0], {**previous, "running": self.running})
             return self
         self.lock_file.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.lock_file, os.O_RDWR | os.O_CREAT, 0o600)
@@ -101,11 +114,9 @@ class ProjectLock:
                 "pipelines must not write the same project folder.")
         fcntl.flock(workers, fcntl.LOCK_UN)  # only a check: this pipeline's own workers share it
         os.close(workers)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps({"pid": os.getpid(), "started": dt.datetime.now().isoformat(timespec="seconds"),
-                                  "what": self.describe}).encode(), 0)
-        os.fsync(fd)
-        _held[self.lock_file] = [fd, 1]
+        record = {"pid": os.getpid(), "started": dt.datetime.now().isoformat(timespec="seconds"), "what": self.describe}
+        _write_holder(fd, {**record, "running": self.running} if self.running else record)
+        _held[self.lock_file] = [fd, 1, []]
         return self
 
     def __exit__(self, *exc) -> None:
@@ -119,6 +130,8 @@ class ProjectLock:
         if entry is None:
             return
         entry[1] -= 1
+        if entry[2]:
+            _write_holder(entry[0], entry[2].pop())
         if entry[1] == 0:
             del _held[self.lock_file]
             fcntl.flock(entry[0], fcntl.LOCK_UN)
@@ -159,6 +172,27 @@ def is_locked(lock_file: Path) -> bool:
         return True
     finally:
         os.close(fd)
+
+
+def holder(lock_file: Path) -> dict | None:
+    """Who holds the lock now ({pid, started, what[, running]}), or None when nobody does."""
+    if not is_locked(lock_file):
+        return None
+    try:
+        fd = os.open(Path(lock_file).resolve(), os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        return _read_holder(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_holder(fd: int, record: dict) -> None:
+    data = json.dumps(record).encode()
+    os.pwrite(fd, data, 0)
+    os.ftruncate(fd, len(data))
+    os.fsync(fd)
 
 
 def _read_holder(fd: int) -> dict:

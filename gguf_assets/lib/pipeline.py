@@ -319,3 +319,16 @@ def where_stopped(paths: ProjectPaths, settings: Settings) -> str:
                     "(kept; training resumes from it)")
         return "during adapter training, before its first checkpoint"
     return f"at {unfinished.stage}"
+
+
+def with_running(status: list[StageState], holder: dict | None) -> list[StageState]:
+    """``status`` with the stage that the project's running Dagster run works on now shown as running
+    (its run id and job; what it was before), from the lock's holder record (lib/lock.py ``holder``)."""
+    running = (holder or {}).get("running") or {}
+    assets = set(running.get("assets", ()))
+    now = next((s for s in status if s.stage in assets and s.state != "current"), None)
+    if now is None:
+        return status
+    was = f"; was {now.state}" + (f": {now.detail}" if now.detail else "")
+    shown = StageState(now.stage, "running", f"run {running['run_id'][:8]} of {running['job']}{was}")
+    return [shown if s is now else s for s in status]
