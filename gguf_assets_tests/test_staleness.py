@@ -70,24 +70,32 @@ def test_settings_changes_mark_exactly_the_dependent_assets_stale_and_only_those
     run_pipeline(paths, echo=lambda _: None)
     assert _stale(paths) == set()
 
-    changes = [  # (change, what turns stale, the first stale stage and why `status` says it is)
-        ({"training": {"log_every": 7}}, set(), None),  # cadence settings change nothing that was computed
-        ({"materials": {"student_layer": 1}}, DOWNSTREAM_OF_SHARDS,
+    # (change, what the UI marks stale at once, what the next run redoes, the first stale stage and why).
+    # The UI marks a stage once its fingerprint changes: a new teacher or corpus first marks the stage
+    # that reads it; what comes after is marked once that stage is redone (`status` calls it blocked).
+    changes = [
+        ({"training": {"log_every": 7}}, set(), set(), None),  # cadence settings change nothing computed
+        ({"materials": {"student_layer": 1}}, DOWNSTREAM_OF_SHARDS, DOWNSTREAM_OF_SHARDS,
          ("train_shards", "materials.student_layer 0 → 1")),
-        ({"materials": {"teacher_layer": 1}}, DOWNSTREAM_OF_SHARDS, ("train_shards", "materials.teacher_layer -1 → 1")),
-        ({"materials": {"teacher": "materials/demo/teacher-copy"}}, {"materials"} | DOWNSTREAM_OF_SHARDS,
+        ({"materials": {"teacher_layer": 1}}, DOWNSTREAM_OF_SHARDS, DOWNSTREAM_OF_SHARDS,
+         ("train_shards", "materials.teacher_layer -1 → 1")),
+        ({"materials": {"teacher": "materials/demo/teacher-copy"}}, {"materials"}, {"materials"} | DOWNSTREAM_OF_SHARDS,
          ("materials", "materials.teacher materials/demo/teacher → materials/demo/teacher-copy")),
-        ({"corpus": {"seed": 3}}, {"corpus"} | DOWNSTREAM_OF_SHARDS, ("corpus", "corpus.seed 0 → 3")),
-        ({"output": {"ggk_command": "ggk --adapter {adapter_gguf}"}}, {"eval_report"},
+        ({"corpus": {"seed": 3}}, {"corpus"}, {"corpus"} | DOWNSTREAM_OF_SHARDS, ("corpus", "corpus.seed 0 → 3")),
+        ({"output": {"ggk_command": "ggk --adapter {adapter_gguf}"}}, {"eval_report"}, {"eval_report"},
          ("eval_report", "output.ggk_command ")),
-        ({"training": {"learning_rate": 5e-4}}, {"adapter", "gguf", "eval_report"},
+        ({"training": {"learning_rate": 5e-4}}, {"adapter", "gguf", "eval_report"}, {"adapter", "gguf", "eval_report"},
          ("adapter", "training.learning_rate 0.004 → 0.0005")),
     ]
-    for change, dependent, (stage, why) in ((c, d, w or (None, None)) for c, d, w in changes):
+    for change, stale_now, dependent, (stage, why) in ((c, n, d, w or (None, None)) for c, n, d, w in changes):
         before_edit = load_settings(paths.root)
         write_project_file(paths.root, replace(before_edit, **change))
-        assert _stale(paths) == dependent, change
+        ui_stale = _stale(paths)
+        assert ui_stale == stale_now, change
         status = {s.stage: s for s in project_status(paths, load_settings(paths.root))}
+        # One engine: what status calls stale the UI marks, and the UI marks nothing status calls current.
+        assert {s for s, st in status.items() if st.state == "stale"} <= ui_stale, (change, status)
+        assert all(status[s].state != "current" for s in ui_stale), (change, status)
         if stage is not None:
             # The same words in `status` and on the stage's settings asset in the UI.
             assert status[stage].state == "stale" and why in status[stage].detail, (change, status[stage])
@@ -113,6 +121,14 @@ def test_settings_changes_mark_exactly_the_dependent_assets_stale_and_only_those
     assert dg.materialize(list(defs.assets), instance=dg.DagsterInstance.get(), resources=resources,
                           selection=["adapter"]).success
     assert _stale(paths) == {"gguf", "eval_report"}
+
+    # A run that finds a result current records it with the same data version: nothing after it turns stale.
+    write_project_file(paths.root, replace(load_settings(paths.root), training={"weight_decay": 0.01}))
+    run_pipeline(paths, echo=lambda _: None)  # back to the finished training run: reused, then exported
+    assert _stale(paths) == set()
+    assert dg.materialize(list(defs.assets), instance=dg.DagsterInstance.get(), resources=resources,
+                          selection=["adapter"]).success
+    assert _stale(paths) == set()
 
 
 def test_new_shard_size_re_registers_partitions_and_reruns(make_project):

@@ -58,6 +58,7 @@ def corpus(context: dg.AssetExecutionContext, project: ProjectResource) -> dg.Ma
     wanted = expected_shard_keys(manifest, settings)
     sync_shard_partitions(context.instance, wanted)
     requested = manifest.get("requested", prompts)
+    project.result_written(context)
     # The data version is the content's fingerprint: a reused corpus leaves the shards current in the UI.
     return dg.MaterializeResult(data_version=dg.DataVersion(manifest["fingerprint"]), metadata={
         **project.stage_metadata("corpus", settings), "reused": reused, "fingerprint": manifest["fingerprint"],

@@ -7,6 +7,7 @@ from gguf_assets.defs import groups
 from gguf_assets.defs.panels import panel_metadata
 from gguf_assets.defs.resources import ProjectResource
 from gguf_assets.defs.settings import settings_key
+from gguf_assets.lib import atomic
 from gguf_assets.lib.materials import resolve_materials
 from gguf_assets.lib.render import markdown_table
 
@@ -33,4 +34,7 @@ def materials(context: dg.AssetExecutionContext, project: ProjectResource) -> dg
     metadata["hub_token_used"] = token is not None
     metadata.update(panel_metadata())
     metadata.update(project.stage_metadata("materials"))
-    return dg.MaterializeResult(metadata=metadata)
+    # Its data version is what it pinned: re-resolving to the same commits changes nothing downstream.
+    pins = atomic.fingerprint([[e["role"], e["source"], e["commit"]] for e in entries])
+    project.result_written(context)
+    return dg.MaterializeResult(data_version=dg.DataVersion(pins), metadata=metadata)

@@ -52,7 +52,8 @@ def gguf(context: dg.AssetExecutionContext, project: ProjectResource) -> dg.Mate
         metadata["vision_bytes"] = vision["bytes"]
         metadata["vision_unmapped_tensors"] = ", ".join(vision["unmapped"]) or "none"
     metadata.update(project.stage_metadata("gguf", settings))
-    return dg.MaterializeResult(metadata=metadata)
+    project.result_written(context)
+    return dg.MaterializeResult(data_version=dg.DataVersion(summary.fingerprint), metadata=metadata)
 
 
 # The numpy reader of the f16 GGUF and the f32 torch checkpoint must agree this closely.
@@ -96,7 +97,7 @@ def eval_report(context: dg.AssetExecutionContext, project: ProjectResource) -> 
     sidecar = export_sidecar(paths, settings)
     folders = require_current(paths, settings, materials_manifest, "val")
     evaluation = evaluate_gguf(target, folders) if settings.output.evaluate else None
-    fingerprint = report_fingerprint(settings, sidecar,
+    fingerprint = report_fingerprint(settings, sidecar.fingerprint,
                                      shard_fingerprints(paths, settings, materials_manifest, "val"))
     report = build_report(paths, settings, materials_manifest, sidecar, evaluation, fingerprint=fingerprint)
     metadata = {"report_json": dg.MetadataValue.path(str(paths.report_json(settings))),
@@ -124,4 +125,5 @@ def eval_report(context: dg.AssetExecutionContext, project: ProjectResource) -> 
                                       "advice": report.advice}),
     ]
     metadata.update(project.stage_metadata("eval_report", settings))
-    return dg.MaterializeResult(metadata=metadata, check_results=checks)
+    project.result_written(context)
+    return dg.MaterializeResult(data_version=dg.DataVersion(fingerprint), metadata=metadata, check_results=checks)

@@ -16,6 +16,7 @@ from gguf_assets.defs.corpus import corpus
 from gguf_assets.defs.partitions import TRAIN_SHARDS, VAL_SHARDS
 from gguf_assets.defs.resources import ProjectResource
 from gguf_assets.defs.settings import settings_key
+from gguf_assets.lib import atomic
 from gguf_assets.lib.materials import load_manifest
 from gguf_assets.lib.render import markdown_table
 from gguf_assets.lib.shards import plan_shards, precompute_split, shard_status
@@ -62,7 +63,13 @@ def materialize_shards(context: dg.AssetExecutionContext, project: ProjectResour
                       if s.get(f"{half}_halves_computed"))
     context.log.info("%s shards done: %d shards, %d prompts in %.1f s%s", split, s["shards"], s["prompts"],
                      s["seconds"], f" ({rates})" if rates else " (all already current)")
-    return dg.MaterializeResult(metadata=project.stage_metadata(f"{split}_shards", settings))
+    # The data version of the shards this run covers: what they hold now (their fingerprints), so a run
+    # that finds them current changes nothing downstream.
+    held = {plan.key: plan for plan in plan_shards(paths, settings, load_manifest(paths), split)}
+    version = atomic.fingerprint([[key, held[key].fingerprints] for key in context.partition_keys if key in held])
+    project.result_written(context)
+    return dg.MaterializeResult(data_version=dg.DataVersion(version),
+                                metadata=project.stage_metadata(f"{split}_shards", settings))
 
 
 @dg.asset(group_name=groups.PRECOMPUTE, partitions_def=TRAIN_SHARDS, deps=[corpus, settings_key("train_shards")],

@@ -1,42 +1,31 @@
 """The project's settings, seen by Dagster: one observable source asset per stage, settings/<stage>.
 
-Each one's data version is a hash of the settings that stage's result is computed from
-(lib/pipeline.py ``stage_settings``, the same functions its fingerprint uses), chained with the
-versions of the stages it reads. Every stage's asset depends on its settings asset, so after an
-edit of project.yaml Dagster's own staleness marks exactly the stages whose results the edit
-changes, and everything after them, with no "Reload definitions": the observation comes from the
-daemon's sensors, from `gguf-trainer run`, and from every run before it starts.
+Each one's data version is the fingerprint that stage's result has when made now, from the
+current settings and the inputs on disk (lib/pipeline.py ``expected_fingerprints``: the
+fingerprints `status` compares, one engine). Every stage's asset depends on its settings asset
+and returns its own fingerprint as its data version, so after an edit of project.yaml Dagster's
+staleness marks exactly the stages whose results the edit changes, with no "Reload definitions"
+and no second copy of the pipeline's graph: the observation comes from the daemon's sensors, from
+`gguf-trainer run`, and from every run before it starts. A stage whose inputs must be redone first
+is marked once they are (`status` calls it blocked until then).
 """
 
 import dagster as dg
 
 from gguf_assets.defs import groups
 from gguf_assets.defs.private_api import DATA_VERSION_TAG
-from gguf_assets.lib import atomic
 from gguf_assets.lib.layout import ProjectPaths
-from gguf_assets.lib.pipeline import STAGES, project_status, stage_settings
+from gguf_assets.lib.pipeline import STAGES, expected_fingerprints, project_status, stage_settings
 from gguf_assets.lib.render import markdown_table
 from gguf_assets.lib.settings import Settings
 
 KEY_PREFIX = "settings"  # settings/<stage>
 # The metadata entry that says why the stage is stale after this observation (as `status` does).
 STALE_BECAUSE = "stale_because"
-# The stages whose settings each stage's result also depends on.
-READS = {"materials": (), "corpus": (), "train_shards": ("corpus",), "val_shards": ("corpus",),
-         "adapter": ("train_shards", "val_shards"), "gguf": ("adapter",), "eval_report": ("gguf",)}
 
 
 def settings_key(stage: str) -> dg.AssetKey:
     return dg.AssetKey([KEY_PREFIX, stage])
-
-
-def settings_versions(settings: Settings) -> dict[str, str]:
-    """Per stage, the data version of settings/<stage>."""
-    slices, versions = stage_settings(settings), {}
-    for stage in STAGES:
-        versions[stage] = atomic.fingerprint({"settings": slices[stage],
-                                              "reads": {s: versions[s] for s in READS[stage]}})
-    return versions
 
 
 def _rows(values: dict, prefix: str = "") -> list[list[str]]:
@@ -63,23 +52,25 @@ def settings_metadata(settings: Settings, stage: str, project_dir: str | None = 
     return metadata
 
 
-def observe_settings(instance: dg.DagsterInstance, settings: Settings, paths: ProjectPaths | None = None) -> list[str]:
-    """Record the current settings versions where they changed; returns the stages whose settings changed.
+def observe_settings(instance: dg.DagsterInstance, settings: Settings, paths: ProjectPaths) -> list[str]:
+    """Record each stage's expected fingerprint as the data version of settings/<stage> where it changed;
+    returns those stages.
 
-    With ``paths``, an observation also says why its stage is stale (the keys that changed since
-    its result was made, old → new): the same words `gguf-trainer status` prints.
+    The versions are lib/pipeline.py's ``expected_fingerprints``, the very fingerprints `status` compares,
+    so Dagster's stale marks follow from them. A stage whose inputs do not exist yet keeps its last
+    version. An observation also says why its stage is stale (the keys that changed since its result was
+    made, old → new): the same words `gguf-trainer status` prints.
     """
     changed, status = [], None
-    for stage, version in settings_versions(settings).items():
+    for stage, version in expected_fingerprints(paths, settings).items():
         record = instance.get_latest_data_version_record(settings_key(stage), is_source=True)
         recorded = (record.event_log_entry.tags or {}).get(DATA_VERSION_TAG) if record else None
         if recorded != version:
             metadata = settings_metadata(settings, stage)
-            if paths is not None:
-                if status is None:
-                    status = {s.stage: s for s in project_status(paths, settings)}
-                if status[stage].state == "stale":
-                    metadata[STALE_BECAUSE] = dg.MetadataValue.text(status[stage].detail)
+            if status is None:
+                status = {s.stage: s for s in project_status(paths, settings)}
+            if status[stage].state == "stale":
+                metadata[STALE_BECAUSE] = dg.MetadataValue.text(status[stage].detail)
             instance.report_runless_asset_event(dg.AssetObservation(
                 asset_key=settings_key(stage), tags={DATA_VERSION_TAG: version}, metadata=metadata))
             changed.append(stage)
@@ -99,7 +90,11 @@ def _settings_asset(stage: str) -> dg.SourceAsset:
             settings = load_settings(folder)
         except SettingsError as exc:  # one clear message in the UI, not a stack trace
             raise dg.Failure(description=str(exc), allow_retries=False) from None
-        return dg.ObserveResult(data_version=dg.DataVersion(settings_versions(settings)[stage]),
+        version = expected_fingerprints(ProjectPaths.of(folder), settings).get(stage)
+        if version is None:
+            raise dg.Failure(description=f"{stage} cannot be fingerprinted yet: what it is computed from does not "
+                             "exist (materialize the stages before it first).", allow_retries=False)
+        return dg.ObserveResult(data_version=dg.DataVersion(version),
                                 metadata=settings_metadata(settings, stage, str(folder)))
 
     return observe

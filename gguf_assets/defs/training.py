@@ -83,7 +83,8 @@ def adapter(context: dg.AssetExecutionContext, project: ProjectResource) -> dg.M
     once = {"best step": best.get("step"), "best val centred cosine": best.get("val_centred_cosine"),
             "shard read MB/s": summary.get("read_mb_per_s"), **hardware.summary()}
     panels = panel_metadata()
-    return dg.MaterializeResult(metadata={
+    project.result_written(context)
+    return dg.MaterializeResult(data_version=dg.DataVersion(fingerprint), metadata={
         **project.stage_metadata("adapter", settings),
         "verdict": dg.MetadataValue.md(f"**{text}**\n\n{advice}"),
         "val_centred_cosine": summary["val_centred_cosine"],

@@ -10,4 +10,4 @@ CORPUS = 2  # 2: streaming readers (.csv, .gz) and a numpy split: the same seed 
 SHARD_HALF = 1
 TRAINING_RUN = 2
 GGUF_EXPORT = 2
-EVAL_REPORT = 2
+EVAL_REPORT = 3  # 3: keyed by the export's fingerprint alone (known before the export runs), not its sha256

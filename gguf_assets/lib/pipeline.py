@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gguf_assets.lib import atomic, formats, settings_history, verify
+from gguf_assets.lib.errors import UserError
 from gguf_assets.lib.layout import SPLITS, ProjectPaths
 from gguf_assets.lib.manifests import ExportSidecar, MaterialsManifest
 from gguf_assets.lib.materials import load_manifest, manifest_is_current
@@ -102,10 +103,11 @@ def report_settings(settings: Settings) -> dict:
             "also_copy_to": o.also_copy_to}
 
 
-def report_fingerprint(settings: Settings, gguf_sidecar: ExportSidecar, val_fps: list[str]) -> str:
-    # The sidecar's own fingerprint covers what the export was made from (vision source included).
-    return atomic.fingerprint({"gguf": [gguf_sidecar.sha256, gguf_sidecar.fingerprint], "val": val_fps,
-                               **report_settings(settings), "format": formats.EVAL_REPORT})
+def report_fingerprint(settings: Settings, gguf_fp: str, val_fps: list[str]) -> str:
+    # The export's fingerprint covers what it was made from (vision source included), and the export is
+    # deterministic, so it stands for the GGUF's bytes; it is known before the export runs (expected_fingerprints).
+    return atomic.fingerprint({"gguf": gguf_fp, "val": val_fps, **report_settings(settings),
+                               "format": formats.EVAL_REPORT})
 
 
 def stage_settings(settings: Settings) -> dict[str, dict]:
@@ -271,7 +273,7 @@ def project_status(paths: ProjectPaths, settings: Settings) -> list[StageState]:
         return out + [StageState("gguf", "stale", why)] + blocked_rest("gguf")
     out.append(StageState("gguf", "current"))
     report = paths.report_json(settings)
-    expected = report_fingerprint(settings, ExportSidecar.from_json(atomic.read_json(sidecar)),
+    expected = report_fingerprint(settings, recorded_fingerprint(sidecar),
                                   shard_fingerprints(paths, settings, materials, "val"))
     if recorded_fingerprint(report) == expected:
         out.append(StageState("eval_report", "current"))
@@ -332,3 +334,36 @@ def with_running(status: list[StageState], holder: dict | None) -> list[StageSta
     was = f"; was {now.state}" + (f": {now.detail}" if now.detail else "")
     shown = StageState(now.stage, "running", f"run {running['run_id'][:8]} of {running['job']}{was}")
     return [shown if s is now else s for s in status]
+
+
+def expected_fingerprints(paths: ProjectPaths, settings: Settings) -> dict[str, str]:
+    """Per stage, the fingerprint its result has when made now from these settings and the inputs on disk;
+    a stage is missing here while what it is computed from does not exist yet (no materials manifest,
+    no corpus).
+
+    These are the data versions Dagster sees for settings/<stage> (defs/settings.py): each fingerprint
+    chains the fingerprints of what its stage reads, so a change anywhere marks exactly the stages whose
+    results it changes, in the UI as in `status`, with no second copy of the graph. Every one is known
+    before its stage runs (the adapter's from the settings and the shards, not from training).
+    """
+    from gguf_assets.lib.materials import materials_settings_key
+
+    out = {"materials": atomic.fingerprint(materials_settings_key(settings))}
+    if not paths.materials_manifest.is_file():
+        return out
+    try:
+        materials = load_manifest(paths)
+    except (OSError, ValueError, TypeError, UserError):  # damaged: status says so, materials is redone
+        return out
+    out["corpus"] = corpus_fingerprint(paths, settings, materials)
+    if not all(paths.corpus_file(split).is_file() for split in SPLITS):
+        return out
+    shard_fps = {split: shard_fingerprints(paths, settings, materials, split) for split in SPLITS}
+    for split in SPLITS:
+        out[f"{split}_shards"] = atomic.fingerprint(shard_fps[split])
+    from gguf_assets.lib.training_run import training_fingerprint
+
+    out["adapter"] = training_fingerprint(settings, shard_fps["train"], shard_fps["val"])
+    out["gguf"] = gguf_fingerprint(settings, materials, out["adapter"])
+    out["eval_report"] = report_fingerprint(settings, out["gguf"], shard_fps["val"])
+    return out
