@@ -28,7 +28,7 @@ WORDS = ("a red fox", "under a bridge", "oil painting", "at dawn", "of a lightho
 
 BASELINE = """
 import gzip, resource, sys, time
-import gguf_assets.lib.corpus  # same imports as the build, so the RSS floors match
+import gguf_assets.lib.corpus.corpus  # same imports as the build, so the RSS floors match
 t = time.perf_counter()
 n = 0
 for name in sys.argv[1:]:
@@ -40,9 +40,9 @@ print(n, time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF).ru_ma
 
 BUILD = """
 import json, resource, sys, time
-from gguf_assets.lib.corpus import build_corpus
-from gguf_assets.lib.layout import ProjectPaths
-from gguf_assets.lib.settings import Settings, replace
+from gguf_assets.lib.corpus.corpus import build_corpus
+from gguf_assets.lib.project.layout import ProjectPaths
+from gguf_assets.lib.project.settings import Settings, replace
 project, train, val, datasets = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4])
 settings = replace(Settings(), materials={"student": "x"},
                    corpus={"train_prompts": train, "val_prompts": val, "max_chars": 2000})

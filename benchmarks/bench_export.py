@@ -22,8 +22,10 @@ import numpy as np
 import torch
 from safetensors.numpy import save_file
 
-from gguf_assets.lib import atomic, export, gguf_eval, gguf_format, train
-from gguf_assets.lib.adapter import MLP_RATIO, NORM_EPS, Adapter, AdapterShape
+from gguf_assets.lib.core import atomic
+from gguf_assets.lib.output import export, gguf_eval, gguf_format
+from gguf_assets.lib.training import train
+from gguf_assets.lib.training.adapter import MLP_RATIO, NORM_EPS, Adapter, AdapterShape
 
 
 def best_of(repeats: int, fn) -> float:

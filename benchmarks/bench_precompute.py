@@ -28,12 +28,12 @@ from pathlib import Path
 
 import torch
 
-from gguf_assets.lib.batching import fixed_batches, pack_batches, padding_efficiency
-from gguf_assets.lib.demo import build_demo_materials, demo_settings, iter_prompts
-from gguf_assets.lib.layout import ProjectPaths
-from gguf_assets.lib.settings import replace
-from gguf_assets.lib.shards import HALVES, ShardBuilder, ShardPlan
-from gguf_assets.lib.teacher import HFTeacher
+from gguf_assets.lib.precompute.batching import fixed_batches, pack_batches, padding_efficiency
+from gguf_assets.lib.precompute.shards import HALVES, ShardBuilder, ShardPlan
+from gguf_assets.lib.precompute.teacher import HFTeacher
+from gguf_assets.lib.project.demo import build_demo_materials, demo_settings, iter_prompts
+from gguf_assets.lib.project.layout import ProjectPaths
+from gguf_assets.lib.project.settings import replace
 
 LONG_FRACTION = 0.2
 LONG_TOKENS = (600, 1400)

@@ -1,7 +1,7 @@
 """Training quality: val centred cosine against CPU seconds, the current recipe vs variants.
 
 Two teacher/student pairs of different shapes are built locally with the demo builder
-(`lib/demo.py`: a random-weight Qwen3-MoE teacher with 256 query rows, a Qwen3 student, a
+(`lib/project/demo.py`: a random-weight Qwen3-MoE teacher with 256 query rows, a Qwen3 student, a
 few thousand prompts); pair A is the demo's own 48-wide student, pair B a 96-wide one. The
 corpus, the teacher targets and the student states come from the project's own code
 (`build_corpus`, `precompute_split`), the student states once per student layer. Every
@@ -50,20 +50,20 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
 
-from gguf_assets.lib import atomic, verify
-from gguf_assets.lib import train as train_module
-from gguf_assets.lib.adapter import Adapter, AdapterShape
-from gguf_assets.lib.corpus import build_corpus
-from gguf_assets.lib.demo import TEACHER_HIDDEN_SIZE, build_demo_materials, demo_settings
-from gguf_assets.lib.layout import STUDENT_FILE, ProjectPaths
-from gguf_assets.lib.materials import resolve_materials
-from gguf_assets.lib.pipeline import corpus_fingerprint
-from gguf_assets.lib.quiet import quiet_libraries
-from gguf_assets.lib.settings import Settings, replace, write_project_file
-from gguf_assets.lib.shards import plan_shards, precompute_split
-from gguf_assets.lib.train import train_adapter
-from gguf_assets.lib.train_data import read_half, shard_size
-from gguf_assets.lib.training_run import shards_identity, training_fingerprint
+from gguf_assets.lib.core import atomic, verify
+from gguf_assets.lib.core.quiet import quiet_libraries
+from gguf_assets.lib.corpus.corpus import build_corpus
+from gguf_assets.lib.materials.materials import resolve_materials
+from gguf_assets.lib.precompute.shards import plan_shards, precompute_split
+from gguf_assets.lib.project.demo import TEACHER_HIDDEN_SIZE, build_demo_materials, demo_settings
+from gguf_assets.lib.project.layout import STUDENT_FILE, ProjectPaths
+from gguf_assets.lib.project.pipeline import corpus_fingerprint
+from gguf_assets.lib.project.settings import Settings, replace, write_project_file
+from gguf_assets.lib.training import train as train_module
+from gguf_assets.lib.training.adapter import Adapter, AdapterShape
+from gguf_assets.lib.training.train import train_adapter
+from gguf_assets.lib.training.train_data import read_half, shard_size
+from gguf_assets.lib.training.training_run import shards_identity, training_fingerprint
 
 MARGIN = 0.01          # val centred cosine a variant must gain on every pair to be adopted
 CPU_TOLERANCE = 1.10   # "equal CPU time": at most this much of the current recipe's CPU seconds

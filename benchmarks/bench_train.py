@@ -27,18 +27,18 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from gguf_assets.lib import atomic
-from gguf_assets.lib.adapter import adapter_loss, lr_at, standardize
-from gguf_assets.lib.layout import (
+from gguf_assets.lib.core import atomic
+from gguf_assets.lib.core.safetensors_io import read_torch
+from gguf_assets.lib.project.layout import (
     PROMPTS_FILE,
     STUDENT_FILE,
     TEACHER_FILE,
     ProjectPaths,
 )
-from gguf_assets.lib.safetensors_io import read_torch
-from gguf_assets.lib.settings import Settings, Training
-from gguf_assets.lib.train import adapter_shape, build_model, train_adapter
-from gguf_assets.lib.train_data import SampleOrder, ShardStream, collate, shard_size, target_stats
+from gguf_assets.lib.project.settings import Settings, Training
+from gguf_assets.lib.training.adapter import adapter_loss, lr_at, standardize
+from gguf_assets.lib.training.train import adapter_shape, build_model, train_adapter
+from gguf_assets.lib.training.train_data import SampleOrder, ShardStream, collate, shard_size, target_stats
 
 
 def write_shards(folder: Path, *, shards: int, prompts: int, query_rows: int, target_dim: int, student_dim: int,
@@ -131,7 +131,7 @@ Path("/proc/self/clear_refs").write_text("5")
 import torch
 torch.set_num_threads(int(sys.argv[3]))
 from pathlib import Path
-from gguf_assets.lib.train_data import SampleOrder, ShardStream, shard_size
+from gguf_assets.lib.training.train_data import SampleOrder, ShardStream, shard_size
 folders = [Path(p) for p in json.loads(sys.argv[1])]
 batch = int(sys.argv[2])
 order = SampleOrder([shard_size(f) for f in folders], 0)

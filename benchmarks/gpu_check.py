@@ -36,15 +36,15 @@ from pathlib import Path
 
 import torch
 
-from gguf_assets.lib import atomic
-from gguf_assets.lib.corpus import build_corpus
-from gguf_assets.lib.demo import QUERY_ROWS_FILENAME, QUERY_ROWS_TENSOR, build_demo_materials, demo_settings
-from gguf_assets.lib.layout import ProjectPaths
-from gguf_assets.lib.materials import resolve_materials
-from gguf_assets.lib.pipeline import corpus_fingerprint
-from gguf_assets.lib.quiet import quiet_libraries
-from gguf_assets.lib.settings import Settings, replace, write_project_file
-from gguf_assets.lib.shards import plan_shards, precompute_split, require_current
+from gguf_assets.lib.core import atomic
+from gguf_assets.lib.core.quiet import quiet_libraries
+from gguf_assets.lib.corpus.corpus import build_corpus
+from gguf_assets.lib.materials.materials import resolve_materials
+from gguf_assets.lib.precompute.shards import plan_shards, precompute_split, require_current
+from gguf_assets.lib.project.demo import QUERY_ROWS_FILENAME, QUERY_ROWS_TENSOR, build_demo_materials, demo_settings
+from gguf_assets.lib.project.layout import ProjectPaths
+from gguf_assets.lib.project.pipeline import corpus_fingerprint
+from gguf_assets.lib.project.settings import Settings, replace, write_project_file
 
 GIB = 1 << 30
 AGREEMENT = 1e-3  # the numpy GGUF reader vs the torch checkpoint (the eval_report check's bound)
@@ -147,7 +147,7 @@ def check_precompute(paths, settings, materials, device, results) -> None:
         began = time.perf_counter()
         summary = _precompute(paths, chosen, materials)
         shard = plan_shards(paths, chosen, materials, "train")[0].folder(paths)
-        from gguf_assets.lib.train_data import read_half
+        from gguf_assets.lib.training.train_data import read_half
 
         targets = read_half(shard, "teacher")["targets"]
         hidden = read_half(shard, "student")["hidden"]
@@ -165,7 +165,7 @@ def check_oom_lowering(paths, settings, materials, device, results, caplog_recor
     if device.type != "cuda":
         results.append(Result("out-of-memory auto-lower", "SKIP", "needs CUDA"))
         return
-    from gguf_assets.lib.teacher import OOM_STEP_GIB
+    from gguf_assets.lib.precompute.teacher import OOM_STEP_GIB
 
     teacher = _teacher_gib(paths, settings)
     total = torch.cuda.get_device_properties(device).total_memory / GIB
@@ -188,10 +188,10 @@ def check_oom_lowering(paths, settings, materials, device, results, caplog_recor
 
 
 def check_training_and_export(paths, settings, materials, device, results) -> None:
-    from gguf_assets.lib.export import export_adapter
-    from gguf_assets.lib.gguf_eval import evaluate_gguf
-    from gguf_assets.lib.pipeline import adapter_fingerprint
-    from gguf_assets.lib.train import train_adapter
+    from gguf_assets.lib.output.export import export_adapter
+    from gguf_assets.lib.output.gguf_eval import evaluate_gguf
+    from gguf_assets.lib.project.pipeline import adapter_fingerprint
+    from gguf_assets.lib.training.train import train_adapter
 
     folders = {split: require_current(paths, settings, materials, split) for split in ("train", "val")}
     fingerprint = adapter_fingerprint(paths, settings, materials)

@@ -10,15 +10,15 @@ import time
 from pathlib import Path
 
 from gguf_assets import DEFINITIONS_MODULE
-from gguf_assets.lib.curves_log import TENSORBOARD_DIR, TENSORBOARD_URL_ENV
-from gguf_assets.lib.layout import ProjectPaths
-from gguf_assets.lib.settings import (
+from gguf_assets.lib.project.layout import ProjectPaths
+from gguf_assets.lib.project.settings import (
     SECTION_HINTS,
     Settings,
     SettingsError,
     load_settings,
     write_project_file,
 )
+from gguf_assets.lib.telemetry.curves_log import TENSORBOARD_DIR, TENSORBOARD_URL_ENV
 
 INIT_HEADER = """gguf_assets project settings. Every key is documented in docs/settings.md.
 Materials are hub repo ids (owner/name, optionally @revision) or local folders (relative to this folder).
@@ -42,8 +42,8 @@ def cmd_init(args: argparse.Namespace) -> int:
 
 
 def _print_status(paths: ProjectPaths) -> None:
-    from gguf_assets.lib.lock import holder
-    from gguf_assets.lib.pipeline import project_status, with_running
+    from gguf_assets.lib.core.lock import holder
+    from gguf_assets.lib.project.pipeline import project_status, with_running
 
     for s in with_running(project_status(paths, load_settings(paths.root)), holder(paths.lock_file)):
         print(f"  {s.stage:<12} {s.state:<8} {s.detail}")
@@ -115,7 +115,7 @@ def _run(paths: ProjectPaths, *, workers: int = 1) -> int:
 
 
 def _where_stopped(paths: ProjectPaths) -> str:
-    from gguf_assets.lib.pipeline import where_stopped
+    from gguf_assets.lib.project.pipeline import where_stopped
 
     try:
         return where_stopped(paths, load_settings(paths.root))
@@ -124,7 +124,7 @@ def _where_stopped(paths: ProjectPaths) -> str:
 
 
 def _print_results(paths: ProjectPaths) -> None:
-    from gguf_assets.lib import atomic
+    from gguf_assets.lib.core import atomic
 
     settings = load_settings(paths.root)
     report_file = paths.report_json(settings)
@@ -163,7 +163,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from gguf_assets.lib.demo import DEMO_STEPS, build_demo_materials, demo_settings
+    from gguf_assets.lib.project.demo import DEMO_STEPS, build_demo_materials, demo_settings
 
     start = time.perf_counter()
     paths = ProjectPaths.of(args.project)
@@ -385,9 +385,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:  # library errors already name the file/key and the fix
-        from gguf_assets.lib.lock import ProjectLocked
-        from gguf_assets.lib.materials import MaterialsError
-        from gguf_assets.lib.prompt_files import CorpusError
+        from gguf_assets.lib.core.lock import ProjectLocked
+        from gguf_assets.lib.corpus.prompt_files import CorpusError
+        from gguf_assets.lib.materials.materials import MaterialsError
 
         if isinstance(exc, (CorpusError, MaterialsError, ProjectLocked)):
             print(f"error: {exc}", file=sys.stderr)

@@ -19,7 +19,7 @@ from gguf_assets.defs.precompute import SHARD_CHECKS
 from gguf_assets.defs.resources import ProjectResource
 from gguf_assets.defs.resume import interrupted_runs_sensor, resume_sensor
 from gguf_assets.defs.settings import SETTINGS_ASSETS
-from gguf_assets.lib.settings import PROJECT_FILE, SettingsError, load_settings
+from gguf_assets.lib.project.settings import PROJECT_FILE, SettingsError, load_settings
 
 
 def build_definitions(project_dir: str | None) -> dg.Definitions:

@@ -6,7 +6,7 @@ A test fails when the committed file differs from what this generates, so it can
 import sys
 from pathlib import Path
 
-from gguf_assets.lib.settings import settings_reference_markdown
+from gguf_assets.lib.project.settings import settings_reference_markdown
 
 SETTINGS_DOC = Path(__file__).resolve().parent.parent / "docs" / "settings.md"
 

@@ -1,7 +1,7 @@
 """`gguf-trainer run`: a thin client of the project's Dagster instance.
 
 What is left to do is decided by one function, defs/plan.py's ``next_work``, from the project
-status (the fingerprints in lib/pipeline.py): the next named job (defs/jobs.py) and the shard
+status (the fingerprints in lib/project/pipeline.py): the next named job (defs/jobs.py) and the shard
 partitions it covers. `run` executes those jobs in-process until nothing is left; the daemon's
 resume sensor (defs/resume.py) requests the very same jobs, one at a time.
 """
@@ -22,11 +22,12 @@ from pathlib import Path
 from gguf_assets import DEFINITIONS_MODULE
 from gguf_assets.defs.plan import Work, next_work, split_range
 from gguf_assets.defs.run_tags import LEADER_TAG, RANGE_START_TAG, STOPPED_TAG, WORKER_TAG  # noqa: F401
-from gguf_assets.lib import atomic, settings_history
-from gguf_assets.lib.layout import ProjectPaths
-from gguf_assets.lib.lock import ProjectLock
-from gguf_assets.lib.pipeline import StageState, project_status
-from gguf_assets.lib.settings import Settings, load_settings
+from gguf_assets.lib.core import atomic
+from gguf_assets.lib.core.lock import ProjectLock
+from gguf_assets.lib.project import settings_history
+from gguf_assets.lib.project.layout import ProjectPaths
+from gguf_assets.lib.project.pipeline import StageState, project_status
+from gguf_assets.lib.project.settings import Settings, load_settings
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ def prepare_instance(paths: ProjectPaths) -> Path:
 def size_gpu_pool(instance) -> int:
     """One `gpu` pool slot per GPU (1 on a CPU machine), so queued GPU runs never share a card."""
     from gguf_assets.defs.precompute import GPU_POOL
-    from gguf_assets.lib.hardware import gpu_snapshot
+    from gguf_assets.lib.telemetry.hardware import gpu_snapshot
 
     slots = max(1, len(gpu_snapshot()))
     instance.event_log_storage.set_concurrency_slots(GPU_POOL, slots)
@@ -222,7 +223,7 @@ def run_pipeline(paths: ProjectPaths, *, echo: Callable[[str], None] = print, wo
     """Materialize everything missing or stale through the project's Dagster instance; returns the final status.
 
     ``workers`` > 1 runs each split's shards as that many Dagster runs at once, launched by the
-    instance's run launcher; they share this pipeline's project lock (lib/lock.py).
+    instance's run launcher; they share this pipeline's project lock (lib/core/lock.py).
     """
     prepare_instance(paths)
     import dagster as dg
@@ -245,7 +246,7 @@ def run_pipeline(paths: ProjectPaths, *, echo: Callable[[str], None] = print, wo
         settings_history.remember(paths.root, settings)
         observe_settings(instance, settings, paths)  # the UI's stale marks follow project.yaml as of now
         # A typo in a prompt file path should fail in seconds, not after a teacher download.
-        from gguf_assets.lib.prompt_files import check_prompt_files
+        from gguf_assets.lib.corpus.prompt_files import check_prompt_files
 
         check_prompt_files(paths, settings)
         done: set[Work] = set()
@@ -281,7 +282,7 @@ def run_pipeline(paths: ProjectPaths, *, echo: Callable[[str], None] = print, wo
 def _tell_about_edits(paths: ProjectPaths, settings: Settings, instance, echo: Callable[[str], None]) -> None:
     """project.yaml edited while the pipeline ran: say so, and let the UI's stale marks follow the edit."""
     from gguf_assets.defs.settings import observe_settings
-    from gguf_assets.lib.settings import SettingsError
+    from gguf_assets.lib.project.settings import SettingsError
 
     try:
         now = load_settings(paths.root)

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from gguf_assets.lib.demo import build_demo_materials, demo_settings
-from gguf_assets.lib.layout import ProjectPaths
-from gguf_assets.lib.settings import Settings, replace, write_project_file
+from gguf_assets.lib.project.demo import build_demo_materials, demo_settings
+from gguf_assets.lib.project.layout import ProjectPaths
+from gguf_assets.lib.project.settings import Settings, replace, write_project_file
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,7 @@
 """A loopback Hugging Face hub: a stdlib HTTP server on 127.0.0.1 that speaks the hub protocol.
 
 It serves repos built from local folders, so the real ``huggingface_hub`` client (and with it
-``gguf_assets.lib.hub``) talks to it exactly as to huggingface.co once ``HF_ENDPOINT`` points here.
+``gguf_assets.lib.materials.hub``) talks to it exactly as to huggingface.co once ``HF_ENDPOINT`` points here.
 
 Endpoints, as huggingface_hub 2.4 calls them:
 

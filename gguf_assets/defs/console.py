@@ -18,7 +18,7 @@ from gguf_assets.defs.private_api import LOG_RECORD_METADATA_ATTR
 def user_message(error) -> str:
     """One line for a failed step's error (a SerializableErrorInfo): the message alone for a
     UserError, whose message names the fix; the type and message for anything else (a bug)."""
-    from gguf_assets.lib.errors import user_error_names
+    from gguf_assets.lib.core.errors import user_error_names
 
     error = error.cause or error
     text = error.message.strip()

@@ -3,9 +3,9 @@
 import os
 from pathlib import Path
 
-from gguf_assets.lib.errors import UserError
-from gguf_assets.lib.layout import ProjectPaths
-from gguf_assets.lib.settings import PROJECT_FILE
+from gguf_assets.lib.core.errors import UserError
+from gguf_assets.lib.project.layout import ProjectPaths
+from gguf_assets.lib.project.settings import PROJECT_FILE
 
 PROJECT_ENV = "GGUF_ASSETS_PROJECT"
 HF_TOKEN_ENV = "HF_TOKEN"

@@ -11,25 +11,25 @@ from gguf_assets.defs.precompute import val_shards
 from gguf_assets.defs.resources import ProjectResource
 from gguf_assets.defs.settings import settings_key
 from gguf_assets.defs.training import adapter
-from gguf_assets.lib import atomic
-from gguf_assets.lib.export import export_adapter
-from gguf_assets.lib.gguf_eval import evaluate_gguf
-from gguf_assets.lib.materials import load_manifest
-from gguf_assets.lib.pipeline import (
-    export_sidecar,
-    gguf_path,
-    report_fingerprint,
-    shard_fingerprints,
-)
-from gguf_assets.lib.report import (
+from gguf_assets.lib.core import atomic
+from gguf_assets.lib.materials.materials import load_manifest
+from gguf_assets.lib.output.export import export_adapter
+from gguf_assets.lib.output.gguf_eval import evaluate_gguf
+from gguf_assets.lib.output.report import (
     build_report,
     render_evaluation,
     render_files,
     render_markdown,
     render_use_in_ggk,
 )
-from gguf_assets.lib.shards import require_current
-from gguf_assets.lib.verdict import GOOD
+from gguf_assets.lib.output.verdict import GOOD
+from gguf_assets.lib.precompute.shards import require_current
+from gguf_assets.lib.project.pipeline import (
+    export_sidecar,
+    gguf_path,
+    report_fingerprint,
+    shard_fingerprints,
+)
 
 
 @dg.asset(group_name=groups.OUTPUT, deps=[adapter, materials, settings_key("gguf")],

@@ -2,7 +2,7 @@
 
 import dagster as dg
 
-from gguf_assets.lib.layout import SPLITS, shard_key
+from gguf_assets.lib.project.layout import SPLITS, shard_key
 
 TRAIN_SHARDS = dg.DynamicPartitionsDefinition(name="train_shards")
 VAL_SHARDS = dg.DynamicPartitionsDefinition(name="val_shards")

@@ -4,7 +4,7 @@ One run covers a range of shards (single-run backfill policy) so thousands of sh
 mean thousands of runs. Each shard partition gets one materialization per run, carrying that
 shard's own figures (prompts, tokens, seconds, prompts/s, truncations, device map, hardware);
 while the run goes, progress and live hardware arrive as observations. A killed run loses no
-shard it finished: the planner goes by the files (lib/shards.py), and the next run records it.
+shard it finished: the planner goes by the files (lib/precompute/shards.py), and the next run records it.
 """
 
 import math
@@ -16,10 +16,10 @@ from gguf_assets.defs.corpus import corpus
 from gguf_assets.defs.partitions import TRAIN_SHARDS, VAL_SHARDS
 from gguf_assets.defs.resources import ProjectResource
 from gguf_assets.defs.settings import settings_key
-from gguf_assets.lib import atomic
-from gguf_assets.lib.materials import load_manifest
-from gguf_assets.lib.render import markdown_table
-from gguf_assets.lib.shards import plan_shards, precompute_split, shard_status
+from gguf_assets.lib.core import atomic
+from gguf_assets.lib.materials.materials import load_manifest
+from gguf_assets.lib.precompute.shards import plan_shards, precompute_split, shard_status
+from gguf_assets.lib.telemetry.render import markdown_table
 
 GPU_POOL = "gpu"
 

@@ -6,8 +6,8 @@ import dagster as dg
 from pydantic import Field, PrivateAttr
 
 from gguf_assets.defs.environment import HF_TOKEN_ENV, PROJECT_ENV, project_dir_from_env
-from gguf_assets.lib.layout import ProjectPaths
-from gguf_assets.lib.settings import Settings, load_settings
+from gguf_assets.lib.project.layout import ProjectPaths
+from gguf_assets.lib.project.settings import Settings, load_settings
 
 
 class HubResource(dg.ConfigurableResource):

@@ -15,8 +15,8 @@ import psutil
 
 from gguf_assets.defs import run_tags
 from gguf_assets.defs.run_tags import INTERRUPTED_TAG, PIPELINE_TAG, SETTINGS_TAG, STOPPED_TAG
-from gguf_assets.lib import settings_history
-from gguf_assets.lib.liveness import holder_is_gone
+from gguf_assets.lib.core.liveness import holder_is_gone
+from gguf_assets.lib.project import settings_history
 
 ACTIVE = [dg.DagsterRunStatus.STARTED, dg.DagsterRunStatus.STARTING, dg.DagsterRunStatus.CANCELING]
 
@@ -91,9 +91,9 @@ def resume_decision(instance: dg.DagsterInstance) -> dg.RunRequest | dg.SkipReas
     from gguf_assets.defs.jobs import CONSOLE
     from gguf_assets.defs.plan import next_work
     from gguf_assets.defs.settings import observe_settings
-    from gguf_assets.lib.layout import ProjectPaths
-    from gguf_assets.lib.lock import is_locked
-    from gguf_assets.lib.settings import SettingsError, load_settings
+    from gguf_assets.lib.core.lock import is_locked
+    from gguf_assets.lib.project.layout import ProjectPaths
+    from gguf_assets.lib.project.settings import SettingsError, load_settings
 
     marked = mark_interrupted_runs(instance)
     folder = project_dir_from_env()

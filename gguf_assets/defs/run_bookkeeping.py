@@ -17,11 +17,11 @@ import dagster as dg
 from gguf_assets.defs import run_tags
 from gguf_assets.defs.resume import mark_interrupted_runs
 from gguf_assets.defs.settings import observe_settings
-from gguf_assets.lib import settings_history
-from gguf_assets.lib.layout import ProjectPaths
-from gguf_assets.lib.liveness import boot_id, process_started
-from gguf_assets.lib.lock import ProjectLock
-from gguf_assets.lib.settings import Settings, load_settings
+from gguf_assets.lib.core.liveness import boot_id, process_started
+from gguf_assets.lib.core.lock import ProjectLock
+from gguf_assets.lib.project import settings_history
+from gguf_assets.lib.project.layout import ProjectPaths
+from gguf_assets.lib.project.settings import Settings, load_settings
 
 
 def run_settings(paths: ProjectPaths, run: dg.DagsterRun | None) -> Settings:

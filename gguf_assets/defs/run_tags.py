@@ -22,7 +22,7 @@ PID_STARTED_TAG = f"{_HIDDEN}pid_started"
 BOOT_TAG = f"{_HIDDEN}boot_id"
 # On the worker runs of `gguf-trainer run --workers N`: the pid of the pipeline that launched them.
 LEADER_TAG = f"{_HIDDEN}leader_pid"
-# The hash of the settings snapshot a run executed under (lib/settings_history.py).
+# The hash of the settings snapshot a run executed under (lib/project/settings_history.py).
 SETTINGS_TAG = f"{_HIDDEN}settings"
 # On the runs of a pipeline (`gguf-trainer run`, the resume sensor): "finish the pipeline under this
 # settings snapshot" (its hash); every job of it loads that snapshot, and the resume sensor continues it.

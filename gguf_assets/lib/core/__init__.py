@@ -1,0 +1,1 @@
+"""Building blocks every stage uses: atomic writes, the folder lock, stamps, liveness, fault points, errors."""

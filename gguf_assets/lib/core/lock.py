@@ -1,0 +1,202 @@
+"""One pipeline per project folder: an flock on <project>/.pipeline.lock.
+
+The kernel drops an flock when its holder dies, so a lock left by a killed process is
+taken over without any guessing about stale pids; the pid, start time and Dagster run
+written into the file are only there to tell the user who holds it.
+
+A worker of the holder's own pipeline (a Dagster run that `gguf-trainer run --workers N`
+launched through the run launcher) joins its pipeline when it names the holder's pid and that
+process is one of its ancestors. Nothing secret is written anywhere; an unrelated process,
+or any other descendant (a run launched from a UI that the holder started), is refused.
+
+A worker holds a lock of its own, a shared flock on <project>/.pipeline.workers.lock, for as
+long as it writes: its leader may die first (a kill -9 of `gguf-trainer run` leaves the worker
+runs computing under their code server), and a new pipeline must then be refused until the last
+worker is done, or two teachers would run at once. A new pipeline takes that file exclusively
+for a moment, which only succeeds once no worker of an earlier one holds it.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import fcntl
+import json
+import os
+from pathlib import Path
+
+import psutil
+
+from gguf_assets.lib.core.errors import UserError
+
+
+class ProjectLocked(UserError, RuntimeError):
+    pass
+
+
+WORKERS_SUFFIX = ".workers"  # .pipeline.lock -> .pipeline.workers.lock
+
+
+def workers_file(lock_file: Path) -> Path:
+    return lock_file.with_name(lock_file.stem + WORKERS_SUFFIX + lock_file.suffix)
+
+
+# Lock files this process holds, with a nesting count: the CLI holds the lock for a whole
+# `run`, and each Dagster run (which may execute in that same process) takes it again; the
+# records the nested takers replaced, to put back when they leave.
+_held: dict[Path, list] = {}  # path -> [fd, nesting count, [records replaced]]
+
+
+def _is_ancestor(pid: int) -> bool:
+    try:
+        return any(parent.pid == pid for parent in psutil.Process().parents())
+    except psutil.Error:
+        return False
+
+
+class ProjectLock:
+    """Exclusive lock on a project folder; ``describe`` is shown to whoever is refused (e.g. the run).
+
+    ``running`` ({run_id, job, assets}) says which Dagster run executes now; `status` reads it
+    (``holder``) to show those stages as running. A nested taker in the same process (the run
+    inside `gguf-trainer run`) records its own while it holds the lock.
+    """
+
+    def __init__(self, lock_file: Path, *, describe: str = "", leader_pid: int | None = None,
+                 running: dict | None = None) -> None:
+        self.lock_file = Path(lock_file).resolve()
+        self.describe = describe
+        self.leader_pid = leader_pid
+        self.running = running
+        self.shared_with: int | None = None  # the ancestor pid whose pipeline this process joined
+        self._worker_fd: int | None = None  # the shared flock a worker holds on the workers file
+
+    def __enter__(self) -> "ProjectLock":
+        if self.lock_file in _held:
+            entry = _held[self.lock_file]
+            entry[1] += 1
+            previous = _read_holder(entry[0])
+            entry[2].append(previous)
+            if self.running is not None:
+                _write_holder(entry[0], {**previous, "running": self.running})
+            return self
+        self.lock_file.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.lock_file, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _read_holder(fd)
+            os.close(fd)
+            pid = int(holder.get("pid", -1))
+            if pid > 0 and pid == self.leader_pid and _is_ancestor(pid):
+                self._worker_fd = _flock(workers_file(self.lock_file), fcntl.LOCK_SH)
+                if self._worker_fd is not None:
+                    self.shared_with = pid
+                    return self
+            what = f", {holder['what']}" if holder.get("what") else ""
+            raise ProjectLocked(
+                f"{self.lock_file.parent} is in use by another pipeline (pid {holder.get('pid', '?')}, started "
+                f"{holder.get('started', '?')}{what}). Wait for it to finish or stop it; two pipelines must not "
+                "write the same project folder.") from None
+        if self.leader_pid is not None:  # a worker whose leader is gone never leads a pipeline of its own
+            os.close(fd)
+            raise ProjectLocked(
+                f"the pipeline that launched this worker run (pid {self.leader_pid}) is gone, so the run stops "
+                f"before writing {self.lock_file.parent}; `gguf-trainer run` continues the work.")
+        workers = _flock(workers_file(self.lock_file), fcntl.LOCK_EX)
+        if workers is None:  # workers of an earlier pipeline, whose leader is gone, still write
+            earlier = _read_holder(fd)
+            os.close(fd)
+            what = f", {earlier['what']}" if earlier.get("what") else ""
+            raise ProjectLocked(
+                f"{self.lock_file.parent} is still written by the worker runs of an earlier pipeline (pid "
+                f"{earlier.get('pid', '?')}, started {earlier.get('started', '?')}{what}), which is gone. Wait for "
+                "them to finish (they keep their shards), or stop them with Terminate in the Dagster UI; two "
+                "pipelines must not write the same project folder.")
+        fcntl.flock(workers, fcntl.LOCK_UN)  # only a check: this pipeline's own workers share it
+        os.close(workers)
+        record = {"pid": os.getpid(), "started": dt.datetime.now().isoformat(timespec="seconds"), "what": self.describe}
+        _write_holder(fd, {**record, "running": self.running} if self.running else record)
+        _held[self.lock_file] = [fd, 1, []]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.shared_with is not None:
+            if self._worker_fd is not None:
+                fcntl.flock(self._worker_fd, fcntl.LOCK_UN)
+                os.close(self._worker_fd)
+                self._worker_fd = None
+            return
+        entry = _held.get(self.lock_file)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[2]:
+            _write_holder(entry[0], entry[2].pop())
+        if entry[1] == 0:
+            del _held[self.lock_file]
+            fcntl.flock(entry[0], fcntl.LOCK_UN)
+            os.close(entry[0])
+
+
+def _flock(path: Path, mode: int) -> int | None:
+    """An open fd holding ``mode`` (shared or exclusive) on ``path``, or None if that is held otherwise now."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, mode | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def is_locked(lock_file: Path) -> bool:
+    """True while some process holds the lock (this one included), or a worker still writes; takes nothing."""
+    lock_file = Path(lock_file).resolve()
+    if lock_file in _held:
+        return True
+    if workers_file(lock_file).is_file():
+        workers = _flock(workers_file(lock_file), fcntl.LOCK_EX)
+        if workers is None:
+            return True
+        fcntl.flock(workers, fcntl.LOCK_UN)
+        os.close(workers)
+    try:
+        fd = os.open(lock_file, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
+def holder(lock_file: Path) -> dict | None:
+    """Who holds the lock now ({pid, started, what[, running]}), or None when nobody does."""
+    if not is_locked(lock_file):
+        return None
+    try:
+        fd = os.open(Path(lock_file).resolve(), os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        return _read_holder(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_holder(fd: int, record: dict) -> None:
+    data = json.dumps(record).encode()
+    os.pwrite(fd, data, 0)
+    os.ftruncate(fd, len(data))
+    os.fsync(fd)
+
+
+def _read_holder(fd: int) -> dict:
+    try:
+        return json.loads(os.pread(fd, 4096, 0).decode() or "{}")
+    except (OSError, ValueError):
+        return {}

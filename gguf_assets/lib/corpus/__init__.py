@@ -1,0 +1,1 @@
+"""The corpus: prompt file readers; clean, dedupe, split."""

@@ -1,0 +1,1 @@
+"""Materials: hub downloads and the pinned materials manifest."""

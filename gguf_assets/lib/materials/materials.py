@@ -1,0 +1,407 @@
+"""Materials: teacher, student, prompt datasets and the optional vision encoder.
+
+Each source is a local folder or a hub repo id (``owner/name``, optionally ``@revision``). Every
+resolved source is pinned: a hub download to the commit it resolved to, a local folder to a
+content hash of its files. Downstream fingerprints use that pin, so an edited teacher folder makes
+its targets stale instead of being silently reused.
+
+Hub repos are downloaded into ``materials/hub/`` (layout in ``gguf_assets.lib.materials.hub``), only the
+files needed: config, tokenizer and safetensors weights (plus the query rows file of the teacher
+and a vision encoder's preprocessor config) for models, data files for datasets. The commit is
+recorded in ``materials/manifest.json``; a later run reuses that commit, never a moved branch,
+until the configured source (for example its ``@revision``) changes.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from gguf_assets.lib.core import atomic, verify
+from gguf_assets.lib.core.errors import UserError
+from gguf_assets.lib.core.safetensors_io import safetensors_header
+from gguf_assets.lib.materials import hub
+from gguf_assets.lib.precompute.teacher_choice import teacher_choice
+from gguf_assets.lib.project import settings_history
+from gguf_assets.lib.project.layout import ProjectPaths
+from gguf_assets.lib.project.manifests import MODEL_ROLES, MaterialsManifest
+from gguf_assets.lib.project.settings import Settings
+
+log = logging.getLogger(__name__)
+
+# What a model needs besides its weights: config, tokenizer, generation and preprocessor configs.
+MODEL_META_SUFFIXES = (".json", ".txt", ".model", ".tiktoken", ".jinja")
+WEIGHTS_SUFFIX = ".safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+REMOTE_CODE_SUFFIX = ".py"
+DATA_SUFFIXES = (".parquet", ".jsonl", ".json", ".csv", ".txt", ".jsonl.gz", ".json.gz", ".csv.gz", ".txt.gz")
+DATASET_METADATA_FILES = {"dataset_info.json", "dataset_infos.json", "dataset_dict.json", "state.json"}
+
+
+class MaterialsError(UserError, RuntimeError):
+    """A source that cannot be used; the message names it and the fix."""
+
+
+@dataclass(frozen=True)
+class Material:
+    role: str
+    source: str
+    path: str
+    commit: str
+    files: int
+    bytes: int
+    text_field: str | None = None
+    origin: str = "local"  # local | hub
+
+
+def _hash_local_folder(folder: Path, cache: dict) -> tuple[str, int, int, dict]:
+    """Content hash of a folder; a file's sha256 is reused while its stamp (size, mtime, inode) matches."""
+    entries, new_cache, total = [], {}, 0
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and not p.name.startswith(atomic.TEMP_PREFIX))
+    for file in files:
+        rel = file.relative_to(folder).as_posix()
+        cached = cache.get(rel)
+        entry = cached if cached and verify.stamp_matches(file, cached) else verify.record(file)
+        new_cache[rel] = entry
+        entries.append((rel, entry["sha256"]))
+        total += entry["bytes"]
+    return "local:" + atomic.fingerprint(entries), len(files), total, new_cache
+
+
+def _check_model_folder(role: str, source: str, folder: Path, settings: Settings) -> None:
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise MaterialsError(f"materials.{role} = {source!r}: {folder} has no config.json; point it at a "
+                             "transformers model folder (config, tokenizer and *.safetensors).")
+    weights = list(folder.glob("*.safetensors"))
+    if not weights:
+        pickles = list(folder.glob("*.bin")) + list(folder.glob("*.pt")) + list(folder.glob("*.pth"))
+        hint = (" It has only pickle weights, which are refused because loading them can run code; "
+                "convert them to safetensors first.") if pickles else ""
+        raise MaterialsError(f"materials.{role} = {source!r}: no *.safetensors weights in {folder}.{hint}")
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    if config.get("auto_map") and not settings.materials.trust_remote_code:
+        raise MaterialsError(f"materials.{role} = {source!r} needs remote code (config.json has auto_map). "
+                             "It is refused by default; set materials.trust_remote_code: true only if you trust it.")
+    for file in sorted(weights):  # headers only: a truncated file fails here, not deep inside a load
+        try:
+            safetensors_header(file)
+        except ValueError as exc:
+            raise MaterialsError(f"materials.{role} = {source!r}: {exc}. Copy or download that file again "
+                                 "(a hub download is checked and fetched again by `gguf-trainer run`).") from None
+    _check_tokenizer_fits(role, source, folder, config)
+
+
+def _check_tokenizer_fits(role: str, source: str, folder: Path, config: dict) -> None:
+    """Token ids index the embedding table: a tokenizer larger than it fails later as an IndexError."""
+    tokenizer_file = folder / "tokenizer.json"
+    vocab = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+    if not tokenizer_file.is_file() or not isinstance(vocab, int):
+        return
+    from tokenizers import Tokenizer
+
+    tokens = Tokenizer.from_file(str(tokenizer_file)).get_vocab_size(with_added_tokens=True)
+    if tokens > vocab:
+        raise MaterialsError(f"materials.{role} = {source!r}: its tokenizer ({tokenizer_file}) has {tokens} tokens, "
+                             f"but config.json's vocab_size (the embedding rows) is {vocab}, so token ids from "
+                             f"{vocab} up have no embedding. Use the tokenizer that belongs to this model.")
+
+
+def _resolve_local(role: str, source: str, local: Path, settings: Settings, cache: dict,
+                   text_field: str | None) -> tuple[Material, dict]:
+    if role in MODEL_ROLES:
+        _check_model_folder(role, source, local, settings)
+    commit, files, size, new_cache = _hash_local_folder(local if local.is_dir() else local.parent,
+                                                        cache.get(str(local), {}))
+    return Material(role, source, str(local), commit, files, size, text_field), {str(local): new_cache}
+
+
+def _selection_key(role: str, settings: Settings) -> str:
+    """What decides which files of a repo are fetched; a snapshot made under another key is topped up."""
+    m = settings.materials
+    return atomic.fingerprint([role, m.query_rows_file if role == "teacher" else None, m.trust_remote_code])
+
+
+def _select_model_files(role: str, source: str, listing: hub.Listing, settings: Settings,
+                        *, needs_query_rows: bool) -> tuple[list[str], list[str]]:
+    """(small files, weight files) of a model repo; refuses what cannot be used before any download."""
+    top = [p for p in listing.files if "/" not in p]
+    query_rows = settings.materials.query_rows_file
+    weights = sorted(p for p in top if p.endswith(WEIGHTS_SUFFIX) and p != query_rows)
+    if not weights:
+        pickles = sorted(p for p in top if p.endswith(PICKLE_SUFFIXES))
+        if pickles:
+            raise MaterialsError(f"materials.{role} = {source!r} has only pickle weights ({', '.join(pickles[:4])}), "
+                                 "which are refused because loading them can run code. Use a repo or revision "
+                                 "with *.safetensors weights, or convert them and point at the local folder.")
+        raise MaterialsError(f"materials.{role} = {source!r}: the repo has no *.safetensors weights at its top "
+                             f"level (files: {', '.join(sorted(listing.files)[:8]) or 'none'}). Point it at a "
+                             "transformers model repo.")
+    meta = sorted(p for p in top if p.endswith(MODEL_META_SUFFIXES))
+    if "config.json" not in listing.files:
+        raise MaterialsError(f"materials.{role} = {source!r}: the repo has no config.json; point it at a "
+                             "transformers model repo (config, tokenizer and *.safetensors).")
+    if needs_query_rows:
+        if query_rows not in listing.files:
+            candidates = sorted(p for p in listing.files if p.endswith(WEIGHTS_SUFFIX))
+            raise MaterialsError(f"materials.query_rows_file = {query_rows!r} is not in the teacher repo {source!r} "
+                                 f"at {listing.commit[:12]}. Its safetensors files: {', '.join(candidates) or 'none'}. "
+                                 "Set materials.query_rows_file (and query_rows_tensor) to the file holding the "
+                                 "Q x hidden_size query rows.")
+        meta.append(query_rows)
+    return meta, weights
+
+
+def _refine_model_files(role: str, source: str, folder: Path, listing: hub.Listing, settings: Settings,
+                        weights: list[str]) -> tuple[list[str], list[str]]:
+    """After the small files are in: refuse remote code, and fetch only the shards the index names."""
+    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    extra: list[str] = []
+    if config.get("auto_map"):
+        if not settings.materials.trust_remote_code:
+            raise MaterialsError(f"materials.{role} = {source!r} needs remote code (config.json has auto_map). It "
+                                 "is refused by default; set materials.trust_remote_code: true only if you trust it.")
+        extra = sorted(p for p in listing.files if "/" not in p and p.endswith(REMOTE_CODE_SUFFIX))
+    if (folder / WEIGHTS_INDEX).is_file():
+        named = sorted(set(json.loads((folder / WEIGHTS_INDEX).read_text(encoding="utf-8"))["weight_map"].values()))
+        missing = [p for p in named if p not in listing.files]
+        if missing:
+            raise MaterialsError(f"materials.{role} = {source!r}: {WEIGHTS_INDEX} names shards the repo does not "
+                                 f"have ({', '.join(missing[:4])}). Pin a revision whose upload is complete.")
+        weights = named
+    return extra, weights
+
+
+def _select_dataset_files(source: str, listing: hub.Listing) -> list[str]:
+    files = sorted(p for p in listing.files if p.endswith(DATA_SUFFIXES)
+                   and p.rsplit("/", 1)[-1] not in DATASET_METADATA_FILES)
+    if not files:
+        raise MaterialsError(f"materials.datasets: {source!r} has no data files ({', '.join(DATA_SUFFIXES)}) at "
+                             f"{listing.commit[:12]}; its files: {', '.join(sorted(listing.files)[:8]) or 'none'}.")
+    return files
+
+
+def _resolve_hub(role: str, source: str, paths: ProjectPaths, settings: Settings, cache: dict, *,
+                 pinned: str | None, text_field: str | None, token: str | None,
+                 options: hub.HubOptions) -> tuple[Material, dict, dict]:
+    ref = hub.RepoRef.parse(source, kind="dataset" if role == "datasets" else "model")
+    root = paths.materials_dir / hub.HUB_DIR
+    selection = _selection_key(role, settings)
+    label = f"materials.{role} = {source!r}"
+    report = {"source": source, "network": False, "downloaded_bytes": 0, "seconds": 0.0, "refetched": 0}
+    try:
+        if pinned and hub.record_selection(root, ref, pinned) == selection:
+            # A finished snapshot: check it against its record, offline; re-fetch only what changed.
+            listing = hub.read_record(root, ref, pinned)
+            folder = hub.snapshot_dir(root, ref, pinned)
+            bad, verified = hub.verify(folder, listing, cache.get(str(folder), {}))
+            if bad:
+                log.warning("%s: %s changed on disk since download; fetching again from %s",
+                            label, ", ".join(bad), pinned[:12])
+                report["network"] = True
+                hub.remove_orphans(folder, listing)
+                hub.check_disk(folder, ref, listing.subset(bad), reserve_bytes=options.disk_reserve_bytes)
+                fixed, stats = hub.download(ref, listing.subset(bad), folder, token=token, options=options)
+                verified.update(fixed)
+                report.update(downloaded_bytes=stats.downloaded_bytes, seconds=stats.seconds,
+                              refetched=stats.refetched + len(bad))
+                hub.finish(folder, root, ref, listing, selection=selection)
+        else:
+            report["network"] = True
+            full = hub.list_repo(ref, revision=pinned, token=token, options=options)
+            folder = hub.snapshot_dir(root, ref, full.commit)
+            needs_query_rows = role == "teacher" and teacher_choice(settings).loads_teacher_model
+            if role == "datasets":
+                meta, weights = [], _select_dataset_files(source, full)
+            else:
+                meta, weights = _select_model_files(role, source, full, settings, needs_query_rows=needs_query_rows)
+            if removed := hub.remove_orphans(folder, full.subset(meta + weights)):
+                log.info("%s: removed %d orphan partial download(s)", label, removed)
+            hub.check_disk(folder, ref, full.subset(meta + weights), reserve_bytes=options.disk_reserve_bytes)
+            verified: dict = {}
+            total = hub.TransferStats()
+
+            def fetch(files: list[str]) -> None:
+                if files:
+                    done, stats = hub.download(ref, full.subset(files), folder, token=token, options=options,
+                                               cache=cache.get(str(folder), {}))
+                    verified.update(done)
+                    total.downloaded_bytes += stats.downloaded_bytes
+                    total.seconds += stats.seconds
+                    total.refetched += stats.refetched
+
+            fetch(meta)  # small files first: remote code and the weight index are known before the big ones
+            if role != "datasets":
+                extra, weights = _refine_model_files(role, source, folder, full, settings, weights)
+                fetch(extra)
+                meta += extra
+            fetch(weights)
+            listing = full.subset(meta + weights)
+            hub.finish(folder, root, ref, listing, selection=selection)
+            report.update(downloaded_bytes=total.downloaded_bytes, seconds=round(total.seconds, 2),
+                          refetched=total.refetched)
+            log.info("%s: pinned to %s (%d files, %.1f MiB fetched)", label, listing.commit,
+                     len(listing.files), total.downloaded_bytes / 2**20)
+    except hub.HubError as exc:
+        raise MaterialsError(f"{label}: {exc}") from None
+    if role in MODEL_ROLES:
+        _check_model_folder(role, source, folder, settings)
+    material = Material(role, source, str(folder), listing.commit, len(listing.files), listing.total_bytes,
+                        text_field, origin="hub")
+    return material, {str(folder): verified}, report
+
+
+def _resolve(role: str, source: str, paths: ProjectPaths, settings: Settings, cache: dict, *,
+             text_field: str | None = None, pinned: str | None = None, token: str | None = None,
+             options: hub.HubOptions | None = None) -> tuple[Material, dict, dict | None]:
+    local = paths.resolve_local(source)
+    if local.exists():
+        return (*_resolve_local(role, source, local, settings, cache, text_field), None)
+    if hub.is_repo_source(source):
+        return _resolve_hub(role, source, paths, settings, cache, pinned=pinned, text_field=text_field,
+                            token=token, options=options or hub.HubOptions())
+    raise MaterialsError(f"materials.{role} = {source!r}: no such folder ({local}) and not a hub repo id "
+                         "(owner/name, optionally @revision).")
+
+
+def _pinned_commit(old: MaterialsManifest, role: str, source: str) -> str | None:
+    """The commit an earlier run pinned this exact source to, if it came from the hub."""
+    entries = old.datasets if role == "datasets" else [getattr(old, role)]
+    for entry in entries:
+        if entry and entry.get("source") == source and entry.get("origin") == "hub":
+            return entry["commit"]
+    return None
+
+
+def resolve_materials(paths: ProjectPaths, settings: Settings, *, token: str | None = None,
+                      hub_options: hub.HubOptions | None = None) -> MaterialsManifest:
+    """Resolve and pin every configured source; write materials/manifest.json; return it.
+
+    ``token`` is the HF token for gated or private repos (None: send none); it is never stored.
+    """
+    old = load_manifest(paths) if paths.materials_manifest.is_file() else MaterialsManifest()
+    cache = old.hash_cache
+    new_cache: dict = {}
+    downloads: list[dict] = []
+    manifest = MaterialsManifest()
+    m = settings.materials
+    needs_teacher = teacher_choice(settings).loads_teacher_model
+    wanted: list[tuple[str, str, str | None]] = []
+    for role in MODEL_ROLES:
+        source = getattr(m, role)
+        # The mock teacher (or student-only mode) never loads the teacher: nothing is downloaded for it.
+        if not source or (role == "teacher" and not needs_teacher and not paths.resolve_local(source).exists()):
+            continue
+        wanted.append((role, source, None))
+    wanted += [("datasets", ds.source, ds.text_field) for ds in settings.dataset_sources()]
+    for role, source, text_field in wanted:
+        material, c, report = _resolve(role, source, paths, settings, cache, text_field=text_field,
+                                       pinned=_pinned_commit(old, role, source), token=token, options=hub_options)
+        if role == "datasets":
+            manifest.datasets.append(asdict(material))
+        else:
+            setattr(manifest, role, asdict(material))
+        new_cache.update(c)
+        if report:
+            downloads.append({"role": role, **report})
+    if manifest.teacher and needs_teacher:
+        _check_query_rows(Path(manifest.teacher["path"]), settings)
+    in_use = {Path(folder) for folder in new_cache}
+    for stale in hub.remove_unfinished_snapshots(paths.materials_dir / hub.HUB_DIR, keep=in_use):
+        log.info("removed the unfinished download %s (no longer configured)", stale)
+    manifest.hash_cache, manifest.downloads = new_cache, downloads
+    manifest.settings = materials_settings_key(settings)
+    manifest.settings_hash = settings_history.remember(paths.root, settings)
+    write_manifest(paths, manifest)
+    return manifest
+
+
+def write_manifest(paths: ProjectPaths, manifest: MaterialsManifest) -> None:
+    """Written with paths relative to the project folder (see ProjectPaths.stored)."""
+    atomic.write_json(paths.materials_manifest, _stored_form(paths, manifest))
+
+
+def _stored_form(paths: ProjectPaths, manifest: MaterialsManifest) -> dict:
+    stored = paths.stored_doc(manifest.to_json())
+    # The folders are the cache's keys, which stored_doc leaves as they are.
+    stored["_hash_cache"] = {paths.stored(folder): files for folder, files in manifest.hash_cache.items()}
+    return stored
+
+
+def materials_settings_key(settings: Settings) -> dict:
+    """The settings a materials manifest was resolved under (the layers are read later, by the shards)."""
+    m = {k: v for k, v in settings.section_dict("materials").items() if k not in ("teacher_layer", "student_layer")}
+    choice = teacher_choice(settings)
+    return {**m, "mode": choice.mode, "mock_teacher": choice.mock}
+
+
+def manifest_is_current(paths: ProjectPaths, settings: Settings) -> bool:
+    """True if the manifest was made under these settings and no local source changed on disk."""
+    if not paths.materials_manifest.is_file():
+        return False
+    manifest = load_manifest(paths)
+    if manifest.settings != materials_settings_key(settings):
+        return False
+    stored = copy.deepcopy(manifest)
+    for folder, files in manifest.hash_cache.items():
+        root = Path(folder)
+        current = {p.relative_to(root).as_posix(): p for p in root.rglob("*")
+                   if p.is_file() and not p.name.startswith(atomic.TEMP_PREFIX)} if root.is_dir() else {}
+        if set(current) != set(files):
+            return False
+        for rel, entry in files.items():
+            # By stamp; by content when it is unsure (a copied folder), then the new stamp is kept.
+            # The content of a hub file is checked against the hub's etag, of a local one against its sha256.
+            if "etag" in entry or "verified" in entry:
+                known = hub.still_verified(current[rel], entry)
+                if known is None and hub.matches_etag(current[rel], hub.recorded_etag(entry)):
+                    files[rel] = hub.verified_entry(current[rel], hub.recorded_etag(entry))
+                elif not known:
+                    return False
+                continue
+            if "key" in entry:  # a local file recorded before stamps: "size:mtime_ns"
+                stat = current[rel].stat()
+                if entry["key"] != f"{stat.st_size}:{stat.st_mtime_ns}":
+                    return False
+                continue
+            now = verify.confirmed(current[rel], entry)
+            if now is None:
+                return False
+            files[rel] = now
+    verify.store_refreshed(paths.materials_manifest, _stored_form(paths, stored), _stored_form(paths, manifest))
+    return True
+
+
+def _check_query_rows(teacher: Path, settings: Settings) -> None:
+    from safetensors import safe_open
+
+    m = settings.materials
+    file = teacher / m.query_rows_file
+    hidden = json.loads((teacher / "config.json").read_text(encoding="utf-8")).get("hidden_size")
+    if not file.is_file():
+        raise MaterialsError(f"materials.query_rows_file = {m.query_rows_file!r}: not found in the teacher folder "
+                             f"{teacher}. The teacher needs its Q x {hidden} query rows tensor.")
+    with safe_open(str(file), "pt") as fh:
+        names = list(fh.keys())
+        if m.query_rows_tensor not in names:
+            fitting = [n for n in names if fh.get_slice(n).get_shape()[-1:] == [hidden]]
+            raise MaterialsError(f"materials.query_rows_tensor = {m.query_rows_tensor!r} is not in {file}. "
+                                 f"Tensors of width {hidden}: {fitting or 'none'}.")
+        shape = fh.get_slice(m.query_rows_tensor).get_shape()
+    if len(shape) != 2 or shape[1] != hidden:
+        raise MaterialsError(f"{file}:{m.query_rows_tensor} has shape {shape}, but the teacher's hidden size is "
+                             f"{hidden}; the query rows must be Q x {hidden}.")
+
+
+def load_manifest(paths: ProjectPaths) -> MaterialsManifest:
+    """The materials manifest, with absolute paths for this project folder wherever it is now."""
+    if not paths.materials_manifest.is_file():
+        raise MaterialsError(f"{paths.materials_manifest} is missing: materialize the materials asset first.")
+    stored = atomic.read_json(paths.materials_manifest)
+    manifest = MaterialsManifest.from_json(paths.located_doc(stored))
+    manifest.hash_cache = {str(paths.located(folder)): files for folder, files in stored.get("_hash_cache", {}).items()}
+    return manifest

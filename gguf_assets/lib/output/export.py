@@ -1,0 +1,174 @@
+"""Export the trained adapter to its f16 GGUF, the vision encoder to its own GGUF when asked,
+and an atomic, verified copy of each into ``output.also_copy_to``.
+
+The sidecar ``<adapter_name>.json`` beside the adapter GGUF records what was exported
+(``files``: role, path, bytes, sha256 for every file and copy), the fingerprint that
+makes the stage current, and the torch checkpoint's own scores for the report.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from gguf_assets.lib.core import atomic, verify
+from gguf_assets.lib.core.errors import UserError
+from gguf_assets.lib.output.gguf_format import F16_MAX, is_f16_tensor, write_adapter_gguf
+from gguf_assets.lib.output.vision import vision_gguf_path, write_vision_gguf
+from gguf_assets.lib.precompute.teacher_choice import teacher_choice
+from gguf_assets.lib.project import settings_history
+from gguf_assets.lib.project.layout import ProjectPaths
+from gguf_assets.lib.project.manifests import ExportSidecar, MaterialsManifest
+from gguf_assets.lib.project.pipeline import export_sidecar, gguf_fingerprint, gguf_path
+from gguf_assets.lib.project.settings import Settings
+from gguf_assets.lib.training.adapter import MLP_RATIO, NORM_EPS
+from gguf_assets.lib.training.checkpoints import load_final
+
+log = logging.getLogger(__name__)
+
+ROLE_ADAPTER = "adapter"
+ROLE_VISION = "vision_encoder"
+
+
+class ExportError(UserError, ValueError):
+    """The export cannot proceed; the message names the setting or file and the fix."""
+
+
+def check_file_name(name: str, *, setting: str = "output.adapter_name") -> str:
+    """``name`` if it is a plain file name; settings validate this too, but a name that
+    reached export some other way must never write outside the output folder."""
+    bad = (not isinstance(name, str) or not name.strip() or name in (".", "..") or "\0" in name
+           or "/" in name or "\\" in name or (os.altsep and os.altsep in name) or os.sep in name)
+    if bad:
+        raise ExportError(f"{setting} = {name!r} is not a plain file name: no path separators, not '.' or '..', "
+                          "not empty. Use something like 'my-adapter'.")
+    return name
+
+
+def provenance(settings: Settings, materials: MaterialsManifest, meta: dict) -> dict[str, Any]:
+    """The adapter GGUF's provenance keys (gguf_format.REQUIRED_PROVENANCE and the rest)."""
+    student = materials.student
+    teacher_repo, teacher_commit = teacher_choice(settings).provenance(materials)
+    return {
+        "student.repo": student["source"], "student.commit": student["commit"],
+        "student.layer": settings.materials.student_layer, "student.hidden_size": meta["shape"]["student_dim"],
+        "teacher.repo": teacher_repo, "teacher.commit": teacher_commit,
+        "teacher.layer": settings.materials.teacher_layer,
+        "prompt_template": settings.precompute.prompt_template,
+        "training.steps": meta["step"], "training.seed": settings.training.seed,
+        "training.val_centred_cosine": float(meta["val_centred_cosine"]),
+        "training.fingerprint": meta["fingerprint"],
+    }
+
+
+def copy_verified(source: Path, folder: Path, *, sha256: str) -> Path:
+    """Atomic copy into ``folder``; the copy's sha256 must match before it takes the final
+    name, so a failed copy leaves any previous copy untouched."""
+    target = Path(folder).expanduser() / Path(source).name
+    with atomic.atomic_path(target) as tmp:
+        shutil.copyfile(source, tmp)
+        if atomic.sha256_file(tmp) != sha256:
+            raise OSError(f"copy of {source} to {target} does not match its sha256; nothing was replaced "
+                          f"(check the disk at {folder})")
+    return target
+
+
+def _file_entry(role: str, path: Path | str, written: dict, *, copy_of: str | None = None) -> dict[str, Any]:
+    # The stamp (size, mtime, inode) lets `status` see a changed file without reading it.
+    entry = {"role": role, "path": str(path), **verify.record(Path(path), sha256=written["sha256"])}
+    if copy_of:
+        entry["copy_of"] = copy_of
+    return entry
+
+
+def _cast_once(state_dict: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    """The adapter's tensors as the GGUF stores them, cast in torch (about 10x faster than numpy's f16 cast).
+
+    Tensors that gguf_format stores in f16 come as float16 when every value fits; anything else
+    comes as float32 and gguf_format decides (a value beyond the f16 range keeps the tensor f32,
+    with a warning; a NaN or inf is refused).
+    """
+    out = {}
+    for key, value in state_dict.items():
+        value = value.detach().float().contiguous()
+        fits = False
+        if is_f16_tensor(key) and value.numel():
+            low, high = (float(x) for x in torch.aminmax(value))  # one pass; a NaN or inf shows in either
+            fits = math.isfinite(low) and math.isfinite(high) and max(-low, high) <= F16_MAX
+        out[key] = value.half().numpy() if fits else value.numpy()
+    return out
+
+
+def _previous_files(paths: ProjectPaths, settings: Settings) -> dict[str, dict]:
+    """The files this project's last export wrote, by path (none if it never exported)."""
+    try:
+        return {f["path"]: f for f in export_sidecar(paths, settings).files}
+    except (OSError, ValueError):
+        return {}
+
+
+def _warn_if_not_ours(target: Path, previous_files: dict[str, dict]) -> None:
+    """Say so when a copy replaces a file this project did not write there (a folder shared by projects)."""
+    if not target.is_file():
+        return
+    ours = previous_files.get(str(target))
+    if ours is None or not verify.unchanged(target, ours):
+        log.warning("output.also_copy_to: replacing %s, which this project's last export did not write (another "
+                    "project with output.adapter_name %r copies there too?). Give each project its own "
+                    "adapter_name or also_copy_to, or they overwrite each other.", target, target.stem)
+
+
+def export_adapter(paths: ProjectPaths, settings: Settings, materials: MaterialsManifest,
+                   adapter_manifest: dict) -> ExportSidecar:
+    """Write <output_dir>/<adapter_name>.gguf (+ vision GGUF, + copies) and the sidecar; return the sidecar."""
+    name = check_file_name(settings.output.adapter_name)
+    run_dir = paths.root / adapter_manifest["run_dir"]
+    model, meta = load_final(run_dir)
+    tensors = _cast_once(model.state_dict())
+    hparams = {**meta["shape"], "layer_norm_epsilon": NORM_EPS, "mlp_ratio": MLP_RATIO}
+    target = gguf_path(paths, settings)
+    previous_files = _previous_files(paths, settings)
+    # A killed export leaves its temp files; only ours go, as the folder may be shared.
+    ours = [target.name, vision_gguf_path(target.parent, name).name, target.with_suffix(".json").name]
+    atomic.remove_stale_temps(target.parent, of=ours)
+    summary = write_adapter_gguf(target, tensors=tensors, hparams=hparams,
+                                 provenance=provenance(settings, materials, meta), name=name)
+    if summary["kept_f32"]:
+        log.warning("kept in f32 because values exceed the f16 range: %s", summary["kept_f32"])
+    files = [_file_entry(ROLE_ADAPTER, target, summary)]
+
+    vision = None
+    encoder = materials.vision_encoder
+    if encoder and settings.output.export_vision_encoder:
+        vision = write_vision_gguf(Path(encoder["path"]), vision_gguf_path(target.parent, name),
+                                   name=f"{name}-vision", source=encoder["source"], commit=encoder["commit"])
+        files.append(_file_entry(ROLE_VISION, vision["path"], vision))
+    elif encoder:
+        log.info("vision encoder not exported: output.export_vision_encoder is off")
+
+    copies = []
+    if settings.output.also_copy_to:
+        folder = paths.resolve_local(settings.output.also_copy_to)
+        atomic.remove_stale_temps(folder, of=ours)
+        for entry in list(files):
+            _warn_if_not_ours(folder / Path(entry["path"]).name, previous_files)
+            copy = copy_verified(Path(entry["path"]), folder, sha256=entry["sha256"])
+            copies.append(str(copy))
+            files.append(_file_entry(entry["role"], copy, entry, copy_of=entry["path"]))
+
+    sidecar = ExportSidecar(
+        **{k: (str(v) if isinstance(v, Path) else v) for k, v in summary.items()},
+        fingerprint=gguf_fingerprint(settings, materials, adapter_manifest["fingerprint"]),
+        adapter_fingerprint=adapter_manifest["fingerprint"], copies=copies, files=files, vision=vision,
+        provenance=provenance(settings, materials, meta), val_centred_cosine_torch=float(meta["val_centred_cosine"]),
+        empty_prompt_cosine_torch=meta.get("empty_prompt_cosine"), per_shard_torch=meta.get("per_shard", []),
+        settings_hash=settings_history.remember(paths.root, settings))
+    atomic.write_json(target.with_suffix(".json"), paths.stored_doc(sidecar.to_json()))
+    return sidecar

@@ -1,0 +1,619 @@
+"""The adapter's GGUF file format: every key string, tensor name and dtype rule, in one place.
+
+``write_adapter_gguf`` turns the ``Adapter`` state dict (as float32 numpy arrays) plus its
+hyperparameters and provenance into one GGUF file, atomically and verified: it writes a
+temp file beside the target, re-reads it with ``gguf.GGUFReader``, compares every key and
+every tensor's bytes, and only then renames it over the target. docs/gguf_layout.md is
+the human-readable version of this module (keep them in step).
+
+Layout in brief (FORMAT_VERSION 1):
+
+* metadata: ``general.architecture = "llm_adapter"``, ``general.name``,
+  ``llm_adapter.format_version`` and the hyperparameters (``HPARAM_TYPES``) as
+  ``llm_adapter.<field>``; provenance as ``llm_adapter.<key>`` (e.g.
+  ``llm_adapter.student.repo``), of which ``REQUIRED_PROVENANCE`` must be present with
+  exactly those types.
+* tensors: state-dict names mapped by ``tensor_name`` (``blocks.3.x`` → ``blk.3.x``,
+  ``target_mean`` → ``target.mean``, ``target_std`` → ``target.std``, the rest unchanged).
+  Matrices (2-D linear weights, ``query``, ``null_memory``) are F16; norms, biases and
+  ``target.mean``/``target.std`` are F32. A would-be-F16 tensor holding a value beyond the
+  F16 range stays F32 (never inf) and is listed in the summary's ``kept_f32``.
+* shapes: gguf stores a numpy array of shape ``(rows, cols)`` with ``ne = [cols, rows]``
+  (GGML lists the fastest-varying dimension first; the bytes are the same row-major
+  buffer). So a torch ``nn.Linear(in, out).weight`` of shape ``(out, in)`` has
+  ``ne = [in, out]``, which is exactly what ``ggml_mul_mat(w, x)`` expects.
+
+No torch here: the evaluator (gguf_eval) imports this module and must stay torch-free.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import re
+from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, Keys
+
+from gguf_assets.lib.core import atomic, faults
+
+logger = logging.getLogger(__name__)
+
+ARCH = "llm_adapter"
+FORMAT_VERSION = 1
+
+# The general.* keys every GGUF shares, from gguf-py (the adapter and the vision GGUF both use them).
+KEY_ARCHITECTURE = Keys.General.ARCHITECTURE
+KEY_NAME = Keys.General.NAME
+KEY_TYPE = Keys.General.TYPE
+KEY_FILE_TYPE = Keys.General.FILE_TYPE
+KEY_FORMAT_VERSION = f"{ARCH}.format_version"
+# Provenance and hyperparameters share this namespace: llm_adapter.<key>.
+KEY_PREFIX = f"{ARCH}."
+
+# Hyperparameters: AdapterShape fields plus the two module constants of adapter.py.
+# Integer hparams are UINT32 and the epsilon FLOAT32, as llama.cpp does for its own.
+HPARAM_TYPES: dict[str, GGUFValueType] = {
+    "student_dim": GGUFValueType.UINT32,
+    "query_rows": GGUFValueType.UINT32,
+    "target_dim": GGUFValueType.UINT32,
+    "width": GGUFValueType.UINT32,
+    "depth": GGUFValueType.UINT32,
+    "heads": GGUFValueType.UINT32,
+    "mlp_ratio": GGUFValueType.UINT32,
+    "layer_norm_epsilon": GGUFValueType.FLOAT32,
+}
+HPARAM_HELP: dict[str, str] = {
+    "student_dim": "Ds, hidden size of the student layer whose states are the input",
+    "query_rows": "Q, number of learned query rows = rows of the output",
+    "target_dim": "D, hidden size of the teacher layer the output imitates",
+    "width": "W, the adapter's internal width",
+    "depth": "number of blocks (blk.0 .. blk.{depth-1})",
+    "heads": "H, attention heads in every MHA; head dim = W / H",
+    "mlp_ratio": "MLP hidden size = mlp_ratio * W",
+    "layer_norm_epsilon": "eps of every LayerNorm",
+}
+
+# Known provenance keys (written as llm_adapter.<key>); others are allowed if well formed.
+PROVENANCE_HELP: dict[str, str] = {
+    "student.repo": "student model repo id or local path",
+    "student.commit": "student model revision (commit hash) or content hash",
+    "student.layer": "student hidden-state layer index the adapter reads",
+    "student.hidden_size": "student hidden size (= student_dim)",
+    "teacher.repo": "teacher model repo id or local path",
+    "teacher.commit": "teacher model revision (commit hash) or content hash",
+    "teacher.layer": "teacher hidden-state layer index the adapter imitates",
+    "prompt_template": "template the prompts were wrapped in before tokenizing",
+    "training.steps": "optimizer steps of the exported weights",
+    "training.seed": "training seed",
+    "training.val_centred_cosine": "validation centred cosine measured at export",
+    "training.fingerprint": "fingerprint of the training settings and inputs",
+}
+
+# Provenance a runtime (and a person holding only the file) needs: where the student
+# states come from, what the output imitates, and how good it was. Every export carries
+# these with exactly these types; build_metadata refuses a file without them.
+REQUIRED_PROVENANCE: dict[str, GGUFValueType] = {
+    "student.repo": GGUFValueType.STRING,
+    "student.commit": GGUFValueType.STRING,
+    "student.hidden_size": GGUFValueType.INT64,
+    "student.layer": GGUFValueType.INT64,
+    "teacher.repo": GGUFValueType.STRING,
+    "teacher.commit": GGUFValueType.STRING,
+    "training.steps": GGUFValueType.INT64,
+    "training.seed": GGUFValueType.INT64,
+    "training.val_centred_cosine": GGUFValueType.FLOAT64,
+}
+
+# GGML_MAX_NAME is 64 including the terminating NUL.
+MAX_TENSOR_NAME = 63
+# Largest finite float16; anything larger rounds to inf.
+F16_MAX = float(np.finfo(np.float16).max)
+
+_KEY_RE = re.compile(r"[a-z0-9_]+(\.[a-z0-9_]+)*")
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+_UINT32_MAX = 2**32 - 1
+
+# State-dict key ↔ GGUF tensor name. Top-level names are kept as they are (already short
+# and readable); blocks.N. becomes blk.N. (llama.cpp's convention); the two standardization
+# buffers become target.mean / target.std.
+_TOP_TENSORS = ("query", "null_memory", "in_norm.weight", "in_norm.bias", "in_proj.weight", "in_proj.bias",
+                "out_norm.weight", "out_norm.bias", "out_proj.weight", "out_proj.bias")
+_BLOCK_LEAVES = tuple(
+    f"{module}.{param}"
+    for module in ("cross_norm", "cross_attn.q", "cross_attn.k", "cross_attn.v", "cross_attn.o",
+                   "self_norm", "self_attn.q", "self_attn.k", "self_attn.v", "self_attn.o",
+                   "mlp_norm", "mlp_up", "mlp_down")
+    for param in ("weight", "bias"))
+_STATS = {"target_mean": "target.mean", "target_std": "target.std"}
+_STATS_INV = {v: k for k, v in _STATS.items()}
+_BLOCK_KEY_RE = re.compile(r"blocks\.(0|[1-9][0-9]*)\.(.+)")
+_BLOCK_NAME_RE = re.compile(r"blk\.(0|[1-9][0-9]*)\.(.+)")
+
+
+class GGUFVerifyError(ValueError):
+    """The file re-read after writing differs from what was meant to be written."""
+
+
+class KV(NamedTuple):
+    """One metadata entry exactly as written (and as verified after re-reading)."""
+
+    key: str
+    vtype: GGUFValueType
+    value: Any
+    sub_type: GGUFValueType | None = None
+
+
+# --- tensor names ---------------------------------------------------------------------
+
+
+def tensor_name(state_dict_key: str) -> str:
+    """GGUF tensor name of an ``Adapter`` state-dict key; ValueError for an unknown key."""
+    if state_dict_key in _STATS:
+        return _STATS[state_dict_key]
+    if state_dict_key in _TOP_TENSORS:
+        return state_dict_key
+    match = _BLOCK_KEY_RE.fullmatch(state_dict_key)
+    if match and match.group(2) in _BLOCK_LEAVES:
+        name = f"blk.{match.group(1)}.{match.group(2)}"
+        if len(name) > MAX_TENSOR_NAME:
+            raise ValueError(f"tensor name {name!r} is longer than GGML's {MAX_TENSOR_NAME} characters")
+        return name
+    raise ValueError(f"unknown adapter state-dict key {state_dict_key!r}: gguf_format.tensor_name has no "
+                     f"mapping for it (did adapter.py gain a parameter? then bump FORMAT_VERSION)")
+
+
+def state_dict_key(gguf_name: str) -> str:
+    """Inverse of ``tensor_name``."""
+    if gguf_name in _STATS_INV:
+        return _STATS_INV[gguf_name]
+    if gguf_name in _TOP_TENSORS:
+        return gguf_name
+    match = _BLOCK_NAME_RE.fullmatch(gguf_name)
+    if match and match.group(2) in _BLOCK_LEAVES:
+        return f"blocks.{match.group(1)}.{match.group(2)}"
+    raise ValueError(f"unknown adapter GGUF tensor name {gguf_name!r}")
+
+
+def is_f16_tensor(state_dict_key: str) -> bool:
+    """Whether the tensor is stored F16 (unless out of F16 range): the matrices.
+
+    Matrices are the 2-D linear weights plus ``query`` and ``null_memory``; norms,
+    biases and the target statistics stay F32 (tiny, and precision-sensitive).
+    """
+    if state_dict_key in ("query", "null_memory"):
+        return True
+    leaf = _BLOCK_KEY_RE.fullmatch(state_dict_key)
+    module = (leaf.group(2) if leaf else state_dict_key).rsplit(".", 1)
+    return len(module) == 2 and module[1] == "weight" and not module[0].endswith("_norm")
+
+
+# --- hyperparameters ------------------------------------------------------------------
+
+
+def validate_hparams(hparams: Mapping[str, Any]) -> dict[str, Any]:
+    """Exactly the HPARAM_TYPES keys, positive ints / positive finite eps; returns a clean dict."""
+    missing = sorted(set(HPARAM_TYPES) - set(hparams))
+    extra = sorted(set(hparams) - set(HPARAM_TYPES))
+    if missing or extra:
+        raise ValueError(f"hparams: missing {missing}, unexpected {extra}; expected exactly {list(HPARAM_TYPES)}")
+    clean: dict[str, Any] = {}
+    for key, vtype in HPARAM_TYPES.items():
+        value = hparams[key]
+        if vtype == GGUFValueType.UINT32:
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 < int(value) <= _UINT32_MAX:
+                raise ValueError(f"hparams[{key!r}] = {value!r}: expected a positive integer")
+            clean[key] = int(value)
+        else:
+            if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
+                    or not math.isfinite(float(value)) or float(value) <= 0:
+                raise ValueError(f"hparams[{key!r}] = {value!r}: expected a positive finite number")
+            clean[key] = float(value)
+    if clean["width"] % clean["heads"]:
+        raise ValueError(f"hparams: heads ({clean['heads']}) must divide width ({clean['width']})")
+    return clean
+
+
+def expected_tensor_shapes(hparams: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+    """State-dict key → numpy/torch shape for these hparams, in the file's tensor order."""
+    hp = validate_hparams(hparams)
+    ds, q, d, w = hp["student_dim"], hp["query_rows"], hp["target_dim"], hp["width"]
+    hidden = hp["mlp_ratio"] * w
+    shapes: dict[str, tuple[int, ...]] = {"query": (q, w), "null_memory": (1, w)}
+
+    def norm(prefix: str, n: int) -> None:
+        shapes[f"{prefix}.weight"] = (n,)
+        shapes[f"{prefix}.bias"] = (n,)
+
+    def linear(prefix: str, n_in: int, n_out: int) -> None:
+        shapes[f"{prefix}.weight"] = (n_out, n_in)
+        shapes[f"{prefix}.bias"] = (n_out,)
+
+    norm("in_norm", ds)
+    linear("in_proj", ds, w)
+    for i in range(hp["depth"]):
+        p = f"blocks.{i}."
+        norm(p + "cross_norm", w)
+        for proj in "qkvo":
+            linear(f"{p}cross_attn.{proj}", w, w)
+        norm(p + "self_norm", w)
+        for proj in "qkvo":
+            linear(f"{p}self_attn.{proj}", w, w)
+        norm(p + "mlp_norm", w)
+        linear(p + "mlp_up", w, hidden)
+        linear(p + "mlp_down", hidden, w)
+    norm("out_norm", w)
+    linear("out_proj", w, d)
+    shapes["target_mean"] = (q, d)
+    shapes["target_std"] = (q, d)
+    return shapes
+
+
+def hparams_from_metadata(metadata: Mapping[str, Any]) -> dict[str, Any]:
+    """The hparams dict back from ``read_gguf_metadata``'s result (checks arch and version)."""
+    check_header(metadata)
+    missing = [KEY_PREFIX + k for k in HPARAM_TYPES if KEY_PREFIX + k not in metadata]
+    if missing:
+        raise ValueError(f"GGUF lacks hyperparameter keys {missing}")
+    return validate_hparams({k: metadata[KEY_PREFIX + k] for k in HPARAM_TYPES})
+
+
+def provenance_from_metadata(metadata: Mapping[str, Any]) -> dict[str, Any]:
+    """The provenance dict back (``llm_adapter.<key>`` minus hparams and format_version)."""
+    reserved = {KEY_FORMAT_VERSION} | {KEY_PREFIX + k for k in HPARAM_TYPES}
+    return {k[len(KEY_PREFIX):]: v for k, v in metadata.items() if k.startswith(KEY_PREFIX) and k not in reserved}
+
+
+def check_header(metadata: Mapping[str, Any]) -> None:
+    """ValueError unless this is an llm_adapter file of the version this code reads."""
+    arch = metadata.get(KEY_ARCHITECTURE)
+    if arch != ARCH:
+        raise ValueError(f"{KEY_ARCHITECTURE} is {arch!r}, expected {ARCH!r}")
+    version = metadata.get(KEY_FORMAT_VERSION)
+    if version != FORMAT_VERSION:
+        raise ValueError(f"{KEY_FORMAT_VERSION} is {version!r}; this code reads version {FORMAT_VERSION}")
+
+
+# --- metadata -------------------------------------------------------------------------
+
+
+def _scalar_kv(key: str, value: Any) -> KV:
+    """Type a provenance scalar: str, bool, int (INT64) or float (FLOAT64, finite)."""
+    if isinstance(value, str):
+        # gguf's add_string silently drops an empty string: refuse instead.
+        if not value:
+            raise ValueError(f"metadata key {key!r} has an empty string (gguf would silently drop the key)")
+        return KV(key, GGUFValueType.STRING, value)
+    if isinstance(value, (bool, np.bool_)):
+        return KV(key, GGUFValueType.BOOL, bool(value))
+    if isinstance(value, (int, np.integer)):
+        if not _INT64_MIN <= int(value) <= _INT64_MAX:
+            raise ValueError(f"metadata key {key!r} = {value!r} does not fit in int64")
+        return KV(key, GGUFValueType.INT64, int(value))
+    if isinstance(value, (float, np.floating)):
+        if not math.isfinite(float(value)):
+            raise ValueError(f"metadata key {key!r} = {value!r} is not finite")
+        return KV(key, GGUFValueType.FLOAT64, float(value))
+    raise ValueError(f"metadata key {key!r}: unsupported value {value!r} of type {type(value).__name__} "
+                     f"(use str, int, float, bool or a non-empty list of one of them)")
+
+
+def _provenance_kv(key: str, value: Any) -> KV:
+    if isinstance(value, (list, tuple)):
+        # gguf's add_array silently drops an empty array: refuse instead.
+        if not value:
+            raise ValueError(f"metadata key {key!r} has an empty array (gguf would silently drop the key)")
+        items = [_scalar_kv(key, v) for v in value]
+        types = {item.vtype for item in items}
+        if len(types) != 1:
+            raise ValueError(f"metadata key {key!r}: array items mix types {sorted(t.name for t in types)}")
+        return KV(key, GGUFValueType.ARRAY, [item.value for item in items], items[0].vtype)
+    return _scalar_kv(key, value)
+
+
+def _check_required_provenance(provenance: Mapping[str, Any], hp: Mapping[str, Any]) -> None:
+    missing = [k for k in REQUIRED_PROVENANCE if k not in provenance]
+    if missing:
+        raise ValueError(f"provenance lacks required keys {missing}: every adapter GGUF records the student and "
+                         f"teacher (repo, commit), the student layer and hidden size, training steps, seed and val "
+                         f"centred cosine (gguf_format.REQUIRED_PROVENANCE)")
+    for key, vtype in REQUIRED_PROVENANCE.items():
+        got = _provenance_kv(KEY_PREFIX + key, provenance[key]).vtype
+        if got != vtype:
+            raise ValueError(f"provenance key {key!r} = {provenance[key]!r} would be stored as {got.name}; "
+                             f"it must be {vtype.name}")
+    if provenance["student.hidden_size"] != hp["student_dim"]:
+        raise ValueError(f"provenance student.hidden_size ({provenance['student.hidden_size']}) != hparams "
+                         f"student_dim ({hp['student_dim']})")
+    if not -1.0 <= float(provenance["training.val_centred_cosine"]) <= 1.0:
+        raise ValueError(f"provenance training.val_centred_cosine = {provenance['training.val_centred_cosine']!r} "
+                         "is not a cosine (outside [-1, 1])")
+
+
+def build_metadata(*, hparams: Mapping[str, Any], provenance: Mapping[str, Any], name: str) -> list[KV]:
+    """Every metadata entry the file will hold, typed, in file order."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"metadata key {KEY_NAME!r}: name must be a non-empty string (got {name!r})")
+    hp = validate_hparams(hparams)
+    kvs = [KV(KEY_ARCHITECTURE, GGUFValueType.STRING, ARCH),
+           KV(KEY_NAME, GGUFValueType.STRING, name),
+           KV(KEY_FORMAT_VERSION, GGUFValueType.UINT32, FORMAT_VERSION)]
+    kvs += [KV(KEY_PREFIX + k, vtype, hp[k]) for k, vtype in HPARAM_TYPES.items()]
+    _check_required_provenance(provenance, hp)
+    reserved = {kv.key for kv in kvs}
+    for key, value in provenance.items():
+        if not isinstance(key, str) or not _KEY_RE.fullmatch(key):
+            raise ValueError(f"provenance key {key!r}: use lowercase dotted names like 'student.repo'")
+        full = KEY_PREFIX + key
+        if full in reserved:
+            raise ValueError(f"provenance key {key!r} collides with the reserved key {full!r}")
+        kvs.append(_provenance_kv(full, value))
+    return kvs
+
+
+# --- tensors --------------------------------------------------------------------------
+
+
+def f16_unless_overflow(name: str, f32: np.ndarray) -> np.ndarray:
+    """``f32`` as float16, or unchanged (float32) if a value lies beyond the f16 range."""
+    if f32.size and float(np.abs(f32).max()) > F16_MAX:
+        # Writing inf would poison every output; F32 costs a little size only.
+        logger.warning("tensor %s has |value| %.6g > %g (f16 max): kept in f32", name, float(np.abs(f32).max()),
+                       F16_MAX)
+        return f32
+    return f32.astype(np.float16)
+
+
+def _f16_has_nan_or_inf(array: np.ndarray, chunk: int = 1 << 19) -> bool:
+    """All exponent bits set is inf or NaN. Integer ops on the bits, as numpy's float16 ufuncs are
+    slow, a chunk at a time so the temporaries stay in the CPU cache."""
+    bits = array.reshape(-1).view(np.uint16)
+    return any(int((bits[i:i + chunk] & 0x7FFF).max()) >= 0x7C00 for i in range(0, bits.size, chunk))
+
+
+def _prepare_tensors(tensors: Mapping[str, np.ndarray], hparams: Mapping[str, Any]
+                     ) -> tuple[dict[str, np.ndarray], list[str]]:
+    """Check names/shapes/finiteness and cast: GGUF name → array as stored; plus kept_f32."""
+    expected = expected_tensor_shapes(hparams)
+    missing = [k for k in expected if k not in tensors]
+    extra = sorted(set(tensors) - set(expected))
+    if missing or extra:
+        raise ValueError(f"adapter tensors do not match hparams: missing {missing}, unexpected {extra}")
+    prepared: dict[str, np.ndarray] = {}
+    kept_f32: list[str] = []
+    for key, shape in expected.items():
+        name = tensor_name(key)
+        array = np.asarray(tensors[key])
+        if not np.issubdtype(array.dtype, np.floating):
+            raise ValueError(f"tensor {key!r} ({name}) has dtype {array.dtype}, expected floating point")
+        if tuple(array.shape) != shape:
+            raise ValueError(f"tensor {key!r} ({name}) has shape {tuple(array.shape)}, expected {shape}")
+        if array.dtype == np.float16 and is_f16_tensor(key):
+            # Cast by the caller (export casts in torch, many times faster than numpy): checked, not cast again.
+            if _f16_has_nan_or_inf(np.ascontiguousarray(array)):
+                raise ValueError(f"tensor {key!r} ({name}) contains NaN or inf")
+            prepared[name] = np.ascontiguousarray(array)
+            continue
+        if not np.isfinite(array).all():
+            raise ValueError(f"tensor {key!r} ({name}) contains NaN or inf")
+        f32 = np.ascontiguousarray(array, dtype=np.float32)
+        if not np.isfinite(f32).all():  # e.g. float64 input beyond the float32 range
+            raise ValueError(f"tensor {key!r} ({name}) overflows float32")
+        if is_f16_tensor(key):
+            prepared[name] = f16_unless_overflow(name, f32)
+            if prepared[name].dtype != np.float16:
+                kept_f32.append(name)
+        else:
+            prepared[name] = f32
+    return prepared, kept_f32
+
+
+def _ggml_type(array: np.ndarray) -> GGMLQuantizationType:
+    return GGMLQuantizationType.F16 if array.dtype == np.float16 else GGMLQuantizationType.F32
+
+
+# --- write / verify -------------------------------------------------------------------
+
+
+class _Layout(NamedTuple):
+    """What the bytes of a written GGUF are, in file order: ``prefix`` (header, keys, tensor
+    infos, as written), then each tensor's bytes at its aligned offset, zeros between."""
+
+    prefix: bytes
+    alignment: int
+
+
+def _pad(n: int, alignment: int) -> int:
+    return GGUFWriter.ggml_pad(n, alignment) - n
+
+
+def _hash_layout(layout: _Layout, tensors: Mapping[str, np.ndarray]) -> str:
+    """sha256 of the file ``layout`` and ``tensors`` describe, computed from memory (hashlib
+    releases the GIL, so this runs beside the write). ``_verify_file`` then proves the file
+    holds exactly these bytes, so this is the file's hash without reading it a second time."""
+    sha = hashlib.sha256(layout.prefix)
+    sha.update(bytes(_pad(len(layout.prefix), layout.alignment)))
+    for array in tensors.values():
+        sha.update(memoryview(np.ascontiguousarray(array)).cast("B"))
+        sha.update(bytes(_pad(array.nbytes, layout.alignment)))
+    return sha.hexdigest()
+
+
+def _write_file(path: Path, kvs: list[KV], tensors: Mapping[str, np.ndarray],
+                pool: ThreadPoolExecutor) -> tuple[_Layout, Future[str]]:
+    """Write the GGUF bytes to ``path`` (the temp file); the sha256 is computed in ``pool``
+    from the prefix and the arrays while the tensor bytes go to the file."""
+    if not kvs or kvs[0].key != KEY_ARCHITECTURE:
+        raise ValueError(f"the first metadata entry must be {KEY_ARCHITECTURE}")
+    writer = GGUFWriter(path, kvs[0].value)  # writes general.architecture itself
+    try:
+        for kv in kvs:
+            if kv.key != KEY_ARCHITECTURE:
+                # add_key_value, not add_string/add_array: those drop empty values silently.
+                writer.add_key_value(kv.key, kv.value, kv.vtype, sub_type=kv.sub_type)
+        for name, array in tensors.items():
+            writer.add_tensor_info(name, array.shape, array.dtype, array.nbytes)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        with open(path, "rb") as fh:  # flushed by write_ti_data_to_file; a few KiB
+            layout = _Layout(fh.read(), writer.data_alignment)
+        sha = pool.submit(_hash_layout, layout, tensors)
+        for array in tensors.values():
+            writer.write_tensor_data(array)
+    finally:
+        writer.close()
+    return layout, sha
+
+
+def _same_value(vtype: GGUFValueType, expected: Any, actual: Any) -> bool:
+    if vtype == GGUFValueType.FLOAT32:
+        return bool(np.float32(expected) == np.float32(actual))
+    return type(actual) is type(expected) and actual == expected
+
+
+def _same_bytes(a: np.ndarray, b: np.ndarray, chunk: int = 1 << 20) -> bool:
+    """Byte views compared a MiB at a time: no copy, and the comparison's temporary stays in the
+    CPU cache (about 2x faster than one array_equal over a tensor of many MiB)."""
+    if a.shape != b.shape:
+        return False
+    return all(np.array_equal(a[i:i + chunk], b[i:i + chunk]) for i in range(0, a.size, chunk))
+
+
+def _verify_layout(path: Path, reader: GGUFReader, tensors: Mapping[str, np.ndarray], layout: _Layout) -> None:
+    """The file is exactly prefix, zeros, tensor, zeros, ...: its size, its prefix and every
+    padding byte (a few KiB in all) are checked; the tensors' bytes are compared by the caller."""
+    data = reader.data  # the whole file, memory-mapped
+    offset = GGUFWriter.ggml_pad(len(layout.prefix), layout.alignment)
+    end = offset + sum(GGUFWriter.ggml_pad(a.nbytes, layout.alignment) for a in tensors.values())
+    if len(data) != end:
+        raise GGUFVerifyError(f"{path}: {len(data)} bytes, expected {end}")
+    if bytes(data[:len(layout.prefix)]) != layout.prefix:
+        raise GGUFVerifyError(f"{path}: header, keys or tensor infos differ from what was written")
+    gaps = [(len(layout.prefix), offset)]
+    for array in tensors.values():
+        gaps.append((offset + array.nbytes, offset + GGUFWriter.ggml_pad(array.nbytes, layout.alignment)))
+        offset = gaps[-1][1]
+    if any(np.any(data[a:b]) for a, b in gaps if b > a):
+        raise GGUFVerifyError(f"{path}: padding between tensors is not zero")
+
+
+def _verify_file(path: Path, kvs: list[KV], tensors: Mapping[str, np.ndarray], layout: _Layout) -> None:
+    """Re-read ``path`` and compare every key (type and value) and every tensor's bytes, and
+    check that every other byte is what ``layout`` says (so its hash is the file's)."""
+    try:
+        reader = GGUFReader(path)
+    except Exception as exc:  # a torn file shows up as any of several reader errors
+        raise GGUFVerifyError(f"{path}: cannot re-read the written GGUF: {exc!r}") from exc
+    _verify_layout(path, reader, tensors, layout)
+    fields = {k: f for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    if list(fields) != [kv.key for kv in kvs]:
+        raise GGUFVerifyError(f"{path}: keys {list(fields)} != written {[kv.key for kv in kvs]}")
+    for kv in kvs:
+        field = fields[kv.key]
+        types = [kv.vtype] + ([kv.sub_type] if kv.sub_type is not None else [])
+        if list(field.types) != types:
+            raise GGUFVerifyError(f"{path}: key {kv.key!r} has types {field.types}, expected {types}")
+        actual = field.contents()
+        if kv.vtype == GGUFValueType.ARRAY:
+            same = len(actual) == len(kv.value) and all(
+                _same_value(kv.sub_type, e, a) for e, a in zip(kv.value, actual))  # type: ignore[arg-type]
+        else:
+            same = _same_value(kv.vtype, kv.value, actual)
+        if not same:
+            raise GGUFVerifyError(f"{path}: key {kv.key!r} reads back {actual!r}, wrote {kv.value!r}")
+    read = {t.name: t for t in reader.tensors}
+    if list(read) != list(tensors):
+        raise GGUFVerifyError(f"{path}: tensors {list(read)} != written {list(tensors)}")
+    for name, array in tensors.items():
+        t = read[name]
+        ne = list(reversed(array.shape))
+        if t.tensor_type != _ggml_type(array) or [int(x) for x in t.shape] != ne:
+            raise GGUFVerifyError(f"{path}: tensor {name} is {t.tensor_type.name} ne={list(t.shape)}, "
+                                  f"expected {_ggml_type(array).name} ne={ne}")
+        if not _same_bytes(np.asarray(t.data).reshape(-1).view(np.uint8), array.reshape(-1).view(np.uint8)):
+            raise GGUFVerifyError(f"{path}: tensor {name} bytes differ from what was written")
+
+
+def write_verified_gguf(path: Path, kvs: list[KV], tensors: Mapping[str, np.ndarray]) -> dict[str, Any]:
+    """Write any GGUF (architecture = ``kvs[0]``) atomically: temp file, re-read and compare
+    every key and tensor byte, then rename. Returns ``{bytes, sha256}`` of the final file.
+
+    ``tensors`` maps GGUF names to arrays already in their stored dtype (F16 or F32).
+    """
+    for name, array in tensors.items():
+        if len(name) > MAX_TENSOR_NAME:
+            raise ValueError(f"tensor name {name!r} is longer than GGML's {MAX_TENSOR_NAME} characters")
+        if array.dtype not in (np.float16, np.float32):
+            raise ValueError(f"tensor {name!r} has dtype {array.dtype}; only float16/float32 are written")
+    # Three passes overlap: the hash (from memory, started with the tensor bytes and still running
+    # through the rename), the flush to disk (started once the bytes are written, so atomic_path's
+    # own fsync finds nothing left) and the verification (from the page cache).
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        with atomic.atomic_path(Path(path)) as tmp:
+            layout, sha = _write_file(tmp, kvs, tensors, pool)
+            faults.point("gguf-export", tmp)
+            synced = pool.submit(atomic.fsync_file, tmp)
+            _verify_file(tmp, kvs, tensors, layout)
+            size = tmp.stat().st_size
+            synced.result()
+        return {"bytes": size, "sha256": sha.result()}
+
+
+def write_adapter_gguf(path: Path, *, tensors: Mapping[str, np.ndarray], hparams: Mapping[str, Any],
+                       provenance: Mapping[str, Any], name: str) -> dict[str, Any]:
+    """Write the adapter GGUF atomically and verified; return a summary.
+
+    ``tensors`` is the ``Adapter`` state dict as float arrays (torch names). The target
+    file is replaced only after the temp file re-reads identically; on any error the old
+    file (if any) is untouched and no temp file remains.
+
+    Returns ``{path, bytes, sha256, tensor_count, f16_count, f32_count, kept_f32, name,
+    architecture, format_version}``.
+    """
+    path = Path(path)
+    kvs = build_metadata(hparams=hparams, provenance=provenance, name=name)
+    prepared, kept_f32 = _prepare_tensors(tensors, hparams)
+    written = write_verified_gguf(path, kvs, prepared)
+    size, sha = written["bytes"], written["sha256"]
+    f16 = sum(1 for a in prepared.values() if a.dtype == np.float16)
+    summary = {
+        "path": str(path),
+        "bytes": size,
+        "sha256": sha,
+        "tensor_count": len(prepared),
+        "f16_count": f16,
+        "f32_count": len(prepared) - f16,
+        "kept_f32": kept_f32,
+        "name": name,
+        "architecture": ARCH,
+        "format_version": FORMAT_VERSION,
+    }
+    logger.info("wrote %s: %d tensors (%d f16, %d f32), %d bytes, sha256 %s", path, len(prepared), f16,
+                len(prepared) - f16, size, sha[:12])
+    return summary
+
+
+# --- read -----------------------------------------------------------------------------
+
+
+def read_gguf_metadata(path: Path) -> dict[str, Any]:
+    """Every metadata key → python value (str, int, float, bool or list); no GGUF.* pseudo keys."""
+    reader = GGUFReader(Path(path))
+    return {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+
+
+def read_gguf_tensors(path: Path) -> dict[str, np.ndarray]:
+    """GGUF tensor name → numpy copy in the stored dtype, numpy shape (= reversed ne)."""
+    reader = GGUFReader(Path(path))
+    out: dict[str, np.ndarray] = {}
+    for t in reader.tensors:
+        if t.tensor_type not in (GGMLQuantizationType.F16, GGMLQuantizationType.F32):
+            raise ValueError(f"{path}: tensor {t.name} has type {t.tensor_type.name}; only F16/F32 are used")
+        out[t.name] = np.array(t.data).reshape(tuple(int(x) for x in reversed(t.shape)))
+    return out

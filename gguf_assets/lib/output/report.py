@@ -1,0 +1,179 @@
+"""The evaluation report: report.json (for tools) and report.md (shown in the UI).
+
+It carries both scores (``val_centred_cosine`` from the GGUF via the numpy evaluator,
+``val_centred_cosine_torch`` from the checkpoint), the verdict and advice, the worst val
+prompts, per-shard scores, every exported file with size and sha256, and the "use it in
+ggk" section: which file goes where and the command line (``output.ggk_command``).
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+from gguf_assets.lib.core import atomic, verify
+from gguf_assets.lib.output.verdict import verdict
+from gguf_assets.lib.project import settings_history
+from gguf_assets.lib.project.layout import REPORT_JSON, REPORT_MD, ProjectPaths
+from gguf_assets.lib.project.manifests import ExportSidecar, MaterialsManifest, Report
+from gguf_assets.lib.project.settings import Settings
+from gguf_assets.lib.telemetry.render import markdown_table, user_text
+
+# ggk's flag for the vision encoder GGUF; used when the command template has no
+# {vision_gguf} placeholder but a vision GGUF was exported.
+VISION_FLAG = "--llm_vision"
+ADAPTER_FLAG = "--llm_adapter"
+STUDENT_FLAG = "--llm"
+PLACEHOLDERS = ("{student}", "{adapter_gguf}", "{vision_gguf}")
+# "--flag {vision_gguf}" or "--flag={vision_gguf}": dropped whole when there is no vision GGUF.
+_VISION_ARG = re.compile(r"\s*(?:--?[A-Za-z0-9_-]+(?:=|\s+))?\{vision_gguf\}")
+
+
+def ggk_command(template: str, *, student: str, adapter_gguf: str, vision_gguf: str | None) -> str:
+    """The command line: placeholders filled with shell-quoted paths."""
+    if vision_gguf is None:
+        template = _VISION_ARG.sub("", template)
+    elif "{vision_gguf}" not in template:
+        template = f"{template} {VISION_FLAG} {{vision_gguf}}"
+    values = {"{student}": student, "{adapter_gguf}": adapter_gguf, "{vision_gguf}": vision_gguf or ""}
+    # One pass, so a path that happens to contain "{adapter_gguf}" is not substituted again.
+    return re.sub("|".join(re.escape(p) for p in PLACEHOLDERS), lambda m: shlex.quote(values[m.group(0)]), template)
+
+
+def _for_ggk(files: list[dict], role: str) -> dict | None:
+    """The file ggk should load for ``role``: the copy in also_copy_to if any, else the original."""
+    entries = [f for f in files if f["role"] == role]
+    copies = [f for f in entries if f.get("copy_of")]
+    return (copies or entries or [None])[0]
+
+
+def _per_shard(evaluation: dict | None, torch_rows: list[dict]) -> list[dict]:
+    torch_by_name = {Path(r["shard"]).name: r["val_centred_cosine"] for r in torch_rows}
+    if evaluation is None:
+        return [{"shard": name, "n": r["n"], "val_centred_cosine": None, "val_centred_cosine_torch": cos}
+                for r, (name, cos) in zip(torch_rows, torch_by_name.items())]
+    return [{"shard": Path(r["shard"]).name, "n": r["n"], "val_centred_cosine": r["val_centred_cosine"],
+             "val_centred_cosine_torch": torch_by_name.get(Path(r["shard"]).name)} for r in evaluation["per_shard"]]
+
+
+def build_report(paths: ProjectPaths, settings: Settings, materials: MaterialsManifest, gguf: ExportSidecar,
+                 evaluation: dict | None, *, fingerprint: str) -> Report:
+    """Write report.json and report.md into the output folder; returns the report.
+
+    ``gguf`` is the export's sidecar, ``evaluation`` the numpy evaluator's result
+    (gguf_eval.evaluate_gguf) or None when output.evaluate is off.
+    """
+    files = gguf.written_files()
+    adapter_file, vision_file = _for_ggk(files, "adapter"), _for_ggk(files, "vision_encoder")
+    torch_score = gguf.val_centred_cosine_torch
+    score = evaluation["val_centred_cosine"] if evaluation else torch_score
+    text, advice = verdict(score)
+    student = materials.student
+    report = Report(
+        fingerprint=fingerprint,
+        evaluated=evaluation is not None,
+        val_centred_cosine=evaluation["val_centred_cosine"] if evaluation else None,
+        val_centred_cosine_torch=torch_score,
+        gguf_vs_torch=abs(evaluation["val_centred_cosine"] - torch_score) if evaluation else None,
+        empty_prompt_cosine=evaluation["empty_prompt_cosine"] if evaluation else gguf.empty_prompt_cosine_torch,
+        empty_prompt_cosine_torch=gguf.empty_prompt_cosine_torch,
+        score_source="gguf" if evaluation else "torch",
+        gguf_path=gguf.path, gguf_sha256=gguf.sha256, gguf_bytes=gguf.bytes,
+        vision_gguf=next((f["path"] for f in files if f["role"] == "vision_encoder" and not f.get("copy_of")), None),
+        ggk_files={"adapter": adapter_file["path"], "vision_encoder": vision_file["path"] if vision_file else None},
+        n_prompts=evaluation["n_prompts"] if evaluation else None,
+        eval_seconds=evaluation["seconds"] if evaluation else None,
+        per_shard=_per_shard(evaluation, gguf.per_shard_torch),
+        worst=[{**w, "shard": paths.stored(w["shard"])} for w in evaluation["worst"]] if evaluation else [],
+        verdict=text, advice=advice,
+        # The report lists what a user checks (size, sha256), not the stamps status uses.
+        files=[verify.without_stamp(f) for f in files],
+        student={"repo": student["source"], "commit": student["commit"], "path": student["path"],
+                 "layer": gguf.provenance.get("student.layer", settings.materials.student_layer)},
+        # Paths inside the project are relative to the project folder (run it from there).
+        ggk_command=ggk_command(settings.output.ggk_command, student=paths.stored(student["path"]),
+                                adapter_gguf=paths.stored(adapter_file["path"]),
+                                vision_gguf=paths.stored(vision_file["path"]) if vision_file else None),
+        kept_f32=gguf.kept_f32,
+        settings_hash=settings_history.remember(paths.root, settings),
+    )
+    out = paths.output_dir(settings)
+    # No absolute path into the project: a copied project's report points at its own files.
+    stored = paths.stored_doc(report.to_json())
+    markdown = render_markdown(Report.from_json(stored))
+    atomic.write_json(paths.report_json(settings), stored)
+    atomic.write_text(paths.report_md(settings), markdown)
+    # report.json/report.md: the folder's latest report, under the names earlier versions used.
+    atomic.write_json(out / REPORT_JSON, stored)
+    atomic.write_text(out / REPORT_MD, markdown)
+    return Report.from_json(stored)
+
+
+def _fmt(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.4f}"
+
+
+def render_evaluation(r: Report) -> str:
+    """Verdict, advice and the numbers (overall, empty prompt, per shard, worst prompts)."""
+    lines = [f"**{r.verdict}**", "", r.advice, "",
+             markdown_table(["measure", "value"], [
+                 ["val centred cosine (GGUF, numpy)", _fmt(r.val_centred_cosine)],
+                 ["val centred cosine (torch checkpoint)", _fmt(r.val_centred_cosine_torch)],
+                 ["GGUF vs torch difference",
+                  "n/a" if r.gguf_vs_torch is None else format(r.gguf_vs_torch, ".2e")],
+                 ["empty prompt cosine", _fmt(r.empty_prompt_cosine)],
+                 ["val prompts", r.n_prompts if r.n_prompts is not None else "n/a"]]), ""]
+    if not r.evaluated:
+        lines += ["The GGUF was not evaluated (`output.evaluate` is off); the verdict uses the torch score.", ""]
+    if r.per_shard:
+        lines += ["### Per shard", "", markdown_table(["shard", "prompts", "GGUF", "torch"], (
+            [s["shard"], s["n"], _fmt(s["val_centred_cosine"]), _fmt(s["val_centred_cosine_torch"])]
+            for s in r.per_shard), right=[1, 2, 3]), ""]
+    if r.worst:
+        lines += [f"### The {len(r.worst)} worst val prompts", "", markdown_table(["cosine", "prompt"], (
+            [f"{w['cosine']:.4f}", user_text(w["text"], 120) or "*(empty: the CFG prompt)*"] for w in r.worst),
+            right=[0]), ""]
+    return "\n".join(lines)
+
+
+def render_files(files: list[dict], *, kept_f32: list[str]) -> str:
+    """The exported files (and copies) with sizes and sha256."""
+    lines = [markdown_table(["file", "role", "bytes", "sha256"], (
+        [f"`{f['path']}`", f["role"] + (" (copy)" if f.get("copy_of") else ""), f"{f['bytes']:,}", f"`{f['sha256']}`"]
+        for f in files), right=[2])]
+    if kept_f32:
+        lines += ["", f"Kept in f32 because values exceed the f16 range: {', '.join(kept_f32)}."]
+    return "\n".join(lines) + "\n"
+
+
+def render_use_in_ggk(r: Report) -> str:
+    """Which file goes where, and the command line."""
+    s, ggk = r.student, r.ggk_files
+    rows = [["the adapter (this project's output)", f"`{ggk['adapter']}`", f"`{ADAPTER_FLAG}`"],
+            [f"the student LLM it was trained on: `{s['repo']}` at `{s['commit']}`, hidden states of layer "
+             f"{s['layer']}", f"`{s['path']}`", f"`{STUDENT_FLAG}`"]]
+    if ggk["vision_encoder"]:
+        rows.append(["the paired vision encoder", f"`{ggk['vision_encoder']}`", f"`{VISION_FLAG}`"])
+    lines = [markdown_table(["what", "file", "ggk flag"], rows)]
+    copies = [f["path"] for f in r.files if f.get("copy_of")]
+    lines += [""]
+    if copies:
+        lines += ["Verified copies are already in the `output.also_copy_to` folder: "
+                  + ", ".join(f"`{c}`" for c in copies) + "."]
+    else:
+        lines += [f"Copy `{Path(ggk['adapter']).name}`"
+                  + (f" and `{Path(ggk['vision_encoder']).name}`" if ggk["vision_encoder"] else "")
+                  + " into your ggk model folder, or set `output.also_copy_to` to that folder to have it done "
+                    "(atomically, checked by sha256) on every export."]
+    lines += ["", "The adapter only works with that exact student model and layer; another student (or another "
+              "layer) needs its own adapter.", "", "Command line (template: `output.ggk_command`; relative paths "
+              "are inside the project folder, so run it from there):", "",
+              "```", r.ggk_command, "```", ""]
+    return "\n".join(lines)
+
+
+def render_markdown(r: Report) -> str:
+    return "\n".join(["# Evaluation", "", render_evaluation(r), "## Exported files", "",
+                      render_files(r.files, kept_f32=r.kept_f32),
+                      "## Use it in ggk", "", render_use_in_ggk(r)])

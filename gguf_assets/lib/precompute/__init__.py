@@ -1,0 +1,1 @@
+"""The precompute: teacher and student, token-budget batching, the shards."""

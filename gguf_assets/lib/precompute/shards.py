@@ -1,0 +1,378 @@
+"""Shards: teacher targets and student states, one folder per shard, each half on its own.
+
+    shards/<split>/<key>/prompts.jsonl         the shard's prompts (from the corpus)
+    shards/<split>/<key>/teacher.safetensors   targets [n, Q, D]
+    shards/<split>/<key>/teacher.json          fingerprint, sha256, bytes, timings
+    shards/<split>/<key>/student.safetensors   hidden [tokens, Ds], offsets [n+1], token_ids [tokens]
+    shards/<split>/<key>/student.json
+
+A half is reused only if its fingerprint (everything it depends on) matches and its file
+still has the recorded size and sha256; otherwise it is recomputed. The teacher half's
+fingerprint has nothing of the student in it, so a student change never touches targets.
+
+Shards are computed one at a time and each is written before the next starts, so peak
+memory is one shard's targets and states, whatever the corpus size.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from gguf_assets.lib.core import atomic, faults, verify
+from gguf_assets.lib.core.errors import UserError
+from gguf_assets.lib.corpus.corpus import read_split, shard_prompts
+from gguf_assets.lib.output.gguf_format import F16_MAX
+from gguf_assets.lib.precompute.teacher_choice import teacher_choice
+from gguf_assets.lib.project import formats, settings_history
+from gguf_assets.lib.project.layout import (
+    PROMPTS_FILE,
+    STUDENT_FILE,
+    TEACHER_FILE,
+    ProjectPaths,
+    shard_key,
+)
+from gguf_assets.lib.project.manifests import MaterialsManifest
+from gguf_assets.lib.project.settings import Settings
+from gguf_assets.lib.telemetry.progress import Progress
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+HALVES = ("teacher", "student")
+
+
+class ShardError(UserError, RuntimeError):
+    pass
+
+
+def prompts_hash(prompts: list[str]) -> str:
+    return hashlib.sha256(json.dumps(prompts, ensure_ascii=False).encode()).hexdigest()
+
+
+def half_settings(half: str, settings: Settings) -> dict:
+    """The settings a shard half is computed from. Batch sizes and devices are left out: they
+    change speed, not results. Part of the half's fingerprint, and what Dagster observes."""
+    m, p = settings.materials, settings.precompute
+    if half == "teacher":
+        return {**teacher_choice(settings).targets_settings(settings), "dtype": p.target_dtype,
+                "template": p.prompt_template}
+    return {"layer": m.student_layer, "dtype": p.student_dtype, "template": p.prompt_template}
+
+
+def half_fingerprint(half: str, settings: Settings, materials: MaterialsManifest, shard_prompts_hash: str) -> str:
+    """Everything a half depends on: its settings, the pinned models it runs, and its prompts."""
+    model = "student" if half == "student" else teacher_choice(settings).targets_model
+    return atomic.fingerprint({"half": half, "prompts": shard_prompts_hash, **half_settings(half, settings),
+                               model: materials.pin(model), "format": formats.SHARD_HALF})
+
+
+def halves_for_mode(mode: str) -> tuple[str, ...]:
+    return {"teacher+student": HALVES, "teacher": ("teacher",), "student": ("student",)}[mode]
+
+
+def half_status(folder: Path, half: str, fingerprint: str) -> str:
+    """'current', 'missing', 'stale' (settings changed) or 'corrupt' (bytes changed).
+
+    The data file is checked by its recorded size, mtime and inode (lib/core/verify.py): no byte is
+    read unless its stamp is unsure; then its content decides, and the new stamp is stored.
+    Readers check the content as they read it (lib/core/safetensors_io.py: read_torch).
+    """
+    meta_path, data_path = folder / f"{half}.json", data_file(folder, half)
+    if not meta_path.is_file() or not data_path.is_file():
+        return "missing"
+    try:
+        meta = atomic.read_json(meta_path)
+    except (OSError, json.JSONDecodeError):
+        return "corrupt"
+    if meta.get("fingerprint") != fingerprint:
+        return "stale"
+    now = verify.confirmed(data_path, meta)
+    if now is None:
+        return "corrupt"
+    verify.store_refreshed(meta_path, meta, now)
+    return "current"
+
+
+def forget_half(folder: Path, half: str) -> None:
+    """Drop a half's record (its sidecar), so the planner computes the half again."""
+    (folder / f"{half}.json").unlink(missing_ok=True)
+
+
+@dataclass
+class ShardPlan:
+    split: str
+    key: str
+    prompts: list[str]
+    fingerprints: dict[str, str]
+
+    def folder(self, paths: ProjectPaths) -> Path:
+        return paths.shard_dir(self.split, self.key)
+
+
+def plan_shards(paths: ProjectPaths, settings: Settings, materials: MaterialsManifest, split: str) -> list[ShardPlan]:
+    size = settings.precompute.shard_size if split == "train" else settings.precompute.val_shard_size
+    plans = []
+    for index, prompts in enumerate(shard_prompts(read_split(paths, split), size)):
+        h = prompts_hash(prompts)
+        plans.append(ShardPlan(split, shard_key(index), prompts,
+                               {half: half_fingerprint(half, settings, materials, h) for half in HALVES}))
+    return plans
+
+
+def shard_status(paths: ProjectPaths, settings: Settings, plan: ShardPlan) -> dict[str, str]:
+    return {half: half_status(plan.folder(paths), half, plan.fingerprints[half])
+            for half in halves_for_mode(settings.precompute.mode)}
+
+
+def data_file(folder: Path, half: str) -> Path:
+    return folder / (TEACHER_FILE if half == "teacher" else STUDENT_FILE)
+
+
+def _write_half(folder: Path, half: str, tensors: dict[str, torch.Tensor], meta: dict) -> dict:
+    data_path = data_file(folder, half)
+    with atomic.atomic_path(data_path) as tmp:
+        from safetensors.torch import save_file
+
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp),
+                  metadata={"fingerprint": meta["fingerprint"]})
+        faults.point("shard-write", tmp)
+    meta = {**meta, **verify.record(data_path)}
+    # The sidecar goes last: a shard half counts as done only once its sidecar exists.
+    atomic.write_json(folder / f"{half}.json", meta)
+    return meta
+
+
+def require_current(paths: ProjectPaths, settings: Settings, materials: MaterialsManifest, split: str) -> list[Path]:
+    """The split's shard folders, after checking every half the mode needs is current.
+
+    Readers (training, evaluation) call this so a stale or changed half is never used; they check
+    each file's content against its recorded sha256 as they read it.
+    """
+    plans = plan_shards(paths, settings, materials, split)
+    bad = [f"{plan.key} {half} half is {state}" for plan in plans
+           for half, state in shard_status(paths, settings, plan).items() if state != "current"]
+    if bad:
+        shown = "; ".join(bad[:5]) + (f"; and {len(bad) - 5} more" if len(bad) > 5 else "")
+        raise ShardError(f"{split} shards are not current ({shown}). Materialize {split}_shards again: "
+                         "exactly those halves are recomputed.")
+    return [plan.folder(paths) for plan in plans]
+
+
+class ShardBuilder:
+    """Computes missing halves; loads each model only when some shard needs it."""
+
+    def __init__(self, paths: ProjectPaths, settings: Settings, materials: MaterialsManifest) -> None:
+        from gguf_assets.lib.telemetry.hardware import resolve_device
+
+        self.paths, self.settings, self.materials = paths, settings, materials
+        self._settings_hash = settings_history.remember(paths.root, settings)
+        self.device = resolve_device(settings.precompute.device)
+        self.choice = teacher_choice(settings)
+        self._teacher = None
+        self._student = None
+        self.gpu_budget_gib: float | None = None  # the teacher's current GPU budget (CUDA only)
+
+    def teacher(self, *, gpu_budget_gib: float | None = None):
+        """The teacher, (re)loaded when a different GPU budget is asked for."""
+        if self._teacher is not None and (gpu_budget_gib is None or gpu_budget_gib == self.gpu_budget_gib):
+            return self._teacher
+        if self._teacher is not None:
+            import torch
+
+            self._teacher = None  # free the old placement before loading the new one
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        folder = Path(self.materials.teacher["path"]) if self.choice.loads_teacher_model else None
+        self._teacher = self.choice.load(self.settings, teacher_folder=folder, student=self.student,
+                                         device=self.device, gpu_budget_gib=gpu_budget_gib)
+        self.gpu_budget_gib = gpu_budget_gib if gpu_budget_gib is not None else self._teacher.placement.gpu_budget_gib
+        return self._teacher
+
+    def student(self):
+        if self._student is None:
+            from gguf_assets.lib.precompute.student import Student
+
+            self._student = Student(Path(self.materials.student["path"]), self.settings, self.device)
+        return self._student
+
+    def targets(self, prompts: list[str], *, on_batch=None):
+        """The teacher's targets for ``prompts``, retrying CUDA out-of-memory with a lower GPU budget."""
+        import torch
+
+        from gguf_assets.lib.precompute.teacher import (
+            auto_gpu_budget_gib,
+            lower_budget_on_oom,
+            oom_advice,
+        )
+
+        p = self.settings.precompute
+        dtype = {"f16": torch.float16, "bf16": torch.bfloat16}[p.target_dtype]
+        if not self.choice.loads_teacher_model or self.device.type != "cuda":
+            return self.teacher().encode(prompts, dtype=dtype, on_batch=on_batch)
+        if self.gpu_budget_gib is None:
+            self.gpu_budget_gib = auto_gpu_budget_gib(self.settings, self.device)
+        result, _ = lower_budget_on_oom(
+            lambda budget: self.teacher(gpu_budget_gib=budget).encode(prompts, dtype=dtype, on_batch=on_batch),
+            budget_gib=self.gpu_budget_gib, placement=p.teacher_placement,
+            advice=lambda budget: oom_advice(self.settings, gpu_budget_gib=budget))
+        return result
+
+    def compute(self, half: str, prompts: list[str], *, on_batch=None):
+        """One half's results; running out of memory ends with what to lower."""
+        from gguf_assets.lib.precompute.teacher import (
+            PrecomputeOutOfMemory,
+            TeacherError,
+            is_out_of_memory,
+            oom_advice,
+        )
+
+        try:
+            if half == "teacher":
+                return self.targets(prompts, on_batch=on_batch)
+            return self.student().encode(prompts, on_batch=on_batch)
+        except (TeacherError, PrecomputeOutOfMemory):
+            raise
+        except (MemoryError, RuntimeError) as exc:
+            if is_out_of_memory(exc):
+                raise PrecomputeOutOfMemory(f"the {half} ran out of memory on {self.device}: "
+                                            f"{oom_advice(self.settings, half=half)}") from exc
+            raise
+
+    def _compute_half(self, plan: ShardPlan, half: str, *, on_batch=None) -> tuple[dict[str, torch.Tensor], dict]:
+        """The tensors of one half and its sidecar fields (without sizes and checksum)."""
+        meta = {"fingerprint": plan.fingerprints[half], "prompts": len(plan.prompts),
+                "settings_hash": self._settings_hash}
+        if half == "teacher":
+            result = self.compute(half, plan.prompts, on_batch=on_batch)
+            if not result.peak_abs <= F16_MAX:
+                raise ShardError(f"shard {plan.split}/{plan.key}: teacher targets are non-finite or exceed the f16 "
+                                 f"range (max |x| = {result.peak_abs:.3g}); check materials.teacher_layer.")
+            meta.update(query_rows=result.targets.shape[1], dim=result.targets.shape[2],
+                        dtype=self.settings.precompute.target_dtype, text_tokens=result.text_tokens,
+                        truncated=result.truncated, placement=self._teacher.placement.summary)
+            return {"targets": result.targets}, meta
+        states = self.compute(half, plan.prompts, on_batch=on_batch)
+        meta.update(dim=states.hidden.shape[1], tokens=states.tokens, truncated=states.truncated,
+                    dtype=self.settings.precompute.student_dtype)
+        return {"hidden": states.hidden, "offsets": states.offsets, "token_ids": states.token_ids}, meta
+
+    def build(self, plan: ShardPlan, *, progress: dict[str, Progress] | None = None) -> dict:
+        """Make the shard current; returns what was done per half, with counts and timings."""
+        progress = progress or {}
+        folder = plan.folder(self.paths)
+        folder.mkdir(parents=True, exist_ok=True)
+        atomic.remove_stale_temps(folder)
+        prompts_body = "".join(json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in plan.prompts)
+        prompts_file = folder / PROMPTS_FILE
+        if not prompts_file.is_file() or prompts_file.read_text(encoding="utf-8") != prompts_body:
+            atomic.write_text(prompts_file, prompts_body)
+        report: dict = {"split": plan.split, "key": plan.key, "prompts": len(plan.prompts)}
+        for half, status in shard_status(self.paths, self.settings, plan).items():
+            report[f"{half}_status"] = status
+            meter = progress.get(half)
+            if status == "current":
+                if meter:
+                    meter.skip(len(plan.prompts))
+                continue
+            if status == "corrupt":
+                log.warning("shard %s/%s: %s half failed verification; recomputing it", plan.split, plan.key, half)
+            # Until the new half is written, nothing may take the old bytes for current.
+            (folder / f"{half}.json").unlink(missing_ok=True)
+            start = time.perf_counter()
+            tensors, meta = self._compute_half(plan, half, on_batch=meter.advance if meter else None)
+            meta["seconds"] = round(time.perf_counter() - start, 3)
+            _write_half(folder, half, tensors, meta)
+            del tensors  # one shard's results at most are alive at any time
+            if half == "teacher":
+                report.update(self._teacher.placement.metadata(), placement=meta["placement"])
+            report[f"{half}_seconds"] = meta["seconds"]
+            report[f"{half}_truncated"] = meta["truncated"]
+            report[f"{half}_tokens"] = int(meta.get("text_tokens", meta.get("tokens", 0)))
+            report[f"{half}_prompts_per_s"] = round(len(plan.prompts) / meta["seconds"], 3) if meta["seconds"] else 0.0
+        return report
+
+
+@dataclass
+class ShardRun:
+    """What one precompute run did: a report per shard and a summary for the run's metadata."""
+
+    reports: list[dict]
+    summary: dict
+
+
+def precompute_split(paths: ProjectPaths, settings: Settings, materials: MaterialsManifest, split: str, keys: list[str],
+                     *, on_shard_done: Callable[[dict], None] | None = None,
+                     on_progress: Callable[[dict], None] | None = None,
+                     sample_interval_s: float | None = None) -> ShardRun:
+    """Make the given shards current, one at a time, with live progress and hardware figures.
+
+    ``on_shard_done(report)`` runs as each shard is written; the report carries that shard's own
+    figures and hardware summary. ``on_progress(figures)`` runs with each progress line (every
+    PROGRESS_LOG_INTERVAL_S): the shard, the half, its rate and ETA and a hardware sample taken then.
+    """
+    plans = {p.key: p for p in plan_shards(paths, settings, materials, split)}
+    unknown = [k for k in keys if k not in plans]
+    if unknown:
+        raise ShardError(f"{split} shards {unknown} do not exist in the current corpus "
+                         f"({len(plans)} shards); rematerialize the corpus.")
+    from gguf_assets.lib.telemetry.hardware import HardwareSampler
+
+    builder = ShardBuilder(paths, settings, materials)
+    total = sum(len(plans[k].prompts) for k in keys)
+    sampler_kwargs = {} if sample_interval_s is None else {"interval_s": sample_interval_s}
+    sampler = HardwareSampler(**sampler_kwargs)
+    current = {"key": None}
+
+    def progress_line(half: str):
+        def emit(line: str) -> None:
+            log.info("%s", line)
+            if on_progress is not None:
+                on_progress({"shard": current["key"], "half": half, **progress[half].figures(), **sampler.sample()})
+        return emit
+
+    progress = {half: Progress(f"{split} {half}", total, emit=progress_line(half))
+                for half in halves_for_mode(settings.precompute.mode)}
+    reports = []
+    start = time.perf_counter()
+    with sampler:
+        for done, key in enumerate(keys, 1):
+            current["key"] = key
+            shard_start = sampler.clock()
+            report = builder.build(plans[key], progress=progress)
+            report.update(sampler.summary(since=shard_start))
+            reports.append(report)
+            elapsed = time.perf_counter() - start
+            eta = elapsed / done * (len(keys) - done)
+            log.info("%s shard %s done (%d/%d shards, %.1fs elapsed, ETA %.1fs)", split, key, done, len(keys),
+                     elapsed, eta)
+            if on_shard_done:
+                on_shard_done(report)
+    seconds = time.perf_counter() - start
+    summary: dict = {"shards": len(keys), "prompts": total, "seconds": round(seconds, 3)}
+    for half, meter in progress.items():
+        figures = meter.figures()
+        summary[f"{half}_halves_computed"] = sum(1 for r in reports if r.get(f"{half}_status") != "current")
+        summary[f"{half}_prompts_per_s"] = figures["prompts_per_s"]
+        summary[f"{half}_tokens_per_s"] = figures["tokens_per_s"]
+        summary[f"{half}_truncated"] = sum(r.get(f"{half}_truncated", 0) for r in reports)
+    if builder._teacher is not None:
+        summary.update(builder._teacher.placement.metadata())
+    summary.update(sampler.summary())
+    return ShardRun(reports, summary)
+
+
+def build_shards(paths: ProjectPaths, settings: Settings, materials: MaterialsManifest, split: str, keys: list[str],
+                 *, on_shard_done: Callable[[dict], None] | None = None) -> list[dict]:
+    """The per-shard reports of `precompute_split`."""
+    return precompute_split(paths, settings, materials, split, keys, on_shard_done=on_shard_done).reports

@@ -1,0 +1,67 @@
+"""Which teacher makes the targets, decided in one place from the settings.
+
+`precompute.mock_teacher` (a dev smoke test: synthetic targets computed from the student's
+states, no teacher download) stays the user-facing switch; only this module reads it. Every
+stage asks the choice instead: what to download and pin, what the targets' fingerprint
+depends on, what the GGUF names as its teacher, and which implementation to load
+(lib/precompute/teacher.py: HFTeacher or MockTeacher, both with ``encode(prompts, dtype=, on_batch=)``).
+No torch import here: the status and the CLI read it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from gguf_assets.lib.project.manifests import MaterialsManifest
+from gguf_assets.lib.project.settings import Settings
+
+MOCK_TEACHER_REPO = "mock-teacher"
+MOCK_TEACHER_COMMIT = "none"
+
+
+@dataclass(frozen=True)
+class TeacherChoice:
+    mode: str  # precompute.mode: which shard halves are computed
+    mock: bool
+
+    @property
+    def loads_teacher_model(self) -> bool:
+        """The real teacher LLM is downloaded, pinned and loaded (its query rows too)."""
+        return self.mode != "student" and not self.mock
+
+    @property
+    def loads_student_model(self) -> bool:
+        """The student is loaded by the precompute: for its half, or inside the mock teacher."""
+        return self.mode != "teacher" or self.mock
+
+    @property
+    def targets_model(self) -> str:
+        """The material whose pin the targets' fingerprint carries."""
+        return "student" if self.mock else "teacher"
+
+    def targets_settings(self, settings: Settings) -> dict:
+        """The settings the targets are computed from, besides dtype and template (a fingerprint part)."""
+        m, p = settings.materials, settings.precompute
+        if self.mock:
+            return {"mock": True, "student_layer": m.student_layer, "student_dtype": p.student_dtype}
+        return {"query_rows": [m.query_rows_file, m.query_rows_tensor], "layer": m.teacher_layer}
+
+    def provenance(self, materials: MaterialsManifest) -> tuple[str, str]:
+        """(repo, commit) the GGUF names as its teacher."""
+        teacher = materials.teacher
+        if self.mock or teacher is None:
+            return MOCK_TEACHER_REPO, MOCK_TEACHER_COMMIT
+        return teacher["source"], teacher["commit"]
+
+    def load(self, settings: Settings, *, teacher_folder: Path | None, student, device, gpu_budget_gib=None):
+        """The teacher implementation; ``student`` is a callable returning the loaded student."""
+        from gguf_assets.lib.precompute.teacher import HFTeacher, MockTeacher
+
+        if self.mock:
+            return MockTeacher(student())
+        return HFTeacher(Path(teacher_folder), settings, device, gpu_budget_gib=gpu_budget_gib)
+
+
+def teacher_choice(settings: Settings) -> TeacherChoice:
+    return TeacherChoice(mode=settings.precompute.mode, mock=settings.precompute.mock_teacher)

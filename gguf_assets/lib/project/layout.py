@@ -1,0 +1,142 @@
+"""Where everything lives inside a project folder. Paths come from here, never from the cwd."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gguf_assets.lib.project.settings import PROJECT_FILE, RESERVED_ADAPTER_NAME, Settings
+
+SPLITS = ("train", "val")
+TEACHER_FILE = "teacher.safetensors"
+STUDENT_FILE = "student.safetensors"
+PROMPTS_FILE = "prompts.jsonl"
+# The folder's latest report. Each adapter's own is <adapter_name>.report.json/.md (ProjectPaths.report_json),
+# so projects that share an output_dir keep theirs apart.
+REPORT_JSON = f"{RESERVED_ADAPTER_NAME}.json"
+REPORT_MD = f"{RESERVED_ADAPTER_NAME}.md"
+REPORT_SUFFIX = ".report"
+# Inside checkpoints/<fingerprint>/ (lib/training/checkpoints.py writes them; `status` reads final/ without torch).
+STEP_DIR = re.compile(r"^step-(\d{8})$")
+BEST_DIR = "best"
+FINAL_DIR = "final"
+DAMAGED_FINAL_DIR = "final.damaged"  # finished weights whose bytes changed, kept for a look
+WEIGHTS_FILE = "adapter.safetensors"
+STATE_FILE = "trainer_state.pt"
+META_FILE = "meta.json"
+CURVES_FILE = "curves.svg"
+
+
+# Keys whose values are file or folder paths in the project's JSON files (manifests, sidecars,
+# reports). Written relative to the project folder, read back absolute.
+PATH_KEYS = frozenset({"path", "copy_of", "copies", "gguf_path", "vision_gguf", "ggk_files"})
+
+
+def _map_paths(doc: Any, convert: Callable[[str], str], *, is_path: bool = False) -> Any:
+    if isinstance(doc, dict):
+        return {k: _map_paths(v, convert, is_path=is_path or k in PATH_KEYS) for k, v in doc.items()}
+    if isinstance(doc, list):
+        return [_map_paths(v, convert, is_path=is_path) for v in doc]
+    if is_path and isinstance(doc, str) and doc:
+        return convert(doc)
+    return doc
+
+
+def shard_key(index: int) -> str:
+    """Dynamic partition key of a shard (zero-padded so keys sort like indices)."""
+    return f"{index:05d}"
+
+
+@dataclass(frozen=True)
+class ProjectPaths:
+    root: Path
+
+    @classmethod
+    def of(cls, root: Path | str) -> "ProjectPaths":
+        return cls(Path(root).expanduser().resolve())
+
+    @property
+    def project_file(self) -> Path:
+        return self.root / PROJECT_FILE
+
+    @property
+    def materials_dir(self) -> Path:
+        return self.root / "materials"
+
+    @property
+    def materials_manifest(self) -> Path:
+        return self.materials_dir / "manifest.json"
+
+    @property
+    def corpus_dir(self) -> Path:
+        return self.root / "corpus"
+
+    def corpus_file(self, split: str) -> Path:
+        return self.corpus_dir / f"{split}.jsonl"
+
+    @property
+    def corpus_manifest(self) -> Path:
+        return self.corpus_dir / "manifest.json"
+
+    def shard_dir(self, split: str, key: str) -> Path:
+        return self.root / "shards" / split / key
+
+    def checkpoints_dir(self, fingerprint: str) -> Path:
+        return self.root / "checkpoints" / fingerprint
+
+    @property
+    def adapter_manifest(self) -> Path:
+        """Points at the finished training run (its fingerprint and final weights)."""
+        return self.root / "checkpoints" / "final.json"
+
+    def output_dir(self, settings: Settings) -> Path:
+        configured = settings.output.output_dir
+        if not configured:
+            return self.root / "output"
+        path = Path(configured).expanduser()
+        return path if path.is_absolute() else self.root / path
+
+    def report_json(self, settings: Settings) -> Path:
+        """This adapter's report (report.json beside it is the latest report of any adapter in the folder)."""
+        return self.output_dir(settings) / f"{settings.output.adapter_name}{REPORT_SUFFIX}.json"
+
+    def report_md(self, settings: Settings) -> Path:
+        return self.output_dir(settings) / f"{settings.output.adapter_name}{REPORT_SUFFIX}.md"
+
+    @property
+    def dagster_home(self) -> Path:
+        return self.root / ".dagster"
+
+    @property
+    def lock_file(self) -> Path:
+        return self.root / ".pipeline.lock"
+
+    def stored(self, path: Path | str) -> str:
+        """A path as it is written into the project's own files: relative to the project folder
+        when inside it, so a copied or moved folder never points back at the original."""
+        path = Path(path)
+        try:
+            return path.resolve().relative_to(self.root).as_posix()
+        except ValueError:  # outside the project (a user's local folder, also_copy_to): kept as given
+            return str(path)
+
+    def located(self, stored: str) -> Path:
+        """The inverse of :meth:`stored`."""
+        path = Path(stored)
+        return path if path.is_absolute() else self.root / path
+
+    def stored_doc(self, doc: Any) -> Any:
+        """A JSON document with every path under :data:`PATH_KEYS` made :meth:`stored`."""
+        return _map_paths(doc, self.stored)
+
+    def located_doc(self, doc: Any) -> Any:
+        """A JSON document read back: every path under :data:`PATH_KEYS` made absolute again."""
+        return _map_paths(doc, lambda value: str(self.located(value)))
+
+    def resolve_local(self, value: str) -> Path:
+        """A settings path: absolute, ~, or relative to the project folder."""
+        path = Path(value).expanduser()
+        return path if path.is_absolute() else self.root / path

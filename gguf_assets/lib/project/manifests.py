@@ -1,0 +1,132 @@
+"""The typed contracts between stages: the export sidecar and the evaluation report.
+
+Each is a frozen dataclass whose fields are the keys of its JSON file, so the JSON stays what
+users, scripts and checks read (report.json's fields are an interface) while the code that
+builds and reads them is checked by name. ``from_json`` accepts files written by earlier
+versions (keys added since then get their "not recorded" value).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class _JsonFields:
+    """A dataclass stored as a JSON object of its fields; ``_STORED_AS`` renames a field in the file."""
+
+    _STORED_AS: dict[str, str] = {}
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]):
+        """Keys a newer version added are dropped; fields an older file lacks take their defaults."""
+        names = {stored: name for name, stored in cls._STORED_AS.items()}
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{names.get(k, k): v for k, v in doc.items() if names.get(k, k) in known})
+
+    def to_json(self) -> dict[str, Any]:
+        return {self._STORED_AS.get(k, k): v for k, v in dataclasses.asdict(self).items()}
+
+
+@dataclass(frozen=True)
+class ExportSidecar(_JsonFields):
+    """<output_dir>/<adapter_name>.json: what the export wrote (lib/output/export.py); the report and status read it.
+
+    ``files`` lists every file written, copies included: {role, path, bytes, sha256, mtime_ns,
+    inode[, copy_of]} (the stamp lets `status` see a change without reading the file).
+    """
+
+    path: str
+    sha256: str
+    bytes: int
+    fingerprint: str
+    val_centred_cosine_torch: float
+    name: str = ""
+    architecture: str = ""
+    format_version: int = 0
+    tensor_count: int = 0
+    f16_count: int = 0
+    f32_count: int = 0
+    kept_f32: list[str] = field(default_factory=list)
+    adapter_fingerprint: str = ""
+    files: list[dict] = field(default_factory=list)
+    copies: list[str] = field(default_factory=list)
+    vision: dict | None = None  # the vision GGUF's summary, when one was exported
+    provenance: dict[str, Any] = field(default_factory=dict)
+    empty_prompt_cosine_torch: float | None = None
+    per_shard_torch: list[dict] = field(default_factory=list)
+    settings_hash: str = ""  # the settings snapshot it was exported under (lib/project/settings_history.py)
+
+    def written_files(self) -> list[dict]:
+        """Every file the export wrote; a sidecar from before ``files`` existed names only the GGUF."""
+        return self.files or [{"role": "adapter", "path": self.path, "bytes": self.bytes, "sha256": self.sha256}]
+
+
+@dataclass(frozen=True)
+class Report(_JsonFields):
+    """<output_dir>/report.json (and <adapter_name>.report.json): the evaluation of the exported GGUF.
+
+    Paths inside the project are stored relative to the project folder.
+    """
+
+    fingerprint: str
+    evaluated: bool  # False when output.evaluate is off: the score is then the torch checkpoint's
+    val_centred_cosine: float | None  # the GGUF's, by the independent numpy evaluator
+    val_centred_cosine_torch: float
+    gguf_vs_torch: float | None
+    empty_prompt_cosine: float | None
+    empty_prompt_cosine_torch: float | None
+    score_source: str  # "gguf" or "torch"
+    gguf_path: str
+    gguf_sha256: str
+    gguf_bytes: int
+    vision_gguf: str | None
+    ggk_files: dict[str, str | None]  # {adapter, vision_encoder}: what ggk loads (a copy when one was made)
+    n_prompts: int | None
+    eval_seconds: float | None
+    per_shard: list[dict]  # {shard, n, val_centred_cosine, val_centred_cosine_torch}
+    worst: list[dict]  # the worst val prompts: {cosine, text, shard, index}
+    verdict: str
+    advice: str
+    files: list[dict]  # {role, path, bytes, sha256[, copy_of]}
+    student: dict[str, Any]  # {repo, commit, path, layer}
+    ggk_command: str
+    kept_f32: list[str] = field(default_factory=list)
+    settings_hash: str = ""  # the settings snapshot it was made under (lib/project/settings_history.py)
+
+
+
+MODEL_ROLES = ("teacher", "student", "vision_encoder")
+
+
+@dataclass
+class MaterialsManifest(_JsonFields):
+    """materials/manifest.json: every configured source, pinned (lib/materials/materials.py).
+
+    An entry is a materials.Material as a dict: {role, source, path, commit, files, bytes,
+    text_field, origin}. ``hash_cache`` and ``downloads`` are stored under their earlier names,
+    "_hash_cache" and "_downloads", so existing projects read as they are.
+    """
+
+    teacher: dict | None = None
+    student: dict | None = None
+    vision_encoder: dict | None = None
+    datasets: list[dict] = field(default_factory=list)
+    settings: dict = field(default_factory=dict)  # what it was resolved under (materials.materials_settings_key)
+    settings_hash: str = ""  # the whole snapshot it was resolved under (lib/project/settings_history.py)
+    # Per local or downloaded folder, {relative file: record}: lib/verify's stamp with the sha256 (a local
+    # file) or with the hub etag it matched (a download); manifests from before stamps hold "size:mtime" keys.
+    hash_cache: dict[str, dict] = field(default_factory=dict)
+    downloads: list[dict] = field(default_factory=list)  # per hub source: bytes, seconds, refetched files
+
+    _STORED_AS = {"hash_cache": "_hash_cache", "downloads": "_downloads"}
+
+    def entries(self) -> list[dict]:
+        """The pinned materials: the models that are configured, then the datasets."""
+        return [e for e in (getattr(self, role) for role in MODEL_ROLES) if e] + self.datasets
+
+    def pin(self, role: str) -> dict | None:
+        """What downstream fingerprints depend on: the source and the exact content."""
+        entry = getattr(self, role)
+        return None if entry is None else {"source": entry["source"], "commit": entry["commit"]}

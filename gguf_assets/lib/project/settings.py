@@ -1,0 +1,476 @@
+"""The project.yaml schema: one frozen pydantic model per form section, defaults documented inline.
+
+Every field carries its one-line help (its description), so `gguf-trainer init` writes a
+commented project.yaml and docs/settings.md is generated from the same models (they cannot
+drift). Pydantic validates (types, bounds, choices, unknown keys, cross-field rules); a thin
+layer on top (``_explain``) names the file, line, key, value, what is allowed and a close match.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal, get_args, get_origin
+
+import yaml
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
+
+from gguf_assets.lib.core import atomic
+from gguf_assets.lib.core.errors import UserError
+from gguf_assets.lib.telemetry.render import markdown_table
+
+PROJECT_FILE = "project.yaml"
+# The output folder's report.json would collide with an adapter of this name's sidecar (<name>.json).
+RESERVED_ADAPTER_NAME = "report"
+SECTIONS = ("materials", "corpus", "precompute", "training", "output")
+
+
+class SettingsError(UserError, ValueError):
+    """A bad project.yaml; the message names where, what and the fix."""
+
+
+def _device(value: str) -> str:
+    if value in ("auto", "cpu", "cuda") or (value.startswith("cuda:") and value[5:].isdigit()):
+        return value
+    raise ValueError("must be auto, cpu, cuda or cuda:N")
+
+
+def _datasets(value: Any) -> list:
+    """Repo id/folder strings, or {source, text_field} mappings (text_field filled in)."""
+    if not isinstance(value, list):
+        raise ValueError("must be a list of repo ids/folders or {source, text_field} mappings")
+    out = []
+    for i, item in enumerate(value):
+        if isinstance(item, str) and item.strip():
+            out.append(item.strip())
+        elif isinstance(item, dict) and isinstance(item.get("source"), str) and item["source"].strip():
+            extra = set(item) - {"source", "text_field"}
+            if extra:
+                raise ValueError(f"item {i} has unknown keys {sorted(extra)}; allowed: source, text_field")
+            text_field = item.get("text_field", "text")
+            if not isinstance(text_field, str) or not text_field:
+                raise ValueError(f"item {i}: text_field must be a non-empty string")
+            out.append({"source": item["source"].strip(), "text_field": text_field})
+        else:
+            raise ValueError(f"item {i} ({item!r}) must be a repo id/folder string or {{source: ..., text_field: ...}}")
+    return out
+
+
+def _paths(value: Any) -> list[str]:
+    if not isinstance(value, list) or not all(isinstance(v, str) and v.strip() for v in value):
+        raise ValueError("must be a list of file paths (strings)")
+    return [v.strip() for v in value]
+
+
+Device = Annotated[str, AfterValidator(_device)]
+Datasets = Annotated[list, BeforeValidator(_datasets)]
+Paths = Annotated[list[str], BeforeValidator(_paths)]
+# A number in exponent form without a dot (2e-4, 1E+3), which YAML 1.1 (PyYAML) leaves a string.
+_EXPONENT_FLOAT = re.compile(r"^[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)[eE][-+]?[0-9]+$")
+
+
+class _Section(BaseModel):
+    """A form section: unknown keys refused, types strict (no "true" for true, no 2.5 for an int)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _yaml_spellings(cls, value: Any, info: ValidationInfo) -> Any:
+        annotation = cls.model_fields[info.field_name].annotation
+        if annotation is float and isinstance(value, str) and _EXPONENT_FLOAT.match(value.strip()):
+            return float(value)  # `2e-4` is plainly a number
+        if annotation is str and value is None:
+            return ""  # `key:` with nothing after it
+        return value
+
+
+def _cross_check(key: str, message: str) -> PydanticCustomError:
+    """A rule over several fields, reported at ``key`` (section.key) so the message gets its line."""
+    return PydanticCustomError("cross_check", "{message}", {"key": key, "message": message})
+
+
+class Materials(_Section):
+    teacher: str = Field("", description="teacher LLM: hub repo id (optionally @revision) or local folder")
+    student: str = Field("", description="student LLM: hub repo id (optionally @revision) or local folder")
+    datasets: Datasets = Field(default_factory=list, description="prompt datasets: repo id/folder strings, or "
+                                                                 "{source: ..., text_field: text}")
+    vision_encoder: str = Field("", description="optional paired vision encoder (SigVQ): repo id or folder; "
+                                                "empty = none")
+    query_rows_file: str = Field("query_rows.safetensors",
+                                 description="file in the teacher folder holding the Q x D query rows")
+    query_rows_tensor: str = Field("query_rows", description="tensor name of the query rows inside query_rows_file")
+    teacher_layer: int = Field(-1, description="teacher hidden layer taken at the query positions (-1 = last)")
+    student_layer: int = Field(-1, description="student hidden layer fed to the adapter (-1 = last)")
+    trust_remote_code: bool = Field(False, description="allow models that need remote code (off: safer)")
+
+
+class Corpus(_Section):
+    local_prompt_files: Paths = Field(default_factory=list, description=(
+        "extra prompt files: .txt one per line, .jsonl/.json with a text field, .csv/.parquet with a text column "
+        "(text formats may be .gz)"))
+    train_prompts: int = Field(60000, ge=1, description="number of train prompts")
+    val_prompts: int = Field(1000, ge=1, description="number of val prompts")
+    empty_fraction: float = Field(0.01, ge=0.0, le=0.5,
+                                  description="fraction of each split that is the empty (CFG) prompt")
+    seed: int = Field(0, description="seed of the shuffle and split")
+    min_chars: int = Field(3, ge=0, description="drop prompts shorter than this (characters)")
+    max_chars: int = Field(2000, ge=1, description="drop prompts longer than this (characters)")
+    text_field: str = Field("text", description="field (.jsonl/.json) or column (.csv/.parquet) holding the prompt "
+                                                "in local prompt files")
+    skip_bad_lines: bool = Field(False, description="skip malformed lines in prompt files (counted and reported) "
+                                                    "instead of stopping")
+    allow_fewer: bool = Field(False, description="accept fewer prompts than train_prompts + val_prompts (train "
+                                                 "shrinks, val is kept)")
+
+    @model_validator(mode="after")
+    def _lengths(self) -> "Corpus":
+        if self.min_chars > self.max_chars:
+            raise _cross_check("corpus.min_chars",
+                               f"min_chars ({self.min_chars}) is above max_chars ({self.max_chars})")
+        return self
+
+
+class Precompute(_Section):
+    mode: Literal["teacher+student", "teacher", "student"] = Field("teacher+student", description="what to compute")
+    device: Device = Field("auto", description="auto, cpu, cuda or cuda:N")
+    shard_size: int = Field(1000, ge=1, description="train prompts per shard")
+    val_shard_size: int = Field(500, ge=1, description="val prompts per shard")
+    student_dtype: Literal["bf16", "f16", "f32"] = Field(
+        "bf16", description="dtype the student states are computed and stored in")
+    target_dtype: Literal["f16", "bf16"] = Field("f16", description="dtype the teacher targets are stored in")
+    teacher_batch: int = Field(8, ge=1, description="most prompts per teacher batch")
+    token_budget: int = Field(8192, ge=1, description="cap on batch x (text tokens + query rows) per teacher batch")
+    student_batch: int = Field(32, ge=1, description="most prompts per student batch")
+    teacher_placement: Literal["sequential", "balanced"] = Field("sequential", description=(
+        "sequential: fill the device, then other GPUs, then RAM; balanced: even split"))
+    teacher_gpu_memory_gib: float = Field(0.0, ge=0.0,
+                                          description="GPU memory budget for the teacher in GiB (0 = auto)")
+    teacher_cpu_memory_gib: float = Field(0.0, ge=0.0, description=(
+        "CPU RAM budget for offloaded teacher layers in GiB (0 = auto)"))
+    mock_teacher: bool = Field(False, description="dev smoke test: synthetic learnable targets, no teacher load")
+    prompt_template: str = Field("{prompt}", description=(
+        "text fed to the teacher and student; {prompt} is replaced by the prompt"))
+
+    @model_validator(mode="after")
+    def _template(self) -> "Precompute":
+        if "{prompt}" not in self.prompt_template:
+            raise _cross_check("precompute.prompt_template", "must contain {prompt}")
+        return self
+
+
+class Training(_Section):
+    width: int = Field(1024, ge=8, description="adapter width")
+    depth: int = Field(6, ge=1, description="adapter blocks")
+    heads: int = Field(16, ge=1, description="attention heads (must divide width)")
+    steps: int = Field(20000, ge=1, description="optimizer steps")
+    batch_size: int = Field(32, ge=1, description="prompts per step")
+    learning_rate: float = Field(2e-4, ge=0.0, description="peak learning rate")
+    warmup_steps: int = Field(1000, ge=0, description=(
+        "linear warmup steps, then cosine decay to 10% of the learning rate"))
+    weight_decay: float = Field(0.01, ge=0.0, description="AdamW weight decay")
+    grad_clip: float = Field(1.0, ge=0.0, description="clip the gradient norm to this (0 = off)")
+    cosine_weight: float = Field(0.5, ge=0.0, description="loss = whitened MSE + cosine_weight * (1 - cos)")
+    ema_decay: float = Field(0.0, ge=0.0, lt=1.0, description=(
+        "exponential moving average of the weights, used for validation, best/ and final/ (0 = off; e.g. 0.999)"))
+    sigma_floor: float = Field(0.01, ge=1e-12, description=(
+        "floor of the per-dimension target std used to standardize"))
+    grad_checkpoint: bool = Field(False, description="recompute activations in backward to save memory")
+    device: Device = Field("auto", description="auto, cpu, cuda or cuda:N")
+    log_every: int = Field(50, ge=1, description="log loss, lr and throughput every N steps")
+    validate_every: int = Field(1000, ge=1, description="validate every N steps")
+    checkpoint_every: int = Field(1000, ge=1, description="write a checkpoint every N steps")
+    keep_checkpoints: int = Field(3, ge=1, description="keep the last N checkpoints (and the best)")
+    seed: int = Field(0, description="seed of initialization and data order")
+
+    @model_validator(mode="after")
+    def _heads(self) -> "Training":
+        if self.width % self.heads:
+            raise _cross_check("training.heads", f"heads ({self.heads}) must divide width ({self.width})")
+        return self
+
+
+class Output(_Section):
+    adapter_name: str = Field("adapter", description="name of the exported GGUF (adapter_name.gguf)")
+    output_dir: str = Field("", description="where GGUF files and reports go (empty = <project>/output)")
+    also_copy_to: str = Field("", description="optional folder that receives a copy, e.g. your ggk model folder")
+    export_vision_encoder: bool = Field(True, description=(
+        "also export the paired vision encoder GGUF when downloaded"))
+    evaluate: bool = Field(True, description="evaluate the exported GGUF on the val shards")
+    auto_resume: bool = Field(True, description=(
+        "resume after a crash or reboot: gguf-trainer --auto-resume continues the pipeline, and the daemon's "
+        "sensors (fail cut-off runs, finish what is left) are on by default"))
+    ggk_command: str = Field(
+        "ggk --llm {student} --llm_adapter {adapter_gguf} --llm_vision {vision_gguf} -p \"a cat\"", description=(
+            "command line shown in the report; {student}, {adapter_gguf}, {vision_gguf} are filled in (a flag "
+            "whose {vision_gguf} is empty is dropped)"))
+
+    @model_validator(mode="after")
+    def _plain_name(self) -> "Output":
+        name = self.adapter_name
+        if not name or name in (".", "..") or any(c in name for c in "/\\\0:"):
+            raise _cross_check("output.adapter_name",
+                               f"{name!r} is not a plain file name (no path separators, not . or ..)")
+        if name == RESERVED_ADAPTER_NAME or name.endswith(f".{RESERVED_ADAPTER_NAME}"):
+            raise _cross_check("output.adapter_name", f"{name!r} is taken: the export's sidecar {name}.json would "
+                               "overwrite a report in the output folder. Choose another name, e.g. 'my-adapter'")
+        return self
+
+
+SECTION_CLASSES: dict[str, type[_Section]] = {"materials": Materials, "corpus": Corpus, "precompute": Precompute,
+                                              "training": Training, "output": Output}
+
+
+@dataclass(frozen=True)
+class SettingField:
+    """One key of project.yaml, as the init file, docs/settings.md and the UI describe it."""
+
+    name: str
+    help: str
+    choices: tuple[str, ...] | None
+
+
+def section_fields(section: str) -> list[SettingField]:
+    fields = []
+    for name, info in SECTION_CLASSES[section].model_fields.items():
+        literal = get_origin(info.annotation) is Literal
+        fields.append(SettingField(name, info.description or "", get_args(info.annotation) if literal else None))
+    return fields
+
+
+class Settings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    materials: Materials = Field(default_factory=Materials)
+    corpus: Corpus = Field(default_factory=Corpus)
+    precompute: Precompute = Field(default_factory=Precompute)
+    training: Training = Field(default_factory=Training)
+    output: Output = Field(default_factory=Output)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _empty_section(cls, value: Any) -> Any:
+        return {} if value is None else value  # `training:` with no keys under it
+
+    def section_dict(self, name: str) -> dict:
+        return getattr(self, name).model_dump()
+
+    def to_dict(self) -> dict:
+        return {name: self.section_dict(name) for name in SECTIONS}
+
+    def dataset_sources(self) -> list[DatasetSource]:
+        return [DatasetSource(**d) if isinstance(d, dict) else DatasetSource(d) for d in self.materials.datasets]
+
+
+@dataclass(frozen=True)
+class DatasetSource:
+    """A prompt dataset: hub repo id (optionally @revision) or local folder, and its text field."""
+
+    source: str
+    text_field: str = "text"
+
+
+# -- rendering ---------------------------------------------------------------------------
+
+def _yaml_value(value: Any) -> str:
+    return yaml.safe_dump(value, default_flow_style=True, width=10_000).strip().removesuffix("...").strip()
+
+
+# What the reference run (the seed app's, on an RTX 5090) teaches; `gguf-trainer init` writes these
+# under their section, so they sit beside the settings they are about.
+SECTION_HINTS = {
+    "corpus": "Reference: 60k prompts took about 3.7 h of teacher time (about 4.5 prompts/s, sequential, one "
+              "RTX 5090 plus a 4050). Budget roughly prompts / 4.5 seconds on one large GPU.",
+    "precompute": "teacher_placement: sequential fills the chosen GPU up to its budget, then the other GPUs, "
+                  "then RAM; it keeps a 30 GB MoE on the GPUs and ran at about 4.5 prompts/s. balanced (the "
+                  "transformers default even split) caps the big card at half the model and runs the rest of "
+                  "the experts on the CPU: about 2.4 prompts/s. If sequential runs out of VRAM, lower "
+                  "teacher_gpu_memory_gib by 2-3 GiB rather than switching to balanced.",
+    "training": "Reference recipe (trainer8): width 1024, depth 6, 20k steps, batch 32, lr 2e-4, warmup 1k; it "
+                "reached 0.965 val centred cosine in about 55 min on an RTX 5090. Below about 0.9, widen "
+                "(1536) or deepen before touching the recipe.",
+}
+
+
+def render_yaml(settings: Settings, *, header: str = "", hints: dict[str, str] | None = None) -> str:
+    """project.yaml text: every setting with its value and a one-line comment (plus section hints)."""
+    import textwrap
+
+    lines = [f"# {line}" if line else "#" for line in header.splitlines()]
+    for name in SECTIONS:
+        section = getattr(settings, name)
+        lines.append("")
+        lines.append(f"{name}:")
+        if hints and name in hints:
+            lines += [f"  # {line}" for line in textwrap.wrap(hints[name], width=100)]
+        for f in section_fields(name):
+            note = f.help + (f" [{' | '.join(f.choices)}]" if f.choices else "")
+            lines.append(f"  # {note}")
+            lines.append(f"  {f.name}: {_yaml_value(getattr(section, f.name))}")
+    return "\n".join(lines).lstrip("\n") + "\n"
+
+
+def write_project_file(folder: Path, settings: Settings, *, header: str = "",
+                       hints: dict[str, str] | None = None) -> Path:
+    path = Path(folder) / PROJECT_FILE
+    atomic.write_text(path, render_yaml(settings, header=header, hints=hints))
+    return path
+
+
+# -- loading and validation --------------------------------------------------------------
+
+def _key_lines(text: str) -> dict[str, int]:
+    """Map 'section.key' to its 1-based line in the YAML text (for error messages)."""
+    lines: dict[str, int] = {}
+    try:
+        root = yaml.compose(text)
+    except yaml.YAMLError:
+        return lines
+    if not isinstance(root, yaml.MappingNode):
+        return lines
+    for k_node, v_node in root.value:
+        lines[str(k_node.value)] = k_node.start_mark.line + 1
+        if isinstance(v_node, yaml.MappingNode):
+            for k2, _ in v_node.value:
+                lines[f"{k_node.value}.{k2.value}"] = k2.start_mark.line + 1
+    return lines
+
+
+def _where(path: Path, lines: dict[str, int], key: str) -> str:
+    line = lines.get(key) or lines.get(key.split(".")[0])
+    return f"{path}:{line}" if line else str(path)
+
+
+def _materials_needed(s: Settings) -> tuple[str, str] | None:
+    """Checked on load, not on construction: `Settings()` (the init file's defaults) leaves them empty."""
+    if s.precompute.mode != "student" and not s.precompute.mock_teacher and not s.materials.teacher:
+        return "materials.teacher", "is empty: set a hub repo id or local folder (or precompute.mock_teacher: true)"
+    if not s.materials.student:
+        return "materials.student", "is empty: set a hub repo id or local folder"
+    return None
+
+
+# What a value must be, by pydantic error type; {…} are filled from the error's context.
+_MUST_BE = {
+    "int_type": "must be an integer", "bool_type": "must be true or false", "string_type": "must be a string",
+    "float_type": "must be a number", "finite_number": "must be a finite number, not {input} (YAML's .nan/.inf)",
+    "greater_than_equal": "must be >= {ge}", "less_than_equal": "must be <= {le}", "less_than": "must be below {lt}",
+    "greater_than": "must be above {gt}", "list_type": "must be a list",
+}
+
+
+def _explain(error: dict, source: Path, lines: dict[str, int], given: dict) -> str:
+    """One pydantic error as the user reads it: file:line, key, value, what is allowed, or a close match."""
+    loc = [str(part) for part in error["loc"]]
+    kind, ctx = error["type"], error.get("ctx") or {}
+    if kind == "cross_check":
+        return f"{_where(source, lines, ctx['key'])}: {ctx['key']} {ctx['message']}"
+    if len(loc) == 1:  # a section
+        section = loc[0]
+        if kind == "extra_forbidden":
+            hint = difflib.get_close_matches(section, SECTIONS, n=1)
+            return (f"{_where(source, lines, section)}: unknown section {section!r}. "
+                    + (f"Did you mean {hint[0]!r}? " if hint else "") + f"Allowed sections: {', '.join(SECTIONS)}")
+        return f"{_where(source, lines, section)}: section {section!r} must be a mapping of key: value"
+    section, key = loc[0], loc[1]
+    where = _where(source, lines, f"{section}.{key}")
+    fields = SECTION_CLASSES[section].model_fields
+    if kind == "extra_forbidden":
+        hint = difflib.get_close_matches(key, list(fields), n=1)
+        return (f"{where}: unknown key {section}.{key}. " + (f"Did you mean {section}.{hint[0]}? " if hint else "")
+                + f"Allowed keys: {', '.join(fields)}")
+    if kind == "literal_error":
+        must = f"must be one of: {', '.join(get_args(fields[key].annotation))}"
+    elif kind == "value_error":
+        must = str(ctx["error"])
+    else:
+        must = _MUST_BE.get(kind, error["msg"]).format(**ctx, input=error["input"])
+    return f"{where}: {section}.{key} = {given[section][key]!r} {must}. ({fields[key].description})"
+
+
+def settings_from_dict(raw: Any, *, source: Path = Path(PROJECT_FILE), text: str = "") -> Settings:
+    lines = _key_lines(text)
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise SettingsError(f"{source}: the top level must be a mapping with sections {', '.join(SECTIONS)}")
+    try:
+        settings = Settings.model_validate(raw)
+    except ValidationError as exc:
+        raise SettingsError(_explain(exc.errors()[0], source, lines, raw)) from None
+    problem = _materials_needed(settings)
+    if problem:
+        key, message = problem
+        raise SettingsError(f"{_where(source, lines, key)}: {key} {message}")
+    return settings
+
+
+def load_settings(project: Path) -> Settings:
+    path = Path(project) / PROJECT_FILE
+    if not path.is_file():
+        raise SettingsError(f"{path}: no project.yaml here. Create one with `gguf-trainer init {project}`.")
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[:exc.start].count(b"\n") + 1
+        column = exc.start - (data.rfind(b"\n", 0, exc.start) + 1) + 1
+        raise SettingsError(f"{path}:{line}: byte 0x{data[exc.start]:02x} at byte offset {exc.start} (column "
+                            f"{column}) is not UTF-8. Save the file as UTF-8 (retype that character).") from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark else str(path)
+        raise SettingsError(f"{where}: not valid YAML ({getattr(exc, 'problem', exc)})") from None
+    _refuse_duplicate_keys(path, text)
+    return settings_from_dict(raw, source=path, text=text)
+
+
+def _refuse_duplicate_keys(path: Path, text: str) -> None:
+    """YAML lets a later key silently win over an earlier one; in a settings file that hides an edit."""
+    def walk(node: yaml.Node, prefix: str) -> None:
+        if not isinstance(node, yaml.MappingNode):
+            return
+        seen: dict[str, int] = {}
+        for key_node, value_node in node.value:
+            key, line = f"{prefix}{key_node.value}", key_node.start_mark.line + 1
+            if key in seen:
+                raise SettingsError(f"{path}:{line}: {key} is set twice (lines {seen[key]} and {line}); the "
+                                    "second would silently win. Keep one of them.")
+            seen[key] = line
+            walk(value_node, f"{key}.")
+
+    walk(yaml.compose(text), "")
+
+
+def replace(settings: Settings, **changes: dict) -> Settings:
+    """Copy with some fields changed, e.g. replace(s, training={"steps": 10}); not validated (load_settings is)."""
+    return Settings.model_construct(**{name: getattr(settings, name).model_copy(update=changes.get(name, {}))
+                                       for name in SECTIONS})
+
+
+def settings_reference_markdown() -> str:
+    """docs/settings.md, generated from the models above."""
+    out = ["# Settings reference", "",
+           "Generated from `gguf_assets/lib/project/settings.py` by `python -m gguf_assets.docs`; do not edit by "
+           "hand.", ""]
+    defaults = Settings()
+    for name in SECTIONS:
+        rows = [[f"`{name}.{f.name}`", f"`{_yaml_value(getattr(getattr(defaults, name), f.name))}`",
+                 f.help + (f" (one of: {', '.join(f.choices)})" if f.choices else "")] for f in section_fields(name)]
+        out += [f"## `{name}`", "", markdown_table(["key", "default", "meaning"], rows), ""]
+    return "\n".join(out)

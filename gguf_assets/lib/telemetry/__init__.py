@@ -1,0 +1,1 @@
+"""Telemetry: hardware sampling, progress and ETA, TensorBoard curves, Markdown and SVG."""

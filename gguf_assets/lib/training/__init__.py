@@ -1,0 +1,1 @@
+"""Training: the adapter, data order, checkpoints, the loop."""

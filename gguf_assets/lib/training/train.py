@@ -1,0 +1,422 @@
+"""Adapter training: the trainer8 loss and schedule over streamed shards, validation, exact resume.
+
+What a run is (its fingerprint: the result settings and the shards' fingerprints), why a new
+run starts (``why_new_run``), and the loop (``train_adapter``). The data order and streaming
+are in lib/training/train_data.py, the checkpoints in lib/training/checkpoints.py (docs/adapter.md).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from gguf_assets.lib.core import atomic, faults, verify
+from gguf_assets.lib.output.verdict import verdict
+from gguf_assets.lib.project import formats, settings_history
+from gguf_assets.lib.project.layout import (
+    BEST_DIR,
+    CURVES_FILE,
+    DAMAGED_FINAL_DIR,
+    FINAL_DIR,
+    META_FILE,
+    WEIGHTS_FILE,
+    ProjectPaths,
+)
+from gguf_assets.lib.project.settings import Settings
+from gguf_assets.lib.telemetry.curves_log import TENSORBOARD_DIR, CurvesLog
+from gguf_assets.lib.telemetry.hardware import resolve_device
+from gguf_assets.lib.telemetry.render import curves_svg
+from gguf_assets.lib.training.adapter import (
+    Adapter,
+    AdapterShape,
+    adapter_loss,
+    centred_cosine_rows,
+    lr_at,
+    standardize,
+)
+from gguf_assets.lib.training.checkpoints import (
+    Resumed,
+    final_is_intact,
+    list_checkpoints,
+    prune_checkpoints,
+    restore,
+    save_checkpoint,
+    save_weights,
+    set_aside_final,
+)
+from gguf_assets.lib.training.train_data import (
+    Batch,
+    SampleOrder,
+    ShardStream,
+    TrainingError,
+    collate,
+    load_shard,
+    shard_size,
+    target_stats,
+)
+from gguf_assets.lib.training.training_run import NON_RESULT_KEYS, OFF_VALUES, shards_identity
+
+log = logging.getLogger(__name__)
+
+# -- validation ---------------------------------------------------------------------------
+
+@torch.inference_mode()
+def evaluate(model: Adapter, folders: list[Path], *, device: torch.device, cosine_weight: float,
+             batch_size: int = 64) -> dict:
+    """Val centred cosine (overall, per shard, empty prompt) and val loss of the torch model."""
+    was_training = model.training
+    model.eval()
+    cosines, empty, losses, per_shard = [], [], [], []
+    for folder in folders:
+        shard = load_shard(folder)
+        shard_cos = []
+        for start in range(0, len(shard.texts), batch_size):
+            rows = range(start, min(start + batch_size, len(shard.texts)))
+            states, mask, targets = collate([(shard.states(i), shard.targets[i]) for i in rows], device)
+            pred = model(states, mask)
+            z = standardize(targets, model.target_mean, model.target_std)
+            losses.append(float(adapter_loss(pred, z, cosine_weight=cosine_weight)) * len(rows))
+            cos = centred_cosine_rows(pred, targets, model.target_mean, model.target_std).cpu()
+            shard_cos += cos.tolist()
+            empty += [c for c, i in zip(cos.tolist(), rows) if shard.texts[i] == ""]
+        cosines += shard_cos
+        per_shard.append({"shard": folder.name, "n": len(shard_cos),
+                          "val_centred_cosine": sum(shard_cos) / len(shard_cos)})
+    model.train(was_training)
+    n = len(cosines)
+    return {"val_centred_cosine": sum(cosines) / n, "empty_prompt_cosine": (sum(empty) / len(empty)) if empty else None,
+            "val_loss": sum(losses) / n, "per_shard": per_shard, "n": n}
+
+
+# -- runs and settings changes ------------------------------------------------------------
+
+def _run_meta(run_dir: Path) -> dict | None:
+    for candidate in [run_dir / FINAL_DIR] + list(reversed(list_checkpoints(run_dir))):
+        try:
+            return atomic.read_json(candidate / META_FILE)
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def why_new_run(paths: ProjectPaths, fingerprint: str, training: dict, train_id: str, val_id: str) -> dict:
+    """Compare with the most recently active other run: which settings or inputs changed."""
+    runs = []
+    for run in paths.checkpoints_dir(fingerprint).parent.glob("*"):
+        if run.is_dir() and run.name != fingerprint:
+            meta = _run_meta(run)
+            if meta is not None:
+                runs.append((max(p.stat().st_mtime for p in [run, *run.iterdir()]), run.name, meta))
+    if not runs:
+        return {"previous_run": None, "message": f"starting training run {fingerprint} (no earlier run)"}
+    _, name, meta = max(runs)
+    old = {**OFF_VALUES, **meta.get("training", {})}  # a run from before a key existed ran with it off
+    changed = {k: [old.get(k), v] for k, v in training.items() if k not in NON_RESULT_KEYS and old.get(k) != v}
+    reasons = [f"training.{k}: {a!r} → {b!r}" for k, (a, b) in sorted(changed.items())]
+    if meta.get("train_shards") not in (None, train_id):
+        reasons.append("the train shards changed")
+    if meta.get("val_shards") not in (None, val_id):
+        reasons.append("the val shards changed")
+    if not reasons:
+        reasons.append("the trainer's data order or format changed")
+    return {"previous_run": name, "changed": changed, "reasons": reasons,
+            "message": f"{'settings' if changed else 'inputs'} changed since run {name} ({'; '.join(reasons)}); "
+                       f"starting a new run {fingerprint} "
+                       f"from step 0. The old run's checkpoints stay in checkpoints/{name} and are used again "
+                       "if you change the settings back."}
+
+
+# -- training -----------------------------------------------------------------------------
+
+def adapter_shape(settings: Settings, folders: list[Path]) -> AdapterShape:
+    teacher = atomic.read_json(folders[0] / "teacher.json")
+    student = atomic.read_json(folders[0] / "student.json")
+    t = settings.training
+    return AdapterShape(student_dim=int(student["dim"]), query_rows=int(teacher["query_rows"]),
+                        target_dim=int(teacher["dim"]), width=t.width, depth=t.depth, heads=t.heads)
+
+
+def build_model(shape: AdapterShape, *, seed: int, grad_checkpoint: bool = False) -> Adapter:
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        return Adapter(shape, grad_checkpoint=grad_checkpoint)
+
+
+class WeightAverage:
+    """An exponential moving average of the weights (``training.ema_decay``), a second Adapter.
+
+    The decay after n updates is min(ema_decay, (1 + n) / (10 + n)): early, mostly random weights
+    fade within tens of steps whatever the decay, so short runs profit too. It depends on the step
+    alone, and the average is saved in each checkpoint, so a resumed run averages exactly as an
+    uninterrupted one. The target statistics (buffers) are copied once; they never change.
+    """
+
+    def __init__(self, model: Adapter, decay: float) -> None:
+        self.decay = decay
+        self.model = copy.deepcopy(model)
+        self.model.grad_checkpoint = False
+        self.model.requires_grad_(False)
+
+    @torch.no_grad()
+    def update(self, model: Adapter, step: int) -> None:
+        decay = min(self.decay, (1 + step) / (10 + step))
+        for average, weight in zip(self.model.parameters(), model.parameters()):
+            average.lerp_(weight.detach(), 1.0 - decay)
+
+
+def _non_finite_cause(step: int, what: str, value: float, *, batch: Batch, folders: list[Path], model: Adapter,
+                      learning_rate: float) -> str:
+    """A message naming the step and the most likely cause of a non-finite loss or gradient."""
+    for i, (_, shard, row) in enumerate(batch.located):
+        if not torch.isfinite(batch.states[i][batch.mask[i]]).all():
+            return (f"step {step}: the {what} is {value}: the student states of prompt {row} in {folders[shard]} are "
+                    "not finite. Recompute that shard's student half (delete its student.json) and rerun.")
+        if not torch.isfinite(batch.targets[i]).all():
+            return (f"step {step}: the {what} is {value}: the target of prompt {row} in {folders[shard]} is not "
+                    "finite. "
+                    "Recompute that shard's teacher half (delete its teacher.json) and rerun.")
+    bad = [n for n, p in model.named_parameters() if not torch.isfinite(p).all()]
+    where = f" (non-finite weights: {', '.join(bad[:3])})" if bad else ""
+    return (f"step {step}: the {what} is {value}; the batch is finite, so training diverged{where}. Likely cause: "
+            f"training.learning_rate ({learning_rate}) is too high; lower it, keep training.grad_clip on, or lengthen "
+            "training.warmup_steps. No checkpoint was written for this step; the last good one is kept.")
+
+
+def train_adapter(paths: ProjectPaths, settings: Settings, *, train_folders: list[Path], val_folders: list[Path],
+                  fingerprint: str, on_event: Callable[[str, dict], None] | None = None,
+                  stop_after: int | None = None, sample_hardware: Callable[[], dict] | None = None) -> dict:
+    """Train (or resume) the run ``fingerprint``; returns the final summary.
+
+    ``on_event(kind, data)`` receives "note" (a message), "log", "validate", "best",
+    "checkpoint" and "finished" events. ``stop_after`` ends the call after that many steps
+    without finishing (tests, pausing); the next call resumes from the last checkpoint.
+    ``sample_hardware()`` (GPU/CPU/RAM figures) is called at each log step; its figures go to
+    the "log" event and to TensorBoard (<project>/tensorboard/<fingerprint>, lib/telemetry/curves_log.py).
+    """
+    run = _TrainingRun(paths, settings, train_folders, val_folders, fingerprint,
+                       emit=on_event or (lambda kind, data: None), sample_hardware=sample_hardware)
+    summary = run.already_finished()
+    if summary is None:
+        run.start_or_resume()
+        summary = run.train(stop_after)
+    if summary.get("finished"):
+        record_adapter(paths, settings, fingerprint=fingerprint, summary=summary)
+    return summary
+
+
+def record_adapter(paths: ProjectPaths, settings: Settings, *, fingerprint: str, summary: dict) -> None:
+    """checkpoints/final.json: which finished run is the adapter, its weights' stamp and the settings it was
+    trained under (what `status` and the export read)."""
+    run_dir = paths.checkpoints_dir(fingerprint)
+    weights = run_dir / FINAL_DIR / WEIGHTS_FILE
+    recorded_sha256 = (atomic.read_json(run_dir / FINAL_DIR / META_FILE).get("sha256") or {}).get(WEIGHTS_FILE)
+    atomic.write_json(paths.adapter_manifest, {"fingerprint": fingerprint,
+                                               "run_dir": str(run_dir.relative_to(paths.root)),
+                                               "final_weights": verify.record(weights, recorded_sha256),
+                                               "val_centred_cosine": summary["val_centred_cosine"],
+                                               "settings_hash": settings_history.remember(paths.root, settings)})
+
+
+class _TrainingRun:
+    """One training run, step by step: ``start_or_resume``, then ``train`` (its loop calls ``_step``,
+    then ``_log``, ``_validate`` and ``_checkpoint`` at their cadence), then ``_finish``."""
+
+    def __init__(self, paths: ProjectPaths, settings: Settings, train_folders: list[Path], val_folders: list[Path],
+                 fingerprint: str, *, emit: Callable[[str, dict], None],
+                 sample_hardware: Callable[[], dict] | None) -> None:
+        self.paths, self.t, self.settings = paths, settings.training, settings
+        self.train_folders, self.val_folders, self.fingerprint = train_folders, val_folders, fingerprint
+        self.emit, self.sample_hardware = emit, sample_hardware
+        self.device = resolve_device(self.t.device)
+        self.run_dir = paths.checkpoints_dir(fingerprint)
+
+    def note(self, message: str, *, warning: bool = False) -> None:
+        (log.warning if warning else log.info)("%s", message)
+        self.emit("note", {"message": message, "warning": warning})
+
+    def already_finished(self) -> dict | None:
+        """The summary of a finished run whose weights are intact; damaged ones are set aside."""
+        final_dir = self.run_dir / FINAL_DIR
+        if (final_dir / META_FILE).is_file():
+            if final_is_intact(self.run_dir):
+                self.note(f"training run {self.fingerprint} already finished; reusing {final_dir}")
+                return atomic.read_json(final_dir / META_FILE)
+            set_aside_final(self.run_dir)
+            self.note(f"the finished weights in {final_dir} are damaged (their bytes differ from the recorded "
+                      f"sha256); moved them to {DAMAGED_FINAL_DIR} and training the last steps again from the "
+                      "newest intact checkpoint", warning=True)
+        if not self.train_folders or not self.val_folders:
+            raise TrainingError("training needs at least one train shard and one val shard")
+        return None
+
+    def start_or_resume(self) -> None:
+        """The model and optimizer, from the newest intact checkpoint or freshly initialized."""
+        t = self.t
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        atomic.remove_stale_temps(self.run_dir)
+        shape = adapter_shape(self.settings, self.train_folders)
+        self.model = build_model(shape, seed=t.seed, grad_checkpoint=t.grad_checkpoint).to(self.device)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.learning_rate, weight_decay=t.weight_decay)
+        self.sizes = [shard_size(f) for f in self.train_folders]
+        train_id, val_id = shards_identity(self.train_folders), shards_identity(self.val_folders)
+        self.base_meta = {"fingerprint": self.fingerprint, "shape": shape.to_dict(),
+                          "training": self.settings.section_dict("training"), "train_prompts": sum(self.sizes),
+                          "train_shards": train_id, "val_shards": val_id, "format": formats.TRAINING_RUN}
+        resumed = restore(self.run_dir, self.model, self.optimizer, self.device, shape, ema=t.ema_decay > 0)
+        if resumed is not None:
+            self.note(f"resuming training run {self.fingerprint} from {resumed.checkpoint} "
+                      f"(step {resumed.step} of {t.steps})")
+        else:
+            resumed = Resumed()
+            resumed.started = why_new_run(self.paths, self.fingerprint, self.base_meta["training"], train_id, val_id)
+            self.note(resumed.started["message"], warning=bool(resumed.started.get("previous_run")))
+            # Statistics travel in every checkpoint's weights, so a resume never rereads the whole train set.
+            mean, std, _ = target_stats(self.train_folders, sigma_floor=t.sigma_floor)
+            self.model.target_mean.copy_(mean)
+            self.model.target_std.copy_(std)
+            untrained = evaluate(self.model, self.val_folders, device=self.device, cosine_weight=t.cosine_weight)
+            resumed.untrained = untrained["val_centred_cosine"]
+            self.note(f"untrained adapter: val centred cosine {resumed.untrained:.4f}")
+        self.step, self.history, self.best, self.untrained = resumed.step, resumed.history, resumed.best, \
+            resumed.untrained
+        self.base_meta["started"] = resumed.started
+        # With the average on, it is what is validated and kept (best/, final/); training steps the raw weights.
+        self.average = WeightAverage(self.model, t.ema_decay) if t.ema_decay > 0 else None
+        if self.average is not None and resumed.ema is not None:
+            self.average.model.load_state_dict(resumed.ema)
+        self.judged = self.average.model if self.average is not None else self.model
+
+    def train(self, stop_after: int | None) -> dict:
+        t = self.t
+        order = SampleOrder(self.sizes, t.seed)
+        stop_at = t.steps if stop_after is None else min(t.steps, self.step + stop_after)
+        self.curves = CurvesLog(self.paths.root / TENSORBOARD_DIR / self.fingerprint, resumed_at_step=self.step)
+        if self.untrained is not None and self.step == 0:
+            self.curves.scalars(0, {"val_centred_cosine": self.untrained}, "val")
+        self.stream = ShardStream(self.train_folders, order, batch_size=t.batch_size, end_step=stop_at)
+        self.model.train()
+        self._start_window()
+        try:
+            while self.step < stop_at:
+                lr = lr_at(self.step, peak=t.learning_rate, warmup=t.warmup_steps, total=t.steps)
+                loss, grad_norm = self._step(lr)
+                if self.step % t.log_every == 0 or self.step == t.steps:
+                    self._log(loss, lr, grad_norm)
+                if self.step % t.validate_every == 0 or self.step == t.steps:
+                    self._validate()
+                if self.step % t.checkpoint_every == 0 or self.step == t.steps:
+                    self._checkpoint()
+        finally:
+            self.stream.close()
+            self.curves.close()
+        if self.step < t.steps:
+            return {"finished": False, "step": self.step, "fingerprint": self.fingerprint}
+        return self._finish()
+
+    def _step(self, lr: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step on the batch of this step; a non-finite loss or gradient stops with its cause.
+
+        Returns the loss and gradient norm as tensors: reading them (a device sync) waits for a log step.
+        """
+        t, model = self.t, self.model
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        batch = self.stream.batch(self.step)
+        states, mask = batch.states.to(self.device), batch.mask.to(self.device)
+        targets = batch.targets.to(self.device)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
+            pred = model(states, mask)
+        z = standardize(targets, model.target_mean, model.target_std)
+        loss = adapter_loss(pred.float(), z, cosine_weight=t.cosine_weight)
+        self.optimizer.zero_grad(set_to_none=True)
+        if torch.isfinite(loss):
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip if t.grad_clip > 0 else math.inf)
+        if not torch.isfinite(loss) or not torch.isfinite(grad_norm):
+            what, value = (("loss", float(loss.detach())) if not torch.isfinite(loss)
+                           else ("gradient norm", float(grad_norm)))
+            raise TrainingError(_non_finite_cause(self.step, what, value, batch=batch, folders=self.train_folders,
+                                                  model=model, learning_rate=t.learning_rate))
+        self.optimizer.step()
+        self.step += 1
+        if self.average is not None:
+            self.average.update(model, self.step)
+        faults.point("train-step")
+        self.window_steps += 1
+        return loss.detach(), grad_norm
+
+    def _start_window(self) -> None:
+        """Throughput is measured over the steps since the last log line."""
+        self.window_start, self.window_steps = time.perf_counter(), 0
+        self.window_wait, self.window_bytes = self.stream.wait_seconds, self.stream.stats.bytes
+
+    def _log(self, loss: torch.Tensor, lr: float, grad_norm: torch.Tensor) -> None:
+        t, stream = self.t, self.stream
+        elapsed = time.perf_counter() - self.window_start
+        entry = {"step": self.step, "loss": float(loss), "lr": lr, "grad_norm": float(grad_norm),
+                 "steps_per_s": self.window_steps / elapsed,
+                 "samples_per_s": self.window_steps * t.batch_size / elapsed,
+                 "data_wait_fraction": (stream.wait_seconds - self.window_wait) / elapsed,
+                 "read_mb_per_s": (stream.stats.bytes - self.window_bytes) / 1e6 / elapsed}
+        self.history.append(entry)
+        log.info("step %d/%d loss %.4f lr %.2e grad %.3f %.2f steps/s %.1f samples/s", self.step, t.steps,
+                 entry["loss"], lr, entry["grad_norm"], entry["steps_per_s"], entry["samples_per_s"])
+        hardware = self.sample_hardware() if self.sample_hardware else {}
+        self.curves.scalars(self.step, entry, "train")
+        self.curves.scalars(self.step, hardware, "hardware")
+        self.emit("log", {**entry, **hardware})
+        self._start_window()
+
+    def _validate(self) -> None:
+        metrics = evaluate(self.judged, self.val_folders, device=self.device, cosine_weight=self.t.cosine_weight)
+        entry = {"step": self.step,
+                 **{k: metrics[k] for k in ("val_centred_cosine", "empty_prompt_cosine", "val_loss")}}
+        self.history.append(entry)
+        self.curves.scalars(self.step, entry, "val")
+        empty = metrics["empty_prompt_cosine"]
+        log.info("step %d: val centred cosine %.4f (empty prompt %s), val loss %.4f", self.step,
+                 metrics["val_centred_cosine"], "n/a" if empty is None else f"{empty:.4f}", metrics["val_loss"])
+        self.emit("validate", entry)
+        if self.best is None or metrics["val_centred_cosine"] > self.best["val_centred_cosine"]:
+            self.best = {"step": self.step, "val_centred_cosine": metrics["val_centred_cosine"],
+                         "empty_prompt_cosine": metrics["empty_prompt_cosine"], "val_loss": metrics["val_loss"]}
+            save_weights(self.run_dir / BEST_DIR, model=self.judged, step=self.step,
+                         meta={**self.base_meta, **self.best})
+            self.emit("best", self.best)
+        # A checkpoint's time may not come for a while; keep the picture current for the UI.
+        self._write_curves()
+
+    def _checkpoint(self) -> None:
+        t = self.t
+        meta = {**self.base_meta, "history": self.history, "best": self.best, "untrained": self.untrained,
+                "samples_seen": self.step * t.batch_size,
+                "lr_next": lr_at(self.step, peak=t.learning_rate, warmup=t.warmup_steps, total=t.steps)}
+        save_checkpoint(self.run_dir / f"step-{self.step:08d}", model=self.model, optimizer=self.optimizer,
+                        step=self.step, meta=meta, ema=self.average.model if self.average is not None else None)
+        prune_checkpoints(self.run_dir, t.keep_checkpoints)
+        self.emit("checkpoint", {"step": self.step})
+
+    def _write_curves(self) -> str:
+        svg = curves_svg(self.history)
+        atomic.write_text(self.run_dir / CURVES_FILE, svg)
+        return svg
+
+    def _finish(self) -> dict:
+        final = evaluate(self.judged, self.val_folders, device=self.device, cosine_weight=self.t.cosine_weight)
+        text, advice = verdict(final["val_centred_cosine"])
+        summary = {**self.base_meta, "finished": True, "step": self.step, "history": self.history, "best": self.best,
+                   "untrained_val_centred_cosine": self.untrained, "verdict": text, "advice": advice,
+                   "read_mb_per_s": self.stream.stats.mb_per_s,
+                   **{k: final[k] for k in ("val_centred_cosine", "empty_prompt_cosine", "val_loss", "per_shard")}}
+        save_weights(self.run_dir / FINAL_DIR, model=self.judged, step=self.step, meta=summary,
+                     extra={CURVES_FILE: self._write_curves()})
+        self.note(f"training finished: {text} {advice}")
+        self.emit("finished", {"step": self.step, "val_centred_cosine": final["val_centred_cosine"]})
+        return summary

@@ -1,0 +1,204 @@
+"""The Definitions load, and lib/ stays free of dagster."""
+
+import ast
+from pathlib import Path
+
+import dagster as dg
+
+import gguf_assets
+
+LIB = Path(gguf_assets.__file__).parent / "lib"
+
+
+def test_definitions_load_with_every_asset_and_group():
+    from gguf_assets.definitions import defs
+
+    graph = defs.resolve_asset_graph()
+    keys = {k.to_user_string() for k in graph.get_all_asset_keys()}
+    stages = {"materials", "corpus", "train_shards", "val_shards", "adapter", "gguf", "eval_report"}
+    assert keys == stages | {f"settings/{s}" for s in stages}
+    # Each stage reads its own settings, observed from project.yaml (no reload of the definitions).
+    for stage in stages:
+        assert dg.AssetKey(["settings", stage]) in graph.get(dg.AssetKey(stage)).parent_keys
+        assert graph.get(dg.AssetKey(["settings", stage])).is_observable
+    groups = {k.to_user_string(): graph.get(k).group_name for k in graph.get_all_asset_keys()}
+    # The UI sorts groups by name: the names follow the pipeline, settings first.
+    in_pipeline_order = [groups[a] for a in ("settings/materials", "materials", "corpus", "train_shards", "adapter",
+                                             "eval_report")]
+    assert in_pipeline_order == sorted(set(groups.values())) and groups["gguf"] == groups["eval_report"]
+    assert graph.get(next(k for k in graph.get_all_asset_keys() if k.to_user_string() == "adapter")).pools == {"gpu"}
+
+
+def test_named_jobs_checks_and_sensors():
+    from gguf_assets.definitions import defs
+
+    assert {j.name for j in defs.jobs} >= {"materials_and_corpus", "precompute_train_shards",
+                                          "precompute_val_shards", "train_export_evaluate"}
+    checks = {f"{k.asset_key.to_user_string()}:{k.name}" for c in defs.asset_checks for k in c.check_keys}
+    checks |= {f"{k.asset_key.to_user_string()}:{k.name}" for a in defs.assets if hasattr(a, "check_keys")
+               for k in a.check_keys}
+    assert checks == {"train_shards:shards_verified", "val_shards:shards_verified", "gguf:exported_files_unchanged",
+                      "eval_report:gguf_agrees_with_torch", "eval_report:val_centred_cosine_threshold"}
+    assert {s.name for s in defs.sensors} == {"interrupted_runs_sensor", "resume_pipeline_sensor"}
+
+
+def test_lib_never_imports_dagster():
+    offenders = []
+    files = list(LIB.rglob("*.py"))
+    assert len(files) > 40  # every stage's subpackage
+    for file in files:
+        for node in ast.walk(ast.parse(file.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            offenders += [f"{file.name}: {n}" for n in names if n.split(".")[0] == "dagster"]
+    assert offenders == []
+
+
+def test_settings_reference_doc_is_generated_from_the_schema():
+    from gguf_assets.docs import SETTINGS_DOC
+    from gguf_assets.lib.project.settings import settings_reference_markdown
+
+    assert SETTINGS_DOC.read_text(encoding="utf-8") == settings_reference_markdown() + "\n", (
+        "docs/settings.md is out of date: run `python -m gguf_assets.docs`")
+
+
+def test_hardware_and_environment_panels_describe_this_machine():
+    from gguf_assets.defs.panels import panel_metadata
+    from gguf_assets.lib.telemetry.hardware import hardware_report
+
+    hw = hardware_report()
+    assert hw["ram_gib"] > 0 and hw["cpu_threads"] >= 1
+    panels = panel_metadata()
+    assert "RAM" in panels["hardware"].value and "torch" in panels["environment"].value
+    gpu_rows = [line for line in panels["hardware"].value.splitlines() if line.startswith("| GPU")]
+    assert len(gpu_rows) == max(1, len(hw["gpus"])) and set(panels) == {"hardware", "environment"}
+
+
+def test_a_typo_in_project_yaml_leaves_the_code_location_loaded_with_the_message_reachable(make_project):
+    """A typo must not turn the code location into an error (every asset page would show "–"): the
+    definitions load through Dagster's own loader, and the message (file:line, did you mean) is in
+    the resume sensor's skip reason and in the failed settings observation."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import cli_env, project_instance
+
+    from gguf_assets.defs.resume import resume_decision
+    from gguf_assets.defs.settings import SETTINGS_ASSETS
+
+    paths = make_project(steps=5, mock_teacher=True)
+    text = paths.project_file.read_text()
+    assert "  learning_rate:" in text
+    paths.project_file.write_text(text.replace("  learning_rate:", "  learning_rat:"))
+    instance = project_instance(paths)  # DAGSTER_HOME and the project now point at this project
+    env = cli_env(DAGSTER_HOME=os.environ["DAGSTER_HOME"], GGUF_ASSETS_PROJECT=str(paths.root))
+    done = subprocess.run([sys.executable, "-m", "dagster", "definitions", "validate", "-m", "gguf_assets.definitions"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    skip = resume_decision(instance)
+    assert isinstance(skip, dg.SkipReason)
+    assert "project.yaml:" in skip.skip_message and "learning_rate" in skip.skip_message, skip.skip_message
+    observe = dg.Definitions(assets=[SETTINGS_ASSETS[0]], jobs=[dg.define_asset_job(
+        "observe", selection=[SETTINGS_ASSETS[0].key])]).resolve_job_def("observe")
+    result = observe.execute_in_process(instance=instance, raise_on_error=False)
+    assert not result.success
+    failure = next(e for e in result.all_events if e.is_step_failure)
+    message = failure.step_failure_data.user_failure_data.description
+    assert "project.yaml:" in message and "learning_rat" in message, message
+
+
+def test_a_dagster_home_of_another_project_is_refused_naming_both(make_project):
+    """`eval "$(gguf-trainer env A)"`, then DAGSTER_HOME=B/.dagster: `dagster asset materialize` used to
+    write A's files and record the run in B's instance. It refuses to start, naming both, in one line."""
+    import subprocess
+    import sys
+
+    from conftest import cli_env, project_instance
+
+    a, b = make_project(steps=5, mock_teacher=True), make_project(steps=5, mock_teacher=True)
+    project_instance(b)  # B's instance exists, as after any gguf-trainer command on B
+    env = cli_env(GGUF_ASSETS_PROJECT=str(a.root), DAGSTER_HOME=str(b.dagster_home))
+    done = subprocess.run([sys.executable, "-m", "dagster", "asset", "materialize", "-m", "gguf_assets.definitions",
+                           "--select", "materials"], capture_output=True, text=True, env=env, timeout=120)
+    out = done.stdout + done.stderr
+    assert done.returncode != 0, out
+    assert "Traceback" not in out, out
+    line = next(x for x in out.splitlines() if x.startswith("error: "))
+    assert f"DAGSTER_HOME={b.dagster_home}" in line and f"GGUF_ASSETS_PROJECT={a.root}" in line, line
+    assert not a.materials_manifest.exists() and not a.dagster_home.exists()
+    assert project_instance(b).get_run_records() == []
+
+
+ROOT = Path(gguf_assets.__file__).parent.parent
+PACKAGE_NAME = "gguf_assets"
+
+
+def _python_files():
+    for folder in ("gguf_assets", "gguf_assets_tests", "benchmarks"):
+        yield from (ROOT / folder).rglob("*.py")
+
+
+def test_dagster_private_api_is_used_in_one_module_only():
+    """Dagster's private modules are imported only by defs/private_api.py, which says why for each."""
+    offenders = []
+    for file in _python_files():
+        for node in ast.walk(ast.parse(file.read_text())):
+            names = ([node.module or ""] if isinstance(node, ast.ImportFrom)
+                     else [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            offenders += [f"{file.relative_to(ROOT)}:{node.lineno} {n}" for n in names if n.startswith("dagster._")]
+    assert all(o.startswith("gguf_assets/defs/private_api.py:") for o in offenders), offenders
+    assert offenders  # the one module is where they are
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """gguf_assets' modules and the modules of the package each imports, at any level (functions too)."""
+    package = ROOT / PACKAGE_NAME
+    modules = {}
+    for file in package.rglob("*.py"):
+        name = ".".join(file.relative_to(ROOT).with_suffix("").parts)
+        modules[name.removesuffix(".__init__")] = file
+    graph = {}
+    for name, file in modules.items():
+        deps = set()
+        for node in ast.walk(ast.parse(file.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                deps |= {node.module} & modules.keys()
+                deps |= {f"{node.module}.{a.name}" for a in node.names} & modules.keys()
+            elif isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names} & modules.keys()
+        graph[name] = deps - {name}
+    return graph
+
+
+def test_no_import_cycles_counting_imports_inside_functions():
+    graph = _import_graph()
+    cycles = []
+
+    def visit(module: str, path: list[str]) -> None:
+        for dep in sorted(graph[module]):
+            if dep in path:
+                cycles.append(path[path.index(dep):] + [dep])
+            elif dep not in done:
+                visit(dep, path + [dep])
+        done.add(module)
+
+    done: set[str] = set()
+    for module in sorted(graph):
+        if module not in done:
+            visit(module, [module])
+    assert not cycles, cycles[:5]
+    # The check sees function-level imports: the runner imports the definitions' wiring inside functions.
+    assert "gguf_assets.defs.private_api" in graph["gguf_assets.runner"]
+
+
+def test_bookkeeping_tags_are_hidden_from_the_runs_list_and_the_others_shown():
+    from gguf_assets.defs import run_tags
+    from gguf_assets.defs.private_api import TagType, get_tag_type
+
+    assert all(get_tag_type(tag) == TagType.HIDDEN for tag in run_tags.HIDDEN_TAGS)
+    for shown in (run_tags.WORKER_TAG, run_tags.INTERRUPTED_TAG, run_tags.STOPPED_TAG):
+        assert get_tag_type(shown) == TagType.USER_PROVIDED
+    # A run an earlier version tagged is still read.
+    assert run_tags.get({"gguf_assets/pid": "12"}, run_tags.PID_TAG) == "12"
+    assert run_tags.get({run_tags.PID_TAG: "13", "gguf_assets/pid": "12"}, run_tags.PID_TAG) == "13"

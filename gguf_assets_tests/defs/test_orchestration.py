@@ -1,0 +1,322 @@
+"""Dagster is the orchestrator: every entry point survives a crash, and the daemon resumes by itself.
+
+These run the real console script, the real Dagster CLI and the real dagster-daemon on a demo
+project (mock teacher, about 20 s a pipeline), as a user would after a kill -9 or a reboot.
+"""
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import dagster as dg
+import psutil
+import pytest
+from conftest import CLI, FAULT_SETTINGS, cli_env, pipeline_outputs, project_instance, wait_for
+from test_console import assert_clean_console
+
+from gguf_assets.defs.run_tags import PID_TAG
+
+pytestmark = pytest.mark.slow
+
+
+def _instance(paths) -> dg.DagsterInstance:
+    return project_instance(paths)
+
+
+def _start_run(paths, command=("run",), **env) -> subprocess.Popen:
+    return subprocess.Popen([*CLI, *command, str(paths.root)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=cli_env(**env), start_new_session=True)
+
+
+def _kill9_during_training(paths, *, refuse_second: bool = False) -> None:
+    """`gguf-trainer run`, killed with its whole process group once training has saved two checkpoints."""
+    proc = _start_run(paths)
+    try:
+        wait_for(lambda: any(paths.root.glob("checkpoints/*/step-00000010")), timeout=240,
+                 what="the second checkpoint", proc=proc)
+        if refuse_second:  # one pipeline per folder: a second one is refused and names the holder
+            second = subprocess.run([*CLI, "run", str(paths.root)], capture_output=True, text=True, env=cli_env(),
+                                    timeout=120)
+            assert second.returncode != 0
+            assert "in use by another pipeline" in second.stderr
+            # The holder is the process that executes the pipeline: `gguf-trainer run`'s own child.
+            holder = int(re.search(r"\(pid (\d+)", second.stderr).group(1))
+            assert holder in {c.pid for c in psutil.Process(proc.pid).children()}, second.stderr
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def _status(paths) -> dict[str, str]:
+    from gguf_assets.lib.project.pipeline import project_status
+    from gguf_assets.lib.project.settings import load_settings
+
+    return {s.stage: s.state for s in project_status(paths, load_settings(paths.root))}
+
+
+def _runs(paths, *statuses) -> list:
+    return [r.dagster_run for r in _instance(paths).get_run_records(filters=dg.RunsFilter(statuses=list(statuses)))]
+
+
+def test_sigterm_then_kill9_then_a_plain_run_is_byte_identical(make_project, reference_run):
+    """SIGTERM during the shards stops `--auto-resume` (which runs the pipeline, then would start the
+    daemon) within 10 s, daemon not started; a kill -9 during training leaves a STARTED run behind;
+    a plain `gguf-trainer run` (no --auto-resume) then finishes, bit-identical."""
+    paths = make_project(**FAULT_SETTINGS)
+    proc = _start_run(paths, command=("--auto-resume",))
+    wait_for(lambda: (paths.root / "shards/train/00001/student.json").is_file(), timeout=240,
+              what="the second train shard", proc=proc)
+    asked = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=30)
+    stopped_s = time.monotonic() - asked
+    print(f"SIGTERM to exit: {stopped_s:.1f} s")
+    assert stopped_s < 10 and proc.returncode == 130, out
+    assert "dagster-daemon" not in out, "a stop during the pipeline must not go on to start the daemon"
+    assert "continues from there" in out.splitlines()[-1] or "continues from there" in out
+    assert not _runs(paths, dg.DagsterRunStatus.STARTED), "a stopped run must not stay STARTED"
+    # Stopped on purpose: resumable, but the daemon leaves it until the user asks.
+    from gguf_assets.defs.resume import resume_decision
+
+    assert "stopped on purpose" in resume_decision(_instance(paths)).skip_message
+
+    _kill9_during_training(paths, refuse_second=True)
+    assert not any(paths.root.glob("checkpoints/*/final"))
+    assert len(_runs(paths, dg.DagsterRunStatus.STARTED)) == 1, "Dagster leaves a killed run STARTED"
+
+    started = time.monotonic()
+    done = subprocess.run([*CLI, "run", str(paths.root)], capture_output=True, text=True, env=cli_env(), timeout=600)
+    print(f"plain run after the kill: {time.monotonic() - started:.1f} s")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert_clean_console(done.stdout + done.stderr)
+    assert done.stdout.strip().splitlines()[-1] == f"open the UI (runs, metrics, report): gguf-trainer ui {paths.root}"
+    assert "marked 1 run(s) cut off" in done.stdout
+    assert "resuming training run" in done.stdout + done.stderr
+    assert not _runs(paths, dg.DagsterRunStatus.STARTED)
+    assert pipeline_outputs(paths.root) == reference_run[0]
+
+
+def test_daemon_alone_resumes_a_killed_pipeline_and_its_runs_are_never_reaped_alive(make_project, reference_run):
+    """Only `dagster-daemon run`, started the documented way, after a kill -9 during training: the
+    interrupted-runs sensor (every 2 s here) fails the dead run, the resume sensor launches the
+    rest as a multi-step run in its own process, and that live run gets no failure event."""
+    paths = make_project(**FAULT_SETTINGS)
+    _kill9_during_training(paths)
+    cut_off = _runs(paths, dg.DagsterRunStatus.STARTED)[0].run_id
+
+    exports = subprocess.run([*CLI, "env", str(paths.root)], capture_output=True, text=True, env=cli_env(), check=True)
+    env = cli_env(GGUF_ASSETS_SENSOR_INTERVAL_S="2")
+    for line in exports.stdout.splitlines():  # export NAME=VALUE (shell-quoted; no spaces in test paths)
+        name, value = line.removeprefix("export ").split("=", 1)
+        env[name] = value.strip("'")
+    start = time.monotonic()
+    daemon = subprocess.Popen([str(Path(CLI[0]).parent / "dagster-daemon"), "run", "-m", "gguf_assets.definitions"],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              start_new_session=True)
+    try:
+        wait_for(lambda: set(_status(paths).values()) == {"current"}, timeout=400, what="all current", proc=daemon)
+        print(f"daemon start to all-current: {time.monotonic() - start:.1f} s")
+        # Let the reaper tick a few more times over the finished instance.
+        time.sleep(5)
+    finally:
+        os.killpg(daemon.pid, signal.SIGINT)
+        try:
+            daemon.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(daemon.pid, signal.SIGKILL)
+    instance = _instance(paths)
+    assert instance.get_run_by_id(cut_off).status == dg.DagsterRunStatus.FAILURE
+    resumed = [r.dagster_run for r in instance.get_run_records() if r.dagster_run.run_id != cut_off
+               and r.dagster_run.job_name == "train_export_evaluate"]
+    assert len(resumed) == 1 and resumed[0].status == dg.DagsterRunStatus.SUCCESS
+    assert resumed[0].tags[PID_TAG] != str(daemon.pid)  # its own run worker process
+    assert not instance.all_logs(resumed[0].run_id, of_type=dg.DagsterEventType.RUN_FAILURE)
+    assert {s for s in ("adapter", "gguf", "eval_report")} <= {
+        e.dagster_event.asset_key.to_user_string() for e in
+        instance.all_logs(resumed[0].run_id, of_type=dg.DagsterEventType.ASSET_MATERIALIZATION)}
+    assert pipeline_outputs(paths.root) == reference_run[0]
+
+
+def test_the_daemon_leaves_work_made_stale_by_a_settings_edit_alone(make_project):
+    """After an edit of project.yaml, the resume sensor says why it waits instead of retraining."""
+    from gguf_assets.defs.resume import resume_decision
+    from gguf_assets.lib.project.settings import load_settings, replace, write_project_file
+    from gguf_assets.runner import prepare_instance, run_pipeline
+
+    paths = make_project(steps=5, mock_teacher=True)
+    prepare_instance(paths)
+    instance = dg.DagsterInstance.get()
+    # A new project is the user's to start (its first run may download a 30 GB teacher).
+    assert "nothing has run in this project yet" in resume_decision(instance).skip_message
+    run_pipeline(paths, echo=lambda _: None)
+    assert "everything is current" in resume_decision(instance).skip_message
+    write_project_file(paths.root, replace(load_settings(paths.root), training={"learning_rate": 1e-4}))
+    decision = resume_decision(instance)
+    assert isinstance(decision, dg.SkipReason) and "stale after a settings edit" in decision.skip_message
+    # A missing output is different: the daemon makes it by itself.
+    shutil.rmtree(paths.root / "shards" / "val")
+    write_project_file(paths.root, replace(load_settings(paths.root), training={"learning_rate": 2e-4}))
+    decision = resume_decision(instance)
+    assert isinstance(decision, dg.RunRequest) and decision.job_name == "precompute_val_shards"
+
+
+def test_a_copied_project_is_independent_of_its_original(make_project):
+    """`cp -a` a finished project: nothing in the copy names the original, and running, editing or
+    deleting in the copy never reads or writes the original."""
+    from gguf_assets.runner import run_pipeline
+
+    original = make_project(steps=5, mock_teacher=True)
+    run_pipeline(original, echo=lambda _: None)
+    copy_root = original.root.parent / "copy"
+    subprocess.run(["cp", "-a", str(original.root), str(copy_root)], check=True)
+    from gguf_assets.lib.project.layout import ProjectPaths
+
+    copy = ProjectPaths.of(copy_root)
+    for file in [*copy_root.rglob("*.json"), *copy_root.rglob("*.yaml"), *copy_root.rglob("*.md")]:
+        assert str(original.root) not in file.read_text(encoding="utf-8"), file
+
+    env = cli_env(DAGSTER_HOME=str(copy.dagster_home))
+    info = subprocess.run([str(Path(CLI[0]).parent / "dagster"), "instance", "info"], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert info.returncode == 0, info.stderr
+    assert str(copy.dagster_home) in info.stdout and str(original.dagster_home) not in info.stdout
+
+    before = {str(p): p.stat().st_mtime_ns for p in original.root.rglob("*") if p.is_file()}
+    # The copy's student weights rewritten with the same bytes and a new mtime: the content
+    # settles it (lib/verify), so nothing is redone.
+    student = next(copy_root.glob("materials/demo/student/*.safetensors"))
+    student.write_bytes(student.read_bytes())
+    os.utime(student, ns=(time.time_ns(), time.time_ns() + 10**9))
+    assert set(_status(copy).values()) == {"current"}
+    # A real edit of the copy's student weights, and its GGUF deleted: the copy sees both, the original neither.
+    data = bytearray(student.read_bytes())
+    data[-1] ^= 0x01  # a weight's last byte: still a loadable file
+    student.write_bytes(bytes(data))
+    (copy_root / "output" / "demo-adapter.gguf").unlink()
+    status = subprocess.run([*CLI, "status", str(copy_root)], capture_output=True, text=True, env=cli_env())
+    assert "materials    stale" in status.stdout, status.stdout
+    assert set(_status(original).values()) == {"current"}
+    done = subprocess.run([*CLI, "run", str(copy_root)], capture_output=True, text=True, env=cli_env(), timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"GGUF:    {copy_root}/output/demo-adapter.gguf" in done.stdout
+    assert (copy_root / "output" / "demo-adapter.gguf").is_file()
+    after = {str(p): p.stat().st_mtime_ns for p in original.root.rglob("*") if p.is_file()}
+    assert after == before, "the copy wrote into the original"
+
+
+def test_the_documented_dagster_cli_commands_work(make_project):
+    """README's Dagster CLI section: `eval "$(gguf-trainer env DIR)"`, then `dagster asset materialize`
+    of one asset and of one shard partition, as named jobs' runs on the project's own instance."""
+    from gguf_assets.lib.core import atomic
+    from gguf_assets.runner import run_pipeline
+
+    paths = make_project(steps=5, mock_teacher=True)
+    run_pipeline(paths, echo=lambda _: None)
+    shard = paths.root / "shards" / "train" / "00001"
+    original = {f.name: f.read_bytes() for f in shard.glob("*.safetensors")}
+    shutil.rmtree(shard)
+    (paths.root / "output" / "report.json").unlink()
+    dagster = Path(CLI[0]).parent / "dagster"
+    script = f"""set -e
+        eval "$({' '.join(CLI)} env {paths.root})"
+        {dagster} asset materialize -m gguf_assets.definitions --select train_shards --partition 00001
+        {dagster} asset materialize -m gguf_assets.definitions --select eval_report
+        {dagster} job execute -m gguf_assets.definitions -j train_export_evaluate
+    """
+    done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=cli_env(), timeout=600,
+                          cwd="/")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert {f.name: f.read_bytes() for f in shard.glob("*.safetensors")} == original
+    assert atomic.read_json(paths.root / "output" / "report.json")["gguf_sha256"]
+    assert set(_status(paths).values()) == {"current"}
+    runs = _instance(paths).get_run_records()
+    assert runs[0].dagster_run.job_name == "train_export_evaluate"
+    assert [r.dagster_run.status for r in runs[:3]] == [dg.DagsterRunStatus.SUCCESS] * 3
+    assert json.dumps(runs[0].dagster_run.run_config).find(str(paths.root)) == -1  # no path in run storage
+
+
+def test_an_edit_during_training_affects_only_the_next_run(make_project):
+    """One settings snapshot per run: `steps 40 → 20` and `adapter_name → edited` written at a
+    checkpoint mid-training. The run trains its 40 steps and exports under the name it started with;
+    the console says the edit is for the next run, and status names the edit as the reason."""
+    from gguf_assets.lib.project.pipeline import project_status
+    from gguf_assets.lib.project.settings import load_settings, replace, write_project_file
+
+    paths = make_project(**FAULT_SETTINGS)
+    name = load_settings(paths.root).output.adapter_name
+    proc = _start_run(paths)
+    try:
+        wait_for(lambda: any(paths.root.glob("checkpoints/*/step-00000010")), timeout=240,
+                 what="the second checkpoint", proc=proc)
+        write_project_file(paths.root, replace(load_settings(paths.root), training={"steps": 20},
+                                               output={"adapter_name": "edited"}))
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, out
+    assert_clean_console(out)
+    assert "project.yaml changed during the run (" in out and "training.steps 40 → 20" in out, out
+    assert "still not current" not in out
+    final = json.loads(next(paths.root.glob("checkpoints/*/final/meta.json")).read_text())
+    assert final["step"] == 40
+    assert (paths.root / "output" / f"{name}.gguf").is_file() and not (paths.root / "output" / "edited.gguf").exists()
+    report = json.loads((paths.root / "output" / f"{name}.report.json").read_text())
+    assert report["settings_hash"] == json.loads(paths.adapter_manifest.read_text())["settings_hash"]
+    status = {s.stage: s for s in project_status(paths, load_settings(paths.root))}
+    assert status["adapter"].state == "stale" and "training.steps 40 → 20" in status["adapter"].detail, status
+    assert re.search(r"adapter +stale +training.steps 40 → 20", out), out  # the closing status says it too
+
+
+def _latest_step(paths) -> int:
+    from gguf_assets.lib.project.layout import STEP_DIR
+
+    return max((int(m.group(1)) for d in paths.root.glob("checkpoints/*/step-*") if (m := STEP_DIR.match(d.name))),
+               default=0)
+
+
+def test_terminate_in_the_ui_and_ctrl_c_stop_a_cli_run_canceled_and_resumable(make_project, reference_run):
+    """Terminate (what the UI's button calls: the run launcher's terminate, which cannot reach an
+    in-process run) stops a `gguf-trainer run` within 10 s; so does a Ctrl-C to the terminal's whole
+    process group. Each run ends CANCELED, never FAILURE, with no traceback and a "stopped" line that
+    says where; the next run finishes byte-identical to an uninterrupted one."""
+    paths = make_project(**FAULT_SETTINGS)
+    # Training stalls after step 11 (one step past a checkpoint), so each stop lands mid-training.
+    proc = _start_run(paths, GGUF_ASSETS_FAULT="train-step@11:stall:120")
+    wait_for(lambda: _latest_step(paths) >= 10, timeout=240, what="the second checkpoint", proc=proc)
+    instance = _instance(paths)
+    (running,) = _runs(paths, dg.DagsterRunStatus.STARTED)
+    # While it trains, status says so, with the run.
+    status = subprocess.run([*CLI, "status", str(paths.root)], capture_output=True, text=True, env=cli_env(),
+                            timeout=60, check=True).stdout
+    assert re.search(rf"adapter +running +run {running.run_id[:8]} of train_export_evaluate; was missing", status), \
+        status
+    asked = time.monotonic()
+    instance.run_launcher.terminate(running.run_id)
+    out, _ = proc.communicate(timeout=60)
+    print(f"Terminate to exit: {time.monotonic() - asked:.1f} s")
+    assert time.monotonic() - asked < 10 and proc.returncode == 130, out
+    assert_clean_console(out)
+    assert instance.get_run_by_id(running.run_id).status == dg.DagsterRunStatus.CANCELED
+    assert "stopped during adapter training, at the checkpoint of step 10 of 40" in out, out
+
+    # Resumes training from that checkpoint (step 10), stalls after step 16; Ctrl-C it there.
+    proc = _start_run(paths, GGUF_ASSETS_FAULT="train-step@6:stall:120")
+    reached = _latest_step(paths)
+    wait_for(lambda: _latest_step(paths) > reached, timeout=240, what="a later checkpoint", proc=proc)
+    os.killpg(proc.pid, signal.SIGINT)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, out
+    assert_clean_console(out)  # no KeyboardInterrupt traceback from Dagster's helper processes
+    assert "stopped during adapter training, at the checkpoint of step 15 of 40" in out, out
+    statuses = [r.status for r in _runs(paths, dg.DagsterRunStatus.CANCELED, dg.DagsterRunStatus.FAILURE)]
+    assert statuses == [dg.DagsterRunStatus.CANCELED] * 2, statuses
+
+    done = subprocess.run([*CLI, "run", str(paths.root)], capture_output=True, text=True, env=cli_env(), timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert pipeline_outputs(paths.root) == reference_run[0]

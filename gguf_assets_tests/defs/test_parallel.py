@@ -1,0 +1,95 @@
+"""Shard partitions run as parallel Dagster runs (launched by the instance's run launcher) with the
+same bytes as a serial run."""
+
+import os
+import time
+
+import dagster as dg
+import pytest
+
+from gguf_assets.lib.core import atomic
+from gguf_assets.runner import run_pipeline, split_range
+
+
+def test_split_range_is_contiguous_and_complete():
+    keys = [f"{i:05d}" for i in range(7)]
+    ranges = split_range(keys, 3)
+    assert ranges == [tuple(keys[0:2]), tuple(keys[2:5]), tuple(keys[5:7])]
+    assert split_range(keys[:1], 4) == [("00000",)]
+
+
+@pytest.mark.slow  # a whole pipeline or subprocesses
+def test_two_workers_give_byte_identical_shards(make_project):
+    changes = dict(steps=5, corpus={"train_prompts": 400}, precompute={"shard_size": 50})
+    serial, parallel = make_project(**changes), make_project(**changes)
+    start = time.perf_counter()
+    run_pipeline(serial, echo=lambda _: None)
+    serial_s = time.perf_counter() - start
+    start = time.perf_counter()
+    run_pipeline(parallel, echo=lambda _: None, workers=2)
+    parallel_s = time.perf_counter() - start
+    print(f"whole pipeline: serial {serial_s:.1f}s, 2 workers {parallel_s:.1f}s")
+
+    files = sorted(p.relative_to(serial.root) for p in serial.root.glob("shards/*/*/*") if p.is_file())
+    assert len(files) == 5 * (8 + 1)  # prompts, 2 halves, 2 sidecars per shard
+    for rel in files:
+        if rel.suffix == ".json" and rel.name != "prompts.jsonl":
+            # The records match but for the time taken and each file's mtime and inode (the disk's facts).
+            local = ("seconds", "mtime_ns", "inode")
+            a, b = atomic.read_json(serial.root / rel), atomic.read_json(parallel.root / rel)
+            assert {k: v for k, v in a.items() if k not in local} == {k: v for k, v in b.items() if k not in local}
+        else:
+            assert (serial.root / rel).read_bytes() == (parallel.root / rel).read_bytes(), rel
+    # Two separate runs covered the train shards, and every partition is recorded.
+    instance = dg.DagsterInstance.get()
+    from gguf_assets.defs.run_tags import PID_TAG, RANGE_START_TAG, WORKER_TAG
+
+    worker_runs = [r.dagster_run for r in instance.get_run_records() if WORKER_TAG in r.dagster_run.tags]
+    # Two train ranges ran as worker runs of the named job, each in its own process; the single
+    # val shard needs no split.
+    assert sorted(r.tags[RANGE_START_TAG] for r in worker_runs) == ["00000", "00004"]
+    assert {r.job_name for r in worker_runs} == {"precompute_train_shards"}
+    assert len({r.tags[PID_TAG] for r in worker_runs} | {str(os.getpid())}) == 3
+    assert len(instance.get_materialized_partitions(dg.AssetKey("train_shards"))) == 8
+
+
+@pytest.mark.slow  # a whole pipeline or subprocesses
+def test_killing_only_the_workers_leader_refuses_a_new_run_until_its_workers_are_done(make_project, reference_run):
+    """`run --workers 2`, then a kill -9 of `gguf-trainer run` alone once both worker runs started: the
+    worker runs go on under their code server, so a new `run` is refused while they write (two teachers
+    at once, otherwise), and once they are done the next `run` finishes byte-identical."""
+    import signal
+    import subprocess
+
+    from conftest import CLI, FAULT_SETTINGS, cli_env, pipeline_outputs, wait_for
+
+    from gguf_assets.lib.core.lock import is_locked
+
+    paths = make_project(**FAULT_SETTINGS)
+    # Each worker stalls 15 s at its first shard write, so they are surely still writing after the kill.
+    proc = subprocess.Popen([*CLI, "run", str(paths.root), "--workers", "2"], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env=cli_env(GGUF_ASSETS_FAULT="shard-write@1:stall:15"))
+    seen = []
+    try:
+        for line in proc.stdout:
+            seen.append(line)
+            if "(worker 2/2)" in line:
+                break
+        assert any("(worker 2/2)" in line for line in seen), "".join(seen)
+        # Both workers hold their lock and compute (each has laid out its first shard, 00000 and 00002).
+        firsts = [paths.root / f"shards/train/{key}/prompts.jsonl" for key in ("00000", "00002")]
+        wait_for(lambda: all(f.is_file() for f in firsts),
+                 timeout=120, what="both workers at their first shard")
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)  # the leader only: the worker runs are not in its process group
+        proc.wait()
+    refused = subprocess.run([*CLI, "run", str(paths.root)], capture_output=True, text=True, env=cli_env(),
+                             timeout=120)
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert "still written by the worker runs of an earlier pipeline" in refused.stderr, refused.stderr
+    assert "Traceback" not in refused.stderr
+    wait_for(lambda: not is_locked(paths.lock_file), timeout=240, what="the worker runs to finish")
+    done = subprocess.run([*CLI, "run", str(paths.root)], capture_output=True, text=True, env=cli_env(), timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert pipeline_outputs(paths.root) == reference_run[0]

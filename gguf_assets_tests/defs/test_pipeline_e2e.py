@@ -1,0 +1,122 @@
+"""The whole DAG through real Dagster materializations on a temp project and DAGSTER_HOME."""
+
+import dagster as dg
+import pytest
+
+from gguf_assets.lib.core import atomic
+from gguf_assets.lib.project.layout import REPORT_JSON
+from gguf_assets.lib.project.settings import load_settings, replace, write_project_file
+from gguf_assets.runner import run_pipeline
+
+pytestmark = pytest.mark.slow  # whole pipelines: excluded from the fast loop (-m 'not slow')
+
+ASSETS = ("materials", "corpus", "train_shards", "val_shards", "adapter", "gguf", "eval_report")
+
+
+def _file_digests(folder):
+    return {p.relative_to(folder).as_posix(): atomic.sha256_file(p) for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_demo_dag_end_to_end_then_memoized_then_student_change(make_project):
+    paths = make_project(steps=120)
+    status = run_pipeline(paths, echo=lambda _: None)
+    assert {s.stage: s.state for s in status} == {a: "current" for a in ASSETS}
+
+    settings = load_settings(paths.root)
+    report = atomic.read_json(paths.output_dir(settings) / REPORT_JSON)
+    for key in ("val_centred_cosine", "empty_prompt_cosine", "gguf_path", "gguf_sha256", "val_centred_cosine_torch"):
+        assert report[key] is not None, key
+    assert report["gguf_path"] == "output/demo-adapter.gguf"  # relative: the project folder is portable
+    assert atomic.sha256_file(paths.located(report["gguf_path"])) == report["gguf_sha256"]
+    # The numpy reading of the GGUF agrees with the torch checkpoint.
+    assert abs(report["val_centred_cosine"] - report["val_centred_cosine_torch"]) < 1e-3
+    run_dir = atomic.read_json(paths.adapter_manifest)["run_dir"]
+    adapter_meta = atomic.read_json(paths.root / run_dir / "final" / "meta.json")
+    untrained = adapter_meta["untrained_val_centred_cosine"]
+    assert report["val_centred_cosine"] > untrained + 0.15, (report["val_centred_cosine"], untrained)
+    assert (paths.output_dir(settings) / "report.md").read_text().count("Use it in ggk") == 1
+
+    # Every asset and every shard partition is recorded in the project's own Dagster instance.
+    instance = dg.DagsterInstance.get()
+    assert str(paths.dagster_home) in str(instance.root_directory)
+    for name in ASSETS:
+        assert instance.get_latest_materialization_event(dg.AssetKey(name)) is not None, name
+    for split, n in (("train", 4), ("val", 1)):
+        keys = instance.get_dynamic_partitions(f"{split}_shards")
+        assert len(keys) == n
+        materialized = instance.get_materialized_partitions(dg.AssetKey(f"{split}_shards"))
+        assert set(keys) <= materialized
+        # One materialization per shard per run, with that shard's own figures (not the run's totals).
+        for key in keys:
+            records = instance.fetch_materializations(dg.AssetRecordsFilter(
+                asset_key=dg.AssetKey(f"{split}_shards"), asset_partitions=[key]), limit=10).records
+            assert len(records) == 1, (split, key, len(records))
+            meta = records[0].asset_materialization.metadata
+            assert meta["prompts"].value == (400 if split == "train" else 200), (split, key)
+            assert meta["teacher_tokens"].value > 0 and meta["prompts_per_s"].value > 0
+            assert "teacher_device_map" in meta
+    # Each stage's page shows the settings it depends on, the project folder and how to change them.
+    for name in ASSETS:
+        meta = instance.get_latest_materialization_event(dg.AssetKey(name)).asset_materialization.metadata
+        assert meta["project_folder"].value == str(paths.root) and "project.yaml" in meta["how_to_change"].value
+    adapter_settings = instance.get_latest_materialization_event(
+        dg.AssetKey("adapter")).asset_materialization.metadata["settings"].value
+    assert f"| `training.width` | `{settings.training.width}` |" in adapter_settings
+    # Progress and live hardware during the precompute arrive as observations of the shards.
+    live = [r.asset_observation.metadata for r in instance.fetch_observations(dg.AssetKey("train_shards"),
+                                                                               limit=1000).records]
+    assert any("half" in m and "prompts_per_s" in m and "host_cpu_pct" in m for m in live), live[:3]
+
+    # Runs carry readable job names, and the asset checks beside the assets ran and passed
+    # (the 0.9 threshold is a warning: this short run may stay below it).
+    assert {r.dagster_run.job_name for r in instance.get_run_records()} == {
+        "materials_and_corpus", "precompute_train_shards", "precompute_val_shards", "train_export_evaluate"}
+    checks = {(e.asset_key.to_user_string(), e.check_name): e for e in (
+        r.event_log_entry.dagster_event.event_specific_data for r in instance.get_records_for_run(
+            instance.get_run_records()[0].dagster_run.run_id,
+            of_type=dg.DagsterEventType.ASSET_CHECK_EVALUATION).records)}
+    assert checks[("eval_report", "gguf_agrees_with_torch")].passed
+    assert checks[("gguf", "exported_files_unchanged")].passed
+    threshold = checks[("eval_report", "val_centred_cosine_threshold")]
+    assert threshold.passed == (report["val_centred_cosine"] >= 0.9)
+    assert threshold.severity == dg.AssetCheckSeverity.WARN
+    shard_checks = [r.event_log_entry.dagster_event.event_specific_data for run in instance.get_run_records()
+                    if run.dagster_run.job_name.startswith("precompute_") for r in instance.get_records_for_run(
+                        run.dagster_run.run_id, of_type=dg.DagsterEventType.ASSET_CHECK_EVALUATION).records]
+    assert len(shard_checks) == 2 and all(c.passed and c.check_name == "shards_verified" for c in shard_checks)
+
+    # Training metrics and live hardware figures arrive as observations while it runs (the UI plots them).
+    observations = instance.fetch_observations(dg.AssetKey("adapter"), limit=1000).records
+    logged = [r.asset_observation.metadata for r in observations]
+    assert any("loss" in m and "host_ram_used_gib" in m for m in logged)
+    assert any("val_centred_cosine" in m for m in logged)
+
+    # A second run has nothing to do: no new Dagster run is launched.
+    runs_before = len(instance.get_run_records())
+    run_pipeline(paths, echo=lambda _: None)
+    assert len(instance.get_run_records()) == runs_before
+
+    # Changing the student (here: its layer) recomputes the student halves only.
+    teacher_before = {p: _file_digests(p) for p in sorted((paths.root / "shards").glob("*/*"))}
+    teacher_files = {p: atomic.sha256_file(p / "teacher.safetensors") for p in teacher_before}
+    student_files = {p: atomic.sha256_file(p / "student.safetensors") for p in teacher_before}
+    mtimes = {p: (p / "teacher.safetensors").stat().st_mtime_ns for p in teacher_before}
+    write_project_file(paths.root, replace(settings, materials={"student_layer": 1}, training={"steps": 20}))
+    status = run_pipeline(paths, echo=lambda _: None)
+    assert all(s.state == "current" for s in status)
+    for shard in teacher_before:
+        assert atomic.sha256_file(shard / "teacher.safetensors") == teacher_files[shard]
+        assert (shard / "teacher.safetensors").stat().st_mtime_ns == mtimes[shard]
+        assert atomic.sha256_file(shard / "student.safetensors") != student_files[shard]
+    new_report = atomic.read_json(paths.output_dir(settings) / REPORT_JSON)
+    assert new_report["gguf_sha256"] != report["gguf_sha256"]
+
+
+def test_mock_teacher_smoke_learns(make_project):
+    paths = make_project(steps=100, mock_teacher=True)
+    run_pipeline(paths, echo=lambda _: None)
+    settings = load_settings(paths.root)
+    report = atomic.read_json(paths.output_dir(settings) / REPORT_JSON)
+    meta = atomic.read_json(paths.root / atomic.read_json(paths.adapter_manifest)["run_dir"] / "final" / "meta.json")
+    assert meta["shape"]["target_dim"] == 64 and meta["shape"]["query_rows"] == 256
+    assert report["val_centred_cosine"] > meta["untrained_val_centred_cosine"] + 0.3

@@ -1,0 +1,131 @@
+"""The Dagster UI and TensorBoard on a materialized demo project, in headless Chromium (Debian's package).
+
+Checks the Overview lists the runs of `gguf-trainer run`, the lineage graph shows every asset,
+the evaluation report's metadata is visible, the adapter's page shows its settings table and its
+plots, a shard partition shows its own figures, the runs are listed, TensorBoard (started by
+`gguf-trainer ui`) serves the loss against the step, and Ctrl-C stops them all promptly.
+Screenshots of each page go to test-artifacts/.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+from conftest import free_port, wait_http
+
+from gguf_assets.defs.groups import lineage_path
+from gguf_assets.runner import run_pipeline
+
+pytestmark = pytest.mark.slow  # whole pipelines: excluded from the fast loop (-m 'not slow')
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
+ASSETS = ("materials", "corpus", "train_shards", "val_shards", "adapter", "gguf", "eval_report")
+JOBS = ("materials_and_corpus", "precompute_train_shards", "precompute_val_shards", "train_export_evaluate")
+# Flags for a sandboxed, offline machine: without the background-networking ones Chromium
+# keeps trying to reach Google's hosts.
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+
+def _need_browser():
+    missing = not Path(CHROMIUM).exists()
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        missing = True
+    if missing:
+        if os.environ.get("CI"):
+            pytest.fail("CI must install Debian's chromium and the playwright package (see .ci/run)")
+        pytest.skip("chromium or playwright not installed (CI installs them)")
+
+
+def test_ui_shows_graph_report_and_plots_then_stops_on_ctrl_c(make_project):
+    _need_browser()
+    from playwright.sync_api import sync_playwright
+
+    paths = make_project(steps=40, mock_teacher=True, training={"log_every": 5, "validate_every": 10})
+    run_pipeline(paths, echo=lambda _: None)
+    port, tb_port = free_port(), free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("DAGSTER_HOME", "GGUF_ASSETS_PROJECT")}
+    ui = subprocess.Popen([sys.executable, "-m", "gguf_assets.cli", "ui", str(paths.root), "--port", str(port),
+                           "--tensorboard-port", str(tb_port)],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    base, tensorboard = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{tb_port}"
+    fingerprint = json.loads((paths.root / "checkpoints" / "final.json").read_text())["fingerprint"]
+    ARTIFACTS.mkdir(exist_ok=True)
+    try:
+        wait_http(f"{base}/server_info", timeout=120, proc=ui)
+        # TensorBoard serves this run's loss against the step (5, 10, ... 40: log_every 5).
+        wait_http(f"{tensorboard}/data/runs", timeout=120, proc=ui)
+        with urllib.request.urlopen(f"{tensorboard}/data/plugin/scalars/scalars?tag=train%2Floss&run={fingerprint}",
+                                    timeout=30) as answer:
+            loss = json.loads(answer.read())
+        assert [step for _, step, _ in loss] == list(range(5, 41, 5)), loss
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+            page = browser.new_page(viewport={"width": 1600, "height": 1000})
+
+            # The landing page (Overview, timeline) lists the runs that `gguf-trainer run` made, by job.
+            page.goto(base)
+            page.wait_for_url("**/overview/**", timeout=60_000)
+            for job in JOBS:
+                page.get_by_text(job, exact=True).first.wait_for(timeout=60_000)
+            assert page.get_by_text("No runs or scheduled ticks").count() == 0
+            page.screenshot(path=str(ARTIFACTS / "ui-overview.png"), full_page=True)
+
+            # The lineage link `gguf-trainer ui` prints: every group open, in pipeline order.
+            page.goto(base + lineage_path())
+            for name in ASSETS:
+                page.get_by_text(name, exact=True).first.wait_for(timeout=60_000)
+            page.screenshot(path=str(ARTIFACTS / "ui-graph.png"))
+
+            page.goto(f"{base}/assets/eval_report")
+            page.get_by_text("val_centred_cosine", exact=True).first.wait_for(timeout=60_000)
+            page.get_by_text("Use it in ggk").first.wait_for(timeout=30_000)
+            page.screenshot(path=str(ARTIFACTS / "ui-eval-report.png"), full_page=True)
+
+            page.goto(f"{base}/assets/adapter")
+            # The settings the adapter depends on, as a table, with the demo's width.
+            page.get_by_text("training.width", exact=True).first.wait_for(timeout=60_000)
+            assert page.get_by_text("project_folder").count() > 0 and page.get_by_text("tensorboard").count() > 0
+            page.screenshot(path=str(ARTIFACTS / "ui-adapter-settings.png"), full_page=True)
+            page.get_by_role("button", name="Plots").click()
+            # Numeric metadata (loss, val centred cosine) is plotted as charts.
+            page.locator("canvas, svg.recharts-surface").first.wait_for(timeout=60_000)
+            assert page.get_by_text("val_centred_cosine").count() > 0
+            page.screenshot(path=str(ARTIFACTS / "ui-training-plots.png"), full_page=True)
+
+            # A shard partition shows its own figures: 400 prompts (not the run's 1600).
+            page.goto(f"{base}/assets/train_shards?view=partitions&partition=00001")
+            page.get_by_text("teacher_tokens").first.wait_for(timeout=60_000)
+            assert page.get_by_text("400", exact=True).count() > 0 and page.get_by_text("1600", exact=True).count() == 0
+            page.screenshot(path=str(ARTIFACTS / "ui-shard-partition.png"), full_page=True)
+
+            # The runs, by their job names.
+            page.goto(f"{base}/runs")
+            for job in JOBS:
+                page.get_by_text(job).first.wait_for(timeout=60_000)
+            page.screenshot(path=str(ARTIFACTS / "ui-runs.png"), full_page=True)
+
+            # Filtered to the loss: cards scrolled out of view are not rendered.
+            page.goto(f"{tensorboard}/?tagFilter=train%2Floss#timeseries")
+            page.locator('"/loss"').first.wait_for(timeout=60_000)  # the card's title: "train" + "/loss"
+            assert page.get_by_text(fingerprint).count() > 0  # the run is named by the training fingerprint
+            page.screenshot(path=str(ARTIFACTS / "tensorboard.png"), full_page=True)
+            browser.close()
+    finally:
+        ui.send_signal(signal.SIGINT)
+        try:
+            ui.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            ui.kill()
+            raise AssertionError("gguf-trainer ui did not stop within 30 s of Ctrl-C")
+    with pytest.raises(OSError):
+        urllib.request.urlopen(f"{base}/server_info", timeout=2)

@@ -1,0 +1,213 @@
+"""Tests for the one-pipeline-per-project flock (gguf_assets.lib.core.lock)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from gguf_assets.lib.core.lock import ProjectLock, ProjectLocked
+
+# A child process that takes the lock, says so, then waits for a line on stdin (or is killed).
+HOLDER = textwrap.dedent("""
+    import sys
+    from gguf_assets.lib.core.lock import ProjectLock
+    with ProjectLock(sys.argv[1]):
+        print("locked", flush=True)
+        sys.stdin.readline()
+    print("released", flush=True)
+""")
+
+# A child process that tries to take the lock once and reports what happened.
+TRY = textwrap.dedent("""
+    import sys
+    from gguf_assets.lib.core.lock import ProjectLock, ProjectLocked
+    try:
+        with ProjectLock(sys.argv[1]):
+            print("acquired", flush=True)
+    except ProjectLocked as exc:
+        print("refused:", exc, flush=True)
+""")
+
+
+def _start_holder(lock_file: Path) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(lock_file)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    line = proc.stdout.readline().strip()
+    if line != "locked":
+        proc.kill()
+        proc.wait(timeout=10)
+        pytest.fail(f"holder process did not take the lock (said {line!r})")
+    return proc
+
+
+def _try_in_child(lock_file: Path) -> str:
+    done = subprocess.run([sys.executable, "-c", TRY, str(lock_file)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+@pytest.fixture
+def lock_file(tmp_path) -> Path:
+    return tmp_path / "project" / ".pipeline.lock"
+
+
+def test_lock_held_by_another_process_is_refused_naming_its_pid(lock_file):
+    holder = _start_holder(lock_file)
+    try:
+        with pytest.raises(ProjectLocked) as info:
+            with ProjectLock(lock_file):
+                pytest.fail("took a lock another process holds")
+        msg = str(info.value)
+        assert f"pid {holder.pid}" in msg
+        assert str(lock_file.parent) in msg
+        assert json.loads(lock_file.read_text())["pid"] == holder.pid
+    finally:
+        holder.stdin.write("\n")
+        holder.stdin.flush()
+        assert holder.stdout.readline().strip() == "released"
+        holder.wait(timeout=10)
+    # Released cleanly: now this process gets it, and writes its own pid.
+    with ProjectLock(lock_file):
+        assert json.loads(lock_file.read_text())["pid"] == os.getpid()
+
+
+def test_lock_held_here_refuses_another_process(lock_file):
+    with ProjectLock(lock_file):
+        out = _try_in_child(lock_file)
+        assert out.startswith("refused:") and f"pid {os.getpid()}" in out
+    assert _try_in_child(lock_file) == "acquired"
+
+
+def test_reentry_in_the_same_process_nests(lock_file):
+    outer = ProjectLock(lock_file)
+    with outer:
+        with ProjectLock(lock_file):  # a second object on the same file (e.g. an asset step inside `run`)
+            with ProjectLock(lock_file.parent / "." / lock_file.name):  # same file, other spelling
+                assert _try_in_child(lock_file).startswith("refused:")
+            assert _try_in_child(lock_file).startswith("refused:")
+        # The inner exits must not have released the outer hold.
+        assert _try_in_child(lock_file).startswith("refused:")
+    assert _try_in_child(lock_file) == "acquired"
+
+
+def test_lock_can_be_taken_again_after_release(lock_file):
+    for _ in range(3):
+        with ProjectLock(lock_file):
+            pass
+    with ProjectLock(lock_file):
+        assert _try_in_child(lock_file).startswith("refused:")
+
+
+def test_lock_of_a_killed_process_is_taken_over(lock_file):
+    holder = _start_holder(lock_file)
+    os.kill(holder.pid, signal.SIGKILL)
+    assert holder.wait(timeout=10) == -signal.SIGKILL
+    holder.stdout.close()
+    holder.stdin.close()
+    assert json.loads(lock_file.read_text())["pid"] == holder.pid  # the dead holder's record is left behind
+    with ProjectLock(lock_file):
+        assert json.loads(lock_file.read_text())["pid"] == os.getpid()
+
+
+def test_different_projects_do_not_block_each_other(tmp_path):
+    a, b = tmp_path / "a" / ".pipeline.lock", tmp_path / "b" / ".pipeline.lock"
+    holder = _start_holder(a)
+    try:
+        with ProjectLock(b):
+            assert b.is_file()
+    finally:
+        holder.kill()
+        holder.wait(timeout=10)
+        holder.stdout.close()
+        holder.stdin.close()
+
+
+# A child that joins the lock as a worker of the given leader pid.
+JOIN = textwrap.dedent("""
+    import sys
+    from gguf_assets.lib.core.lock import ProjectLock, ProjectLocked
+    try:
+        with ProjectLock(sys.argv[1], leader_pid=int(sys.argv[2])) as lock:
+            print("shared with", lock.shared_with, flush=True)
+    except ProjectLocked as exc:
+        print("refused:", exc, flush=True)
+""")
+
+
+def test_a_worker_shares_the_lock_only_with_its_own_ancestor(lock_file):
+    """--workers: a run naming the holder's pid shares its lock if the holder is its ancestor;
+    naming another pid, or holding no such ancestry, is refused."""
+    with ProjectLock(lock_file, describe="gguf-trainer run demo"):
+        joined = subprocess.run([sys.executable, "-c", JOIN, str(lock_file), str(os.getpid())],
+                                capture_output=True, text=True, timeout=60)
+        assert joined.stdout.strip() == f"shared with {os.getpid()}", joined.stderr
+        wrong = subprocess.run([sys.executable, "-c", JOIN, str(lock_file), str(os.getppid())],
+                               capture_output=True, text=True, timeout=60)
+        assert wrong.stdout.startswith("refused:") and "gguf-trainer run demo" in wrong.stdout
+    holder = _start_holder(lock_file)
+    try:
+        # Not an ancestor: naming the holder's pid is not enough.
+        forged = subprocess.run([sys.executable, "-c", JOIN, str(lock_file), str(holder.pid)],
+                                capture_output=True, text=True, timeout=60)
+        assert forged.stdout.startswith("refused:") and f"pid {holder.pid}" in forged.stdout
+    finally:
+        holder.stdin.write("\n")
+        holder.stdin.flush()
+        holder.wait(timeout=30)
+
+
+# A worker of the given leader that joins, says so, then keeps writing until a line on stdin.
+WORKER = textwrap.dedent("""
+    import sys
+    from gguf_assets.lib.core.lock import ProjectLock, ProjectLocked
+    try:
+        with ProjectLock(sys.argv[1], leader_pid=int(sys.argv[2])) as lock:
+            print("joined", lock.shared_with, flush=True)
+            sys.stdin.readline()
+    except ProjectLocked as exc:
+        print("refused:", exc, flush=True)
+""")
+
+
+def test_a_worker_outliving_its_leader_still_holds_the_folder(lock_file):
+    """The leader goes first (a kill -9 of `gguf-trainer run`): its worker keeps a lock of its own, so a new
+    pipeline is refused until the worker is done; a worker that starts after its leader is gone is refused."""
+    with ProjectLock(lock_file, describe="gguf-trainer run demo"):
+        worker = subprocess.Popen([sys.executable, "-c", WORKER, str(lock_file), str(os.getpid())],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert worker.stdout.readline().strip() == f"joined {os.getpid()}"
+    try:
+        refused = _try_in_child(lock_file)
+        assert refused.startswith("refused:") and "worker runs of an earlier pipeline" in refused, refused
+        assert "gguf-trainer run demo" in refused  # the earlier pipeline is named
+        late = subprocess.run([sys.executable, "-c", JOIN, str(lock_file), str(os.getpid())],
+                              capture_output=True, text=True, timeout=60)
+        assert late.stdout.startswith("refused:") and "is gone" in late.stdout, late.stdout + late.stderr
+    finally:
+        worker.stdin.write("\n")
+        worker.stdin.flush()
+        worker.wait(timeout=30)
+    assert _try_in_child(lock_file) == "acquired"
+
+
+def test_the_holder_record_names_the_run_a_nested_taker_executes(lock_file):
+    """`status` reads which run works on the folder: a run taking the lock inside `gguf-trainer run` records
+    itself while it holds it, and the pipeline's own record is back once it leaves."""
+    from gguf_assets.lib.core.lock import holder
+
+    assert holder(lock_file) is None
+    with ProjectLock(lock_file, describe="gguf-trainer run demo"):
+        assert holder(lock_file)["what"] == "gguf-trainer run demo" and "running" not in holder(lock_file)
+        running = {"run_id": "1a2b3c4d5e", "job": "train_export_evaluate", "assets": ["adapter", "gguf"]}
+        with ProjectLock(lock_file, describe="Dagster run 1a2b3c4d", running=running):
+            assert holder(lock_file)["running"] == running
+            assert holder(lock_file)["pid"] == os.getpid()
+        assert "running" not in holder(lock_file)
+    assert holder(lock_file) is None

@@ -1,0 +1,385 @@
+"""Materials from a hub: the real huggingface_hub client against a loopback hub on 127.0.0.1.
+
+Every failure mode ends in either a pinned, verified copy in the project folder or a
+MaterialsError that names the repo and the fix.
+"""
+
+import hashlib
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from hub_server import STORED_HF_TOKEN
+
+from gguf_assets.lib.core import atomic
+from gguf_assets.lib.materials import hub
+from gguf_assets.lib.materials.materials import (
+    MaterialsError,
+    load_manifest,
+    manifest_is_current,
+    resolve_materials,
+)
+from gguf_assets.lib.project.layout import ProjectPaths
+from gguf_assets.lib.project.settings import load_settings
+
+HUB_SOURCES = {"teacher": "demo/teacher", "student": "demo/student", "datasets": ["demo/prompts"]}
+STALLING = hub.HubOptions(api_timeout_s=1, stall_timeout_s=1, attempts=2, retry_wait_s=0.05, disk_reserve_bytes=0,
+                          chunk_bytes=64 << 10)
+FAST = hub.HubOptions(api_timeout_s=2, stall_timeout_s=2, attempts=3, retry_wait_s=0.05, disk_reserve_bytes=0,
+                      chunk_bytes=64 << 10)
+
+
+def _resolve(paths, *, token=None, options=FAST):
+    return resolve_materials(paths, load_settings(paths.root), token=token, hub_options=options)
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _no_partials(paths) -> list[Path]:
+    return [p for p in (paths.materials_dir / hub.HUB_DIR).rglob("*")
+            if p.name.endswith(hub.INCOMPLETE_SUFFIX) or p.name == hub.HF_CACHE_DIR]
+
+
+def test_full_download_is_pinned_minimal_loadable_and_reused_offline(make_project, loopback_hub, demo_materials_root):
+    paths = make_project(materials=HUB_SOURCES)
+    manifest = _resolve(paths)
+
+    teacher, student, dataset = manifest.teacher, manifest.student, manifest.datasets[0]
+    for entry, repo, kind in ((teacher, "demo/teacher", "model"), (student, "demo/student", "model"),
+                              (dataset, "demo/prompts", "dataset")):
+        assert entry["origin"] == "hub"
+        assert entry["commit"] == loopback_hub.head(repo, kind=kind)
+        folder = paths.materials_dir / "hub" / f"{kind}s" / repo.replace("/", "--") / entry["commit"]
+        assert Path(entry["path"]) == folder
+    # Only what is needed: no README/.gitattributes, the teacher's query rows, the dataset's data file.
+    assert sorted(p.name for p in Path(dataset["path"]).iterdir()) == ["prompts.jsonl"]
+    assert (Path(teacher["path"]) / "query_rows.safetensors").is_file()
+    for name in ("model.safetensors", "tokenizer.json", "config.json"):
+        assert _sha256(Path(student["path"]) / name) == _sha256(demo_materials_root / "student" / name)
+    assert _no_partials(paths) == []
+    # No token was configured, and the token stored in HF_HOME was never sent.
+    assert {r["auth"] for r in loopback_hub.requests} == {"none"}
+    assert not any(STORED_HF_TOKEN in p.read_text(errors="ignore") for p in paths.root.rglob("*.json"))
+
+    # What transformers sees is a working model and tokenizer.
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(student["path"])
+    tokenizer = AutoTokenizer.from_pretrained(student["path"])
+    out = model(**tokenizer(["a red fox"], return_tensors="pt"), output_hidden_states=True)
+    assert out.hidden_states[-1].shape[-1] == model.config.hidden_size
+
+    # A later run needs no network at all: the record and the manifest cache suffice.
+    assert manifest_is_current(paths, load_settings(paths.root))
+    before = len(loopback_hub.requests)
+    again = _resolve(paths)
+    assert len(loopback_hub.requests) == before
+    assert again.student["commit"] == student["commit"] and not any(d["network"] for d in again.downloads)
+
+    # A wrong query rows tensor name lists the tensors of the right width (no download needed).
+    paths.project_file.write_text(paths.project_file.read_text().replace(
+        "query_rows_tensor: query_rows", "query_rows_tensor: rows"))
+    with pytest.raises(MaterialsError, match=r"query_rows_tensor = 'rows' is not in .*width \d+: \['query_rows'\]"):
+        _resolve(paths)
+    assert len(loopback_hub.requests) == before
+
+
+def test_hub_files_follow_the_stamp_rule_in_a_copy_and_in_a_manifest_recorded_before_stamps(
+        make_project, loopback_hub, tmp_path, monkeypatch):
+    """Hub files are recorded like every reused file (lib/verify's stamp, plus the etag they matched):
+    a copied project's new inodes are settled by the content against the etag, once, offline; a
+    manifest written before stamps ("key": size:mtime) still reads as current; a changed file is not."""
+    import shutil
+
+    paths = make_project(materials=HUB_SOURCES)
+    _resolve(paths)
+    entries = [e for files in load_manifest(paths).hash_cache.values() for e in files.values()]
+    assert entries and all(set(e) == {"bytes", "mtime_ns", "inode", "etag"} for e in entries)
+
+    copy = ProjectPaths.of(shutil.copytree(paths.root, tmp_path / "copy", symlinks=True))
+    hashed = []
+    monkeypatch.setattr(hub, "matches_etag", lambda path, etag, real=hub.matches_etag: hashed.append(path) or
+                        real(path, etag))
+    before = len(loopback_hub.requests)
+    assert manifest_is_current(copy, load_settings(copy.root))
+    assert len(hashed) == len(entries) and len(loopback_hub.requests) == before  # each file once, no network
+    hashed.clear()
+    assert manifest_is_current(copy, load_settings(copy.root)) and hashed == []  # the new stamps were kept
+
+    # A manifest from before stamps: {"key": "size:mtime_ns", "verified": etag} per hub file.
+    stored = atomic.read_json(paths.materials_manifest)
+    for folder, files in stored["_hash_cache"].items():
+        for rel, entry in files.items():
+            if "etag" in entry:
+                files[rel] = {"key": f"{entry['bytes']}:{entry['mtime_ns']}", "verified": entry["etag"]}
+    atomic.write_json(paths.materials_manifest, stored)
+    assert manifest_is_current(paths, load_settings(paths.root)) and hashed == []
+    _resolve(paths)  # reuses the snapshot offline and writes stamps
+    assert len(loopback_hub.requests) == before and hashed == []
+    weights = Path(load_manifest(paths).student["path"]) / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1
+    weights.write_bytes(bytes(data))
+    assert not manifest_is_current(paths, load_settings(paths.root))
+
+
+def test_gated_repo_needs_the_right_token(make_project, loopback_hub, demo_materials_root):
+    loopback_hub.add_repo("org/gated", demo_materials_root / "student", gated=True)
+    paths = make_project(materials={"student": "org/gated"}, precompute={"mock_teacher": True})
+
+    with pytest.raises(MaterialsError, match=r"org/gated.*gated and no token was given.*set HF_TOKEN"):
+        _resolve(paths)
+    with pytest.raises(MaterialsError, match=r"org/gated.*gated and HF_TOKEN has no access.*Request or accept access"):
+        _resolve(paths, token=loopback_hub.no_access_token)
+    with pytest.raises(MaterialsError, match=r"org/gated.*HF_TOKEN was rejected"):
+        _resolve(paths, token="hf_not_a_real_token")
+    assert {r["auth"] for r in loopback_hub.requests if "/resolve/" in r["path"]} == {"none", "no-access"}
+    assert "invalid" in {r["auth"] for r in loopback_hub.requests}  # refused at the first API call
+
+    manifest = _resolve(paths, token=loopback_hub.token)
+    assert (Path(manifest.student["path"]) / "model.safetensors").is_file()
+    # The token went only to the hub; nothing of it is in the project folder.
+    assert not any(loopback_hub.token.encode() in p.read_bytes() for p in paths.root.rglob("*") if p.is_file())
+
+
+def test_dropped_connections_and_server_errors_are_retried(make_project, loopback_hub, demo_materials_root):
+    paths = make_project(materials={"student": "demo/student"}, precompute={"mock_teacher": True})
+    loopback_hub.add_fault("drop", path_contains="model.safetensors", after_bytes=200_000, times=2)
+    loopback_hub.add_fault("error500", path_contains="/api/models/demo/student/revision", method="GET", times=1)
+    loopback_hub.add_fault("error500", path_contains="config.json", method="HEAD", times=1)
+
+    manifest = _resolve(paths)
+    weights = Path(manifest.student["path"]) / "model.safetensors"
+    assert _sha256(weights) == _sha256(demo_materials_root / "student" / "model.safetensors")
+    assert len(loopback_hub.file_requests("model.safetensors")) >= 3  # two cut short, then the rest
+    assert len(loopback_hub.file_requests("config.json", method="HEAD")) >= 2
+
+
+def test_stalls_are_bounded_and_a_killed_download_resumes(make_project, loopback_hub, demo_materials_root):
+    paths = make_project(materials={"student": "demo/student"}, precompute={"mock_teacher": True})
+    settings = load_settings(paths.root)
+    # A listing call that never answers is killed by the watchdog and retried.
+    loopback_hub.add_fault("stall", path_contains="/api/models/demo/student/revision", times=1)
+    started = time.monotonic()
+    assert hub.list_repo(hub.RepoRef.parse("demo/student", kind="model"), options=STALLING).commit
+    assert STALLING.api_timeout_s <= time.monotonic() - started < 20
+
+    # A file that goes silent mid-way every time: the watchdog kills the download, the tries are
+    # bounded, and the error says what to do.
+    loopback_hub.add_fault("stall", path_contains="model.safetensors", after_bytes=300_000, times=-1)
+    started = time.monotonic()
+    with pytest.raises(MaterialsError, match=r"demo/student.*sent no data.*2 tries.*partial ones resume"):
+        resolve_materials(paths, settings, hub_options=STALLING)
+    assert time.monotonic() - started < 30
+    partials = [p for p in paths.materials_dir.rglob("*" + hub.INCOMPLETE_SUFFIX)]
+    kept = max(p.stat().st_size for p in partials)
+    assert kept >= 200_000  # what the killed download had received
+
+    # An orphan from some older file version sits next to it.
+    orphan = partials[0].with_name("deadbeef." + "0" * 64 + hub.INCOMPLETE_SUFFIX)
+    orphan.write_bytes(b"x" * 1000)
+    loopback_hub.clear_faults()
+    manifest = resolve_materials(paths, settings, hub_options=FAST)
+    weights = Path(manifest.student["path"]) / "model.safetensors"
+    assert _sha256(weights) == _sha256(demo_materials_root / "student" / "model.safetensors")
+    resumed = [r["range"] for r in loopback_hub.file_requests("model.safetensors")][-1]
+    assert resumed == f"bytes={kept}-"
+    assert _no_partials(paths) == []
+
+
+def test_missing_file_unknown_repo_and_unknown_revision(make_project, loopback_hub):
+    paths = make_project(materials={"student": "nobody/nothing"}, precompute={"mock_teacher": True})
+    with pytest.raises(MaterialsError, match=r"materials.student = 'nobody/nothing'.*not found.*Check the id"):
+        _resolve(paths)
+
+    paths = make_project(materials={"student": "demo/student@no-such-branch"}, precompute={"mock_teacher": True})
+    with pytest.raises(MaterialsError, match=r"revision 'no-such-branch' not found.*branch, tag or commit"):
+        _resolve(paths)
+
+    paths = make_project(materials={"student": "demo/student", "datasets": ["nobody/prompts"]},
+                         precompute={"mock_teacher": True})
+    with pytest.raises(MaterialsError, match=r"nobody/prompts \(dataset repo.*not found.*that it is a dataset"):
+        _resolve(paths)
+
+    paths = make_project(materials={"student": "demo/student"}, precompute={"mock_teacher": True})
+    loopback_hub.add_fault("missing", path_contains="tokenizer.json", times=-1)
+    with pytest.raises(MaterialsError, match=r"demo/student.*missing on the server \(404\)"):
+        _resolve(paths)
+
+
+def test_upstream_change_after_pinning_keeps_the_pinned_commit(make_project, loopback_hub, demo_materials_root):
+    paths = make_project(materials={"student": "demo/student"}, precompute={"mock_teacher": True})
+    first = _resolve(paths).student
+    config = Path(first["path"]) / "config.json"
+    original = config.read_bytes()
+
+    changed = json.loads(original)
+    changed["torch_dtype"] = "float16"
+    moved = loopback_hub.push("demo/student", {"config.json": json.dumps(changed).encode()})
+    assert moved != first["commit"]
+
+    # main moved upstream, but the pinned commit is kept, even when files must be fetched again.
+    config.unlink()
+    again = _resolve(paths).student
+    assert again["commit"] == first["commit"] and config.read_bytes() == original
+
+    # Changing the configured revision pins anew; an unfinished download of some other commit of
+    # the repo is dropped, the finished snapshot of the old pin is kept.
+    abandoned = Path(first["path"]).with_name("f" * 40)
+    (abandoned / ".cache").mkdir(parents=True)
+    (abandoned / "model.safetensors").write_bytes(b"partial")
+    paths.project_file.write_text(paths.project_file.read_text().replace("demo/student", "demo/student@main"))
+    assert not manifest_is_current(paths, load_settings(paths.root))
+    newer = _resolve(paths).student
+    assert newer["commit"] == moved
+    assert json.loads((Path(newer["path"]) / "config.json").read_bytes())["torch_dtype"] == "float16"
+    assert not abandoned.exists() and (Path(first["path"]) / "config.json").read_bytes() == original
+
+
+def test_corrupted_downloads_are_refetched_or_refused(make_project, loopback_hub, demo_materials_root):
+    paths = make_project(materials={"student": "demo/student"}, precompute={"mock_teacher": True})
+    expected = _sha256(demo_materials_root / "student" / "model.safetensors")
+
+    loopback_hub.add_fault("corrupt", path_contains="model.safetensors", times=1)
+    manifest = _resolve(paths)
+    weights = Path(manifest.student["path"]) / "model.safetensors"
+    assert _sha256(weights) == expected and manifest.downloads[0]["refetched"] == 1
+
+    # A bit flipped on disk after the download: the manifest is no longer current, and the
+    # next run fetches the file again from the pinned commit.
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    weights.write_bytes(bytes(data))
+    assert not manifest_is_current(paths, load_settings(paths.root))
+    manifest = _resolve(paths)
+    assert _sha256(weights) == expected and manifest.downloads[0]["refetched"] >= 1
+
+    # A server that always sends a different file: refused, and the bad copy is not kept.
+    other = make_project(materials={"student": "demo/student"}, precompute={"mock_teacher": True})
+    loopback_hub.add_fault("corrupt", path_contains="tokenizer.json", times=-1)
+    with pytest.raises(MaterialsError, match=r"demo/student.*tokenizer.json arrived with a different checksum"):
+        _resolve(other)
+    assert not list((other.materials_dir / hub.HUB_DIR).rglob("tokenizer.json"))
+
+
+def test_refusals_come_before_the_download(make_project, loopback_hub, demo_materials_root):
+    student = demo_materials_root / "student"
+    config = json.loads((student / "config.json").read_text())
+    loopback_hub.add_repo("org/pickled", {"config.json": json.dumps(config).encode(), "pytorch_model.bin": b"0" * 100})
+    remote = {**{p.name: p.read_bytes() for p in student.iterdir()}, "modeling_x.py": b"print('hi')\n",
+              "config.json": json.dumps({**config, "auto_map": {"AutoModel": "modeling_x.X"}}).encode()}
+    loopback_hub.add_repo("org/remote-code", remote)
+    loopback_hub.add_repo("org/no-rows", {p.name: p.read_bytes() for p in (demo_materials_root / "teacher").iterdir()
+                                         if p.name != "query_rows.safetensors"})
+
+    def project(**materials):
+        return make_project(materials={"student": "demo/student", **materials}, precompute={"mock_teacher": True})
+
+    with pytest.raises(MaterialsError, match=r"'org/pickled' has only pickle weights \(pytorch_model.bin\).*refused"):
+        _resolve(project(student="org/pickled"))
+    with pytest.raises(MaterialsError, match=r"'org/remote-code' needs remote code.*trust_remote_code"):
+        _resolve(project(student="org/remote-code"))
+    with pytest.raises(MaterialsError, match=r"query_rows_file = 'query_rows.safetensors' is not in the teacher "
+                                             r"repo 'org/no-rows'.*model.safetensors"):
+        _resolve(make_project(materials={"teacher": "org/no-rows", "student": "demo/student"}))
+    assert not [r for r in loopback_hub.requests if r["method"] == "GET" and "/resolve/" in r["path"]
+                and ("org/pickled" in r["path"] or r["path"].endswith(".safetensors"))]
+
+    trusted = make_project(materials={"student": "org/remote-code", "trust_remote_code": True},
+                           precompute={"mock_teacher": True})
+    assert (Path(_resolve(trusted).student["path"]) / "modeling_x.py").is_file()
+
+    # A repo bigger than the free disk is refused before a single byte is fetched.
+    loopback_hub.add_repo("org/huge", student)
+    loopback_hub.announce_size("org/huge", "model.safetensors", 1 << 50)
+    before = len(loopback_hub.requests)
+    with pytest.raises(MaterialsError, match=r"org/huge: not enough free disk.*needs 1048576.00 GiB"):
+        _resolve(project(student="org/huge"))
+    assert not [r for r in loopback_hub.requests[before:] if "/resolve/" in r["path"]]
+
+
+def test_materials_asset_through_dagster_keeps_the_token_out_of_storage(make_project, loopback_hub,
+                                                                         demo_materials_root, monkeypatch):
+    import dagster as dg
+
+    from gguf_assets.defs.materials import materials
+    from gguf_assets.defs.resources import ProjectResource
+    from gguf_assets.runner import prepare_instance
+
+    loopback_hub.add_repo("org/gated-teacher", demo_materials_root / "teacher", gated=True)
+    paths = make_project(materials={**HUB_SOURCES, "teacher": "org/gated-teacher"})
+    monkeypatch.setenv("HF_TOKEN", loopback_hub.token)
+    prepare_instance(paths)
+    instance = dg.DagsterInstance.get()
+
+    result = dg.materialize([materials], instance=instance, resources={"project": ProjectResource(
+        project_dir=str(paths.root))})
+    assert result.success
+    metadata = result.asset_materializations_for_node("materials")[0].metadata
+    manifest = json.loads(paths.materials_manifest.read_text())
+    assert metadata["teacher_commit"].value == manifest["teacher"]["commit"]
+    assert metadata["hub_token_used"].value is True and metadata["downloaded_mib"].value > 1
+    assert "granted" in {r["auth"] for r in loopback_hub.requests if "gated-teacher/resolve" in r["path"]}
+
+    # The token is nowhere in the project folder, Dagster's storage (runs.db, event logs,
+    # compute logs: all in <project>/.dagster) included, nor in HF_HOME.
+    found = subprocess.run(["grep", "-r", "-l", "-a", loopback_hub.token, str(paths.root.parent)],
+                           capture_output=True, text=True)
+    assert found.returncode == 1, found.stdout
+    # The same search does find what the run did store there (the pinned commit in the event log).
+    stored = subprocess.run(["grep", "-r", "-l", "-a", manifest["teacher"]["commit"], str(paths.dagster_home)],
+                            capture_output=True, text=True)
+    assert any(line.endswith(".db") for line in stored.stdout.splitlines()), stored.stdout
+
+    # HF_TOKEN unset: the resource holds no token, and public repos still materialize. The mock
+    # teacher downloads no teacher at all.
+    monkeypatch.delenv("HF_TOKEN")
+    public = make_project(materials={"teacher": "demo/teacher", "student": "demo/student"},
+                          precompute={"mock_teacher": True})
+    resource = ProjectResource(project_dir=str(public.root))
+    assert resource.hub.read_token() is None
+    result = dg.materialize([materials], instance=instance, resources={"project": resource})
+    assert result.success
+    assert result.asset_materializations_for_node("materials")[0].metadata["hub_token_used"].value is False
+    assert json.loads(public.materials_manifest.read_text())["teacher"] is None
+    assert not [r for r in loopback_hub.requests if "demo/teacher" in r["path"]]
+
+
+def test_local_materials_with_a_truncated_weight_file_or_an_oversized_tokenizer_are_refused(make_project):
+    """Caught at the materials step, naming the file and both sizes, not deep inside a model load."""
+    paths = make_project()
+    weights = paths.root / "materials" / "demo" / "teacher" / "model.safetensors"
+    whole = weights.read_bytes()
+    weights.write_bytes(whole[:len(whole) // 2])
+    with pytest.raises(MaterialsError, match=rf"materials.teacher = .*{weights}: truncated: its tensors need "
+                                             rf"{len(whole)} bytes, the file has {len(whole) // 2}"):
+        _resolve(paths)
+    weights.write_bytes(whole)
+
+    config_file = paths.root / "materials" / "demo" / "student" / "config.json"
+    config = json.loads(config_file.read_text())
+    tokens = config["vocab_size"]
+    config_file.write_text(json.dumps({**config, "vocab_size": tokens - 10}))
+    with pytest.raises(MaterialsError, match=rf"materials.student = .*has {tokens} tokens, but config.json's "
+                                             rf"vocab_size \(the embedding rows\) is {tokens - 10}"):
+        _resolve(paths)
+
+
+def test_a_token_for_a_plain_http_endpoint_is_warned_about_once_and_still_sent(monkeypatch, caplog):
+    monkeypatch.setattr(hub, "_WARNED_CLEAR_TEXT", set())
+    with caplog.at_level("WARNING", logger="gguf_assets.lib.materials.hub"):
+        monkeypatch.setenv("HF_ENDPOINT", "https://hub.example.org")
+        hub.warn_if_token_in_clear_text("hf_secret")
+        monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:8080")  # loopback: the token never leaves the machine
+        hub.warn_if_token_in_clear_text("hf_secret")
+        monkeypatch.setenv("HF_ENDPOINT", "http://mirror.lan:8080")
+        hub.warn_if_token_in_clear_text(None)  # no token: nothing to leak
+        assert not caplog.records
+        hub.warn_if_token_in_clear_text("hf_secret")
+        hub.warn_if_token_in_clear_text("hf_secret")
+    [record] = caplog.records
+    assert "http://mirror.lan:8080: plain http" in record.getMessage() and "hf_secret" not in record.getMessage()

@@ -1,0 +1,525 @@
+"""Adapter training: exact resume (stop and kill -9), best/last checkpoints, bounded streaming
+reads, settings changes, non-finite stops, and the curves image.
+
+The shards are written here in the real on-disk shard format, with targets a fixed nonlinear
+function of the states, so the trainer is tested on its own contract (and the adapter can
+really learn them) in a few seconds.
+"""
+
+import base64
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from gguf_assets.lib.core import atomic
+from gguf_assets.lib.core.safetensors_io import read_torch
+from gguf_assets.lib.project.layout import (
+    BEST_DIR,
+    CURVES_FILE,
+    FINAL_DIR,
+    META_FILE,
+    PROMPTS_FILE,
+    STUDENT_FILE,
+    TEACHER_FILE,
+    WEIGHTS_FILE,
+    ProjectPaths,
+)
+from gguf_assets.lib.project.settings import Settings, Training, replace
+from gguf_assets.lib.telemetry.render import curves_markdown, curves_svg
+from gguf_assets.lib.training.checkpoints import list_checkpoints, load_final
+from gguf_assets.lib.training.train import train_adapter
+from gguf_assets.lib.training.train_data import SampleOrder, ShardStream, TrainingError
+from gguf_assets.lib.training.training_run import shards_identity, training_fingerprint
+
+STUDENT_DIM, QUERY_ROWS, TARGET_DIM = 24, 8, 16
+SETTINGS = Settings(training=Training(width=32, depth=1, heads=2, steps=40, batch_size=8, learning_rate=1e-2,
+                                      warmup_steps=4, device="cpu", log_every=5, validate_every=10,
+                                      checkpoint_every=5, keep_checkpoints=2, seed=3))
+
+
+def write_shards(folder: Path, *, shards: int, prompts: int, seed: int, bad_states: tuple[int, int] | None = None,
+                 bad_target: tuple[int, int] | None = None) -> list[Path]:
+    """Shard folders as lib/precompute/shards.py writes them; the first prompt of shard 0 is the empty prompt."""
+    g = torch.Generator().manual_seed(1234)  # the "teacher" is the same function for every shard set
+    w1 = torch.randn(STUDENT_DIM, 32, generator=g) * 0.3
+    w2 = torch.randn(32, QUERY_ROWS * TARGET_DIM, generator=g) / 32 ** 0.5
+    cfg = torch.randn(QUERY_ROWS, TARGET_DIM, generator=g)
+    rng = torch.Generator().manual_seed(seed)
+    out = []
+    for k in range(shards):
+        lengths = torch.randint(1, 10, (prompts,), generator=rng)
+        if k == 0:
+            lengths[0] = 0
+        states = [torch.randn(int(n), STUDENT_DIM, generator=rng) for n in lengths]
+        targets = torch.stack([(s.mean(0) @ w1).sin() @ w2 if len(s) else cfg.flatten() for s in states])
+        targets = targets.view(prompts, QUERY_ROWS, TARGET_DIM) * 3 + 1
+        if bad_states and bad_states[0] == k:
+            states[bad_states[1]][0, 0] = float("inf")
+        if bad_target and bad_target[0] == k:
+            targets[bad_target[1], 0, 0] = float("nan")
+        shard = folder / f"{k:05d}"
+        shard.mkdir(parents=True)
+        texts = ["" if len(s) == 0 else f"prompt {k}-{i}" for i, s in enumerate(states)]
+        atomic.write_text(shard / PROMPTS_FILE, "".join(json.dumps({"text": t}) + "\n" for t in texts))
+        save_file({"targets": targets.half()}, str(shard / TEACHER_FILE))
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+        save_file({"hidden": torch.cat(states).bfloat16(), "offsets": offsets,
+                   "token_ids": torch.zeros(int(lengths.sum()), dtype=torch.int32)}, str(shard / STUDENT_FILE))
+        atomic.write_json(shard / "teacher.json", {"fingerprint": f"t{seed}-{k}", "prompts": prompts,
+                                                   "query_rows": QUERY_ROWS, "dim": TARGET_DIM})
+        atomic.write_json(shard / "student.json", {"fingerprint": f"s{seed}-{k}", "dim": STUDENT_DIM})
+        out.append(shard)
+    return out
+
+
+@pytest.fixture(scope="module")
+def shard_sets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("shards")
+    return {"train": write_shards(root / "train", shards=5, prompts=40, seed=1),
+            "val": write_shards(root / "val", shards=1, prompts=30, seed=2)}
+
+
+def fingerprint_for(settings: Settings, shard_sets) -> str:
+    return training_fingerprint(settings, [shards_identity(shard_sets["train"])], [shards_identity(shard_sets["val"])])
+
+
+def train(root: Path, shard_sets, settings: Settings = SETTINGS, **kwargs) -> dict:
+    return train_adapter(ProjectPaths.of(root), settings, train_folders=shard_sets["train"],
+                         val_folders=shard_sets["val"], fingerprint=fingerprint_for(settings, shard_sets), **kwargs)
+
+
+@pytest.fixture(scope="module")
+def reference(shard_sets, tmp_path_factory):
+    """One uninterrupted run, and every event it emitted."""
+    root = tmp_path_factory.mktemp("reference")
+    events = []
+    summary = train(root, shard_sets, on_event=lambda kind, data: events.append((kind, data)))
+    run_dir = ProjectPaths.of(root).checkpoints_dir(summary["fingerprint"])
+    return {"summary": summary, "run_dir": run_dir, "events": events,
+            "weights": (run_dir / FINAL_DIR / WEIGHTS_FILE).read_bytes()}
+
+
+def test_uninterrupted_run_learns_and_reports(reference):
+    s = reference["summary"]
+    for key in ("finished", "step", "shape", "fingerprint", "val_centred_cosine", "empty_prompt_cosine",
+                "untrained_val_centred_cosine", "history", "per_shard", "val_loss", "best", "verdict", "advice"):
+        assert key in s, key
+    assert s["finished"] and s["step"] == SETTINGS.training.steps
+    assert s["val_centred_cosine"] > s["untrained_val_centred_cosine"] + 0.15, s
+    assert s["empty_prompt_cosine"] is not None
+    assert "below 0.9" in s["verdict"] or s["val_centred_cosine"] >= 0.9
+    kinds = [k for k, _ in reference["events"]]
+    logs = [d for k, d in reference["events"] if k == "log"]
+    assert [d["step"] for d in logs] == [5, 10, 15, 20, 25, 30, 35, 40]
+    for entry in logs:
+        assert {"loss", "lr", "grad_norm", "steps_per_s", "samples_per_s"} <= set(entry)
+        assert all(isinstance(entry[k], float) for k in ("loss", "lr", "grad_norm", "steps_per_s", "samples_per_s"))
+    vals = [d for k, d in reference["events"] if k == "validate"]
+    assert [d["step"] for d in vals] == [10, 20, 30, 40]
+    assert all({"val_centred_cosine", "empty_prompt_cosine", "val_loss"} <= set(d) for d in vals)
+    assert kinds[-1] == "finished"
+    model, meta = load_final(reference["run_dir"])
+    assert meta["step"] == 40 and model.target_std.min() >= SETTINGS.training.sigma_floor
+
+
+def test_keeps_last_checkpoints_and_the_best(reference):
+    run_dir, summary = reference["run_dir"], reference["summary"]
+    assert [p.name for p in list_checkpoints(run_dir)] == ["step-00000035", "step-00000040"]
+    vals = [e for e in summary["history"] if "val_centred_cosine" in e]
+    top = max(vals, key=lambda e: e["val_centred_cosine"])
+    best_meta = atomic.read_json(run_dir / BEST_DIR / META_FILE)
+    assert best_meta["step"] == top["step"] == summary["best"]["step"]
+    best_weights = load_file(str(run_dir / BEST_DIR / WEIGHTS_FILE))
+    assert set(best_weights) == set(load_file(str(run_dir / FINAL_DIR / WEIGHTS_FILE)))
+    assert not [p for p in run_dir.iterdir() if p.name.startswith(atomic.TEMP_PREFIX)]
+
+
+def test_stop_and_resume_is_bit_identical(shard_sets, reference, tmp_path):
+    events = []
+    first = train(tmp_path, shard_sets, stop_after=13, on_event=lambda k, d: events.append((k, d)))
+    assert first == {"finished": False, "step": 13, "fingerprint": reference["summary"]["fingerprint"]}
+    run_dir = ProjectPaths.of(tmp_path).checkpoints_dir(first["fingerprint"])
+    assert list_checkpoints(run_dir)[-1].name == "step-00000010"  # steps 11-13 are lost and redone
+    second = train(tmp_path, shard_sets, on_event=lambda k, d: events.append((k, d)))
+    assert any(k == "note" and "resuming" in d["message"] and "step-00000010" in d["message"] for k, d in events)
+    assert (run_dir / FINAL_DIR / WEIGHTS_FILE).read_bytes() == reference["weights"]
+    # TensorBoard shows each step once: steps 11-13 of the stopped run are purged, redone ones kept.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    curves = EventAccumulator(str(tmp_path / "tensorboard" / first["fingerprint"]))
+    curves.Reload()
+    assert [e.step for e in curves.Scalars("train/loss")] == list(range(5, 41, 5))
+    losses = [e["loss"] for e in second["history"] if "loss" in e]
+    assert losses == [e["loss"] for e in reference["summary"]["history"] if "loss" in e]
+    assert second["val_centred_cosine"] == reference["summary"]["val_centred_cosine"]
+
+
+KILL_SCRIPT = textwrap.dedent("""
+    import json, sys, time
+    from pathlib import Path
+    from gguf_assets.lib.project.layout import ProjectPaths
+    from gguf_assets.lib.project.settings import Settings, Training
+    from gguf_assets.lib.training.train import train_adapter
+
+    root, spec = Path(sys.argv[1]), json.loads(sys.argv[2])
+    def slow_down(kind, data):  # widens the window for the kill; the math is untouched
+        if kind == "log":
+            time.sleep(0.05)
+    settings = Settings(training=Training(**spec["training"]))
+    train_adapter(ProjectPaths.of(root), settings, train_folders=[Path(p) for p in spec["train"]],
+                  val_folders=[Path(p) for p in spec["val"]], fingerprint=spec["fingerprint"], on_event=slow_down)
+""")
+
+
+def test_kill_9_mid_run_then_rerun_is_bit_identical(shard_sets, reference, tmp_path):
+    settings = replace(SETTINGS, training={"log_every": 1})  # not a result setting: same fingerprint
+    fingerprint = fingerprint_for(settings, shard_sets)
+    assert fingerprint == reference["summary"]["fingerprint"]
+    spec = json.dumps({"training": settings.section_dict("training"), "fingerprint": fingerprint,
+                       **{split: [str(p) for p in shard_sets[split]] for split in ("train", "val")}})
+    run_dir = ProjectPaths.of(tmp_path).checkpoints_dir(fingerprint)
+    proc = subprocess.Popen([sys.executable, "-c", KILL_SCRIPT, str(tmp_path), spec], cwd=Path(__file__).parents[3],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while not list_checkpoints(run_dir):
+            assert proc.poll() is None, proc.stderr.read().decode()
+            assert time.monotonic() < deadline, "no checkpoint appeared"
+            time.sleep(0.01)
+        time.sleep(random.Random(0).uniform(0.0, 0.4))  # somewhere between checkpoints, maybe inside one
+        os.kill(proc.pid, signal.SIGKILL)
+        assert proc.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.stderr.close()
+    killed_at = [p.name for p in list_checkpoints(run_dir)]
+    assert not (run_dir / FINAL_DIR).exists() and "step-00000040" not in killed_at, killed_at
+
+    summary = train(tmp_path, shard_sets, settings)
+    assert summary["finished"]
+    assert (run_dir / FINAL_DIR / WEIGHTS_FILE).read_bytes() == reference["weights"]
+    assert not [p for p in run_dir.iterdir() if p.name.startswith(atomic.TEMP_PREFIX)]
+
+
+def test_settings_change_starts_a_new_run_and_says_why(shard_sets, reference, tmp_path):
+    notes = []
+    train(tmp_path, shard_sets)
+    old = fingerprint_for(SETTINGS, shard_sets)
+    old_final = (ProjectPaths.of(tmp_path).checkpoints_dir(old) / FINAL_DIR / WEIGHTS_FILE).read_bytes()
+    changed = replace(SETTINGS, training={"learning_rate": 3e-3})
+    new = fingerprint_for(changed, shard_sets)
+    assert new != old
+    train(tmp_path, shard_sets, changed, stop_after=5,
+          on_event=lambda k, d: notes.append(d) if k == "note" else None)
+    message = notes[0]["message"]
+    assert f"since run {old}" in message and "learning_rate: 0.01 → 0.003" in message and notes[0]["warning"]
+    meta = atomic.read_json(list_checkpoints(ProjectPaths.of(tmp_path).checkpoints_dir(new))[-1] / META_FILE)
+    assert meta["started"]["previous_run"] == old and meta["step"] == 5
+    # The old run is untouched and is reused as is when the settings go back.
+    assert (ProjectPaths.of(tmp_path).checkpoints_dir(old) / FINAL_DIR / WEIGHTS_FILE).read_bytes() == old_final
+    notes.clear()
+    again = train(tmp_path, shard_sets, on_event=lambda k, d: notes.append(d) if k == "note" else None)
+    assert again["finished"] and "already finished" in notes[0]["message"]
+    # Bookkeeping settings do not start a new run.
+    assert fingerprint_for(replace(SETTINGS, training={"log_every": 7, "device": "auto"}), shard_sets) == old
+
+
+def test_sample_order_is_a_pure_function_of_seed_and_index():
+    sizes = [7, 3, 11, 5, 9, 2]
+    a, b = SampleOrder(sizes, seed=5, window_shards=2), SampleOrder(sizes, seed=5, window_shards=2)
+    total = sum(sizes)
+    indices = list(range(3 * total))
+    forward = [a.locate(i) for i in indices]
+    shuffled = indices[:]
+    random.Random(1).shuffle(shuffled)
+    assert {i: b.locate(i) for i in shuffled} == dict(zip(indices, forward))
+    for epoch in range(3):
+        seen = [(shard, row) for _, shard, row in forward[epoch * total:(epoch + 1) * total]]
+        assert sorted(seen) == sorted((k, r) for k, n in enumerate(sizes) for r in range(n))  # each once per epoch
+    assert forward[:total] != forward[total:2 * total]  # reshuffled per epoch
+    # Within a window, consecutive samples mix shards (a shuffle buffer, not shard after shard).
+    first_window = [shard for w, shard, _ in forward if w == 0]
+    assert len(set(first_window[:6])) == 2
+    assert [SampleOrder(sizes, seed=6).locate(i) for i in range(total)] != [SampleOrder(sizes, seed=5).locate(i)
+                                                                           for i in range(total)]
+
+
+def test_stream_memory_does_not_grow_with_shard_count(tmp_path):
+    small = write_shards(tmp_path / "few", shards=4, prompts=20, seed=7)
+    large = small + write_shards(tmp_path / "many", shards=36, prompts=20, seed=8)
+    peaks = {}
+    for name, folders in (("few", small), ("many", large)):
+        order = SampleOrder([20] * len(folders), seed=0, window_shards=2)
+        stream = ShardStream(folders, order)
+        for step in range(len(folders) * 20 // 8 + 3):  # a little over one epoch
+            batch = stream.samples(step * 8, 8)
+            assert len(batch) == 8
+        peaks[name] = stream.peak_windows
+        resident = sum(len(f.result()) for f in stream._windows.values())
+        assert resident <= 2 * order.window_shards
+        stream.close()
+    assert peaks["few"] == peaks["many"] == 2  # the window in use and the one being read ahead
+
+
+def test_reader_matches_safetensors_and_rejects_truncation(tmp_path):
+    tensors = {"odd_bf16": torch.randn(3, 5).bfloat16(), "offsets": torch.arange(7, dtype=torch.int64),
+               "half": torch.randn(2, 3).half(), "f32": torch.randn(4), "ids": torch.arange(5, dtype=torch.int32),
+               "empty": torch.zeros(0, 4)}
+    path = tmp_path / "x.safetensors"
+    save_file(tensors, str(path))
+    got = read_torch(path, chunk_bytes=7)  # chunking must not matter
+    expected = load_file(str(path))
+    assert set(got) == set(expected)
+    for name in expected:
+        assert got[name].dtype == expected[name].dtype and torch.equal(got[name], expected[name]), name
+    path.write_bytes(path.read_bytes()[:-10])
+    with pytest.raises(ValueError, match=f"{path}: truncated"):
+        read_torch(path)
+
+
+def _first_step_using(shard: int, row: int, settings: Settings, sizes: list[int]) -> int:
+    order = SampleOrder(sizes, settings.training.seed)
+    return next(i for i in range(10 ** 6) if order.locate(i)[1:] == (shard, row)) // settings.training.batch_size
+
+
+def test_non_finite_states_stop_at_the_step_naming_the_prompt(tmp_path):
+    settings = replace(SETTINGS, training={"checkpoint_every": 1, "keep_checkpoints": 100})
+    sizes = [40] * 3
+    # Pick a prompt first used at step 3 or later, so good checkpoints exist before it.
+    order = SampleOrder(sizes, settings.training.seed)
+    _, shard, row = order.locate(5 * settings.training.batch_size)
+    bad_step = _first_step_using(shard, row, settings, sizes)
+    assert bad_step >= 3
+    folders = {"train": write_shards(tmp_path / "train", shards=3, prompts=40, seed=1, bad_states=(shard, row)),
+               "val": write_shards(tmp_path / "val", shards=1, prompts=10, seed=2)}
+    with pytest.raises(TrainingError) as info:
+        train(tmp_path / "project", folders, settings)
+    message = str(info.value)
+    assert f"step {bad_step}:" in message and f"prompt {row} in {folders['train'][shard]}" in message
+    assert "student" in message
+    run_dir = ProjectPaths.of(tmp_path / "project").checkpoints_dir(fingerprint_for(settings, folders))
+    steps = [int(p.name.split("-")[1]) for p in list_checkpoints(run_dir)]
+    assert max(steps) == bad_step  # every step before the bad one, none after
+    for ckpt in list_checkpoints(run_dir):
+        assert all(torch.isfinite(t).all() for t in load_file(str(ckpt / WEIGHTS_FILE)).values())
+
+
+def test_diverging_learning_rate_stops_with_advice(shard_sets, tmp_path):
+    settings = replace(SETTINGS, training={"learning_rate": 1e30, "warmup_steps": 0, "grad_clip": 0.0,
+                                           "checkpoint_every": 1})
+    with pytest.raises(TrainingError, match=r"step \d+: the (loss|gradient norm) is (nan|inf).*learning_rate"):
+        train(tmp_path, shard_sets, settings)
+    run_dir = ProjectPaths.of(tmp_path).checkpoints_dir(fingerprint_for(settings, shard_sets))
+    for ckpt in list_checkpoints(run_dir):
+        assert all(torch.isfinite(t).all() for t in load_file(str(ckpt / WEIGHTS_FILE)).values())
+
+
+def test_non_finite_target_is_named_before_training(tmp_path):
+    folders = {"train": write_shards(tmp_path / "train", shards=2, prompts=10, seed=1, bad_target=(1, 4)),
+               "val": write_shards(tmp_path / "val", shards=1, prompts=10, seed=2)}
+    with pytest.raises(TrainingError, match=rf"{folders['train'][1] / TEACHER_FILE}: target of prompt 4"):
+        train(tmp_path / "project", folders)
+
+
+def test_curves_image_is_valid_svg_embedded_as_a_data_uri(reference):
+    svg_file = reference["run_dir"] / FINAL_DIR / CURVES_FILE
+    svg = svg_file.read_text()
+    root = ET.fromstring(svg)
+    lines = root.findall("{http://www.w3.org/2000/svg}polyline")
+    assert len(lines) == 4  # loss, val loss, val cosine, empty-prompt cosine
+    assert all(len(line.get("points").split()) >= 3 for line in lines)
+    assert svg == (reference["run_dir"] / CURVES_FILE).read_text()
+    markdown = curves_markdown(svg)
+    assert markdown.startswith("![") and "](data:image/svg+xml;base64," in markdown and markdown.endswith(")")
+    assert base64.b64decode(markdown.split("base64,")[1][:-1]).decode() == svg
+    assert ET.fromstring(curves_svg([])) is not None  # no history yet: empty axes, no crash
+
+
+def test_dagster_records_plottable_metrics_curves_and_verdict(make_project):
+    """Through the real pipeline: numeric observations per log/validate step, and the Markdown metadata."""
+    import dagster as dg
+
+    from gguf_assets.runner import run_pipeline
+
+    paths = make_project(steps=20, mock_teacher=True, corpus={"train_prompts": 200, "val_prompts": 50},
+                         precompute={"shard_size": 100, "val_shard_size": 50},
+                         training={"log_every": 5, "validate_every": 10, "checkpoint_every": 10})
+    run_pipeline(paths, echo=lambda _: None)
+    instance = dg.DagsterInstance.get()
+    records = instance.fetch_observations(dg.AssetKey("adapter"), limit=100).records
+    metadata = [r.asset_observation.metadata for r in records]
+    logged = [m for m in metadata if "loss" in m]
+    validated = [m for m in metadata if "val_centred_cosine" in m]
+    assert sorted(int(m["step"].value) for m in logged) == [5, 10, 15, 20]
+    assert sorted(int(m["step"].value) for m in validated) == [10, 20]
+    for m in logged:
+        for key in ("loss", "lr", "grad_norm", "steps_per_s", "samples_per_s"):
+            assert isinstance(m[key], dg.FloatMetadataValue), key
+    for m in validated:
+        for key in ("val_centred_cosine", "empty_prompt_cosine", "val_loss"):
+            assert isinstance(m[key], dg.FloatMetadataValue), key
+    event = instance.get_latest_materialization_event(dg.AssetKey("adapter"))
+    result = event.asset_materialization.metadata
+    assert "data:image/svg+xml;base64," in result["training_curves"].value
+    svg = base64.b64decode(result["training_curves"].value.split("base64,")[1].split(")")[0]).decode()
+    assert ET.fromstring(svg).findall("{http://www.w3.org/2000/svg}polyline")
+    assert "val centred cosine" in result["verdict"].value
+    assert "| best step | 10 |" in result["this_run"].value or "| best step | 20 |" in result["this_run"].value
+    # One-run figures are a table, not one-point charts; what changes run to run stays a number.
+    assert not any(k.startswith(("host_", "gpu", "hw_", "best_")) for k in result)
+    assert isinstance(result["val_centred_cosine"], dg.FloatMetadataValue)
+    # TensorBoard: this run's folder, scalars against the step.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    fingerprint = result["fingerprint"].value
+    events = EventAccumulator(str(paths.root / "tensorboard" / fingerprint))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == [5, 10, 15, 20]
+    assert [e.step for e in events.Scalars("val/val_centred_cosine")] == [0, 10, 20]
+    assert "hardware/host_cpu_pct" in events.Tags()["scalars"]
+    assert fingerprint in result["tensorboard"].value
+
+
+def _flip(path: Path, offset: int = -5) -> None:
+    """One bit flipped near the end of the file: inside the tensor data, where safetensors loads it silently."""
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_a_damaged_checkpoint_is_skipped_and_the_final_weights_are_identical(shard_sets, reference, tmp_path, caplog):
+    first = train(tmp_path, shard_sets, stop_after=13)
+    run_dir = ProjectPaths.of(tmp_path).checkpoints_dir(first["fingerprint"])
+    assert [p.name for p in list_checkpoints(run_dir)] == ["step-00000005", "step-00000010"]
+    _flip(run_dir / "step-00000010" / WEIGHTS_FILE)
+    events = []
+    with caplog.at_level("WARNING", logger="gguf_assets"):
+        train(tmp_path, shard_sets, on_event=lambda k, d: events.append((k, d)))
+    assert "checkpoint step-00000010 is damaged" in caplog.text and "content differs" in caplog.text
+    assert any(k == "note" and "from step-00000005" in d["message"] for k, d in events)
+    assert (run_dir / FINAL_DIR / WEIGHTS_FILE).read_bytes() == reference["weights"]
+
+
+def test_damaged_final_weights_are_set_aside_and_trained_again_identically(shard_sets, reference, tmp_path):
+    from gguf_assets.lib.project.layout import DAMAGED_FINAL_DIR
+
+    train(tmp_path, shard_sets)
+    run_dir = ProjectPaths.of(tmp_path).checkpoints_dir(reference["summary"]["fingerprint"])
+    _flip(run_dir / FINAL_DIR / WEIGHTS_FILE)
+    with pytest.raises(TrainingError, match=r"content differs.*final.damaged.*same weights"):
+        load_final(run_dir)  # what the export reads: never a damaged adapter
+    assert (run_dir / DAMAGED_FINAL_DIR).is_dir() and not (run_dir / FINAL_DIR).exists()
+    events = []
+    train(tmp_path, shard_sets, on_event=lambda k, d: events.append((k, d)))
+    assert any(k == "note" and "resuming" in d["message"] and "step-00000040" in d["message"] for k, d in events)
+    assert (run_dir / FINAL_DIR / WEIGHTS_FILE).read_bytes() == reference["weights"]
+
+    _flip(run_dir / FINAL_DIR / WEIGHTS_FILE)  # found by the trainer itself, when the adapter is asked for again
+    events.clear()
+    train(tmp_path, shard_sets, on_event=lambda k, d: events.append((k, d)))
+    assert any(k == "note" and d["warning"] and "are damaged" in d["message"] for k, d in events)
+    assert load_final(run_dir)[1]["step"] == 40
+    assert (run_dir / FINAL_DIR / WEIGHTS_FILE).read_bytes() == reference["weights"]
+
+
+def test_the_reader_checks_a_shard_against_its_recorded_sha256(tmp_path):
+    from gguf_assets.lib.core import verify
+    from gguf_assets.lib.training.train_data import ShardCorrupt, load_shard
+
+    (shard,) = write_shards(tmp_path, shards=1, prompts=4, seed=5)
+    for half, name in (("teacher", TEACHER_FILE), ("student", STUDENT_FILE)):
+        meta = atomic.read_json(shard / f"{half}.json")
+        atomic.write_json(shard / f"{half}.json", {**meta, **verify.record(shard / name)})
+    assert load_shard(shard).targets.shape[0] == 4
+    _flip(shard / TEACHER_FILE)
+    with pytest.raises(ShardCorrupt, match=r"teacher.safetensors: its content differs.*computes this half again"):
+        load_shard(shard)
+    assert not (shard / "teacher.json").exists() and (shard / "student.json").exists()
+
+
+# -- the weight average (training.ema_decay) ----------------------------------------------
+
+EMA_SETTINGS = replace(SETTINGS, training={"ema_decay": 0.9})
+
+
+def test_ema_off_leaves_the_fingerprint_and_the_weights_as_before(shard_sets, reference):
+    """ema_decay 0 (the default) is the trainer as it was before the setting existed."""
+    assert SETTINGS.training.ema_decay == 0.0
+    # Computed by the trainer before ema_decay existed: a new key must not start new runs.
+    assert fingerprint_for(SETTINGS, shard_sets) == reference["summary"]["fingerprint"] == "4b3d5960ecb7cb7f"
+    assert training_fingerprint(Settings(), ["t0"], ["v0"]) == "c4bbb245f1136fba"
+    assert fingerprint_for(EMA_SETTINGS, shard_sets) != reference["summary"]["fingerprint"]
+    # Off, nothing is averaged: final/ holds the last step's raw weights, and checkpoints carry no average.
+    run_dir = reference["run_dir"]
+    last = list_checkpoints(run_dir)[-1]
+    assert last.name == "step-00000040"
+    assert reference["weights"] == (last / WEIGHTS_FILE).read_bytes()
+    assert "ema" not in torch.load(last / "trainer_state.pt", weights_only=True)
+
+
+@pytest.fixture(scope="module")
+def ema_reference(shard_sets, tmp_path_factory):
+    root = tmp_path_factory.mktemp("ema-reference")
+    summary = train(root, shard_sets, EMA_SETTINGS)
+    run_dir = ProjectPaths.of(root).checkpoints_dir(summary["fingerprint"])
+    return {"summary": summary, "run_dir": run_dir, "weights": (run_dir / FINAL_DIR / WEIGHTS_FILE).read_bytes(),
+            "best": (run_dir / BEST_DIR / WEIGHTS_FILE).read_bytes()}
+
+
+def test_ema_final_holds_the_average_not_the_raw_weights(shard_sets, ema_reference, reference):
+    from gguf_assets.lib.training.train import evaluate
+
+    run_dir, summary = ema_reference["run_dir"], ema_reference["summary"]
+    last = list_checkpoints(run_dir)[-1]
+    assert last.name == "step-00000040"
+    raw = load_file(str(last / WEIGHTS_FILE))
+    average = torch.load(last / "trainer_state.pt", weights_only=True)["ema"]
+    final = load_file(str(run_dir / FINAL_DIR / WEIGHTS_FILE))
+    assert set(final) == set(raw) == set(average)
+    assert all(torch.equal(final[k], average[k]) for k in final)
+    changed = [k for k in final if not torch.equal(final[k], raw[k])]
+    assert "query" in changed and "out_proj.weight" in changed
+    assert all(torch.equal(final[k], raw[k]) for k in ("target_mean", "target_std"))  # statistics are not averaged
+    # The raw weights train exactly as without the average; only what is kept differs.
+    assert (last / WEIGHTS_FILE).read_bytes() == reference["weights"]
+    # What was reported is the average's score, and the export reads the average.
+    model, meta = load_final(run_dir)
+    again = evaluate(model, shard_sets["val"], device=torch.device("cpu"),
+                     cosine_weight=SETTINGS.training.cosine_weight)
+    assert again["val_centred_cosine"] == pytest.approx(summary["val_centred_cosine"], abs=1e-6)
+    assert meta["training"]["ema_decay"] == 0.9
+    assert summary["val_centred_cosine"] != reference["summary"]["val_centred_cosine"]
+
+
+def test_ema_stop_and_resume_is_bit_identical(shard_sets, ema_reference, tmp_path):
+    first = train(tmp_path, shard_sets, EMA_SETTINGS, stop_after=13)
+    assert first["step"] == 13
+    run_dir = ProjectPaths.of(tmp_path).checkpoints_dir(first["fingerprint"])
+    assert list_checkpoints(run_dir)[-1].name == "step-00000010"
+    summary = train(tmp_path, shard_sets, EMA_SETTINGS)
+    assert summary["finished"]
+    assert (run_dir / FINAL_DIR / WEIGHTS_FILE).read_bytes() == ema_reference["weights"]
+    assert (run_dir / BEST_DIR / WEIGHTS_FILE).read_bytes() == ema_reference["best"]
+    assert summary["val_centred_cosine"] == ema_reference["summary"]["val_centred_cosine"]
+
+
+def test_ema_decay_must_be_below_one():
+    from gguf_assets.lib.project.settings import SettingsError, settings_from_dict
+
+    materials = {"teacher": "t", "student": "s"}
+    assert settings_from_dict({"materials": materials, "training": {"ema_decay": 0.999}}).training.ema_decay == 0.999
+    for bad in (1.0, 1.5, -0.1):
+        with pytest.raises(SettingsError, match="training.ema_decay"):
+            settings_from_dict({"materials": materials, "training": {"ema_decay": bad}})
