@@ -297,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
                 steps = equal_cpu_steps(size.steps, costs["current"], costs[variant.name])
                 run = train_once(root / "runs", data, variant, steps, log_every=max(1, steps // 10))
                 rows.append({"pair": pair.name, "variant": variant.name, "steps": steps, "cpu_s": run["cpu_s"],
-                             "cosine": run["summary"]["val_centred_cosine"]})
+                             "cosine": run["summary"].val_centred_cosine})
                 print(f"  {variant.name}: {steps} steps, {run['cpu_s']:.1f} CPU s, val centred cosine "
                       f"{rows[-1]['cosine']:.4f}", file=sys.stderr, flush=True)
     finally:

@@ -209,13 +209,13 @@ def check_training_and_export(paths, settings, materials, device, results) -> No
     seconds = time.perf_counter() - began
     peak = torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else float("nan")
     t = settings.training
-    losses = [e["loss"] for e in summary["history"] if "loss" in e]
+    losses = [e["loss"] for e in summary.history if "loss" in e]
     finite = bool(losses) and all(math.isfinite(x) for x in losses)
     rate = steps_timing[-1] if steps_timing else t.steps / seconds
-    results.append(Result(f"training {t.width} x {t.depth}", "PASS" if finite and summary["finished"] else "FAIL",
+    results.append(Result(f"training {t.width} x {t.depth}", "PASS" if finite and summary.finished else "FAIL",
                           f"{t.steps} steps in {seconds:.1f} s ({rate:.2f} steps/s at the end, batch "
                           f"{t.batch_size}); peak GPU memory {peak:.2f} GiB; loss {losses[0]:.4f} -> {losses[-1]:.4f}; "
-                          f"val centred cosine {summary['val_centred_cosine']:.4f}; 20k steps would take about "
+                          f"val centred cosine {summary.val_centred_cosine:.4f}; 20k steps would take about "
                           f"{20000 / rate / 60:.0f} min"))
 
     run_dir = paths.checkpoints_dir(fingerprint)

@@ -73,27 +73,27 @@ def adapter(context: dg.AssetExecutionContext, project: ProjectResource) -> dg.M
         summary = train_adapter(paths, settings, train_folders=folders["train"], val_folders=folders["val"],
                                 fingerprint=fingerprint, on_event=on_event, sample_hardware=hardware.sample)
     run_dir = paths.checkpoints_dir(fingerprint)
-    text, advice = verdict(summary["val_centred_cosine"])
+    text, advice = verdict(summary.val_centred_cosine)
     curves = run_dir / FINAL_DIR / CURVES_FILE
-    svg = curves.read_text(encoding="utf-8") if curves.is_file() else curves_svg(summary["history"])
-    best = summary.get("best") or {}
-    started = (summary.get("started") or {}).get("message", "")
+    svg = curves.read_text(encoding="utf-8") if curves.is_file() else curves_svg(summary.history)
+    best = summary.best
+    started = summary.started.get("message", "")
     # Numbers are plotted across materializations: only those that mean something run after run.
     # The figures of this run alone go in a table (a one-point chart each was noise).
     once = {"best step": best.get("step"), "best val centred cosine": best.get("val_centred_cosine"),
-            "shard read MB/s": summary.get("read_mb_per_s"), **hardware.summary()}
+            "shard read MB/s": summary.read_mb_per_s, **hardware.summary()}
     panels = panel_metadata()
     project.result_written(context)
     return dg.MaterializeResult(data_version=dg.DataVersion(fingerprint), metadata={
         **project.stage_metadata("adapter", settings),
         "verdict": dg.MetadataValue.md(f"**{text}**\n\n{advice}"),
-        "val_centred_cosine": summary["val_centred_cosine"],
-        "untrained_val_centred_cosine": _number(summary["untrained_val_centred_cosine"]),
-        "empty_prompt_cosine": _number(summary["empty_prompt_cosine"]),
-        "val_loss": summary["val_loss"], "steps": summary["step"],
+        "val_centred_cosine": summary.val_centred_cosine,
+        "untrained_val_centred_cosine": _number(summary.untrained_val_centred_cosine),
+        "empty_prompt_cosine": _number(summary.empty_prompt_cosine),
+        "val_loss": summary.val_loss, "steps": summary.step,
         "tensorboard": dg.MetadataValue.md(tensorboard_link(paths, fingerprint)),
         "training_curves": dg.MetadataValue.md(f"{curves_markdown(svg)}\n\n{started}"),
-        "training_metrics": dg.MetadataValue.md(_metrics_table(summary["history"])),
+        "training_metrics": dg.MetadataValue.md(_metrics_table(summary.history)),
         "this_run": dg.MetadataValue.md(markdown_table(["figure", "value"], [
             [k, _format(v)] for k, v in once.items() if v is not None])),
         "hardware": panels["hardware"], "environment": panels["environment"],

@@ -60,7 +60,7 @@ from gguf_assets.lib.training.train_data import (
     shard_size,
     target_stats,
 )
-from gguf_assets.lib.training.training_run import NON_RESULT_KEYS, OFF_VALUES, shards_identity
+from gguf_assets.lib.training.training_run import NON_RESULT_KEYS, OFF_VALUES, TrainedAdapter, shards_identity
 
 log = logging.getLogger(__name__)
 
@@ -191,7 +191,7 @@ def _non_finite_cause(step: int, what: str, value: float, *, batch: Batch, folde
 
 def train_adapter(paths: ProjectPaths, settings: Settings, *, train_folders: list[Path], val_folders: list[Path],
                   fingerprint: str, on_event: Callable[[str, dict], None] | None = None,
-                  stop_after: int | None = None, sample_hardware: Callable[[], dict] | None = None) -> dict:
+                  stop_after: int | None = None, sample_hardware: Callable[[], dict] | None = None) -> TrainedAdapter:
     """Train (or resume) the run ``fingerprint``; returns the final summary.
 
     ``on_event(kind, data)`` receives "note" (a message), "log", "validate", "best",
@@ -206,21 +206,22 @@ def train_adapter(paths: ProjectPaths, settings: Settings, *, train_folders: lis
     if summary is None:
         run.start_or_resume()
         summary = run.train(stop_after)
-    if summary.get("finished"):
-        record_adapter(paths, settings, fingerprint=fingerprint, summary=summary)
-    return summary
+    result = TrainedAdapter.from_summary(summary)
+    if result.finished:
+        record_adapter(paths, settings, result)
+    return result
 
 
-def record_adapter(paths: ProjectPaths, settings: Settings, *, fingerprint: str, summary: dict) -> None:
+def record_adapter(paths: ProjectPaths, settings: Settings, result: TrainedAdapter) -> None:
     """checkpoints/final.json: which finished run is the adapter, its weights' stamp and the settings it was
     trained under (what `status` and the export read)."""
-    run_dir = paths.checkpoints_dir(fingerprint)
+    run_dir = paths.checkpoints_dir(result.fingerprint)
     weights = run_dir / FINAL_DIR / WEIGHTS_FILE
     recorded_sha256 = (atomic.read_json(run_dir / FINAL_DIR / META_FILE).get("sha256") or {}).get(WEIGHTS_FILE)
-    atomic.write_json(paths.adapter_manifest, {"fingerprint": fingerprint,
+    atomic.write_json(paths.adapter_manifest, {"fingerprint": result.fingerprint,
                                                "run_dir": str(run_dir.relative_to(paths.root)),
                                                "final_weights": verify.record(weights, recorded_sha256),
-                                               "val_centred_cosine": summary["val_centred_cosine"],
+                                               "val_centred_cosine": result.val_centred_cosine,
                                                "settings_hash": settings_history.remember(paths.root, settings)})
 
 

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
 from gguf_assets.lib.core import atomic
 from gguf_assets.lib.project import formats
@@ -39,3 +41,32 @@ def shards_identity(folders: list[Path]) -> str:
         parts.append([folder.name] + [atomic.read_json(folder / f"{half}.json").get("fingerprint")
                                       for half in ("teacher", "student") if (folder / f"{half}.json").is_file()])
     return atomic.fingerprint(parts)
+
+
+@dataclass(frozen=True)
+class TrainedAdapter:
+    """What `train_adapter` returns: a training run's result, typed (its final/meta.json holds the same
+    fields and more). ``finished`` is False for a run paused by ``stop_after``; the scores are then None."""
+
+    fingerprint: str
+    finished: bool
+    step: int
+    val_centred_cosine: float | None = None
+    empty_prompt_cosine: float | None = None
+    untrained_val_centred_cosine: float | None = None
+    val_loss: float | None = None
+    per_shard: list[dict] = field(default_factory=list)
+    history: list[dict] = field(default_factory=list)  # {step, loss, lr, ...} and {step, val_centred_cosine, ...}
+    best: dict = field(default_factory=dict)  # the best validation: {step, val_centred_cosine, ...}
+    started: dict = field(default_factory=dict)  # why this run started (new settings, new shards) and its message
+    read_mb_per_s: float | None = None
+    verdict: str = ""
+    advice: str = ""
+    shape: dict = field(default_factory=dict)  # the adapter's shape (width, depth, heads, query rows, dims)
+
+    @classmethod
+    def from_summary(cls, summary: dict[str, Any]) -> "TrainedAdapter":
+        known = {f.name for f in fields(cls)}
+        values = {k: v for k, v in summary.items() if k in known and v is not None}
+        values["untrained_val_centred_cosine"] = summary.get("untrained_val_centred_cosine", summary.get("untrained"))
+        return cls(**values)

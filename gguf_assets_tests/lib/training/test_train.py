@@ -40,7 +40,7 @@ from gguf_assets.lib.telemetry.render import curves_markdown, curves_svg
 from gguf_assets.lib.training.checkpoints import list_checkpoints, load_final
 from gguf_assets.lib.training.train import train_adapter
 from gguf_assets.lib.training.train_data import SampleOrder, ShardStream, TrainingError
-from gguf_assets.lib.training.training_run import shards_identity, training_fingerprint
+from gguf_assets.lib.training.training_run import TrainedAdapter, shards_identity, training_fingerprint
 
 STUDENT_DIM, QUERY_ROWS, TARGET_DIM = 24, 8, 16
 SETTINGS = Settings(training=Training(width=32, depth=1, heads=2, steps=40, batch_size=8, learning_rate=1e-2,
@@ -94,7 +94,7 @@ def fingerprint_for(settings: Settings, shard_sets) -> str:
     return training_fingerprint(settings, [shards_identity(shard_sets["train"])], [shards_identity(shard_sets["val"])])
 
 
-def train(root: Path, shard_sets, settings: Settings = SETTINGS, **kwargs) -> dict:
+def train(root: Path, shard_sets, settings: Settings = SETTINGS, **kwargs) -> TrainedAdapter:
     return train_adapter(ProjectPaths.of(root), settings, train_folders=shard_sets["train"],
                          val_folders=shard_sets["val"], fingerprint=fingerprint_for(settings, shard_sets), **kwargs)
 
@@ -105,20 +105,19 @@ def reference(shard_sets, tmp_path_factory):
     root = tmp_path_factory.mktemp("reference")
     events = []
     summary = train(root, shard_sets, on_event=lambda kind, data: events.append((kind, data)))
-    run_dir = ProjectPaths.of(root).checkpoints_dir(summary["fingerprint"])
+    run_dir = ProjectPaths.of(root).checkpoints_dir(summary.fingerprint)
     return {"summary": summary, "run_dir": run_dir, "events": events,
             "weights": (run_dir / FINAL_DIR / WEIGHTS_FILE).read_bytes()}
 
 
 def test_uninterrupted_run_learns_and_reports(reference):
     s = reference["summary"]
-    for key in ("finished", "step", "shape", "fingerprint", "val_centred_cosine", "empty_prompt_cosine",
+    for key in ("shape", "fingerprint", "val_centred_cosine", "empty_prompt_cosine",
                 "untrained_val_centred_cosine", "history", "per_shard", "val_loss", "best", "verdict", "advice"):
-        assert key in s, key
-    assert s["finished"] and s["step"] == SETTINGS.training.steps
-    assert s["val_centred_cosine"] > s["untrained_val_centred_cosine"] + 0.15, s
-    assert s["empty_prompt_cosine"] is not None
-    assert "below 0.9" in s["verdict"] or s["val_centred_cosine"] >= 0.9
+        assert getattr(s, key), key  # every figure of a finished run is there
+    assert s.finished and s.step == SETTINGS.training.steps
+    assert s.val_centred_cosine > s.untrained_val_centred_cosine + 0.15, s
+    assert "below 0.9" in s.verdict or s.val_centred_cosine >= 0.9
     kinds = [k for k, _ in reference["events"]]
     logs = [d for k, d in reference["events"] if k == "log"]
     assert [d["step"] for d in logs] == [5, 10, 15, 20, 25, 30, 35, 40]
@@ -136,10 +135,10 @@ def test_uninterrupted_run_learns_and_reports(reference):
 def test_keeps_last_checkpoints_and_the_best(reference):
     run_dir, summary = reference["run_dir"], reference["summary"]
     assert [p.name for p in list_checkpoints(run_dir)] == ["step-00000035", "step-00000040"]
-    vals = [e for e in summary["history"] if "val_centred_cosine" in e]
+    vals = [e for e in summary.history if "val_centred_cosine" in e]
     top = max(vals, key=lambda e: e["val_centred_cosine"])
     best_meta = atomic.read_json(run_dir / BEST_DIR / META_FILE)
-    assert best_meta["step"] == top["step"] == summary["best"]["step"]
+    assert best_meta["step"] == top["step"] == summary.best["step"]
     best_weights = load_file(str(run_dir / BEST_DIR / WEIGHTS_FILE))
     assert set(best_weights) == set(load_file(str(run_dir / FINAL_DIR / WEIGHTS_FILE)))
     assert not [p for p in run_dir.iterdir() if p.name.startswith(atomic.TEMP_PREFIX)]
@@ -148,8 +147,9 @@ def test_keeps_last_checkpoints_and_the_best(reference):
 def test_stop_and_resume_is_bit_identical(shard_sets, reference, tmp_path):
     events = []
     first = train(tmp_path, shard_sets, stop_after=13, on_event=lambda k, d: events.append((k, d)))
-    assert first == {"finished": False, "step": 13, "fingerprint": reference["summary"]["fingerprint"]}
-    run_dir = ProjectPaths.of(tmp_path).checkpoints_dir(first["fingerprint"])
+    assert (first.finished, first.step, first.fingerprint) == (False, 13, reference["summary"].fingerprint)
+    assert first.val_centred_cosine is None  # a paused run has no score yet
+    run_dir = ProjectPaths.of(tmp_path).checkpoints_dir(first.fingerprint)
     assert list_checkpoints(run_dir)[-1].name == "step-00000010"  # steps 11-13 are lost and redone
     second = train(tmp_path, shard_sets, on_event=lambda k, d: events.append((k, d)))
     assert any(k == "note" and "resuming" in d["message"] and "step-00000010" in d["message"] for k, d in events)
@@ -157,12 +157,12 @@ def test_stop_and_resume_is_bit_identical(shard_sets, reference, tmp_path):
     # TensorBoard shows each step once: steps 11-13 of the stopped run are purged, redone ones kept.
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    curves = EventAccumulator(str(tmp_path / "tensorboard" / first["fingerprint"]))
+    curves = EventAccumulator(str(tmp_path / "tensorboard" / first.fingerprint))
     curves.Reload()
     assert [e.step for e in curves.Scalars("train/loss")] == list(range(5, 41, 5))
-    losses = [e["loss"] for e in second["history"] if "loss" in e]
-    assert losses == [e["loss"] for e in reference["summary"]["history"] if "loss" in e]
-    assert second["val_centred_cosine"] == reference["summary"]["val_centred_cosine"]
+    losses = [e["loss"] for e in second.history if "loss" in e]
+    assert losses == [e["loss"] for e in reference["summary"].history if "loss" in e]
+    assert second.val_centred_cosine == reference["summary"].val_centred_cosine
 
 
 KILL_SCRIPT = textwrap.dedent("""
@@ -185,7 +185,7 @@ KILL_SCRIPT = textwrap.dedent("""
 def test_kill_9_mid_run_then_rerun_is_bit_identical(shard_sets, reference, tmp_path):
     settings = replace(SETTINGS, training={"log_every": 1})  # not a result setting: same fingerprint
     fingerprint = fingerprint_for(settings, shard_sets)
-    assert fingerprint == reference["summary"]["fingerprint"]
+    assert fingerprint == reference["summary"].fingerprint
     spec = json.dumps({"training": settings.section_dict("training"), "fingerprint": fingerprint,
                        **{split: [str(p) for p in shard_sets[split]] for split in ("train", "val")}})
     run_dir = ProjectPaths.of(tmp_path).checkpoints_dir(fingerprint)
@@ -208,7 +208,7 @@ def test_kill_9_mid_run_then_rerun_is_bit_identical(shard_sets, reference, tmp_p
     assert not (run_dir / FINAL_DIR).exists() and "step-00000040" not in killed_at, killed_at
 
     summary = train(tmp_path, shard_sets, settings)
-    assert summary["finished"]
+    assert summary.finished
     assert (run_dir / FINAL_DIR / WEIGHTS_FILE).read_bytes() == reference["weights"]
     assert not [p for p in run_dir.iterdir() if p.name.startswith(atomic.TEMP_PREFIX)]
 
@@ -231,7 +231,7 @@ def test_settings_change_starts_a_new_run_and_says_why(shard_sets, reference, tm
     assert (ProjectPaths.of(tmp_path).checkpoints_dir(old) / FINAL_DIR / WEIGHTS_FILE).read_bytes() == old_final
     notes.clear()
     again = train(tmp_path, shard_sets, on_event=lambda k, d: notes.append(d) if k == "note" else None)
-    assert again["finished"] and "already finished" in notes[0]["message"]
+    assert again.finished and "already finished" in notes[0]["message"]
     # Bookkeeping settings do not start a new run.
     assert fingerprint_for(replace(SETTINGS, training={"log_every": 7, "device": "auto"}), shard_sets) == old
 
@@ -401,7 +401,7 @@ def _flip(path: Path, offset: int = -5) -> None:
 
 def test_a_damaged_checkpoint_is_skipped_and_the_final_weights_are_identical(shard_sets, reference, tmp_path, caplog):
     first = train(tmp_path, shard_sets, stop_after=13)
-    run_dir = ProjectPaths.of(tmp_path).checkpoints_dir(first["fingerprint"])
+    run_dir = ProjectPaths.of(tmp_path).checkpoints_dir(first.fingerprint)
     assert [p.name for p in list_checkpoints(run_dir)] == ["step-00000005", "step-00000010"]
     _flip(run_dir / "step-00000010" / WEIGHTS_FILE)
     events = []
@@ -416,7 +416,7 @@ def test_damaged_final_weights_are_set_aside_and_trained_again_identically(shard
     from gguf_assets.lib.project.layout import DAMAGED_FINAL_DIR
 
     train(tmp_path, shard_sets)
-    run_dir = ProjectPaths.of(tmp_path).checkpoints_dir(reference["summary"]["fingerprint"])
+    run_dir = ProjectPaths.of(tmp_path).checkpoints_dir(reference["summary"].fingerprint)
     _flip(run_dir / FINAL_DIR / WEIGHTS_FILE)
     with pytest.raises(TrainingError, match=r"content differs.*final.damaged.*same weights"):
         load_final(run_dir)  # what the export reads: never a damaged adapter
@@ -458,9 +458,9 @@ def test_ema_off_leaves_the_fingerprint_and_the_weights_as_before(shard_sets, re
     """ema_decay 0 (the default) is the trainer as it was before the setting existed."""
     assert SETTINGS.training.ema_decay == 0.0
     # Computed by the trainer before ema_decay existed: a new key must not start new runs.
-    assert fingerprint_for(SETTINGS, shard_sets) == reference["summary"]["fingerprint"] == "4b3d5960ecb7cb7f"
+    assert fingerprint_for(SETTINGS, shard_sets) == reference["summary"].fingerprint == "4b3d5960ecb7cb7f"
     assert training_fingerprint(Settings(), ["t0"], ["v0"]) == "c4bbb245f1136fba"
-    assert fingerprint_for(EMA_SETTINGS, shard_sets) != reference["summary"]["fingerprint"]
+    assert fingerprint_for(EMA_SETTINGS, shard_sets) != reference["summary"].fingerprint
     # Off, nothing is averaged: final/ holds the last step's raw weights, and checkpoints carry no average.
     run_dir = reference["run_dir"]
     last = list_checkpoints(run_dir)[-1]
@@ -473,7 +473,7 @@ def test_ema_off_leaves_the_fingerprint_and_the_weights_as_before(shard_sets, re
 def ema_reference(shard_sets, tmp_path_factory):
     root = tmp_path_factory.mktemp("ema-reference")
     summary = train(root, shard_sets, EMA_SETTINGS)
-    run_dir = ProjectPaths.of(root).checkpoints_dir(summary["fingerprint"])
+    run_dir = ProjectPaths.of(root).checkpoints_dir(summary.fingerprint)
     return {"summary": summary, "run_dir": run_dir, "weights": (run_dir / FINAL_DIR / WEIGHTS_FILE).read_bytes(),
             "best": (run_dir / BEST_DIR / WEIGHTS_FILE).read_bytes()}
 
@@ -498,21 +498,21 @@ def test_ema_final_holds_the_average_not_the_raw_weights(shard_sets, ema_referen
     model, meta = load_final(run_dir)
     again = evaluate(model, shard_sets["val"], device=torch.device("cpu"),
                      cosine_weight=SETTINGS.training.cosine_weight)
-    assert again["val_centred_cosine"] == pytest.approx(summary["val_centred_cosine"], abs=1e-6)
+    assert again["val_centred_cosine"] == pytest.approx(summary.val_centred_cosine, abs=1e-6)
     assert meta["training"]["ema_decay"] == 0.9
-    assert summary["val_centred_cosine"] != reference["summary"]["val_centred_cosine"]
+    assert summary.val_centred_cosine != reference["summary"].val_centred_cosine
 
 
 def test_ema_stop_and_resume_is_bit_identical(shard_sets, ema_reference, tmp_path):
     first = train(tmp_path, shard_sets, EMA_SETTINGS, stop_after=13)
-    assert first["step"] == 13
-    run_dir = ProjectPaths.of(tmp_path).checkpoints_dir(first["fingerprint"])
+    assert first.step == 13
+    run_dir = ProjectPaths.of(tmp_path).checkpoints_dir(first.fingerprint)
     assert list_checkpoints(run_dir)[-1].name == "step-00000010"
     summary = train(tmp_path, shard_sets, EMA_SETTINGS)
-    assert summary["finished"]
+    assert summary.finished
     assert (run_dir / FINAL_DIR / WEIGHTS_FILE).read_bytes() == ema_reference["weights"]
     assert (run_dir / BEST_DIR / WEIGHTS_FILE).read_bytes() == ema_reference["best"]
-    assert summary["val_centred_cosine"] == ema_reference["summary"]["val_centred_cosine"]
+    assert summary.val_centred_cosine == ema_reference["summary"].val_centred_cosine
 
 
 def test_ema_decay_must_be_below_one():
