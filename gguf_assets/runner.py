@@ -21,7 +21,7 @@ from pathlib import Path
 
 from gguf_assets import DEFINITIONS_MODULE
 from gguf_assets.defs.plan import Work, next_work, split_range
-from gguf_assets.defs.run_tags import LEADER_TAG, RANGE_START_TAG, STOPPED_TAG, WORKER_TAG  # noqa: F401
+from gguf_assets.defs.run_tags import LEADER_TAG, STOPPED_TAG, WORKER_TAG
 from gguf_assets.lib.core import atomic
 from gguf_assets.lib.core.lock import ProjectLock
 from gguf_assets.lib.project import settings_history
