@@ -223,7 +223,8 @@ def run_pipeline(paths: ProjectPaths, *, echo: Callable[[str], None] = print, wo
     """Materialize everything missing or stale through the project's Dagster instance; returns the final status.
 
     ``workers`` > 1 runs each split's shards as that many Dagster runs at once, launched by the
-    instance's run launcher; they share this pipeline's project lock (lib/core/lock.py).
+    instance's run launcher; they join this pipeline, each holding a lock of its own while it writes
+    (lib/core/lock.py).
     """
     prepare_instance(paths)
     import dagster as dg

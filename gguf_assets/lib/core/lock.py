@@ -92,28 +92,21 @@ class ProjectLock:
                 if self._worker_fd is not None:
                     self.shared_with = pid
                     return self
-            what = f", {holder['what']}" if holder.get("what") else ""
             raise ProjectLocked(
-                f"{self.lock_file.parent} is in use by another pipeline (pid {holder.get('pid', '?')}, started "
-                f"{holder.get('started', '?')}{what}). Wait for it to finish or stop it; two pipelines must not "
-                "write the same project folder.") from None
+                f"{self.lock_file.parent} is in use by another pipeline ({_who(holder)}). Wait for it to finish or "
+                "stop it; two pipelines must not write the same project folder.") from None
         if self.leader_pid is not None:  # a worker whose leader is gone never leads a pipeline of its own
             os.close(fd)
             raise ProjectLocked(
                 f"the pipeline that launched this worker run (pid {self.leader_pid}) is gone, so the run stops "
                 f"before writing {self.lock_file.parent}; `gguf-trainer run` continues the work.")
-        workers = _flock(workers_file(self.lock_file), fcntl.LOCK_EX)
-        if workers is None:  # workers of an earlier pipeline, whose leader is gone, still write
+        if _workers_still_write(self.lock_file):  # workers of an earlier pipeline, whose leader is gone
             earlier = _read_holder(fd)
             os.close(fd)
-            what = f", {earlier['what']}" if earlier.get("what") else ""
             raise ProjectLocked(
-                f"{self.lock_file.parent} is still written by the worker runs of an earlier pipeline (pid "
-                f"{earlier.get('pid', '?')}, started {earlier.get('started', '?')}{what}), which is gone. Wait for "
-                "them to finish (they keep their shards), or stop them with Terminate in the Dagster UI; two "
-                "pipelines must not write the same project folder.")
-        fcntl.flock(workers, fcntl.LOCK_UN)  # only a check: this pipeline's own workers share it
-        os.close(workers)
+                f"{self.lock_file.parent} is still written by the worker runs of an earlier pipeline "
+                f"({_who(earlier)}), which is gone. Wait for them to finish (they keep their shards), or stop them "
+                "with Terminate in the Dagster UI; two pipelines must not write the same project folder.")
         record = {"pid": os.getpid(), "started": dt.datetime.now().isoformat(timespec="seconds"), "what": self.describe}
         _write_holder(fd, {**record, "running": self.running} if self.running else record)
         _held[self.lock_file] = [fd, 1, []]
@@ -149,17 +142,32 @@ def _flock(path: Path, mode: int) -> int | None:
     return fd
 
 
+def _workers_still_write(lock_file: Path) -> bool:
+    """Whether some worker holds its shared lock; takes the workers file exclusively only for a moment
+    (this pipeline's own workers take it shared after that)."""
+    if not workers_file(lock_file).is_file():
+        return False
+    workers = _flock(workers_file(lock_file), fcntl.LOCK_EX)
+    if workers is None:
+        return True
+    fcntl.flock(workers, fcntl.LOCK_UN)
+    os.close(workers)
+    return False
+
+
+def _who(record: dict) -> str:
+    """A holder record in the words of a refusal: "pid 12, started 2026-12-01T09:00:00, gguf-trainer run demo"."""
+    what = f", {record['what']}" if record.get("what") else ""
+    return f"pid {record.get('pid', '?')}, started {record.get('started', '?')}{what}"
+
+
 def is_locked(lock_file: Path) -> bool:
     """True while some process holds the lock (this one included), or a worker still writes; takes nothing."""
     lock_file = Path(lock_file).resolve()
     if lock_file in _held:
         return True
-    if workers_file(lock_file).is_file():
-        workers = _flock(workers_file(lock_file), fcntl.LOCK_EX)
-        if workers is None:
-            return True
-        fcntl.flock(workers, fcntl.LOCK_UN)
-        os.close(workers)
+    if _workers_still_write(lock_file):
+        return True
     try:
         fd = os.open(lock_file, os.O_RDONLY)
     except FileNotFoundError:

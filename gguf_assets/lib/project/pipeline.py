@@ -65,10 +65,17 @@ def corpus_is_current(paths: ProjectPaths, settings: Settings, materials: Materi
 
 
 def shard_fingerprints(paths: ProjectPaths, settings: Settings, materials: MaterialsManifest, split: str) -> list[str]:
-    from gguf_assets.lib.precompute.shards import halves_for_mode, plan_shards
+    from gguf_assets.lib.precompute.shards import plan_shards
+
+    return _planned_fingerprints(settings, plan_shards(paths, settings, materials, split))
+
+
+def _planned_fingerprints(settings: Settings, plans: list) -> list[str]:
+    """Per planned shard, the fingerprint of the halves the mode makes (what training and the report read)."""
+    from gguf_assets.lib.precompute.shards import halves_for_mode
 
     halves = halves_for_mode(settings.precompute.mode)
-    return [":".join(plan.fingerprints[h] for h in halves) for plan in plan_shards(paths, settings, materials, split)]
+    return [":".join(plan.fingerprints[h] for h in halves) for plan in plans]
 
 
 def adapter_fingerprint(paths: ProjectPaths, settings: Settings, materials: MaterialsManifest) -> str:
@@ -142,9 +149,14 @@ def stage_settings(settings: Settings) -> dict[str, dict]:
 
 
 def recorded_fingerprint(sidecar: Path) -> str | None:
+    return _recorded(sidecar, "fingerprint")
+
+
+def _recorded(record: Path, key: str) -> str | None:
+    """One field of a stage's JSON record; None when the record is missing or damaged."""
     try:
-        return atomic.read_json(sidecar).get("fingerprint")
-    except (OSError, ValueError):
+        return atomic.read_json(record).get(key)
+    except (OSError, ValueError, AttributeError):
         return None
 
 
@@ -203,10 +215,7 @@ def why_stale(paths: ProjectPaths, settings: Settings, stage: str, recorded_hash
 
 
 def _recorded_hash(record: Path) -> str | None:
-    try:
-        return atomic.read_json(record).get("settings_hash")
-    except (OSError, ValueError, AttributeError):
-        return None
+    return _recorded(record, "settings_hash")
 
 
 def project_status(paths: ProjectPaths, settings: Settings) -> list[StageState]:
@@ -233,9 +242,10 @@ def project_status(paths: ProjectPaths, settings: Settings) -> list[StageState]:
                         "a prompt source changed (a local prompt file, or a dataset's pin) or the corpus files did")
         return out + [StageState("corpus", "stale", why)] + blocked_rest("corpus")
     out.append(StageState("corpus", "current"))
-    unfinished = False
+    unfinished, fingerprints = False, {}
     for split in SPLITS:
         plans = plan_shards(paths, settings, materials, split)
+        fingerprints[split] = _planned_fingerprints(settings, plans)
         states = {p.key: set(shard_status(paths, settings, p).values()) for p in plans}
         todo = [key for key, st in states.items() if st != {"current"}]
         # missing: only never-written halves are left (a first run, or one cut off); stale: some
@@ -252,7 +262,10 @@ def project_status(paths: ProjectPaths, settings: Settings) -> list[StageState]:
     if settings.precompute.mode != "teacher+student":
         return out + [StageState(s, "blocked", f"precompute.mode is {settings.precompute.mode!r}; training needs "
                                  "teacher+student") for s in STAGES[STAGES.index("adapter"):]]
-    adapter_fp = adapter_fingerprint(paths, settings, materials)
+    from gguf_assets.lib.training.training_run import training_fingerprint
+
+    # From the plans above: the corpus is read once (adapter_fingerprint would plan the shards again).
+    adapter_fp = training_fingerprint(settings, fingerprints["train"], fingerprints["val"])
     if not _adapter_is_current(paths, adapter_fp):
         if not paths.adapter_manifest.is_file():
             return out + [StageState("adapter", "missing")] + blocked_rest("adapter")
@@ -274,8 +287,7 @@ def project_status(paths: ProjectPaths, settings: Settings) -> list[StageState]:
         return out + [StageState("gguf", "stale", why)] + blocked_rest("gguf")
     out.append(StageState("gguf", "current"))
     report = paths.report_json(settings)
-    expected = report_fingerprint(settings, recorded_fingerprint(sidecar),
-                                  shard_fingerprints(paths, settings, materials, "val"))
+    expected = report_fingerprint(settings, recorded_fingerprint(sidecar), fingerprints["val"])
     if recorded_fingerprint(report) == expected:
         out.append(StageState("eval_report", "current"))
     elif not report.is_file():

@@ -192,7 +192,7 @@ def _non_finite_cause(step: int, what: str, value: float, *, batch: Batch, folde
 def train_adapter(paths: ProjectPaths, settings: Settings, *, train_folders: list[Path], val_folders: list[Path],
                   fingerprint: str, on_event: Callable[[str, dict], None] | None = None,
                   stop_after: int | None = None, sample_hardware: Callable[[], dict] | None = None) -> TrainedAdapter:
-    """Train (or resume) the run ``fingerprint``; returns the final summary.
+    """Train (or resume) the run ``fingerprint``; returns its result (a paused one with ``stop_after``).
 
     ``on_event(kind, data)`` receives "note" (a message), "log", "validate", "best",
     "checkpoint" and "finished" events. ``stop_after`` ends the call after that many steps
