@@ -123,7 +123,7 @@ def _precompute(paths: ProjectPaths, settings: Settings, materials: dict) -> dic
         keys = [p.key for p in plan_shards(paths, settings, materials, split)]
         run = precompute_split(paths, settings, materials, split, keys)
         if split == "train":
-            summary = run.summary
+            summary = run.metadata()
     require_current(paths, settings, materials, "train")
     return summary
 

@@ -3,16 +3,17 @@
 import dagster as dg
 
 from gguf_assets.lib.project.layout import SPLITS, shard_key
+from gguf_assets.lib.project.manifests import CorpusManifest
 
 TRAIN_SHARDS = dg.DynamicPartitionsDefinition(name="train_shards")
 VAL_SHARDS = dg.DynamicPartitionsDefinition(name="val_shards")
 BY_SPLIT = {"train": TRAIN_SHARDS, "val": VAL_SHARDS}
 
 
-def expected_shard_keys(corpus_manifest: dict, settings) -> dict[str, list[str]]:
+def expected_shard_keys(corpus_manifest: CorpusManifest, settings) -> dict[str, list[str]]:
     """Per split, the partition keys of shards 0..n-1 for this corpus and these shard sizes."""
     sizes = {"train": settings.precompute.shard_size, "val": settings.precompute.val_shard_size}
-    return {split: [shard_key(i) for i in range(-(-corpus_manifest["splits"][split]["prompts"] // sizes[split]))]
+    return {split: [shard_key(i) for i in range(-(-corpus_manifest.prompts(split) // sizes[split]))]
             for split in SPLITS}
 
 

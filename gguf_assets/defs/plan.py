@@ -9,10 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gguf_assets.defs.run_tags import PIPELINE_TAG, RANGE_END_TAG, RANGE_START_TAG
-from gguf_assets.lib.core import atomic
 from gguf_assets.lib.project import settings_history
 from gguf_assets.lib.project.layout import SPLITS, ProjectPaths
-from gguf_assets.lib.project.pipeline import project_status
+from gguf_assets.lib.project.pipeline import RESUMABLE, UNFINISHED, corpus_manifest, project_status
 from gguf_assets.lib.project.settings import Settings
 
 
@@ -23,8 +22,9 @@ class Work:
     job: str
     assets: tuple[str, ...]
     partitions: tuple[str, ...] = ()
-    # True when nothing of it exists under any settings (a first run, or one cut off part-way);
-    # False when it would replace results made under other settings.
+    # True when it continues or repairs work asked for under these settings (missing, partial, damaged:
+    # a first run, one cut off part-way, a broken file); False when it would replace results made under
+    # other settings (stale), which waits for the user.
     missing: bool = True
 
     def describe(self) -> str:
@@ -48,21 +48,21 @@ def next_work(paths: ProjectPaths, settings: Settings, instance) -> Work | None:
     if status["materials"].state != "current":
         # New materials come with the corpus: it reads them, and when it finds itself current it
         # only records that (same data version), so Dagster does not show it stale.
-        return Work(MATERIALS_AND_CORPUS, ("materials", "corpus"), missing=status["materials"].state == "missing")
+        return Work(MATERIALS_AND_CORPUS, ("materials", "corpus"), missing=status["materials"].state in RESUMABLE)
     if status["corpus"].state != "current" or not partitions_match(
-            instance, expected_shard_keys(atomic.read_json(paths.corpus_manifest), settings)):
-        return Work(MATERIALS_AND_CORPUS, ("corpus",), missing=status["corpus"].state == "missing")
+            instance, expected_shard_keys(corpus_manifest(paths), settings)):
+        return Work(MATERIALS_AND_CORPUS, ("corpus",), missing=status["corpus"].state in RESUMABLE)
     for split in SPLITS:
         state = status[f"{split}_shards"].state
         if state != "current":
             keys = tuple(instance.get_dynamic_partitions(BY_SPLIT[split].name))
-            return Work(SHARDS_JOB[split], (f"{split}_shards",), keys, missing=state == "missing")
+            return Work(SHARDS_JOB[split], (f"{split}_shards",), keys, missing=state in RESUMABLE)
     order = ["adapter", "gguf", "eval_report"]
-    todo = [s for s in order if status[s].state in ("missing", "stale")]
+    todo = [s for s in order if status[s].state in UNFINISHED]
     if not todo:
         return None
     # Once one stage is redone, everything after it is redone too.
-    return Work(TRAIN_AND_EXPORT, tuple(order[order.index(todo[0]):]), missing=status[todo[0]].state == "missing")
+    return Work(TRAIN_AND_EXPORT, tuple(order[order.index(todo[0]):]), missing=status[todo[0]].state in RESUMABLE)
 
 
 def split_range(keys: list[str] | tuple[str, ...], parts: int) -> list[tuple[str, ...]]:

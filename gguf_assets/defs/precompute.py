@@ -58,18 +58,19 @@ def materialize_shards(context: dg.AssetExecutionContext, project: ProjectResour
 
     run = precompute_split(paths, settings, load_manifest(paths), split, list(context.partition_keys),
                            on_shard_done=shard_done, on_progress=live)
-    s = run.summary
-    rates = ", ".join(f"{half} {s[f'{half}_prompts_per_s']:.2f} prompts/s" for half in ("teacher", "student")
-                      if s.get(f"{half}_halves_computed"))
-    context.log.info("%s shards done: %d shards, %d prompts in %.1f s%s", split, s["shards"], s["prompts"],
-                     s["seconds"], f" ({rates})" if rates else " (all already current)")
+    rates = ", ".join(f"{half} {figures.prompts_per_s:.2f} prompts/s" for half, figures in run.halves.items()
+                      if figures.computed)
+    context.log.info("%s shards done: %d shards, %d prompts in %.1f s%s", split, run.shards, run.prompts,
+                     run.seconds, f" ({rates})" if rates else " (all already current)")
     # The data version of the shards this run covers: what they hold now (their fingerprints), so a run
     # that finds them current changes nothing downstream.
     held = {plan.key: plan for plan in plan_shards(paths, settings, load_manifest(paths), split)}
     version = atomic.fingerprint([[key, held[key].fingerprints] for key in context.partition_keys if key in held])
     project.result_written(context)
+    # The run's totals go on the step's own metadata (a per-shard materialization has its shard's figures).
     return dg.MaterializeResult(data_version=dg.DataVersion(version),
-                                metadata=project.stage_metadata(f"{split}_shards", settings))
+                                metadata={**project.stage_metadata(f"{split}_shards", settings),
+                                          **_numbers({f"run_{k}": v for k, v in run.metadata().items()})})
 
 
 @dg.asset(group_name=groups.PRECOMPUTE, partitions_def=TRAIN_SHARDS, deps=[corpus, settings_key("train_shards")],

@@ -15,7 +15,13 @@ import dagster as dg
 from gguf_assets.defs import groups
 from gguf_assets.defs.private_api import DATA_VERSION_TAG
 from gguf_assets.lib.project.layout import ProjectPaths
-from gguf_assets.lib.project.pipeline import STAGES, expected_fingerprints, project_status, stage_settings
+from gguf_assets.lib.project.pipeline import (
+    STAGES,
+    UNFINISHED,
+    expected_fingerprints,
+    project_status,
+    stage_settings,
+)
 from gguf_assets.lib.project.settings import Settings
 from gguf_assets.lib.telemetry.render import markdown_table
 
@@ -69,7 +75,7 @@ def observe_settings(instance: dg.DagsterInstance, settings: Settings, paths: Pr
             metadata = settings_metadata(settings, stage)
             if status is None:
                 status = {s.stage: s for s in project_status(paths, settings)}
-            if status[stage].state == "stale":
+            if status[stage].state in UNFINISHED and status[stage].detail:
                 metadata[STALE_BECAUSE] = dg.MetadataValue.text(status[stage].detail)
             instance.report_runless_asset_event(dg.AssetObservation(
                 asset_key=settings_key(stage), tags={DATA_VERSION_TAG: version}, metadata=metadata))

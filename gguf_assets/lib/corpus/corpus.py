@@ -40,7 +40,7 @@ from gguf_assets.lib.corpus.prompt_files import (
 )
 from gguf_assets.lib.project import settings_history
 from gguf_assets.lib.project.layout import SPLITS, ProjectPaths
-from gguf_assets.lib.project.manifests import MaterialsManifest
+from gguf_assets.lib.project.manifests import CorpusManifest, MaterialsManifest
 from gguf_assets.lib.project.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -173,7 +173,8 @@ def _length_histogram(chars: np.ndarray) -> list[dict]:
             for i, n in enumerate(counts)]
 
 
-def build_corpus(paths: ProjectPaths, settings: Settings, materials: MaterialsManifest, *, fingerprint: str) -> dict:
+def build_corpus(paths: ProjectPaths, settings: Settings, materials: MaterialsManifest, *,
+                 fingerprint: str) -> CorpusManifest:
     """Write corpus/train.jsonl, corpus/val.jsonl and corpus/manifest.json; return the manifest."""
     c = settings.corpus
     sources = list(iter_sources(paths, settings, materials))
@@ -232,23 +233,23 @@ def build_corpus(paths: ProjectPaths, settings: Settings, materials: MaterialsMa
     counts = {key: sum(getattr(st, key) for st in stats)
               for key in ("read", "dropped_blank", "dropped_length", "dropped_duplicate", "skipped_bad_lines")}
     counts.update(kept=n_kept, used=text_used, unused=n_kept - text_used)
-    manifest = {
-        "fingerprint": fingerprint,
-        "settings": settings.section_dict("corpus"),
-        "settings_hash": settings_history.remember(paths.root, settings),
-        "counts": counts,
-        "per_source": dict(per_source),
-        "sources": [{**asdict(st), "file": paths.stored(st.file)} for st in stats],
-        "bad_line_samples": pool.bad_samples,
-        "length_histogram": _length_histogram(kept_chars),
-        "length_chars": ({"min": int(kept_chars.min()), "median": int(np.median(kept_chars)),
-                          "mean": round(float(kept_chars.mean()), 1), "max": int(kept_chars.max())}
-                         if n_kept else {}),
-        "requested": need,
-        "preview": preview,
-        "splits": split_meta,
-    }
-    atomic.write_json(paths.corpus_manifest, manifest)
+    manifest = CorpusManifest(
+        fingerprint=fingerprint,
+        settings=settings.section_dict("corpus"),
+        settings_hash=settings_history.remember(paths.root, settings),
+        counts=counts,
+        per_source=dict(per_source),
+        sources=[{**asdict(st), "file": paths.stored(st.file)} for st in stats],
+        bad_line_samples=pool.bad_samples,
+        length_histogram=_length_histogram(kept_chars),
+        length_chars=({"min": int(kept_chars.min()), "median": int(np.median(kept_chars)),
+                       "mean": round(float(kept_chars.mean()), 1), "max": int(kept_chars.max())}
+                      if n_kept else {}),
+        requested=need,
+        preview=preview,
+        splits=split_meta,
+    )
+    atomic.write_json(paths.corpus_manifest, manifest.to_json())
     if sizes != need:
         log.warning("corpus: only %d usable prompts; train shrank from %d to %d (corpus.allow_fewer)",
                     n_kept, need["train"], sizes["train"])

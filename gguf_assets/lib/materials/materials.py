@@ -27,7 +27,7 @@ from gguf_assets.lib.materials import hub
 from gguf_assets.lib.precompute.teacher_choice import teacher_choice
 from gguf_assets.lib.project import settings_history
 from gguf_assets.lib.project.layout import ProjectPaths
-from gguf_assets.lib.project.manifests import MODEL_ROLES, MaterialsManifest
+from gguf_assets.lib.project.manifests import MODEL_ROLES, DamagedRecord, MaterialsManifest, read_record
 from gguf_assets.lib.project.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -283,7 +283,11 @@ def resolve_materials(paths: ProjectPaths, settings: Settings, *, token: str | N
 
     ``token`` is the HF token for gated or private repos (None: send none); it is never stored.
     """
-    old = load_manifest(paths) if paths.materials_manifest.is_file() else MaterialsManifest()
+    try:  # the last manifest's hashes and downloads save work; a damaged one only costs re-hashing
+        old = load_manifest(paths) if paths.materials_manifest.is_file() else MaterialsManifest()
+    except DamagedRecord as exc:
+        log.warning("%s is damaged (%s); the materials are checked again from scratch", exc.path, exc.why)
+        old = MaterialsManifest()
     cache = old.hash_cache
     new_cache: dict = {}
     downloads: list[dict] = []
@@ -343,7 +347,10 @@ def manifest_is_current(paths: ProjectPaths, settings: Settings) -> bool:
     """True if the manifest was made under these settings and no local source changed on disk."""
     if not paths.materials_manifest.is_file():
         return False
-    manifest = load_manifest(paths)
+    try:
+        manifest = load_manifest(paths)
+    except DamagedRecord:  # status says so; the materials step writes it again
+        return False
     if manifest.settings != materials_settings_key(settings):
         return False
     stored = copy.deepcopy(manifest)
@@ -399,9 +406,9 @@ def _check_query_rows(teacher: Path, settings: Settings) -> None:
 
 def load_manifest(paths: ProjectPaths) -> MaterialsManifest:
     """The materials manifest, with absolute paths for this project folder wherever it is now."""
-    if not paths.materials_manifest.is_file():
+    stored = read_record(paths.materials_manifest)  # DamagedRecord names the file when it cannot be read
+    if stored is None:
         raise MaterialsError(f"{paths.materials_manifest} is missing: materialize the materials asset first.")
-    stored = atomic.read_json(paths.materials_manifest)
-    manifest = MaterialsManifest.from_json(paths.located_doc(stored))
+    manifest = MaterialsManifest.read(paths.materials_manifest, paths.located_doc(stored))
     manifest.hash_cache = {str(paths.located(folder)): files for folder, files in stored.get("_hash_cache", {}).items()}
     return manifest

@@ -22,7 +22,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -303,12 +303,38 @@ class ShardBuilder:
         return report
 
 
-@dataclass
+@dataclass(frozen=True)
+class HalfFigures:
+    """One half's figures over a precompute run."""
+
+    computed: int  # halves written (the rest were current)
+    prompts_per_s: float
+    tokens_per_s: float
+    truncated: int  # prompts cut at the length limit
+
+
+@dataclass(frozen=True)
 class ShardRun:
-    """What one precompute run did: a report per shard and a summary for the run's metadata."""
+    """What one precompute run did: a report per shard, and its totals."""
 
     reports: list[dict]
-    summary: dict
+    shards: int
+    prompts: int
+    seconds: float
+    halves: dict[str, HalfFigures]
+    placement: dict = field(default_factory=dict)  # where the teacher's layers went (teacher_*), if it loaded
+    hardware: dict = field(default_factory=dict)  # the run's hardware summary (lib/telemetry/hardware.py)
+
+    def computed(self, half: str) -> int:
+        return self.halves[half].computed if half in self.halves else 0
+
+    def metadata(self) -> dict:
+        """The run's figures as flat metadata: shards, prompts, seconds, <half>_<figure>, placement, hardware."""
+        out: dict = {"shards": self.shards, "prompts": self.prompts, "seconds": self.seconds}
+        for half, figures in self.halves.items():
+            out[f"{half}_halves_computed"] = figures.computed
+            out.update({f"{half}_{k}": getattr(figures, k) for k in ("prompts_per_s", "tokens_per_s", "truncated")})
+        return {**out, **self.placement, **self.hardware}
 
 
 def precompute_split(paths: ProjectPaths, settings: Settings, materials: MaterialsManifest, split: str, keys: list[str],
@@ -359,17 +385,15 @@ def precompute_split(paths: ProjectPaths, settings: Settings, materials: Materia
             if on_shard_done:
                 on_shard_done(report)
     seconds = time.perf_counter() - start
-    summary: dict = {"shards": len(keys), "prompts": total, "seconds": round(seconds, 3)}
+    halves = {}
     for half, meter in progress.items():
         figures = meter.figures()
-        summary[f"{half}_halves_computed"] = sum(1 for r in reports if r.get(f"{half}_status") != "current")
-        summary[f"{half}_prompts_per_s"] = figures["prompts_per_s"]
-        summary[f"{half}_tokens_per_s"] = figures["tokens_per_s"]
-        summary[f"{half}_truncated"] = sum(r.get(f"{half}_truncated", 0) for r in reports)
-    if builder._teacher is not None:
-        summary.update(builder._teacher.placement.metadata())
-    summary.update(sampler.summary())
-    return ShardRun(reports, summary)
+        halves[half] = HalfFigures(computed=sum(1 for r in reports if r.get(f"{half}_status") != "current"),
+                                   prompts_per_s=figures["prompts_per_s"], tokens_per_s=figures["tokens_per_s"],
+                                   truncated=sum(r.get(f"{half}_truncated", 0) for r in reports))
+    placement = builder._teacher.placement.metadata() if builder._teacher is not None else {}
+    return ShardRun(reports, shards=len(keys), prompts=total, seconds=round(seconds, 3), halves=halves,
+                    placement=placement, hardware=sampler.summary())
 
 
 def build_shards(paths: ProjectPaths, settings: Settings, materials: MaterialsManifest, split: str, keys: list[str],

@@ -1,4 +1,5 @@
-"""The typed contracts between stages: the export sidecar and the evaluation report.
+"""The typed contracts between stages: the materials and corpus manifests, the export sidecar and the
+evaluation report.
 
 Each is a frozen dataclass whose fields are the keys of its JSON file, so the JSON stays what
 users, scripts and checks read (report.json's fields are an interface) while the code that
@@ -9,8 +10,36 @@ versions (keys added since then get their "not recorded" value).
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+from gguf_assets.lib.core.errors import UserError
+
+
+class DamagedRecord(UserError):
+    """A stage's JSON record exists but cannot be read (truncated, not JSON, wrong shape)."""
+
+    def __init__(self, path: Path, why: str) -> None:
+        self.path, self.why = Path(path), why
+        super().__init__(f"{path} is damaged ({why}). Nothing else is lost: `gguf-trainer run` redoes the stage "
+                         "that wrote it.")
+
+
+def read_record(path: Path) -> dict[str, Any] | None:
+    """A stage record's JSON object; None when the file does not exist; DamagedRecord when it cannot be read."""
+    try:
+        text = Path(path).read_bytes()
+    except FileNotFoundError:
+        return None
+    try:
+        doc = json.loads(text)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise DamagedRecord(path, f"not valid JSON: {exc}; {len(text)} bytes, truncated?") from None
+    if not isinstance(doc, dict):
+        raise DamagedRecord(path, f"a JSON {type(doc).__name__}, not an object")
+    return doc
 
 
 class _JsonFields:
@@ -24,6 +53,18 @@ class _JsonFields:
         names = {stored: name for name, stored in cls._STORED_AS.items()}
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{names.get(k, k): v for k, v in doc.items() if names.get(k, k) in known})
+
+    @classmethod
+    def read(cls, path: Path, doc: dict[str, Any] | None = None):
+        """The record stored at ``path`` (``doc``: its JSON, already read); None when there is none.
+        DamagedRecord when it is unreadable or lacks a field that has no default."""
+        doc = read_record(path) if doc is None else doc
+        if doc is None:
+            return None
+        try:
+            return cls.from_json(doc)
+        except TypeError as exc:  # a required field is missing
+            raise DamagedRecord(path, str(exc).split(".", 1)[-1].strip()) from None
 
     def to_json(self) -> dict[str, Any]:
         return {self._STORED_AS.get(k, k): v for k, v in dataclasses.asdict(self).items()}
@@ -130,3 +171,32 @@ class MaterialsManifest(_JsonFields):
         """What downstream fingerprints depend on: the source and the exact content."""
         entry = getattr(self, role)
         return None if entry is None else {"source": entry["source"], "commit": entry["commit"]}
+
+
+@dataclass(frozen=True)
+class CorpusManifest(_JsonFields):
+    """corpus/manifest.json: what `build_corpus` wrote (lib/corpus/corpus.py); status, the shards and the UI read it.
+
+    ``splits``: per split, {prompts, empty} and lib/core/verify's record of its jsonl file (size, sha256, stamp).
+    ``counts``: read, kept, used, unused and the dropped_* / skipped_bad_lines totals. ``sources``: per
+    prompt file, its figures and its path as stored (relative to the project when inside it).
+    """
+
+    fingerprint: str
+    splits: dict[str, dict]
+    settings: dict = field(default_factory=dict)  # the corpus section it was built under
+    settings_hash: str = ""
+    counts: dict[str, int] = field(default_factory=dict)
+    per_source: dict[str, int] = field(default_factory=dict)
+    sources: list[dict] = field(default_factory=list)
+    bad_line_samples: list[str] = field(default_factory=list)
+    length_histogram: list[dict] = field(default_factory=list)  # {chars_from, chars_to, prompts}
+    length_chars: dict = field(default_factory=dict)  # {min, median, mean, max} of the kept prompts
+    requested: dict[str, int] = field(default_factory=dict)  # prompts asked for; allow_fewer may shrink train
+    preview: list[dict] = field(default_factory=list)  # the first rows of each split: {split, source, chars, text}
+
+    def prompts(self, split: str) -> int:
+        return self.splits[split]["prompts"]
+
+    def asked(self) -> dict[str, int]:
+        return self.requested or {split: record["prompts"] for split, record in self.splits.items()}

@@ -17,7 +17,13 @@ from gguf_assets.lib.materials.materials import load_manifest, manifest_is_curre
 from gguf_assets.lib.precompute.teacher_choice import teacher_choice
 from gguf_assets.lib.project import formats, settings_history
 from gguf_assets.lib.project.layout import SPLITS, ProjectPaths
-from gguf_assets.lib.project.manifests import ExportSidecar, MaterialsManifest
+from gguf_assets.lib.project.manifests import (
+    CorpusManifest,
+    DamagedRecord,
+    ExportSidecar,
+    MaterialsManifest,
+    read_record,
+)
 from gguf_assets.lib.project.settings import Settings
 
 STAGES = ("materials", "corpus", "train_shards", "val_shards", "adapter", "gguf", "eval_report")
@@ -31,8 +37,8 @@ def corpus_settings(settings: Settings) -> dict:
 def _recorded_source_hashes(paths: ProjectPaths) -> dict[Path, dict]:
     """The prompt files the last corpus build read: their sha256 and their stamp then."""
     try:
-        sources = atomic.read_json(paths.corpus_manifest).get("sources", [])
-    except (OSError, ValueError):
+        sources = (read_record(paths.corpus_manifest) or {}).get("sources", [])
+    except (OSError, DamagedRecord):
         return {}
     return {paths.located(s["file"]): {**s.get("stamp", {}), "sha256": s.get("sha256")} for s in sources}
 
@@ -50,17 +56,29 @@ def corpus_fingerprint(paths: ProjectPaths, settings: Settings, materials: Mater
                                "format": formats.CORPUS})
 
 
+def corpus_manifest(paths: ProjectPaths) -> CorpusManifest:
+    """The corpus manifest; a clear error when there is none or it is damaged."""
+    manifest = CorpusManifest.read(paths.corpus_manifest)
+    if manifest is None:
+        raise UserError(f"{paths.corpus_manifest} is missing: materialize the corpus asset first.")
+    return manifest
+
+
 def corpus_is_current(paths: ProjectPaths, settings: Settings, materials: MaterialsManifest) -> bool:
-    if not paths.corpus_manifest.is_file():
+    try:
+        doc = read_record(paths.corpus_manifest)
+        manifest = CorpusManifest.read(paths.corpus_manifest, doc)
+    except DamagedRecord:  # status says so; the corpus is built again
         return False
-    manifest = atomic.read_json(paths.corpus_manifest)
-    if manifest.get("fingerprint") != corpus_fingerprint(paths, settings, materials):
+    if manifest is None or manifest.fingerprint != corpus_fingerprint(paths, settings, materials):
         return False
     # By stamp (size, mtime, inode); the content only when those are unsure, then the new stamp is kept.
-    now = {s: verify.confirmed(paths.corpus_file(s), manifest["splits"][s]) for s in SPLITS}
+    if set(manifest.splits) != set(SPLITS):
+        return False
+    now = {s: verify.confirmed(paths.corpus_file(s), manifest.splits[s]) for s in SPLITS}
     if any(record is None for record in now.values()):
         return False
-    verify.store_refreshed(paths.corpus_manifest, manifest, {**manifest, "splits": {**manifest["splits"], **now}})
+    verify.store_refreshed(paths.corpus_manifest, doc, {**doc, "splits": {**manifest.splits, **now}})
     return True
 
 
@@ -196,11 +214,30 @@ def _adapter_is_current(paths: ProjectPaths, adapter_fp: str) -> bool:
 @dataclass(frozen=True)
 class StageState:
     stage: str
-    # current | missing (never made under any settings, or only partly) | stale (made under other
-    # settings, or changed on disk) | blocked (waits for an earlier stage)
+    # current | missing (never made) | partial (some of it made: shards, or training up to a checkpoint) |
+    # damaged (made, but its record or its files are broken) | stale (made under other settings, or an
+    # input changed) | blocked (waits for an earlier stage) | running (with_running)
     state: str
-    # Why: for a stale stage, the project.yaml keys that changed (old → new) or what changed on disk.
+    # Why: for a stale stage, the project.yaml keys that changed (old → new) or what changed on disk;
+    # for a damaged or partial one, what was found.
     detail: str = ""
+
+
+# The states `run` and the daemon continue by themselves: nothing the user decided differs from what
+# was asked. A stale stage waits for the user after a settings edit (defs/resume.py).
+RESUMABLE = ("missing", "partial", "damaged")
+UNFINISHED = (*RESUMABLE, "stale")
+
+
+def _damage(paths: ProjectPaths, record: Path) -> str:
+    """What is wrong with a stage's JSON record, or "" when it reads."""
+    try:
+        read_record(record)
+    except DamagedRecord as exc:
+        return f"{paths.stored(record)}: {exc.why}"
+    except OSError as exc:
+        return f"{paths.stored(record)}: {exc.strerror}"
+    return ""
 
 
 def why_stale(paths: ProjectPaths, settings: Settings, stage: str, recorded_hash: str | None, otherwise: str) -> str:
@@ -230,6 +267,8 @@ def project_status(paths: ProjectPaths, settings: Settings) -> list[StageState]:
     if not manifest_is_current(paths, settings):
         if not paths.materials_manifest.is_file():
             return [StageState("materials", "missing")] + blocked_rest("materials")
+        if damage := _damage(paths, paths.materials_manifest):
+            return [StageState("materials", "damaged", damage)] + blocked_rest("materials")
         why = why_stale(paths, settings, "materials", _recorded_hash(paths.materials_manifest),
                         "a material changed on disk since it was pinned")
         return [StageState("materials", "stale", why)] + blocked_rest("materials")
@@ -238,6 +277,8 @@ def project_status(paths: ProjectPaths, settings: Settings) -> list[StageState]:
     if not corpus_is_current(paths, settings, materials):
         if not paths.corpus_manifest.is_file():
             return out + [StageState("corpus", "missing")] + blocked_rest("corpus")
+        if damage := _damage(paths, paths.corpus_manifest):
+            return out + [StageState("corpus", "damaged", damage)] + blocked_rest("corpus")
         why = why_stale(paths, settings, "corpus", _recorded_hash(paths.corpus_manifest),
                         "a prompt source changed (a local prompt file, or a dataset's pin) or the corpus files did")
         return out + [StageState("corpus", "stale", why)] + blocked_rest("corpus")
@@ -248,12 +289,9 @@ def project_status(paths: ProjectPaths, settings: Settings) -> list[StageState]:
         fingerprints[split] = _planned_fingerprints(settings, plans)
         states = {p.key: set(shard_status(paths, settings, p).values()) for p in plans}
         todo = [key for key, st in states.items() if st != {"current"}]
-        # missing: only never-written halves are left (a first run, or one cut off); stale: some
-        # half was written under other settings or changed on disk.
-        state = "current" if not todo else (
-            "missing" if all(states[key] <= {"current", "missing"} for key in todo) else "stale")
+        state = _shards_state(states, todo)
         detail = f"{len(plans) - len(todo)}/{len(plans)} shards current"
-        if state == "stale":
+        if state in ("stale", "damaged"):
             detail += f"; {_why_shards_stale(paths, settings, split, [p for p in plans if p.key in todo])}"
         out.append(StageState(f"{split}_shards", state, detail))
         unfinished |= bool(todo)
@@ -267,13 +305,7 @@ def project_status(paths: ProjectPaths, settings: Settings) -> list[StageState]:
     # From the plans above: the corpus is read once (adapter_fingerprint would plan the shards again).
     adapter_fp = training_fingerprint(settings, fingerprints["train"], fingerprints["val"])
     if not _adapter_is_current(paths, adapter_fp):
-        if not paths.adapter_manifest.is_file():
-            return out + [StageState("adapter", "missing")] + blocked_rest("adapter")
-        same_run = recorded_fingerprint(paths.adapter_manifest) == adapter_fp
-        why = why_stale(paths, settings, "adapter", _recorded_hash(paths.adapter_manifest),
-                        "its final weights changed on disk" if same_run else
-                        "its train or val shards changed since it was trained")
-        return out + [StageState("adapter", "stale", why)] + blocked_rest("adapter")
+        return out + [_adapter_state(paths, settings, adapter_fp)] + blocked_rest("adapter")
     out.append(StageState("adapter", "current"))
     gguf = gguf_path(paths, settings)
     sidecar = gguf.with_suffix(".json")
@@ -281,9 +313,12 @@ def project_status(paths: ProjectPaths, settings: Settings) -> list[StageState]:
     if not same_export or not _exported_files_unchanged(paths, settings):
         if not sidecar.is_file():
             return out + [StageState("gguf", "missing")] + blocked_rest("gguf")
-        why = why_stale(paths, settings, "gguf", _recorded_hash(sidecar),
-                        "an exported file changed on disk" if same_export else
-                        "the adapter was retrained since the export")
+        if damage := _damage(paths, sidecar):
+            return out + [StageState("gguf", "damaged", damage)] + blocked_rest("gguf")
+        if same_export:
+            return out + [StageState("gguf", "damaged", "an exported file changed on disk or is gone (`gguf-trainer "
+                                     "run` exports again)")] + blocked_rest("gguf")
+        why = why_stale(paths, settings, "gguf", _recorded_hash(sidecar), "the adapter was retrained since the export")
         return out + [StageState("gguf", "stale", why)] + blocked_rest("gguf")
     out.append(StageState("gguf", "current"))
     report = paths.report_json(settings)
@@ -292,11 +327,61 @@ def project_status(paths: ProjectPaths, settings: Settings) -> list[StageState]:
         out.append(StageState("eval_report", "current"))
     elif not report.is_file():
         out.append(StageState("eval_report", "missing"))
+    elif damage := _damage(paths, report):
+        out.append(StageState("eval_report", "damaged", damage))
     else:
         out.append(StageState("eval_report", "stale", why_stale(
             paths, settings, "eval_report", _recorded_hash(report),
             "the GGUF was exported again, or the val shards changed, since it was evaluated")))
     return out
+
+
+def _shards_state(states: dict[str, set[str]], todo: list[str]) -> str:
+    """A split's state from its shards' half states: damaged when a half's bytes changed on disk; stale when
+    one was made under other settings; partial when some shards are done and only unwritten halves are left
+    (a run cut off); missing when none is done."""
+    if not todo:
+        return "current"
+    left = set().union(*(states[key] for key in todo))
+    if "corrupt" in left:
+        return "damaged"
+    if "stale" in left:
+        return "stale"
+    return "partial" if len(todo) < len(states) or "current" in left else "missing"
+
+
+def _adapter_state(paths: ProjectPaths, settings: Settings, adapter_fp: str) -> StageState:
+    """Why the adapter is not current: never trained, trained part way (a checkpoint of this run is kept),
+    its record or final weights damaged, or trained under other settings or shards."""
+    step = last_checkpoint_step(paths, adapter_fp)
+    partial = StageState("adapter", "partial", f"trained to step {step} of {settings.training.steps} "
+                         "(checkpoint kept; `gguf-trainer run` resumes from it)") if step else None
+    if not paths.adapter_manifest.is_file():
+        return partial or StageState("adapter", "missing")
+    if damage := _damage(paths, paths.adapter_manifest):
+        return StageState("adapter", "damaged", damage)
+    if recorded_fingerprint(paths.adapter_manifest) == adapter_fp:
+        return StageState("adapter", "damaged", f"{_final_weights_stored(paths)} changed on disk since training "
+                          "wrote it (`gguf-trainer run` trains again)")
+    return partial or StageState("adapter", "stale", why_stale(
+        paths, settings, "adapter", _recorded_hash(paths.adapter_manifest),
+        "its train or val shards changed since it was trained"))
+
+
+def last_checkpoint_step(paths: ProjectPaths, adapter_fp: str) -> int:
+    """The step of the newest checkpoint of the training run ``adapter_fp`` (0: none)."""
+    from gguf_assets.lib.project.layout import STEP_DIR
+
+    run_dir = paths.checkpoints_dir(adapter_fp)
+    steps = [int(m.group(1)) for d in (run_dir.iterdir() if run_dir.is_dir() else []) if (m := STEP_DIR.match(d.name))]
+    return max(steps, default=0)
+
+
+def _final_weights_stored(paths: ProjectPaths) -> str:
+    from gguf_assets.lib.project.layout import FINAL_DIR, WEIGHTS_FILE
+
+    run_dir = _recorded(paths.adapter_manifest, "run_dir") or "checkpoints/<run>"
+    return f"{run_dir}/{FINAL_DIR}/{WEIGHTS_FILE}"
 
 
 def _why_shards_stale(paths: ProjectPaths, settings: Settings, split: str, todo: list) -> str:
@@ -318,19 +403,15 @@ def _why_shards_stale(paths: ProjectPaths, settings: Settings, split: str, todo:
 def where_stopped(paths: ProjectPaths, settings: Settings) -> str:
     """Where an unfinished pipeline stands, for the "stopped" line: the first unfinished stage, with its
     shards or the training step its newest checkpoint holds."""
-    from gguf_assets.lib.project.layout import STEP_DIR
-
-    unfinished = next((s for s in project_status(paths, settings) if s.state in ("missing", "stale")), None)
+    unfinished = next((s for s in project_status(paths, settings) if s.state in UNFINISHED), None)
     if unfinished is None:
         return "with every stage finished"
     if unfinished.stage.endswith("_shards"):
         return f"during {unfinished.stage} ({unfinished.detail.split(';')[0]})"
     if unfinished.stage == "adapter":
-        run_dir = paths.checkpoints_dir(adapter_fingerprint(paths, settings, load_manifest(paths)))
-        steps = sorted(int(m.group(1)) for d in (run_dir.iterdir() if run_dir.is_dir() else [])
-                       if (m := STEP_DIR.match(d.name)))
-        if steps:
-            return (f"during adapter training, at the checkpoint of step {steps[-1]} of {settings.training.steps} "
+        step = last_checkpoint_step(paths, adapter_fingerprint(paths, settings, load_manifest(paths)))
+        if step:
+            return (f"during adapter training, at the checkpoint of step {step} of {settings.training.steps} "
                     "(kept; training resumes from it)")
         return "during adapter training, before its first checkpoint"
     return f"at {unfinished.stage}"

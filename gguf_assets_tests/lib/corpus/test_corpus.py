@@ -16,7 +16,7 @@ from gguf_assets.lib.corpus import prompt_files
 from gguf_assets.lib.corpus.corpus import build_corpus, clean, empty_count, read_split, shard_prompts
 from gguf_assets.lib.corpus.prompt_files import CorpusError, check_prompt_files, read_prompt_file
 from gguf_assets.lib.project.layout import ProjectPaths
-from gguf_assets.lib.project.manifests import MaterialsManifest
+from gguf_assets.lib.project.manifests import CorpusManifest, MaterialsManifest
 from gguf_assets.lib.project.settings import Settings, replace
 
 
@@ -65,9 +65,9 @@ def test_shard_prompts_covers_everything_in_order():
 
 # -- build_corpus ---------------------------------------------------------------------------
 
-def without_stamps(manifest: dict) -> dict:
+def without_stamps(manifest: CorpusManifest) -> dict:
     """A corpus manifest without its files' mtimes and inodes, which are the disk's, not the corpus's."""
-    return {**manifest, "splits": {s: verify.without_stamp(m) for s, m in manifest["splits"].items()}}
+    return {**manifest.to_json(), "splits": {s: verify.without_stamp(m) for s, m in manifest.splits.items()}}
 
 
 def test_same_seed_gives_byte_identical_files_other_seed_another_order(tmp_path):
@@ -82,7 +82,7 @@ def test_same_seed_gives_byte_identical_files_other_seed_another_order(tmp_path)
     assert without_stamps(outputs["a"][1]) == without_stamps(outputs["b"][1])
     assert outputs["a"][0]["train"] != outputs["c"][0]["train"]
     assert outputs["a"][0]["val"] != outputs["c"][0]["val"]
-    assert outputs["a"][1]["splits"]["train"]["sha256"] != outputs["c"][1]["splits"]["train"]["sha256"]
+    assert outputs["a"][1].splits["train"]["sha256"] != outputs["c"][1].splits["train"]["sha256"]
 
 
 def test_splits_have_requested_sizes_no_overlap_and_empty_prompts(project, tmp_path):
@@ -97,13 +97,13 @@ def test_splits_have_requested_sizes_no_overlap_and_empty_prompts(project, tmp_p
     assert not set(non_empty_train) & set(non_empty_val)
     assert len(set(non_empty_train)) == len(non_empty_train)
     assert set(non_empty_train) | set(non_empty_val) <= set(_prompts(500))
-    assert manifest["fingerprint"] == "abc"
-    assert manifest["splits"]["train"] == {"prompts": 300, "empty": 15, **verify.record(project.corpus_file("train"))}
-    assert manifest["splits"]["val"]["empty"] == 5
-    assert manifest["counts"]["kept"] == 500
-    assert manifest["counts"]["unused"] == 500 - (285 + 95)
-    assert manifest["per_source"] == {"test/prompts": 500}
-    assert json.loads(project.corpus_manifest.read_text()) == manifest
+    assert manifest.fingerprint == "abc"
+    assert manifest.splits["train"] == {"prompts": 300, "empty": 15, **verify.record(project.corpus_file("train"))}
+    assert manifest.splits["val"]["empty"] == 5
+    assert manifest.counts["kept"] == 500
+    assert manifest.counts["unused"] == 500 - (285 + 95)
+    assert manifest.per_source == {"test/prompts": 500}
+    assert json.loads(project.corpus_manifest.read_text()) == manifest.to_json()
 
 
 def test_empty_prompts_are_not_all_at_the_end(project, tmp_path):
@@ -140,9 +140,9 @@ def test_duplicates_removed_and_counted_including_nfc_equivalents(project, tmp_p
     data = _write_jsonl(tmp_path / "data" / "a.jsonl", texts)
     manifest = build_corpus(project, _settings(train_prompts=15, val_prompts=5, empty_fraction=0.0),
                             _dataset(data), fingerprint="x")
-    assert manifest["counts"]["dropped_duplicate"] == 3
-    assert manifest["counts"]["read"] == 24
-    assert manifest["counts"]["kept"] == 21
+    assert manifest.counts["dropped_duplicate"] == 3
+    assert manifest.counts["read"] == 24
+    assert manifest.counts["kept"] == 21
     everything = read_split(project, "train") + read_split(project, "val")
     assert decomposed not in everything
     assert len(everything) == len(set(everything))
@@ -155,8 +155,8 @@ def test_duplicates_across_sources_and_per_source_counts(project, tmp_path):
                               {"source": "org/b", "path": str(b), "text_field": "text"}])
     manifest = build_corpus(project, _settings(train_prompts=30, val_prompts=10, empty_fraction=0.0), materials,
                             fingerprint="x")
-    assert manifest["per_source"] == {"org/a": 30, "org/b": 15}
-    assert manifest["counts"]["dropped_duplicate"] == 10
+    assert manifest.per_source == {"org/a": 30, "org/b": 15}
+    assert manifest.counts["dropped_duplicate"] == 10
 
 
 def test_length_filter_and_blank_lines_are_counted(project, tmp_path):
@@ -164,9 +164,9 @@ def test_length_filter_and_blank_lines_are_counted(project, tmp_path):
     data = _write_jsonl(tmp_path / "data" / "a.jsonl", texts)
     manifest = build_corpus(project, _settings(train_prompts=20, val_prompts=5, min_chars=3, max_chars=100,
                                                empty_fraction=0.0), _dataset(data), fingerprint="x")
-    assert manifest["counts"]["dropped_length"] == 4
-    assert manifest["counts"]["dropped_blank"] == 2
-    assert manifest["counts"]["kept"] == 30
+    assert manifest.counts["dropped_length"] == 4
+    assert manifest.counts["dropped_blank"] == 2
+    assert manifest.counts["kept"] == 30
     everything = read_split(project, "train") + read_split(project, "val")
     assert all(3 <= len(t) <= 100 for t in everything)
 
@@ -175,7 +175,7 @@ def test_length_bounds_are_inclusive(project, tmp_path):
     data = _write_jsonl(tmp_path / "data" / "a.jsonl", ["abc", "abcdefghij", "ab", "abcdefghijk"])
     manifest = build_corpus(project, _settings(train_prompts=1, val_prompts=1, min_chars=3, max_chars=10,
                                                empty_fraction=0.0), _dataset(data), fingerprint="x")
-    assert manifest["counts"]["kept"] == 2 and manifest["counts"]["dropped_length"] == 2
+    assert manifest.counts["kept"] == 2 and manifest.counts["dropped_length"] == 2
 
 
 def test_too_few_prompts_states_both_numbers(project, tmp_path):
@@ -192,7 +192,7 @@ def test_exactly_enough_prompts_is_fine(project, tmp_path):
     data = _write_jsonl(tmp_path / "data" / "a.jsonl", _prompts(108))
     manifest = build_corpus(project, _settings(train_prompts=100, val_prompts=10, empty_fraction=0.01),
                             _dataset(data), fingerprint="x")  # 1 empty in each split
-    assert manifest["counts"]["unused"] == 0
+    assert manifest.counts["unused"] == 0
 
 
 def test_custom_text_field(project, tmp_path):
@@ -212,8 +212,8 @@ def test_dataset_folder_reads_all_prompt_files_in_sorted_order(project, tmp_path
     (folder / "d.csv.gz").write_bytes(gzip.compress(("text\n" + "\n".join(_prompts(5, prefix="csv"))).encode()))
     manifest = build_corpus(project, _settings(train_prompts=10, val_prompts=5, empty_fraction=0.0),
                             _dataset(folder), fingerprint="x")
-    assert manifest["counts"]["read"] == 20 and manifest["counts"]["kept"] == 20
-    assert [Path(s["file"]).name for s in manifest["sources"]] == ["a.txt", "x.jsonl", "c.json", "d.csv.gz"]
+    assert manifest.counts["read"] == 20 and manifest.counts["kept"] == 20
+    assert [Path(s["file"]).name for s in manifest.sources] == ["a.txt", "x.jsonl", "c.json", "d.csv.gz"]
 
 
 def test_local_prompt_files_relative_to_project(project, tmp_path):
@@ -221,7 +221,7 @@ def test_local_prompt_files_relative_to_project(project, tmp_path):
     (project.root / "extra.txt").write_text("\n".join(_prompts(12, prefix="local")), encoding="utf-8")
     manifest = build_corpus(project, _settings(train_prompts=8, val_prompts=2, empty_fraction=0.0,
                                                local_prompt_files=["extra.txt"]), MaterialsManifest(), fingerprint="x")
-    assert manifest["per_source"] == {"extra.txt": 12}
+    assert manifest.per_source == {"extra.txt": 12}
 
 
 def test_the_corpus_fingerprint_rereads_a_local_file_only_when_its_stamp_changed(project, monkeypatch):
@@ -408,7 +408,7 @@ def test_local_files_use_corpus_text_field(project, tmp_path):
     manifest = build_corpus(project, _settings(train_prompts=15, val_prompts=5, empty_fraction=0.0,
                                                text_field="caption", local_prompt_files=["p.csv", "p.jsonl"]),
                             MaterialsManifest(), fingerprint="x")
-    assert manifest["per_source"] == {"p.csv": 10, "p.jsonl": 10}
+    assert manifest.per_source == {"p.csv": 10, "p.jsonl": 10}
 
 
 def test_json_list_streams_across_read_chunks(tmp_path, monkeypatch):
@@ -490,7 +490,7 @@ def test_one_megabyte_line_is_read_and_dropped_for_length(project, tmp_path):
     _write_jsonl(data, _prompts(20) + ["y" * (1 << 20)])
     manifest = build_corpus(project, _settings(train_prompts=10, val_prompts=5, empty_fraction=0.0), _dataset(data),
                             fingerprint="x")
-    assert manifest["counts"]["dropped_length"] == 1 and manifest["counts"]["kept"] == 20
+    assert manifest.counts["dropped_length"] == 1 and manifest.counts["kept"] == 20
 
 
 # -- bad input: skipping, pre-checks ------------------------------------------------------------
@@ -516,10 +516,10 @@ def test_skip_bad_lines_counts_and_samples_them(project, tmp_path):
     data = _bad_jsonl(tmp_path / "bad.jsonl")
     manifest = build_corpus(project, _settings(train_prompts=20, val_prompts=5, empty_fraction=0.0,
                                                skip_bad_lines=True), _dataset(data), fingerprint="x")
-    assert manifest["counts"]["skipped_bad_lines"] == 4
-    assert manifest["counts"]["read"] == 27 and manifest["counts"]["kept"] == 27
-    assert manifest["sources"][0]["skipped_bad_lines"] == 4
-    samples = manifest["bad_line_samples"]
+    assert manifest.counts["skipped_bad_lines"] == 4
+    assert manifest.counts["read"] == 27 and manifest.counts["kept"] == 27
+    assert manifest.sources[0]["skipped_bad_lines"] == 4
+    samples = manifest.bad_line_samples
     assert [s.split(": ")[0] for s in samples] == [f"{data}:{n}" for n in (4, 8, 12, 31)]
     assert "offset" in samples[3] and "key 'text' is a number" in samples[1]
 
@@ -573,8 +573,8 @@ def test_allow_fewer_keeps_val_and_shrinks_train(project, tmp_path):
     train, val = read_split(project, "train"), read_split(project, "val")
     assert len(val) == 50 and val.count("") == 5
     assert len([t for t in train if t]) == 150 - 45  # every remaining prompt goes to train
-    assert train.count("") == empty_count(len(train), 0.1) and len(train) == manifest["splits"]["train"]["prompts"]
-    assert manifest["requested"] == {"train": 300, "val": 50} and manifest["counts"]["unused"] == 0
+    assert train.count("") == empty_count(len(train), 0.1) and len(train) == manifest.splits["train"]["prompts"]
+    assert manifest.requested == {"train": 300, "val": 50} and manifest.counts["unused"] == 0
 
 
 def test_allow_fewer_still_fails_when_val_cannot_be_filled(project, tmp_path):
@@ -597,19 +597,19 @@ def test_manifest_records_inputs_settings_outputs_and_stats(project, tmp_path):
     data = _write_jsonl(tmp_path / "data" / "a.jsonl", _prompts(100) + _prompts(5) + ["x"])
     settings = _settings(train_prompts=60, val_prompts=20, min_chars=3)
     manifest = build_corpus(project, settings, _dataset(data), fingerprint="x")
-    assert manifest["settings"] == settings.section_dict("corpus")
-    [source] = manifest["sources"]
+    assert manifest.settings == settings.section_dict("corpus")
+    [source] = manifest.sources
     assert source == {"source": "test/prompts", "file": str(data), "format": ".jsonl", "text_field": "text",
                       "sha256": atomic.sha256_file(data), "read": 106, "dropped_blank": 0, "dropped_length": 1,
                       "dropped_duplicate": 5, "skipped_bad_lines": 0, "kept": 100, "stamp": verify.stamp(data)}
     for split in ("train", "val"):
-        assert manifest["splits"][split]["sha256"] == atomic.sha256_file(project.corpus_file(split))
-    assert sum(b["prompts"] for b in manifest["length_histogram"]) == 100
+        assert manifest.splits[split]["sha256"] == atomic.sha256_file(project.corpus_file(split))
+    assert sum(b["prompts"] for b in manifest.length_histogram) == 100
     lengths = [len(t) for t in _prompts(100)]
-    assert manifest["length_chars"]["min"] == min(lengths) and manifest["length_chars"]["max"] == max(lengths)
-    assert [r["split"] for r in manifest["preview"]] == ["train"] * 12 + ["val"] * 12
+    assert manifest.length_chars["min"] == min(lengths) and manifest.length_chars["max"] == max(lengths)
+    assert [r["split"] for r in manifest.preview] == ["train"] * 12 + ["val"] * 12
     train = read_split(project, "train")
-    assert [r["text"] for r in manifest["preview"][:12]] == train[:12]
+    assert [r["text"] for r in manifest.preview[:12]] == train[:12]
 
 
 def test_corpus_markdown_tables(project, tmp_path):
@@ -680,9 +680,9 @@ def test_parquet_dataset_builds_the_same_corpus_as_jsonl(tmp_path, monkeypatch, 
         built[name + "_files"] = [paths.corpus_file(split).read_bytes() for split in ("train", "val")]
     assert built["parquet_files"] == built["jsonl_files"]
     assert without_stamps(built["parquet"])["splits"] == without_stamps(built["jsonl"])["splits"]
-    assert built["parquet"]["counts"] == built["jsonl"]["counts"]
-    assert built["parquet"]["counts"]["dropped_duplicate"] == 10
-    source = built["parquet"]["sources"][0]
+    assert built["parquet"].counts == built["jsonl"].counts
+    assert built["parquet"].counts["dropped_duplicate"] == 10
+    source = built["parquet"].sources[0]
     assert source["format"] == ".parquet" and source["sha256"] == atomic.sha256_file(parquet)
     assert read_columns and all(columns == [text_field] for columns in read_columns)  # only the text column
 
@@ -705,8 +705,8 @@ def test_parquet_null_names_the_row_and_skip_bad_lines_counts_it(project, tmp_pa
     assert "corpus.skip_bad_lines" in str(info.value)
     manifest = build_corpus(project, _settings(train_prompts=20, val_prompts=5, empty_fraction=0.0,
                                                skip_bad_lines=True), _dataset(data), fingerprint="x")
-    assert manifest["counts"]["skipped_bad_lines"] == 1 and manifest["counts"]["read"] == 29
-    assert manifest["bad_line_samples"] == [f"{data}: row 8: column 'text' is null, not a string."]
+    assert manifest.counts["skipped_bad_lines"] == 1 and manifest.counts["read"] == 29
+    assert manifest.bad_line_samples == [f"{data}: row 8: column 'text' is null, not a string."]
 
 
 def test_parquet_non_string_column_and_unreadable_files(project, tmp_path):

@@ -98,7 +98,8 @@ def test_build_writes_verified_halves_and_reports_live_figures(project, caplog):
     report = run.reports[0]
     assert report["teacher_status"] == "missing" and report["teacher_prompts_per_s"] > 0
     assert report["teacher_cpu_layers"] == TEACHER_LAYERS and report["host_process_rss_gib_max"] > 0
-    summary = run.summary
+    summary = run.metadata()
+    assert run.computed("teacher") == 2 and run.halves["student"].computed == 2
     assert summary["teacher_halves_computed"] == 2 and summary["student_halves_computed"] == 2
     assert summary["teacher_prompts_per_s"] > 0 and summary["teacher_tokens_per_s"] > 0
     assert summary["hw_samples"] >= 3 and "host_cpu_pct_mean" in summary and "host_ram_used_gib_max" in summary
@@ -109,7 +110,7 @@ def test_build_writes_verified_halves_and_reports_live_figures(project, caplog):
     # Nothing changed: nothing is recomputed, and the reused work does not count as throughput.
     again = precompute_split(paths, settings, materials, "train", keys)
     assert {r["teacher_status"] for r in again.reports} == {"current"}
-    assert again.summary["teacher_halves_computed"] == 0 and again.summary["teacher_prompts_per_s"] == 0
+    assert again.computed("teacher") == 0 and again.halves["teacher"].prompts_per_s == 0
 
 
 def test_student_change_leaves_teacher_targets_byte_for_byte(project):
