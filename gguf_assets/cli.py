@@ -1,6 +1,7 @@
 """gguf-trainer: create a project, run the demo, run the pipeline, open the UI, auto-resume."""
 
 import argparse
+import contextlib
 import os
 import shlex
 import signal
@@ -50,6 +51,7 @@ def _print_status(paths: ProjectPaths) -> None:
 
 
 STOPPED_EXIT = 130  # the shell's code for a Ctrl-C
+VERIFY_PROGRESS_S = 2.0  # how often `verify` prints how far it is
 # Set in the process that executes the pipeline (see _run_in_own_process_group).
 RUN_CHILD_ENV = "GGUF_ASSETS_RUN_CHILD"
 _PR_SET_PDEATHSIG = 1
@@ -139,8 +141,10 @@ def _print_results(paths: ProjectPaths) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from gguf_assets.lib.project.layout import check_output_folders
+
     paths = ProjectPaths.of(args.project)
-    load_settings(paths.root)  # fail fast on a bad project.yaml
+    check_output_folders(paths, load_settings(paths.root))  # fail fast on a bad project.yaml or output folder
     return _run(paths, workers=getattr(args, "workers", 1))
 
 
@@ -328,6 +332,73 @@ def cmd_auto_resume(project: str, *, daemon: bool, ui_port: int | None = None, u
     return code
 
 
+def cmd_verify(args: argparse.Namespace) -> int:
+    """Re-read every file the project reuses or delivered against its recorded hash, whatever the stamps say."""
+    from gguf_assets.lib.project import verify_project as v
+
+    paths = ProjectPaths.of(args.project)
+    settings = load_settings(paths.root)
+    last = {"t": time.monotonic()}
+
+    def progress(done: int, total: int, read: int) -> None:
+        if time.monotonic() - last["t"] >= VERIFY_PROGRESS_S or done == total:
+            last["t"] = time.monotonic()
+            print(f"  {done}/{total} files, {read / 1e6:.1f} MB read", flush=True)
+
+    print(f"verifying {paths.root} (every byte, against the recorded sha256) …", flush=True)
+    results, seconds = v.timed_verify(paths, settings, on_progress=progress)
+    by_stage: dict[str, list] = {}
+    for result in results:
+        by_stage.setdefault(result.file.stage, []).append(result)
+    for stage, stage_results in by_stage.items():
+        bad = [r for r in stage_results if r.state != v.OK]
+        state = v.OK if not bad else v.DAMAGED if any(r.state == v.DAMAGED for r in bad) else v.MISSING
+        print(f"  {stage:<12} {state:<8} {len(stage_results) - len(bad)}/{len(stage_results)} files ok")
+        for r in bad:
+            print(f"      {r.state}: {paths.stored(r.file.path)}"
+                  + (" (yours: a source file)" if r.file.owner == "yours" else ""))
+    print(v.summary_line(results, seconds))
+    bad = [r for r in results if r.state != v.OK]
+    if not bad:
+        return 0
+    if args.repair:
+        for line in v.repair(paths, bad):
+            print(f"  repaired: {line}")
+        print(f"`{_venv_tool('gguf-trainer')} run {paths.root}` redoes exactly those.")
+    else:
+        print(f"`{_venv_tool('gguf-trainer')} verify {paths.root} --repair` marks them, so the next run redoes "
+              "exactly those.")
+    return 1
+
+
+def _damaged_dagster_storage(paths_hint: str | None, exc: BaseException) -> str | None:
+    """The message for a damaged Dagster SQLite file in a project's .dagster, or None if it is not that."""
+    import sqlite3
+
+    if "malformed" not in str(exc) and "not a database" not in str(exc) and "disk I/O" not in str(exc):
+        return None
+    if not paths_hint:
+        return None
+    paths = ProjectPaths.of(paths_hint)
+    home = paths.root / ".dagster"
+    damaged = []
+    for db in sorted(home.rglob("*.db")):
+        try:
+            with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as conn:
+                ok = conn.execute("PRAGMA quick_check").fetchone()[0] == "ok"
+        except sqlite3.DatabaseError:
+            ok = False
+        if not ok:
+            damaged.append(db)
+    if not damaged:
+        return None
+    names = ", ".join(str(d) for d in damaged)
+    return (f"Dagster's run history is damaged: {names} ({str(exc).splitlines()[0]}). Your results are in the "
+            f"project's files, not there, and nothing computed is lost. Move the history away and run again: "
+            f"`mv {home} {home}.damaged && {_venv_tool('gguf-trainer')} run {paths.root}` (every finished stage is "
+            "found current and kept; only the list of past runs starts afresh).")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gguf-trainer", description=__doc__)
     parser.add_argument("--auto-resume", metavar="PROJECT",
@@ -354,6 +425,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("status", help="show which stages are current, stale or missing")
     p.add_argument("project")
     p.set_defaults(func=cmd_status)
+    p = sub.add_parser("verify", help="re-read every file the project reuses or delivered against its sha256")
+    p.add_argument("project")
+    p.add_argument("--repair", action="store_true",
+                   help="mark the damaged files so that the next `run` redoes exactly those")
+    p.set_defaults(func=cmd_verify)
     p = sub.add_parser("env", help="print the environment the Dagster CLI needs for a project (eval it)")
     p.add_argument("project")
     p.set_defaults(func=cmd_env)
@@ -384,13 +460,18 @@ def main(argv: list[str] | None = None) -> int:
     except SettingsError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `gguf-trainer status DIR | head`: the reader left, which is no error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except Exception as exc:  # library errors already name the file/key and the fix
-        from gguf_assets.lib.core.lock import ProjectLocked
-        from gguf_assets.lib.corpus.prompt_files import CorpusError
-        from gguf_assets.lib.materials.materials import MaterialsError
+        from gguf_assets.lib.core.errors import UserError
 
-        if isinstance(exc, (CorpusError, MaterialsError, ProjectLocked)):
+        if isinstance(exc, UserError):
             print(f"error: {exc}", file=sys.stderr)
+            return 2
+        damaged = _damaged_dagster_storage(getattr(args, "project", None) or args.auto_resume, exc)
+        if damaged:
+            print(f"error: {damaged}", file=sys.stderr)
             return 2
         raise
 

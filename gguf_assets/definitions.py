@@ -14,7 +14,7 @@ from gguf_assets.defs import corpus, materials, output, precompute, training
 from gguf_assets.defs.console import short_console
 from gguf_assets.defs.environment import EnvironmentMismatch, project_dir_from_env
 from gguf_assets.defs.jobs import JOBS
-from gguf_assets.defs.output import exported_files_unchanged
+from gguf_assets.defs.output import exported_files_unchanged, reported_files_unchanged
 from gguf_assets.defs.precompute import SHARD_CHECKS
 from gguf_assets.defs.resources import ProjectResource
 from gguf_assets.defs.resume import interrupted_runs_sensor, resume_sensor
@@ -35,7 +35,7 @@ def build_definitions(project_dir: str | None) -> dg.Definitions:
             pass
     return dg.Definitions(
         assets=assets,
-        asset_checks=[*SHARD_CHECKS, exported_files_unchanged],
+        asset_checks=[*SHARD_CHECKS, exported_files_unchanged, reported_files_unchanged],
         jobs=JOBS,
         sensors=[interrupted_runs_sensor(running=auto_resume), resume_sensor(running=auto_resume)],
         # The folder comes from the environment at run time, so run storage holds no path.

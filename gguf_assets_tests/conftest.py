@@ -95,14 +95,30 @@ def cli_env(**extra: str) -> dict:
 
 
 @pytest.fixture(scope="session")
-def reference_run(tmp_path_factory, demo_materials_root) -> tuple[dict[str, bytes], float]:
-    """The outputs of one uninterrupted `gguf-trainer run` under FAULT_SETTINGS, and its seconds."""
+def finished_project(tmp_path_factory, demo_materials_root) -> tuple[Path, float]:
+    """A project folder after one uninterrupted `gguf-trainer run` under FAULT_SETTINGS, and its seconds.
+    Never changed: a test that changes a project works on ``copy_project`` of it."""
     root = new_demo_project(tmp_path_factory.mktemp("reference"), demo_materials_root, **FAULT_SETTINGS).root
     start = time.perf_counter()
     subprocess.run([*CLI, "run", str(root)], env=cli_env(), check=True, capture_output=True, timeout=600)
+    return root, time.perf_counter() - start
+
+
+def copy_project(source: Path, dest: Path) -> ProjectPaths:
+    """A copy of a project folder (its Dagster history too), stamped by one `status`: a copy has new inodes,
+    which the first status settles by content, so later checks are the cheap ones a user's project gets."""
+    shutil.copytree(source, dest, symlinks=True)
+    subprocess.run([*CLI, "status", str(dest)], env=cli_env(), check=True, capture_output=True, timeout=120)
+    return ProjectPaths.of(dest)
+
+
+@pytest.fixture(scope="session")
+def reference_run(finished_project) -> tuple[dict[str, bytes], float]:
+    """The outputs of one uninterrupted `gguf-trainer run` under FAULT_SETTINGS, and its seconds."""
+    root, seconds = finished_project
     outputs = pipeline_outputs(root)
     assert len(outputs) == 5 * 2 + 2  # 5 shards x 2 halves, the final weights, the GGUF
-    return outputs, time.perf_counter() - start
+    return outputs, seconds
 
 
 def project_instance(paths: ProjectPaths):

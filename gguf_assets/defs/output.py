@@ -13,7 +13,7 @@ from gguf_assets.defs.settings import settings_key
 from gguf_assets.defs.training import adapter
 from gguf_assets.lib.core import atomic
 from gguf_assets.lib.materials.materials import load_manifest
-from gguf_assets.lib.output.export import export_adapter
+from gguf_assets.lib.output.export import ExportError, export_adapter
 from gguf_assets.lib.output.gguf_eval import evaluate_gguf
 from gguf_assets.lib.output.report import (
     build_report,
@@ -24,6 +24,7 @@ from gguf_assets.lib.output.report import (
 )
 from gguf_assets.lib.output.verdict import GOOD
 from gguf_assets.lib.precompute.shards import require_current
+from gguf_assets.lib.project.manifests import Report
 from gguf_assets.lib.project.pipeline import (
     export_sidecar,
     gguf_path,
@@ -63,8 +64,12 @@ GGUF_TORCH_TOLERANCE = 1e-3
 @dg.asset_check(asset=gguf, description="Every exported file (the GGUF, the vision GGUF, the copies in "
                 "output.also_copy_to) is still there with the size and sha256 the export recorded.")
 def exported_files_unchanged(project: ProjectResource) -> dg.AssetCheckResult:
-    paths, settings = project.paths(), project.settings()
-    files = export_sidecar(paths, settings).written_files()
+    files = export_sidecar(project.paths(), project.settings()).written_files()
+    return _check_result(files, _delivered_problems(files))
+
+
+def _delivered_problems(files: list[dict]) -> list[str]:
+    """What differs between exported files and their records ({path, bytes, sha256}): every byte is read."""
     problems = []
     for entry in files:
         file = Path(entry["path"])
@@ -74,6 +79,10 @@ def exported_files_unchanged(project: ProjectResource) -> dg.AssetCheckResult:
             problems.append(f"{file}: {file.stat().st_size} bytes, the export wrote {entry['bytes']}")
         elif atomic.sha256_file(file) != entry["sha256"]:
             problems.append(f"{file}: its sha256 changed since the export")
+    return problems
+
+
+def _check_result(files: list[dict], problems: list[str]) -> dg.AssetCheckResult:
     return dg.AssetCheckResult(passed=not problems, metadata={
         "files": len(files), **({"problems": dg.MetadataValue.md("\n".join(f"- `{p}`" for p in problems))}
                                 if problems else {})})
@@ -96,6 +105,11 @@ def eval_report(context: dg.AssetExecutionContext, project: ProjectResource) -> 
     target = gguf_path(paths, settings)
     sidecar = export_sidecar(paths, settings)
     folders = require_current(paths, settings, materials_manifest, "val")
+    # The report vouches for the delivered bytes: a GGUF changed since its export is never scored.
+    if atomic.sha256_file(target) != sidecar.sha256:
+        raise ExportError(f"{target} changed since it was exported (its sha256 differs from the one in "
+                          f"{target.with_suffix('.json')}). `gguf-trainer run` exports it again; `gguf-trainer "
+                          "verify` checks every file.")
     evaluation = evaluate_gguf(target, folders) if settings.output.evaluate else None
     fingerprint = report_fingerprint(settings, sidecar.fingerprint,
                                      shard_fingerprints(paths, settings, materials_manifest, "val"))
@@ -127,3 +141,11 @@ def eval_report(context: dg.AssetExecutionContext, project: ProjectResource) -> 
     metadata.update(project.stage_metadata("eval_report", settings))
     project.result_written(context)
     return dg.MaterializeResult(data_version=dg.DataVersion(fingerprint), metadata=metadata, check_results=checks)
+
+
+@dg.asset_check(asset=eval_report, description="The files the report names (the GGUF that was scored, the vision "
+                "GGUF, the copies) still hold the sha256 the report lists: what it vouches for is what ggk loads.")
+def reported_files_unchanged(project: ProjectResource) -> dg.AssetCheckResult:
+    paths, settings = project.paths(), project.settings()
+    report = Report.from_json(paths.located_doc(atomic.read_json(paths.report_json(settings))))
+    return _check_result(report.files, _delivered_problems(report.files))

@@ -20,7 +20,7 @@ from gguf_assets.defs.settings import observe_settings
 from gguf_assets.lib.core.liveness import boot_id, process_started
 from gguf_assets.lib.core.lock import ProjectLock
 from gguf_assets.lib.project import settings_history
-from gguf_assets.lib.project.layout import ProjectPaths
+from gguf_assets.lib.project.layout import ProjectPaths, check_output_folders
 from gguf_assets.lib.project.settings import Settings, load_settings
 
 
@@ -41,6 +41,7 @@ class RunBookkeeping:
     def begin(cls, instance: dg.DagsterInstance | None, run: dg.DagsterRun | None,
               paths: ProjectPaths) -> RunBookkeeping:
         settings = run_settings(paths, run)
+        check_output_folders(paths, settings)  # a run that cannot deliver its result does no work
         if instance is not None and run is not None:
             mark_interrupted_runs(instance)  # every entry point cleans up after a kill -9, not only the daemon
             observe_settings(instance, settings, paths)

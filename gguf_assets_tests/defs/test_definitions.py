@@ -38,7 +38,8 @@ def test_named_jobs_checks_and_sensors():
     checks |= {f"{k.asset_key.to_user_string()}:{k.name}" for a in defs.assets if hasattr(a, "check_keys")
                for k in a.check_keys}
     assert checks == {"train_shards:shards_verified", "val_shards:shards_verified", "gguf:exported_files_unchanged",
-                      "eval_report:gguf_agrees_with_torch", "eval_report:val_centred_cosine_threshold"}
+                      "eval_report:gguf_agrees_with_torch", "eval_report:val_centred_cosine_threshold",
+                      "eval_report:reported_files_unchanged"}
     assert {s.name for s in defs.sensors} == {"interrupted_runs_sensor", "resume_pipeline_sensor"}
 
 

@@ -193,9 +193,21 @@ def _read_jsonl(stream: BinaryIO, file: Path, text_field: str, gz: bool) -> Iter
         if type(obj) is dict:
             value = obj.get(text_field)
             if type(value) is str:
-                yield value
+                # Only a \u escape can make a string that is not Unicode text (a lone surrogate).
+                yield value if "\\u" not in line else _unicode_or_bad(value, f"{file}:{line_no}")
                 continue
         yield BadRecord(f"{file}:{line_no}: {_field_problem(obj, text_field)}")
+
+
+def _unicode_or_bad(text: str, where: str) -> str | BadRecord:
+    """``text``, or a bad record when it holds a lone surrogate (a \\ud800-style escape with no pair), which no
+    file can store as UTF-8 and no tokenizer reads."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return BadRecord(f"{where}: the prompt holds a lone surrogate ({text[exc.start]!r} at character {exc.start}), "
+                         "which is not Unicode text: an escape like \\ud800 without its pair. Fix or drop the line.")
+    return text
 
 
 def _read_csv(stream: BinaryIO, file: Path, text_field: str, gz: bool) -> Iterator[str | BadRecord]:
@@ -337,9 +349,9 @@ def _read_json(stream: BinaryIO, file: Path, text_field: str, gz: bool) -> Itera
                 continue
             break
         if type(value) is str:
-            yield value
+            yield _unicode_or_bad(value, f"{file}:{line_at(pos)}: item {index}")
         elif type(value) is dict and type(value.get(text_field)) is str:
-            yield value[text_field]
+            yield _unicode_or_bad(value[text_field], f"{file}:{line_at(pos)}: item {index}")
         else:
             yield BadRecord(f"{file}:{line_at(pos)}: item {index}: {_field_problem(value, text_field)}")
         pos = end

@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 # What a model needs besides its weights: config, tokenizer, generation and preprocessor configs.
 MODEL_META_SUFFIXES = (".json", ".txt", ".model", ".tiktoken", ".jinja")
 WEIGHTS_SUFFIX = ".safetensors"
+WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 REMOTE_CODE_SUFFIX = ".py"
@@ -72,17 +73,34 @@ def _hash_local_folder(folder: Path, cache: dict) -> tuple[str, int, int, dict]:
     return "local:" + atomic.fingerprint(entries), len(files), total, new_cache
 
 
+def _model_weights(role: str, source: str, names: list[str], settings: Settings, *, pickles_fix: str,
+                   none_fix: str) -> list[str]:
+    """The model's weight files among a folder's (or repo's) top-level file names, refused before any load or
+    download when transformers could not load them: only pickles (they can run code), none at all, or
+    safetensors under names transformers does not look for. The query rows file is not weights."""
+    weights = sorted(n for n in names if n.endswith(WEIGHTS_SUFFIX) and n != settings.materials.query_rows_file)
+    if not weights:
+        pickles = sorted(n for n in names if n.endswith(PICKLE_SUFFIXES))
+        if pickles:
+            raise MaterialsError(f"materials.{role} = {source!r} has only pickle weights ({', '.join(pickles[:4])}), "
+                                 f"which are refused because loading them can run code. {pickles_fix}")
+        raise MaterialsError(f"materials.{role} = {source!r}: {none_fix}")
+    if WEIGHTS_FILE not in names and WEIGHTS_INDEX not in names:
+        raise MaterialsError(f"materials.{role} = {source!r}: its weights ({', '.join(weights[:4])}) are not named "
+                             f"{WEIGHTS_FILE}, nor listed by {WEIGHTS_INDEX}, which is what transformers loads. "
+                             f"Rename a single file to {WEIGHTS_FILE}, or add the index that names the shards.")
+    return weights
+
+
 def _check_model_folder(role: str, source: str, folder: Path, settings: Settings) -> None:
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise MaterialsError(f"materials.{role} = {source!r}: {folder} has no config.json; point it at a "
                              "transformers model folder (config, tokenizer and *.safetensors).")
-    weights = list(folder.glob("*.safetensors"))
-    if not weights:
-        pickles = list(folder.glob("*.bin")) + list(folder.glob("*.pt")) + list(folder.glob("*.pth"))
-        hint = (" It has only pickle weights, which are refused because loading them can run code; "
-                "convert them to safetensors first.") if pickles else ""
-        raise MaterialsError(f"materials.{role} = {source!r}: no *.safetensors weights in {folder}.{hint}")
+    weights = [folder / name for name in _model_weights(
+        role, source, [p.name for p in folder.iterdir() if p.is_file()], settings,
+        pickles_fix="Convert them to safetensors first (safetensors loads no code).",
+        none_fix=f"no *.safetensors weights in {folder}; point it at a transformers model folder.")]
     config = json.loads(config_path.read_text(encoding="utf-8"))
     if config.get("auto_map") and not settings.materials.trust_remote_code:
         raise MaterialsError(f"materials.{role} = {source!r} needs remote code (config.json has auto_map). "
@@ -131,16 +149,11 @@ def _select_model_files(role: str, source: str, listing: hub.Listing, settings: 
     """(small files, weight files) of a model repo; refuses what cannot be used before any download."""
     top = [p for p in listing.files if "/" not in p]
     query_rows = settings.materials.query_rows_file
-    weights = sorted(p for p in top if p.endswith(WEIGHTS_SUFFIX) and p != query_rows)
-    if not weights:
-        pickles = sorted(p for p in top if p.endswith(PICKLE_SUFFIXES))
-        if pickles:
-            raise MaterialsError(f"materials.{role} = {source!r} has only pickle weights ({', '.join(pickles[:4])}), "
-                                 "which are refused because loading them can run code. Use a repo or revision "
-                                 "with *.safetensors weights, or convert them and point at the local folder.")
-        raise MaterialsError(f"materials.{role} = {source!r}: the repo has no *.safetensors weights at its top "
-                             f"level (files: {', '.join(sorted(listing.files)[:8]) or 'none'}). Point it at a "
-                             "transformers model repo.")
+    weights = _model_weights(
+        role, source, top, settings,
+        pickles_fix="Use a repo or revision with *.safetensors weights, or convert them and point at the local folder.",
+        none_fix=f"the repo has no *.safetensors weights at its top level (files: "
+                 f"{', '.join(sorted(listing.files)[:8]) or 'none'}). Point it at a transformers model repo.")
     meta = sorted(p for p in top if p.endswith(MODEL_META_SUFFIXES))
     if "config.json" not in listing.files:
         raise MaterialsError(f"materials.{role} = {source!r}: the repo has no config.json; point it at a "

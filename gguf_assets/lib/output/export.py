@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,7 @@ from gguf_assets.lib.project import settings_history
 from gguf_assets.lib.project.layout import ProjectPaths
 from gguf_assets.lib.project.manifests import ExportSidecar, MaterialsManifest
 from gguf_assets.lib.project.pipeline import export_sidecar, gguf_fingerprint, gguf_path
-from gguf_assets.lib.project.settings import Settings
+from gguf_assets.lib.project.settings import Settings, adapter_name_problem
 from gguf_assets.lib.training.adapter import MLP_RATIO, NORM_EPS
 from gguf_assets.lib.training.checkpoints import load_final
 
@@ -42,13 +41,10 @@ class ExportError(UserError, ValueError):
 
 
 def check_file_name(name: str, *, setting: str = "output.adapter_name") -> str:
-    """``name`` if it is a plain file name; settings validate this too, but a name that
-    reached export some other way must never write outside the output folder."""
-    bad = (not isinstance(name, str) or not name.strip() or name in (".", "..") or "\0" in name
-           or "/" in name or "\\" in name or (os.altsep and os.altsep in name) or os.sep in name)
-    if bad:
-        raise ExportError(f"{setting} = {name!r} is not a plain file name: no path separators, not '.' or '..', "
-                          "not empty. Use something like 'my-adapter'.")
+    """``name`` if it is a plain file name (settings.adapter_name_problem: the same rule settings apply)."""
+    problem = adapter_name_problem(name)
+    if problem:
+        raise ExportError(f"{setting} = {problem}")
     return name
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gguf_assets.lib.core.errors import UserError
 from gguf_assets.lib.project.settings import PROJECT_FILE, RESERVED_ADAPTER_NAME, Settings
 
 SPLITS = ("train", "val")
@@ -140,3 +141,24 @@ class ProjectPaths:
         """A settings path: absolute, ~, or relative to the project folder."""
         path = Path(value).expanduser()
         return path if path.is_absolute() else self.root / path
+
+
+class OutputFolderError(UserError):
+    """An output setting points at something that cannot be a folder; raised before a run does any work."""
+
+
+def check_output_folders(paths: ProjectPaths, settings: Settings) -> None:
+    """Refuse, before any work, an output folder that cannot be made: the path, or a folder above it, is a file.
+    (Found only at export otherwise, after hours of training.)"""
+    o = settings.output
+    for key, value, folder in (("output.output_dir", o.output_dir, paths.output_dir(settings)),
+                               ("output.also_copy_to", o.also_copy_to,
+                                paths.resolve_local(o.also_copy_to) if o.also_copy_to else None)):
+        if folder is None:
+            continue
+        blocker = next((p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()), None)
+        if blocker is not None:
+            where = "is a file" if blocker == folder else f"lies under {blocker}, which is a file"
+            raise OutputFolderError(f"{key} = {value or '(empty: <project>/output)'!r}: {folder} {where}, not a "
+                                    "folder. Point the setting at a folder (it is made when missing), or move the "
+                                    "file away.")

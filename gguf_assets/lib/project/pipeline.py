@@ -186,14 +186,26 @@ def export_sidecar(paths: ProjectPaths, settings: Settings) -> ExportSidecar:
 def _exported_files_unchanged(paths: ProjectPaths, settings: Settings) -> bool:
     """Every file the export wrote (GGUF, vision GGUF, copies) still holds what it wrote.
 
-    Checked by size, mtime and inode; the content is read only when those are unsure. A copy in
-    a folder that another project also exports to counts as changed once that project writes it.
+    Checked by size, mtime and inode; the content is read only when those are unsure, and the new stamps
+    are then stored (a copied project is hashed once, not at every `status`). A copy in a folder that
+    another project also exports to counts as changed once that project writes it.
     """
+    record = gguf_path(paths, settings).with_suffix(".json")
     try:
-        files = export_sidecar(paths, settings).written_files()
-    except (OSError, ValueError, TypeError):  # TypeError: a sidecar missing a required key
+        doc = read_record(record)
+        sidecar = ExportSidecar.read(record, paths.located_doc(doc)) if doc is not None else None
+    except DamagedRecord:
         return False
-    return all(verify.unchanged(Path(f["path"]), f) for f in files)
+    if sidecar is None:
+        return False
+    files = sidecar.written_files()
+    now = [verify.confirmed(Path(f["path"]), f) for f in files]
+    if any(entry is None for entry in now):
+        return False
+    if sidecar.files:
+        stamps = [{k: entry[k] for k in verify.STAMP_KEYS} for entry in now]
+        verify.store_refreshed(record, doc, {**doc, "files": [{**f, **st} for f, st in zip(doc["files"], stamps)]})
+    return True
 
 
 def _adapter_is_current(paths: ProjectPaths, adapter_fp: str) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import re
+import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args, get_origin
@@ -220,14 +221,29 @@ class Output(_Section):
 
     @model_validator(mode="after")
     def _plain_name(self) -> "Output":
-        name = self.adapter_name
-        if not name or name in (".", "..") or any(c in name for c in "/\\\0:"):
-            raise _cross_check("output.adapter_name",
-                               f"{name!r} is not a plain file name (no path separators, not . or ..)")
-        if name == RESERVED_ADAPTER_NAME or name.endswith(f".{RESERVED_ADAPTER_NAME}"):
-            raise _cross_check("output.adapter_name", f"{name!r} is taken: the export's sidecar {name}.json would "
-                               "overwrite a report in the output folder. Choose another name, e.g. 'my-adapter'")
+        problem = adapter_name_problem(self.adapter_name)
+        if problem:
+            raise _cross_check("output.adapter_name", problem)
         return self
+
+
+def adapter_name_problem(name: str) -> str | None:
+    """Why ``name`` cannot be output.adapter_name, or None. The one rule: settings refuse it at load, and the
+    export checks it again (a name that reached it another way must never write outside the output folder)."""
+    if not isinstance(name, str) or not name.strip():
+        return f"{name!r} is blank; use a plain file name such as 'my-adapter'"
+    if name in (".", "..") or any(c in name for c in "/\\:\0"):
+        return f"{name!r} is not a plain file name (no path separators or ':', not . or ..); use e.g. 'my-adapter'"
+    if any(unicodedata.category(c).startswith("C") for c in name):
+        shown = next(c for c in name if unicodedata.category(c).startswith("C"))
+        return (f"{name!r} holds the control character {shown!r}, which makes a file name nobody can type; "
+                "use e.g. 'my-adapter'")
+    if name != name.strip():
+        return f"{name!r} starts or ends with a space; use {name.strip()!r}"
+    if name == RESERVED_ADAPTER_NAME or name.endswith(f".{RESERVED_ADAPTER_NAME}"):
+        return (f"{name!r} is taken: the export's sidecar {name}.json would overwrite a report in the output "
+                "folder. Choose another name, e.g. 'my-adapter'")
+    return None
 
 
 SECTION_CLASSES: dict[str, type[_Section]] = {"materials": Materials, "corpus": Corpus, "precompute": Precompute,
