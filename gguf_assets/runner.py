@@ -377,15 +377,38 @@ def _run_workers(paths: ProjectPaths, instance, work: Work, settings: Settings, 
                 if not instance.get_run_by_id(run_id).is_finished:
                     instance.run_launcher.terminate(run_id)
             raise
-    failed = [r for r in run_ids if instance.get_run_by_id(r).status != dg.DagsterRunStatus.SUCCESS]
+    failed = [instance.get_run_by_id(r) for r in run_ids]
+    failed = [run for run in failed if run.status != dg.DagsterRunStatus.SUCCESS]
     if failed:
-        raise PipelineFailed("; ".join(f"run {r[:8]}: {failure_message(instance, r)}" for r in failed)
-                             + f"\n(see `gguf-trainer ui {paths.root}`)")
+        split = "train" if "train" in work.assets[0] else "val"
+        lines = [_worker_failure(paths, settings, instance, run, split) for run in failed]
+        raise PipelineFailed("\n".join(lines) + f"\nThe shards finished so far are kept (the other workers' too); "
+                             f"`gguf-trainer run {paths.root}` continues with the rest. Logs: `gguf-trainer ui "
+                             f"{paths.root}`.")
+
+
+def _worker_failure(paths: ProjectPaths, settings: Settings, instance, run, split: str) -> str:
+    """One line for a failed worker run: which worker, its shards, the shard it stopped at, and why."""
+    from gguf_assets.defs import run_tags
+    from gguf_assets.lib.materials.materials import load_manifest
+    from gguf_assets.lib.precompute.shards import plan_shards, shard_status
+
+    start, end = run_tags.get(run.tags, run_tags.RANGE_START_TAG), run_tags.get(run.tags, run_tags.RANGE_END_TAG)
+    plans = [p for p in plan_shards(paths, settings, load_manifest(paths), split) if start <= p.key <= end]
+    at = next((p.key for p in plans if set(shard_status(paths, settings, p).values()) != {"current"}), None)
+    why = ("its process was killed" if run_tags.INTERRUPTED_TAG in run.tags
+           else failure_message(instance, run.run_id))
+    where = f", at shard {split}/{at}" if at else ""
+    return (f"worker {run_tags.get(run.tags, WORKER_TAG) or '?'} (run {run.run_id[:8]}, {split} shards "
+            f"{start}..{end}) stopped{where}: {why}")
 
 
 def _wait_for_runs(instance, run_ids: list[str], echo: Callable[[str], None]) -> None:
+    from gguf_assets.defs.resume import mark_interrupted_runs
+
     last_report = time.monotonic()
     while True:
+        mark_interrupted_runs(instance)  # a worker killed -9 never ends its run: it is marked, so the wait ends
         runs = [instance.get_run_by_id(r) for r in run_ids]
         if all(r.is_finished for r in runs):
             return

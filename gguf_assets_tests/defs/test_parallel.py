@@ -93,3 +93,44 @@ def test_killing_only_the_workers_leader_refuses_a_new_run_until_its_workers_are
     done = subprocess.run([*CLI, "run", str(paths.root)], capture_output=True, text=True, env=cli_env(), timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     assert pipeline_outputs(paths.root) == reference_run[0]
+
+
+@pytest.mark.slow  # a `run --workers 2` and a `run` (about 60 s)
+def test_a_killed_worker_is_named_with_its_shard_and_the_next_run_continues(make_project, reference_run):
+    """kill -9 of one worker run's process: the leader does not wait for it forever, says which worker and
+    which shard, and that `run` continues; the next `run` finishes byte-identical."""
+    import signal
+    import subprocess
+
+    from conftest import CLI, FAULT_SETTINGS, cli_env, pipeline_outputs, project_instance, wait_for
+
+    from gguf_assets.defs import run_tags
+
+    paths = make_project(**FAULT_SETTINGS)
+    proc = subprocess.Popen([*CLI, "run", str(paths.root), "--workers", "2"], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env=cli_env(GGUF_ASSETS_FAULT="shard-write@1:stall:15"))
+    try:
+        instance = project_instance(paths)
+
+        def worker_pid() -> int | None:
+            for run in instance.get_runs():
+                if run_tags.get(run.tags, run_tags.WORKER_TAG) == "1/2" and run_tags.get(run.tags, run_tags.PID_TAG):
+                    return int(run_tags.get(run.tags, run_tags.PID_TAG))
+            return None
+
+        wait_for(lambda: worker_pid() is not None and (paths.root / "shards/train/00000/prompts.jsonl").is_file(),
+                 timeout=180, what="worker 1 at its first shard", proc=proc)
+        os.kill(worker_pid(), signal.SIGKILL)
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 1, out
+    assert "Traceback" not in out, out
+    assert "worker 1/2 (run " in out and "stopped, at shard train/00000: its process was killed" in out, out
+    assert "`gguf-trainer run " in out and "continues with the rest" in out, out
+    done = subprocess.run([*CLI, "run", str(paths.root)], capture_output=True, text=True, env=cli_env(), timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert pipeline_outputs(paths.root) == reference_run[0]
