@@ -4,6 +4,7 @@ import argparse
 import contextlib
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -52,9 +53,28 @@ def _print_status(paths: ProjectPaths) -> None:
 
 STOPPED_EXIT = 130  # the shell's code for a Ctrl-C
 VERIFY_PROGRESS_S = 2.0  # how often `verify` prints how far it is
+LOW_DISK_MIB = 16  # below this, a storage error is taken for a full disk
 # Set in the process that executes the pipeline (see _run_in_own_process_group).
 RUN_CHILD_ENV = "GGUF_ASSETS_RUN_CHILD"
 _PR_SET_PDEATHSIG = 1
+
+
+# Dagster writes these straight to stderr, multi-line SQL included, and then raises the error, which is
+# reported as one line (a full disk: _dagster_storage_problem).
+DAGSTER_NOISE = ("Exception while writing logger call to event log",)
+
+
+class _WithoutLines:
+    """A text stream that drops the writes starting with one of ``prefixes`` and passes on the rest."""
+
+    def __init__(self, stream, prefixes: tuple[str, ...]) -> None:
+        self._stream, self._prefixes = stream, prefixes
+
+    def write(self, text: str) -> int:
+        return len(text) if text.startswith(self._prefixes) else self._stream.write(text)
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
 
 
 def _die_with_parent() -> None:
@@ -99,6 +119,8 @@ def _run(paths: ProjectPaths, *, workers: int = 1) -> int:
     if os.environ.get(RUN_CHILD_ENV) != "1":
         return _run_in_own_process_group(paths, workers)
     from gguf_assets.runner import PipelineFailed, run_pipeline
+
+    sys.stderr = _WithoutLines(sys.stderr, DAGSTER_NOISE)
 
     outcome, code = None, 0
     try:
@@ -221,11 +243,24 @@ def supervise(procs: list[subprocess.Popen], *, grace_s: float = 10.0) -> int:
     try:
         while stopping["signal"] is None and all(p.poll() is None for p in procs):
             time.sleep(0.2)
+        ended = next((p for p in procs if p.returncode is not None), None)
+        if stopping["signal"] is None and ended is not None:
+            print(f"{Path(ended.args[0]).name} stopped ({_how_it_ended(ended.returncode)}); stopping the rest",
+                  flush=True)
     finally:
         stop_services(procs, grace_s=grace_s)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    return 0 if stopping["signal"] is not None else max(p.returncode or 0 for p in procs)
+    if stopping["signal"] is not None:
+        return 0
+    # A service stopped by a signal (systemd's SIGTERM, a kill) was stopped on purpose; a crash is an error.
+    return max((p.returncode or 0) if (p.returncode or 0) > 0 else 0 for p in procs)
+
+
+def _how_it_ended(returncode: int) -> str:
+    if returncode < 0:
+        return f"by {signal.Signals(-returncode).name}"
+    return "exit code 0" if returncode == 0 else f"exit code {returncode}"
 
 
 def stop_services(procs: list[subprocess.Popen], *, grace_s: float = 10.0) -> None:
@@ -371,29 +406,35 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 1
 
 
-def _damaged_dagster_storage(paths_hint: str | None, exc: BaseException) -> str | None:
-    """The message for a damaged Dagster SQLite file in a project's .dagster, or None if it is not that."""
+def _dagster_storage_problem(project: str | None, exc: BaseException) -> str | None:
+    """The message for an error of the project's Dagster SQLite storage (.dagster): a full disk, or a damaged
+    file; None when ``exc`` is not that."""
     import sqlite3
 
-    if "malformed" not in str(exc) and "not a database" not in str(exc) and "disk I/O" not in str(exc):
+    text = str(exc)
+    if not project or not any(s in text for s in ("malformed", "not a database", "disk I/O", "disk is full")):
         return None
-    if not paths_hint:
-        return None
-    paths = ProjectPaths.of(paths_hint)
+    paths = ProjectPaths.of(project)
     home = paths.root / ".dagster"
+    free_mib = shutil.disk_usage(home if home.exists() else paths.root).free / 2**20
+    if "disk is full" in text or free_mib < LOW_DISK_MIB:
+        return (f"No space left on the disk holding {paths.root} ({free_mib:.0f} MiB free): Dagster could not "
+                f"record the run in {home}. Everything finished so far is kept. Free some space, then "
+                f"`{_venv_tool('gguf-trainer')} run {paths.root}` continues (the run cut off now is then "
+                "recorded as failed).")
     damaged = []
     for db in sorted(home.rglob("*.db")):
         try:
             with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as conn:
                 ok = conn.execute("PRAGMA quick_check").fetchone()[0] == "ok"
-        except sqlite3.DatabaseError:
-            ok = False
+        except sqlite3.DatabaseError as db_exc:
+            ok = "malformed" not in str(db_exc) and "not a database" not in str(db_exc)
         if not ok:
             damaged.append(db)
     if not damaged:
         return None
     names = ", ".join(str(d) for d in damaged)
-    return (f"Dagster's run history is damaged: {names} ({str(exc).splitlines()[0]}). Your results are in the "
+    return (f"Dagster's run history is damaged: {names} ({text.splitlines()[0]}). Your results are in the "
             f"project's files, not there, and nothing computed is lost. Move the history away and run again: "
             f"`mv {home} {home}.damaged && {_venv_tool('gguf-trainer')} run {paths.root}` (every finished stage is "
             "found current and kept; only the list of past runs starts afresh).")
@@ -469,9 +510,9 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(exc, UserError):
             print(f"error: {exc}", file=sys.stderr)
             return 2
-        damaged = _damaged_dagster_storage(getattr(args, "project", None) or args.auto_resume, exc)
-        if damaged:
-            print(f"error: {damaged}", file=sys.stderr)
+        problem = _dagster_storage_problem(getattr(args, "project", None) or args.auto_resume, exc)
+        if problem:
+            print(f"error: {problem}", file=sys.stderr)
             return 2
         raise
 

@@ -130,7 +130,10 @@ class _StopRequest:
     def _run_status(self):
         if self.instance is None or self.run_id is None:
             return None
-        run = self.instance.get_run_by_id(self.run_id)
+        try:
+            run = self.instance.get_run_by_id(self.run_id)
+        except Exception:  # noqa: BLE001  storage unreadable for now (a full disk): the run itself reports that
+            return None
         return run.status if run is not None else None
 
     def _mark_canceling(self) -> None:

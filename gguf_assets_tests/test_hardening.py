@@ -280,3 +280,61 @@ def test_a_lone_surrogate_fails_the_corpus_with_file_and_line_from_the_cli(make_
     done = cli("run", str(paths.root))
     assert_one_message(done, f"{extra}:4", "lone surrogate", "skip_bad_lines")
 
+
+
+# -- a full disk ----------------------------------------------------------------------------------
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 120 MiB tmpfs of its own, so the test fills a disk without filling the machine's."""
+    mount_point = tmp_path / "disk"
+    mount_point.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=120m", "tmpfs", str(mount_point)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here (needs root with CAP_SYS_ADMIN): {done.stderr.strip()}")
+    yield mount_point
+    subprocess.run(["umount", "-l", str(mount_point)], check=True)
+
+
+@pytest.mark.slow  # two `gguf-trainer run` subprocesses (about 40 s)
+def test_a_disk_that_fills_during_training_is_one_line_and_the_next_run_finishes_untorn(finished_project,
+                                                                                        small_disk, monkeypatch):
+    import dagster as dg
+    from conftest import project_instance
+
+    from gguf_assets.runner import instance_env
+
+    source = finished_project[0]
+    paths = copy_project(source, small_disk / "project")
+    shutil.rmtree(paths.root / "checkpoints")
+    shutil.rmtree(paths.root / "output")
+    # Training stalls after step 10, while the disk (project and Dagster storage alike) is filled.
+    proc = subprocess.Popen([*CLI, "run", str(paths.root)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True, env=cli_env(GGUF_ASSETS_FAULT="train-step@11:stall:10"))
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if "step 10/40" in line:
+            break
+    filler = small_disk / "filler"
+    with pytest.raises(OSError), open(filler, "wb") as fh:
+        while True:
+            fh.write(b"\0" * 2**20)
+    out = "".join(seen) + proc.stdout.read()
+    proc.wait(timeout=300)
+    assert proc.returncode == 2, out
+    assert "Traceback" not in out and "sqlalchemy" not in out.lower() and "INSERT INTO" not in out, out
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "No space left on the disk holding" in errors[0] and "MiB free" in errors[0], out
+
+    filler.unlink()  # space is back
+    done = cli("run", str(paths.root))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "marked 1 run(s) cut off" in done.stdout + done.stderr
+    assert pipeline_outputs(paths.root) == pipeline_outputs(source)
+    assert cli("verify", str(paths.root)).returncode == 0
+    for name, value in instance_env(paths).items():  # restored after the test
+        monkeypatch.setenv(name, value)
+    statuses = [r.status for r in project_instance(paths).get_runs() if r.job_name == "train_export_evaluate"]
+    assert dg.DagsterRunStatus.FAILURE in statuses and statuses[0] == dg.DagsterRunStatus.SUCCESS

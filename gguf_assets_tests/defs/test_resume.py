@@ -169,3 +169,37 @@ def test_auto_resume_with_auto_resume_off_only_reports_and_exits(make_project):
     assert "materials    missing" in done.stdout, done.stdout
     assert "starting dagster-daemon" not in done.stdout and "Dagster UI" not in done.stdout
     assert project_instance(paths).get_run_records() == []
+
+
+@pytest.mark.slow  # `--auto-resume` with its daemon (about 20 s)
+def test_sigterm_to_the_daemon_is_a_clean_stop(finished_project, tmp_path):
+    """systemd (or a user) sends SIGTERM to dagster-daemon alone: it stops without a traceback, and
+    `--auto-resume` says which service stopped and how, stops the rest and leaves nothing running."""
+    import psutil
+    from conftest import copy_project
+
+    paths = copy_project(finished_project[0], tmp_path / "copy")
+    proc = subprocess.Popen([*CLI, "--auto-resume", str(paths.root)], env=cli_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        def daemon():
+            return next((c for c in psutil.Process(proc.pid).children(recursive=True)
+                         if "dagster-daemon" in " ".join(_cmdline(c))), None)
+
+        wait_for(lambda: daemon() is not None, timeout=300, what="the daemon", proc=proc)
+        the_daemon = daemon()
+        # Once its sensors ran, the daemon has started its code server: a stop now has threads to end.
+        wait_for(lambda: len(the_daemon.children(recursive=True)) > 0, timeout=120, what="the daemon's code server",
+                 proc=proc)
+        children = psutil.Process(proc.pid).children(recursive=True)
+        the_daemon.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, out
+    assert "Traceback" not in out and "grpc" not in out.lower(), out
+    assert "dagster-daemon stopped (by SIGTERM" in out or "dagster-daemon stopped (exit code 0)" in out, out
+    _, alive = psutil.wait_procs(children, timeout=15)
+    assert not alive, f"left running: {[_cmdline(c) for c in alive]}"
