@@ -338,3 +338,17 @@ def test_a_disk_that_fills_during_training_is_one_line_and_the_next_run_finishes
         monkeypatch.setenv(name, value)
     statuses = [r.status for r in project_instance(paths).get_runs() if r.job_name == "train_export_evaluate"]
     assert dg.DagsterRunStatus.FAILURE in statuses and statuses[0] == dg.DagsterRunStatus.SUCCESS
+
+
+def test_the_gguf_and_report_checks_read_every_delivered_byte(copied):
+    """The asset checks beside gguf and eval_report (the UI's "Execute checks") hash the delivered files
+    whatever their stamps say, so a flipped bit with its mtime restored fails both."""
+    from gguf_assets.defs.output import exported_files_unchanged, reported_files_unchanged
+    from gguf_assets.defs.resources import ProjectResource
+
+    project = ProjectResource(project_dir=str(copied))
+    assert exported_files_unchanged(project=project).passed and reported_files_unchanged(project=project).passed
+    flip_byte(copied / GGUF)
+    for check in (exported_files_unchanged, reported_files_unchanged):
+        result = check(project=project)
+        assert not result.passed and "its sha256 changed since the export" in result.metadata["problems"].value

@@ -77,6 +77,7 @@ def test_demo_dag_end_to_end_then_memoized_then_student_change(make_project):
             of_type=dg.DagsterEventType.ASSET_CHECK_EVALUATION).records)}
     assert checks[("eval_report", "gguf_agrees_with_torch")].passed
     assert checks[("gguf", "exported_files_unchanged")].passed
+    assert checks[("eval_report", "reported_files_unchanged")].passed
     threshold = checks[("eval_report", "val_centred_cosine_threshold")]
     assert threshold.passed == (report["val_centred_cosine"] >= 0.9)
     assert threshold.severity == dg.AssetCheckSeverity.WARN
