@@ -1,5 +1,7 @@
 """The benchmark scripts run, at their small sizes, and their own pass/fail criteria hold."""
 
+import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +16,34 @@ def _run(script: str, *args: str) -> str:
                           timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout
+
+
+NUMBER = r"[-+]?[\d,]*\.?\d+(?:e[-+]?\d+)?"  # what the benchmarks print: 1,234  0.931  +7.0  7.48e-07
+
+
+def _figures(out: str, pattern: str) -> list[float]:
+    """The numbers of the one printed line that matches ``pattern`` (``#`` stands for a number), all finite."""
+    regex = re.escape(pattern).replace(re.escape("#"), f"({NUMBER})").replace(r"\ ", " +")
+    found = [m for m in (re.fullmatch(regex, line.strip()) for line in out.splitlines()) if m]
+    assert len(found) == 1, f"expected one line like {pattern!r}:\n{out}"
+    values = [float(x.replace(",", "")) for x in found[0].groups()]
+    assert all(math.isfinite(v) for v in values), (pattern, values)
+    return values
+
+
+def _verdict(out: str, pattern: str) -> tuple[list[float], str]:
+    """The figures of the rule line (``pattern`` without the verdict) and its verdict, "ok" or "FAIL"."""
+    for verdict in ("ok", "FAIL"):
+        if any(re.fullmatch(r"rule: .* -> " + verdict, line.strip()) for line in out.splitlines()):
+            return _figures(out, f"{pattern} -> {verdict}"), verdict
+    raise AssertionError(f"no rule line:\n{out}")
+
+
+def _quotient_ok(q: float, a: float, b: float, *, unit_a: float, unit_b: float, unit_q: float) -> bool:
+    """q, printed to unit_q, is a / b for some a and b within half a printed unit of what was printed."""
+    low = (a - unit_a / 2) / (b + unit_b / 2)
+    high = (a + unit_a / 2) / (b - unit_b / 2)
+    return low - unit_q / 2 - 1e-12 <= q <= high + unit_q / 2 + 1e-12
 
 
 @pytest.mark.slow  # about 10 s: builds shards and times status against hashing them
@@ -62,6 +92,142 @@ def test_quality_benchmark_prints_its_table_and_applies_its_own_rule():
     else:
         assert verdict == "no variant wins by >= 0.01 on both pairs; defaults unchanged", out
         assert not winners(0.01 + 5e-5, 1.10 - 5e-3), out
+
+
+@pytest.mark.slow  # about 3 s: writes 200,000 prompts, reads them three times and builds the corpus twice
+def test_corpus_benchmark_prints_its_ratios_and_applies_its_own_rule():
+    """bench_corpus.py --quick: the build against plain line reading, time and peak RSS, and a rule line
+    (time ratio and RSS over the baseline bounded) that follows from the printed figures."""
+    out = _run("bench_corpus.py", "--quick")
+    prompts, files, _, _ = _figures(out, "sources: # prompts in # files, # MiB on disk (written in # s)")
+    lines, base_s, base_rate, base_rss = _figures(
+        out, "baseline (line reading): # lines in # s = # prompts/s, peak RSS # MiB")
+    read, duplicates, too_long, kept, train, val, _, build_s, build_rate, build_rss = _figures(
+        out, "corpus build: # read, # duplicates, # too long, # kept; # train + # val (# MiB written) in # s "
+             "= # prompts/s, peak RSS # MiB")
+    time_ratio, throughput, rss_ratio, extra = _figures(
+        out, "ratios (corpus / baseline): time #x, throughput #x, peak RSS #x (# MiB over the baseline process)")
+    assert files == 4 and lines >= read >= prompts > 0, out
+    assert 0 < duplicates and kept + duplicates + too_long <= read and 0 < train + val <= kept, out
+    assert min(base_s, base_rate, base_rss, build_s, build_rate, build_rss) > 0, out
+    assert math.isclose(base_rate, prompts / base_s, rel_tol=0.02) and math.isclose(build_rate, prompts / build_s,
+                                                                                    rel_tol=0.02), out
+    assert _quotient_ok(time_ratio, build_s, base_s, unit_a=1e-3, unit_b=1e-3, unit_q=0.1), out
+    assert _quotient_ok(throughput, base_s, build_s, unit_a=1e-3, unit_b=1e-3, unit_q=1e-3), out
+    assert _quotient_ok(rss_ratio, build_rss, base_rss, unit_a=0.1, unit_b=0.1, unit_q=0.01), out
+    assert abs(extra - (build_rss - base_rss)) <= 0.15, out
+
+    (rule_ratio, max_ratio, rule_extra, allowed, floor, per_prompt, rule_read), verdict = _verdict(
+        out, "rule: time ratio #x <= #x and peak RSS over the baseline # MiB <= # MiB (# MiB + # B x # prompts read)")
+    assert (rule_ratio, rule_extra, rule_read) == (time_ratio, extra, read), out
+    assert abs(allowed - (floor + per_prompt * read / 2**20)) <= 0.05, out
+    assert verdict == "ok" and rule_ratio <= max_ratio and rule_extra <= allowed, out
+
+
+@pytest.mark.slow  # about 5 s: nine exports of the 81 MB adapter, a small adapter evaluated both ways
+def test_export_benchmark_prints_its_ratios_and_applies_its_own_rule():
+    """bench_export.py --quick: export against a raw atomic write, the numpy evaluator against torch,
+    and a rule line (both ratios bounded, the scores agreeing) that follows from the printed figures."""
+    out = _run("bench_export.py", "--quick")
+    mb, export_s, raw_s, rounds = _figures(
+        out, "export: # MB GGUF in # s; raw atomic write of the same bytes # s (best of # alternated rounds)")
+    median, q1, q3, best, export_rate, raw_rate = _figures(
+        out, "ratio export / raw write = #x median over rounds (quartiles #x-#x; best vs best #x; "
+             "# MB/s vs # MB/s)")
+    n, shards, numpy_s, numpy_rate, torch_s, torch_rate = _figures(
+        out, "evaluation on # val prompts (# shards): numpy GGUF # s (# prompts/s), torch checkpoint # s "
+             "(# prompts/s)")
+    (eval_ratio,) = _figures(out, "ratio numpy / torch = #x")
+    numpy_cos, torch_cos, difference = _figures(out, "val centred cosine: numpy #, torch #, difference #")
+    assert min(mb, export_s, raw_s, median, q1, best, export_rate, raw_rate, numpy_s, torch_s) > 0, out
+    assert rounds >= 3 and n >= shards >= 1 and q1 <= median <= q3, out
+    assert _quotient_ok(best, export_s, raw_s, unit_a=1e-3, unit_b=1e-3, unit_q=0.01), out
+    assert _quotient_ok(export_rate, mb, export_s, unit_a=0.1, unit_b=1e-3, unit_q=1), out
+    assert _quotient_ok(raw_rate, mb, raw_s, unit_a=0.1, unit_b=1e-3, unit_q=1), out
+    assert _quotient_ok(numpy_rate, n, numpy_s, unit_a=0, unit_b=1e-3, unit_q=0.1), out
+    assert _quotient_ok(torch_rate, n, torch_s, unit_a=0, unit_b=1e-3, unit_q=0.1), out
+    assert _quotient_ok(eval_ratio, numpy_s, torch_s, unit_a=1e-3, unit_b=1e-3, unit_q=0.01), out
+    assert -1 <= numpy_cos <= 1 and -1 <= torch_cos <= 1 and difference >= 0, out
+    assert abs(abs(numpy_cos - torch_cos) - difference) <= 1e-6, out
+
+    (rule_median, max_export, rule_eval, max_eval, rule_difference, agreement), verdict = _verdict(
+        out, "rule: export / raw write #x <= #x and numpy / torch #x <= #x and difference # < #")
+    assert (rule_median, rule_eval, rule_difference) == (median, eval_ratio, difference), out
+    assert verdict == "ok" and median <= max_export and eval_ratio <= max_eval and difference < agreement, out
+
+
+@pytest.mark.slow  # about 12 s: the demo teacher over 48 length-skewed prompts, naive and packed, twice
+def test_precompute_benchmark_prints_its_ratios_and_applies_its_own_rule():
+    """bench_precompute.py --quick: packed against naive batches and the whole pipeline against its own
+    forwards, and a rule line (speedup, padding gain, overhead) that follows from the printed figures."""
+    out = _run("bench_precompute.py", "--quick")
+    n, long, shortest, median, longest, truncated, q, batch, budget = _figures(
+        out, "prompts: # (# long), text tokens: min #, median #, max #, truncated #; Q = #; teacher_batch #, "
+             "token_budget #; device cpu; torch threads #")[:9]
+    assert n > long > 0 and 0 < shortest <= median <= longest and truncated == 0 and q > 0, out
+    rows = {}
+    for name, label in (("naive", "naive fixed batches (original order):"), ("packed", "token-budget packing:")):
+        batches, seconds, rate, efficiency = _figures(out, f"{label} # batches, # s, # prompts/s, padding "
+                                                           "efficiency #")
+        assert batches >= math.ceil(n / batch) and seconds > 0 and 0 < efficiency <= 1, out
+        assert _quotient_ok(rate, n, seconds, unit_a=0, unit_b=1e-3, unit_q=0.01), out
+        rows[name] = {"seconds": seconds, "efficiency": efficiency}
+    pipeline_s, pipeline_rate, tokens_rate = _figures(
+        out, "whole pipeline (teacher half, packed): # s, # prompts/s, # text tokens/s")
+    assert pipeline_s > 0 and tokens_rate > 0 and _quotient_ok(pipeline_rate, n, pipeline_s, unit_a=0, unit_b=1e-3,
+                                                               unit_q=0.01), out
+    speedup, target_speedup = _figures(out, "packing speedup vs naive: #x (target >= #x)")
+    (end_to_end,) = _figures(out, "end-to-end speedup vs naive forwards: #x")
+    efficiency, _ = _figures(out, "padding efficiency (packed): # (target >= #)")
+    overhead, _, before_writes = _figures(
+        out, "pipeline overhead vs its own forwards: # % (target <= # %; # % before the disk writes)")
+    _figures(out, "pipeline vs separately timed forwards: # % (includes load from other processes between the runs)")
+    assert _quotient_ok(speedup, rows["naive"]["seconds"], rows["packed"]["seconds"], unit_a=1e-3, unit_b=1e-3,
+                        unit_q=0.01), out
+    assert _quotient_ok(end_to_end, rows["naive"]["seconds"], pipeline_s, unit_a=1e-3, unit_b=1e-3, unit_q=0.01), out
+    assert efficiency == rows["packed"]["efficiency"] and before_writes <= overhead + 0.1, out
+
+    (rule_speedup, min_speedup, gain, min_gain, rule_overhead, max_overhead), verdict = _verdict(
+        out, "rule: packing speedup #x >= #x and padding efficiency packed / naive #x >= #x and pipeline overhead "
+             "# % <= # %")
+    assert (rule_speedup, rule_overhead, min_speedup) == (speedup, overhead, target_speedup), out
+    assert _quotient_ok(gain, rows["packed"]["efficiency"], rows["naive"]["efficiency"], unit_a=1e-3, unit_b=1e-3,
+                        unit_q=0.01), out
+    assert verdict == "ok" and speedup >= min_speedup and gain >= min_gain and overhead <= max_overhead, out
+
+
+@pytest.mark.slow  # about 11 s: peak RSS streaming 2 and 20 shards, 3 rounds of 60 trainer and bare-loop steps
+def test_train_benchmark_prints_its_ratios_and_applies_its_own_rule():
+    """bench_train.py --quick: streaming RSS 10x against 1x, the trainer against a bare loop, the reader
+    against raw reads, and a rule line that follows from the printed figures."""
+    out = _run("bench_train.py", "--quick")
+    prompts, shard_mb, one, ten, _ = _figures(out, "shards: # prompts, # MB each; 1x = #, 10x = #; torch threads #")
+    assert prompts > 0 and shard_mb > 0 and ten == 10 * one > 0, out
+    rss1, read1, rss10, read10, rss_ratio, target_rss, windows1, windows10 = _figures(
+        out, "peak RSS streaming 1.25 epochs: 1x # MB (# MB read), 10x # MB (# MB read) -> ratio # (target <= #); "
+             "windows in memory at once: # and #")
+    assert min(rss1, rss10, windows1, windows10) > 0 and read10 > read1 > 0, out
+    assert _quotient_ok(rss_ratio, rss10, rss1, unit_a=1, unit_b=1, unit_q=1e-3), out
+    steps_line = next(line for line in out.splitlines() if line.startswith("steps/s: "))
+    head, rounds_text = steps_line.split("; rounds (trainer, bare) ")
+    trainer, bare, overhead, overhead_median, _ = _figures(
+        head, "steps/s: trainer (real reader) #, bare loop over in-memory batches # -> overhead best-vs-best #%, "
+              "median of rounds #% (target <= #%)")
+    rounds = [tuple(float(x) for x in pair) for pair in re.findall(rf"\(({NUMBER}), ({NUMBER})\)", rounds_text)]
+    assert len(rounds) == 3 and all(a > 0 and b > 0 for a, b in rounds), out
+    assert (trainer, bare) == (max(a for a, _ in rounds), max(b for _, b in rounds)), out
+    assert _quotient_ok(1 + overhead / 100, bare, trainer, unit_a=0.01, unit_b=0.01, unit_q=1e-3), out
+    per_round = sorted(b / a - 1 for a, b in rounds)  # the rounds are printed to 0.01 steps/s
+    assert abs(overhead_median / 100 - per_round[len(per_round) // 2]) <= 0.005, out
+    reader, raw, mb, reader_ratio = _figures(
+        out, "reader, page cache evicted: read_torch # MB/s, raw sequential reads # MB/s over # MB -> ratio # "
+             "(the reference pace needs about 200 MB/s)")[:4]
+    assert min(reader, raw, mb) > 0 and _quotient_ok(reader_ratio, reader, raw, unit_a=1, unit_b=1, unit_q=0.01), out
+
+    (rule_rss, max_rss, rule_overhead, max_overhead, rule_reader, min_reader), verdict = _verdict(
+        out, "rule: peak RSS ratio # <= # and trainer overhead best-vs-best #% <= #% and reader / raw # >= #")
+    assert (rule_rss, max_rss, rule_overhead, rule_reader) == (rss_ratio, target_rss, overhead, reader_ratio), out
+    assert verdict == "ok" and rss_ratio <= max_rss and overhead <= max_overhead and reader_ratio >= min_reader, out
 
 
 @pytest.mark.slow
