@@ -29,6 +29,7 @@ import json
 import logging
 import os
 import re
+import select
 import shutil
 import subprocess
 import sys
@@ -53,6 +54,8 @@ COMMIT = re.compile(r"^[0-9a-f]{40}$")
 # Variables whose value could make the child send a token other than the one handed to it.
 TOKEN_ENV_VARS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_TOKEN_PATH")
 TRANSIENT_KINDS = ("transient", "stalled")
+READY_FD_ENV = "GGUF_ASSETS_HUB_READY_FD"  # the pipe on which a download child says its imports are done
+CHILD_START_S = 120.0  # a child that cannot even start in this long is killed and retried
 # How "the hub cannot be reached at all" reads in the HTTP client's errors (glibc, macOS, httpx).
 UNREACHABLE_SIGNS = ("Name or service not known", "Temporary failure in name resolution",
                      "nodename nor servname", "No address associated with hostname", "Connection refused",
@@ -317,7 +320,7 @@ def remove_unfinished_snapshots(root: Path, keep: set[Path]) -> list[Path]:
 
 def _child_env(options: HubOptions) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in TOKEN_ENV_VARS}
-    package_parent = str(Path(__file__).resolve().parents[2])  # the child imports this module by name
+    package_parent = str(Path(__file__).resolve().parents[3])  # the child imports this module by name
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_parent, env.get("PYTHONPATH")) if p)
     env.update({
         "HF_HUB_DISABLE_IMPLICIT_TOKEN": "1",  # a token in ~/.cache/huggingface is never sent
@@ -339,11 +342,19 @@ def _redact(text: str, token: str | None) -> str:
 def _run_child(request: dict, *, token: str | None, options: HubOptions, progress_dir: Path | None,
                on_progress=None) -> dict:
     """Run one request in a child; kill it when it stalls. Returns the child's answer."""
-    proc = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, env=_child_env(options), text=True)
+    # The hub's clock starts when the child is ready to ask (its imports done): on a loaded machine the
+    # start alone can take longer than a short api timeout, and that is not the hub's silence.
+    ready_read, ready_write = os.pipe()
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, env={**_child_env(options), READY_FD_ENV: str(ready_write)},
+                                pass_fds=(ready_write,), text=True)
+    finally:
+        os.close(ready_write)
     payload = json.dumps({**request, "token": token})
     limit = options.stall_timeout_s if progress_dir is not None else options.api_timeout_s
-    last_bytes, last_change = -1, time.monotonic()
+    started = time.monotonic()
+    ready, last_bytes, last_change = False, -1, started
     first, wait = True, 0.02  # short waits first: most calls end within a second
     try:
         while True:
@@ -353,6 +364,15 @@ def _run_child(request: dict, *, token: str | None, options: HubOptions, progres
             except subprocess.TimeoutExpired:
                 first, wait = False, min(options.poll_s, wait * 2)
             now = time.monotonic()
+            if not ready:
+                if select.select([ready_read], [], [], 0)[0]:
+                    ready, last_change = True, now
+                elif now - started > CHILD_START_S:
+                    proc.kill()
+                    proc.communicate()
+                    return {"ok": False, "kind": "transient",
+                            "detail": f"the download process did not start within {CHILD_START_S:.0f} s"}
+                continue
             if progress_dir is not None:
                 current = _bytes_under(progress_dir)
                 if current != last_bytes:
@@ -365,6 +385,7 @@ def _run_child(request: dict, *, token: str | None, options: HubOptions, progres
                 what = "sent no data" if progress_dir is not None else "did not answer"
                 return {"ok": False, "kind": "stalled", "detail": f"the hub {what} for {limit:.0f} s"}
     finally:
+        os.close(ready_read)
         if proc.poll() is None:  # the run was cancelled (KeyboardInterrupt, termination): stop the download too
             proc.kill()
             proc.wait()
@@ -459,12 +480,21 @@ def _resume_partials(request: dict, token: str | bool) -> list[str]:
     return done
 
 
+def _tell_parent_ready() -> None:
+    """Tell the watchdog (_run_child) that the slow start is over: its stall clock starts now."""
+    fd = os.environ.pop(READY_FD_ENV, None)
+    if fd is not None:
+        os.write(int(fd), b"r")
+        os.close(int(fd))
+
+
 def _child_main() -> None:
     request = json.loads(sys.stdin.read())
     token = request.pop("token") or False  # False: send no token at all, not even a stored one
     try:
         from huggingface_hub import HfApi, snapshot_download
 
+        _tell_parent_ready()
         if request["op"] == "list":
             api = HfApi(token=token)
             info = api.repo_info(request["repo_id"], repo_type=request["kind"], revision=request["revision"],
