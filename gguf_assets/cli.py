@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 
 from gguf_assets import DEFINITIONS_MODULE
+from gguf_assets.lib.core.commands import trainer, venv_tool
+from gguf_assets.lib.core.errors import UserError
 from gguf_assets.lib.project.layout import ProjectPaths
 from gguf_assets.lib.project.settings import (
     SECTION_HINTS,
@@ -39,7 +41,7 @@ def cmd_init(args: argparse.Namespace) -> int:
 
     prepare_instance(paths)
     print(f"created {paths.project_file}\nset materials.teacher, materials.student and materials.datasets, then run:\n"
-          f"  gguf-trainer run {paths.root}")
+          f"  {trainer('run', paths.root)}")
     return 0
 
 
@@ -129,7 +131,7 @@ def _run(paths: ProjectPaths, *, workers: int = 1) -> int:
         outcome, code = f"pipeline failed at {exc}", 1
     except KeyboardInterrupt:
         outcome, code = (f"stopped {_where_stopped(paths)}. Everything finished so far is kept; "
-                         f"`{_venv_tool('gguf-trainer')} run {paths.root}` continues from there.", STOPPED_EXIT)
+                         f"`{venv_tool('gguf-trainer')} run {paths.root}` continues from there.", STOPPED_EXIT)
     _print_status(paths)
     if outcome:
         print(outcome, file=sys.stderr)
@@ -159,7 +161,7 @@ def _print_results(paths: ProjectPaths) -> None:
         cosine = (report["val_centred_cosine"] if report["val_centred_cosine"] is not None
                   else report["val_centred_cosine_torch"])
         print(f"val centred cosine: {cosine:.4f}  ({report['verdict']})")
-        print(f"open the UI (runs, metrics, report): gguf-trainer ui {paths.root}")
+        print(f"open the UI (runs, metrics, report): {trainer('ui', paths.root)}")
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -206,12 +208,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if code == 0:
         print(f"demo wall time: {time.perf_counter() - start:.0f} s")
     return code
-
-
-def _venv_tool(name: str) -> str:
-    """The console script installed beside this Python (works without an activated venv)."""
-    candidate = Path(sys.executable).parent / name
-    return str(candidate) if candidate.exists() else name
 
 
 def start_services(commands: list[list[str]], *, log_file: Path | None = None) -> list[subprocess.Popen]:
@@ -276,14 +272,31 @@ def stop_services(procs: list[subprocess.Popen], *, grace_s: float = 10.0) -> No
             p.wait()
 
 
+class PortTaken(UserError):
+    """A port the UI needs is already in use."""
+
+
+def check_ports_free(host: str, ports: dict[str, int]) -> None:
+    """Refuse at once when a port is taken: the server would exit after printing its address, and the user
+    would browse whatever holds the port (another project's UI)."""
+    import socket
+
+    for option, port in ports.items():
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+            try:
+                probe.bind((host, port))
+            except OSError as exc:
+                raise PortTaken(f"{host}:{port} is already in use ({exc.strerror}): another `gguf-trainer ui` "
+                                f"or Dagster may be serving there. Choose a free port with {option} N, or stop "
+                                "the other one.") from None
 
 
 def webserver_command(host: str, port: int) -> list[str]:
-    return [_venv_tool("dagster-webserver"), "-m", DEFINITIONS_MODULE, "-h", host, "-p", str(port)]
+    return [venv_tool("dagster-webserver"), "-m", DEFINITIONS_MODULE, "-h", host, "-p", str(port)]
 
 
 def daemon_command() -> list[str]:
-    return [_venv_tool("dagster-daemon"), "run", "-m", DEFINITIONS_MODULE]
+    return [venv_tool("dagster-daemon"), "run", "-m", DEFINITIONS_MODULE]
 
 
 def cmd_ui(args: argparse.Namespace) -> int:
@@ -295,6 +308,8 @@ def cmd_ui(args: argparse.Namespace) -> int:
     import dagster as dg
 
     size_gpu_pool(dg.DagsterInstance.get())  # the run queue holds UI-launched GPU runs to one per GPU
+    check_ports_free(args.host, {"--port": args.port,
+                                 **({} if args.no_tensorboard else {"--tensorboard-port": args.tensorboard_port})})
     services = []
     if not args.no_tensorboard:
         url = f"http://{args.host}:{args.tensorboard_port}"
@@ -315,7 +330,7 @@ def cmd_ui(args: argparse.Namespace) -> int:
 
 
 def tensorboard_command(paths: ProjectPaths, host: str, port: int) -> list[str]:
-    return [_venv_tool("tensorboard"), "--logdir", str(paths.root / TENSORBOARD_DIR), "--host", host,
+    return [venv_tool("tensorboard"), "--logdir", str(paths.root / TENSORBOARD_DIR), "--host", host,
             "--port", str(port)]
 
 
@@ -341,7 +356,7 @@ def cmd_auto_resume(project: str, *, daemon: bool, ui_port: int | None = None, u
         print(f"project {paths.root}: marked {len(marked)} interrupted run(s) as failed {marked if marked else ''}")
         _print_status(paths)
         print(f"output.auto_resume is false in {paths.project_file}: only reporting what is unfinished; "
-              f"`{_venv_tool('gguf-trainer')} run {paths.root}` continues it")
+              f"`{venv_tool('gguf-trainer')} run {paths.root}` continues it")
         return 0
     size_gpu_pool(instance)
     services = []
@@ -399,9 +414,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if args.repair:
         for line in v.repair(paths, bad):
             print(f"  repaired: {line}")
-        print(f"`{_venv_tool('gguf-trainer')} run {paths.root}` redoes exactly those.")
+        print(f"`{venv_tool('gguf-trainer')} run {paths.root}` redoes exactly those.")
     else:
-        print(f"`{_venv_tool('gguf-trainer')} verify {paths.root} --repair` marks them, so the next run redoes "
+        print(f"`{venv_tool('gguf-trainer')} verify {paths.root} --repair` marks them, so the next run redoes "
               "exactly those.")
     return 1
 
@@ -420,7 +435,7 @@ def _dagster_storage_problem(project: str | None, exc: BaseException) -> str | N
     if "disk is full" in text or free_mib < LOW_DISK_MIB:
         return (f"No space left on the disk holding {paths.root} ({free_mib:.0f} MiB free): Dagster could not "
                 f"record the run in {home}. Everything finished so far is kept. Free some space, then "
-                f"`{_venv_tool('gguf-trainer')} run {paths.root}` continues (the run cut off now is then "
+                f"`{venv_tool('gguf-trainer')} run {paths.root}` continues (the run cut off now is then "
                 "recorded as failed).")
     damaged = []
     for db in sorted(home.rglob("*.db")):
@@ -436,7 +451,7 @@ def _dagster_storage_problem(project: str | None, exc: BaseException) -> str | N
     names = ", ".join(str(d) for d in damaged)
     return (f"Dagster's run history is damaged: {names} ({text.splitlines()[0]}). Your results are in the "
             f"project's files, not there, and nothing computed is lost. Move the history away and run again: "
-            f"`mv {home} {home}.damaged && {_venv_tool('gguf-trainer')} run {paths.root}` (every finished stage is "
+            f"`mv {home} {home}.damaged && {venv_tool('gguf-trainer')} run {paths.root}` (every finished stage is "
             "found current and kept; only the list of past runs starts afresh).")
 
 
@@ -505,8 +520,6 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except Exception as exc:  # library errors already name the file/key and the fix
-        from gguf_assets.lib.core.errors import UserError
-
         if isinstance(exc, UserError):
             print(f"error: {exc}", file=sys.stderr)
             return 2

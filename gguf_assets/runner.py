@@ -23,6 +23,7 @@ from gguf_assets import DEFINITIONS_MODULE
 from gguf_assets.defs.plan import Work, next_work, split_range
 from gguf_assets.defs.run_tags import LEADER_TAG, STOPPED_TAG, WORKER_TAG
 from gguf_assets.lib.core import atomic
+from gguf_assets.lib.core.commands import trainer
 from gguf_assets.lib.core.lock import ProjectLock
 from gguf_assets.lib.project import settings_history
 from gguf_assets.lib.project.layout import ProjectPaths
@@ -259,7 +260,7 @@ def run_pipeline(paths: ProjectPaths, *, echo: Callable[[str], None] = print, wo
                 raise KeyboardInterrupt
             if work in done:
                 raise PipelineFailed(f"{work.describe()} ran successfully but is still not current; see "
-                                     f"`gguf-trainer status {paths.root}`")
+                                     f"`{trainer('status', paths.root)}`")
             if workers > 1 and len(work.partitions) > 1:
                 _run_workers(paths, instance, work, settings, workers, echo)
             else:
@@ -273,7 +274,7 @@ def run_pipeline(paths: ProjectPaths, *, echo: Callable[[str], None] = print, wo
                     raise KeyboardInterrupt  # stopped on purpose (tagged by _stop_tags_the_latest_run)
                 if not result.success:
                     raise PipelineFailed(f"{failure_message(instance, result.run_id)}\nThe full log, stack trace "
-                                         f"included: `gguf-trainer ui {paths.root}`, run {result.run_id[:8]}.")
+                                         f"included: `{trainer('ui', paths.root)}`, run {result.run_id[:8]}.")
             done.add(work)
         status = project_status(paths, settings)
         blocked = [s for s in status if s.state == "blocked"]
@@ -296,7 +297,7 @@ def _tell_about_edits(paths: ProjectPaths, settings: Settings, instance, echo: C
     edits = settings_history.changed_keys(settings, now, lambda s: s.to_dict())
     if edits:
         echo(f"project.yaml changed during the run ({', '.join(edits)}): this run finished under the settings it "
-             f"started with; the edit applies to the next run (`gguf-trainer run {paths.root}`)")
+             f"started with; the edit applies to the next run (`{trainer('run', paths.root)}`)")
         observe_settings(instance, now, paths)
 
 
@@ -386,8 +387,8 @@ def _run_workers(paths: ProjectPaths, instance, work: Work, settings: Settings, 
         split = "train" if "train" in work.assets[0] else "val"
         lines = [_worker_failure(paths, settings, instance, run, split) for run in failed]
         raise PipelineFailed("\n".join(lines) + f"\nThe shards finished so far are kept (the other workers' too); "
-                             f"`gguf-trainer run {paths.root}` continues with the rest. Logs: `gguf-trainer ui "
-                             f"{paths.root}`.")
+                             f"`{trainer('run', paths.root)}` continues with the rest. Logs: "
+                             f"`{trainer('ui', paths.root)}`.")
 
 
 def _worker_failure(paths: ProjectPaths, settings: Settings, instance, run, split: str) -> str:

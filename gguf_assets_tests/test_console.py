@@ -107,3 +107,32 @@ def test_the_demo_ends_with_a_clean_console_its_score_and_where_to_look(tmp_path
     assert "(Good:" in verdict, verdict
     assert f"open the UI (runs, metrics, report): gguf-trainer ui {project}" in lines
     assert lines[-1].startswith("demo wall time:")
+
+
+def test_commands_the_tool_prints_work_when_pasted(tmp_path):
+    """After `init` the tool names its own console script (.venv/bin/gguf-trainer), which a shell without the
+    virtualenv activated still finds; the bare name would be `command not found`."""
+    import shlex
+
+    done = subprocess.run([*CLI, "init", str(tmp_path / "p")], capture_output=True, text=True, env=cli_env(),
+                          timeout=60, check=True)
+    command = shlex.split(done.stdout.strip().splitlines()[-1])
+    assert command[0].endswith("/gguf-trainer") and command[1:] == ["run", str(tmp_path / "p")], done.stdout
+    help_text = subprocess.run([command[0], "--help"], capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"},
+                               timeout=60)
+    assert help_text.returncode == 0 and "gguf-trainer" in help_text.stdout, help_text.stderr
+
+
+def test_a_second_ui_on_a_taken_port_says_so_instead_of_serving_nothing(make_project):
+    import socket
+
+    paths = make_project()
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        done = subprocess.run([*CLI, "ui", str(paths.root), "--port", str(port), "--no-tensorboard"],
+                              capture_output=True, text=True, env=cli_env(), timeout=120)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert f"127.0.0.1:{port} is already in use" in done.stderr and "--port N" in done.stderr, done.stderr
+    assert "Dagster UI" not in done.stdout and "Traceback" not in done.stderr

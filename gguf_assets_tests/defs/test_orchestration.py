@@ -94,7 +94,10 @@ def test_sigterm_then_kill9_then_a_plain_run_is_byte_identical(make_project, ref
     print(f"plain run after the kill: {time.monotonic() - started:.1f} s")
     assert done.returncode == 0, done.stdout + done.stderr
     assert_clean_console(done.stdout + done.stderr)
-    assert done.stdout.strip().splitlines()[-1] == f"open the UI (runs, metrics, report): gguf-trainer ui {paths.root}"
+    from gguf_assets.lib.core.commands import trainer
+
+    # A command that works when pasted: the venv's gguf-trainer, not the bare name.
+    assert done.stdout.strip().splitlines()[-1] == f"open the UI (runs, metrics, report): {trainer('ui', paths.root)}"
     assert "marked 1 run(s) cut off" in done.stdout
     assert "resuming training run" in done.stdout + done.stderr
     assert not _runs(paths, dg.DagsterRunStatus.STARTED)
