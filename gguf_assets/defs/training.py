@@ -73,7 +73,8 @@ def adapter(context: dg.AssetExecutionContext, project: ProjectResource) -> dg.M
         summary = train_adapter(paths, settings, train_folders=folders["train"], val_folders=folders["val"],
                                 fingerprint=fingerprint, on_event=on_event, sample_hardware=hardware.sample)
     run_dir = paths.checkpoints_dir(fingerprint)
-    text, advice = verdict(summary.val_centred_cosine)
+    # What training said, from its validation curve (a run finished by an earlier version may lack it).
+    text, advice = (summary.verdict, summary.advice) if summary.verdict else verdict(summary.val_centred_cosine)
     curves = run_dir / FINAL_DIR / CURVES_FILE
     svg = curves.read_text(encoding="utf-8") if curves.is_file() else curves_svg(summary.history)
     best = summary.best

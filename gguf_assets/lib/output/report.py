@@ -13,7 +13,7 @@ import shlex
 from pathlib import Path
 
 from gguf_assets.lib.core import atomic, verify
-from gguf_assets.lib.output.verdict import verdict
+from gguf_assets.lib.output.verdict import validation_curve, verdict
 from gguf_assets.lib.project import settings_history
 from gguf_assets.lib.project.layout import REPORT_JSON, REPORT_MD, ProjectPaths
 from gguf_assets.lib.project.manifests import ExportSidecar, MaterialsManifest, Report
@@ -57,6 +57,17 @@ def _per_shard(evaluation: dict | None, torch_rows: list[dict]) -> list[dict]:
              "val_centred_cosine_torch": torch_by_name.get(Path(r["shard"]).name)} for r in evaluation["per_shard"]]
 
 
+def _validation_curve(paths: ProjectPaths) -> list[tuple[int, float]]:
+    """The finished training run's validations (its final/meta.json), or none when it cannot be read."""
+    from gguf_assets.lib.project.layout import FINAL_DIR, META_FILE
+
+    try:
+        run_dir = paths.root / atomic.read_json(paths.adapter_manifest)["run_dir"]
+        return validation_curve(atomic.read_json(run_dir / FINAL_DIR / META_FILE).get("history", []))
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+
+
 def build_report(paths: ProjectPaths, settings: Settings, materials: MaterialsManifest, gguf: ExportSidecar,
                  evaluation: dict | None, *, fingerprint: str) -> Report:
     """Write report.json and report.md into the output folder; returns the report.
@@ -68,7 +79,8 @@ def build_report(paths: ProjectPaths, settings: Settings, materials: MaterialsMa
     adapter_file, vision_file = _for_ggk(files, "adapter"), _for_ggk(files, "vision_encoder")
     torch_score = gguf.val_centred_cosine_torch
     score = evaluation["val_centred_cosine"] if evaluation else torch_score
-    text, advice = verdict(score)
+    text, advice = verdict(score, _validation_curve(paths), width=settings.training.width,
+                           steps=settings.training.steps)
     student = materials.student
     report = Report(
         fingerprint=fingerprint,

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from gguf_assets.lib.core import atomic, faults, verify
-from gguf_assets.lib.output.verdict import verdict
+from gguf_assets.lib.output.verdict import validation_curve, verdict
 from gguf_assets.lib.project import formats, settings_history
 from gguf_assets.lib.project.layout import (
     BEST_DIR,
@@ -411,7 +411,9 @@ class _TrainingRun:
 
     def _finish(self) -> dict:
         final = evaluate(self.judged, self.val_folders, device=self.device, cosine_weight=self.t.cosine_weight)
-        text, advice = verdict(final["val_centred_cosine"])
+        end = {"step": self.step, "val_centred_cosine": final["val_centred_cosine"]}
+        curve = validation_curve([*self.history, end])
+        text, advice = verdict(final["val_centred_cosine"], curve, width=self.t.width, steps=self.t.steps)
         summary = {**self.base_meta, "finished": True, "step": self.step, "history": self.history, "best": self.best,
                    "untrained_val_centred_cosine": self.untrained, "verdict": text, "advice": advice,
                    "read_mb_per_s": self.stream.stats.mb_per_s,

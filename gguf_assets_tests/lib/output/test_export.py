@@ -255,7 +255,7 @@ def test_numpy_evaluation_agrees_with_torch_and_report_carries_both(tmp_path: Pa
     assert "\\| with a pipe" in md  # a pipe in a prompt must not break the table
 
 
-@pytest.mark.parametrize("score, advice", [(0.62, "1536"), (0.95, "Use it")])
+@pytest.mark.parametrize("score, advice", [(0.62, "Widen the adapter"), (0.95, "Use it")])
 def test_report_verdict_and_advice(tmp_path: Path, score: float, advice: str) -> None:
     paths, settings = project(tmp_path, evaluate=False)
     sidecar = ExportSidecar(path="/o/adapter.gguf", bytes=10, sha256="ab" * 32, fingerprint="fp",
@@ -264,8 +264,9 @@ def test_report_verdict_and_advice(tmp_path: Path, score: float, advice: str) ->
     report = build_report(paths, settings, MATERIALS, sidecar, None, fingerprint="x")
     assert report.score_source == "torch" and report.val_centred_cosine is None
     assert advice in report.advice
-    if score < 0.9:
+    if score < 0.9:  # no training curve to read here: the advice is the adapter's size, from its own width
         assert "deepen" in report.advice and "0.9" in report.verdict
+        assert f"training.width: {2 * settings.training.width}" in report.advice
     md = (paths.root / "output" / REPORT_MD).read_text(encoding="utf-8")
     assert "not evaluated" in md and advice in md
 

@@ -1,0 +1,27 @@
+"""The advice follows the validation curve: still rising means more steps, flat means a bigger adapter."""
+
+from gguf_assets.lib.output.verdict import GOOD, validation_curve, verdict
+
+
+def test_a_curve_still_rising_at_the_end_asks_for_more_steps_not_a_wider_adapter():
+    # The shape seen at width 64 after 400 steps (and 1,000 steps then reached 0.909).
+    history = [{"step": 10, "loss": 1.0}, {"step": 100, "val_centred_cosine": 0.70},
+               {"step": 200, "val_centred_cosine": 0.80}, {"step": 300, "val_centred_cosine": 0.85},
+               {"step": 400, "val_centred_cosine": 0.88}]
+    curve = validation_curve(history)
+    assert curve == [(100, 0.70), (200, 0.80), (300, 0.85), (400, 0.88)]
+    text, advice = verdict(0.88, curve, width=64, steps=400)
+    assert text.startswith("Not there yet") and "training.steps: 800" in advice and "+0.030 over the last 100" in advice
+    assert "training.width" not in advice.split(";")[0]
+
+
+def test_a_flat_curve_asks_for_a_wider_adapter_at_twice_its_width():
+    curve = [(100, 0.70), (200, 0.801), (300, 0.803), (400, 0.804)]
+    text, advice = verdict(0.804, curve, width=64, steps=400)
+    assert "It has flattened" in advice and "training.width: 128" in advice and "training.steps" not in advice
+
+
+def test_a_good_score_says_use_it_and_no_curve_gives_the_general_advice():
+    assert verdict(GOOD, [(1, 0.1), (2, GOOD)], width=64, steps=2)[1].startswith("Use it")
+    text, advice = verdict(0.5)
+    assert "training.width: 1536" in advice and "flattened" not in advice
