@@ -39,7 +39,9 @@ from gguf_assets.lib.project.pipeline import (
           "Plus the paired vision encoder as a clip/mmproj GGUF when one was downloaded (docs/vision_gguf.md).")
 def gguf(context: dg.AssetExecutionContext, project: ProjectResource) -> dg.MaterializeResult:
     paths, settings = project.paths(), project.settings()
-    summary = export_adapter(paths, settings, load_manifest(paths), atomic.read_json(paths.adapter_manifest))
+    materials_manifest = load_manifest(paths)
+    summary = export_adapter(paths, settings, materials_manifest, atomic.read_json(paths.adapter_manifest),
+                             val_folders=require_current(paths, settings, materials_manifest, "val"))
     metadata = {
         "path": dg.MetadataValue.path(summary.path), "bytes": summary.bytes, "sha256": summary.sha256,
         "tensors": summary.tensor_count, "f16_tensors": summary.f16_count, "f32_tensors": summary.f32_count,

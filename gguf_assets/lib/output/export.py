@@ -19,7 +19,7 @@ import torch
 
 from gguf_assets.lib.core import atomic, verify
 from gguf_assets.lib.core.errors import UserError
-from gguf_assets.lib.output.gguf_format import F16_MAX, is_f16_tensor, write_adapter_gguf
+from gguf_assets.lib.output.gguf_format import F16_MAX, is_f16_tensor, tensor_name, write_adapter_gguf
 from gguf_assets.lib.output.vision import vision_gguf_path, write_vision_gguf
 from gguf_assets.lib.precompute.teacher_choice import teacher_choice
 from gguf_assets.lib.project import settings_history
@@ -102,6 +102,51 @@ def _cast_once(state_dict: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
     return out
 
 
+# A runtime's matrix product rounds its inputs to f16 when the weight is f16 (ggml's CPU path does), so a
+# matrix whose inputs reach past F16_MAX / ACTIVATION_HEADROOM on the val prompts is stored f32: the
+# headroom covers prompts larger than any val prompt (docs/gguf_layout.md, "F16 rule").
+ACTIVATION_HEADROOM = 4.0
+
+
+def input_peaks(model: torch.nn.Module, batches) -> dict[str, float]:
+    """The largest |input| each linear layer of ``model`` sees over ``batches`` of (states, mask), by the torch
+    name of its weight."""
+    peaks: dict[str, float] = {}
+
+    def hook(name: str):
+        def record(_module, inputs, _output) -> None:
+            peaks[name] = max(peaks.get(name, 0.0), float(inputs[0].detach().abs().max()))
+        return record
+
+    handles = [module.register_forward_hook(hook(f"{name}.weight")) for name, module in model.named_modules()
+               if isinstance(module, torch.nn.Linear)]
+    try:
+        with torch.inference_mode():
+            for states, mask in batches:
+                model(states, mask)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return peaks
+
+
+def activation_rule(peaks: dict[str, float]) -> list[str]:
+    """The matrices (torch names) whose inputs would overflow f16 in a runtime's product: stored f32."""
+    return sorted(name for name, peak in peaks.items() if not peak <= F16_MAX / ACTIVATION_HEADROOM)
+
+
+def val_batches(val_folders: list[Path], *, batch_size: int = 64):
+    """(states, mask) batches of the val shards' student states: what the activation rule is checked on."""
+    from gguf_assets.lib.training.train_data import collate, load_shard
+
+    for folder in val_folders:
+        shard = load_shard(folder)
+        for start in range(0, len(shard.texts), batch_size):
+            rows = range(start, min(start + batch_size, len(shard.texts)))
+            states, mask, _ = collate([(shard.states(i), shard.targets[i]) for i in rows], torch.device("cpu"))
+            yield states, mask
+
+
 def _previous_files(paths: ProjectPaths, settings: Settings) -> dict[str, dict]:
     """The files this project's last export wrote, by path (none if it never exported)."""
     try:
@@ -122,12 +167,18 @@ def _warn_if_not_ours(target: Path, previous_files: dict[str, dict]) -> None:
 
 
 def export_adapter(paths: ProjectPaths, settings: Settings, materials: MaterialsManifest,
-                   adapter_manifest: dict) -> ExportSidecar:
-    """Write <output_dir>/<adapter_name>.gguf (+ vision GGUF, + copies) and the sidecar; return the sidecar."""
+                   adapter_manifest: dict, *, val_folders: list[Path] = ()) -> ExportSidecar:
+    """Write <output_dir>/<adapter_name>.gguf (+ vision GGUF, + copies) and the sidecar; return the sidecar.
+
+    ``val_folders``: the val shards, whose student states the activation rule is checked on."""
     name = check_file_name(settings.output.adapter_name)
     run_dir = paths.root / adapter_manifest["run_dir"]
     model, meta = load_final(run_dir)
     tensors = _cast_once(model.state_dict())
+    keep_f32 = activation_rule(input_peaks(model, val_batches(list(val_folders))))
+    if keep_f32:
+        log.warning("kept in f32 because their inputs exceed %.0f on the val prompts (a runtime rounds a f16 "
+                    "product's inputs to f16): %s", F16_MAX / ACTIVATION_HEADROOM, keep_f32)
     hparams = {**meta["shape"], "layer_norm_epsilon": NORM_EPS, "mlp_ratio": MLP_RATIO}
     target = gguf_path(paths, settings)
     previous_files = _previous_files(paths, settings)
@@ -135,9 +186,10 @@ def export_adapter(paths: ProjectPaths, settings: Settings, materials: Materials
     ours = [target.name, vision_gguf_path(target.parent, name).name, target.with_suffix(".json").name]
     atomic.remove_stale_temps(target.parent, of=ours)
     summary = write_adapter_gguf(target, tensors=tensors, hparams=hparams,
-                                 provenance=provenance(settings, materials, meta), name=name)
-    if summary["kept_f32"]:
-        log.warning("kept in f32 because values exceed the f16 range: %s", summary["kept_f32"])
+                                 provenance=provenance(settings, materials, meta), name=name, keep_f32=keep_f32)
+    by_values = [n for n in summary["kept_f32"] if n not in {tensor_name(k) for k in keep_f32}]
+    if by_values:
+        log.warning("kept in f32 because values exceed the f16 range: %s", by_values)
     files = [_file_entry(ROLE_ADAPTER, target, summary)]
 
     vision = None

@@ -32,7 +32,7 @@ import hashlib
 import logging
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -376,9 +376,12 @@ def _f16_has_nan_or_inf(array: np.ndarray, chunk: int = 1 << 19) -> bool:
     return any(int((bits[i:i + chunk] & 0x7FFF).max()) >= 0x7C00 for i in range(0, bits.size, chunk))
 
 
-def _prepare_tensors(tensors: Mapping[str, np.ndarray], hparams: Mapping[str, Any]
-                     ) -> tuple[dict[str, np.ndarray], list[str]]:
-    """Check names/shapes/finiteness and cast: GGUF name → array as stored; plus kept_f32."""
+def _prepare_tensors(tensors: Mapping[str, np.ndarray], hparams: Mapping[str, Any],
+                     keep_f32: Collection[str] = ()) -> tuple[dict[str, np.ndarray], list[str]]:
+    """Check names/shapes/finiteness and cast: GGUF name → array as stored; plus kept_f32.
+
+    ``keep_f32``: torch names of matrices stored F32 although their values fit f16 (their inputs would
+    not: export.activation_rule)."""
     expected = expected_tensor_shapes(hparams)
     missing = [k for k in expected if k not in tensors]
     extra = sorted(set(tensors) - set(expected))
@@ -393,6 +396,12 @@ def _prepare_tensors(tensors: Mapping[str, np.ndarray], hparams: Mapping[str, An
             raise ValueError(f"tensor {key!r} ({name}) has dtype {array.dtype}, expected floating point")
         if tuple(array.shape) != shape:
             raise ValueError(f"tensor {key!r} ({name}) has shape {tuple(array.shape)}, expected {shape}")
+        if key in keep_f32 and is_f16_tensor(key):
+            prepared[name] = np.ascontiguousarray(array, dtype=np.float32)
+            if not np.isfinite(prepared[name]).all():
+                raise ValueError(f"tensor {key!r} ({name}) contains NaN or inf")
+            kept_f32.append(name)
+            continue
         if array.dtype == np.float16 and is_f16_tensor(key):
             # Cast by the caller (export casts in torch, many times faster than numpy): checked, not cast again.
             if _f16_has_nan_or_inf(np.ascontiguousarray(array)):
@@ -566,7 +575,7 @@ def write_verified_gguf(path: Path, kvs: list[KV], tensors: Mapping[str, np.ndar
 
 
 def write_adapter_gguf(path: Path, *, tensors: Mapping[str, np.ndarray], hparams: Mapping[str, Any],
-                       provenance: Mapping[str, Any], name: str) -> dict[str, Any]:
+                       provenance: Mapping[str, Any], name: str, keep_f32: Collection[str] = ()) -> dict[str, Any]:
     """Write the adapter GGUF atomically and verified; return a summary.
 
     ``tensors`` is the ``Adapter`` state dict as float arrays (torch names). The target
@@ -578,7 +587,7 @@ def write_adapter_gguf(path: Path, *, tensors: Mapping[str, np.ndarray], hparams
     """
     path = Path(path)
     kvs = build_metadata(hparams=hparams, provenance=provenance, name=name)
-    prepared, kept_f32 = _prepare_tensors(tensors, hparams)
+    prepared, kept_f32 = _prepare_tensors(tensors, hparams, keep_f32)
     written = write_verified_gguf(path, kvs, prepared)
     size, sha = written["bytes"], written["sha256"]
     f16 = sum(1 for a in prepared.values() if a.dtype == np.float16)

@@ -326,3 +326,33 @@ def test_golden_bytes_and_round_trip(tmp_path: Path) -> None:
         f16 = gguf_format.is_f16_tensor(key) and key != "out_proj.weight"
         assert got.dtype == (np.float16 if f16 else np.float32), key
         np.testing.assert_array_equal(got, array.astype(got.dtype), err_msg=key)
+
+
+def test_matrices_whose_inputs_overflow_f16_on_the_val_states_are_stored_f32(tmp_path: Path) -> None:
+    """The f16 rule protects weights; a runtime also rounds a f16 product's inputs to f16. Here in_proj is scaled
+    so the memory rows it makes (the inputs of every cross-attention k and v) reach far past 65504 / 4 while every
+    weight still fits f16: k and v are stored F32 (seen by gguf-py's reader), q and the rest stay F16."""
+    paths, settings = project(tmp_path)
+    adapter = make_adapter(4)
+    with torch.no_grad():
+        adapter.in_proj.weight.mul_(8000.0)
+        adapter.in_proj.bias.mul_(8000.0)
+    assert float(adapter.in_proj.weight.abs().max()) < gguf_format.F16_MAX  # the weights alone would pass
+    folder = paths.root / "shards" / "val" / "00000"
+    write_shard(folder, adapter=adapter, texts=["a", "b", "c"], lengths=[3, 5, 2], targets_dtype=torch.float32,
+                hidden_dtype=torch.float32, seed=5)
+    peaks = export.input_peaks(adapter, export.val_batches([folder]))
+    memory_inputs = [f"blocks.{b}.cross_attn.{p}.weight" for b in range(SHAPE.depth) for p in "kv"]
+    assert all(peaks[name] > gguf_format.F16_MAX / export.ACTIVATION_HEADROOM for name in memory_inputs), peaks
+    rule = export.activation_rule(peaks)
+    # k and v read the memory; o reads their weighted sum; q and the MLP read LayerNorm outputs.
+    assert set(memory_inputs) <= set(rule) and "in_proj.weight" not in rule
+    assert not any(name.endswith(("cross_attn.q.weight", "mlp_up.weight")) for name in rule), rule
+
+    sidecar = export.export_adapter(paths, settings, MATERIALS, fake_run(paths, adapter), val_folders=[folder])
+    types = {t.name: t.tensor_type.name for t in GGUFReader(sidecar.path).tensors}
+    matrices = [k for k in adapter.state_dict() if gguf_format.is_f16_tensor(k)]
+    assert {k for k in matrices if types[gguf_format.tensor_name(k)] == "F32"} == set(rule)
+    assert set(sidecar.kept_f32) == {gguf_format.tensor_name(n) for n in rule}
+    # Without val states (or with small inputs) nothing is kept f32 for its inputs.
+    assert export.activation_rule({"in_proj.weight": gguf_format.F16_MAX / export.ACTIVATION_HEADROOM}) == []
