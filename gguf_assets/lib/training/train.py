@@ -31,6 +31,7 @@ from gguf_assets.lib.project.layout import (
 from gguf_assets.lib.project.settings import Settings
 from gguf_assets.lib.telemetry.curves_log import TENSORBOARD_DIR, CurvesLog
 from gguf_assets.lib.telemetry.hardware import resolve_device
+from gguf_assets.lib.telemetry.progress import format_seconds
 from gguf_assets.lib.telemetry.render import curves_svg
 from gguf_assets.lib.training.adapter import (
     Adapter,
@@ -303,6 +304,7 @@ class _TrainingRun:
             self.curves.scalars(0, {"val_centred_cosine": self.untrained}, "val")
         self.stream = ShardStream(self.train_folders, order, batch_size=t.batch_size, end_step=stop_at)
         self.model.train()
+        self.clock_from = (time.perf_counter(), self.step)  # this process's steps: the ETA's rate
         self._start_window()
         try:
             while self.step < stop_at:
@@ -353,6 +355,13 @@ class _TrainingRun:
         self.window_steps += 1
         return loss.detach(), grad_norm
 
+    def _eta_s(self) -> float:
+        """Seconds left at the rate of this process's steps so far, validations and checkpoints included (a
+        resumed run counts from where it resumed, so the steps it skipped do not make the ETA short)."""
+        started, first_step = self.clock_from
+        rate = (self.step - first_step) / max(time.perf_counter() - started, 1e-9)
+        return (self.t.steps - self.step) / rate if rate > 0 else math.inf
+
     def _start_window(self) -> None:
         """Throughput is measured over the steps since the last log line."""
         self.window_start, self.window_steps = time.perf_counter(), 0
@@ -367,8 +376,9 @@ class _TrainingRun:
                  "data_wait_fraction": (stream.wait_seconds - self.window_wait) / elapsed,
                  "read_mb_per_s": (stream.stats.bytes - self.window_bytes) / 1e6 / elapsed}
         self.history.append(entry)
-        log.info("step %d/%d loss %.4f lr %.2e grad %.3f %.2f steps/s %.1f samples/s", self.step, t.steps,
-                 entry["loss"], lr, entry["grad_norm"], entry["steps_per_s"], entry["samples_per_s"])
+        log.info("step %d/%d loss %.4f lr %.2e grad %.3f %.2f steps/s %.1f samples/s, ETA %s", self.step, t.steps,
+                 entry["loss"], lr, entry["grad_norm"], entry["steps_per_s"], entry["samples_per_s"],
+                 format_seconds(self._eta_s()))
         hardware = self.sample_hardware() if self.sample_hardware else {}
         self.curves.scalars(self.step, entry, "train")
         self.curves.scalars(self.step, hardware, "hardware")

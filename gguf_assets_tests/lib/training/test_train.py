@@ -523,3 +523,16 @@ def test_ema_decay_must_be_below_one():
     for bad in (1.0, 1.5, -0.1):
         with pytest.raises(SettingsError, match="training.ema_decay"):
             settings_from_dict({"materials": materials, "training": {"ema_decay": bad}})
+
+
+def test_each_training_line_has_an_eta_that_counts_down(shard_sets, tmp_path, caplog):
+    """The console's training lines end with an ETA at this run's rate (checkpoints and validations included)."""
+    import re
+
+    with caplog.at_level("INFO", logger="gguf_assets"):
+        train(tmp_path, shard_sets)
+    lines = [r.getMessage() for r in caplog.records if re.match(r"step \d+/40 loss", r.getMessage())]
+    assert len(lines) == 40 // SETTINGS.training.log_every, lines
+    etas = [re.search(r", ETA (\S+)$", line).group(1) for line in lines]
+    assert etas[-1] == "0s"  # the last step: nothing left
+    assert all(re.fullmatch(r"(\d+m)?\d+s", eta) for eta in etas), etas
