@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import sys
 import threading
@@ -84,6 +85,9 @@ def _was_interrupted(instance, run_id: str) -> bool:
                for r in instance.get_records_for_run(run_id, of_type=dg.DagsterEventType.STEP_FAILURE).records)
 
 
+_KILLED_BY = re.compile(r"was terminated by signal (\d+) \((\w+)\)")
+
+
 def failure_message(instance, run_id: str) -> str:
     import dagster as dg
 
@@ -96,6 +100,11 @@ def failure_message(instance, run_id: str) -> str:
         error = getattr(data, "error", None)
         if event.event_type == dg.DagsterEventType.STEP_FAILURE and error is not None:
             return f"{event.step_key}: {user_message(error)}"
+    # No step failed: the run's process died. Dagster's code server says how, in an engine event.
+    for record in instance.get_records_for_run(run_id, of_type={dg.DagsterEventType.ENGINE_EVENT}).records:
+        found = _KILLED_BY.search(record.event_log_entry.dagster_event.message or "")
+        if found:
+            return f"its process was killed (signal {found.group(1)}, {found.group(2)})"
     return "the run failed"
 
 
@@ -325,7 +334,8 @@ def _workspace(instance, *, in_process: bool) -> Iterator:
     else:
         target = ModuleTarget(module_name=DEFINITIONS_MODULE, attribute=None, working_directory=None,
                               location_name=CODE_LOCATION)
-    with WorkspaceProcessContext(instance, target) as process_context:
+    # The code server's own INFO lines (start, "Stopping server…", in colour) are not the user's news.
+    with WorkspaceProcessContext(instance, target, code_server_log_level="WARNING") as process_context:
         yield process_context.create_request_context()
 
 
