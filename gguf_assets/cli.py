@@ -308,25 +308,36 @@ def cmd_ui(args: argparse.Namespace) -> int:
     import dagster as dg
 
     size_gpu_pool(dg.DagsterInstance.get())  # the run queue holds UI-launched GPU runs to one per GPU
-    check_ports_free(args.host, {"--port": args.port,
+    check_ports_free(args.host, {"--port": args.port, "--studio-port": args.studio_port,
                                  **({} if args.no_tensorboard else {"--tensorboard-port": args.tensorboard_port})})
-    services = []
-    if not args.no_tensorboard:
-        url = f"http://{args.host}:{args.tensorboard_port}"
+    base = f"http://{args.host}:{args.port}"
+    studio = f"http://{args.host}:{args.studio_port}"
+    url = "" if args.no_tensorboard else f"http://{args.host}:{args.tensorboard_port}"
+    if url:
         os.environ[TENSORBOARD_URL_ENV] = url  # the adapter's page links to it (runs inherit it)
+    # The studio first: the one page for this project (verdict, stages and why, Run and Stop).
+    print(f"Studio for {paths.root} on {studio}", flush=True)
+    services = start_services([studio_command(paths, args.host, args.studio_port, dagster_url=base,
+                                              tensorboard_url=url)])
+    if url:
         (paths.root / TENSORBOARD_DIR).mkdir(exist_ok=True)
         log_file = paths.dagster_home / "tensorboard.log"
         services += start_services([tensorboard_command(paths, args.host, args.tensorboard_port)], log_file=log_file)
         print(f"TensorBoard (training curves) on {url} (its log: {log_file})", flush=True)
     from gguf_assets.defs.groups import lineage_path
 
-    base = f"http://{args.host}:{args.port}"
     print(f"Dagster UI for {paths.root} on {base} (Ctrl-C to stop); the whole pipeline: {base}{lineage_path()}",
           flush=True)
     commands = [webserver_command(args.host, args.port)]
     if not args.no_daemon:
         commands.append(daemon_command())
     return supervise(services + start_services(commands))
+
+
+def studio_command(paths: ProjectPaths, host: str, port: int, *, dagster_url: str,
+                   tensorboard_url: str) -> list[str]:
+    return [sys.executable, "-m", "gguf_assets.studio", str(paths.root), "--host", host, "--port", str(port),
+            "--dagster-url", dagster_url, "--tensorboard-url", tensorboard_url]
 
 
 def tensorboard_command(paths: ProjectPaths, host: str, port: int) -> list[str]:
@@ -494,6 +505,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=3000)
     p.add_argument("--no-daemon", action="store_true", help="start only the webserver")
+    p.add_argument("--studio-port", type=int, default=3001,
+                   help="the studio page's port (this project: verdict, stages and why, Run and Stop)")
     p.add_argument("--tensorboard-port", type=int, default=6006, help="TensorBoard's port (training curves)")
     p.add_argument("--no-tensorboard", action="store_true", help="do not start TensorBoard")
     p.set_defaults(func=cmd_ui)

@@ -139,7 +139,8 @@ def wait_for(predicate, *, timeout: float, what: str, proc: subprocess.Popen | N
         if predicate():
             return
         if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"process exited ({proc.returncode}) before {what}: {proc.stdout.read()}")
+            said = proc.stdout.read() if proc.stdout else ""
+            raise AssertionError(f"process exited ({proc.returncode}) before {what}: {said}")
         time.sleep(0.2)
     raise AssertionError(f"timed out waiting for {what}")
 
@@ -154,7 +155,7 @@ def wait_http(url: str, *, timeout: float, proc: subprocess.Popen) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise AssertionError(f"{proc.args} exited early: {proc.stdout.read()}")
+            raise AssertionError(f"{proc.args} exited early: {proc.stdout.read() if proc.stdout else ''}")
         try:
             with urllib.request.urlopen(url, timeout=2):
                 return

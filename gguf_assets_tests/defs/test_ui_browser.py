@@ -55,7 +55,7 @@ def test_ui_shows_graph_report_and_plots_then_stops_on_ctrl_c(make_project):
     port, tb_port = free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("DAGSTER_HOME", "GGUF_ASSETS_PROJECT")}
     ui = subprocess.Popen([sys.executable, "-m", "gguf_assets.cli", "ui", str(paths.root), "--port", str(port),
-                           "--tensorboard-port", str(tb_port)],
+                           "--tensorboard-port", str(tb_port), "--studio-port", str(free_port())],
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     base, tensorboard = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{tb_port}"
     fingerprint = json.loads((paths.root / "checkpoints" / "final.json").read_text())["fingerprint"]

@@ -1,0 +1,109 @@
+"""The studio's web app (Starlette, which dagster-webserver already brings, with Jinja2 templates).
+
+One project per app. The page reads the same truths the CLI prints: `status` comes from
+lib/project/pipeline.py's one staleness engine, the verdict from the report, what runs now from
+the project lock's holder record. Run starts `gguf-trainer run DIR` (the same named Dagster jobs,
+the same lock, the same console log); Stop asks Dagster to terminate the project's running run,
+which every entry point turns into a clean CANCELED stop. Nothing here keeps state of its own.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse
+from starlette.routing import Route
+from starlette.templating import Jinja2Templates
+
+from gguf_assets.lib.core.commands import trainer, venv_tool
+from gguf_assets.lib.core.lock import holder
+from gguf_assets.lib.project.layout import ProjectPaths
+from gguf_assets.lib.project.manifests import DamagedRecord, Report
+from gguf_assets.lib.project.pipeline import project_status, with_running
+from gguf_assets.lib.project.settings import SettingsError, load_settings
+
+TEMPLATES = Jinja2Templates(directory=str(Path(__file__).parent / "templates"))
+RUN_LOG = "studio-run.log"  # in <project>/.dagster: the console output of the runs the studio starts
+STAGE_TITLES = {"materials": "Materials", "corpus": "Corpus", "train_shards": "Train shards",
+                "val_shards": "Val shards", "adapter": "Adapter (training)", "gguf": "GGUF export",
+                "eval_report": "Evaluation"}
+
+
+def project_view(paths: ProjectPaths) -> dict:
+    """Everything the Project panel shows, as JSON: the stages with why, what runs, the verdict and the GGUF."""
+    try:
+        settings = load_settings(paths.root)
+    except SettingsError as exc:  # the page stays up and says what to fix
+        return {"project": str(paths.root), "settings_error": str(exc), "stages": [], "running": None, "report": None}
+    lock_holder = holder(paths.lock_file)
+    stages = with_running(project_status(paths, settings), lock_holder)
+    running = (lock_holder or {}).get("running")
+    return {
+        "project": str(paths.root),
+        "settings_error": None,
+        "stages": [{"stage": s.stage, "title": STAGE_TITLES.get(s.stage, s.stage), "state": s.state,
+                    "detail": s.detail} for s in stages],
+        "busy": (lock_holder or {}).get("what") if lock_holder else None,
+        "running": {"run_id": running["run_id"], "job": running["job"]} if running else None,
+        "report": _report_view(paths, settings),
+        "run_command": trainer("run", paths.root),
+    }
+
+
+def _report_view(paths: ProjectPaths, settings) -> dict | None:
+    try:
+        report = Report.read(paths.report_json(settings))
+    except (DamagedRecord, OSError):
+        return None
+    if report is None:
+        return None
+    report_doc = paths.located_doc(report.to_json())
+    score = report.val_centred_cosine if report.evaluated else report.val_centred_cosine_torch
+    return {"verdict": report.verdict, "advice": report.advice, "score": score, "score_source": report.score_source,
+            "gguf_path": report_doc["gguf_path"], "ggk_command": report.ggk_command,
+            "report_json": str(paths.report_json(settings))}
+
+
+def build_app(project: str | Path, *, dagster_url: str = "", tensorboard_url: str = "") -> Starlette:
+    paths = ProjectPaths.of(project)
+    started: list[subprocess.Popen] = []
+
+    async def page(request: Request) -> HTMLResponse:
+        return TEMPLATES.TemplateResponse(request, "project.html", {
+            "view": project_view(paths), "dagster_url": dagster_url, "tensorboard_url": tensorboard_url})
+
+    async def status(_request: Request) -> JSONResponse:
+        return JSONResponse(project_view(paths))
+
+    async def run(_request: Request) -> JSONResponse:
+        for proc in started:
+            proc.poll()  # reap finished runs
+        lock_holder = holder(paths.lock_file)
+        if lock_holder is not None:
+            return JSONResponse({"error": f"{paths.root} is busy: {lock_holder.get('what', 'another pipeline')}"},
+                                status_code=409)
+        log_file = paths.dagster_home / RUN_LOG
+        log_file.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_file, "ab") as log:
+            # Its own session: stopping the studio does not stop the run (as a run launched in Dagster's UI).
+            started.append(subprocess.Popen([venv_tool("gguf-trainer"), "run", str(paths.root)], stdout=log,
+                                            stderr=subprocess.STDOUT, start_new_session=True, env=os.environ.copy()))
+        return JSONResponse({"started": trainer("run", paths.root), "log": str(log_file)})
+
+    async def stop(_request: Request) -> JSONResponse:
+        running = (holder(paths.lock_file) or {}).get("running")
+        if not running:
+            return JSONResponse({"error": "nothing of this project is running"}, status_code=409)
+        import dagster as dg
+
+        instance = dg.DagsterInstance.get()
+        # What Terminate in Dagster's UI does: the run ends CANCELED, resumable, whoever started it.
+        instance.run_launcher.terminate(running["run_id"])
+        return JSONResponse({"stopping": running["run_id"], "job": running["job"]})
+
+    return Starlette(routes=[Route("/", page), Route("/api/status", status),
+                             Route("/api/run", run, methods=["POST"]), Route("/api/stop", stop, methods=["POST"])])

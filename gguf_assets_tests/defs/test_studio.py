@@ -1,0 +1,96 @@
+"""The studio page that `gguf-trainer ui` serves beside Dagster, in headless Chromium (Debian's package).
+
+On a finished project: the page shows every stage current, the verdict and the GGUF path from the
+report; a settings edit shows up as stale with the key old → new (the one staleness engine); Run
+starts the named Dagster job the CLI runs; Stop ends that run CANCELED within seconds.
+A screenshot goes to test-artifacts/studio.png.
+"""
+
+import signal
+import subprocess
+import time
+
+import dagster as dg
+import pytest
+import yaml
+from conftest import CLI, cli_env, copy_project, free_port, project_instance, wait_for, wait_http
+from test_ui_browser import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS, _need_browser
+
+from gguf_assets.lib.core import atomic
+from gguf_assets.runner import instance_env
+
+pytestmark = pytest.mark.slow  # a UI, a browser and a pipeline run
+
+
+def _rows(page) -> dict[str, tuple[str, str]]:
+    """The Pipeline table as {stage: (state, why)}."""
+    rows = {}
+    for row in page.locator("#stages tr").all():
+        cells = row.locator("td").all_inner_texts()
+        rows[row.get_attribute("data-stage")] = (cells[1], cells[2])
+    return rows
+
+
+def test_studio_shows_the_project_and_its_run_and_stop_drive_the_named_jobs(finished_project, tmp_path,
+                                                                            monkeypatch):
+    _need_browser()
+    from playwright.sync_api import sync_playwright
+
+    paths = copy_project(finished_project[0], tmp_path / "copy")
+    for name, value in instance_env(paths).items():  # restored after the test
+        monkeypatch.setenv(name, value)
+    instance = project_instance(paths)
+    report = atomic.read_json(paths.root / "output" / "demo-adapter.report.json")
+    port, studio_port = free_port(), free_port()
+    # Training stalls after step 10 in the runs the studio starts, so Stop lands mid-training.
+    console = tmp_path / "ui.log"  # a file, not a pipe: nobody reads a pipe while the browser works
+    with open(console, "w") as out:
+        ui = subprocess.Popen([*CLI, "ui", str(paths.root), "--port", str(port), "--studio-port", str(studio_port),
+                               "--no-tensorboard", "--no-daemon"], stdout=out, stderr=subprocess.STDOUT,
+                              text=True, env=cli_env(GGUF_ASSETS_FAULT="train-step@11:stall:60"))
+    studio = f"http://127.0.0.1:{studio_port}"
+    try:
+        wait_for(lambda: console.read_text().strip(), timeout=60, what="the UI's first line", proc=ui)
+        first = console.read_text().splitlines()[0]
+        assert first == f"Studio for {paths.root} on {studio}", first  # its URL first
+        wait_http(studio + "/api/status", timeout=60, proc=ui)
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+            page = browser.new_page()
+            page.goto(studio)
+            assert {state for state, _ in _rows(page).values()} == {"current"} and len(_rows(page)) == 7
+            assert page.locator("#verdict").inner_text() == report["verdict"]
+            assert page.locator("#gguf-path").inner_text() == str(paths.located(report["gguf_path"]))
+            assert page.locator("#score").inner_text() == f"{report['val_centred_cosine']:.4f}"
+
+            # A settings edit: the page says which stage is stale and why, as `status` does.
+            doc = yaml.safe_load(paths.project_file.read_text())
+            doc["training"]["steps"] = 60
+            paths.project_file.write_text(yaml.safe_dump(doc, sort_keys=False))
+            wait_for(lambda: _rows(page)["adapter"][0] == "stale", timeout=30, what="the adapter to show stale")
+            assert "training.steps 40 → 60" in _rows(page)["adapter"][1]
+            assert _rows(page)["gguf"] == ("blocked", "waits for adapter")
+
+            page.click("#run")
+            wait_for(lambda: _rows(page)["adapter"][0] == "running", timeout=180, what="the run to train")
+            (running,) = [r for r in instance.get_runs() if r.status == dg.DagsterRunStatus.STARTED]
+            assert running.job_name == "train_export_evaluate"  # the named job `gguf-trainer run` runs
+            assert running.run_id[:8] in page.locator("#message").inner_text()
+            page.screenshot(path=str(ARTIFACTS / "studio.png"), full_page=True)
+
+            asked = time.monotonic()
+            page.click("#stop")
+            wait_for(lambda: instance.get_run_by_id(running.run_id).status == dg.DagsterRunStatus.CANCELED,
+                     timeout=30, what="the run to end CANCELED")
+            stopped_s = time.monotonic() - asked
+            wait_for(lambda: _rows(page)["adapter"][0] == "partial", timeout=30, what="the page to show partial")
+            assert "trained to step 10 of 60" in _rows(page)["adapter"][1]
+            browser.close()
+        assert stopped_s < 15, stopped_s
+    finally:
+        ui.send_signal(signal.SIGINT)
+        try:
+            ui.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            ui.kill()
+            raise
