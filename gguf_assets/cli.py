@@ -393,6 +393,33 @@ def cmd_auto_resume(project: str, *, daemon: bool, ui_port: int | None = None, u
     return code
 
 
+def cmd_cluster(args: argparse.Namespace) -> int:
+    """Keep the project's Dagster records in Postgres (or, with --off, back in the embedded SQLite)."""
+    from gguf_assets.cluster import ClusterSettings, cluster_file, write_cluster
+
+    paths = ProjectPaths.of(args.project)
+    load_settings(paths.root)
+    if args.off:
+        cluster_file(paths.root).unlink(missing_ok=True)
+        print(f"{paths.root}: back to the embedded instance (SQLite in {paths.dagster_home}). Runs recorded in "
+              "Postgres stay there; the results are in the project's files either way.")
+        return 0
+    file = write_cluster(paths.root, ClusterSettings(postgres_url_env=args.postgres_url_env))
+    env = args.postgres_url_env
+    lines = [
+        f"wrote {file}: this project's runs, events and schedules go to the Postgres database at ${env}.",
+        "One database per project. On every machine that runs or watches it (the folder may be mounted anywhere):",
+        f"  export {env}=postgresql://USER:PASSWORD@HOST:5432/DATABASE   # never written to the project",
+        f"  {trainer('run', paths.root)}   # the pipeline, recorded in Postgres",
+        f"  {trainer('ui', paths.root)}    # studio, Dagster UI and daemon, reading the same records",
+        f"  eval \"$({trainer('env', paths.root)})\" && dagster-daemon run   # the daemon alone",
+        "A database for it, on Debian: apt install postgresql, then as postgres: createuser -P USER; "
+        "createdb -O USER DATABASE",
+    ]
+    print("\n".join(lines))
+    return 0
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
     """Re-read every file the project reuses or delivered against its recorded hash, whatever the stamps say."""
     from gguf_assets.lib.project import verify_project as v
@@ -492,6 +519,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("status", help="show which stages are current, stale or missing")
     p.add_argument("project")
     p.set_defaults(func=cmd_status)
+    p = sub.add_parser("cluster", help="keep the project's Dagster records in Postgres (docs/cluster.md)")
+    p.add_argument("project")
+    p.add_argument("--postgres-url-env", default="GGUF_ASSETS_POSTGRES_URL",
+                   help="the environment variable that holds the Postgres URL (default GGUF_ASSETS_POSTGRES_URL)")
+    p.add_argument("--off", action="store_true", help="back to the embedded single-machine instance (SQLite)")
+    p.set_defaults(func=cmd_cluster)
     p = sub.add_parser("verify", help="re-read every file the project reuses or delivered against its sha256")
     p.add_argument("project")
     p.add_argument("--repair", action="store_true",

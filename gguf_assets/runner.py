@@ -51,7 +51,10 @@ def prepare_instance(paths: ProjectPaths) -> Path:
     """
     home = paths.dagster_home
     home.mkdir(parents=True, exist_ok=True)
+    from gguf_assets.cluster import instance_config, load_cluster
+
     template = resources.files("gguf_assets").joinpath(DAGSTER_YAML).read_text(encoding="utf-8")
+    template = instance_config(template, load_cluster(paths.root))  # Postgres when cluster.yaml says so
     target = home / DAGSTER_YAML
     if not target.is_file() or target.read_text(encoding="utf-8") != template:
         atomic.write_text(target, template)

@@ -15,6 +15,6 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   # torch first and pinned: on the CPU machines this project runs on, 2.13.0 is a local CPU wheel,
   # while an unpinned torch would pull a multi-GB CUDA build.
   .venv/bin/pip install --quiet "torch==2.13.0"
-  .venv/bin/pip install --quiet -e '.[test]'
+  .venv/bin/pip install --quiet -e '.[test,cluster]'
   echo "$want" > "$stamp"
 fi

@@ -1,0 +1,71 @@
+"""Real servers for the cluster tests, started on loopback in temp folders: PostgreSQL (Debian's package).
+
+Postgres refuses to run as root, so as root the server runs as a system user made for it
+(`gguf_pg`). Where the server binaries are missing (a developer's laptop) the tests are skipped with
+the reason; in CI (`CI` set, and `.ci/run` installs them with apt) that is a failure instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+PG_USER = "gguf_pg"  # the system user the server runs as when the tests run as root
+
+
+def _unavailable(what: str) -> None:
+    if os.environ.get("CI"):
+        pytest.fail(f"{what}; CI must install it (see .ci/run)")
+    pytest.skip(f"{what} (CI installs it with apt)")
+
+
+def _pg_bin(name: str) -> str:
+    found = shutil.which(name) or next(iter(sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{name}"), reverse=True)),
+                                       None)
+    if not found:
+        _unavailable(f"PostgreSQL's {name} is not installed")
+    return found
+
+
+def _as_server_user(command: list[str]) -> list[str]:
+    if os.geteuid() != 0:
+        return command
+    if subprocess.run(["id", "-u", PG_USER], capture_output=True).returncode != 0:
+        subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", PG_USER],
+                       check=True, capture_output=True)
+    return ["runuser", "-u", PG_USER, "--", *command]
+
+
+@contextlib.contextmanager
+def postgres_server(folder: Path, port: int) -> Iterator[str]:
+    """A PostgreSQL server on 127.0.0.1:``port`` with its data in ``folder``; yields the URL of a database."""
+    initdb, pg_ctl, createdb = _pg_bin("initdb"), _pg_bin("pg_ctl"), _pg_bin("createdb")
+    data, sockets = folder / "data", folder / "sockets"
+    data.mkdir(parents=True)
+    sockets.mkdir()
+    if os.geteuid() == 0:
+        _as_server_user(["true"])  # makes the user
+        for path in (folder, data, sockets):
+            shutil.chown(path, PG_USER)
+        os.chmod(folder, 0o755)
+        for parent in folder.parents:  # the server user must be able to reach its folder
+            if parent.stat().st_mode & 0o001 == 0:
+                os.chmod(parent, parent.stat().st_mode | 0o001)
+    def run(*command: str) -> None:
+        subprocess.run(_as_server_user(list(command)), check=True, capture_output=True, text=True)
+
+    run(initdb, "-D", str(data), "-A", "trust", "-U", "gguf", "--no-sync")
+    options = f"-p {port} -k {sockets} -c listen_addresses=127.0.0.1 -c fsync=off"
+    run(pg_ctl, "-D", str(data), "-o", options, "-l", str(folder / "server.log"), "-w", "start")
+    try:
+        run(createdb, "-h", "127.0.0.1", "-p", str(port), "-U", "gguf", "dagster")
+        yield f"postgresql://gguf@127.0.0.1:{port}/dagster"
+    finally:
+        subprocess.run(_as_server_user([pg_ctl, "-D", str(data), "-m", "immediate", "stop"]), capture_output=True)
