@@ -9,6 +9,7 @@ which every entry point turns into a clean CANCELED stop. Nothing here keeps sta
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -19,12 +20,15 @@ from starlette.responses import HTMLResponse, JSONResponse
 from starlette.routing import Route
 from starlette.templating import Jinja2Templates
 
+from gguf_assets.lib.core import atomic
 from gguf_assets.lib.core.commands import trainer, venv_tool
 from gguf_assets.lib.core.lock import holder
+from gguf_assets.lib.project import settings_history
 from gguf_assets.lib.project.layout import ProjectPaths
 from gguf_assets.lib.project.manifests import DamagedRecord, Report
 from gguf_assets.lib.project.pipeline import project_status, with_running
-from gguf_assets.lib.project.settings import SettingsError, load_settings
+from gguf_assets.lib.project.presets import PRESETS, preset, set_keys
+from gguf_assets.lib.project.settings import SettingsError, load_settings, settings_from_text
 
 TEMPLATES = Jinja2Templates(directory=str(Path(__file__).parent / "templates"))
 RUN_LOG = "studio-run.log"  # in <project>/.dagster: the console output of the runs the studio starts
@@ -74,7 +78,10 @@ def build_app(project: str | Path, *, dagster_url: str = "", tensorboard_url: st
 
     async def page(request: Request) -> HTMLResponse:
         return TEMPLATES.TemplateResponse(request, "project.html", {
-            "view": project_view(paths), "dagster_url": dagster_url, "tensorboard_url": tensorboard_url})
+            "view": project_view(paths), "dagster_url": dagster_url, "tensorboard_url": tensorboard_url,
+            "settings_text": paths.project_file.read_text(encoding="utf-8"), "presets": PRESETS,
+            # "<" escaped: the JSON sits inside a <script> element.
+            "presets_json": json.dumps({p.name: p.description for p in PRESETS}).replace("<", "\\u003c")})
 
     async def status(_request: Request) -> JSONResponse:
         return JSONResponse(project_view(paths))
@@ -105,5 +112,34 @@ def build_app(project: str | Path, *, dagster_url: str = "", tensorboard_url: st
         instance.run_launcher.terminate(running["run_id"])
         return JSONResponse({"stopping": running["run_id"], "job": running["job"]})
 
+    async def settings_text(_request: Request) -> JSONResponse:
+        return JSONResponse({"text": paths.project_file.read_text(encoding="utf-8"),
+                             "presets": [{"name": p.name, "description": p.description} for p in PRESETS]})
+
+    async def save_settings(request: Request) -> JSONResponse:
+        text = (await request.json()).get("text", "")
+        try:
+            new = settings_from_text(paths.project_file, text)  # the file's own checks: file:line and the fix
+        except SettingsError as exc:
+            return JSONResponse({"error": str(exc)}, status_code=400)
+        try:
+            old = load_settings(paths.root)
+        except SettingsError:
+            old = None
+        atomic.write_text(paths.project_file, text)
+        changed = settings_history.changed_keys(old, new, lambda s: s.to_dict()) if old is not None else []
+        return JSONResponse({"saved": str(paths.project_file), "changed": changed})
+
+    async def apply_preset(request: Request) -> JSONResponse:
+        body = await request.json()
+        try:
+            chosen = preset(body.get("name", ""))
+        except KeyError as exc:
+            return JSONResponse({"error": str(exc.args[0])}, status_code=400)
+        return JSONResponse({"text": set_keys(body.get("text", ""), chosen.changes), "preset": chosen.name})
+
     return Starlette(routes=[Route("/", page), Route("/api/status", status),
-                             Route("/api/run", run, methods=["POST"]), Route("/api/stop", stop, methods=["POST"])])
+                             Route("/api/run", run, methods=["POST"]), Route("/api/stop", stop, methods=["POST"]),
+                             Route("/api/settings", settings_text),
+                             Route("/api/settings", save_settings, methods=["POST"]),
+                             Route("/api/preset", apply_preset, methods=["POST"])])

@@ -12,7 +12,6 @@ import time
 
 import dagster as dg
 import pytest
-import yaml
 from conftest import CLI, cli_env, copy_project, free_port, project_instance, wait_for, wait_http
 from test_ui_browser import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS, _need_browser
 
@@ -63,12 +62,33 @@ def test_studio_shows_the_project_and_its_run_and_stop_drive_the_named_jobs(fini
             assert page.locator("#gguf-path").inner_text() == str(paths.located(report["gguf_path"]))
             assert page.locator("#score").inner_text() == f"{report['val_centred_cosine']:.4f}"
 
-            # A settings edit: the page says which stage is stale and why, as `status` does.
-            doc = yaml.safe_load(paths.project_file.read_text())
-            doc["training"]["steps"] = 60
-            paths.project_file.write_text(yaml.safe_dump(doc, sort_keys=False))
+            # The Settings panel edits project.yaml itself. A typo is refused with the file's line and the fix,
+            # and nothing is written.
+            before = paths.project_file.read_text()
+            assert page.locator("#settings").input_value() == before
+            page.fill("#settings", before.replace("  steps: 40", "  stepz: 40"))
+            page.click("#save")
+            wait_for(lambda: page.locator("#settings-message").inner_text(), timeout=10, what="the save's answer")
+            refusal = page.locator("#settings-message").inner_text()
+            assert "project.yaml:" in refusal and "stepz" in refusal and "steps" in refusal, refusal
+            assert paths.project_file.read_text() == before
+            # A preset changes only its keys, comments kept; Save writes it and says what changed.
+            page.fill("#settings", before)
+            page.select_option("#preset", "first look")
+            page.click("#apply-preset")
+            wait_for(lambda: "steps: 2000" in page.locator("#settings").input_value(), timeout=10,
+                     what="the preset in the editor")
+            assert paths.project_file.read_text() == before  # not saved yet
+            page.click("#save")
+            wait_for(lambda: page.locator("#settings-message").inner_text().startswith("saved"), timeout=10,
+                     what="the save")
+            assert "training.steps 40 → 2000" in page.locator("#settings-message").inner_text()
+            after = paths.project_file.read_text()
+            assert [line for line in after.splitlines() if line.strip().startswith("#")] == \
+                [line for line in before.splitlines() if line.strip().startswith("#")]  # every comment kept
+            # The page says which stage is stale and why, as `status` does.
             wait_for(lambda: _rows(page)["adapter"][0] == "stale", timeout=30, what="the adapter to show stale")
-            assert "training.steps 40 → 60" in _rows(page)["adapter"][1]
+            assert "training.steps 40 → 2000" in _rows(page)["adapter"][1]
             assert _rows(page)["gguf"] == ("blocked", "waits for adapter")
 
             page.click("#run")
@@ -77,6 +97,9 @@ def test_studio_shows_the_project_and_its_run_and_stop_drive_the_named_jobs(fini
             assert running.job_name == "train_export_evaluate"  # the named job `gguf-trainer run` runs
             assert running.run_id[:8] in page.locator("#message").inner_text()
             page.screenshot(path=str(ARTIFACTS / "studio.png"), full_page=True)
+            # Training stalls after its step-10 checkpoint (the old run kept only 30..40): stop it there.
+            wait_for(lambda: any(paths.root.glob("checkpoints/*/step-00000010")), timeout=120,
+                     what="the new run's step-10 checkpoint")
 
             asked = time.monotonic()
             page.click("#stop")
@@ -84,7 +107,7 @@ def test_studio_shows_the_project_and_its_run_and_stop_drive_the_named_jobs(fini
                      timeout=30, what="the run to end CANCELED")
             stopped_s = time.monotonic() - asked
             wait_for(lambda: _rows(page)["adapter"][0] == "partial", timeout=30, what="the page to show partial")
-            assert "trained to step 10 of 60" in _rows(page)["adapter"][1]
+            assert "trained to step 10 of 2000" in _rows(page)["adapter"][1]
             browser.close()
         assert stopped_s < 15, stopped_s
     finally:

@@ -446,6 +446,12 @@ def load_settings(project: Path) -> Settings:
         column = exc.start - (data.rfind(b"\n", 0, exc.start) + 1) + 1
         raise SettingsError(f"{path}:{line}: byte 0x{data[exc.start]:02x} at byte offset {exc.start} (column "
                             f"{column}) is not UTF-8. Save the file as UTF-8 (retype that character).") from None
+    return settings_from_text(path, text)
+
+
+def settings_from_text(path: Path, text: str) -> Settings:
+    """The settings a project.yaml text holds, checked as `load_settings` checks the file (errors name
+    ``path``:line): what an editor validates before it writes the file."""
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as exc:
