@@ -20,7 +20,7 @@ from gguf_assets.lib.project.pipeline import (
     UNFINISHED,
     expected_fingerprints,
     project_status,
-    stage_settings,
+    stage_keys,
 )
 from gguf_assets.lib.project.settings import Settings
 from gguf_assets.lib.telemetry.render import markdown_table
@@ -34,21 +34,17 @@ def settings_key(stage: str) -> dg.AssetKey:
     return dg.AssetKey([KEY_PREFIX, stage])
 
 
-def _rows(values: dict, prefix: str = "") -> list[list[str]]:
-    rows = []
-    for key, value in values.items():
-        if isinstance(value, dict):
-            rows += _rows(value, f"{prefix}{key}.")
-        else:
-            rows.append([f"`{prefix}{key}`", f"`{value}`"])
-    return rows
+def _value_of(settings: Settings, key: str):
+    section, name = key.split(".", 1)
+    return getattr(getattr(settings, section), name)
 
 
 def settings_metadata(settings: Settings, stage: str, project_dir: str | None = None) -> dict:
     """The settings a stage's result is computed from, as a table, with the project folder and how to
     change them: on the stage asset's page and on settings/<stage>. project.yaml stays the one source."""
-    metadata = {"settings": dg.MetadataValue.md(markdown_table(["setting", "value"],
-                                                               _rows(stage_settings(settings)[stage]))),
+    # project.yaml's own names and values: what the user edits, not the fingerprint's internal layout.
+    rows = [[f"`{key}`", f"`{_value_of(settings, key)}`"] for key in stage_keys(settings, stage)]
+    metadata = {"settings": dg.MetadataValue.md(markdown_table(["setting (project.yaml)", "value"], rows)),
                 "how_to_change": dg.MetadataValue.md(
                     "Edit `project.yaml` in the project folder, then `gguf-trainer run` (or Materialize here). Only "
                     "what depends on the changed settings is redone; the UI marks it stale within the sensor "

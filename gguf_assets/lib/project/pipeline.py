@@ -166,6 +166,49 @@ def stage_settings(settings: Settings) -> dict[str, dict]:
     }
 
 
+def stage_keys(settings: Settings, stage: str) -> list[str]:
+    """The project.yaml keys (``section.key``) that enter ``stage``'s result: each one, changed alone, changes
+    the stage's slice of ``stage_settings``. Derived from that function, so it can never drift from it."""
+    from gguf_assets.lib.project.settings import SECTIONS
+
+    base = stage_settings(settings)[stage]
+    keys = []
+    for section in SECTIONS:
+        current = getattr(settings, section)
+        for name, info in type(current).model_fields.items():
+            altered = _another_value(getattr(current, name), info.annotation)
+            # model_copy skips validation: a value that breaks a cross-check still shows what it would change.
+            changed = settings.model_copy(update={section: current.model_copy(update={name: altered})})
+            try:
+                differs = stage_settings(changed)[stage] != base
+            except Exception:  # noqa: BLE001  a stage that cannot even be described without this key reads it
+                differs = True
+            if differs:
+                keys.append(f"{section}.{name}")
+    return keys
+
+
+def _another_value(value, annotation):
+    """Some other value of a setting's type (another choice for a Literal)."""
+    from typing import Literal, get_args, get_origin
+
+    if get_origin(annotation) is Literal:
+        return next(choice for choice in get_args(annotation) if choice != value)
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, int):
+        return value + 1
+    if isinstance(value, float):
+        return value * 2 + 1
+    if isinstance(value, str):
+        return value + "-other"
+    if isinstance(value, list):
+        return [*value, "other"]
+    if isinstance(value, dict):
+        return {**value, "other": 1}
+    return "other"
+
+
 def recorded_fingerprint(sidecar: Path) -> str | None:
     return _recorded(sidecar, "fingerprint")
 
