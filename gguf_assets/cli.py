@@ -393,6 +393,16 @@ def cmd_auto_resume(project: str, *, daemon: bool, ui_port: int | None = None, u
     return code
 
 
+def cmd_estimate(args: argparse.Namespace) -> int:
+    """How much memory the project's pair needs, from the safetensors headers, before anything loads."""
+    from gguf_assets.lib.telemetry.estimate import estimate_lines
+
+    paths = ProjectPaths.of(args.project)
+    print(f"memory estimate for {paths.root} (weights and training state; activations come on top):")
+    print("\n".join(estimate_lines(paths, load_settings(paths.root))))
+    return 0
+
+
 def cmd_cluster(args: argparse.Namespace) -> int:
     """Keep the project's Dagster records in Postgres (or, with --off, back in the embedded SQLite)."""
     from gguf_assets.cluster import ClusterSettings, cluster_file, write_cluster
@@ -519,6 +529,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("status", help="show which stages are current, stale or missing")
     p.add_argument("project")
     p.set_defaults(func=cmd_status)
+    p = sub.add_parser("estimate", help="how much GPU memory the teacher, student and training need, before a run")
+    p.add_argument("project")
+    p.set_defaults(func=cmd_estimate)
     p = sub.add_parser("cluster", help="keep the project's Dagster records in Postgres (docs/cluster.md)")
     p.add_argument("project")
     p.add_argument("--postgres-url-env", default="GGUF_ASSETS_POSTGRES_URL",

@@ -58,6 +58,20 @@ def project_view(paths: ProjectPaths) -> dict:
     }
 
 
+def memory_view(paths: ProjectPaths) -> dict:
+    """The memory estimate (lib/telemetry/estimate.py), as the page's Memory panel shows it."""
+    from gguf_assets.lib.telemetry.estimate import estimate, peak_gib, size_text
+    from gguf_assets.lib.telemetry.hardware import gpu_snapshot
+
+    try:
+        lines = estimate(paths, load_settings(paths.root))
+    except (SettingsError, OSError, ValueError, KeyError) as exc:
+        return {"lines": [], "peak": "?", "gpus": [], "error": str(exc)}
+    return {"lines": [{"part": line.part, "size": size_text(line.gib), "how": line.how} for line in lines],
+            "peak": size_text(peak_gib(lines)), "error": None,
+            "gpus": [f"GPU {g['index']}: {g['mem_total_gib']:.0f} GiB" for g in gpu_snapshot()]}
+
+
 def _report_view(paths: ProjectPaths, settings) -> dict | None:
     try:
         report = Report.read(paths.report_json(settings))
@@ -80,6 +94,7 @@ def build_app(project: str | Path, *, dagster_url: str = "", tensorboard_url: st
         return TEMPLATES.TemplateResponse(request, "project.html", {
             "view": project_view(paths), "dagster_url": dagster_url, "tensorboard_url": tensorboard_url,
             "settings_text": paths.project_file.read_text(encoding="utf-8"), "presets": PRESETS,
+            "memory": memory_view(paths),
             # "<" escaped: the JSON sits inside a <script> element.
             "presets_json": json.dumps({p.name: p.description for p in PRESETS}).replace("<", "\\u003c")})
 

@@ -61,6 +61,11 @@ def test_studio_shows_the_project_and_its_run_and_stop_drive_the_named_jobs(fini
             assert page.locator("#verdict").inner_text() == report["verdict"]
             assert page.locator("#gguf-path").inner_text() == str(paths.located(report["gguf_path"]))
             assert page.locator("#score").inner_text() == f"{report['val_centred_cosine']:.4f}"
+            # The memory estimate, before anything loads (this project's teacher is the mock one: none loads).
+            memory = {row.get_attribute("data-part"): row.locator("td").all_inner_texts()
+                      for row in page.locator("#memory tr").all()}
+            assert memory["teacher"][1] == "0.0 MiB" and memory["student"][1].endswith("MiB"), memory
+            assert "parameters" in memory["adapter training"][2] and "peak" in memory
 
             # The Settings panel edits project.yaml itself. A typo is refused with the file's line and the fix,
             # and nothing is written.

@@ -1,0 +1,142 @@
+"""How much memory a project's pair needs, before anything loads: from the safetensors headers and the
+adapter's shape, not a guess from the model's name.
+
+Counted: the teacher's and the student's weights at the dtype they compute in on a GPU (bf16 for the
+teacher, precompute.student_dtype for the student), and the adapter's training state (f32 weights
+and gradients, AdamW's two moments, the weight average when training.ema_decay is on). Not counted:
+activations, which grow with precompute.token_budget and training.batch_size and are usually a
+small share of the teacher's weights; the precompute lowers its own GPU budget on an out-of-memory.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from gguf_assets.lib.core.errors import UserError
+from gguf_assets.lib.core.safetensors_io import safetensors_header
+from gguf_assets.lib.project.layout import ProjectPaths
+from gguf_assets.lib.project.settings import Settings
+
+GIB = 2**30
+BYTES = {"bf16": 2, "f16": 2, "f32": 4}
+ADAM_BYTES_PER_PARAM = 16  # f32 weights, f32 gradients, two f32 AdamW moments
+
+
+@dataclass(frozen=True)
+class MemoryLine:
+    part: str  # teacher, student, adapter training
+    gib: float | None  # None: not known yet (a hub repo not downloaded)
+    how: str  # what was counted
+
+
+def _folder(paths: ProjectPaths, role: str, value: str) -> Path | None:
+    """A model's folder: a local one as configured, or a hub repo where the materials step downloaded it."""
+    folder = paths.resolve_local(value) if value else None
+    if folder is not None and (folder / "config.json").is_file():
+        return folder
+    try:
+        from gguf_assets.lib.materials.materials import load_manifest
+
+        entry = getattr(load_manifest(paths), role)
+    except (OSError, ValueError, TypeError, UserError):
+        return None
+    if entry and entry.get("source") == value and (Path(entry["path"]) / "config.json").is_file():
+        return Path(entry["path"])
+    return None
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.1f} M" if n >= 1e5 else f"{n:,}"
+
+
+def weight_params(folder: Path, *, skip: str = "") -> int:
+    """Parameters in a model folder's *.safetensors (headers only), the ``skip`` file left out."""
+    total = 0
+    for file in sorted(folder.glob("*.safetensors")):
+        if file.name == skip:
+            continue
+        header, _, _ = safetensors_header(file)
+        for name, entry in header.items():
+            if name != "__metadata__":
+                count = 1
+                for dim in entry["shape"]:
+                    count *= dim
+                total += count
+    return total
+
+
+def adapter_params(student_dim: int, query_rows: int, target_dim: int, width: int, depth: int) -> int:
+    """The adapter's parameter count (lib/training/adapter.py's layout: docs/gguf_layout.md's tensor table)."""
+    mlp = 4 * width
+    block = 3 * 2 * width + 8 * (width * width + width) + (width * mlp + mlp) + (mlp * width + width)
+    return (query_rows * width + width + 2 * student_dim + student_dim * width + width + depth * block
+            + 2 * width + width * target_dim + target_dim + 2 * query_rows * target_dim)
+
+
+def estimate(paths: ProjectPaths, settings: Settings) -> list[MemoryLine]:
+    m, p, t = settings.materials, settings.precompute, settings.training
+    lines = []
+    teacher, student = _folder(paths, "teacher", m.teacher), _folder(paths, "student", m.student)
+    if p.mock_teacher:
+        lines.append(MemoryLine("teacher", 0.0, "precompute.mock_teacher: no teacher is loaded"))
+    elif teacher is None:
+        lines.append(MemoryLine("teacher", None, f"{m.teacher or '(not set)'}: known once the materials are there"))
+    else:
+        n = weight_params(teacher, skip=m.query_rows_file)
+        lines.append(MemoryLine("teacher", n * BYTES["bf16"] / GIB, f"{_count(n)} parameters in bf16 (GPU); "
+                                "on a CPU it computes in f32, twice that, in RAM"))
+    if student is None:
+        lines.append(MemoryLine("student", None, f"{m.student or '(not set)'}: known once the materials are there"))
+    else:
+        n = weight_params(student)
+        lines.append(MemoryLine("student", n * BYTES[p.student_dtype] / GIB,
+                                f"{_count(n)} parameters in {p.student_dtype} (precompute.student_dtype)"))
+    if student is not None and (teacher is not None or p.mock_teacher):
+        student_dim = json.loads((student / "config.json").read_text(encoding="utf-8"))["hidden_size"]
+        if p.mock_teacher:
+            from gguf_assets.lib.precompute.teacher import MOCK_DIM, MOCK_QUERY_ROWS
+
+            query_rows, target_dim = MOCK_QUERY_ROWS, MOCK_DIM
+        else:
+            from gguf_assets.lib.precompute.teacher import teacher_shape
+
+            query_rows, target_dim = teacher_shape(teacher, settings)
+        n = adapter_params(student_dim, query_rows, target_dim, t.width, t.depth)
+        per_param = ADAM_BYTES_PER_PARAM + (4 if t.ema_decay else 0)
+        lines.append(MemoryLine("adapter training", n * per_param / GIB,
+                                f"{_count(n)} parameters ({t.width} x {t.depth}, {query_rows} x {target_dim} "
+                                f"out) x {per_param} bytes (weights, gradients, AdamW"
+                                + (", weight average" if t.ema_decay else "") + "), plus activations"))
+    else:
+        lines.append(MemoryLine("adapter training", None, "known once the teacher and student are there"))
+    return lines
+
+
+def peak_gib(lines: list[MemoryLine]) -> float | None:
+    """The most one GPU holds at once: precompute loads teacher and student together; training the adapter alone."""
+    by_part = {line.part: line.gib for line in lines}
+    if any(v is None for v in by_part.values()):
+        return None
+    return max(by_part["teacher"] + by_part["student"], by_part["adapter training"])
+
+
+def size_text(gib: float | None) -> str:
+    if gib is None:
+        return "?"
+    return f"{gib:.2f} GiB" if gib >= 1 else f"{gib * 1024:.1f} MiB"
+
+
+def estimate_lines(paths: ProjectPaths, settings: Settings) -> list[str]:
+    """The estimate as console lines, with the GPUs this machine has (the studio shows the same)."""
+    from gguf_assets.lib.telemetry.hardware import gpu_snapshot
+
+    lines = estimate(paths, settings)
+    out = [f"  {line.part:<17} {size_text(line.gib):>10}  {line.how}" for line in lines]
+    peak = peak_gib(lines)
+    gpus = gpu_snapshot()
+    where = ", ".join(f"GPU {g['index']} {g['mem_total_gib']:.0f} GiB" for g in gpus) or "no NVIDIA GPU here"
+    out.append(f"  peak on one GPU   {size_text(peak):>10}  teacher + student while the "
+               f"shards are computed, or the adapter's training; this machine: {where}")
+    return out
