@@ -105,7 +105,9 @@ def test_the_demo_ends_with_a_clean_console_its_score_and_where_to_look(tmp_path
     verdict = next(line for line in lines if line.startswith("val centred cosine:"))
     assert float(verdict.split()[3]) >= GOOD, verdict
     assert "(Good:" in verdict, verdict
-    assert f"open the UI (runs, metrics, report): gguf-trainer ui {project}" in lines
+    from gguf_assets.lib.core.commands import trainer
+
+    assert f"open the UI (runs, metrics, report): {trainer('ui', project)}" in lines  # works when pasted
     assert lines[-1].startswith("demo wall time:")
 
 
