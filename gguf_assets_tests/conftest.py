@@ -2,6 +2,7 @@
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -143,6 +144,17 @@ def wait_for(predicate, *, timeout: float, what: str, proc: subprocess.Popen | N
             raise AssertionError(f"process exited ({proc.returncode}) before {what}: {said}")
         time.sleep(0.2)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+def stop_with_ctrl_c(proc: subprocess.Popen, *, what: str, timeout: float = 30) -> None:
+    """Ctrl-C to a server we started; it must end within ``timeout`` (killed, and the test fails, otherwise)."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise AssertionError(f"{what} did not stop within {timeout:.0f} s of Ctrl-C") from None
 
 
 def free_port() -> int:

@@ -6,13 +6,12 @@ starts the named Dagster job the CLI runs; Stop ends that run CANCELED within se
 A screenshot goes to test-artifacts/studio.png.
 """
 
-import signal
 import subprocess
 import time
 
 import dagster as dg
 import pytest
-from conftest import CLI, cli_env, copy_project, free_port, project_instance, wait_for, wait_http
+from conftest import CLI, cli_env, copy_project, free_port, project_instance, stop_with_ctrl_c, wait_for, wait_http
 from test_ui_browser import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS, _need_browser
 
 from gguf_assets.lib.core import atomic
@@ -116,9 +115,4 @@ def test_studio_shows_the_project_and_its_run_and_stop_drive_the_named_jobs(fini
             browser.close()
         assert stopped_s < 15, stopped_s
     finally:
-        ui.send_signal(signal.SIGINT)
-        try:
-            ui.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            ui.kill()
-            raise
+        stop_with_ctrl_c(ui, what="gguf-trainer ui")

@@ -10,14 +10,13 @@ Screenshots of each page go to test-artifacts/.
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import free_port, wait_http
+from conftest import free_port, stop_with_ctrl_c, wait_http
 
 from gguf_assets.defs.groups import lineage_path
 from gguf_assets.runner import run_pipeline
@@ -121,11 +120,6 @@ def test_ui_shows_graph_report_and_plots_then_stops_on_ctrl_c(make_project):
             page.screenshot(path=str(ARTIFACTS / "tensorboard.png"), full_page=True)
             browser.close()
     finally:
-        ui.send_signal(signal.SIGINT)
-        try:
-            ui.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            ui.kill()
-            raise AssertionError("gguf-trainer ui did not stop within 30 s of Ctrl-C")
+        stop_with_ctrl_c(ui, what="gguf-trainer ui")
     with pytest.raises(OSError):
         urllib.request.urlopen(f"{base}/server_info", timeout=2)
