@@ -15,7 +15,7 @@ from gguf_assets.lib.output.verdict import verdict
 from gguf_assets.lib.precompute.shards import require_current
 from gguf_assets.lib.project.layout import CURVES_FILE, FINAL_DIR
 from gguf_assets.lib.project.pipeline import adapter_fingerprint
-from gguf_assets.lib.telemetry.curves_log import TENSORBOARD_DIR, TENSORBOARD_URL_ENV
+from gguf_assets.lib.telemetry.curves_log import TENSORBOARD_URL_ENV, run_folder, run_name
 from gguf_assets.lib.telemetry.hardware import HardwareSampler
 from gguf_assets.lib.telemetry.render import curves_markdown, curves_svg, markdown_table
 from gguf_assets.lib.training.train import train_adapter
@@ -92,7 +92,7 @@ def adapter(context: dg.AssetExecutionContext, project: ProjectResource) -> dg.M
         "untrained_val_centred_cosine": _number(summary.untrained_val_centred_cosine),
         "empty_prompt_cosine": _number(summary.empty_prompt_cosine),
         "val_loss": summary.val_loss, "steps": summary.step,
-        "tensorboard": dg.MetadataValue.md(tensorboard_link(paths, fingerprint)),
+        "tensorboard": dg.MetadataValue.md(tensorboard_link(paths, settings, fingerprint)),
         "training_curves": dg.MetadataValue.md(f"{curves_markdown(svg)}\n\n{started}"),
         "training_metrics": dg.MetadataValue.md(_metrics_table(summary.history)),
         "this_run": dg.MetadataValue.md(markdown_table(["figure", "value"], [
@@ -108,11 +108,12 @@ def _format(value) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
-def tensorboard_link(paths, fingerprint: str) -> str:
+def tensorboard_link(paths, settings, fingerprint: str) -> str:
     """Where this run's curves are in TensorBoard, which `gguf-trainer ui` serves beside Dagster."""
     url = os.environ.get(TENSORBOARD_URL_ENV)
-    where = (f"[{url}]({url}/?runFilter={fingerprint}#timeseries) (run `{fingerprint}`)" if url else
-             f"`gguf-trainer ui {paths.root}` serves them (run `{fingerprint}`)")
+    name = run_name(settings.training, fingerprint)
+    where = (f"[{url}]({url}/?runFilter={name}#timeseries) (run `{name}`)" if url else
+             f"`gguf-trainer ui {paths.root}` serves them (run `{name}`)")
     return (f"Loss, learning rate, gradient norm, val centred cosine, empty-prompt cosine, throughput and "
             f"hardware against the step, one run per training fingerprint: {where}. The event files are in "
-            f"`{paths.root / TENSORBOARD_DIR / fingerprint}`.")
+            f"`{run_folder(paths.root, settings.training, fingerprint)}`.")

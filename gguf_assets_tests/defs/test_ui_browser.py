@@ -58,12 +58,16 @@ def test_ui_shows_graph_report_and_plots_then_stops_on_ctrl_c(make_project):
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     base, tensorboard = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{tb_port}"
     fingerprint = json.loads((paths.root / "checkpoints" / "final.json").read_text())["fingerprint"]
+    from gguf_assets.lib.project.settings import load_settings
+    from gguf_assets.lib.telemetry.curves_log import run_name
+
+    run = run_name(load_settings(paths.root).training, fingerprint)  # "64x1-40steps-lr…-<fingerprint start>"
     ARTIFACTS.mkdir(exist_ok=True)
     try:
         wait_http(f"{base}/server_info", timeout=120, proc=ui)
         # TensorBoard serves this run's loss against the step (5, 10, ... 40: log_every 5).
         wait_http(f"{tensorboard}/data/runs", timeout=120, proc=ui)
-        with urllib.request.urlopen(f"{tensorboard}/data/plugin/scalars/scalars?tag=train%2Floss&run={fingerprint}",
+        with urllib.request.urlopen(f"{tensorboard}/data/plugin/scalars/scalars?tag=train%2Floss&run={run}",
                                     timeout=30) as answer:
             loss = json.loads(answer.read())
         assert [step for _, step, _ in loss] == list(range(5, 41, 5)), loss
@@ -116,7 +120,7 @@ def test_ui_shows_graph_report_and_plots_then_stops_on_ctrl_c(make_project):
             # Filtered to the loss: cards scrolled out of view are not rendered.
             page.goto(f"{tensorboard}/?tagFilter=train%2Floss#timeseries")
             page.locator('"/loss"').first.wait_for(timeout=60_000)  # the card's title: "train" + "/loss"
-            assert page.get_by_text(fingerprint).count() > 0  # the run is named by the training fingerprint
+            assert page.get_by_text(run).count() > 0  # the run is named by its shape, steps, lr and fingerprint
             page.screenshot(path=str(ARTIFACTS / "tensorboard.png"), full_page=True)
             browser.close()
     finally:

@@ -16,6 +16,22 @@ TENSORBOARD_DIR = "tensorboard"
 TENSORBOARD_URL_ENV = "GGUF_ASSETS_TENSORBOARD_URL"
 
 
+def run_name(training, fingerprint: str) -> str:
+    """A training run's name in TensorBoard: its shape, length and peak lr, which a user compares runs by, and
+    the fingerprint's start, which tells two runs of the same shape apart (``training``: Settings.training)."""
+    return f"{training.width}x{training.depth}-{training.steps}steps-lr{training.learning_rate:g}-{fingerprint[:8]}"
+
+
+def run_folder(root: Path, training, fingerprint: str) -> Path:
+    """<project>/tensorboard/<run_name>; a run's folder from before runs had names (the bare fingerprint) is
+    renamed to it, so its curves stay one run."""
+    folder = Path(root) / TENSORBOARD_DIR / run_name(training, fingerprint)
+    old = Path(root) / TENSORBOARD_DIR / fingerprint
+    if old.is_dir() and not folder.exists():
+        old.rename(folder)
+    return folder
+
+
 class CurvesLog:
     """``scalars(step, values, group)`` writes ``group/name`` for every finite number in ``values``."""
 

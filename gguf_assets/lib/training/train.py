@@ -29,7 +29,7 @@ from gguf_assets.lib.project.layout import (
     ProjectPaths,
 )
 from gguf_assets.lib.project.settings import Settings
-from gguf_assets.lib.telemetry.curves_log import TENSORBOARD_DIR, CurvesLog
+from gguf_assets.lib.telemetry.curves_log import CurvesLog, run_folder
 from gguf_assets.lib.telemetry.hardware import resolve_device
 from gguf_assets.lib.telemetry.progress import format_seconds
 from gguf_assets.lib.telemetry.render import curves_svg
@@ -299,7 +299,7 @@ class _TrainingRun:
         t = self.t
         order = SampleOrder(self.sizes, t.seed)
         stop_at = t.steps if stop_after is None else min(t.steps, self.step + stop_after)
-        self.curves = CurvesLog(self.paths.root / TENSORBOARD_DIR / self.fingerprint, resumed_at_step=self.step)
+        self.curves = CurvesLog(run_folder(self.paths.root, self.t, self.fingerprint), resumed_at_step=self.step)
         if self.untrained is not None and self.step == 0:
             self.curves.scalars(0, {"val_centred_cosine": self.untrained}, "val")
         self.stream = ShardStream(self.train_folders, order, batch_size=t.batch_size, end_step=stop_at)

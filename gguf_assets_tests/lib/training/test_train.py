@@ -35,7 +35,8 @@ from gguf_assets.lib.project.layout import (
     WEIGHTS_FILE,
     ProjectPaths,
 )
-from gguf_assets.lib.project.settings import Settings, Training, replace
+from gguf_assets.lib.project.settings import Settings, Training, load_settings, replace
+from gguf_assets.lib.telemetry.curves_log import run_folder
 from gguf_assets.lib.telemetry.render import curves_markdown, curves_svg
 from gguf_assets.lib.training.checkpoints import list_checkpoints, load_final
 from gguf_assets.lib.training.train import train_adapter
@@ -157,7 +158,7 @@ def test_stop_and_resume_is_bit_identical(shard_sets, reference, tmp_path):
     # TensorBoard shows each step once: steps 11-13 of the stopped run are purged, redone ones kept.
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    curves = EventAccumulator(str(tmp_path / "tensorboard" / first.fingerprint))
+    curves = EventAccumulator(str(run_folder(tmp_path, SETTINGS.training, first.fingerprint)))
     curves.Reload()
     assert [e.step for e in curves.Scalars("train/loss")] == list(range(5, 41, 5))
     losses = [e["loss"] for e in second.history if "loss" in e]
@@ -384,12 +385,12 @@ def test_dagster_records_plottable_metrics_curves_and_verdict(make_project):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     fingerprint = result["fingerprint"].value
-    events = EventAccumulator(str(paths.root / "tensorboard" / fingerprint))
+    events = EventAccumulator(str(run_folder(paths.root, load_settings(paths.root).training, fingerprint)))
     events.Reload()
     assert [e.step for e in events.Scalars("train/loss")] == [5, 10, 15, 20]
     assert [e.step for e in events.Scalars("val/val_centred_cosine")] == [0, 10, 20]
     assert "hardware/host_cpu_pct" in events.Tags()["scalars"]
-    assert fingerprint in result["tensorboard"].value
+    assert run_folder(paths.root, load_settings(paths.root).training, fingerprint).name in result["tensorboard"].value
 
 
 def _flip(path: Path, offset: int = -5) -> None:
@@ -536,3 +537,18 @@ def test_each_training_line_has_an_eta_that_counts_down(shard_sets, tmp_path, ca
     etas = [re.search(r", ETA (\S+)$", line).group(1) for line in lines]
     assert etas[-1] == "0s"  # the last step: nothing left
     assert all(re.fullmatch(r"(\d+m)?\d+s", eta) for eta in etas), etas
+
+
+def test_tensorboard_names_a_run_by_its_shape_and_keeps_an_unnamed_runs_curves(tmp_path):
+    """Runs are named width x depth, steps and lr (plus the fingerprint's start), not by a bare hex
+    fingerprint; a folder from before names existed becomes the named one, so no curve is lost."""
+    from gguf_assets.lib.telemetry.curves_log import run_name
+
+    fingerprint = "0123456789abcdef"
+    assert run_name(SETTINGS.training, fingerprint) == "32x1-40steps-lr0.01-01234567"
+    old = tmp_path / "tensorboard" / fingerprint
+    old.mkdir(parents=True)
+    (old / "events.out.tfevents.1").write_bytes(b"kept")
+    folder = run_folder(tmp_path, SETTINGS.training, fingerprint)
+    assert folder.name == "32x1-40steps-lr0.01-01234567" and not old.exists()
+    assert (folder / "events.out.tfevents.1").read_bytes() == b"kept"
