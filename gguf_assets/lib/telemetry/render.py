@@ -33,7 +33,7 @@ def markdown_table(header: Sequence[str], rows: Iterable[Sequence[object]], *, r
 def curves_svg(history: list[dict], *, panel_width: int = 320, panel_height: int = 180) -> str:
     """Two small line charts as SVG text: training loss (log scale, plus val loss) and val cosines."""
     pad = 34
-    panels = [("loss (log10)", [("loss", "#1f77b4", True), ("val_loss", "#ff7f0e", True)]),
+    panels = [("loss (log scale)", [("loss", "#1f77b4", True), ("val_loss", "#ff7f0e", True)]),
               ("val centred cosine", [("val_centred_cosine", "#2ca02c", False),
                                       ("empty_prompt_cosine", "#9467bd", False)])]
     width = panel_width * len(panels)
@@ -61,8 +61,10 @@ def curves_svg(history: list[dict], *, panel_width: int = 320, panel_height: int
             py = 18 + (1 - (y - sy0) / (sy1 - sy0)) * (panel_height - 36)
             return f"{px:.1f},{py:.1f}"
 
-        out.append(f'<text x="{x0 + 2}" y="24">{sy1:.3g}</text>'
-                   f'<text x="{x0 + 2}" y="{panel_height - 18}">{sy0:.3g}</text>')
+        # A log panel is drawn in log10 but labelled in the values themselves (a loss of 0.31, not -0.509).
+        shown = (lambda v: 10 ** v) if all(log_y for _, _, log_y in series) else (lambda v: v)
+        out.append(f'<text x="{x0 + 2}" y="24">{shown(sy1):.3g}</text>'
+                   f'<text x="{x0 + 2}" y="{panel_height - 18}">{shown(sy0):.3g}</text>')
         out.append(f'<text x="{x0 + pad}" y="{panel_height - 6}">step {sx0}</text>'
                    f'<text x="{x0 + panel_width - 8}" y="{panel_height - 6}" text-anchor="end">{sx1}</text>')
         for i, (key, colour, _) in enumerate(series):

@@ -1,0 +1,14 @@
+"""The training-curves image labels its axes in the values a user reads, on a log scale for the loss."""
+
+import re
+
+from gguf_assets.lib.telemetry.render import curves_svg
+
+
+def test_the_loss_panel_is_log_scaled_but_labelled_in_loss_values():
+    history = [{"step": 10, "loss": 2.0}, {"step": 20, "loss": 0.5}, {"step": 20, "val_centred_cosine": 0.9},
+               {"step": 30, "loss": 0.25}]
+    svg = curves_svg(history)
+    labels = re.findall(r'<text x="2(?:\.0)?" y="[0-9.]+">([^<]+)</text>', svg)
+    assert labels[:2] == ["2", "0.25"], labels  # the loss's own max and min, not log10's 0.301 and -0.602
+    assert "loss (log scale)" in svg and "log10" not in svg
