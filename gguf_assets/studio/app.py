@@ -53,6 +53,8 @@ def project_view(paths: ProjectPaths) -> dict:
                     "detail": s.detail} for s in stages],
         "busy": (lock_holder or {}).get("what") if lock_holder else None,
         "running": {"run_id": running["run_id"], "job": running["job"]} if running else None,
+        "training": _training_now(running["run_id"], settings) if running and "adapter" in running.get("assets", ())
+        else None,
         "report": _report_view(paths, settings),
         "run_command": trainer("run", paths.root),
     }
@@ -70,6 +72,26 @@ def memory_view(paths: ProjectPaths) -> dict:
     return {"lines": [{"part": line.part, "size": size_text(line.gib), "how": line.how} for line in lines],
             "peak": size_text(peak_gib(lines)), "error": None,
             "gpus": [f"GPU {g['index']}: {g['mem_total_gib']:.0f} GiB" for g in gpu_snapshot()]}
+
+
+def _training_now(run_id: str, settings) -> str | None:
+    """The running training's latest log line (step, loss, rate, ETA), from the observations the adapter asset
+    records at every log step: the same figures as the console and Dagster's plots."""
+    import dagster as dg
+
+    from gguf_assets.lib.telemetry.progress import format_seconds
+
+    try:
+        records = dg.DagsterInstance.get().fetch_observations(dg.AssetKey("adapter"), limit=20).records
+    except Exception:  # noqa: BLE001  the page stays up while the storage is busy or away
+        return None
+    for record in records:  # newest first
+        figures = {k: v.value for k, v in record.asset_observation.metadata.items()}
+        if record.run_id == run_id and "loss" in figures:
+            step, rate, steps = int(figures["step"]), float(figures.get("steps_per_s", 0.0)), settings.training.steps
+            eta = format_seconds((steps - step) / rate) if rate > 0 else "?"
+            return f"step {step}/{steps}, loss {figures['loss']:.4f}, {rate:.2f} steps/s, ETA {eta}"
+    return "starting (no log step yet)"
 
 
 def _report_view(paths: ProjectPaths, settings) -> dict | None:

@@ -104,6 +104,10 @@ def test_studio_shows_the_project_and_its_run_and_stop_drive_the_named_jobs(fini
             # Training stalls after its step-10 checkpoint (the old run kept only 30..40): stop it there.
             wait_for(lambda: any(paths.root.glob("checkpoints/*/step-00000010")), timeout=120,
                      what="the new run's step-10 checkpoint")
+            # The live training line: the run's latest log step, as on the console (log_every 10).
+            wait_for(lambda: page.locator("#training").inner_text().startswith("training: step 10/2000, loss "),
+                     timeout=30, what="the live training line")
+            assert "steps/s, ETA " in page.locator("#training").inner_text()
 
             asked = time.monotonic()
             page.click("#stop")
