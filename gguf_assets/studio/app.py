@@ -108,6 +108,20 @@ def _report_view(paths: ProjectPaths, settings) -> dict | None:
             "report_json": str(paths.report_json(settings))}
 
 
+def refusal(request: Request) -> JSONResponse | None:
+    """What another web page could send is refused (403): a POST must be JSON, which a page of another origin
+    cannot send without a CORS preflight (this app grants none), and must come from this page's own origin when
+    the browser names one. Otherwise any site the user visits could rewrite project.yaml or start a run."""
+    if request.headers.get("content-type", "").split(";")[0].strip() != "application/json":
+        return JSONResponse({"error": "a change must be sent as application/json (from the studio page)"},
+                            status_code=403)
+    origin = request.headers.get("origin")
+    if origin and origin != f"{request.url.scheme}://{request.headers.get('host', '')}":
+        return JSONResponse({"error": f"refused a request from {origin}: only the studio page may change the "
+                                      "project"}, status_code=403)
+    return None
+
+
 def build_app(project: str | Path, *, dagster_url: str = "", tensorboard_url: str = "") -> Starlette:
     paths = ProjectPaths.of(project)
     started: list[subprocess.Popen] = []
@@ -123,7 +137,9 @@ def build_app(project: str | Path, *, dagster_url: str = "", tensorboard_url: st
     async def status(_request: Request) -> JSONResponse:
         return JSONResponse(project_view(paths))
 
-    async def run(_request: Request) -> JSONResponse:
+    async def run(request: Request) -> JSONResponse:
+        if (refused := refusal(request)) is not None:
+            return refused
         for proc in started:
             proc.poll()  # reap finished runs
         lock_holder = holder(paths.lock_file)
@@ -138,7 +154,9 @@ def build_app(project: str | Path, *, dagster_url: str = "", tensorboard_url: st
                                             stderr=subprocess.STDOUT, start_new_session=True, env=os.environ.copy()))
         return JSONResponse({"started": trainer("run", paths.root), "log": str(log_file)})
 
-    async def stop(_request: Request) -> JSONResponse:
+    async def stop(request: Request) -> JSONResponse:
+        if (refused := refusal(request)) is not None:
+            return refused
         running = (holder(paths.lock_file) or {}).get("running")
         if not running:
             return JSONResponse({"error": "nothing of this project is running"}, status_code=409)
@@ -154,6 +172,8 @@ def build_app(project: str | Path, *, dagster_url: str = "", tensorboard_url: st
                              "presets": [{"name": p.name, "description": p.description} for p in PRESETS]})
 
     async def save_settings(request: Request) -> JSONResponse:
+        if (refused := refusal(request)) is not None:
+            return refused
         text = (await request.json()).get("text", "")
         try:
             new = settings_from_text(paths.project_file, text)  # the file's own checks: file:line and the fix
@@ -168,6 +188,8 @@ def build_app(project: str | Path, *, dagster_url: str = "", tensorboard_url: st
         return JSONResponse({"saved": str(paths.project_file), "changed": changed})
 
     async def apply_preset(request: Request) -> JSONResponse:
+        if (refused := refusal(request)) is not None:
+            return refused
         body = await request.json()
         try:
             chosen = preset(body.get("name", ""))

@@ -1,0 +1,54 @@
+"""The studio changes the project only for its own page: another web page cannot rewrite project.yaml or
+start a run (a cross-site request cannot be JSON without a CORS preflight, and its Origin is checked)."""
+
+import json
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+
+import pytest
+from conftest import cli_env, free_port, stop_with_ctrl_c, wait_http
+
+
+def _post(url: str, body: bytes, headers: dict) -> tuple[int, dict]:
+    request = urllib.request.Request(url, data=body, headers=headers, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=30) as answer:
+            return answer.status, json.load(answer)
+    except urllib.error.HTTPError as error:
+        return error.code, json.load(error)
+
+
+@pytest.fixture
+def studio(make_project):
+    paths = make_project()
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "gguf_assets.studio", str(paths.root), "--port", str(port)],
+                            env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_http(base + "/api/status", timeout=60, proc=proc)
+        yield paths, base
+    finally:
+        stop_with_ctrl_c(proc, what="the studio")
+
+
+def test_a_cross_site_request_changes_nothing(studio):
+    paths, base = studio
+    before = paths.project_file.read_text()
+    hostile = json.dumps({"text": before.replace("trust_remote_code: false", "trust_remote_code: true")}).encode()
+    # A simple (preflight-free) cross-site POST: text/plain, as any web page can send.
+    assert _post(base + "/api/settings", hostile, {"Content-Type": "text/plain"})[0] == 403
+    assert _post(base + "/api/run", b"", {})[0] == 403
+    # JSON from another origin (a browser would preflight it; a script outside one does not).
+    status, body = _post(base + "/api/settings", hostile, {"Content-Type": "application/json",
+                                                           "Origin": "http://evil.example"})
+    assert status == 403 and "evil.example" in body["error"]
+    assert paths.project_file.read_text() == before
+    assert not (paths.dagster_home / "studio-run.log").exists()  # no run was started
+
+    # The page itself (same origin, JSON) may: a preset comes back for the editor.
+    status, body = _post(base + "/api/preset", json.dumps({"name": "first look", "text": before}).encode(),
+                         {"Content-Type": "application/json", "Origin": base})
+    assert status == 200 and "steps: 2000" in body["text"]
