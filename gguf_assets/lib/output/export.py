@@ -137,13 +137,10 @@ def activation_rule(peaks: dict[str, float]) -> list[str]:
 
 def val_batches(val_folders: list[Path], *, batch_size: int = 64):
     """(states, mask) batches of the val shards' student states: what the activation rule is checked on."""
-    from gguf_assets.lib.training.train_data import collate, load_shard
+    from gguf_assets.lib.training.train_data import shard_batches
 
     for folder in val_folders:
-        shard = load_shard(folder)
-        for start in range(0, len(shard.texts), batch_size):
-            rows = range(start, min(start + batch_size, len(shard.texts)))
-            states, mask, _ = collate([(shard.states(i), shard.targets[i]) for i in rows], torch.device("cpu"))
+        for _, _, states, mask, _ in shard_batches(folder, device=torch.device("cpu"), batch_size=batch_size):
             yield states, mask
 
 

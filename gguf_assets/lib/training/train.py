@@ -56,8 +56,7 @@ from gguf_assets.lib.training.train_data import (
     SampleOrder,
     ShardStream,
     TrainingError,
-    collate,
-    load_shard,
+    shard_batches,
     shard_size,
     target_stats,
 )
@@ -75,11 +74,8 @@ def evaluate(model: Adapter, folders: list[Path], *, device: torch.device, cosin
     model.eval()
     cosines, empty, losses, per_shard = [], [], [], []
     for folder in folders:
-        shard = load_shard(folder)
         shard_cos = []
-        for start in range(0, len(shard.texts), batch_size):
-            rows = range(start, min(start + batch_size, len(shard.texts)))
-            states, mask, targets = collate([(shard.states(i), shard.targets[i]) for i in rows], device)
+        for shard, rows, states, mask, targets in shard_batches(folder, device=device, batch_size=batch_size):
             pred = model(states, mask)
             z = standardize(targets, model.target_mean, model.target_std)
             losses.append(float(adapter_loss(pred, z, cosine_weight=cosine_weight)) * len(rows))

@@ -226,6 +226,15 @@ class ShardStream:
         self._next = None
 
 
+def shard_batches(folder: Path, *, device: torch.device, batch_size: int = 64):
+    """One shard's prompts in order, in batches: (shard, rows, states, mask, targets). What validation and the
+    export's activation check read."""
+    shard = load_shard(folder)
+    for start in range(0, len(shard.texts), batch_size):
+        rows = range(start, min(start + batch_size, len(shard.texts)))
+        yield shard, rows, *collate([(shard.states(i), shard.targets[i]) for i in rows], device)
+
+
 def collate(samples: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device):
     """[(states [L, Ds], target [Q, D])] → padded states [B, Lmax, Ds], mask [B, Lmax], targets [B, Q, D]."""
     longest = max(1, max(s.shape[0] for s, _ in samples))
