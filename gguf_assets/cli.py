@@ -87,7 +87,7 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def _run_in_own_process_group(paths: ProjectPaths, workers: int) -> int:
+def _run_in_own_process_group(paths: ProjectPaths, workers: int | None, cancel_on_stop: bool) -> int:
     """Execute the pipeline in a child process of its own process group, and forward Ctrl-C and SIGTERM to it.
 
     A Ctrl-C in a terminal reaches the whole foreground process group. Dagster's step helpers (the
@@ -95,7 +95,9 @@ def _run_in_own_process_group(paths: ProjectPaths, workers: int) -> int:
     each printed a KeyboardInterrupt traceback over the clean "stopped" line; in a group of its own
     only the pipeline hears the stop, once, and ends its helpers itself.
     """
-    command = [sys.executable, "-m", "gguf_assets.cli", "run", str(paths.root), "--workers", str(workers)]
+    command = [sys.executable, "-m", "gguf_assets.cli", "run", str(paths.root)]
+    command += ["--workers", str(workers)] if workers else []
+    command += ["--cancel-on-stop"] if cancel_on_stop else []
     child = subprocess.Popen(command, env={**os.environ, RUN_CHILD_ENV: "1"}, process_group=0,
                              preexec_fn=_die_with_parent)
 
@@ -116,17 +118,17 @@ def _run_in_own_process_group(paths: ProjectPaths, workers: int) -> int:
     return code
 
 
-def _run(paths: ProjectPaths, *, workers: int = 1) -> int:
+def _run(paths: ProjectPaths, *, workers: int | None = None, cancel_on_stop: bool = False) -> int:
     """Run the pipeline, print the status, then the outcome: the results, or why (and where) it stopped."""
     if os.environ.get(RUN_CHILD_ENV) != "1":
-        return _run_in_own_process_group(paths, workers)
+        return _run_in_own_process_group(paths, workers, cancel_on_stop)
     from gguf_assets.runner import PipelineFailed, run_pipeline
 
     sys.stderr = _WithoutLines(sys.stderr, DAGSTER_NOISE)
 
     outcome, code = None, 0
     try:
-        run_pipeline(paths, workers=workers)
+        run_pipeline(paths, workers=workers, cancel_on_stop=cancel_on_stop)
     except PipelineFailed as exc:
         outcome, code = f"pipeline failed at {exc}", 1
     except KeyboardInterrupt:
@@ -169,7 +171,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     paths = ProjectPaths.of(args.project)
     check_output_folders(paths, load_settings(paths.root))  # fail fast on a bad project.yaml or output folder
-    return _run(paths, workers=getattr(args, "workers", 1))
+    return _run(paths, workers=getattr(args, "workers", None), cancel_on_stop=getattr(args, "cancel_on_stop", False))
 
 
 def cmd_env(args: argparse.Namespace) -> int:
@@ -414,19 +416,56 @@ def cmd_cluster(args: argparse.Namespace) -> int:
         print(f"{paths.root}: back to the embedded instance (SQLite in {paths.dagster_home}). Runs recorded in "
               "Postgres stay there; the results are in the project's files either way.")
         return 0
-    file = write_cluster(paths.root, ClusterSettings(postgres_url_env=args.postgres_url_env))
+    broker = getattr(args, "celery_broker_env", None)
+    file = write_cluster(paths.root, ClusterSettings(postgres_url_env=args.postgres_url_env, celery_broker_env=broker))
     env = args.postgres_url_env
     lines = [
-        f"wrote {file}: this project's runs, events and schedules go to the Postgres database at ${env}.",
+        f"wrote {file}: this project's runs, events and schedules go to the Postgres database at ${env}"
+        + (f", and its runs to the Celery workers through the Redis broker at ${broker}." if broker else "."),
         "One database per project. On every machine that runs or watches it (the folder may be mounted anywhere):",
         f"  export {env}=postgresql://USER:PASSWORD@HOST:5432/DATABASE   # never written to the project",
-        f"  {trainer('run', paths.root)}   # the pipeline, recorded in Postgres",
+    ]
+    if broker:
+        lines += [f"  export {broker}=redis://HOST:6379/0   # never written to the project",
+                  f"  {trainer('worker', paths.root)}   # on each GPU machine, one per GPU (CUDA_VISIBLE_DEVICES=N)"]
+    lines += [
+        f"  {trainer('run', paths.root)}   # the pipeline, " + ("on the workers" if broker else "recorded in Postgres"),
         f"  {trainer('ui', paths.root)}    # studio, Dagster UI and daemon, reading the same records",
         f"  eval \"$({trainer('env', paths.root)})\" && dagster-daemon run   # the daemon alone",
         "A database for it, on Debian: apt install postgresql, then as postgres: createuser -P USER; "
-        "createdb -O USER DATABASE",
+        "createdb -O USER DATABASE" + ("; the broker: apt install redis-server" if broker else ""),
     ]
     print("\n".join(lines))
+    return 0
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    """A cluster worker: take this project's runs from the Celery queues and execute them here, one at a time."""
+    from gguf_assets.cluster import QUEUES, ClusterError, load_cluster
+    from gguf_assets.runner import prepare_instance
+
+    paths = ProjectPaths.of(args.project)
+    if not paths.project_file.is_file():  # each run reads the settings; a worker only needs the folder mounted
+        raise ClusterError(f"{paths.project_file} does not exist: mount the project folder there, or pass its path.")
+    cluster = load_cluster(paths.root)
+    if cluster is None or cluster.celery_broker_env is None:
+        raise ClusterError(f"{paths.root} runs its work in the process that starts it; for workers, first "
+                           f"`{trainer('cluster', paths.root)} --celery-broker-env GGUF_ASSETS_REDIS_URL`.")
+    queues = [q.strip() for q in args.queues.split(",") if q.strip()]
+    unknown = sorted(set(queues) - set(QUEUES))
+    if unknown or not queues:
+        raise ClusterError(f"--queues {args.queues}: the queues are {', '.join(QUEUES)} (gpu: precompute and "
+                           "training; cpu: materials and corpus).")
+    prepare_instance(paths)
+    import dagster as dg
+
+    from gguf_assets.defs.cluster_workers import serve_runs
+
+    name = args.name or f"gguf-{os.getpid()}@%h"
+    print(f"worker {name} for {paths.root}: taking runs from {', '.join(queues)} (Ctrl-C finishes the current run, "
+          "then stops)", flush=True)
+    with dg.DagsterInstance.get() as instance:
+        serve_runs(instance, queues=queues, name=name)
     return 0
 
 
@@ -524,7 +563,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_demo)
     p = sub.add_parser("run", help="materialize everything missing or stale, through Dagster")
     p.add_argument("project")
-    p.add_argument("--workers", type=int, default=1, help="shard runs in parallel processes (default 1)")
+    p.add_argument("--workers", type=int, default=None,
+                   help="shard runs in parallel (default: 1 process; on a cluster, as many runs as workers answer)")
+    p.add_argument("--cancel-on-stop", action="store_true",
+                   help="on a cluster: Ctrl-C also cancels the runs on the workers (default: they go on)")
     p.set_defaults(func=cmd_run)
     p = sub.add_parser("status", help="show which stages are current, stale or missing")
     p.add_argument("project")
@@ -536,8 +578,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("project")
     p.add_argument("--postgres-url-env", default="GGUF_ASSETS_POSTGRES_URL",
                    help="the environment variable that holds the Postgres URL (default GGUF_ASSETS_POSTGRES_URL)")
+    p.add_argument("--celery-broker-env", default=None, metavar="NAME",
+                   help="run the work on Celery workers (`gguf-trainer worker`), with the Redis broker at the URL in "
+                        "this environment variable (for example GGUF_ASSETS_REDIS_URL)")
     p.add_argument("--off", action="store_true", help="back to the embedded single-machine instance (SQLite)")
     p.set_defaults(func=cmd_cluster)
+    p = sub.add_parser("worker", help="on a cluster: take runs from the workers' queues and execute them")
+    p.add_argument("project", help="the project folder, as this machine mounts it")
+    p.add_argument("--queues", default="gpu,cpu",
+                   help="the queues to take runs from (default gpu,cpu; a machine without a GPU: cpu)")
+    p.add_argument("--name", default=None, help="the worker's Celery name (default gguf-<pid>@<host name>)")
+    p.set_defaults(func=cmd_worker)
     p = sub.add_parser("verify", help="re-read every file the project reuses or delivered against its sha256")
     p.add_argument("project")
     p.add_argument("--repair", action="store_true",

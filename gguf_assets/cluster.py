@@ -6,8 +6,13 @@ and the UI share one record of the runs. The file names environment variables on
 password, and no path, so the folder can live on shared storage mounted anywhere. One database per
 project: the shard partitions and the run history are the project's own.
 
-`gguf-trainer cluster DIR --postgres-url-env NAME` writes it; runner.prepare_instance renders the
-instance config (<project>/.dagster/dagster.yaml) from it on every start.
+With `celery_broker_env` as well, runs execute on Celery workers (`gguf-trainer worker DIR` on each
+machine, defs/cluster_workers.py) through dagster-celery's run launcher, with a Redis broker and
+result backend at the URL in that variable.
+
+`gguf-trainer cluster DIR --postgres-url-env NAME [--celery-broker-env NAME]` writes it;
+runner.prepare_instance renders the instance config (<project>/.dagster/dagster.yaml) from it on every
+start.
 """
 
 from __future__ import annotations
@@ -24,6 +29,14 @@ from gguf_assets.lib.core.errors import UserError
 
 CLUSTER_FILE = "cluster.yaml"
 DEFAULT_POSTGRES_URL_ENV = "GGUF_ASSETS_POSTGRES_URL"
+DEFAULT_BROKER_URL_ENV = "GGUF_ASSETS_REDIS_URL"
+# The Celery queues of a cluster's workers: precompute and training on `gpu`, materials and corpus on `cpu`.
+# Each job names its queue in this tag (dagster_celery.tags.DAGSTER_CELERY_QUEUE_TAG: dagster-celery is an
+# optional install, and the jobs are defined without it).
+GPU_QUEUE = "gpu"
+CPU_QUEUE = "cpu"
+QUEUES = (GPU_QUEUE, CPU_QUEUE)
+QUEUE_TAG = "dagster-celery/queue"
 _ENV_NAME = re.compile(r"^[A-Z_][A-Z0-9_]*$")
 
 
@@ -37,6 +50,9 @@ class ClusterSettings(BaseModel):
     postgres_url_env: str = Field(DEFAULT_POSTGRES_URL_ENV, description=(
         "environment variable that holds the Postgres URL (postgresql://user:password@host:5432/database); the URL "
         "itself is never written to the project"))
+    celery_broker_env: str | None = Field(None, description=(
+        "environment variable that holds the Redis URL (redis://[:password@]host:6379/0) of the Celery broker; set, "
+        "runs execute on the workers that `gguf-trainer worker DIR` starts; unset, in the process that starts them"))
 
 
 def cluster_file(project: Path) -> Path:
@@ -58,6 +74,9 @@ def load_cluster(project: Path) -> ClusterSettings | None:
     if settings is None or not _ENV_NAME.match(settings.postgres_url_env):
         raise ClusterError(f"{file}: postgres_url_env must name an environment variable (like "
                            f"{DEFAULT_POSTGRES_URL_ENV}).")
+    if settings.celery_broker_env is not None and not _ENV_NAME.match(settings.celery_broker_env):
+        raise ClusterError(f"{file}: celery_broker_env must name an environment variable (like "
+                           f"{DEFAULT_BROKER_URL_ENV}), or be left out for runs in the starting process.")
     return settings
 
 
@@ -65,7 +84,7 @@ def write_cluster(project: Path, settings: ClusterSettings) -> Path:
     file = cluster_file(project)
     header = ("# gguf_assets cluster settings: this project's Dagster records live in Postgres.\n"
               "# Delete this file to go back to the embedded single-machine instance (SQLite in .dagster).\n")
-    atomic.write_text(file, header + yaml.safe_dump(settings.model_dump(), sort_keys=False))
+    atomic.write_text(file, header + yaml.safe_dump(settings.model_dump(exclude_none=True), sort_keys=False))
     return file
 
 
@@ -73,12 +92,24 @@ def instance_config(template: str, cluster: ClusterSettings | None) -> str:
     """The instance's dagster.yaml: the embedded template, with its storage moved to Postgres for a cluster."""
     if cluster is None:
         return template
-    if not os.environ.get(cluster.postgres_url_env):
-        raise ClusterError(f"this project's {CLUSTER_FILE} keeps its Dagster records in Postgres, at the URL in "
-                           f"${cluster.postgres_url_env}, which is not set. Export it (postgresql://user:password@"
-                           f"host:5432/database), or delete {CLUSTER_FILE} for the embedded instance.")
+    _need_env(cluster.postgres_url_env, "keeps its Dagster records in Postgres", "postgresql://user:password@"
+              "host:5432/database")
     embedded = "storage:\n  sqlite:\n    base_dir:\n      env: DAGSTER_HOME\n"
     if embedded not in template:
         raise RuntimeError("the instance template's storage block changed; update cluster.instance_config")
     postgres = f"storage:\n  postgres:\n    postgres_url:\n      env: {cluster.postgres_url_env}\n"
-    return template.replace(embedded, postgres)
+    config = template.replace(embedded, postgres)
+    if cluster.celery_broker_env is not None:
+        _need_env(cluster.celery_broker_env, "runs its work on Celery workers, with the broker", "redis://host:6379/0")
+        # The broker doubles as the result backend: the workers' task states are what the health check reads.
+        config += ("# Runs execute on Celery workers (`gguf-trainer worker DIR`): docs/cluster.md.\n"
+                   "run_launcher:\n  module: gguf_assets.defs.cluster_workers\n  class: ClusterRunLauncher\n"
+                   f"  config:\n    broker:\n      env: {cluster.celery_broker_env}\n"
+                   f"    backend:\n      env: {cluster.celery_broker_env}\n    default_queue: gpu\n")
+    return config
+
+
+def _need_env(name: str, what: str, example: str) -> None:
+    if not os.environ.get(name):
+        raise ClusterError(f"this project's {CLUSTER_FILE} {what} at the URL in ${name}, which is not set. Export it "
+                           f"({example}), or delete {CLUSTER_FILE} for the embedded instance.")

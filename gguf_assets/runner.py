@@ -37,6 +37,7 @@ DAGSTER_YAML = "dagster.yaml"
 CODE_LOCATION = DEFINITIONS_MODULE  # the name dagster-webserver and dagster-daemon give `-m` (the module's)
 POLL_S = 1.0
 REPORT_EVERY_S = 10.0
+MAX_LOST_WORKERS = 3  # cluster runs cut off by a dead worker, planned again before the pipeline gives up
 
 
 class PipelineFailed(RuntimeError):
@@ -235,13 +236,21 @@ def _stop_tags_the_latest_run(instance) -> Iterator[None]:
         raise
 
 
-def run_pipeline(paths: ProjectPaths, *, echo: Callable[[str], None] = print, workers: int = 1) -> list[StageState]:
+def run_pipeline(paths: ProjectPaths, *, echo: Callable[[str], None] = print, workers: int | None = None,
+                 cancel_on_stop: bool = False) -> list[StageState]:
     """Materialize everything missing or stale through the project's Dagster instance; returns the final status.
 
     ``workers`` > 1 runs each split's shards as that many Dagster runs at once, launched by the
     instance's run launcher; they join this pipeline, each holding a lock of its own while it writes
-    (lib/core/lock.py).
+    (lib/core/lock.py). On a cluster with Celery workers (cluster.yaml) every job is launched to the
+    workers' queues and followed; shards are split into ``workers`` ranges (default: as many as
+    workers answer). A stop (Ctrl-C) there stops following, and the runs go on, unless
+    ``cancel_on_stop``.
     """
+    from gguf_assets.cluster import load_cluster
+
+    cluster = load_cluster(paths.root)
+    on_workers = cluster is not None and cluster.celery_broker_env is not None
     prepare_instance(paths)
     import dagster as dg
 
@@ -267,13 +276,22 @@ def run_pipeline(paths: ProjectPaths, *, echo: Callable[[str], None] = print, wo
 
         check_prompt_files(paths, settings)
         done: set[Work] = set()
+        lost = 0
         while (work := next_work(paths, settings, instance)) is not None:
             if stop.asked:  # a stop that Dagster's handler swallowed while the last job finished
                 raise KeyboardInterrupt
             if work in done:
                 raise PipelineFailed(f"{work.describe()} ran successfully but is still not current; see "
                                      f"`{trainer('status', paths.root)}`")
-            if workers > 1 and len(work.partitions) > 1:
+            if on_workers:
+                if not _run_on_workers(paths, instance, workspace, work, settings, workers, echo,
+                                       cancel_on_stop=cancel_on_stop):
+                    lost += 1
+                    if lost > MAX_LOST_WORKERS:
+                        raise PipelineFailed(f"workers were lost {lost} times; check them (`celery inspect ping`, "
+                                             f"their logs), then `{trainer('run', paths.root)}` continues.")
+                    continue  # planned again: the lost runs' shards go back to the queue
+            elif (workers or 1) > 1 and len(work.partitions) > 1:
                 _run_workers(paths, instance, work, settings, workers, echo)
             else:
                 echo(f"→ {work.describe()}")
@@ -402,6 +420,58 @@ def _run_workers(paths: ProjectPaths, instance, work: Work, settings: Settings, 
         raise PipelineFailed("\n".join(lines) + f"\nThe shards finished so far are kept (the other workers' too); "
                              f"`{trainer('run', paths.root)}` continues with the rest. Logs: "
                              f"`{trainer('ui', paths.root)}`.")
+
+
+def _run_on_workers(paths: ProjectPaths, instance, workspace, work: Work, settings: Settings, workers: int | None,
+                    echo: Callable[[str], None], *, cancel_on_stop: bool) -> bool:
+    """On a cluster: launch ``work`` as runs to the Celery workers' queue, admitted to this pipeline, and
+    follow them. True when all succeeded; False when a worker died under one (its shards are planned
+    again); a run that failed on its own ends the pipeline with its reason."""
+    import dagster as dg
+
+    from gguf_assets.cluster import GPU_QUEUE, QUEUE_TAG
+    from gguf_assets.defs.run_tags import ADMITTED_TAG, INTERRUPTED_TAG
+    from gguf_assets.lib.core.lock import admit_runs
+
+    location = workspace.get_code_location(CODE_LOCATION)
+    queue = next(iter(location.get_repositories().values())).get_full_job(work.job).tags.get(QUEUE_TAG, GPU_QUEUE)
+    parts = workers or max(1, len(instance.run_launcher.live_workers(queue)))
+    ranges = split_range(work.partitions, parts) if work.partitions else [None]
+    runs = []
+    for index, keys in enumerate(ranges, 1):
+        worker = {WORKER_TAG: f"{index}/{len(ranges)}"} if len(ranges) > 1 else {}
+        runs.append(_create_run(workspace, work, {**work.tags(settings, keys), ADMITTED_TAG: "true", **worker}))
+    admit_runs(paths.lock_file, [run.run_id for run in runs])  # before any worker can start one
+    for run, keys in zip(runs, ranges):
+        instance.launch_run(run.run_id, workspace)
+        shards = f" shards {keys[0]}..{keys[-1]}" if keys else ""
+        echo(f"→ {work.job}{shards} as run {run.run_id[:8]} on the workers' `{queue}` queue")
+    run_ids = [run.run_id for run in runs]
+    try:
+        _wait_for_runs(instance, run_ids, echo)
+    except KeyboardInterrupt:
+        going = [r for r in run_ids if not instance.get_run_by_id(r).is_finished]
+        if cancel_on_stop:
+            for run_id in going:
+                instance.run_launcher.terminate(run_id)
+            echo(f"cancelled {len(going)} run(s) on the workers")
+        elif going:
+            echo(f"stopped following; {len(going)} run(s) go on on the workers ({', '.join(r[:8] for r in going)}): "
+                 f"`{trainer('status', paths.root)}` shows what they finished, Terminate in the Dagster UI stops them")
+        raise
+    finished = [instance.get_run_by_id(r) for r in run_ids]
+    failed = [run for run in finished if run.status != dg.DagsterRunStatus.SUCCESS]
+    if not failed:
+        return True
+    if all(INTERRUPTED_TAG in run.tags for run in failed):
+        for run in failed:
+            echo(f"a worker died under run {run.run_id[:8]} ({work.job}); its work goes back to the queue")
+        return False
+    split = next((s for s in ("train", "val") if work.assets == (f"{s}_shards",)), None)
+    lines = [_worker_failure(paths, settings, instance, run, split) if split else
+             f"run {run.run_id[:8]} of {work.job}: {failure_message(instance, run.run_id)}" for run in failed]
+    raise PipelineFailed("\n".join(lines) + f"\nWhat finished is kept; `{trainer('run', paths.root)}` continues. "
+                         f"Logs: `{trainer('ui', paths.root)}`.")
 
 
 def _worker_failure(paths: ProjectPaths, settings: Settings, instance, run, split: str) -> str:

@@ -1,4 +1,5 @@
-"""Real servers for the cluster tests, started on loopback in temp folders: PostgreSQL (Debian's package).
+"""Real servers for the cluster tests, started on loopback in temp folders: PostgreSQL and Redis (Debian's
+packages).
 
 Postgres refuses to run as root, so as root the server runs as a system user made for it
 (`gguf_pg`). Where the server binaries are missing (a developer's laptop) the tests are skipped with
@@ -11,7 +12,9 @@ import contextlib
 import glob
 import os
 import shutil
+import socket
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -69,3 +72,30 @@ def postgres_server(folder: Path, port: int) -> Iterator[str]:
         yield f"postgresql://gguf@127.0.0.1:{port}/dagster"
     finally:
         subprocess.run(_as_server_user([pg_ctl, "-D", str(data), "-m", "immediate", "stop"]), capture_output=True)
+
+
+@contextlib.contextmanager
+def redis_server(folder: Path, port: int) -> Iterator[str]:
+    """A Redis server on 127.0.0.1:``port`` (no persistence) with its files in ``folder``; yields its URL."""
+    binary = shutil.which("redis-server") or _unavailable("Redis's redis-server is not installed")
+    folder.mkdir(parents=True)
+    with open(folder / "server.log", "wb") as log:
+        server = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
+                                   "no", "--dir", str(folder)], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=1) as conn:
+                    conn.sendall(b"PING\r\n")
+                    if conn.recv(16).startswith(b"+PONG"):
+                        break
+            except OSError:
+                pass
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"redis-server did not start: {(folder / 'server.log').read_text()[-2000:]}")
+            time.sleep(0.1)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        server.kill()
+        server.wait(timeout=30)

@@ -23,11 +23,15 @@ why pyproject.toml pins ``dagster<1.14``.
   (run_tags.py).
 - ``CachingStaleStatusResolver``, ``StaleStatus``, ``LoadingContextForTest``: the tests read the
   UI's stale marks with the resolver the webserver draws them with.
+- ``CheckRunHealthResult``, ``WorkerStatus``: a run launcher's worker health check (run monitoring's
+  own interface), which the cluster's launcher answers (defs/cluster_workers.py) and the
+  interrupted-runs check asks about a run on another machine (defs/resume.py).
 """
 
 from dagster._core.definitions.data_version import DATA_VERSION_TAG, CachingStaleStatusResolver, StaleStatus
 from dagster._core.definitions.selector import JobSubsetSelector
 from dagster._core.execution.api import execute_run
+from dagster._core.launcher import CheckRunHealthResult, WorkerStatus
 from dagster._core.loader import LoadingContextForTest
 from dagster._core.log_manager import LOG_RECORD_METADATA_ATTR
 from dagster._core.remote_origin import InProcessCodeLocationOrigin
@@ -39,6 +43,7 @@ from dagster._utils.hosted_user_process import recon_job_from_origin
 
 __all__ = [
     "DATA_VERSION_TAG", "HIDDEN_TAG_PREFIX", "LOG_RECORD_METADATA_ATTR", "CachingStaleStatusResolver",
+    "CheckRunHealthResult", "WorkerStatus",
     "InProcessCodeLocationOrigin", "InProcessWorkspaceLoadTarget", "JobSubsetSelector", "LoadableTargetOrigin",
     "LoadingContextForTest", "ModuleTarget", "StaleStatus", "TagType", "WorkspaceProcessContext", "execute_run",
     "get_tag_type", "recon_job_from_origin",

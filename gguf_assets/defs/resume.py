@@ -15,15 +15,18 @@ import psutil
 
 from gguf_assets.defs import run_tags
 from gguf_assets.defs.run_tags import INTERRUPTED_TAG, PIPELINE_TAG, SETTINGS_TAG, STOPPED_TAG
-from gguf_assets.lib.core.liveness import holder_is_gone
+from gguf_assets.lib.core.liveness import holder_is_gone, machine_id
 from gguf_assets.lib.project import settings_history
 
 ACTIVE = [dg.DagsterRunStatus.STARTED, dg.DagsterRunStatus.STARTING, dg.DagsterRunStatus.CANCELING]
 
 
-def _is_cut_off(record) -> str | None:
+def _is_cut_off(record, instance: dg.DagsterInstance) -> str | None:
     """The reason a run is dead, or None if it may still be running."""
     tags = record.dagster_run.tags
+    machine = run_tags.get(tags, run_tags.MACHINE_TAG)
+    if machine and machine != machine_id():  # a pid from another machine means nothing here
+        return _worker_lost(instance, record.dagster_run)
     pid_text, boot = run_tags.get(tags, run_tags.PID_TAG), run_tags.get(tags, run_tags.BOOT_TAG)
     pid = int(pid_text) if pid_text else None
     if pid is not None or boot is not None:
@@ -39,11 +42,22 @@ def _is_cut_off(record) -> str | None:
     return None
 
 
+def _worker_lost(instance: dg.DagsterInstance, run: dg.DagsterRun) -> str | None:
+    """A run on another machine: the run launcher's worker health check (run monitoring's) decides."""
+    from gguf_assets.defs.private_api import WorkerStatus
+
+    launcher = instance.run_launcher
+    if not launcher.supports_check_run_worker_health:
+        return None
+    health = launcher.check_run_worker_health(run)
+    return f"its worker is gone ({health.msg})" if health.status == WorkerStatus.FAILED else None
+
+
 def mark_interrupted_runs(instance: dg.DagsterInstance) -> list[str]:
     """Mark dead runs as failed with the reason and free their pool slots; returns their ids."""
     marked = []
     for record in instance.get_run_records(filters=dg.RunsFilter(statuses=ACTIVE)):
-        reason = _is_cut_off(record)
+        reason = _is_cut_off(record, instance)
         if reason is None:
             continue
         run = record.dagster_run

@@ -20,8 +20,13 @@ _VISIBLE = "gguf_assets/"
 PID_TAG = f"{_HIDDEN}pid"
 PID_STARTED_TAG = f"{_HIDDEN}pid_started"
 BOOT_TAG = f"{_HIDDEN}boot_id"
+# Which machine executes a run (a hash of its machine id, never a host name): a pid means something
+# only there; a run on another machine is judged by the run launcher's health check instead.
+MACHINE_TAG = f"{_HIDDEN}machine"
 # On the worker runs of `gguf-trainer run --workers N`: the pid of the pipeline that launched them.
 LEADER_TAG = f"{_HIDDEN}leader_pid"
+# On runs a cluster pipeline launched to Celery workers: they join the pipeline that admitted them (lock.py).
+ADMITTED_TAG = f"{_HIDDEN}admitted"
 # The hash of the settings snapshot a run executed under (lib/project/settings_history.py).
 SETTINGS_TAG = f"{_HIDDEN}settings"
 # On the runs of a pipeline (`gguf-trainer run`, the resume sensor): "finish the pipeline under this
@@ -35,7 +40,8 @@ INTERRUPTED_TAG = f"{_VISIBLE}interrupted"
 # A run stopped on purpose (Ctrl-C, SIGTERM, Terminate): resumable, but only when the user asks.
 STOPPED_TAG = f"{_VISIBLE}stopped"
 
-HIDDEN_TAGS = (PID_TAG, PID_STARTED_TAG, BOOT_TAG, LEADER_TAG, SETTINGS_TAG, PIPELINE_TAG)
+HIDDEN_TAGS = (PID_TAG, PID_STARTED_TAG, BOOT_TAG, MACHINE_TAG, LEADER_TAG, ADMITTED_TAG, SETTINGS_TAG,
+               PIPELINE_TAG)
 # The names of the hidden tags before they were hidden.
 _EARLIER = {tag: f"{_VISIBLE}{tag.removeprefix(_HIDDEN)}" for tag in HIDDEN_TAGS}
 

@@ -20,6 +20,21 @@ def boot_id() -> str:
         return ""
 
 
+def machine_id() -> str:
+    """A stable id of this machine (a hash of systemd's machine id, or of the boot id where there is none):
+    it names no host, and tells whether a pid recorded elsewhere means anything here."""
+    import hashlib
+
+    for source in (Path("/etc/machine-id"), Path("/var/lib/dbus/machine-id")):
+        try:
+            text = source.read_text().strip()
+        except OSError:
+            continue
+        if text:
+            return hashlib.sha256(text.encode()).hexdigest()[:16]
+    return hashlib.sha256(boot_id().encode()).hexdigest()[:16]
+
+
 def process_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

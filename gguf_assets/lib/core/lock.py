@@ -14,6 +14,14 @@ long as it writes: its leader may die first (a kill -9 of `gguf-trainer run` lea
 runs computing under their code server), and a new pipeline must then be refused until the last
 worker is done, or two teachers would run at once. A new pipeline takes that file exclusively
 for a moment, which only succeeds once no worker of an earlier one holds it.
+
+On a cluster (docs/cluster.md) the runs execute on Celery workers, which are no descendants of the
+leader and may start after it has stopped following them. There the leader *admits* the runs it
+launched: it lists their run ids in <project>/.pipeline.admitted.json while it holds the lock, and a
+run whose id is listed joins, holding the shared workers lock as above. A new pipeline clears the
+list inside its exclusive moment on the workers file, so a run admitted by an earlier pipeline
+either still writes (and the new pipeline is refused) or finds itself no longer admitted and stops
+before writing: its shards are the new pipeline's to plan.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import datetime as dt
 import fcntl
 import json
 import os
+import time
 from pathlib import Path
 
 import psutil
@@ -34,10 +43,32 @@ class ProjectLocked(UserError, RuntimeError):
 
 
 WORKERS_SUFFIX = ".workers"  # .pipeline.lock -> .pipeline.workers.lock
+ADMITTED_SUFFIX = ".admitted.json"  # .pipeline.lock -> .pipeline.admitted.json
 
 
 def workers_file(lock_file: Path) -> Path:
     return lock_file.with_name(lock_file.stem + WORKERS_SUFFIX + lock_file.suffix)
+
+
+def admitted_file(lock_file: Path) -> Path:
+    return lock_file.with_name(lock_file.stem + ADMITTED_SUFFIX)
+
+
+def _admitted(lock_file: Path) -> set[str]:
+    try:
+        return set(json.loads(admitted_file(lock_file).read_text()).get("runs", []))
+    except (OSError, ValueError, AttributeError):
+        return set()
+
+
+def admit_runs(lock_file: Path, run_ids: list[str]) -> None:
+    """Let these runs (launched to a cluster's workers) join the pipeline this process leads."""
+    lock_file = Path(lock_file).resolve()
+    if lock_file not in _held:
+        raise RuntimeError(f"only the holder of {lock_file} may admit runs to its pipeline")
+    from gguf_assets.lib.core import atomic
+
+    atomic.write_json(admitted_file(lock_file), {"runs": sorted(_admitted(lock_file) | set(run_ids))})
 
 
 # Lock files this process holds, with a nesting count: the CLI holds the lock for a whole
@@ -62,15 +93,18 @@ class ProjectLock:
     """
 
     def __init__(self, lock_file: Path, *, describe: str = "", leader_pid: int | None = None,
-                 running: dict | None = None) -> None:
+                 running: dict | None = None, admitted_run: str | None = None) -> None:
         self.lock_file = Path(lock_file).resolve()
         self.describe = describe
         self.leader_pid = leader_pid
+        self.admitted_run = admitted_run  # a cluster run: it joins the pipeline that admitted it, or stops
         self.running = running
-        self.shared_with: int | None = None  # the ancestor pid whose pipeline this process joined
+        self.shared_with: int | str | None = None  # the ancestor pid whose pipeline this process joined
         self._worker_fd: int | None = None  # the shared flock a worker holds on the workers file
 
     def __enter__(self) -> "ProjectLock":
+        if self.admitted_run is not None:
+            return self._join_as_admitted()
         if self.lock_file in _held:
             entry = _held[self.lock_file]
             entry[1] += 1
@@ -100,7 +134,7 @@ class ProjectLock:
             raise ProjectLocked(
                 f"the pipeline that launched this worker run (pid {self.leader_pid}) is gone, so the run stops "
                 f"before writing {self.lock_file.parent}; `gguf-trainer run` continues the work.")
-        if _workers_still_write(self.lock_file):  # workers of an earlier pipeline, whose leader is gone
+        if _workers_still_write(self.lock_file, new_pipeline=True):  # workers of an earlier, gone pipeline
             earlier = _read_holder(fd)
             os.close(fd)
             raise ProjectLocked(
@@ -110,6 +144,27 @@ class ProjectLock:
         record = {"pid": os.getpid(), "started": dt.datetime.now().isoformat(timespec="seconds"), "what": self.describe}
         _write_holder(fd, {**record, "running": self.running} if self.running else record)
         _held[self.lock_file] = [fd, 1, []]
+        return self
+
+    def _join_as_admitted(self) -> "ProjectLock":
+        self.lock_file.parent.mkdir(parents=True, exist_ok=True)
+        for _ in range(50):  # a new pipeline holds the workers file exclusively for a moment only
+            self._worker_fd = _flock(workers_file(self.lock_file), fcntl.LOCK_SH)
+            if self._worker_fd is not None:
+                break
+            time.sleep(0.1)
+        else:
+            raise ProjectLocked(f"{self.lock_file.parent}: a new pipeline is starting; this run stops before "
+                                "writing, and that pipeline plans its work.")
+        if self.admitted_run not in _admitted(self.lock_file):  # read under the shared lock: see the docstring
+            fcntl.flock(self._worker_fd, fcntl.LOCK_UN)
+            os.close(self._worker_fd)
+            self._worker_fd = None
+            raise ProjectLocked(
+                f"run {self.admitted_run[:8]} is not admitted to the pipeline of {self.lock_file.parent} (an earlier "
+                "one launched it, or another program), so it stops before writing; `gguf-trainer run` plans its "
+                "work again.")
+        self.shared_with = "admitted"
         return self
 
     def __exit__(self, *exc) -> None:
@@ -142,14 +197,17 @@ def _flock(path: Path, mode: int) -> int | None:
     return fd
 
 
-def _workers_still_write(lock_file: Path) -> bool:
+def _workers_still_write(lock_file: Path, *, new_pipeline: bool = False) -> bool:
     """Whether some worker holds its shared lock; takes the workers file exclusively only for a moment
-    (this pipeline's own workers take it shared after that)."""
-    if not workers_file(lock_file).is_file():
+    (this pipeline's own workers take it shared after that). A ``new_pipeline`` ends the admissions of
+    the earlier one in that moment (see the module docstring)."""
+    if not new_pipeline and not workers_file(lock_file).is_file():  # a new pipeline creates it: no race
         return False
     workers = _flock(workers_file(lock_file), fcntl.LOCK_EX)
     if workers is None:
         return True
+    if new_pipeline:
+        admitted_file(lock_file).unlink(missing_ok=True)
     fcntl.flock(workers, fcntl.LOCK_UN)
     os.close(workers)
     return False

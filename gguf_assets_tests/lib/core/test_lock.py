@@ -211,3 +211,60 @@ def test_the_holder_record_names_the_run_a_nested_taker_executes(lock_file):
             assert holder(lock_file)["pid"] == os.getpid()
         assert "running" not in holder(lock_file)
     assert holder(lock_file) is None
+
+
+# A cluster run (no descendant of the leader) that joins when admitted, then writes until a line on stdin.
+ADMITTED = textwrap.dedent("""
+    import sys
+    from gguf_assets.lib.core.lock import ProjectLock, ProjectLocked
+    try:
+        with ProjectLock(sys.argv[1], admitted_run=sys.argv[2]) as lock:
+            print("joined", lock.shared_with, flush=True)
+            sys.stdin.readline()
+    except ProjectLocked as exc:
+        print("refused:", exc, flush=True)
+""")
+
+
+def _admitted_run(lock_file: Path, run_id: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", ADMITTED, str(lock_file), run_id], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+
+
+def _finish(proc: subprocess.Popen) -> None:
+    proc.stdin.write("\n")
+    proc.stdin.flush()
+    proc.wait(timeout=30)
+
+
+def test_cluster_runs_join_only_when_admitted_and_survive_their_leader_until_a_new_pipeline(lock_file):
+    """A run on a cluster worker joins the pipeline that admitted its id, also after that pipeline has stopped
+    following; while it writes, a new pipeline is refused; a new pipeline ends the earlier admissions, so a run
+    queued by the earlier one and started later stops before writing."""
+    from gguf_assets.lib.core.lock import admit_runs, admitted_file
+
+    with pytest.raises(RuntimeError, match="only the holder"):
+        admit_runs(lock_file, ["run-x"])
+    with ProjectLock(lock_file, describe="gguf-trainer run demo"):
+        admit_runs(lock_file, ["run-a", "run-b", "run-late"])
+        first = _admitted_run(lock_file, "run-a")
+        assert first.stdout.readline().strip() == "joined admitted"
+        stranger = _admitted_run(lock_file, "run-z")
+        said = stranger.stdout.readline()
+        stranger.wait(timeout=30)
+        assert said.startswith("refused: run run-z is not admitted"), said
+    try:  # the leader stopped following: an admitted run still joins, and the folder is still in use
+        second = _admitted_run(lock_file, "run-b")
+        assert second.stdout.readline().strip() == "joined admitted"
+        refused = _try_in_child(lock_file)
+        assert refused.startswith("refused:") and "worker runs of an earlier pipeline" in refused, refused
+    finally:
+        _finish(first)
+        _finish(second)
+    # A new pipeline takes over and ends the earlier admissions: the late run of the earlier one is refused.
+    with ProjectLock(lock_file, describe="gguf-trainer run demo, again"):
+        assert not admitted_file(lock_file).exists()
+        late = _admitted_run(lock_file, "run-late")
+        said = late.stdout.readline()
+        late.wait(timeout=30)
+        assert said.startswith("refused: run run-late is not admitted") and "an earlier one" in said, said

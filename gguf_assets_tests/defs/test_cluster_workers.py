@@ -1,0 +1,147 @@
+"""The same DAG on Celery workers: real Postgres, real Redis, two `gguf-trainer worker` processes, on loopback.
+
+The two workers run as two hosts would: separate processes in their own sessions, each with its own
+environment, working folder and HOME, and each mounting the project folder at a path of its own. A
+kill -9 of one worker in the middle of a shard: the pipeline plans that shard again, the other
+worker (or the restarted one) computes it, and the results are byte-identical to a single-machine
+run. No URL, worker path or host name lands in the project folder.
+"""
+
+import os
+import signal
+import socket
+import subprocess
+from pathlib import Path
+
+import psutil
+import pytest
+from conftest import CLI, FAULT_SETTINGS, cli_env, free_port, pipeline_outputs, project_instance, wait_for
+from servers import postgres_server, redis_server
+
+pytestmark = pytest.mark.slow  # two servers, two workers and a whole pipeline
+
+PG_ENV, REDIS_ENV = "GGUF_ASSETS_POSTGRES_URL", "GGUF_ASSETS_REDIS_URL"
+
+
+def _celery(redis_url: str):
+    from celery import Celery
+
+    return Celery("gguf-test", broker=redis_url, backend=redis_url)
+
+
+class Worker:
+    """`gguf-trainer worker` as one host would run it: its own folder, HOME, mount of the project and session."""
+
+    def __init__(self, host: Path, project: Path, urls: dict[str, str], name: str, **extra_env: str) -> None:
+        self.host, self.name = host, name
+        host.mkdir(parents=True, exist_ok=True)
+        self.mount = host / "mnt" / "project"  # this host's path to the shared folder
+        if not self.mount.exists():
+            self.mount.parent.mkdir(parents=True)
+            self.mount.symlink_to(project, target_is_directory=True)
+        self.env = cli_env(**urls, HOME=str(host), **extra_env)
+        self.log = host / "worker.log"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> "Worker":
+        with open(self.log, "a") as log:
+            self.proc = subprocess.Popen([*CLI, "worker", str(self.mount), "--name", f"{self.name}@%h"], cwd=self.host,
+                                         env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        return self
+
+    def kill(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGKILL)  # the whole host goes: the worker and its run's process
+        self.proc.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+def _answering(redis_url: str) -> set[str]:
+    replies = _celery(redis_url).control.ping(timeout=1.0) or []
+    return {name.split("@")[0] for reply in replies for name in reply}
+
+
+@pytest.fixture
+def servers(tmp_path):
+    with postgres_server(tmp_path / "postgres", free_port()) as pg, \
+            redis_server(tmp_path / "redis", free_port()) as redis:
+        yield {PG_ENV: pg, REDIS_ENV: redis}
+
+
+def _run_by(pid_tag: str | None, worker: Worker) -> bool:
+    """Whether a run's process (its pid tag) is a child of this worker."""
+    try:
+        return pid_tag is not None and psutil.Process(int(pid_tag)).ppid() == worker.proc.pid
+    except psutil.Error:
+        return False
+
+
+def test_two_workers_run_the_pipeline_and_a_killed_worker_s_shards_are_done_again(make_project, reference_run,
+                                                                                   servers, tmp_path, monkeypatch):
+    import dagster as dg
+
+    from gguf_assets.defs import run_tags
+
+    paths = make_project(**FAULT_SETTINGS)
+    done = subprocess.run([*CLI, "cluster", str(paths.root), "--celery-broker-env", REDIS_ENV], capture_output=True,
+                          text=True, env=cli_env(), timeout=60)
+    assert done.returncode == 0 and f"export {REDIS_ENV}=" in done.stdout and "worker" in done.stdout, done.stdout
+
+    # Worker a stalls at its first shard write: the kill lands in the middle of a shard.
+    a = Worker(tmp_path / "host-a", paths.root, servers, "gguf-a", GGUF_ASSETS_FAULT="shard-write@1:stall:60").start()
+    b = Worker(tmp_path / "host-b", paths.root, servers, "gguf-b").start()
+    leader = None
+    try:
+        wait_for(lambda: _answering(servers[REDIS_ENV]) == {"gguf-a", "gguf-b"}, timeout=120, what="both workers")
+        with open(tmp_path / "run.log", "w") as out:
+            leader = subprocess.Popen([*CLI, "run", str(paths.root), "--workers", "2"], stdout=out,
+                                      stderr=subprocess.STDOUT, text=True, env=cli_env(**servers))
+        for name, url in servers.items():
+            monkeypatch.setenv(name, url)
+        instance = project_instance(paths)
+
+        wait_for(lambda: any(_run_by(run_tags.get(r.tags, run_tags.PID_TAG), a) for r in instance.get_runs(
+            filters=dg.RunsFilter(statuses=[dg.DagsterRunStatus.STARTED]))), timeout=180, what="worker a's run",
+            proc=leader)
+        a_run = next(r for r in instance.get_runs(filters=dg.RunsFilter(statuses=[dg.DagsterRunStatus.STARTED]))
+                     if _run_by(run_tags.get(r.tags, run_tags.PID_TAG), a))
+        first = run_tags.get(a_run.tags, run_tags.RANGE_START_TAG)
+        wait_for(lambda: (paths.root / f"shards/train/{first}/prompts.jsonl").is_file(), timeout=120,
+                 what="worker a inside its first shard", proc=leader)
+        a.kill()
+        a.env.pop("GGUF_ASSETS_FAULT")
+        a.start()  # the host comes back: the worker rejoins and takes work again
+        assert leader.wait(timeout=600) == 0, (tmp_path / "run.log").read_text()
+    finally:
+        if leader is not None and leader.poll() is None:
+            leader.kill()
+        for worker in (a, b):
+            worker.stop()
+    out = (tmp_path / "run.log").read_text()
+    assert f"a worker died under run {a_run.run_id[:8]}" in out, out
+    assert instance.get_run_by_id(a_run.run_id).status == dg.DagsterRunStatus.FAILURE
+    assert pipeline_outputs(paths.root) == reference_run[0]  # byte-identical to the single-machine run
+
+    # Every run went through the workers' queues and names the worker that ran it; the restarted a took work.
+    runs = instance.get_runs()
+    workers_of = {r.run_id: _celery(servers[REDIS_ENV]).AsyncResult(r.tags["dagster-celery/task_id"]).worker
+                  for r in runs if r.status == dg.DagsterRunStatus.SUCCESS}
+    assert all(workers_of.values()), workers_of
+    assert {name.split("@")[0] for name in workers_of.values()} == {"gguf-a", "gguf-b"}, workers_of
+    assert {r.job_name for r in runs} == {"materials_and_corpus", "precompute_train_shards", "precompute_val_shards",
+                                          "train_export_evaluate"}
+
+    # Nothing of a worker's: no URL, no mount path or folder, no host name, no worker name.
+    secrets = [*servers.values(), str(tmp_path / "host-a"), str(tmp_path / "host-b"), "gguf-a@", "gguf-b@"]
+    if len(socket.gethostname()) >= 6:
+        secrets.append(socket.gethostname())
+    for file in (f for f in paths.root.rglob("*") if f.is_file() and not f.is_symlink()):
+        data = file.read_bytes()
+        leaked = [s for s in secrets if s.encode() in data]
+        assert not leaked, (file, leaked)
