@@ -47,15 +47,16 @@ def rchar() -> int:
     raise RuntimeError("/proc/self/io has no rchar")
 
 
-def build_project(root: Path, materials_root: Path, shards: int) -> ProjectPaths:
+def build_project(root: Path, materials_root: Path, shards: int, *, shard_prompts: int = SHARD_PROMPTS,
+                  query_rows: int = QUERY_ROWS, target_dim: int = TARGET_DIM) -> ProjectPaths:
     """A demo project whose train split fills ``shards`` shards, all written and current."""
     import shutil
 
     shutil.copytree(materials_root, root / "materials" / "demo")
     settings = replace(demo_settings(steps=10, mock_teacher=True),
-                       corpus={"train_prompts": shards * SHARD_PROMPTS, "val_prompts": SHARD_PROMPTS,
+                       corpus={"train_prompts": shards * shard_prompts, "val_prompts": shard_prompts,
                                "allow_fewer": False},
-                       precompute={"shard_size": SHARD_PROMPTS, "val_shard_size": SHARD_PROMPTS})
+                       precompute={"shard_size": shard_prompts, "val_shard_size": shard_prompts})
     write_project_file(root, settings)
     paths = ProjectPaths.of(root)
     materials = resolve_materials(paths, settings)
@@ -66,7 +67,7 @@ def build_project(root: Path, materials_root: Path, shards: int) -> ProjectPaths
             n = len(plan.prompts)
             folder = plan.folder(paths)
             folder.mkdir(parents=True, exist_ok=True)
-            targets = torch.randn(n, QUERY_ROWS, TARGET_DIM, generator=gen).half()
+            targets = torch.randn(n, query_rows, target_dim, generator=gen).half()
             hidden = torch.randn(n * TOKENS_PER_PROMPT, STUDENT_DIM, generator=gen).bfloat16()
             offsets = torch.arange(0, n * TOKENS_PER_PROMPT + 1, TOKENS_PER_PROMPT, dtype=torch.int64)
             _write_half(folder, "teacher", {"targets": targets},

@@ -435,7 +435,7 @@ def _run_on_workers(paths: ProjectPaths, instance, workspace, work: Work, settin
 
     location = workspace.get_code_location(CODE_LOCATION)
     queue = next(iter(location.get_repositories().values())).get_full_job(work.job).tags.get(QUEUE_TAG, GPU_QUEUE)
-    parts = workers or max(1, len(instance.run_launcher.live_workers(queue)))
+    parts = workers or max(1, len(through_outages(lambda: instance.run_launcher.live_workers(queue), echo)))
     ranges = split_range(work.partitions, parts) if work.partitions else [None]
     runs = []
     for index, keys in enumerate(ranges, 1):
@@ -443,7 +443,7 @@ def _run_on_workers(paths: ProjectPaths, instance, workspace, work: Work, settin
         runs.append(_create_run(workspace, work, {**work.tags(settings, keys), ADMITTED_TAG: "true", **worker}))
     admit_runs(paths.lock_file, [run.run_id for run in runs])  # before any worker can start one
     for run, keys in zip(runs, ranges):
-        instance.launch_run(run.run_id, workspace)
+        through_outages(lambda: instance.launch_run(run.run_id, workspace), echo)
         shards = f" shards {keys[0]}..{keys[-1]}" if keys else ""
         echo(f"→ {work.job}{shards} as run {run.run_id[:8]} on the workers' `{queue}` queue")
     run_ids = [run.run_id for run in runs]
@@ -493,10 +493,13 @@ def _worker_failure(paths: ProjectPaths, settings: Settings, instance, run, spli
 def _wait_for_runs(instance, run_ids: list[str], echo: Callable[[str], None]) -> None:
     from gguf_assets.defs.resume import mark_interrupted_runs
 
+    def poll():
+        mark_interrupted_runs(instance)  # a worker killed -9 never ends its run: it is marked, so the wait ends
+        return [instance.get_run_by_id(r) for r in run_ids]
+
     last_report = time.monotonic()
     while True:
-        mark_interrupted_runs(instance)  # a worker killed -9 never ends its run: it is marked, so the wait ends
-        runs = [instance.get_run_by_id(r) for r in run_ids]
+        runs = through_outages(poll, echo)
         if all(r.is_finished for r in runs):
             return
         if time.monotonic() - last_report >= REPORT_EVERY_S:
@@ -504,3 +507,49 @@ def _wait_for_runs(instance, run_ids: list[str], echo: Callable[[str], None]) ->
                                             for r in runs if not r.is_finished))
             last_report = time.monotonic()
         time.sleep(POLL_S)
+
+
+OUTAGE_S = 120.0  # how long a cluster's Postgres or Redis may be away before `run` stops following
+
+
+def _connection_errors() -> tuple[type[BaseException], ...]:
+    """What a server that is away (restarting, unreachable) raises: SQLAlchemy's for Postgres, kombu's and
+    redis-py's for the Celery broker; the latter two exist only where the cluster extra is installed."""
+    import sqlalchemy.exc
+
+    errors: list[type[BaseException]] = [sqlalchemy.exc.OperationalError, sqlalchemy.exc.InterfaceError]
+    try:
+        import kombu.exceptions
+        import redis.exceptions
+
+        errors += [kombu.exceptions.OperationalError, redis.exceptions.ConnectionError]
+    except ImportError:
+        pass
+    return tuple(errors)
+
+
+def through_outages(call: Callable, echo: Callable[[str], None]):
+    """``call()``, again every 2 s while the instance's servers are away, for up to OUTAGE_S; then one clear line.
+
+    A restart of Postgres or Redis lasts seconds: following the runs should outlive it, and the runs on the
+    workers go on meanwhile."""
+    errors = _connection_errors()
+    began = None
+    while True:
+        try:
+            answer = call()
+        except errors as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            if began is None:
+                began = time.monotonic()
+                echo(f"lost the connection to the cluster's servers ({first}); trying again for up to "
+                     f"{OUTAGE_S:.0f} s")
+            elif time.monotonic() - began > OUTAGE_S:
+                raise PipelineFailed(f"the cluster's servers have not answered for {OUTAGE_S:.0f} s ({first}). The "
+                                     "runs on the workers go on; when Postgres and Redis are back, `gguf-trainer "
+                                     "run` continues.") from None
+            time.sleep(2.0)
+            continue
+        if began is not None:
+            echo(f"connected again after {time.monotonic() - began:.0f} s")
+        return answer

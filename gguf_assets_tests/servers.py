@@ -41,8 +41,11 @@ def _as_server_user(command: list[str]) -> list[str]:
     if os.geteuid() != 0:
         return command
     if subprocess.run(["id", "-u", PG_USER], capture_output=True).returncode != 0:
-        subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", PG_USER],
-                       check=True, capture_output=True)
+        made = subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", PG_USER],
+                              capture_output=True, text=True)
+        # Two test processes may make it at once (pytest -n 2): the user existing afterwards is what counts.
+        if made.returncode != 0 and subprocess.run(["id", "-u", PG_USER], capture_output=True).returncode != 0:
+            raise RuntimeError(f"could not make the user {PG_USER}: {made.stderr.strip()}")
     return ["runuser", "-u", PG_USER, "--", *command]
 
 
@@ -74,28 +77,59 @@ def postgres_server(folder: Path, port: int) -> Iterator[str]:
         subprocess.run(_as_server_user([pg_ctl, "-D", str(data), "-m", "immediate", "stop"]), capture_output=True)
 
 
-@contextlib.contextmanager
-def redis_server(folder: Path, port: int) -> Iterator[str]:
-    """A Redis server on 127.0.0.1:``port`` (no persistence) with its files in ``folder``; yields its URL."""
-    binary = shutil.which("redis-server") or _unavailable("Redis's redis-server is not installed")
-    folder.mkdir(parents=True)
-    with open(folder / "server.log", "wb") as log:
-        server = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
-                                   "no", "--dir", str(folder)], stdout=log, stderr=subprocess.STDOUT)
-    try:
+class RedisServer:
+    """A Redis server on 127.0.0.1:``port`` with its files in ``folder``. ``persist`` keeps its data in an
+    append-only file that is synced at every write, as a broker whose queue must outlive a restart does."""
+
+    def __init__(self, folder: Path, port: int, *, persist: bool = False) -> None:
+        self.folder, self.port, self.persist = folder, port, persist
+        self.url = f"redis://127.0.0.1:{port}/0"
+        self.binary = shutil.which("redis-server") or _unavailable("Redis's redis-server is not installed")
+        folder.mkdir(parents=True, exist_ok=True)
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> "RedisServer":
+        persistence = ["--appendonly", "yes", "--appendfsync", "always"] if self.persist else ["--appendonly", "no"]
+        with open(self.folder / "server.log", "ab") as log:
+            self.proc = subprocess.Popen([self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                                          *persistence, "--dir", str(self.folder)], stdout=log,
+                                         stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 30
         while True:
             try:
-                with socket.create_connection(("127.0.0.1", port), timeout=1) as conn:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=1) as conn:
                     conn.sendall(b"PING\r\n")
                     if conn.recv(16).startswith(b"+PONG"):
-                        break
+                        return self
             except OSError:
                 pass
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"redis-server did not start: {(folder / 'server.log').read_text()[-2000:]}")
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"redis-server did not start: {(self.folder / 'server.log').read_text()[-2000:]}")
             time.sleep(0.1)
-        yield f"redis://127.0.0.1:{port}/0"
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()  # as a crash would: what is not in the append-only file is gone
+            self.proc.wait(timeout=30)
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+
+@contextlib.contextmanager
+def redis_server(folder: Path, port: int, *, persist: bool = False) -> Iterator[RedisServer]:
+    """A started RedisServer; killed at the end."""
+    server = RedisServer(folder, port, persist=persist).start()
+    try:
+        yield server
     finally:
-        server.kill()
-        server.wait(timeout=30)
+        server.stop()
+
+
+def restart_postgres(folder: Path) -> None:
+    """An immediate stop (as a crash) and a start of the server postgres_server(folder, ...) runs, same options."""
+    pg_ctl = _pg_bin("pg_ctl")
+    # -l again: without it the server would write to (and hold open) this call's captured stdout.
+    subprocess.run(_as_server_user([pg_ctl, "-D", str(folder / "data"), "-m", "immediate", "-l",
+                                    str(folder / "server.log"), "-w", "restart"]), check=True, capture_output=True)

@@ -241,3 +241,28 @@ def test_gpu_check_passes_on_cpu_at_its_tiny_size():
         assert status[name] == "PASS", out
     if "cuda" not in out.splitlines()[0]:
         assert status["precompute balanced"] == status["out-of-memory auto-lower"] == "SKIP", out
+
+
+@pytest.mark.slow  # a pipeline, a webserver, 200 synthetic partitions, and the shards in-process and on 1 and 2 workers
+def test_scale_benchmark_prints_every_stage_and_part_and_applies_its_rules():
+    """bench_scale.py --quick: per stage wall and peak RSS, the per-partition overhead, status and GraphQL
+    times, then the same at synthetic partitions, then the cluster's overhead with one and two workers."""
+    out = _run("bench_scale.py", "--quick")
+    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines()
+            if line.split() and line.split()[0] in ("materials", "corpus", "train_shards", "val_shards", "adapter",
+                                                      "gguf", "eval_report")}
+    assert len(rows) == 7 and all(float(rss) > 0 for _, rss in rows.values()), out
+    assert float(rows["train_shards"][0]) > 0 and float(rows["adapter"][0]) > 0, out
+    wall, partitions, compute, overhead = _figures(
+        out, "whole `run`: # s; shard partitions: #, shard compute # s; per partition on top of its compute: # s")
+    # 500 train prompts at 200 a shard, and 1 val shard; the orchestration cost fits in the run's wall time.
+    assert partitions == 3 + 1 and 0 < compute < wall and 0 <= overhead * partitions < wall, out
+    assert "rule: the UI lists all 3 train partitions materialized -> ok" in out, out
+    assert "(200/200)" in out and "-> FAIL" not in out, out
+    modes = {line[:20].strip(): [float(x) for x in line[20:].split()] for line in out.splitlines()
+             if line.startswith(("in-process ", "celery, 1 worker", "celery, 2 workers"))}
+    assert set(modes) == {"in-process", "celery, 1 worker", "celery, 2 workers"}, out
+    for mode, (shards, mode_compute, mode_overhead, versus, mode_wall) in modes.items():
+        assert shards == 2 + 1 and 0 < mode_compute < mode_wall and mode_overhead >= 0, (mode, out)
+        assert abs(versus - (mode_overhead - modes["in-process"][2])) < 0.002, (mode, out)
+    assert out.count("rule: ") == 3, out

@@ -71,7 +71,7 @@ def _answering(redis_url: str) -> set[str]:
 def servers(tmp_path):
     with postgres_server(tmp_path / "postgres", free_port()) as pg, \
             redis_server(tmp_path / "redis", free_port()) as redis:
-        yield {PG_ENV: pg, REDIS_ENV: redis}
+        yield {PG_ENV: pg, REDIS_ENV: redis.url}
 
 
 def _run_by(pid_tag: str | None, worker: Worker) -> bool:
@@ -145,3 +145,51 @@ def test_two_workers_run_the_pipeline_and_a_killed_worker_s_shards_are_done_agai
         data = file.read_bytes()
         leaked = [s for s in secrets if s.encode() in data]
         assert not leaked, (file, leaked)
+
+
+def test_a_redis_and_a_postgres_restart_during_a_run_and_the_next_run_finishes_identical(make_project, reference_run,
+                                                                                          tmp_path, monkeypatch):
+    """A crash and restart of the broker (its queue in an append-only file, as a broker's must be) and then of
+    Postgres while a worker computes shards: `run` outlives both, or stops with one line and no traceback; either
+    way the next `run` finishes, byte-identical to a single-machine run."""
+    import dagster as dg
+
+    from gguf_assets.defs import run_tags
+
+    with postgres_server(tmp_path / "postgres", free_port()) as pg, \
+            redis_server(tmp_path / "redis", free_port(), persist=True) as redis:
+        servers = {PG_ENV: pg, REDIS_ENV: redis.url}
+        paths = make_project(**FAULT_SETTINGS)
+        subprocess.run([*CLI, "cluster", str(paths.root), "--celery-broker-env", REDIS_ENV], capture_output=True,
+                       env=cli_env(), timeout=60, check=True)
+        # Each shard write stalls 3 s, so the restarts land while the worker is in the middle of the shards.
+        worker = Worker(tmp_path / "host-a", paths.root, servers, "gguf-a",
+                        GGUF_ASSETS_FAULT="shard-write@2:stall:3").start()
+        try:
+            wait_for(lambda: _answering(redis.url) == {"gguf-a"}, timeout=120, what="the worker")
+            for name, url in servers.items():
+                monkeypatch.setenv(name, url)
+            instance = project_instance(paths)
+            with open(tmp_path / "run.log", "w") as out:
+                leader = subprocess.Popen([*CLI, "run", str(paths.root)], stdout=out, stderr=subprocess.STDOUT,
+                                          text=True, env=cli_env(**servers))
+            wait_for(lambda: any(r.job_name == "precompute_train_shards" and run_tags.get(r.tags, run_tags.PID_TAG)
+                                 for r in instance.get_runs(filters=dg.RunsFilter(
+                                     statuses=[dg.DagsterRunStatus.STARTED]))), timeout=240,
+                     what="the worker at the train shards", proc=leader)
+            redis.restart()
+            from servers import restart_postgres
+
+            restart_postgres(tmp_path / "postgres")
+            code = leader.wait(timeout=600)
+            out = (tmp_path / "run.log").read_text()
+            assert "Traceback" not in out, out
+            if code != 0:  # stopped with one clear line; then the next run finishes the work
+                assert code == 1 and "pipeline failed at" in out, out
+                again = subprocess.run([*CLI, "run", str(paths.root)], capture_output=True, text=True,
+                                       env=cli_env(**servers), timeout=600)
+                assert again.returncode == 0 and "Traceback" not in again.stdout + again.stderr, \
+                    again.stdout + again.stderr
+        finally:
+            worker.stop()
+        assert pipeline_outputs(paths.root) == reference_run[0]
