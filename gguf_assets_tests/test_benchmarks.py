@@ -55,6 +55,7 @@ def test_status_reads_under_one_percent_of_the_shard_bytes():
     assert all(float(r[3].rstrip("%")) < 1.0 for r in rows), out
 
 
+@pytest.mark.serial  # its rule compares timings: alone on the machine (scripts/test.sh)
 @pytest.mark.slow  # about 25 s: two pairs built and trained
 def test_quality_benchmark_prints_its_table_and_applies_its_own_rule():
     """bench_quality.py --quick: every variant on both pairs, deltas against the same run's current
@@ -94,6 +95,7 @@ def test_quality_benchmark_prints_its_table_and_applies_its_own_rule():
         assert not winners(0.01 + 5e-5, 1.10 - 5e-3), out
 
 
+@pytest.mark.serial  # its rule compares timings: alone on the machine (scripts/test.sh)
 @pytest.mark.slow  # about 3 s: writes 200,000 prompts, reads them three times and builds the corpus twice
 def test_corpus_benchmark_prints_its_ratios_and_applies_its_own_rule():
     """bench_corpus.py --quick: the build against plain line reading, time and peak RSS, and a rule line
@@ -124,6 +126,7 @@ def test_corpus_benchmark_prints_its_ratios_and_applies_its_own_rule():
     assert verdict == "ok" and rule_ratio <= max_ratio and rule_extra <= allowed, out
 
 
+@pytest.mark.serial  # its rule compares timings: alone on the machine (scripts/test.sh)
 @pytest.mark.slow  # about 5 s: nine exports of the 81 MB adapter, a small adapter evaluated both ways
 def test_export_benchmark_prints_its_ratios_and_applies_its_own_rule():
     """bench_export.py --quick: export against a raw atomic write, the numpy evaluator against torch,
@@ -156,6 +159,7 @@ def test_export_benchmark_prints_its_ratios_and_applies_its_own_rule():
     assert verdict == "ok" and median <= max_export and eval_ratio <= max_eval and difference < agreement, out
 
 
+@pytest.mark.serial  # its rule compares timings: alone on the machine (scripts/test.sh)
 @pytest.mark.slow  # about 12 s: the demo teacher over 48 length-skewed prompts, naive and packed, twice
 def test_precompute_benchmark_prints_its_ratios_and_applies_its_own_rule():
     """bench_precompute.py --quick: packed against naive batches and the whole pipeline against its own
@@ -196,6 +200,7 @@ def test_precompute_benchmark_prints_its_ratios_and_applies_its_own_rule():
     assert verdict == "ok" and speedup >= min_speedup and gain >= min_gain and overhead <= max_overhead, out
 
 
+@pytest.mark.serial  # its rule compares timings: alone on the machine (scripts/test.sh)
 @pytest.mark.slow  # about 11 s: peak RSS streaming 2 and 20 shards, 3 rounds of 60 trainer and bare-loop steps
 def test_train_benchmark_prints_its_ratios_and_applies_its_own_rule():
     """bench_train.py --quick: streaming RSS 10x against 1x, the trainer against a bare loop, the reader

@@ -106,11 +106,13 @@ def test_two_workers_run_the_pipeline_and_a_killed_worker_s_shards_are_done_agai
             monkeypatch.setenv(name, url)
         instance = project_instance(paths)
 
-        wait_for(lambda: any(_run_by(run_tags.get(r.tags, run_tags.PID_TAG), a) for r in instance.get_runs(
-            filters=dg.RunsFilter(statuses=[dg.DagsterRunStatus.STARTED]))), timeout=180, what="worker a's run",
-            proc=leader)
-        a_run = next(r for r in instance.get_runs(filters=dg.RunsFilter(statuses=[dg.DagsterRunStatus.STARTED]))
-                     if _run_by(run_tags.get(r.tags, run_tags.PID_TAG), a))
+        def a_shard_run():  # worker a's run of a train shard range (a may have taken materials first)
+            return next((r for r in instance.get_runs(filters=dg.RunsFilter(
+                statuses=[dg.DagsterRunStatus.STARTED], job_name="precompute_train_shards"))
+                if _run_by(run_tags.get(r.tags, run_tags.PID_TAG), a)), None)
+
+        wait_for(lambda: a_shard_run() is not None, timeout=240, what="worker a's shard run", proc=leader)
+        a_run = a_shard_run()
         first = run_tags.get(a_run.tags, run_tags.RANGE_START_TAG)
         wait_for(lambda: (paths.root / f"shards/train/{first}/prompts.jsonl").is_file(), timeout=120,
                  what="worker a inside its first shard", proc=leader)
