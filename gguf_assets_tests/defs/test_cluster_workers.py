@@ -11,6 +11,7 @@ import os
 import signal
 import socket
 import subprocess
+import time
 from pathlib import Path
 
 import psutil
@@ -195,3 +196,54 @@ def test_a_redis_and_a_postgres_restart_during_a_run_and_the_next_run_finishes_i
         finally:
             worker.stop()
         assert pipeline_outputs(paths.root) == reference_run[0]
+
+
+# A Celery worker of the cluster's own app (its settings, its argv) with one task that sleeps.
+SLEEPER = """
+import sys, time
+from gguf_assets.defs.cluster_workers import ClusterRunLauncher, worker_argv
+app = ClusterRunLauncher(broker=sys.argv[1], backend=sys.argv[1], default_queue="gpu").celery
+@app.task(name="sleep", track_started=True)
+def sleep(seconds):
+    time.sleep(seconds)
+app.worker_main(worker_argv(queues=["gpu"], name="sleeper@%h"))
+"""
+
+
+def test_a_run_on_another_machine_is_judged_by_pinging_its_celery_worker(tmp_path):
+    """The interrupted-runs check cannot use a pid from another machine: it asks the launcher, which pings the
+    worker the task's state names. A live worker's run is left alone; after a kill -9 it is marked failed."""
+    import dagster as dg
+    from dagster_celery.tags import DAGSTER_CELERY_TASK_ID_TAG
+
+    from gguf_assets.defs import run_tags
+    from gguf_assets.defs.resume import mark_interrupted_runs
+
+    with redis_server(tmp_path / "redis", free_port()) as redis:
+        worker = subprocess.Popen([CLI[0], "-c", SLEEPER, redis.url], stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL, start_new_session=True)
+        try:
+            wait_for(lambda: "sleeper" in _answering(redis.url), timeout=60, what="the worker", proc=worker)
+            overrides = {"run_launcher": {"module": "gguf_assets.defs.cluster_workers", "class": "ClusterRunLauncher",
+                                          "config": {"broker": redis.url, "backend": redis.url,
+                                                     "default_queue": "gpu"}}}
+            (tmp_path / "home").mkdir()
+            with dg.DagsterInstance.local_temp(str(tmp_path / "home"), overrides=overrides) as instance:
+                task = instance.run_launcher.celery.send_task("sleep", args=[120], queue="gpu")
+                wait_for(lambda: task.state == "STARTED", timeout=60, what="the task to start")
+                run = instance.create_run_for_job(dg.GraphDefinition("g").to_job(), tags={
+                    DAGSTER_CELERY_TASK_ID_TAG: task.id, run_tags.MACHINE_TAG: "another-machine",
+                    run_tags.PID_TAG: str(worker.pid)})  # a pid here, but the machine is another
+                instance.handle_new_event(dg.EventLogEntry(
+                    error_info=None, level="INFO", user_message="", run_id=run.run_id, timestamp=time.time(),
+                    dagster_event=dg.DagsterEvent(dg.DagsterEventType.RUN_START.value, job_name=run.job_name)))
+                assert mark_interrupted_runs(instance) == []  # its worker answers
+                os.killpg(worker.pid, signal.SIGKILL)
+                worker.wait(timeout=30)
+                assert mark_interrupted_runs(instance) == [run.run_id]
+                failure = instance.get_run_by_id(run.run_id)
+                assert failure.status == dg.DagsterRunStatus.FAILURE
+                assert run_tags.INTERRUPTED_TAG in failure.tags
+        finally:
+            if worker.poll() is None:
+                os.killpg(worker.pid, signal.SIGKILL)
