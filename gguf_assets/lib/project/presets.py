@@ -73,6 +73,26 @@ def _set_key(lines: list[str], section: str, key: str, value) -> list[str]:
         if found:
             indent, comment = found.group(1), found.group(4) or ""
             lines[i] = f"{indent}{key}: {_scalar(value)}{comment}\n"
-            return lines
+            # A block value (a list written one "- item" a line) goes with it: the new value is one flow line.
+            # Comment and blank lines among its items stay.
+            after = _block_end(lines, i, end)
+            kept = [line for line in lines[i + 1:after] if not line.strip() or line.lstrip().startswith("#")]
+            return [*lines[:i + 1], *kept, *lines[after:]]
     last = max((i for i in range(start + 1, end) if lines[i].strip()), default=start)
     return [*lines[:last + 1], f"  {key}: {_scalar(value)}\n", *lines[last + 1:]]
+
+
+def _block_end(lines: list[str], key_line: int, end: int) -> int:
+    """The line after the block value that follows ``key_line`` (deeper lines, or "- " items at its indent)."""
+    indent = len(lines[key_line]) - len(lines[key_line].lstrip())
+    after = key_line + 1
+    for i in range(key_line + 1, end):
+        line = lines[i]
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        depth = len(line) - len(line.lstrip())
+        if depth > indent or (depth == indent and line.lstrip().startswith("- ")):
+            after = i + 1
+        else:
+            break
+    return after
