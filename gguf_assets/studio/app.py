@@ -139,8 +139,8 @@ def training_view(paths: ProjectPaths, settings, live: list[dict] | None) -> dic
         except (OSError, ValueError, KeyError, TypeError):
             saved = []
     logs = [e for e in (live or []) if "loss" in e]
-    progress = training_progress(logs[-1] if logs else None, steps,
-                                 resumed_step=steps if finished else last_checkpoint_step(paths, fingerprint))
+    progress = training_progress(logs[-1] if logs else None, steps, running=live is not None,
+                                 saved_step=steps if finished else last_checkpoint_step(paths, fingerprint))
     history = merged_history(saved, live or [])
     return {"running": live is not None, "progress": progress, "text": progress["text"],
             "svg": curves_svg(history, panel_width=440, panel_height=220) if history else "",
@@ -192,7 +192,7 @@ def _report_view(paths: ProjectPaths, settings) -> dict | None:
     return {"verdict": report.verdict, "advice": report.advice, "score": score, "score_source": report.score_source,
             "gguf_path": report_doc["gguf_path"], "ggk_command": report.ggk_command,
             "report_json": str(paths.report_json(settings)), "report_md": str(paths.report_md(settings)),
-            "files": [{"path": f["path"], "role": f["role"], "copy": bool(f.get("copy_of")), "bytes": f["bytes"],
+            "files": [{"path": f["path"], "role": f["role"], "is_copy": bool(f.get("copy_of")), "bytes": f["bytes"],
                        "size": _size(f["bytes"]), "sha256": f["sha256"]} for f in report_doc["files"]],
             "score_torch": report.val_centred_cosine_torch, "gguf_vs_torch": report.gguf_vs_torch,
             "empty_prompt_cosine": report.empty_prompt_cosine, "n_prompts": report.n_prompts,

@@ -16,10 +16,10 @@ import math
 from gguf_assets.lib.telemetry.progress import format_seconds
 
 
-def training_progress(latest: dict | None, steps: int, *, resumed_step: int = 0) -> dict:
-    """The progress bar's figures: the latest log step of the running training (``latest``: its figures), or
-    ``resumed_step`` (the newest checkpoint's step) before its first log step."""
-    step = int(latest["step"]) if latest else resumed_step
+def training_progress(latest: dict | None, steps: int, *, saved_step: int = 0, running: bool = True) -> dict:
+    """The progress bar's figures: the latest log step of the running training (``latest``: its figures), or,
+    before its first log step or while nothing trains, ``saved_step`` (the step its newest checkpoint holds)."""
+    step = int(latest["step"]) if latest else saved_step
     rate = float(latest.get("steps_per_s", 0.0)) if latest else 0.0
     eta_s = latest.get("eta_s") if latest else None
     if eta_s is None and rate > 0:  # a log step recorded before the trainer sent its ETA
@@ -27,10 +27,16 @@ def training_progress(latest: dict | None, steps: int, *, resumed_step: int = 0)
     eta = format_seconds(float(eta_s)) if eta_s is not None and math.isfinite(float(eta_s)) else "?"
     percent = 100.0 * min(step, steps) / steps if steps else 0.0
     loss = float(latest["loss"]) if latest and "loss" in latest else None
-    if latest is None:
-        text = f"step {step}/{steps}: starting (no log step yet)"
-    else:
+    if latest is not None:
         text = f"step {step}/{steps}, loss {loss:.4f}, {rate:.2f} steps/s, ETA {eta}"
+    elif running:
+        text = f"step {step}/{steps}: starting (no log step yet)"
+    elif step >= steps:
+        text = f"finished: {steps}/{steps} steps"
+    elif step:
+        text = f"stopped at step {step}/{steps} (its checkpoint is kept: Run resumes from it)"
+    else:
+        text = f"not trained yet with these settings (0/{steps} steps)"
     return {"step": step, "steps": steps, "percent": round(percent, 2), "steps_per_s": round(rate, 3),
             "eta": eta, "loss": loss, "text": text}
 

@@ -12,9 +12,17 @@ def test_training_progress_shows_the_trainers_own_eta_and_rate():
 
 
 def test_before_the_first_log_step_the_bar_stands_at_the_checkpoint_it_resumed_from():
-    shown = training_progress(None, 60, resumed_step=30)
+    shown = training_progress(None, 60, saved_step=30)
     assert (shown["percent"], shown["eta"], shown["loss"]) == (50.0, "?", None)
     assert shown["text"] == "step 30/60: starting (no log step yet)"
+
+
+def test_while_nothing_trains_the_bar_says_where_training_stands():
+    assert training_progress(None, 60, saved_step=60, running=False)["text"] == "finished: 60/60 steps"
+    stopped = training_progress(None, 60, saved_step=10, running=False)
+    assert stopped["percent"] == 16.67
+    assert stopped["text"] == "stopped at step 10/60 (its checkpoint is kept: Run resumes from it)"
+    assert training_progress(None, 60, running=False)["text"] == "not trained yet with these settings (0/60 steps)"
 
 
 def test_a_resumed_runs_history_repeats_no_step():
