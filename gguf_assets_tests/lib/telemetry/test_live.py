@@ -42,3 +42,11 @@ def test_precompute_progress_keeps_each_split_and_halfs_newest_figures():
     assert [(r["split"], r["half"], r["done"], r["percent"], r["eta"]) for r in rows] == [
         ("train", "teacher", 800, 50.0, "2m58s"), ("val", "student", 200, 100.0, "done")]
     assert rows[0]["text"] == "train teacher: 800/1600 prompts, 4.50 prompts/s, ETA 2m58s"
+
+
+def test_the_tensorboard_link_opens_the_time_series_unsmoothed_on_one_run():
+    from gguf_assets.lib.telemetry.curves_log import tensorboard_timeseries_url
+
+    assert tensorboard_timeseries_url("http://127.0.0.1:6006/") == "http://127.0.0.1:6006/?smoothing=0#timeseries"
+    assert tensorboard_timeseries_url("http://h:1", run="64x1-40steps-lr0.004-ab12") == \
+        "http://h:1/?smoothing=0&runFilter=64x1-40steps-lr0.004-ab12#timeseries"
