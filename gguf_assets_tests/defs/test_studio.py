@@ -127,7 +127,8 @@ def test_studio_edits_settings_in_its_form_runs_stops_resumes_and_shows_the_resu
             # A value out of bounds is refused as the CLI refuses it: file:line, key, the bound; nothing written.
             steps.fill("0")
             page.click("#save-form")
-            wait_for(lambda: page.locator("#form-message").inner_text(), timeout=10, what="the form's answer")
+            wait_for(lambda: page.locator("#form-message").inner_text().startswith(f"{paths.project_file}:"),
+                     timeout=10, what="the form's answer")
             line = before.splitlines().index("  steps: 40") + 1
             refusal = page.locator("#form-message").inner_text()
             assert refusal.startswith(f"{paths.project_file}:{line}: training.steps = 0 must be >= 1"), refusal
