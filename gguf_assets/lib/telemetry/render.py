@@ -30,6 +30,10 @@ def markdown_table(header: Sequence[str], rows: Iterable[Sequence[object]], *, r
     return "\n".join(lines)
 
 
+# Series with at most this many points get a marker at each (a single validation is otherwise invisible).
+MARKED_POINTS = 30
+
+
 def curves_svg(history: list[dict], *, panel_width: int = 320, panel_height: int = 180) -> str:
     """Two small line charts as SVG text: training loss (log scale, plus val loss) and val cosines."""
     pad = 34
@@ -74,6 +78,9 @@ def curves_svg(history: list[dict], *, panel_width: int = 320, panel_height: int
             if pts:
                 out.append(f'<polyline fill="none" stroke="{colour}" stroke-width="1.5" '
                            f'points="{" ".join(xy(x, y) for x, y in pts)}"/>')
+                if len(pts) <= MARKED_POINTS:  # a few validations are points to read, not a line to guess
+                    out += [f'<circle cx="{cx}" cy="{cy}" r="2.5" fill="{colour}"/>'
+                            for cx, cy in (xy(x, y).split(",") for x, y in pts)]
                 out.append(f'<text x="{x0 + panel_width - 10}" y="{30 + 12 * i}" text-anchor="end" '
                            f'fill="{colour}">{key}</text>')
     out.append("</svg>")
