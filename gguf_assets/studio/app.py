@@ -76,7 +76,8 @@ class ObservationFeed:
     """The observations the pipeline's assets record (training log steps and validations, precompute progress),
     read from the project's Dagster instance: each poll reads only what came since the last one."""
 
-    def __init__(self) -> None:
+    def __init__(self, instance=None) -> None:
+        self._instance = instance  # None: the project's own (DAGSTER_HOME), opened when first read
         self._cursors: dict[str, str | None] = {}
         self._by_run: dict[tuple[str, str], list[dict]] = {}
 
@@ -85,7 +86,7 @@ class ObservationFeed:
         import dagster as dg
 
         try:
-            instance = dg.DagsterInstance.get()
+            instance = self._instance or dg.DagsterInstance.get()
             while True:
                 result = instance.fetch_observations(dg.AssetKey(asset), limit=1000,
                                                      cursor=self._cursors.get(asset), ascending=True)
