@@ -4,7 +4,8 @@ One project per app. The page reads the same truths the CLI prints: `status` com
 lib/project/pipeline.py's one staleness engine, the verdict from the report, what runs now from
 the project lock's holder record. Run starts `gguf-trainer run DIR` (the same named Dagster jobs,
 the same lock, the same console log); Stop asks Dagster to terminate the project's running run,
-which every entry point turns into a clean CANCELED stop. Nothing here keeps state of its own.
+which every entry point turns into a clean CANCELED stop. Nothing here keeps state of its own (the
+observations it has read are a cache: the instance holds them).
 """
 
 from __future__ import annotations
@@ -63,9 +64,8 @@ def project_view(paths: ProjectPaths, feed: ObservationFeed | None = None) -> di
         "running": {"run_id": running["run_id"], "job": running["job"]} if running else None,
         "training": training_view(paths, settings, feed.entries("adapter", running["run_id"])
                                   if running and "adapter" in assets else None),
-        "precompute": precompute_progress([(key.removesuffix("_shards"), figures) for key in SHARD_ASSETS
-                                           if key in assets for figures in feed.entries(key, running["run_id"])])
-        if running else [],
+        "precompute": precompute_progress([(asset.removesuffix("_shards"), figures) for asset in SHARD_ASSETS
+                                           if asset in assets for figures in feed.entries(asset, running["run_id"])]),
         "hardware_now": hardware_now(),
         "report": _report_view(paths, settings),
         "run_command": trainer("run", paths.root),
