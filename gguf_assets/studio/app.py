@@ -144,8 +144,7 @@ def training_view(paths: ProjectPaths, settings, live: list[dict] | None) -> dic
                                  saved_step=steps if finished else last_checkpoint_step(paths, fingerprint))
     history = merged_history(saved, live or [])
     return {"running": live is not None, "progress": progress, "text": progress["text"],
-            "svg": curves_svg(history, panel_width=440, panel_height=220) if history else "",
-            "points": len(history)}
+            "svg": curves_svg(history, panel_width=440, panel_height=220) if history else ""}
 
 
 def hardware_now() -> dict:

@@ -81,3 +81,16 @@ def test_a_bad_value_is_refused_with_the_files_line_the_key_and_the_fix(text, ke
 def test_an_unknown_key_from_the_form_is_refused(text):
     with pytest.raises(SettingsError, match="unknown key 'training.stepz'"):
         apply_form(PATH, text, {"training.stepz": "1"})
+
+
+def test_a_dataset_mapping_shows_as_one_flow_line_and_reads_back_as_the_same_mapping(text):
+    block = text.replace("  datasets: [materials/demo/dataset]\n",
+                         "  datasets:\n  - materials/demo/dataset\n  - source: org/prompts\n    text_field: caption\n")
+    shown = form_values(block)["materials.datasets"]
+    assert shown == "materials/demo/dataset\n{source: org/prompts, text_field: caption}"
+    assert apply_form(PATH, block, {"materials.datasets": shown}).changes == {}  # unchanged: not rewritten
+    saved = apply_form(PATH, block, {"materials.datasets": shown + "\norg/more"})
+    assert saved.settings.materials.datasets == ["materials/demo/dataset",
+                                                 {"source": "org/prompts", "text_field": "caption"}, "org/more"]
+    assert "  datasets: [materials/demo/dataset, {source: org/prompts, text_field: caption}, org/more]\n" in saved.text
+    assert "    text_field: caption\n" not in saved.text  # the block's lines went with it
