@@ -42,14 +42,15 @@ STAGE_TITLES = {"materials": "Materials", "corpus": "Corpus", "train_shards": "T
                 "eval_report": "Evaluation"}
 
 
-def project_view(paths: ProjectPaths, feed: ObservationFeed | None = None) -> dict:
+def project_view(paths: ProjectPaths, feed: ObservationFeed | None = None,
+                 hardware: LiveHardware | None = None) -> dict:
     """Everything the page's live panels show, as JSON: the stages with why, what runs, training and precompute
     progress, the machine's load now, the verdict, the GGUF and the exported files."""
     try:
         settings = load_settings(paths.root)
     except SettingsError as exc:  # the page stays up and says what to fix
         return {"project": str(paths.root), "settings_error": str(exc), "stages": [], "running": None, "report": None,
-                "training": None, "precompute": [], "hardware_now": hardware_now()}
+                "training": None, "precompute": [], "hardware_now": (hardware or LiveHardware()).read()}
     lock_holder = holder(paths.lock_file)
     stages = with_running(project_status(paths, settings), lock_holder)
     running = (lock_holder or {}).get("running")
@@ -66,7 +67,7 @@ def project_view(paths: ProjectPaths, feed: ObservationFeed | None = None) -> di
                                   if running and "adapter" in assets else None),
         "precompute": precompute_progress([(asset.removesuffix("_shards"), figures) for asset in SHARD_ASSETS
                                            if asset in assets for figures in feed.entries(asset, running["run_id"])]),
-        "hardware_now": hardware_now(),
+        "hardware_now": (hardware or LiveHardware()).read(),
         "report": _report_view(paths, settings),
         "run_command": trainer("run", paths.root),
     }
@@ -158,6 +159,31 @@ def hardware_now() -> dict:
                       for k, v in g.items()} for g in gpu_snapshot()]}
 
 
+class LiveHardware:
+    """The machine's load as it changes: each read (the page polls every 2 s) is kept for a short while, and
+    every figure comes with a sparkline of its recent readings."""
+
+    KEPT = 90  # 3 minutes of 2-second polls
+
+    def __init__(self) -> None:
+        from collections import deque
+
+        self._readings: deque[dict] = deque(maxlen=self.KEPT)
+
+    def read(self) -> dict:
+        from gguf_assets.lib.telemetry.render import sparkline_svg
+
+        now = hardware_now()
+        self._readings.append(now)
+        sparks = {"cpu": sparkline_svg([r["cpu_pct"] for r in self._readings], maximum=100.0),
+                  "ram": sparkline_svg([r["ram_used_gib"] for r in self._readings], maximum=now["ram_total_gib"])}
+        for g in now["gpus"]:
+            sparks[f"gpu{g['index']}"] = sparkline_svg(
+                [gpu["util_pct"] for r in self._readings for gpu in r["gpus"] if gpu["index"] == g["index"]],
+                maximum=100.0)
+        return {**now, "sparks": sparks}
+
+
 def machine_view() -> dict:
     """The Hardware and Environment panels: devices and memory, library versions."""
     from gguf_assets.lib.telemetry.hardware import environment_report, hardware_report
@@ -224,12 +250,12 @@ def refusal(request: Request) -> JSONResponse | None:
 def build_app(project: str | Path, *, dagster_url: str = "", tensorboard_url: str = "") -> Starlette:
     paths = ProjectPaths.of(project)
     started: list[subprocess.Popen] = []
-    feed = ObservationFeed()
+    feed, hardware = ObservationFeed(), LiveHardware()
 
     async def page(request: Request) -> HTMLResponse:
         text = paths.project_file.read_text(encoding="utf-8")  # the one source of truth, read on every load
         return TEMPLATES.TemplateResponse(request, "project.html", {
-            "view": project_view(paths, feed), "dagster_url": dagster_url,
+            "view": project_view(paths, feed, hardware), "dagster_url": dagster_url,
             "tensorboard_url": tensorboard_timeseries_url(tensorboard_url) if tensorboard_url else "",
             "settings_text": text, "presets": PRESETS, "forms": form_sections(text),
             "memory": memory_view(paths), "machine": machine_view(),
@@ -237,7 +263,7 @@ def build_app(project: str | Path, *, dagster_url: str = "", tensorboard_url: st
             "presets_json": json.dumps({p.name: p.description for p in PRESETS}).replace("<", "\\u003c")})
 
     async def status(_request: Request) -> JSONResponse:
-        return JSONResponse(project_view(paths, feed))
+        return JSONResponse(project_view(paths, feed, hardware))
 
     async def run(request: Request) -> JSONResponse:
         if (refused := refusal(request)) is not None:

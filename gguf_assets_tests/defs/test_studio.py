@@ -103,6 +103,7 @@ def test_studio_edits_settings_in_its_form_runs_stops_resumes_and_shows_the_resu
             live = {row.get_attribute("data-part"): row.locator("td").all_inner_texts()
                     for row in page.locator("#hardware-now tr").all()}
             assert live["cpu"][1].endswith("%") and re.fullmatch(r"[\d.]+ / [\d.]+ GiB", live["ram"][1]), live
+            assert page.locator('#hardware-now tr[data-part="ram"] svg polyline').count() == 1  # its sparkline
             _shot(page, "#panel-machine", "hardware-environment")
 
             # The advanced view edits project.yaml as text: a typo is refused with the file's line and the fix.

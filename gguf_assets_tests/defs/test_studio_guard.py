@@ -90,6 +90,11 @@ def test_the_settings_form_shows_project_yaml_and_saves_only_what_changed(studio
     assert status == 200 and body["changed"] == ["training.steps 130 → 60"] and body["text"] == after
     assert after == before.replace("  steps: 130", "  steps: 60") and body["values"]["training.steps"] == "60"
 
-    with urllib.request.urlopen(base + "/api/status", timeout=30) as answer:
-        view = json.load(answer)
-    assert view["hardware_now"]["ram_total_gib"] > 0 and isinstance(view["hardware_now"]["gpus"], list)
+    for _ in range(2):  # live hardware: each poll reads the machine again and extends its sparklines
+        with urllib.request.urlopen(base + "/api/status", timeout=30) as answer:
+            view = json.load(answer)
+    now = view["hardware_now"]
+    assert now["ram_total_gib"] > 0 and 0 < now["ram_used_gib"] <= now["ram_total_gib"]
+    assert isinstance(now["gpus"], list) and set(now["sparks"]) == {"cpu", "ram"} | {f"gpu{g['index']}"
+                                                                                    for g in now["gpus"]}
+    assert len(now["sparks"]["ram"].split('points="')[1].split('"')[0].split()) >= 3  # the page's read and two polls

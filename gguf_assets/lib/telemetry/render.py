@@ -96,3 +96,18 @@ def curves_markdown(svg: str) -> str:
     """
     encoded = base64.b64encode(svg.encode("utf-8")).decode("ascii")
     return f"![loss and val centred cosine](data:image/svg+xml;base64,{encoded})"
+
+
+def sparkline_svg(values: Sequence[float], *, maximum: float, width: int = 160, height: int = 24,
+                  colour: str = "#0b63c4") -> str:
+    """A figure's recent readings as a small line from 0 (bottom) to ``maximum`` (top), newest at the right."""
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+           f'viewBox="0 0 {width} {height}"><rect width="{width}" height="{height}" fill="#f5f7fa"/>']
+    finite = [v for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
+    if finite and maximum > 0:
+        step = width / max(len(finite) - 1, 1)
+        points = " ".join(f"{i * step:.1f},{height - 1 - min(v / maximum, 1.0) * (height - 2):.1f}"
+                          for i, v in enumerate(finite))
+        out.append(f'<polyline fill="none" stroke="{colour}" stroke-width="1.5" points="{points}"/>')
+    out.append("</svg>")
+    return "".join(out)

@@ -24,3 +24,16 @@ def test_a_curve_of_few_points_marks_each_point_and_a_long_one_does_not():
     assert len(circles) == 3  # the one validation is visible
     many = [{"step": i, "loss": 1.0 / i} for i in range(1, MARKED_POINTS + 2)]
     assert not ET.fromstring(curves_svg(many)).findall("{http://www.w3.org/2000/svg}circle")
+
+
+def test_a_sparkline_spans_its_width_and_scales_to_its_maximum():
+    import xml.etree.ElementTree as ET
+
+    from gguf_assets.lib.telemetry.render import sparkline_svg
+
+    line = ET.fromstring(sparkline_svg([0.0, 50.0, 100.0, 200.0], maximum=100.0, width=90, height=22)).find(
+        "{http://www.w3.org/2000/svg}polyline")
+    points = [tuple(map(float, p.split(","))) for p in line.get("points").split()]
+    assert [x for x, _ in points] == [0.0, 30.0, 60.0, 90.0]
+    assert [y for _, y in points] == [21.0, 11.0, 1.0, 1.0]  # 0 at the bottom, the maximum (and above) at the top
+    assert ET.fromstring(sparkline_svg([], maximum=100.0)).find("{http://www.w3.org/2000/svg}polyline") is None
