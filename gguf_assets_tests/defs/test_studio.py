@@ -153,13 +153,14 @@ def test_studio_edits_settings_in_its_form_runs_stops_resumes_and_shows_the_resu
             (running,) = [r for r in instance.get_runs() if r.status == dg.DagsterRunStatus.STARTED]
             assert running.job_name == "train_export_evaluate"  # the named job `gguf-trainer run` runs
             assert running.run_id[:8] in page.locator("#message").inner_text()
-            # The live training line and bar: the run's latest log step (log_every 10), as on the console.
-            wait_for(lambda: page.locator("#training").inner_text().startswith("training: step 10/60, loss "),
-                     timeout=120, what="the first log step on the page")
-            at_10 = _bar(page)
+            # The live training line and bar: the run's latest log step (log_every 10), as on the console. The page
+            # polls every 2 s, so it may skip a log step; the stall holds step 30 on it.
+            wait_for(lambda: page.locator("#training").inner_text().startswith("training: step "), timeout=60,
+                     what="the training line of the new run")
+            first_seen = _bar(page)  # 0 while it starts, or an early log step's share
             wait_for(lambda: page.locator("#training").inner_text().startswith("training: step 30/60, loss "),
-                     timeout=120, what="the step-30 log step on the page")
-            assert at_10 == pytest.approx(100 * 10 / 60, abs=0.01) and _bar(page) == 50.0  # the bar moved
+                     timeout=180, what="the step-30 log step on the page")
+            assert first_seen < 50.0 == _bar(page), first_seen  # the bar moved, to 30 of 60
             assert re.search(r", [\d.]+ steps/s, ETA \d+(m\d\d)?s$", page.locator("#training").inner_text())
             assert page.locator("#curves svg polyline").count() >= 2  # loss and val curves against the step
             _shot(page, "#panel-training", "training-live")
@@ -191,7 +192,8 @@ def test_studio_edits_settings_in_its_form_runs_stops_resumes_and_shows_the_resu
             wait_for(lambda: page.locator("#verdict").inner_text() == new_report["verdict"], timeout=30,
                      what="the new verdict on the page")
             assert page.locator("#score").inner_text() == f"{new_report['val_centred_cosine']:.4f}"
-            assert page.locator("#training").inner_text() == "training: finished: 60/60 steps"
+            wait_for(lambda: page.locator("#training").inner_text() == "training: finished: 60/60 steps",
+                     timeout=30, what="the training line to say it finished")  # once the run lets go of the lock
             # Use it in ggk: the command, copied as it is.
             assert page.locator("#ggk-command").inner_text() == new_report["ggk_command"]
             page.click("#copy-ggk")
