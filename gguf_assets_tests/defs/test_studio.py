@@ -105,6 +105,7 @@ def test_studio_edits_settings_in_its_form_runs_stops_resumes_and_shows_the_resu
             assert live["cpu"][1].endswith("%") and re.fullmatch(r"[\d.]+ / [\d.]+ GiB", live["ram"][1]), live
             assert page.locator('#hardware-now tr[data-part="ram"] svg polyline').count() == 1  # its sparkline
             _shot(page, "#panel-machine", "hardware-environment")
+            _shot(page, "#panel-hardware-now", "live-hardware-and-memory")
 
             # The advanced view edits project.yaml as text: a typo is refused with the file's line and the fix.
             before = paths.project_file.read_text()
@@ -153,6 +154,7 @@ def test_studio_edits_settings_in_its_form_runs_stops_resumes_and_shows_the_resu
             (running,) = [r for r in instance.get_runs() if r.status == dg.DagsterRunStatus.STARTED]
             assert running.job_name == "train_export_evaluate"  # the named job `gguf-trainer run` runs
             assert running.run_id[:8] in page.locator("#message").inner_text()
+            assert page.locator("#run-link").get_attribute("href") == f"http://127.0.0.1:{port}/runs/{running.run_id}"
             # The live training line and bar: the run's latest log step (log_every 10), as on the console. The page
             # polls every 2 s, so it may skip a log step; the stall holds step 30 on it.
             wait_for(lambda: page.locator("#training").inner_text().startswith("training: step "), timeout=60,
