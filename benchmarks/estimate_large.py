@@ -58,7 +58,7 @@ def build_pair(root: Path) -> Path:
 def main() -> int:
     from gguf_assets.lib.project.layout import ProjectPaths
     from gguf_assets.lib.project.settings import load_settings
-    from gguf_assets.lib.telemetry.estimate import estimate_lines, teacher_placements
+    from gguf_assets.lib.telemetry.estimate import estimate_lines, placement_text, teacher_placements
 
     with tempfile.TemporaryDirectory() as tmp:
         project = build_pair(Path(tmp))
@@ -70,8 +70,7 @@ def main() -> int:
             placements = teacher_placements(paths.resolve_local(settings.materials.teacher), settings,
                                             free_gpu_bytes=gpus, available_cpu_bytes=CPU_RAM)
             for strategy, summary in placements.items():
-                where = ", ".join(f"{device} {v['layers']} layers {v['gib']:.2f} GiB" for device, v in summary.items())
-                print(f"  {strategy:<10} {where}")
+                print(f"  {strategy:<10} {placement_text(summary)}")
     return 0
 
 

@@ -192,17 +192,21 @@ def machine_view() -> dict:
 
 
 def memory_view(paths: ProjectPaths) -> dict:
-    """The memory estimate (lib/telemetry/estimate.py), as the page's Memory panel shows it."""
-    from gguf_assets.lib.telemetry.estimate import estimate, peak_gib, size_text
+    """The memory estimate (lib/telemetry/estimate.py), as the page's Memory panel shows it, with where the
+    teacher would go on this machine's GPUs."""
+    from gguf_assets.lib.telemetry.estimate import estimate, peak_gib, placement_lines, size_text
     from gguf_assets.lib.telemetry.hardware import gpu_snapshot
 
+    gpus = gpu_snapshot()
     try:
-        lines = estimate(paths, load_settings(paths.root))
-    except (SettingsError, OSError, ValueError, KeyError) as exc:
-        return {"lines": [], "peak": "?", "gpus": [], "error": str(exc)}
+        settings = load_settings(paths.root)
+        lines = estimate(paths, settings)
+        placements = placement_lines(paths, settings, gpus)
+    except (UserError, OSError, ValueError, KeyError) as exc:
+        return {"lines": [], "peak": "?", "gpus": [], "placements": [], "error": str(exc)}
     return {"lines": [{"part": line.part, "size": size_text(line.gib), "how": line.how} for line in lines],
-            "peak": size_text(peak_gib(lines)), "error": None,
-            "gpus": [f"GPU {g['index']}: {g['mem_total_gib']:.0f} GiB" for g in gpu_snapshot()]}
+            "peak": size_text(peak_gib(lines)), "error": None, "placements": placements,
+            "gpus": [f"GPU {g['index']}: {g['mem_total_gib']:.0f} GiB" for g in gpus]}
 
 
 def _report_view(paths: ProjectPaths, settings) -> dict | None:

@@ -173,15 +173,41 @@ def size_text(gib: float | None) -> str:
     return f"{gib:.2f} GiB" if gib >= 1 else f"{gib * 1024:.1f} MiB"
 
 
-def estimate_lines(paths: ProjectPaths, settings: Settings) -> list[str]:
-    """The estimate as console lines, with the GPUs this machine has (the studio shows the same)."""
+def placement_lines(paths: ProjectPaths, settings: Settings, gpus: list[dict]) -> list[str]:
+    """Where the teacher would go on these GPUs (gpu_snapshot's: index, mem_total_gib, mem_used_gib), per device,
+    under sequential and balanced placement; none when there is no GPU, the precompute runs on the CPU, or the
+    teacher is not there yet (or is the mock one)."""
+    import psutil
+
+    folder = _folder(paths, "teacher", settings.materials.teacher)
+    if not gpus or settings.precompute.device == "cpu" or settings.precompute.mock_teacher or folder is None:
+        return []
+    free = {int(g["index"]): int((g["mem_total_gib"] - g["mem_used_gib"]) * GIB) for g in gpus}
+    try:
+        placements = teacher_placements(folder, settings, free_gpu_bytes=free,
+                                        available_cpu_bytes=psutil.virtual_memory().available)
+    except (UserError, ValueError, OSError) as exc:  # e.g. precompute.device names a GPU this machine lacks
+        return [f"teacher placement: {exc}"]
+    chosen = settings.precompute.teacher_placement
+    return [f"teacher placement {strategy}{' (precompute.teacher_placement)' if strategy == chosen else ''}: "
+            f"{placement_text(summary)}" for strategy, summary in placements.items()]
+
+
+def placement_text(summary: dict[str, dict[str, float]]) -> str:
+    """A placement per device in one line: "cuda:0 24 layers 28.44 GiB, cuda:1 24 layers 27.86 GiB"."""
+    return ", ".join(f"{device} {v['layers']} layers {v['gib']:.2f} GiB" for device, v in summary.items())
+
+
+def estimate_lines(paths: ProjectPaths, settings: Settings, *, gpus: list[dict] | None = None) -> list[str]:
+    """The estimate as console lines, with the GPUs this machine has (``gpus``: gpu_snapshot's, read when not
+    given) and where the teacher would go on them (the studio shows the same)."""
     from gguf_assets.lib.telemetry.hardware import gpu_snapshot
 
     lines = estimate(paths, settings)
     out = [f"  {line.part:<17} {size_text(line.gib):>10}  {line.how}" for line in lines]
     peak = peak_gib(lines)
-    gpus = gpu_snapshot()
+    gpus = gpu_snapshot() if gpus is None else gpus
     where = ", ".join(f"GPU {g['index']} {g['mem_total_gib']:.0f} GiB" for g in gpus) or "no NVIDIA GPU here"
     out.append(f"  peak on one GPU   {size_text(peak):>10}  teacher + student while the "
                f"shards are computed, or the adapter's training; this machine: {where}")
-    return out
+    return out + [f"  {line}" for line in placement_lines(paths, settings, gpus)]

@@ -103,3 +103,21 @@ def test_a_30b_class_moe_teacher_and_a_0_6b_student_from_config_json_alone_match
     balanced = placements["balanced"]
     assert set(balanced) >= {"cuda:0", "cuda:1"} and balanced["cuda:0"]["gib"] < 0.6 * lines["teacher"].gib
     assert sum(v["gib"] for v in balanced.values()) == pytest.approx(lines["teacher"].gib, rel=1e-4)
+
+
+def test_the_estimate_says_where_the_teacher_would_go_on_the_gpus_there_are(tmp_path):
+    from gguf_assets.lib.project.layout import ProjectPaths
+    from gguf_assets.lib.telemetry.estimate import estimate_lines
+
+    project = _large_pair_script().build_pair(tmp_path)
+    paths, settings = ProjectPaths.of(project), load_settings(project)
+    gpus = [{"index": 0, "mem_total_gib": 80.0, "mem_used_gib": 0.5}, {"index": 1, "mem_total_gib": 80.0,
+                                                                         "mem_used_gib": 0.5}]
+    lines = estimate_lines(paths, settings, gpus=gpus)
+    assert "this machine: GPU 0 80 GiB, GPU 1 80 GiB" in lines[3]
+    sequential, balanced = lines[4:]
+    assert sequential.startswith("  teacher placement sequential (precompute.teacher_placement): cuda:0 48 layers ")
+    assert balanced.startswith("  teacher placement balanced: cuda:0 ") and "cuda:1" in balanced
+    assert estimate_lines(paths, settings, gpus=[])[4:] == []  # no GPU: nothing to place on
+    on_cpu = replace(settings, precompute={"device": "cpu"})
+    assert estimate_lines(paths, on_cpu, gpus=gpus)[4:] == []  # the precompute keeps it all on the CPU
