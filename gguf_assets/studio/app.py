@@ -63,8 +63,9 @@ def project_view(paths: ProjectPaths, feed: ObservationFeed | None = None,
                     "detail": s.detail} for s in stages],
         "busy": (lock_holder or {}).get("what") if lock_holder else None,
         "running": {"run_id": running["run_id"], "job": running["job"]} if running else None,
+        # Live only once the run works on the adapter (a run that precomputes first would show "starting").
         "training": training_view(paths, settings, feed.entries("adapter", running["run_id"])
-                                  if running and "adapter" in assets else None),
+                                  if any(s.stage == "adapter" and s.state == "running" for s in stages) else None),
         "precompute": precompute_progress([(asset.removesuffix("_shards"), figures) for asset in SHARD_ASSETS
                                            if asset in assets for figures in feed.entries(asset, running["run_id"])]),
         "hardware_now": (hardware or LiveHardware()).read(),
