@@ -202,6 +202,15 @@ def test_studio_edits_settings_in_its_form_runs_stops_resumes_and_shows_the_resu
             wait_for(lambda: page.locator("#copy-message").inner_text() == "copied", timeout=10, what="the copy")
             assert page.evaluate("navigator.clipboard.readText()") == new_report["ggk_command"]
             _shot(page, "#panel-ggk", "use-it-in-ggk")
+            # Where the Clipboard API is missing (a page not served from localhost, an older browser), the Copy
+            # button falls back to copying a selected text area: the copy event carries the command.
+            bare = context.new_page()
+            bare.add_init_script("Object.defineProperty(navigator, 'clipboard', {value: undefined})")
+            bare.goto(studio)
+            bare.evaluate("document.addEventListener('copy', (e) => { window.copied = e.target.value; })")
+            bare.click("#copy-ggk")
+            wait_for(lambda: bare.locator("#copy-message").inner_text() == "copied", timeout=10, what="the fallback")
+            assert bare.evaluate("window.copied") == new_report["ggk_command"]
             page.screenshot(path=str(ARTIFACTS / "studio.png"), full_page=True)
             browser.close()
         assert stopped_s < 15, stopped_s
