@@ -23,6 +23,7 @@ from gguf_assets.lib.project.settings import (
     SECTIONS,
     Settings,
     SettingsError,
+    _yaml_value,
     settings_from_text,
 )
 
@@ -103,20 +104,16 @@ def _bounds(metadata: list) -> tuple[float | None, float | None]:
     return low, high
 
 
-def _scalar_text(value: Any) -> str:
-    return yaml.safe_dump(value, default_flow_style=True, width=10**6).strip().removesuffix("\n...").strip()
-
-
 def shown(kind: str, value: Any) -> Any:
     """A project.yaml value as its form field shows it."""
     if kind == "bool":
         return value if isinstance(value, bool) else bool(value)
     if kind == "list":
         items = value if isinstance(value, list) else ([] if value in (None, "") else [value])
-        return "\n".join(item if isinstance(item, str) else _scalar_text(item) for item in items)
+        return "\n".join(item if isinstance(item, str) else _yaml_value(item) for item in items)
     if kind in ("text", "choice"):
         return "" if value is None else str(value)
-    return "" if value is None else _scalar_text(value)
+    return "" if value is None else _yaml_value(value)
 
 
 def _file_values(text: str) -> dict:
