@@ -22,7 +22,7 @@ from gguf_assets.lib.project.settings import (
     load_settings,
     write_project_file,
 )
-from gguf_assets.lib.telemetry.curves_log import TENSORBOARD_DIR, TENSORBOARD_URL_ENV
+from gguf_assets.lib.telemetry.curves_log import TENSORBOARD_DIR, TENSORBOARD_URL_ENV, tensorboard_timeseries_url
 
 INIT_HEADER = """gguf_assets project settings. Every key is documented in docs/settings.md.
 Materials are hub repo ids (owner/name, optionally @revision) or local folders (relative to this folder).
@@ -325,7 +325,8 @@ def cmd_ui(args: argparse.Namespace) -> int:
         (paths.root / TENSORBOARD_DIR).mkdir(exist_ok=True)
         log_file = paths.dagster_home / "tensorboard.log"
         services += start_services([tensorboard_command(paths, args.host, args.tensorboard_port)], log_file=log_file)
-        print(f"TensorBoard (training curves) on {url} (its log: {log_file})", flush=True)
+        print(f"TensorBoard (training curves, unsmoothed) on {tensorboard_timeseries_url(url)} (its log: {log_file})",
+              flush=True)
     from gguf_assets.defs.groups import lineage_path
 
     print(f"Dagster UI for {paths.root} on {base} (Ctrl-C to stop); the whole pipeline: {base}{lineage_path()}",

@@ -271,3 +271,13 @@ def test_scale_benchmark_prints_every_stage_and_part_and_applies_its_rules():
         assert shards == 2 + 1 and 0 < mode_compute < mode_wall and mode_overhead >= 0, (mode, out)
         assert abs(versus - (mode_overhead - modes["in-process"][2])) < 0.002, (mode, out)
     assert out.count("rule: ") == 3, out
+
+
+@pytest.mark.slow  # about 6 s: two large configs built on the meta device, four placements planned
+def test_the_large_pair_estimate_prints_the_pairs_sizes_and_where_the_teacher_goes():
+    out = _run("estimate_large.py")
+    gib, billions = _figures(out, "teacher # GiB # B parameters in bf16 (GPU) (from config.json on the meta "
+                             "device: no weights here yet); on a CPU it computes in f32, twice that, in RAM")
+    assert 29 < billions < 31 and gib == pytest.approx(billions * 1e9 * 2 / 2**30, rel=1e-3)
+    placed = [line.split() for line in out.splitlines() if line.strip().startswith(("sequential", "balanced"))]
+    assert len(placed) == 4 and placed[2][1:2] == ["cuda:0"] and "cuda:1" in placed[3], placed

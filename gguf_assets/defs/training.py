@@ -15,7 +15,7 @@ from gguf_assets.lib.output.verdict import verdict
 from gguf_assets.lib.precompute.shards import require_current
 from gguf_assets.lib.project.layout import CURVES_FILE, FINAL_DIR
 from gguf_assets.lib.project.pipeline import adapter_fingerprint
-from gguf_assets.lib.telemetry.curves_log import TENSORBOARD_URL_ENV, run_folder, run_name
+from gguf_assets.lib.telemetry.curves_log import TENSORBOARD_URL_ENV, run_folder, run_name, tensorboard_timeseries_url
 from gguf_assets.lib.telemetry.hardware import HardwareSampler
 from gguf_assets.lib.telemetry.render import curves_markdown, curves_svg, markdown_table
 from gguf_assets.lib.training.train import train_adapter
@@ -112,7 +112,8 @@ def tensorboard_link(paths, settings, fingerprint: str) -> str:
     """Where this run's curves are in TensorBoard, which `gguf-trainer ui` serves beside Dagster."""
     url = os.environ.get(TENSORBOARD_URL_ENV)
     name = run_name(settings.training, fingerprint)
-    where = (f"[{url}]({url}/?runFilter={name}#timeseries) (run `{name}`)" if url else
+    link = tensorboard_timeseries_url(url, run=name) if url else ""
+    where = (f"[{link}]({link}) (run `{name}`, unsmoothed)" if url else
              f"`gguf-trainer ui {paths.root}` serves them (run `{name}`)")
     return (f"Loss, learning rate, gradient norm, val centred cosine, empty-prompt cosine, throughput and "
             f"hardware against the step, one run per training fingerprint: {where}. The event files are in "

@@ -4,7 +4,8 @@ One project per app. The page reads the same truths the CLI prints: `status` com
 lib/project/pipeline.py's one staleness engine, the verdict from the report, what runs now from
 the project lock's holder record. Run starts `gguf-trainer run DIR` (the same named Dagster jobs,
 the same lock, the same console log); Stop asks Dagster to terminate the project's running run,
-which every entry point turns into a clean CANCELED stop. Nothing here keeps state of its own.
+which every entry point turns into a clean CANCELED stop. Nothing here keeps state of its own (the
+observations it has read are a cache: the instance holds them).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from starlette.templating import Jinja2Templates
 
 from gguf_assets.lib.core import atomic
 from gguf_assets.lib.core.commands import trainer, venv_tool
+from gguf_assets.lib.core.errors import UserError
 from gguf_assets.lib.core.lock import holder
 from gguf_assets.lib.project import settings_history
 from gguf_assets.lib.project.layout import ProjectPaths
@@ -29,6 +31,9 @@ from gguf_assets.lib.project.manifests import DamagedRecord, Report
 from gguf_assets.lib.project.pipeline import project_status, with_running
 from gguf_assets.lib.project.presets import PRESETS, preset, set_keys
 from gguf_assets.lib.project.settings import SettingsError, load_settings, settings_from_text
+from gguf_assets.lib.project.settings_form import apply_form, form_sections, form_values
+from gguf_assets.lib.telemetry.curves_log import tensorboard_timeseries_url
+from gguf_assets.lib.telemetry.live import merged_history, precompute_progress, training_progress
 
 TEMPLATES = Jinja2Templates(directory=str(Path(__file__).parent / "templates"))
 RUN_LOG = "studio-run.log"  # in <project>/.dagster: the console output of the runs the studio starts
@@ -37,15 +42,20 @@ STAGE_TITLES = {"materials": "Materials", "corpus": "Corpus", "train_shards": "T
                 "eval_report": "Evaluation"}
 
 
-def project_view(paths: ProjectPaths) -> dict:
-    """Everything the Project panel shows, as JSON: the stages with why, what runs, the verdict and the GGUF."""
+def project_view(paths: ProjectPaths, feed: ObservationFeed | None = None,
+                 hardware: LiveHardware | None = None) -> dict:
+    """Everything the page's live panels show, as JSON: the stages with why, what runs, training and precompute
+    progress, the machine's load now, the verdict, the GGUF and the exported files."""
     try:
         settings = load_settings(paths.root)
     except SettingsError as exc:  # the page stays up and says what to fix
-        return {"project": str(paths.root), "settings_error": str(exc), "stages": [], "running": None, "report": None}
+        return {"project": str(paths.root), "settings_error": str(exc), "stages": [], "running": None, "report": None,
+                "training": None, "precompute": [], "hardware_now": (hardware or LiveHardware()).read()}
     lock_holder = holder(paths.lock_file)
     stages = with_running(project_status(paths, settings), lock_holder)
     running = (lock_holder or {}).get("running")
+    assets = set(running.get("assets", ())) if running else set()
+    feed = feed or ObservationFeed()
     return {
         "project": str(paths.root),
         "settings_error": None,
@@ -53,45 +63,151 @@ def project_view(paths: ProjectPaths) -> dict:
                     "detail": s.detail} for s in stages],
         "busy": (lock_holder or {}).get("what") if lock_holder else None,
         "running": {"run_id": running["run_id"], "job": running["job"]} if running else None,
-        "training": _training_now(running["run_id"], settings) if running and "adapter" in running.get("assets", ())
-        else None,
+        # Live only once the run works on the adapter (a run that precomputes first would show "starting").
+        "training": training_view(paths, settings, feed.entries("adapter", running["run_id"])
+                                  if any(s.stage == "adapter" and s.state == "running" for s in stages) else None),
+        "precompute": precompute_progress([(asset.removesuffix("_shards"), figures) for asset in SHARD_ASSETS
+                                           if asset in assets for figures in feed.entries(asset, running["run_id"])]),
+        "hardware_now": (hardware or LiveHardware()).read(),
         "report": _report_view(paths, settings),
         "run_command": trainer("run", paths.root),
     }
 
 
+class ObservationFeed:
+    """The observations the pipeline's assets record (training log steps and validations, precompute progress),
+    read from the project's Dagster instance: each poll reads only what came since the last one."""
+
+    def __init__(self, instance=None) -> None:
+        self._instance = instance  # None: the project's own (DAGSTER_HOME), opened when first read
+        self._cursors: dict[str, str | None] = {}
+        self._by_run: dict[tuple[str, str], list[dict]] = {}
+
+    def entries(self, asset: str, run_id: str) -> list[dict]:
+        """The metadata of ``asset``'s observations in the Dagster run ``run_id``, oldest first."""
+        import dagster as dg
+
+        try:
+            instance = self._instance or dg.DagsterInstance.get()
+            while True:
+                result = instance.fetch_observations(dg.AssetKey(asset), limit=1000,
+                                                     cursor=self._cursors.get(asset), ascending=True)
+                for record in result.records:
+                    figures = {k: v.value for k, v in record.asset_observation.metadata.items()}
+                    self._by_run.setdefault((asset, record.run_id), []).append(figures)
+                self._cursors[asset] = result.cursor or self._cursors.get(asset)
+                if not result.has_more:
+                    break
+        except Exception:  # noqa: BLE001  the page stays up while the storage is busy or away
+            pass
+        return self._by_run.get((asset, run_id), [])
+
+
+SHARD_ASSETS = ("train_shards", "val_shards")
+
+
+def _saved_history(run_dir: Path) -> list[dict]:
+    """A training run's history as it stands on disk: its final/ record, else its newest checkpoint's."""
+    from gguf_assets.lib.project.layout import FINAL_DIR, META_FILE
+    from gguf_assets.lib.training.checkpoints import latest_checkpoint
+
+    for folder in (run_dir / FINAL_DIR, latest_checkpoint(run_dir) if run_dir.is_dir() else None):
+        if folder is not None and (folder / META_FILE).is_file():
+            try:
+                return list(atomic.read_json(folder / META_FILE).get("history", []))
+            except (OSError, ValueError):
+                continue
+    return []
+
+
+def training_view(paths: ProjectPaths, settings, live: list[dict] | None) -> dict | None:
+    """The Training metrics panel: the progress bar's figures and the loss and val curves against the step, for
+    the training run these settings make (``live``: the running run's observations, None when none trains),
+    else for the adapter last trained."""
+    from gguf_assets.lib.materials.materials import load_manifest
+    from gguf_assets.lib.project.layout import FINAL_DIR, META_FILE
+    from gguf_assets.lib.project.pipeline import adapter_fingerprint, last_checkpoint_step
+    from gguf_assets.lib.telemetry.render import curves_svg
+
+    try:
+        fingerprint = adapter_fingerprint(paths, settings, load_manifest(paths))
+    except (OSError, ValueError, KeyError, TypeError, UserError):
+        return None  # nothing to train on yet (no materials, no corpus)
+    run_dir, steps = paths.checkpoints_dir(fingerprint), settings.training.steps
+    saved = _saved_history(run_dir)
+    finished = live is None and (run_dir / FINAL_DIR / META_FILE).is_file()
+    if not saved and live is None:  # these settings never trained: show the adapter there is
+        try:
+            saved = _saved_history(paths.root / atomic.read_json(paths.adapter_manifest)["run_dir"])
+        except (OSError, ValueError, KeyError, TypeError):
+            saved = []
+    logs = [e for e in (live or []) if "loss" in e]
+    progress = training_progress(logs[-1] if logs else None, steps, running=live is not None,
+                                 saved_step=steps if finished else last_checkpoint_step(paths, fingerprint))
+    history = merged_history(saved, live or [])
+    return {"running": live is not None, "progress": progress, "text": progress["text"],
+            "svg": curves_svg(history, panel_width=440, panel_height=220) if history else ""}
+
+
+def hardware_now() -> dict:
+    """Live hardware: every NVIDIA GPU (pynvml), the CPU's load and the RAM in use (psutil), read now."""
+    from gguf_assets.lib.telemetry.hardware import gpu_snapshot, host_snapshot
+
+    host = host_snapshot()
+    return {"cpu_pct": round(host["cpu_pct"], 1), "ram_used_gib": round(host["ram_used_gib"], 2),
+            "ram_total_gib": round(host["ram_total_gib"], 1),
+            "gpus": [{k: (round(v, 2) if isinstance(v, float) else (v.decode() if isinstance(v, bytes) else v))
+                      for k, v in g.items()} for g in gpu_snapshot()]}
+
+
+class LiveHardware:
+    """The machine's load as it changes: each read (the page polls every 2 s) is kept for a short while, and
+    every figure comes with a sparkline of its recent readings."""
+
+    KEPT = 90  # 3 minutes of 2-second polls
+
+    def __init__(self) -> None:
+        from collections import deque
+
+        self._readings: deque[dict] = deque(maxlen=self.KEPT)
+
+    def read(self) -> dict:
+        from gguf_assets.lib.telemetry.render import sparkline_svg
+
+        now = hardware_now()
+        self._readings.append(now)
+        sparks = {"cpu": sparkline_svg([r["cpu_pct"] for r in self._readings], maximum=100.0),
+                  "ram": sparkline_svg([r["ram_used_gib"] for r in self._readings], maximum=now["ram_total_gib"])}
+        for g in now["gpus"]:
+            sparks[f"gpu{g['index']}"] = sparkline_svg(
+                [gpu["util_pct"] for r in self._readings for gpu in r["gpus"] if gpu["index"] == g["index"]],
+                maximum=100.0)
+        return {**now, "sparks": sparks}
+
+
+def machine_view() -> dict:
+    """The Hardware and Environment panels: devices and memory, library versions."""
+    from gguf_assets.lib.telemetry.hardware import environment_report, hardware_report
+
+    return {"hardware": hardware_report(), "environment": environment_report()}
+
+
 def memory_view(paths: ProjectPaths) -> dict:
-    """The memory estimate (lib/telemetry/estimate.py), as the page's Memory panel shows it."""
-    from gguf_assets.lib.telemetry.estimate import estimate, peak_gib, size_text
+    """The memory estimate (lib/telemetry/estimate.py), as the page's Memory panel shows it, with where the
+    teacher would go on this machine's GPUs."""
+    from gguf_assets.lib.telemetry.estimate import estimate, peak_gib, placement_lines, size_text
     from gguf_assets.lib.telemetry.hardware import gpu_snapshot
 
+    gpus = gpu_snapshot()
     try:
-        lines = estimate(paths, load_settings(paths.root))
-    except (SettingsError, OSError, ValueError, KeyError) as exc:
-        return {"lines": [], "peak": "?", "gpus": [], "error": str(exc)}
+        settings = load_settings(paths.root)
+        lines = estimate(paths, settings)
+        placements = placement_lines(paths, settings, gpus)
+    except (UserError, OSError, ValueError, KeyError) as exc:
+        return {"lines": [], "peak": "?", "gpus": [], "placements": [], "error": str(exc)}
     return {"lines": [{"part": line.part, "size": size_text(line.gib), "how": line.how} for line in lines],
-            "peak": size_text(peak_gib(lines)), "error": None,
-            "gpus": [f"GPU {g['index']}: {g['mem_total_gib']:.0f} GiB" for g in gpu_snapshot()]}
-
-
-def _training_now(run_id: str, settings) -> str | None:
-    """The running training's latest log line (step, loss, rate, ETA), from the observations the adapter asset
-    records at every log step: the same figures as the console and Dagster's plots."""
-    import dagster as dg
-
-    from gguf_assets.lib.telemetry.progress import format_seconds
-
-    try:
-        records = dg.DagsterInstance.get().fetch_observations(dg.AssetKey("adapter"), limit=20).records
-    except Exception:  # noqa: BLE001  the page stays up while the storage is busy or away
-        return None
-    for record in records:  # newest first
-        figures = {k: v.value for k, v in record.asset_observation.metadata.items()}
-        if record.run_id == run_id and "loss" in figures:
-            step, rate, steps = int(figures["step"]), float(figures.get("steps_per_s", 0.0)), settings.training.steps
-            eta = format_seconds((steps - step) / rate) if rate > 0 else "?"
-            return f"step {step}/{steps}, loss {figures['loss']:.4f}, {rate:.2f} steps/s, ETA {eta}"
-    return "starting (no log step yet)"
+            "peak": size_text(peak_gib(lines)), "error": None, "placements": placements,
+            "gpus": [f"GPU {g['index']}: {g['mem_total_gib']:.0f} GiB" for g in gpus]}
 
 
 def _report_view(paths: ProjectPaths, settings) -> dict | None:
@@ -103,9 +219,23 @@ def _report_view(paths: ProjectPaths, settings) -> dict | None:
         return None
     report_doc = paths.located_doc(report.to_json())
     score = report.val_centred_cosine if report.evaluated else report.val_centred_cosine_torch
+    # Read from the report as the export recorded them (sizes, sha256): nothing is hashed again per page load.
     return {"verdict": report.verdict, "advice": report.advice, "score": score, "score_source": report.score_source,
             "gguf_path": report_doc["gguf_path"], "ggk_command": report.ggk_command,
-            "report_json": str(paths.report_json(settings))}
+            "report_json": str(paths.report_json(settings)), "report_md": str(paths.report_md(settings)),
+            "files": [{"path": f["path"], "role": f["role"], "is_copy": bool(f.get("copy_of")), "bytes": f["bytes"],
+                       "size": _size(f["bytes"]), "sha256": f["sha256"]} for f in report_doc["files"]],
+            "score_torch": report.val_centred_cosine_torch, "gguf_vs_torch": report.gguf_vs_torch,
+            "empty_prompt_cosine": report.empty_prompt_cosine, "n_prompts": report.n_prompts,
+            "per_shard": report.per_shard, "worst": report.worst[:10], "student": report.student,
+            "ggk_files": report_doc["ggk_files"]}
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} bytes"
 
 
 def refusal(request: Request) -> JSONResponse | None:
@@ -125,17 +255,20 @@ def refusal(request: Request) -> JSONResponse | None:
 def build_app(project: str | Path, *, dagster_url: str = "", tensorboard_url: str = "") -> Starlette:
     paths = ProjectPaths.of(project)
     started: list[subprocess.Popen] = []
+    feed, hardware = ObservationFeed(), LiveHardware()
 
     async def page(request: Request) -> HTMLResponse:
+        text = paths.project_file.read_text(encoding="utf-8")  # the one source of truth, read on every load
         return TEMPLATES.TemplateResponse(request, "project.html", {
-            "view": project_view(paths), "dagster_url": dagster_url, "tensorboard_url": tensorboard_url,
-            "settings_text": paths.project_file.read_text(encoding="utf-8"), "presets": PRESETS,
-            "memory": memory_view(paths),
+            "view": project_view(paths, feed, hardware), "dagster_url": dagster_url,
+            "tensorboard_url": tensorboard_timeseries_url(tensorboard_url) if tensorboard_url else "",
+            "settings_text": text, "presets": PRESETS, "forms": form_sections(text),
+            "memory": memory_view(paths), "machine": machine_view(),
             # "<" escaped: the JSON sits inside a <script> element.
             "presets_json": json.dumps({p.name: p.description for p in PRESETS}).replace("<", "\\u003c")})
 
     async def status(_request: Request) -> JSONResponse:
-        return JSONResponse(project_view(paths))
+        return JSONResponse(project_view(paths, feed, hardware))
 
     async def run(request: Request) -> JSONResponse:
         if (refused := refusal(request)) is not None:
@@ -168,8 +301,20 @@ def build_app(project: str | Path, *, dagster_url: str = "", tensorboard_url: st
         return JSONResponse({"stopping": running["run_id"], "job": running["job"]})
 
     async def settings_text(_request: Request) -> JSONResponse:
-        return JSONResponse({"text": paths.project_file.read_text(encoding="utf-8"),
+        text = paths.project_file.read_text(encoding="utf-8")
+        return JSONResponse({"text": text, "values": form_values(text),
                              "presets": [{"name": p.name, "description": p.description} for p in PRESETS]})
+
+    def write_checked(new_text: str, new) -> JSONResponse:
+        """Write a checked project.yaml text atomically; the answer says which keys changed."""
+        try:
+            old = load_settings(paths.root)
+        except SettingsError:
+            old = None
+        atomic.write_text(paths.project_file, new_text)
+        changed = settings_history.changed_keys(old, new, lambda s: s.to_dict()) if old is not None else []
+        return JSONResponse({"saved": str(paths.project_file), "changed": changed, "text": new_text,
+                             "values": form_values(new_text)})
 
     async def save_settings(request: Request) -> JSONResponse:
         if (refused := refusal(request)) is not None:
@@ -179,13 +324,20 @@ def build_app(project: str | Path, *, dagster_url: str = "", tensorboard_url: st
             new = settings_from_text(paths.project_file, text)  # the file's own checks: file:line and the fix
         except SettingsError as exc:
             return JSONResponse({"error": str(exc)}, status_code=400)
+        return write_checked(text, new)
+
+    async def save_form(request: Request) -> JSONResponse:
+        """The settings forms' Save: only the fields the user changed, set in project.yaml as it is now."""
+        if (refused := refusal(request)) is not None:
+            return refused
+        values = (await request.json()).get("values", {})
+        if not isinstance(values, dict):
+            return JSONResponse({"error": "values must be an object of section.key: value"}, status_code=400)
         try:
-            old = load_settings(paths.root)
-        except SettingsError:
-            old = None
-        atomic.write_text(paths.project_file, text)
-        changed = settings_history.changed_keys(old, new, lambda s: s.to_dict()) if old is not None else []
-        return JSONResponse({"saved": str(paths.project_file), "changed": changed})
+            saved = apply_form(paths.project_file, paths.project_file.read_text(encoding="utf-8"), values)
+        except SettingsError as exc:
+            return JSONResponse({"error": str(exc)}, status_code=400)
+        return write_checked(saved.text, saved.settings)
 
     async def apply_preset(request: Request) -> JSONResponse:
         if (refused := refusal(request)) is not None:
@@ -195,10 +347,18 @@ def build_app(project: str | Path, *, dagster_url: str = "", tensorboard_url: st
             chosen = preset(body.get("name", ""))
         except KeyError as exc:
             return JSONResponse({"error": str(exc.args[0])}, status_code=400)
-        return JSONResponse({"text": set_keys(body.get("text", ""), chosen.changes), "preset": chosen.name})
+        text = body.get("text")
+        text = paths.project_file.read_text(encoding="utf-8") if text is None else text
+        with_preset = set_keys(text, chosen.changes)
+        shown = form_values(with_preset)
+        # The form gets the preset's fields only: what the user changed elsewhere in the form stays.
+        return JSONResponse({"text": with_preset, "preset": chosen.name,
+                             "values": {f"{section}.{key}": shown[f"{section}.{key}"]
+                                        for section, keys in chosen.changes.items() for key in keys}})
 
     return Starlette(routes=[Route("/", page), Route("/api/status", status),
                              Route("/api/run", run, methods=["POST"]), Route("/api/stop", stop, methods=["POST"]),
                              Route("/api/settings", settings_text),
                              Route("/api/settings", save_settings, methods=["POST"]),
+                             Route("/api/settings/form", save_form, methods=["POST"]),
                              Route("/api/preset", apply_preset, methods=["POST"])])

@@ -1,13 +1,18 @@
 """The studio page that `gguf-trainer ui` serves beside Dagster, in headless Chromium (Debian's package).
 
-On a finished project: the page shows every stage current, the verdict and the GGUF path from the
-report; a settings edit shows up as stale with the key old → new (the one staleness engine); Run
-starts the named Dagster job the CLI runs; Stop ends that run CANCELED within seconds.
-A screenshot goes to test-artifacts/studio.png.
+On a finished project: the page shows every stage current, the verdict, the exported files and the
+evaluation from the report, the machine and its libraries; `training.steps` changed in the settings form
+is saved into project.yaml (comments kept) and shows up as stale with the key old → new (the one
+staleness engine); Run starts the named Dagster job the CLI runs and the progress bar moves with the
+trainer's log steps; Stop ends that run CANCELED within seconds, resumable; Run again trains to the end
+from the checkpoint, and the new verdict and ggk command are read and copied. One pipeline run to the end.
+Screenshots of the main views go to test-artifacts/studio-*.png.
 """
 
+import re
 import subprocess
 import time
+from importlib import metadata
 
 import dagster as dg
 import pytest
@@ -19,6 +24,10 @@ from gguf_assets.runner import instance_env
 
 pytestmark = pytest.mark.slow  # a UI, a browser and a pipeline run
 
+# The runs the studio starts stall after their 30th optimizer step (faults.py counts per process), so Stop lands
+# at the step-30 checkpoint; the run that resumes from it has 30 steps left and never reaches a 31st.
+STALL_AFTER_30 = "train-step@31:stall:60"
+
 
 def _rows(page) -> dict[str, tuple[str, str]]:
     """The Pipeline table as {stage: (state, why)}."""
@@ -29,8 +38,20 @@ def _rows(page) -> dict[str, tuple[str, str]]:
     return rows
 
 
-def test_studio_shows_the_project_and_its_run_and_stop_drive_the_named_jobs(finished_project, tmp_path,
-                                                                            monkeypatch):
+def _cells(page, selector: str) -> list[list[str]]:
+    return [row.locator("td").all_inner_texts() for row in page.locator(f"{selector} tr").all()]
+
+
+def _bar(page) -> float:
+    return float(page.locator("#progress-bar").evaluate("bar => bar.style.width").rstrip("%"))
+
+
+def _shot(page, panel: str, name: str) -> None:
+    page.locator(panel).screenshot(path=str(ARTIFACTS / f"studio-{name}.png"))
+
+
+def test_studio_edits_settings_in_its_form_runs_stops_resumes_and_shows_the_result(finished_project, tmp_path,
+                                                                                     monkeypatch):
     _need_browser()
     from playwright.sync_api import sync_playwright
 
@@ -40,13 +61,13 @@ def test_studio_shows_the_project_and_its_run_and_stop_drive_the_named_jobs(fini
     instance = project_instance(paths)
     report = atomic.read_json(paths.root / "output" / "demo-adapter.report.json")
     port, studio_port = free_port(), free_port()
-    # Training stalls after step 10 in the runs the studio starts, so Stop lands mid-training.
     console = tmp_path / "ui.log"  # a file, not a pipe: nobody reads a pipe while the browser works
     with open(console, "w") as out:
         ui = subprocess.Popen([*CLI, "ui", str(paths.root), "--port", str(port), "--studio-port", str(studio_port),
                                "--no-tensorboard", "--no-daemon"], stdout=out, stderr=subprocess.STDOUT,
-                              text=True, env=cli_env(GGUF_ASSETS_FAULT="train-step@11:stall:60"))
+                              text=True, env=cli_env(GGUF_ASSETS_FAULT=STALL_AFTER_30))
     studio = f"http://127.0.0.1:{studio_port}"
+    ARTIFACTS.mkdir(exist_ok=True)
     try:
         wait_for(lambda: console.read_text().strip(), timeout=60, what="the UI's first line", proc=ui)
         first = console.read_text().splitlines()[0]
@@ -54,21 +75,41 @@ def test_studio_shows_the_project_and_its_run_and_stop_drive_the_named_jobs(fini
         wait_http(studio + "/api/status", timeout=60, proc=ui)
         with sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-            page = browser.new_page()
+            context = browser.new_context(viewport={"width": 1280, "height": 900},
+                                          permissions=["clipboard-read", "clipboard-write"])
+            page = context.new_page()
             page.goto(studio)
             assert {state for state, _ in _rows(page).values()} == {"current"} and len(_rows(page)) == 7
             assert page.locator("#verdict").inner_text() == report["verdict"]
             assert page.locator("#gguf-path").inner_text() == str(paths.located(report["gguf_path"]))
             assert page.locator("#score").inner_text() == f"{report['val_centred_cosine']:.4f}"
+            assert page.locator("#training").inner_text() == "training: finished: 40/40 steps" and _bar(page) == 100
+            _shot(page, "#panel-project", "project")
             # The memory estimate, before anything loads (this project's teacher is the mock one: none loads).
             memory = {row.get_attribute("data-part"): row.locator("td").all_inner_texts()
                       for row in page.locator("#memory tr").all()}
             assert memory["teacher"][1] == "0.0 MiB" and memory["student"][1].endswith("MiB"), memory
             assert "parameters" in memory["adapter training"][2] and "peak" in memory
+            # Exported files and the evaluation, as the report records them.
+            assert _cells(page, "#files") == [[str(paths.located(f["path"])), f["role"], f"{f['bytes'] / 1024:.1f} KiB",
+                                               f["sha256"]] for f in report["files"]]
+            assert [row[0] for row in _cells(page, "#per-shard")] == [s["shard"] for s in report["per_shard"]]
+            assert _cells(page, "#worst")[0] == [f"{report['worst'][0]['cosine']:.4f}", report["worst"][0]["text"]]
+            _shot(page, "#panel-files", "exported-files")
+            _shot(page, "#panel-evaluation", "evaluation")
+            # Hardware and Environment: this machine and the libraries the pipeline runs with; live CPU and RAM.
+            environment = dict(_cells(page, "#environment"))
+            assert environment["torch"] == metadata.version("torch") and environment["dagster"] == dg.__version__
+            live = {row.get_attribute("data-part"): row.locator("td").all_inner_texts()
+                    for row in page.locator("#hardware-now tr").all()}
+            assert live["cpu"][1].endswith("%") and re.fullmatch(r"[\d.]+ / [\d.]+ GiB", live["ram"][1]), live
+            assert page.locator('#hardware-now tr[data-part="ram"] svg polyline').count() == 1  # its sparkline
+            _shot(page, "#panel-machine", "hardware-environment")
+            _shot(page, "#panel-hardware-now", "live-hardware-and-memory")
 
-            # The Settings panel edits project.yaml itself. A typo is refused with the file's line and the fix,
-            # and nothing is written.
+            # The advanced view edits project.yaml as text: a typo is refused with the file's line and the fix.
             before = paths.project_file.read_text()
+            page.click("#advanced summary")
             assert page.locator("#settings").input_value() == before
             page.fill("#settings", before.replace("  steps: 40", "  stepz: 40"))
             page.click("#save")
@@ -76,23 +117,36 @@ def test_studio_shows_the_project_and_its_run_and_stop_drive_the_named_jobs(fini
             refusal = page.locator("#settings-message").inner_text()
             assert "project.yaml:" in refusal and "stepz" in refusal and "steps" in refusal, refusal
             assert paths.project_file.read_text() == before
-            # A preset changes only its keys, comments kept; Save writes it and says what changed.
-            page.fill("#settings", before)
+
+            # The settings form: a preset fills in its keys only, until Save.
+            steps = page.locator('[data-key="training.steps"]')
+            validate_every = page.locator('[data-key="training.validate_every"]')
+            assert steps.input_value() == "40" and page.locator('[data-key="precompute.mock_teacher"]').is_checked()
             page.select_option("#preset", "first look")
             page.click("#apply-preset")
-            wait_for(lambda: "steps: 2000" in page.locator("#settings").input_value(), timeout=10,
-                     what="the preset in the editor")
-            assert paths.project_file.read_text() == before  # not saved yet
-            page.click("#save")
-            wait_for(lambda: page.locator("#settings-message").inner_text().startswith("saved"), timeout=10,
+            wait_for(lambda: steps.input_value() == "2000", timeout=10, what="the preset in the form")
+            assert validate_every.input_value() == "250" and paths.project_file.read_text() == before
+            # A value out of bounds is refused as the CLI refuses it: file:line, key, the bound; nothing written.
+            steps.fill("0")
+            page.click("#save-form")
+            wait_for(lambda: page.locator("#form-message").inner_text().startswith(f"{paths.project_file}:"),
+                     timeout=10, what="the form's answer")
+            line = before.splitlines().index("  steps: 40") + 1
+            refusal = page.locator("#form-message").inner_text()
+            assert refusal.startswith(f"{paths.project_file}:{line}: training.steps = 0 must be >= 1"), refusal
+            assert paths.project_file.read_text() == before
+            steps.fill("60")
+            validate_every.fill("20")  # back to the file's value: not a change
+            page.click("#save-form")
+            wait_for(lambda: page.locator("#form-message").inner_text().startswith("saved"), timeout=10,
                      what="the save")
-            assert "training.steps 40 → 2000" in page.locator("#settings-message").inner_text()
+            assert page.locator("#form-message").inner_text() == "saved: training.steps 40 → 60"
             after = paths.project_file.read_text()
-            assert [line for line in after.splitlines() if line.strip().startswith("#")] == \
-                [line for line in before.splitlines() if line.strip().startswith("#")]  # every comment kept
+            assert after == before.replace("  steps: 40\n", "  steps: 60\n")  # one line, in place, comments kept
+            _shot(page, "#panel-settings", "settings-form")
             # The page says which stage is stale and why, as `status` does.
             wait_for(lambda: _rows(page)["adapter"][0] == "stale", timeout=30, what="the adapter to show stale")
-            assert "training.steps 40 → 2000" in _rows(page)["adapter"][1]
+            assert "training.steps 40 → 60" in _rows(page)["adapter"][1]
             assert _rows(page)["gguf"] == ("blocked", "waits for adapter")
 
             page.click("#run")
@@ -100,22 +154,64 @@ def test_studio_shows_the_project_and_its_run_and_stop_drive_the_named_jobs(fini
             (running,) = [r for r in instance.get_runs() if r.status == dg.DagsterRunStatus.STARTED]
             assert running.job_name == "train_export_evaluate"  # the named job `gguf-trainer run` runs
             assert running.run_id[:8] in page.locator("#message").inner_text()
-            page.screenshot(path=str(ARTIFACTS / "studio.png"), full_page=True)
-            # Training stalls after its step-10 checkpoint (the old run kept only 30..40): stop it there.
-            wait_for(lambda: any(paths.root.glob("checkpoints/*/step-00000010")), timeout=120,
-                     what="the new run's step-10 checkpoint")
-            # The live training line: the run's latest log step, as on the console (log_every 10).
-            wait_for(lambda: page.locator("#training").inner_text().startswith("training: step 10/2000, loss "),
-                     timeout=30, what="the live training line")
-            assert "steps/s, ETA " in page.locator("#training").inner_text()
-
+            assert page.locator("#run-link").get_attribute("href") == f"http://127.0.0.1:{port}/runs/{running.run_id}"
+            # The live training line and bar: the run's latest log step (log_every 10), as on the console. The page
+            # polls every 2 s, so it may skip a log step; the stall holds step 30 on it.
+            wait_for(lambda: page.locator("#training").inner_text().startswith("training: step "), timeout=60,
+                     what="the training line of the new run")
+            first_seen = _bar(page)  # 0 while it starts, or an early log step's share
+            wait_for(lambda: page.locator("#training").inner_text().startswith("training: step 30/60, loss "),
+                     timeout=180, what="the step-30 log step on the page")
+            assert first_seen < 50.0 == _bar(page), first_seen  # the bar moved, to 30 of 60
+            assert re.search(r", [\d.]+ steps/s, ETA \d+(m\d\d)?s$", page.locator("#training").inner_text())
+            assert page.locator("#curves svg polyline").count() >= 2  # loss and val curves against the step
+            _shot(page, "#panel-training", "training-live")
+            # Training stalls after its step-30 checkpoint: stop it there.
+            wait_for(lambda: any(paths.root.glob("checkpoints/*/step-00000030")), timeout=60,
+                     what="the new run's step-30 checkpoint")
             asked = time.monotonic()
             page.click("#stop")
             wait_for(lambda: instance.get_run_by_id(running.run_id).status == dg.DagsterRunStatus.CANCELED,
                      timeout=30, what="the run to end CANCELED")
             stopped_s = time.monotonic() - asked
             wait_for(lambda: _rows(page)["adapter"][0] == "partial", timeout=30, what="the page to show partial")
-            assert "trained to step 10 of 2000" in _rows(page)["adapter"][1]
+            assert "trained to step 30 of 60" in _rows(page)["adapter"][1]
+            wait_for(lambda: page.locator("#training").inner_text().startswith("training: stopped at step 30/60"),
+                     timeout=30, what="the training line to say where it stopped")
+
+            # Run again: it resumes from the step-30 checkpoint and goes to the end (export and evaluation too).
+            page.click("#run")
+            def second_run_succeeded() -> bool:
+                newest = instance.get_runs(limit=1)[0]  # newest first
+                return newest.run_id != running.run_id and newest.status == dg.DagsterRunStatus.SUCCESS
+
+            wait_for(second_run_succeeded, timeout=300, what="the second run to succeed")
+            wait_for(lambda: {state for state, _ in _rows(page).values()} == {"current"}, timeout=60,
+                     what="every stage current again")
+            assert "resuming training run" in (paths.dagster_home / "studio-run.log").read_text()
+            new_report = atomic.read_json(paths.root / "output" / "demo-adapter.report.json")
+            assert new_report["fingerprint"] != report["fingerprint"]
+            wait_for(lambda: page.locator("#verdict").inner_text() == new_report["verdict"], timeout=30,
+                     what="the new verdict on the page")
+            assert page.locator("#score").inner_text() == f"{new_report['val_centred_cosine']:.4f}"
+            wait_for(lambda: page.locator("#training").inner_text() == "training: finished: 60/60 steps",
+                     timeout=30, what="the training line to say it finished")  # once the run lets go of the lock
+            # Use it in ggk: the command, copied as it is.
+            assert page.locator("#ggk-command").inner_text() == new_report["ggk_command"]
+            page.click("#copy-ggk")
+            wait_for(lambda: page.locator("#copy-message").inner_text() == "copied", timeout=10, what="the copy")
+            assert page.evaluate("navigator.clipboard.readText()") == new_report["ggk_command"]
+            _shot(page, "#panel-ggk", "use-it-in-ggk")
+            # Where the Clipboard API is missing (a page not served from localhost, an older browser), the Copy
+            # button falls back to copying a selected text area: the copy event carries the command.
+            bare = context.new_page()
+            bare.add_init_script("Object.defineProperty(navigator, 'clipboard', {value: undefined})")
+            bare.goto(studio)
+            bare.evaluate("document.addEventListener('copy', (e) => { window.copied = e.target.value; })")
+            bare.click("#copy-ggk")
+            wait_for(lambda: bare.locator("#copy-message").inner_text() == "copied", timeout=10, what="the fallback")
+            assert bare.evaluate("window.copied") == new_report["ggk_command"]
+            page.screenshot(path=str(ARTIFACTS / "studio.png"), full_page=True)
             browser.close()
         assert stopped_s < 15, stopped_s
     finally:

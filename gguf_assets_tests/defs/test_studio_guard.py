@@ -52,3 +52,49 @@ def test_a_cross_site_request_changes_nothing(studio):
     status, body = _post(base + "/api/preset", json.dumps({"name": "first look", "text": before}).encode(),
                          {"Content-Type": "application/json", "Origin": base})
     assert status == 200 and "steps: 2000" in body["text"]
+    # The settings form's Save too.
+    hostile_form = json.dumps({"values": {"materials.trust_remote_code": True}}).encode()
+    assert _post(base + "/api/settings/form", hostile_form, {"Content-Type": "text/plain"})[0] == 403
+    assert _post(base + "/api/settings/form", hostile_form, {"Content-Type": "application/json",
+                                                             "Origin": "http://evil.example"})[0] == 403
+    assert paths.project_file.read_text() == before
+
+
+def _page(base: str) -> str:
+    with urllib.request.urlopen(base + "/", timeout=30) as answer:
+        return answer.read().decode()
+
+
+def test_the_settings_form_shows_project_yaml_and_saves_only_what_changed(studio):
+    paths, base = studio
+    page = _page(base)
+    for section in ("Materials", "Corpus", "Precompute", "Training", "Output"):
+        assert f"<legend>{section}</legend>" in page
+    assert "<h3>Extra local prompt files</h3>" in page and 'data-key="training.steps"' in page
+    assert 'value="120"' in page  # the project's training.steps
+    # A hand edit shows in the form on reload: project.yaml is the one source of truth.
+    before = paths.project_file.read_text().replace("  steps: 120", "  steps: 130")
+    paths.project_file.write_text(before)
+    assert 'data-key="training.steps" data-initial=\'"130"\' value="130"' in _page(base)
+
+    headers = {"Content-Type": "application/json", "Origin": base}
+    status, body = _post(base + "/api/settings/form", json.dumps({"values": {"training.steps": "0"}}).encode(),
+                         headers)
+    line = before.splitlines().index("  steps: 130") + 1
+    assert status == 400 and body["error"].startswith(f"{paths.project_file}:{line}: training.steps = 0 must be >= 1")
+    assert paths.project_file.read_text() == before
+    status, body = _post(base + "/api/settings/form", json.dumps({"values": {"training.steps": "60",
+                                                                              "training.depth": "1"}}).encode(),
+                         headers)
+    after = paths.project_file.read_text()
+    assert status == 200 and body["changed"] == ["training.steps 130 → 60"] and body["text"] == after
+    assert after == before.replace("  steps: 130", "  steps: 60") and body["values"]["training.steps"] == "60"
+
+    for _ in range(2):  # live hardware: each poll reads the machine again and extends its sparklines
+        with urllib.request.urlopen(base + "/api/status", timeout=30) as answer:
+            view = json.load(answer)
+    now = view["hardware_now"]
+    assert now["ram_total_gib"] > 0 and 0 < now["ram_used_gib"] <= now["ram_total_gib"]
+    assert isinstance(now["gpus"], list) and set(now["sparks"]) == {"cpu", "ram"} | {f"gpu{g['index']}"
+                                                                                    for g in now["gpus"]}
+    assert len(now["sparks"]["ram"].split('points="')[1].split('"')[0].split()) >= 3  # the page's read and two polls

@@ -59,7 +59,7 @@ def test_ui_shows_graph_report_and_plots_then_stops_on_ctrl_c(make_project):
     base, tensorboard = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{tb_port}"
     fingerprint = json.loads((paths.root / "checkpoints" / "final.json").read_text())["fingerprint"]
     from gguf_assets.lib.project.settings import load_settings
-    from gguf_assets.lib.telemetry.curves_log import run_name
+    from gguf_assets.lib.telemetry.curves_log import run_name, tensorboard_timeseries_url
 
     run = run_name(load_settings(paths.root).training, fingerprint)  # "64x1-40steps-lr…-<fingerprint start>"
     ARTIFACTS.mkdir(exist_ok=True)
@@ -117,8 +117,14 @@ def test_ui_shows_graph_report_and_plots_then_stops_on_ctrl_c(make_project):
                 page.get_by_text(job).first.wait_for(timeout=60_000)
             page.screenshot(path=str(ARTIFACTS / "ui-runs.png"), full_page=True)
 
+            # The link the adapter's page and `gguf-trainer ui` give: this run, unsmoothed (TensorBoard's default
+            # smoothing 0.6 would show 4 validation points as one smoothed value).
+            page.goto(tensorboard_timeseries_url(tensorboard, run=run))
+            smoothing = page.locator(".scalars-smoothing input.slider-input")
+            smoothing.wait_for(timeout=60_000)
+            assert smoothing.input_value() == "0"
             # Filtered to the loss: cards scrolled out of view are not rendered.
-            page.goto(f"{tensorboard}/?tagFilter=train%2Floss#timeseries")
+            page.goto(f"{tensorboard}/?smoothing=0&tagFilter=train%2Floss#timeseries")
             page.locator('"/loss"').first.wait_for(timeout=60_000)  # the card's title: "train" + "/loss"
             assert page.get_by_text(run).count() > 0  # the run is named by its shape, steps, lr and fingerprint
             page.screenshot(path=str(ARTIFACTS / "tensorboard.png"), full_page=True)

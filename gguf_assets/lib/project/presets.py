@@ -9,9 +9,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-import yaml
-
-from gguf_assets.lib.project.settings import Settings
+from gguf_assets.lib.project.settings import Settings, _yaml_value
 
 
 @dataclass(frozen=True)
@@ -57,22 +55,38 @@ def set_keys(text: str, changes: dict[str, dict]) -> str:
     return "".join(lines)
 
 
-def _scalar(value) -> str:
-    return yaml.safe_dump(value, default_flow_style=True, width=10**6).strip().removesuffix("\n...").strip()
-
-
 def _set_key(lines: list[str], section: str, key: str, value) -> list[str]:
     start = next((i for i, line in enumerate(lines) if re.match(rf"^{re.escape(section)}:\s*(#.*)?$", line)), None)
     if start is None:
         tail = "" if not lines or lines[-1].endswith("\n") else "\n"
-        return [*lines, f"{tail}\n{section}:\n", f"  {key}: {_scalar(value)}\n"]
+        return [*lines, f"{tail}\n{section}:\n", f"  {key}: {_yaml_value(value)}\n"]
     end = next((i for i in range(start + 1, len(lines)) if re.match(r"^\S", lines[i])), len(lines))
     pattern = re.compile(rf"^(\s+){re.escape(key)}:(\s*)([^#\n]*?)(\s+#.*)?$")
     for i in range(start + 1, end):
         found = pattern.match(lines[i].rstrip("\n"))
         if found:
             indent, comment = found.group(1), found.group(4) or ""
-            lines[i] = f"{indent}{key}: {_scalar(value)}{comment}\n"
-            return lines
+            lines[i] = f"{indent}{key}: {_yaml_value(value)}{comment}\n"
+            # A block value (a list written one "- item" a line) goes with it: the new value is one flow line.
+            # Comment and blank lines among its items stay.
+            after = _block_end(lines, i, end)
+            kept = [line for line in lines[i + 1:after] if not line.strip() or line.lstrip().startswith("#")]
+            return [*lines[:i + 1], *kept, *lines[after:]]
     last = max((i for i in range(start + 1, end) if lines[i].strip()), default=start)
-    return [*lines[:last + 1], f"  {key}: {_scalar(value)}\n", *lines[last + 1:]]
+    return [*lines[:last + 1], f"  {key}: {_yaml_value(value)}\n", *lines[last + 1:]]
+
+
+def _block_end(lines: list[str], key_line: int, end: int) -> int:
+    """The line after the block value that follows ``key_line`` (deeper lines, or "- " items at its indent)."""
+    indent = len(lines[key_line]) - len(lines[key_line].lstrip())
+    after = key_line + 1
+    for i in range(key_line + 1, end):
+        line = lines[i]
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        depth = len(line) - len(line.lstrip())
+        if depth > indent or (depth == indent and line.lstrip().startswith("- ")):
+            after = i + 1
+        else:
+            break
+    return after

@@ -16,6 +16,16 @@ TENSORBOARD_DIR = "tensorboard"
 TENSORBOARD_URL_ENV = "GGUF_ASSETS_TENSORBOARD_URL"
 
 
+def tensorboard_timeseries_url(base: str, *, run: str | None = None) -> str:
+    """TensorBoard's Time Series dashboard, unsmoothed: its default smoothing (0.6) would show a handful of
+    validation points as one smoothed value (0.86 for a real 0.922). TensorBoard 2.x reads ``smoothing`` from
+    the page's query (its webfiles' deserializeQueryParams), and ``runFilter`` selects one run."""
+    from urllib.parse import urlencode
+
+    query = urlencode({"smoothing": 0, **({"runFilter": run} if run else {})})
+    return f"{base.rstrip('/')}/?{query}#timeseries"
+
+
 def run_name(training, fingerprint: str) -> str:
     """A training run's name in TensorBoard: its shape, length and peak lr, which a user compares runs by, and
     the fingerprint's start, which tells two runs of the same shape apart (``training``: Settings.training)."""

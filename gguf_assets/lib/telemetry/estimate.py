@@ -1,5 +1,6 @@
-"""How much memory a project's pair needs, before anything loads: from the safetensors headers and the
-adapter's shape, not a guess from the model's name.
+"""How much memory a project's pair needs, before anything loads: from the safetensors headers (before any
+download, from config.json alone, the model built on the meta device) and the adapter's shape, not a guess
+from the model's name.
 
 Counted: the teacher's and the student's weights at the dtype they compute in on a GPU (bf16 for the
 teacher, precompute.student_dtype for the student), and the adapter's training state (f32 weights
@@ -67,6 +68,50 @@ def weight_params(folder: Path, *, skip: str = "") -> int:
     return total
 
 
+def config_params(folder: Path, settings: Settings) -> int:
+    """Parameters of the model a folder's config.json describes, built on the meta device (no weights, no
+    download): the same module tree the precompute's placement planner sizes (lib/precompute/teacher.py)."""
+    import torch
+
+    from gguf_assets.lib.precompute.teacher import empty_model
+
+    return sum(p.numel() for p in empty_model(folder, settings, torch.bfloat16).parameters())
+
+
+def model_params(folder: Path, settings: Settings, *, skip: str = "") -> tuple[int, str]:
+    """(parameters, from where): the safetensors headers when the weights are there, else config.json alone."""
+    n = weight_params(folder, skip=skip)
+    if n:
+        return n, ""
+    return config_params(folder, settings), " (from config.json on the meta device: no weights here yet)"
+
+
+def teacher_placements(folder: Path, settings: Settings, *, free_gpu_bytes: dict[int, int],
+                       available_cpu_bytes: int) -> dict[str, dict[str, dict[str, float]]]:
+    """Where the teacher would go, per device (layers, GiB), for sequential and balanced placement under the
+    settings' budgets (precompute.teacher_gpu_memory_gib / teacher_cpu_memory_gib), planned on the meta device
+    for the GPUs given: sequential by the precompute's own planner, balanced by transformers' even split."""
+    import torch
+    from transformers.integrations.accelerate import _get_device_map
+
+    from gguf_assets.lib.precompute.teacher import (
+        device_map_summary,
+        empty_model,
+        memory_budgets,
+        sequential_device_map,
+    )
+
+    setting = settings.precompute.device
+    device = torch.device(setting if setting.startswith("cuda:") else "cuda:0")
+    max_memory = memory_budgets(settings, device, free_gpu_bytes=free_gpu_bytes,
+                                available_cpu_bytes=available_cpu_bytes)
+    model = empty_model(folder, settings, torch.bfloat16)
+    natural = {k: max_memory[k] for k in sorted(k for k in max_memory if isinstance(k, int))} | {
+        "cpu": max_memory["cpu"]}  # balanced splits over the GPUs in their own order, as transformers does
+    return {"sequential": device_map_summary(model, sequential_device_map(model, max_memory)),
+            "balanced": device_map_summary(model, _get_device_map(model, "balanced", natural, None))}
+
+
 def adapter_params(student_dim: int, query_rows: int, target_dim: int, width: int, depth: int) -> int:
     """The adapter's parameter count (lib/training/adapter.py's layout: docs/gguf_layout.md's tensor table)."""
     mlp = 4 * width
@@ -84,15 +129,15 @@ def estimate(paths: ProjectPaths, settings: Settings) -> list[MemoryLine]:
     elif teacher is None:
         lines.append(MemoryLine("teacher", None, f"{m.teacher or '(not set)'}: known once the materials are there"))
     else:
-        n = weight_params(teacher, skip=m.query_rows_file)
-        lines.append(MemoryLine("teacher", n * BYTES["bf16"] / GIB, f"{_count(n)} parameters in bf16 (GPU); "
+        n, source = model_params(teacher, settings, skip=m.query_rows_file)
+        lines.append(MemoryLine("teacher", n * BYTES["bf16"] / GIB, f"{_count(n)} parameters in bf16 (GPU){source}; "
                                 "on a CPU it computes in f32, twice that, in RAM"))
     if student is None:
         lines.append(MemoryLine("student", None, f"{m.student or '(not set)'}: known once the materials are there"))
     else:
-        n = weight_params(student)
+        n, source = model_params(student, settings)
         lines.append(MemoryLine("student", n * BYTES[p.student_dtype] / GIB,
-                                f"{_count(n)} parameters in {p.student_dtype} (precompute.student_dtype)"))
+                                f"{_count(n)} parameters in {p.student_dtype} (precompute.student_dtype){source}"))
     if student is not None and (teacher is not None or p.mock_teacher):
         student_dim = json.loads((student / "config.json").read_text(encoding="utf-8"))["hidden_size"]
         if p.mock_teacher:
@@ -128,15 +173,41 @@ def size_text(gib: float | None) -> str:
     return f"{gib:.2f} GiB" if gib >= 1 else f"{gib * 1024:.1f} MiB"
 
 
-def estimate_lines(paths: ProjectPaths, settings: Settings) -> list[str]:
-    """The estimate as console lines, with the GPUs this machine has (the studio shows the same)."""
+def placement_lines(paths: ProjectPaths, settings: Settings, gpus: list[dict]) -> list[str]:
+    """Where the teacher would go on these GPUs (gpu_snapshot's: index, mem_total_gib, mem_used_gib), per device,
+    under sequential and balanced placement; none when there is no GPU, the precompute runs on the CPU, or the
+    teacher is not there yet (or is the mock one)."""
+    import psutil
+
+    folder = _folder(paths, "teacher", settings.materials.teacher)
+    if not gpus or settings.precompute.device == "cpu" or settings.precompute.mock_teacher or folder is None:
+        return []
+    free = {int(g["index"]): int((g["mem_total_gib"] - g["mem_used_gib"]) * GIB) for g in gpus}
+    try:
+        placements = teacher_placements(folder, settings, free_gpu_bytes=free,
+                                        available_cpu_bytes=psutil.virtual_memory().available)
+    except (UserError, ValueError, OSError) as exc:  # e.g. precompute.device names a GPU this machine lacks
+        return [f"teacher placement: {exc}"]
+    chosen = settings.precompute.teacher_placement
+    return [f"teacher placement {strategy}{' (precompute.teacher_placement)' if strategy == chosen else ''}: "
+            f"{placement_text(summary)}" for strategy, summary in placements.items()]
+
+
+def placement_text(summary: dict[str, dict[str, float]]) -> str:
+    """A placement per device in one line: "cuda:0 24 layers 28.44 GiB, cuda:1 24 layers 27.86 GiB"."""
+    return ", ".join(f"{device} {v['layers']} layers {v['gib']:.2f} GiB" for device, v in summary.items())
+
+
+def estimate_lines(paths: ProjectPaths, settings: Settings, *, gpus: list[dict] | None = None) -> list[str]:
+    """The estimate as console lines, with the GPUs this machine has (``gpus``: gpu_snapshot's, read when not
+    given) and where the teacher would go on them (the studio shows the same)."""
     from gguf_assets.lib.telemetry.hardware import gpu_snapshot
 
     lines = estimate(paths, settings)
     out = [f"  {line.part:<17} {size_text(line.gib):>10}  {line.how}" for line in lines]
     peak = peak_gib(lines)
-    gpus = gpu_snapshot()
+    gpus = gpu_snapshot() if gpus is None else gpus
     where = ", ".join(f"GPU {g['index']} {g['mem_total_gib']:.0f} GiB" for g in gpus) or "no NVIDIA GPU here"
     out.append(f"  peak on one GPU   {size_text(peak):>10}  teacher + student while the "
                f"shards are computed, or the adapter's training; this machine: {where}")
-    return out
+    return out + [f"  {line}" for line in placement_lines(paths, settings, gpus)]

@@ -30,6 +30,10 @@ def markdown_table(header: Sequence[str], rows: Iterable[Sequence[object]], *, r
     return "\n".join(lines)
 
 
+# Series with at most this many points get a marker at each (a single validation is otherwise invisible).
+MARKED_POINTS = 30
+
+
 def curves_svg(history: list[dict], *, panel_width: int = 320, panel_height: int = 180) -> str:
     """Two small line charts as SVG text: training loss (log scale, plus val loss) and val cosines."""
     pad = 34
@@ -74,6 +78,9 @@ def curves_svg(history: list[dict], *, panel_width: int = 320, panel_height: int
             if pts:
                 out.append(f'<polyline fill="none" stroke="{colour}" stroke-width="1.5" '
                            f'points="{" ".join(xy(x, y) for x, y in pts)}"/>')
+                if len(pts) <= MARKED_POINTS:  # a few validations are points to read, not a line to guess
+                    out += [f'<circle cx="{cx}" cy="{cy}" r="2.5" fill="{colour}"/>'
+                            for cx, cy in (xy(x, y).split(",") for x, y in pts)]
                 out.append(f'<text x="{x0 + panel_width - 10}" y="{30 + 12 * i}" text-anchor="end" '
                            f'fill="{colour}">{key}</text>')
     out.append("</svg>")
@@ -89,3 +96,18 @@ def curves_markdown(svg: str) -> str:
     """
     encoded = base64.b64encode(svg.encode("utf-8")).decode("ascii")
     return f"![loss and val centred cosine](data:image/svg+xml;base64,{encoded})"
+
+
+def sparkline_svg(values: Sequence[float], *, maximum: float, width: int = 160, height: int = 24,
+                  colour: str = "#0b63c4") -> str:
+    """A figure's recent readings as a small line from 0 (bottom) to ``maximum`` (top), newest at the right."""
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+           f'viewBox="0 0 {width} {height}"><rect width="{width}" height="{height}" fill="#f5f7fa"/>']
+    finite = [v for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
+    if finite and maximum > 0:
+        step = width / max(len(finite) - 1, 1)
+        points = " ".join(f"{i * step:.1f},{height - 1 - min(v / maximum, 1.0) * (height - 2):.1f}"
+                          for i, v in enumerate(finite))
+        out.append(f'<polyline fill="none" stroke="{colour}" stroke-width="1.5" points="{points}"/>')
+    out.append("</svg>")
+    return "".join(out)

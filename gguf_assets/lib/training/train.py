@@ -372,13 +372,16 @@ class _TrainingRun:
                  "data_wait_fraction": (stream.wait_seconds - self.window_wait) / elapsed,
                  "read_mb_per_s": (stream.stats.bytes - self.window_bytes) / 1e6 / elapsed}
         self.history.append(entry)
+        eta_s = self._eta_s()
         log.info("step %d/%d loss %.4f lr %.2e grad %.3f %.2f steps/s %.1f samples/s, ETA %s", self.step, t.steps,
                  entry["loss"], lr, entry["grad_norm"], entry["steps_per_s"], entry["samples_per_s"],
-                 format_seconds(self._eta_s()))
+                 format_seconds(eta_s))
         hardware = self.sample_hardware() if self.sample_hardware else {}
         self.curves.scalars(self.step, entry, "train")
         self.curves.scalars(self.step, hardware, "hardware")
-        self.emit("log", {**entry, **hardware})
+        # The console's ETA goes with the event (not the history: it is about this process), so the studio's
+        # progress bar says what the console says.
+        self.emit("log", {**entry, **hardware, **({"eta_s": round(eta_s, 1)} if math.isfinite(eta_s) else {})})
         self._start_window()
 
     def _validate(self) -> None:

@@ -1,5 +1,7 @@
 """Presets change only the keys they name, in the project.yaml text, comments kept."""
 
+from pathlib import Path
+
 import pytest
 
 from gguf_assets.lib.project.demo import demo_settings
@@ -39,3 +41,12 @@ def test_every_preset_applies_to_a_full_project_file_and_validates(chosen, tmp_p
 def test_an_unknown_preset_names_the_known_ones():
     with pytest.raises(KeyError, match="first look"):
         preset("fastest")
+
+
+def test_set_keys_replaces_a_block_list_whole_and_keeps_the_comments_among_its_items():
+    text = ("corpus:\n  local_prompt_files:\n    - a.txt\n    # the second file\n    - b.txt\n  train_prompts: 5\n"
+            "materials:\n  datasets:\n  - org/prompts\n  student: org/student\n  teacher: org/teacher\n")
+    out = set_keys(text, {"corpus": {"local_prompt_files": ["c.txt"]}, "materials": {"datasets": []}})
+    assert out == ("corpus:\n  local_prompt_files: [c.txt]\n    # the second file\n  train_prompts: 5\n"
+                   "materials:\n  datasets: []\n  student: org/student\n  teacher: org/teacher\n")
+    assert settings_from_text(Path("project.yaml"), out).corpus.local_prompt_files == ["c.txt"]

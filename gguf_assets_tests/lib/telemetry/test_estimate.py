@@ -54,3 +54,70 @@ def test_a_hub_model_not_downloaded_yet_is_unknown_not_zero(make_project):
     lines = {line.part: line for line in estimate(paths, load_settings(paths.root))}
     assert lines["teacher"].gib is None and "org/big-teacher" in lines["teacher"].how
     assert lines["adapter training"].gib is None and peak_gib(list(lines.values())) is None
+
+
+def _large_pair_script():
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).parents[3] / "benchmarks" / "estimate_large.py"
+    spec = importlib.util.spec_from_file_location("estimate_large", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_30b_class_moe_teacher_and_a_0_6b_student_from_config_json_alone_match_the_placement_planner(tmp_path):
+    """Config-only folders (no weights downloaded): the estimate builds them on the meta device, and the
+    precompute's own planner puts exactly that many GiB on the devices."""
+    import torch
+
+    from gguf_assets.lib.precompute.teacher import plan_placement
+    from gguf_assets.lib.project.layout import ProjectPaths
+    from gguf_assets.lib.telemetry.estimate import teacher_placements
+
+    large = _large_pair_script()
+    project = large.build_pair(tmp_path)
+    paths, settings = ProjectPaths.of(project), load_settings(project)
+    lines = {line.part: line for line in estimate(paths, settings)}
+    materials = settings.materials
+    teacher_dir, student_dir = paths.resolve_local(materials.teacher), paths.resolve_local(materials.student)
+    assert [f.name for f in teacher_dir.glob("*.safetensors")] == ["query_rows.safetensors"]  # no weights
+    assert "meta device" in lines["teacher"].how and "meta device" in lines["student"].how
+    assert 29e9 < lines["teacher"].gib * GIB / 2 < 31e9  # 30B-class, in bf16
+    assert 0.55e9 < lines["student"].gib * GIB / 2 < 0.65e9  # 0.6B-class, in bf16
+
+    two_gpus = {0: 80 * GIB, 1: 80 * GIB}
+    planned = plan_placement(teacher_dir, settings, torch.device("cuda:0"), dtype=torch.bfloat16,
+                             free_gpu_bytes=two_gpus, available_cpu_bytes=128 * GIB)
+    assert sum(v["gib"] for v in planned.summary.values()) == pytest.approx(lines["teacher"].gib, rel=1e-4)
+    student_planned = plan_placement(student_dir, settings, torch.device("cpu"), dtype=torch.bfloat16)
+    assert student_planned.summary["cpu"]["gib"] == pytest.approx(lines["student"].gib, rel=1e-4)
+    assert lines["adapter training"].gib > 0 and peak_gib(list(lines.values())) == pytest.approx(
+        lines["teacher"].gib + lines["student"].gib)
+
+    placements = teacher_placements(teacher_dir, settings, free_gpu_bytes=two_gpus, available_cpu_bytes=128 * GIB)
+    assert placements["sequential"] == planned.summary  # the precompute's planner: all of it on the first GPU
+    assert set(planned.summary) == {"cuda:0"} and planned.summary["cuda:0"]["layers"] == large.QWEN3_MOE_30B_A3B[
+        "num_hidden_layers"]
+    balanced = placements["balanced"]
+    assert set(balanced) >= {"cuda:0", "cuda:1"} and balanced["cuda:0"]["gib"] < 0.6 * lines["teacher"].gib
+    assert sum(v["gib"] for v in balanced.values()) == pytest.approx(lines["teacher"].gib, rel=1e-4)
+
+
+def test_the_estimate_says_where_the_teacher_would_go_on_the_gpus_there_are(tmp_path):
+    from gguf_assets.lib.project.layout import ProjectPaths
+    from gguf_assets.lib.telemetry.estimate import estimate_lines
+
+    project = _large_pair_script().build_pair(tmp_path)
+    paths, settings = ProjectPaths.of(project), load_settings(project)
+    gpus = [{"index": 0, "mem_total_gib": 80.0, "mem_used_gib": 0.5}, {"index": 1, "mem_total_gib": 80.0,
+                                                                         "mem_used_gib": 0.5}]
+    lines = estimate_lines(paths, settings, gpus=gpus)
+    assert "this machine: GPU 0 80 GiB, GPU 1 80 GiB" in lines[3]
+    sequential, balanced = lines[4:]
+    assert sequential.startswith("  teacher placement sequential (precompute.teacher_placement): cuda:0 48 layers ")
+    assert balanced.startswith("  teacher placement balanced: cuda:0 ") and "cuda:1" in balanced
+    assert estimate_lines(paths, settings, gpus=[])[4:] == []  # no GPU: nothing to place on
+    on_cpu = replace(settings, precompute={"device": "cpu"})
+    assert estimate_lines(paths, on_cpu, gpus=gpus)[4:] == []  # the precompute keeps it all on the CPU

@@ -125,6 +125,9 @@ def test_uninterrupted_run_learns_and_reports(reference):
     for entry in logs:
         assert {"loss", "lr", "grad_norm", "steps_per_s", "samples_per_s"} <= set(entry)
         assert all(isinstance(entry[k], float) for k in ("loss", "lr", "grad_norm", "steps_per_s", "samples_per_s"))
+    # The console's ETA rides along (the studio's progress bar shows it): 0 at the last step, not in the history.
+    assert all(entry["eta_s"] >= 0 for entry in logs) and logs[-1]["eta_s"] == 0 and logs[0]["eta_s"] > 0
+    assert not any("eta_s" in entry for entry in s.history)
     vals = [d for k, d in reference["events"] if k == "validate"]
     assert [d["step"] for d in vals] == [10, 20, 30, 40]
     assert all({"val_centred_cosine", "empty_prompt_cosine", "val_loss"} <= set(d) for d in vals)

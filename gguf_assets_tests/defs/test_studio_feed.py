@@ -1,0 +1,30 @@
+"""The studio's live panels read the observations the assets record, each poll only what is new: checked on a
+real (ephemeral) Dagster instance with observations shaped as the shard assets and the adapter record them."""
+
+import dagster as dg
+
+from gguf_assets.lib.telemetry.live import precompute_progress
+from gguf_assets.studio.app import ObservationFeed
+
+
+def _observe(instance, asset: str, figures: dict, partition: str | None = None) -> None:
+    instance.report_runless_asset_event(dg.AssetObservation(asset_key=asset, partition=partition, metadata=figures))
+
+
+def test_the_feed_reads_each_assets_observations_once_in_order_per_run():
+    instance = dg.DagsterInstance.ephemeral()
+    feed = ObservationFeed(instance)
+    assert feed.entries("train_shards", "") == []
+    _observe(instance, "train_shards", {"half": "teacher", "done": 400, "total": 1600, "prompts_per_s": 4.0,
+                                        "eta_s": 300.0}, "00000")
+    _observe(instance, "adapter", {"step": 10.0, "loss": 1.5, "steps_per_s": 3.0, "eta_s": 10.0})
+    _observe(instance, "train_shards", {"half": "teacher", "done": 800, "total": 1600, "prompts_per_s": 4.0,
+                                        "eta_s": 200.0}, "00001")
+    shards = feed.entries("train_shards", "")  # runless events belong to the run id ""
+    assert [f["done"] for f in shards] == [400, 800]
+    assert precompute_progress([("train", f) for f in shards])[0]["text"] == \
+        "train teacher: 800/1600 prompts, 4.00 prompts/s, ETA 3m20s"
+    assert feed.entries("adapter", "") == [{"step": 10.0, "loss": 1.5, "steps_per_s": 3.0, "eta_s": 10.0}]
+    _observe(instance, "adapter", {"step": 20.0, "loss": 1.2, "steps_per_s": 3.0, "eta_s": 6.7})
+    assert [f["step"] for f in feed.entries("adapter", "")] == [10.0, 20.0]  # the new one added, none twice
+    assert feed.entries("adapter", "another-run") == []

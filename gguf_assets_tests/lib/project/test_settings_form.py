@@ -1,0 +1,96 @@
+"""The studio's settings forms come from the schema, show what project.yaml holds, and save only what changed,
+in place, with the file's own validation messages."""
+
+from pathlib import Path
+
+import pytest
+
+from gguf_assets.lib.project.demo import demo_settings
+from gguf_assets.lib.project.settings import SECTION_CLASSES, SECTIONS, SettingsError, render_yaml, settings_from_text
+from gguf_assets.lib.project.settings_form import apply_form, form_sections, form_values
+
+PATH = Path("/p/project.yaml")
+
+
+@pytest.fixture
+def text() -> str:
+    return render_yaml(demo_settings(steps=40, mock_teacher=True))
+
+
+def _fields(text):
+    return {f.key: f for s in form_sections(text) for f in s.fields}
+
+
+def test_every_schema_key_is_a_field_with_its_help_kind_bounds_and_choices(text):
+    sections = form_sections(text)
+    assert [s.name for s in sections] == list(SECTIONS)
+    assert [s.title for s in sections] == ["Materials", "Corpus", "Precompute", "Training", "Output"]
+    fields = _fields(text)
+    assert set(fields) == {f"{s}.{k}" for s in SECTIONS for k in SECTION_CLASSES[s].model_fields}
+    steps = fields["training.steps"]
+    assert (steps.kind, steps.value, steps.minimum, steps.maximum, steps.help) == ("int", "40", 1, None,
+                                                                                  "optimizer steps")
+    assert steps.default == "20000" and steps.bounds == "1 or more"
+    empty = fields["corpus.empty_fraction"]
+    assert (empty.kind, empty.minimum, empty.maximum, empty.bounds) == ("float", 0.0, 0.5, "0 to 0.5")
+    assert fields["training.ema_decay"].bounds == "0 to below 1"
+    mode = fields["precompute.mode"]
+    assert mode.kind == "choice" and mode.choices == ("teacher+student", "teacher", "student")
+    assert (fields["materials.trust_remote_code"].kind, fields["materials.trust_remote_code"].value) == ("bool", False)
+    assert fields["precompute.mock_teacher"].value is True
+    assert (fields["materials.datasets"].kind, fields["materials.datasets"].value) == ("list", "materials/demo/dataset")
+    assert fields["corpus.local_prompt_files"].subsection == "Extra local prompt files"
+    assert fields["training.learning_rate"].value == "0.004"
+
+
+def test_a_hand_edit_shows_and_a_key_the_file_lacks_shows_its_default(text):
+    edited = text.replace("  steps: 40", "  steps: 77").replace("  width: 64\n", "")
+    values = form_values(edited)
+    assert values["training.steps"] == "77" and values["training.width"] == "1024"  # the schema's default
+
+
+def test_a_save_sets_only_the_changed_keys_in_place_and_keeps_every_comment(text):
+    submitted = {**form_values(text), "training.steps": "60", "precompute.mock_teacher": False,
+                 "materials.teacher": "materials/demo/teacher", "corpus.local_prompt_files": "a.txt\n\n b.txt \n",
+                 "training.learning_rate": "2e-3"}
+    saved = apply_form(PATH, text, submitted)
+    assert saved.changes == {"training": {"steps": 60, "learning_rate": 0.002}, "precompute": {"mock_teacher": False},
+                             "corpus": {"local_prompt_files": ["a.txt", "b.txt"]}}
+    assert saved.settings.training.steps == 60 and saved.settings.corpus.local_prompt_files == ["a.txt", "b.txt"]
+    changed = {i for i, (a, b) in enumerate(zip(text.splitlines(), saved.text.splitlines())) if a != b}
+    assert len(text.splitlines()) == len(saved.text.splitlines()) and len(changed) == 4  # one line per key, in place
+    assert "  steps: 60\n" in saved.text and "  # optimizer steps\n  steps: 60\n" in saved.text
+    assert settings_from_text(PATH, saved.text) == saved.settings
+    assert apply_form(PATH, text, form_values(text)).text == text  # nothing changed: the same bytes
+
+
+@pytest.mark.parametrize("key, value, said", [
+    ("training.steps", "abc", "training.steps = 'abc' must be an integer. (optimizer steps)"),
+    ("training.steps", "0", "training.steps = 0 must be >= 1. (optimizer steps)"),
+    ("training.heads", "7", "training.heads heads (7) must divide width (64)"),
+    ("corpus.empty_fraction", "0.9", "corpus.empty_fraction = 0.9 must be <= 0.5."),
+    ("precompute.mode", "both", "precompute.mode = 'both' must be one of: teacher+student, teacher, student."),
+])
+def test_a_bad_value_is_refused_with_the_files_line_the_key_and_the_fix(text, key, value, said):
+    with pytest.raises(SettingsError) as refused:
+        apply_form(PATH, text, {key: value})
+    line = next(i for i, row in enumerate(text.splitlines(), 1) if row.startswith(f"  {key.split('.')[1]}:"))
+    assert str(refused.value).startswith(f"{PATH}:{line}: ") and said in str(refused.value), str(refused.value)
+
+
+def test_an_unknown_key_from_the_form_is_refused(text):
+    with pytest.raises(SettingsError, match="unknown key 'training.stepz'"):
+        apply_form(PATH, text, {"training.stepz": "1"})
+
+
+def test_a_dataset_mapping_shows_as_one_flow_line_and_reads_back_as_the_same_mapping(text):
+    block = text.replace("  datasets: [materials/demo/dataset]\n",
+                         "  datasets:\n  - materials/demo/dataset\n  - source: org/prompts\n    text_field: caption\n")
+    shown = form_values(block)["materials.datasets"]
+    assert shown == "materials/demo/dataset\n{source: org/prompts, text_field: caption}"
+    assert apply_form(PATH, block, {"materials.datasets": shown}).changes == {}  # unchanged: not rewritten
+    saved = apply_form(PATH, block, {"materials.datasets": shown + "\norg/more"})
+    assert saved.settings.materials.datasets == ["materials/demo/dataset",
+                                                 {"source": "org/prompts", "text_field": "caption"}, "org/more"]
+    assert "  datasets: [materials/demo/dataset, {source: org/prompts, text_field: caption}, org/more]\n" in saved.text
+    assert "    text_field: caption\n" not in saved.text  # the block's lines went with it
