@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from gguf_assets.lib.project.settings import Settings, _yaml_value
+from gguf_assets.lib.project.settings import Settings, yaml_value
 
 
 @dataclass(frozen=True)
@@ -59,21 +59,21 @@ def _set_key(lines: list[str], section: str, key: str, value) -> list[str]:
     start = next((i for i, line in enumerate(lines) if re.match(rf"^{re.escape(section)}:\s*(#.*)?$", line)), None)
     if start is None:
         tail = "" if not lines or lines[-1].endswith("\n") else "\n"
-        return [*lines, f"{tail}\n{section}:\n", f"  {key}: {_yaml_value(value)}\n"]
+        return [*lines, f"{tail}\n{section}:\n", f"  {key}: {yaml_value(value)}\n"]
     end = next((i for i in range(start + 1, len(lines)) if re.match(r"^\S", lines[i])), len(lines))
     pattern = re.compile(rf"^(\s+){re.escape(key)}:(\s*)([^#\n]*?)(\s+#.*)?$")
     for i in range(start + 1, end):
         found = pattern.match(lines[i].rstrip("\n"))
         if found:
             indent, comment = found.group(1), found.group(4) or ""
-            lines[i] = f"{indent}{key}: {_yaml_value(value)}{comment}\n"
+            lines[i] = f"{indent}{key}: {yaml_value(value)}{comment}\n"
             # A block value (a list written one "- item" a line) goes with it: the new value is one flow line.
             # Comment and blank lines among its items stay.
             after = _block_end(lines, i, end)
             kept = [line for line in lines[i + 1:after] if not line.strip() or line.lstrip().startswith("#")]
             return [*lines[:i + 1], *kept, *lines[after:]]
     last = max((i for i in range(start + 1, end) if lines[i].strip()), default=start)
-    return [*lines[:last + 1], f"  {key}: {_yaml_value(value)}\n", *lines[last + 1:]]
+    return [*lines[:last + 1], f"  {key}: {yaml_value(value)}\n", *lines[last + 1:]]
 
 
 def _block_end(lines: list[str], key_line: int, end: int) -> int:

@@ -80,7 +80,7 @@ Device = Annotated[str, AfterValidator(_device)]
 Datasets = Annotated[list, BeforeValidator(_datasets)]
 Paths = Annotated[list[str], BeforeValidator(_paths)]
 # A number in exponent form without a dot (2e-4, 1E+3), which YAML 1.1 (PyYAML) leaves a string.
-_EXPONENT_FLOAT = re.compile(r"^[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)[eE][-+]?[0-9]+$")
+EXPONENT_FLOAT = re.compile(r"^[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)[eE][-+]?[0-9]+$")
 
 
 class _Section(BaseModel):
@@ -92,7 +92,7 @@ class _Section(BaseModel):
     @classmethod
     def _yaml_spellings(cls, value: Any, info: ValidationInfo) -> Any:
         annotation = cls.model_fields[info.field_name].annotation
-        if annotation is float and isinstance(value, str) and _EXPONENT_FLOAT.match(value.strip()):
+        if annotation is float and isinstance(value, str) and EXPONENT_FLOAT.match(value.strip()):
             return float(value)  # `2e-4` is plainly a number
         if annotation is str and value is None:
             return ""  # `key:` with nothing after it
@@ -301,7 +301,7 @@ class DatasetSource:
 
 # -- rendering ---------------------------------------------------------------------------
 
-def _yaml_value(value: Any) -> str:
+def yaml_value(value: Any) -> str:
     return yaml.safe_dump(value, default_flow_style=True, width=10_000).strip().removesuffix("...").strip()
 
 
@@ -335,7 +335,7 @@ def render_yaml(settings: Settings, *, header: str = "", hints: dict[str, str] |
         for f in section_fields(name):
             note = f.help + (f" [{' | '.join(f.choices)}]" if f.choices else "")
             lines.append(f"  # {note}")
-            lines.append(f"  {f.name}: {_yaml_value(getattr(section, f.name))}")
+            lines.append(f"  {f.name}: {yaml_value(getattr(section, f.name))}")
     return "\n".join(lines).lstrip("\n") + "\n"
 
 
@@ -492,7 +492,7 @@ def settings_reference_markdown() -> str:
            "hand.", ""]
     defaults = Settings()
     for name in SECTIONS:
-        rows = [[f"`{name}.{f.name}`", f"`{_yaml_value(getattr(getattr(defaults, name), f.name))}`",
+        rows = [[f"`{name}.{f.name}`", f"`{yaml_value(getattr(getattr(defaults, name), f.name))}`",
                  f.help + (f" (one of: {', '.join(f.choices)})" if f.choices else "")] for f in section_fields(name)]
         out += [f"## `{name}`", "", markdown_table(["key", "default", "meaning"], rows), ""]
     return "\n".join(out)

@@ -18,13 +18,13 @@ import yaml
 
 from gguf_assets.lib.project.presets import set_keys
 from gguf_assets.lib.project.settings import (
-    _EXPONENT_FLOAT,
+    EXPONENT_FLOAT,
     SECTION_CLASSES,
     SECTIONS,
     Settings,
     SettingsError,
-    _yaml_value,
     settings_from_text,
+    yaml_value,
 )
 
 TITLES = {"materials": "Materials", "corpus": "Corpus", "precompute": "Precompute", "training": "Training",
@@ -110,10 +110,10 @@ def shown(kind: str, value: Any) -> Any:
         return value if isinstance(value, bool) else bool(value)
     if kind == "list":
         items = value if isinstance(value, list) else ([] if value in (None, "") else [value])
-        return "\n".join(item if isinstance(item, str) else _yaml_value(item) for item in items)
+        return "\n".join(item if isinstance(item, str) else yaml_value(item) for item in items)
     if kind in ("text", "choice"):
         return "" if value is None else str(value)
-    return "" if value is None else _yaml_value(value)
+    return "" if value is None else yaml_value(value)
 
 
 def _file_values(text: str) -> dict:
@@ -164,7 +164,7 @@ def _typed(kind: str, value: Any) -> Any:
                 items.append(yaml.safe_load(line) if line.startswith("{") else line)
         return items
     if kind in ("int", "float") and isinstance(value, str):
-        if kind == "float" and _EXPONENT_FLOAT.match(value.strip()):
+        if kind == "float" and EXPONENT_FLOAT.match(value.strip()):
             return float(value)  # `2e-3`, which YAML 1.1 would leave a string (settings.py reads it so too)
         try:
             parsed = yaml.safe_load(value)
