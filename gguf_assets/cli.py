@@ -49,8 +49,25 @@ def _print_status(paths: ProjectPaths) -> None:
     from gguf_assets.lib.core.lock import holder
     from gguf_assets.lib.project.pipeline import project_status, with_running
 
-    for s in with_running(project_status(paths, load_settings(paths.root)), holder(paths.lock_file)):
+    settings = load_settings(paths.root)
+    stages = with_running(project_status(paths, settings), holder(paths.lock_file))
+    for s in stages:
         print(f"  {s.stage:<12} {s.state:<8} {s.detail}")
+    if any(s.stage.endswith("_shards") and s.state != "current" for s in stages):  # "will it fit?", before loading
+        print(_memory_line(paths, settings))
+
+
+def _memory_line(paths: ProjectPaths, settings) -> str:
+    """The memory estimate in one status line (`gguf-trainer estimate DIR` has the details)."""
+    from gguf_assets.lib.telemetry.estimate import estimate, peak_gib, size_text
+
+    try:
+        lines = estimate(paths, settings)
+    except (UserError, OSError, ValueError, KeyError) as exc:
+        return f"  memory: not known yet ({str(exc).splitlines()[0]})"
+    parts = ", ".join(f"{line.part} {size_text(line.gib)}" for line in lines)
+    return (f"  memory: peak on one GPU {size_text(peak_gib(lines))} ({parts}); details: "
+            f"`{trainer('estimate', paths.root)}`")
 
 
 STOPPED_EXIT = 130  # the shell's code for a Ctrl-C

@@ -92,6 +92,7 @@ def teacher_placements(folder: Path, settings: Settings, *, free_gpu_bytes: dict
     settings' budgets (precompute.teacher_gpu_memory_gib / teacher_cpu_memory_gib), planned on the meta device
     for the GPUs given: sequential by the precompute's own planner, balanced by transformers' even split."""
     import torch
+
     # Private, on purpose: it is what from_pretrained(device_map="balanced") calls, so the estimate is the real
     # placement's; accelerate's public pieces would be a second, slightly different planner.
     from transformers.integrations.accelerate import _get_device_map

@@ -47,6 +47,12 @@ def test_the_estimate_counts_the_demo_pairs_weights_and_the_training_state(make_
                           timeout=120)
     assert done.returncode == 0 and "peak on one GPU" in done.stdout and "Traceback" not in done.stderr, done.stderr
     assert [line.split()[0] for line in done.stdout.splitlines()[1:4]] == ["teacher", "student", "adapter"]
+    # `status` shows the same peak before the shards are computed ("will it fit?", before anything loads).
+    status = subprocess.run([*CLI, "status", str(paths.root)], capture_output=True, text=True, env=cli_env(),
+                            timeout=120)
+    (memory,) = [line for line in status.stdout.splitlines() if line.strip().startswith("memory:")]
+    peak = next(line for line in done.stdout.splitlines() if "peak on one GPU" in line).split()[4:6]
+    assert f"peak on one GPU {' '.join(peak)} (teacher " in memory and "estimate" in memory, status.stdout
 
 
 def test_a_hub_model_not_downloaded_yet_is_unknown_not_zero(make_project):
