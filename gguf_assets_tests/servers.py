@@ -14,6 +14,7 @@ import os
 import shutil
 import socket
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -51,8 +52,15 @@ def _as_server_user(command: list[str]) -> list[str]:
 
 @contextlib.contextmanager
 def postgres_server(folder: Path, port: int) -> Iterator[str]:
-    """A PostgreSQL server on 127.0.0.1:``port`` with its data in ``folder``; yields the URL of a database."""
+    """A PostgreSQL server on 127.0.0.1:``port`` with its data in ``folder``; yields the URL of a database.
+
+    ``folder`` is a link to a folder of its own under /tmp: pytest makes its base folder private (0700) at every
+    session start, which would cut a server running as another user off from its data mid-run."""
     initdb, pg_ctl, createdb = _pg_bin("initdb"), _pg_bin("pg_ctl"), _pg_bin("createdb")
+    real = Path(tempfile.mkdtemp(prefix="gguf-pg-"))
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    folder.symlink_to(real, target_is_directory=True)
+    folder = real
     data, sockets = folder / "data", folder / "sockets"
     data.mkdir(parents=True)
     sockets.mkdir()
@@ -75,6 +83,7 @@ def postgres_server(folder: Path, port: int) -> Iterator[str]:
         yield f"postgresql://gguf@127.0.0.1:{port}/dagster"
     finally:
         subprocess.run(_as_server_user([pg_ctl, "-D", str(data), "-m", "immediate", "stop"]), capture_output=True)
+        shutil.rmtree(real, ignore_errors=True)
 
 
 class RedisServer:
@@ -130,6 +139,7 @@ def redis_server(folder: Path, port: int, *, persist: bool = False) -> Iterator[
 def restart_postgres(folder: Path) -> None:
     """An immediate stop (as a crash) and a start of the server postgres_server(folder, ...) runs, same options."""
     pg_ctl = _pg_bin("pg_ctl")
+    folder = folder.resolve()  # the server's own folder (see postgres_server)
     # -l again: without it the server would write to (and hold open) this call's captured stdout.
     subprocess.run(_as_server_user([pg_ctl, "-D", str(folder / "data"), "-m", "immediate", "-l",
                                     str(folder / "server.log"), "-w", "restart"]), check=True, capture_output=True)

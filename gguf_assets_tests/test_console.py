@@ -64,6 +64,7 @@ def test_a_user_error_in_a_step_is_one_message_with_where_the_full_log_is(make_p
 
 
 @pytest.mark.slow  # a `gguf-trainer run` subprocess (about 8 s)
+@pytest.mark.serial  # it times how soon the message comes: alone on the machine (scripts/test.sh)
 def test_an_unreachable_hub_is_one_message_at_the_first_failure(make_project):
     """Offline (here: nothing listens at HF_ENDPOINT): no retries for 40 s, no stack trace, and the
     message suggests a local folder or HF_ENDPOINT."""

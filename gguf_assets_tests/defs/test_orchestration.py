@@ -34,8 +34,11 @@ def _start_run(paths, command=("run",), **env) -> subprocess.Popen:
 
 
 def _kill9_during_training(paths, *, refuse_second: bool = False) -> None:
-    """`gguf-trainer run`, killed with its whole process group once training has saved two checkpoints."""
-    proc = _start_run(paths)
+    """`gguf-trainer run`, killed with its whole process group once training has saved two checkpoints.
+
+    Training stalls after step 11, so the kill lands inside it however slow the machine (a loaded one could
+    otherwise finish the 40 steps while the second pipeline is being refused)."""
+    proc = _start_run(paths, GGUF_ASSETS_FAULT="train-step@11:stall:120")
     try:
         wait_for(lambda: any(paths.root.glob("checkpoints/*/step-00000010")), timeout=240,
                  what="the second checkpoint", proc=proc)
