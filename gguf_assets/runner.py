@@ -448,7 +448,7 @@ def _run_on_workers(paths: ProjectPaths, instance, workspace, work: Work, settin
         echo(f"→ {work.job}{shards} as run {run.run_id[:8]} on the workers' `{queue}` queue")
     run_ids = [run.run_id for run in runs]
     try:
-        _wait_for_runs(instance, run_ids, echo)
+        _wait_for_runs(instance, run_ids, echo, cluster=True)
     except KeyboardInterrupt:
         going = [r for r in run_ids if not instance.get_run_by_id(r).is_finished]
         if cancel_on_stop:
@@ -490,7 +490,9 @@ def _worker_failure(paths: ProjectPaths, settings: Settings, instance, run, spli
             f"{start}..{end}) stopped{where}: {why}")
 
 
-def _wait_for_runs(instance, run_ids: list[str], echo: Callable[[str], None]) -> None:
+def _wait_for_runs(instance, run_ids: list[str], echo: Callable[[str], None], *, cluster: bool = False) -> None:
+    """Until every run has ended. On a ``cluster`` a Postgres or Redis restart is ridden out (through_outages);
+    the embedded SQLite's errors (a full disk, a damaged file) are the CLI's to report at once."""
     from gguf_assets.defs.resume import mark_interrupted_runs
 
     def poll():
@@ -499,7 +501,7 @@ def _wait_for_runs(instance, run_ids: list[str], echo: Callable[[str], None]) ->
 
     last_report = time.monotonic()
     while True:
-        runs = through_outages(poll, echo)
+        runs = through_outages(poll, echo) if cluster else poll()
         if all(r.is_finished for r in runs):
             return
         if time.monotonic() - last_report >= REPORT_EVERY_S:
