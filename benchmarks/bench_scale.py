@@ -229,16 +229,17 @@ def status_seconds(paths, repeats: int = 3) -> tuple[float, float]:
     return min(walls), time.perf_counter() - began
 
 
-def part_pipeline(tmp: Path, *, prompts: int, shard_size: int, steps: int) -> bool:
+def part_pipeline(tmp: Path, *, prompts: int, shard_size: int, steps: int, mock_teacher: bool = False) -> bool:
     from gguf_assets.lib.project.demo import build_demo_materials
 
     val = max(shard_size // 2, 100)
+    models = "the demo's tiny student and a mock teacher" if mock_teacher else "the demo's tiny real models"
     print(f"\n## pipeline: {prompts} prompts ({prompts - val} train, {val} val), shard size {shard_size}, "
-          f"{steps} steps, the demo's tiny real models")
+          f"{steps} steps, {models}")
     materials = tmp / "materials"
     build_demo_materials(materials, seed=0, n_prompts=prompts * 21 // 20 + 100)
     paths = new_project(tmp / "pipeline", materials, train=prompts - val, val=val, shard_size=shard_size,
-                        steps=steps)
+                        steps=steps, mock_teacher=mock_teacher)
     wall, sampler = run_pipeline_sampled(paths, env_without_project())
     instance = instance_of(paths)
     windows = step_windows(instance)
@@ -367,7 +368,7 @@ def _stop_worker(proc: subprocess.Popen) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="small: 600 prompts, 40 steps, 200 partitions")
+    parser.add_argument("--quick", action="store_true", help="small: 600 prompts, mock teacher, 200 partitions")
     parser.add_argument("--part", choices=("pipeline", "partitions", "cluster", "all"), default="all")
     args = parser.parse_args(argv)
     ok = True
@@ -376,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
         os.chmod(tmp, 0o755)  # the Postgres server's own user must reach its folder
         if args.part in ("pipeline", "all"):
             ok &= part_pipeline(tmp, prompts=600 if args.quick else 60_000, shard_size=200 if args.quick else 1000,
-                                steps=40 if args.quick else 20_000)
+                                steps=40 if args.quick else 20_000, mock_teacher=args.quick)
         if args.part in ("partitions", "all"):
             ok &= part_partitions(tmp, partitions=200 if args.quick else 10_000)
         if args.part in ("cluster", "all"):

@@ -11,7 +11,8 @@ for arg in "$@"; do
   case "$arg" in -q|-v|-qq|-vv|-x) ;; *) whole=0 ;; esac
 done
 if [ "$whole" = 1 ]; then
-  .venv/bin/python -m pytest -n 2 -m "not serial" "$@"
+  # worksteal: an idle process takes queued tests from the busy one, so the long tests do not pile up at the end
+  .venv/bin/python -m pytest -n 2 --dist worksteal -m "not serial" "$@"
   exec .venv/bin/python -m pytest -m serial "$@"
 fi
 exec .venv/bin/python -m pytest "$@"
