@@ -212,6 +212,15 @@ def graphql_seconds(base: str, query: str, repeats: int = 3) -> tuple[float, dic
     return statistics.median(times), data[-1]
 
 
+def ui_query_seconds(paths) -> tuple[float, float, dict]:
+    """The UI's asset query and train_shards partition query on the real webserver: (assets s, partitions s,
+    the partition stats it answered)."""
+    with webserver(paths) as base:
+        assets_s, _ = graphql_seconds(base, ASSETS_QUERY)
+        parts_s, answer = graphql_seconds(base, PARTITIONS_QUERY)
+    return assets_s, parts_s, answer["assetNodeOrError"]["partitionStats"]
+
+
 def status_seconds(paths, repeats: int = 3) -> tuple[float, float]:
     """`gguf-trainer status` as the user runs it (a process: wall, start-up included) and in-process."""
     from gguf_assets import cli
@@ -254,10 +263,7 @@ def part_pipeline(tmp: Path, *, prompts: int, shard_size: int, steps: int, mock_
           f"on top of its compute: {overhead:.3f} s")
     status_wall, status_inproc = status_seconds(paths)
     print(f"status: {status_wall:.2f} s as a command ({status_inproc:.3f} s of it the status itself)")
-    with webserver(paths) as base:
-        assets_s, _ = graphql_seconds(base, ASSETS_QUERY)
-        parts_s, answer = graphql_seconds(base, PARTITIONS_QUERY)
-    stats = answer["assetNodeOrError"]["partitionStats"]
+    assets_s, parts_s, stats = ui_query_seconds(paths)
     print(f"GraphQL: assets {assets_s:.3f} s, train_shards partitions {parts_s:.3f} s "
           f"({stats['numMaterialized']}/{stats['numPartitions']} materialized)")
     expected = -(-(prompts - val) // shard_size)
@@ -295,10 +301,7 @@ def part_partitions(tmp: Path, *, partitions: int) -> bool:
     planning = time.perf_counter() - began
     if work is None or work.job != "train_export_evaluate":
         raise RuntimeError(f"with every shard current the next work is training, not {work}")
-    with webserver(paths) as base:
-        parts_s, answer = graphql_seconds(base, PARTITIONS_QUERY)
-        assets_s, _ = graphql_seconds(base, ASSETS_QUERY)
-    stats = answer["assetNodeOrError"]["partitionStats"]
+    assets_s, parts_s, stats = ui_query_seconds(paths)
     print(f"status: {status_wall:.2f} s as a command ({status_inproc:.3f} s in-process); planning (next_work with "
           f"every shard current): {planning:.3f} s")
     print(f"GraphQL: train_shards partitions {parts_s:.3f} s ({stats['numMaterialized']}/{stats['numPartitions']}), "
