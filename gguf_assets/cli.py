@@ -466,7 +466,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     if not paths.project_file.is_file():  # each run reads the settings; a worker only needs the folder mounted
         raise ClusterError(f"{paths.project_file} does not exist: mount the project folder there, or pass its path.")
     cluster = load_cluster(paths.root)
-    if cluster is None or cluster.celery_broker_env is None:
+    if cluster is None or not cluster.runs_on_workers:
         raise ClusterError(f"{paths.root} runs its work in the process that starts it; for workers, first "
                            f"`{trainer('cluster', paths.root)} --celery-broker-env GGUF_ASSETS_REDIS_URL`.")
     queues = [q.strip() for q in args.queues.split(",") if q.strip()]

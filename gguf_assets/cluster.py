@@ -54,6 +54,11 @@ class ClusterSettings(BaseModel):
         "environment variable that holds the Redis URL (redis://[:password@]host:6379/0) of the Celery broker; set, "
         "runs execute on the workers that `gguf-trainer worker DIR` starts; unset, in the process that starts them"))
 
+    @property
+    def runs_on_workers(self) -> bool:
+        """Whether runs execute on Celery workers (a broker is named), not in the process that starts them."""
+        return self.celery_broker_env is not None
+
 
 def cluster_file(project: Path) -> Path:
     return Path(project) / CLUSTER_FILE
@@ -99,7 +104,7 @@ def instance_config(template: str, cluster: ClusterSettings | None) -> str:
         raise RuntimeError("the instance template's storage block changed; update cluster.instance_config")
     postgres = f"storage:\n  postgres:\n    postgres_url:\n      env: {cluster.postgres_url_env}\n"
     config = template.replace(embedded, postgres)
-    if cluster.celery_broker_env is not None:
+    if cluster.runs_on_workers:
         _need_env(cluster.celery_broker_env, "runs its work on Celery workers, with the broker", "redis://host:6379/0")
         # The broker doubles as the result backend: the workers' task states are what the health check reads.
         config += ("# Runs execute on Celery workers (`gguf-trainer worker DIR`): docs/cluster.md.\n"

@@ -250,7 +250,7 @@ def run_pipeline(paths: ProjectPaths, *, echo: Callable[[str], None] = print, wo
     from gguf_assets.cluster import load_cluster
 
     cluster = load_cluster(paths.root)
-    on_workers = cluster is not None and cluster.celery_broker_env is not None
+    on_workers = cluster is not None and cluster.runs_on_workers
     prepare_instance(paths)
     import dagster as dg
 

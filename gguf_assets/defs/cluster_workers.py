@@ -76,10 +76,6 @@ class ClusterRunLauncher(CeleryRunLauncher):
         return sorted(name for name, queues in answers.items() if any(q.get("name") == queue for q in queues))
 
 
-def is_cluster(instance) -> bool:
-    return isinstance(instance.run_launcher, ClusterRunLauncher)
-
-
 def worker_argv(*, queues: list[str], name: str, loglevel: str = "WARNING") -> list[str]:
     """Celery's worker command line: one run at a time, each in a fresh child process."""
     return ["worker", "--queues", ",".join(queues), "--concurrency", "1", "--prefetch-multiplier", "1",
