@@ -22,7 +22,7 @@ class Preset:
 def _trainer8() -> dict[str, dict]:
     t = Settings().training  # the defaults are the seed's trainer8 recipe (docs/recipe.md)
     keys = ("width", "depth", "heads", "steps", "batch_size", "learning_rate", "warmup_steps", "weight_decay",
-            "grad_clip", "cosine_weight", "ema_decay", "sigma_floor")
+            "grad_clip", "cosine_weight", "ema_decay", "sigma_floor", "target_standardization", "relational_weight")
     return {"training": {k: getattr(t, k) for k in keys}, "corpus": {"train_prompts": 60000},
             "materials": {"teacher_layer": -1, "student_layer": -1}}
 

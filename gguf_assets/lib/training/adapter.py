@@ -126,11 +126,28 @@ def standardize(targets: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) ->
     return (targets - mean) / std
 
 
-def adapter_loss(pred: torch.Tensor, standardized_targets: torch.Tensor, *, cosine_weight: float) -> torch.Tensor:
-    """Whitened MSE + cosine_weight * (1 - cos) per query row, both in standardized space."""
+def adapter_loss(pred: torch.Tensor, standardized_targets: torch.Tensor, *, cosine_weight: float,
+                 relational_weight: float = 0.0) -> torch.Tensor:
+    """Whitened MSE + cosine_weight * (1 - cos) per query row, both in standardized space, plus
+    relational_weight * ``relational_loss`` when it is on."""
     mse = F.mse_loss(pred, standardized_targets)
     cos = F.cosine_similarity(pred, standardized_targets, dim=-1, eps=1e-8)
-    return mse + cosine_weight * (1.0 - cos).mean()
+    loss = mse + cosine_weight * (1.0 - cos).mean()
+    if relational_weight:
+        loss = loss + relational_weight * relational_loss(pred, standardized_targets)
+    return loss
+
+
+def relational_loss(pred: torch.Tensor, standardized_targets: torch.Tensor) -> torch.Tensor:
+    """How far the batch's prompt-to-prompt similarities are from the targets': the mean squared difference
+    of the two [B, B] cosine matrices, each prompt's Q x D output flattened (the targets are centred, so
+    these are centred cosines). Gives each prompt's place among the others a gradient of its own, as
+    relational distillation does (CLIP-KD); 0 for a batch of one."""
+    def similarities(x: torch.Tensor) -> torch.Tensor:
+        unit = F.normalize(x.flatten(1), dim=-1, eps=1e-8)
+        return unit @ unit.T
+
+    return F.mse_loss(similarities(pred), similarities(standardized_targets))
 
 
 def centred_cosine_rows(pred_std: torch.Tensor, targets: torch.Tensor, mean: torch.Tensor,

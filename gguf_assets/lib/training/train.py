@@ -68,7 +68,7 @@ log = logging.getLogger(__name__)
 
 @torch.inference_mode()
 def evaluate(model: Adapter, folders: list[Path], *, device: torch.device, cosine_weight: float,
-             batch_size: int = 64) -> dict:
+             relational_weight: float = 0.0, batch_size: int = 64) -> dict:
     """Val centred cosine (overall, per shard, empty prompt) and val loss of the torch model."""
     was_training = model.training
     model.eval()
@@ -78,7 +78,8 @@ def evaluate(model: Adapter, folders: list[Path], *, device: torch.device, cosin
         for shard, rows, states, mask, targets in shard_batches(folder, device=device, batch_size=batch_size):
             pred = model(states, mask)
             z = standardize(targets, model.target_mean, model.target_std)
-            losses.append(float(adapter_loss(pred, z, cosine_weight=cosine_weight)) * len(rows))
+            losses.append(float(adapter_loss(pred, z, cosine_weight=cosine_weight,
+                                             relational_weight=relational_weight)) * len(rows))
             cos = centred_cosine_rows(pred, targets, model.target_mean, model.target_std).cpu()
             shard_cos += cos.tolist()
             empty += [c for c, i in zip(cos.tolist(), rows) if shard.texts[i] == ""]
@@ -239,6 +240,10 @@ class _TrainingRun:
         (log.warning if warning else log.info)("%s", message)
         self.emit("note", {"message": message, "warning": warning})
 
+    def _evaluate(self, model: Adapter) -> dict:
+        return evaluate(model, self.val_folders, device=self.device, cosine_weight=self.t.cosine_weight,
+                        relational_weight=self.t.relational_weight)
+
     def already_finished(self) -> dict | None:
         """The summary of a finished run whose weights are intact; damaged ones are set aside."""
         final_dir = self.run_dir / FINAL_DIR
@@ -276,10 +281,11 @@ class _TrainingRun:
             resumed.started = why_new_run(self.paths, self.fingerprint, self.base_meta["training"], train_id, val_id)
             self.note(resumed.started["message"], warning=bool(resumed.started.get("previous_run")))
             # Statistics travel in every checkpoint's weights, so a resume never rereads the whole train set.
-            mean, std, _ = target_stats(self.train_folders, sigma_floor=t.sigma_floor)
+            mean, std, _ = target_stats(self.train_folders, sigma_floor=t.sigma_floor,
+                                        isotropic=t.target_standardization == "isotropic")
             self.model.target_mean.copy_(mean)
             self.model.target_std.copy_(std)
-            untrained = evaluate(self.model, self.val_folders, device=self.device, cosine_weight=t.cosine_weight)
+            untrained = self._evaluate(self.model)
             resumed.untrained = untrained["val_centred_cosine"]
             self.note(f"untrained adapter: val centred cosine {resumed.untrained:.4f}")
         self.step, self.history, self.best, self.untrained = resumed.step, resumed.history, resumed.best, \
@@ -333,7 +339,7 @@ class _TrainingRun:
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
             pred = model(states, mask)
         z = standardize(targets, model.target_mean, model.target_std)
-        loss = adapter_loss(pred.float(), z, cosine_weight=t.cosine_weight)
+        loss = adapter_loss(pred.float(), z, cosine_weight=t.cosine_weight, relational_weight=t.relational_weight)
         self.optimizer.zero_grad(set_to_none=True)
         if torch.isfinite(loss):
             loss.backward()
@@ -385,7 +391,7 @@ class _TrainingRun:
         self._start_window()
 
     def _validate(self) -> None:
-        metrics = evaluate(self.judged, self.val_folders, device=self.device, cosine_weight=self.t.cosine_weight)
+        metrics = self._evaluate(self.judged)
         entry = {"step": self.step,
                  **{k: metrics[k] for k in ("val_centred_cosine", "empty_prompt_cosine", "val_loss")}}
         self.history.append(entry)
@@ -419,7 +425,7 @@ class _TrainingRun:
         return svg
 
     def _finish(self) -> dict:
-        final = evaluate(self.judged, self.val_folders, device=self.device, cosine_weight=self.t.cosine_weight)
+        final = self._evaluate(self.judged)
         end = {"step": self.step, "val_centred_cosine": final["val_centred_cosine"]}
         curve = validation_curve([*self.history, end])
         text, advice = verdict(final["val_centred_cosine"], curve, width=self.t.width, steps=self.t.steps)

@@ -248,8 +248,12 @@ def collate(samples: list[tuple[torch.Tensor, torch.Tensor]], device: torch.devi
     return states.to(device), mask.to(device), targets.to(device)
 
 
-def target_stats(folders: list[Path], *, sigma_floor: float) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Per-(query row, dim) mean and floored std over all train targets, streamed shard by shard."""
+def target_stats(folders: list[Path], *, sigma_floor: float,
+                 isotropic: bool = False) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Per-(query row, dim) mean and floored std over all train targets, streamed shard by shard.
+
+    ``isotropic``: one std for every (row, dim), the root of their mean variance (as PHI-S scales its
+    targets), still [Q, D] so checkpoints and the GGUF keep their layout."""
     total, s1, s2 = 0, None, None
     for folder in folders:
         targets = read_half(folder, "teacher")["targets"]
@@ -266,4 +270,5 @@ def target_stats(folders: list[Path], *, sigma_floor: float) -> tuple[torch.Tens
         raise TrainingError("no training prompts in the train shards")
     mean = s1 / total
     var = (s2 / total - mean * mean).clamp_min(0)
-    return mean.float(), var.sqrt().clamp_min(sigma_floor).float(), total
+    std = var.mean().sqrt().expand_as(var).contiguous() if isotropic else var.sqrt()
+    return mean.float(), std.clamp_min(sigma_floor).float(), total

@@ -17,7 +17,7 @@ SHUFFLE_WINDOW_SHARDS = 4
 NON_RESULT_KEYS = ("device", "grad_checkpoint", "log_every", "validate_every", "checkpoint_every", "keep_checkpoints")
 # Result settings added after runs existed, with the value that means "as before": they enter the
 # fingerprint only when set otherwise, so a new key never retrains an existing project.
-OFF_VALUES = {"ema_decay": 0.0}
+OFF_VALUES = {"ema_decay": 0.0, "target_standardization": "per_row_dim", "relational_weight": 0.0}
 
 
 def training_settings(settings: Settings) -> dict:

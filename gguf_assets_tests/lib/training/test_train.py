@@ -473,6 +473,56 @@ def test_ema_off_leaves_the_fingerprint_and_the_weights_as_before(shard_sets, re
     assert "ema" not in torch.load(last / "trainer_state.pt", weights_only=True)
 
 
+# -- target standardization and the relational term (bench_quality's variants) ------------
+
+def test_each_recipe_variant_key_set_otherwise_is_a_new_run(shard_sets, reference):
+    """At their defaults they are left out of the fingerprint (the pinned value above); set, they count."""
+    prints = {fingerprint_for(replace(SETTINGS, training=change), shard_sets)
+              for change in ({"target_standardization": "isotropic"}, {"relational_weight": 0.5})}
+    assert len(prints) == 2 and reference["summary"].fingerprint not in prints
+
+
+def test_isotropic_standardization_scales_every_row_and_dim_by_one_std(shard_sets, reference, tmp_path):
+    settings = replace(SETTINGS, training={"target_standardization": "isotropic"})
+    summary = train(tmp_path, shard_sets, settings)
+    model, _ = load_final(ProjectPaths.of(tmp_path).checkpoints_dir(summary.fingerprint))
+    targets = torch.cat([load_file(f / TEACHER_FILE)["targets"].double() for f in shard_sets["train"]])
+    # PHI-S's single scale: the root of the mean per-(row, dim) variance; the mean stays per (row, dim).
+    expected = targets.var(0, unbiased=False).mean().sqrt().float()
+    assert torch.allclose(model.target_std, expected.expand(QUERY_ROWS, TARGET_DIM), rtol=1e-4)
+    assert torch.allclose(model.target_mean, targets.mean(0).float(), atol=1e-4)
+    per_dim, _ = load_final(reference["run_dir"])
+    assert per_dim.target_std.std() > 0.1 * per_dim.target_std.mean()  # the default really is per (row, dim)
+    assert summary.val_centred_cosine > summary.untrained_val_centred_cosine + 0.15, summary
+
+
+def test_relational_loss_measures_the_batchs_similarity_structure():
+    from gguf_assets.lib.training.adapter import adapter_loss, relational_loss
+
+    g = torch.Generator().manual_seed(0)
+    targets = torch.randn(6, QUERY_ROWS, TARGET_DIM, generator=g)
+    assert float(relational_loss(targets, targets)) == pytest.approx(0.0, abs=1e-7)
+    # Cosines ignore each prompt's scale; a batch of one has no structure to match.
+    scaled = targets * torch.rand(6, 1, 1, generator=g).add(0.5)
+    assert float(relational_loss(scaled, targets)) == pytest.approx(0.0, abs=1e-6)
+    assert float(relational_loss(targets[:1] * -1, targets[:1])) == pytest.approx(0.0, abs=1e-7)
+    shuffled = targets[torch.tensor([1, 0, 3, 2, 5, 4])]
+    pred = shuffled.clone().requires_grad_(True)
+    term = relational_loss(pred, targets)
+    assert float(term.detach()) > 1e-3  # each prompt's own output is right, its place among the others is not
+    term.backward()
+    assert float(pred.grad.abs().sum()) > 0
+    plain = adapter_loss(shuffled, targets, cosine_weight=0.5)
+    assert float(adapter_loss(shuffled, targets, cosine_weight=0.5, relational_weight=2.0)) == pytest.approx(
+        float(plain) + 2.0 * float(term.detach()), rel=1e-5)
+
+
+def test_a_run_with_the_relational_term_learns(shard_sets, reference, tmp_path):
+    summary = train(tmp_path, shard_sets, replace(SETTINGS, training={"relational_weight": 0.1}))
+    assert summary.finished and summary.fingerprint != reference["summary"].fingerprint
+    assert summary.val_centred_cosine > summary.untrained_val_centred_cosine + 0.15, summary
+
+
 @pytest.fixture(scope="module")
 def ema_reference(shard_sets, tmp_path_factory):
     root = tmp_path_factory.mktemp("ema-reference")
