@@ -1,42 +1,62 @@
 """Training quality: val centred cosine against CPU seconds, the current recipe vs variants.
 
-Two teacher/student pairs of different shapes are built locally with the demo builder
-(`lib/project/demo.py`: a random-weight Qwen3-MoE teacher with 256 query rows, a Qwen3 student, a
-few thousand prompts); pair A is the demo's own 48-wide student, pair B a 96-wide one. The
-corpus, the teacher targets and the student states come from the project's own code
-(`build_corpus`, `precompute_split`), the student states once per student layer. Every
-variant is trained by the real trainer (`train.train_adapter`) on one torch thread, and its
-CPU time (`time.process_time`, all threads of this process) is measured around that call.
+Three teacher/student families, each built locally by `lib/project/demo.py: build_demo_materials`
+(a random-weight three-layer Qwen3-MoE teacher, 64 wide, with 256 query rows; a Qwen3 student):
 
-The current recipe is the trainer8 recipe at the demo's CPU scale (`demo_settings`: 64 wide,
-1 block, 4 heads, lr 4e-3, warmup 10 %, cosine to 10 %, AdamW wd 0.01, clip 1.0, whitened
-MSE + 0.5 (1 - cos), batch 16), reading the student's layer 0. ``current-seed1`` is the same
-recipe with another seed: the chance spread to read the deltas against (never adopted).
-Variants:
+    A   the demo's pair: a 48-wide, 2-layer student; the teacher reads a linear lift of the
+        student's token embeddings, so the student's layer 0 is the ideal feature by construction
+    B   the same with a 96-wide student
+    C   an independent pair (``independent=True``): a 96-wide, 6-layer student and a teacher whose
+        weights are drawn separately (its own token table), with prompts from a scene grammar of
+        their own. Nothing ties a student layer to what the teacher reads, as with two separately
+        trained models.
 
-    ema-0.99, ema-0.998   training.ema_decay (validation and final/ use the weight average)
-    mix-all-layers        a learned softmax mix of every student hidden state (layers 0..2, each
-                          layer-normed), prototyped here: the student halves of the three layers
-                          are concatenated, and an Adapter subclass mixes them before LN_in
-    lr-width-scaled       lr = 2e-4 * 1024 / width, warmup = 1000 * width / 1024 (trainer8's lr
-                          and warmup at width 1024, scaled as 1/width and width)
-    w128xd1, w64xd2, w32xd1   other widths and depths at the same CPU time
+The corpus, the teacher targets and the student states come from the project's own code
+(`build_corpus`, `precompute_split`), the student states once per student layer. Every variant is
+trained by the real trainer (`train.train_adapter`) on one torch thread, and its CPU time
+(`time.process_time`) is measured around that call.
+
+"Current" is the trainer8 recipe at the demo's CPU scale (`demo_settings`: 64 wide, 1 block, 4 heads,
+lr 4e-3, warmup 10 %, cosine to 10 %, AdamW wd 0.01, clip 1.0, whitened MSE + 0.5 (1 - cos), batch 16),
+reading the student at layer 0 on A and B (the demo's setting) and at its last layer (-1, the
+product's default) on C. ``current-seed1`` is the same with another seed: the chance spread.
+Variants, each at equal CPU time:
+
+    isotropic              training.target_standardization: isotropic (one std, as PHI-S)
+    relational-0.1, -0.3   training.relational_weight (the batch's prompt-to-prompt cosines)
+    layer-first/-middle/-last   one other student layer (hidden_states[0], [L // 2], -1)
+    layers-thirds          the layers at 1/3, 2/3 and the last, each layer-normed, concatenated
+                           (as FLUX.2 stacks three of its LLM's layers)
+    layers-ln-mean         the layer-normalised mean of every hidden state (arXiv 2506.08210)
+    layers-learned-mix     a learned softmax mix of every layer-normed hidden state
+    select-random-N        N of the train prompts chosen at random (the teacher budget is N, not all)
+    select-clusters-N      N chosen balanced over k-means clusters of the student's mean states
+    select-farthest-N      N chosen by farthest-point sampling of the student's mean states
+
+The multi-layer variants are prototyped here (their shards hold the layers side by side and an
+Adapter subclass combines them); the two training variants are real settings. The selection
+variants train on N = train / 3 prompts picked from the train set (the candidate pool, 3 x N);
+their delta is against select-random-N, at the same teacher budget.
 
 Equal CPU time: a short calibration run of each variant measures its CPU seconds per step
 (between log events, so fixed costs are left out), and the variant trains
-steps = baseline steps * baseline s/step / its s/step (the same steps when within 3 %).
+steps = current steps * current s/step / its s/step (the same steps when within 3 %).
 
-A variant is adopted only if it beats the current recipe by >= 0.01 val centred cosine on
-BOTH pairs, with CPU time at most 10 % above the current recipe's.
+The rule (#27): a variant becomes a default when it gains >= 0.01 val centred cosine on family C
+and loses no more than the seed-to-seed spread (|current-seed1 delta|) on A and on B, at most 10 %
+over the current recipe's CPU seconds.
 
-    .venv/bin/python benchmarks/bench_quality.py            # about 20 CPU minutes (wall about the same)
-    .venv/bin/python benchmarks/bench_quality.py --quick    # a smoke run, well under a minute
+    .venv/bin/python benchmarks/bench_quality.py                 # about 45 CPU minutes, all three families
+    .venv/bin/python benchmarks/bench_quality.py --pairs C --save c.json   # one family; then
+    .venv/bin/python benchmarks/bench_quality.py --merge a.json b.json c.json   # the table and verdict
+    .venv/bin/python benchmarks/bench_quality.py --quick         # a smoke run, about a minute
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import logging
 import shutil
 import sys
@@ -54,20 +74,21 @@ from gguf_assets.lib.core import atomic, verify
 from gguf_assets.lib.core.quiet import quiet_libraries
 from gguf_assets.lib.corpus.corpus import build_corpus
 from gguf_assets.lib.materials.materials import resolve_materials
-from gguf_assets.lib.precompute.shards import plan_shards, precompute_split
+from gguf_assets.lib.precompute.shards import data_file, plan_shards, precompute_split
 from gguf_assets.lib.project.demo import TEACHER_HIDDEN_SIZE, build_demo_materials, demo_settings
-from gguf_assets.lib.project.layout import STUDENT_FILE, ProjectPaths
+from gguf_assets.lib.project.layout import PROMPTS_FILE, ProjectPaths
 from gguf_assets.lib.project.pipeline import corpus_fingerprint
 from gguf_assets.lib.project.settings import Settings, replace, write_project_file
 from gguf_assets.lib.training import train as train_module
 from gguf_assets.lib.training.adapter import Adapter, AdapterShape
 from gguf_assets.lib.training.train import train_adapter
-from gguf_assets.lib.training.train_data import read_half, shard_size
+from gguf_assets.lib.training.train_data import load_shard, read_half, shard_size
 from gguf_assets.lib.training.training_run import shards_identity, training_fingerprint
 
-MARGIN = 0.01          # val centred cosine a variant must gain on every pair to be adopted
+MARGIN = 0.01          # val centred cosine a variant must gain on family C to be adopted
 CPU_TOLERANCE = 1.10   # "equal CPU time": at most this much of the current recipe's CPU seconds
 SAME_COST = 0.03       # per-step costs this close count as equal (keeps calibration noise out of the steps)
+CLUSTERS = 32          # k of the k-means in select-clusters
 
 
 @dataclass(frozen=True)
@@ -75,36 +96,54 @@ class Pair:
     name: str
     student_hidden_size: int
     student_layers: int = 2
+    independent: bool = False
+    current_layer: int = 0  # the student layer the current recipe reads (-1: the last, after the final norm)
 
 
-PAIRS = (Pair("A", 48), Pair("B", 96))
+PAIRS = (Pair("A", 48), Pair("B", 96), Pair("C", 96, student_layers=6, independent=True, current_layer=-1))
 
 
 @dataclass(frozen=True)
 class Variant:
     name: str
     training: dict = field(default_factory=dict)  # changes to the current recipe's training settings
-    mix: bool = False                              # the multi-layer prototype
-    candidate: bool = True                         # False: a reference row that cannot be adopted
-    same_cost: bool = False                        # the current recipe's model and data: no calibration needed
+    layer: str | None = None     # one other student layer: "first", "middle" or "last"
+    combine: str | None = None   # several layers: "thirds" (concatenated), "ln-mean" or "learned-mix"
+    select: str | None = None    # train on a third of the train prompts: "random", "clusters", "farthest"
+    candidate: bool = True       # False: a reference row that cannot be adopted
+    same_cost: bool = False      # the current recipe's model and data: no calibration needed
 
-
-def lr_width_scaled(width: int) -> dict:
-    return {"learning_rate": 2e-4 * 1024 / width, "warmup_steps": max(1, round(1000 * width / 1024))}
+    def base(self) -> str:
+        """The row its delta is read against."""
+        return "select-random" if self.select and self.select != "random" else "current"
 
 
 VARIANTS = (
     Variant("current", candidate=False, same_cost=True),
     # The same recipe with another seed: how much the cosine moves by chance, to read the deltas against.
     Variant("current-seed1", {"seed": 1}, candidate=False, same_cost=True),
-    Variant("ema-0.99", {"ema_decay": 0.99}),
-    Variant("ema-0.998", {"ema_decay": 0.998}),
-    Variant("mix-all-layers", mix=True),
-    Variant("lr-width-scaled", lr_width_scaled(64), same_cost=True),
-    Variant("w128xd1", {"width": 128, "heads": 8}),
-    Variant("w64xd2", {"depth": 2}),
-    Variant("w32xd1", {"width": 32, "heads": 2}),
+    Variant("isotropic", {"target_standardization": "isotropic"}, same_cost=True),
+    Variant("relational-0.1", {"relational_weight": 0.1}),
+    Variant("relational-0.3", {"relational_weight": 0.3}),
+    Variant("layer-first", layer="first", same_cost=True),
+    Variant("layer-middle", layer="middle", same_cost=True),
+    Variant("layer-last", layer="last", same_cost=True),
+    Variant("layers-thirds", combine="thirds"),
+    Variant("layers-ln-mean", combine="ln-mean"),
+    Variant("layers-learned-mix", combine="learned-mix"),
+    Variant("select-random", select="random", candidate=False, same_cost=True),
+    Variant("select-clusters", select="clusters", same_cost=True),
+    Variant("select-farthest", select="farthest", same_cost=True),
 )
+
+
+def layer_index(pair: Pair, which: str) -> int:
+    return {"first": 0, "middle": pair.student_layers // 2, "last": -1}[which]
+
+
+def variants_for(pair: Pair) -> list[Variant]:
+    """Every variant, less the one-layer row that is the current recipe's own layer."""
+    return [v for v in VARIANTS if v.layer is None or layer_index(pair, v.layer) != pair.current_layer]
 
 
 @dataclass(frozen=True)
@@ -119,41 +158,48 @@ class Size:
 
 
 FULL = Size(prompts=3200, train=2700, val=300, shard_size=900, query_rows=256, steps=600, calibration_steps=60)
-QUICK = Size(prompts=300, train=200, val=40, shard_size=100, query_rows=16, steps=20, calibration_steps=12)
+QUICK = Size(prompts=240, train=180, val=30, shard_size=60, query_rows=8, steps=12, calibration_steps=8)
 
 
-# -- the multi-layer prototype ------------------------------------------------------------
+# -- the multi-layer prototypes -----------------------------------------------------------
 
-class LayerMixAdapter(Adapter):
-    """The adapter over a learned mix of k student layers (states arrive concatenated, [B, L, k*Ds]).
+class LayersAdapter(Adapter):
+    """The adapter over k student layers whose states arrive side by side ([B, L, k*Ds]).
 
-    Each layer is layer-normed without parameters (the layers' scales differ a lot), then
-    mixed with softmax weights (equal at the start), then the usual LN_in and in_proj follow.
+    Each layer is layer-normed without parameters first (the layers' scales differ a lot). Then
+    "thirds" keeps them side by side (LN_in and in_proj see k*Ds), "ln-mean" averages them, and
+    "learned-mix" mixes them with softmax weights (equal at the start); the usual LN_in and in_proj follow.
     """
 
-    def __init__(self, shape: AdapterShape, layers: int, *, grad_checkpoint: bool = False) -> None:
-        super().__init__(AdapterShape(**{**shape.to_dict(), "student_dim": shape.student_dim // layers}),
-                         grad_checkpoint=grad_checkpoint)
-        self.layers = layers
-        self.layer_mix = nn.Parameter(torch.zeros(layers))
+    def __init__(self, shape: AdapterShape, layers: int, combine: str, *, grad_checkpoint: bool = False) -> None:
+        dim = shape.student_dim if combine == "thirds" else shape.student_dim // layers
+        super().__init__(AdapterShape(**{**shape.to_dict(), "student_dim": dim}), grad_checkpoint=grad_checkpoint)
+        self.layers, self.combine = layers, combine
+        if combine == "learned-mix":
+            self.layer_mix = nn.Parameter(torch.zeros(layers))
 
     def forward(self, states: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         b, n, _ = states.shape
         per_layer = states.view(b, n, self.layers, -1)
         per_layer = F.layer_norm(per_layer, per_layer.shape[-1:], eps=1e-5)
-        mixed = (torch.softmax(self.layer_mix, 0)[:, None] * per_layer).sum(2)
-        return super().forward(mixed, mask)
+        if self.combine == "thirds":
+            combined = per_layer.reshape(b, n, -1)
+        elif self.combine == "ln-mean":
+            combined = per_layer.mean(2)
+        else:
+            combined = (torch.softmax(self.layer_mix, 0)[:, None] * per_layer).sum(2)
+        return super().forward(combined, mask)
 
 
 @contextlib.contextmanager
-def layer_mix_model(layers: int):
-    """The trainer builds a LayerMixAdapter (same seeding) while this is active."""
+def layers_model(layers: int, combine: str):
+    """The trainer builds a LayersAdapter (same seeding) while this is active."""
     original = train_module.build_model
 
     def build(shape: AdapterShape, *, seed: int, grad_checkpoint: bool = False) -> Adapter:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            return LayerMixAdapter(shape, layers, grad_checkpoint=grad_checkpoint)
+            return LayersAdapter(shape, layers, combine, grad_checkpoint=grad_checkpoint)
 
     train_module.build_model = build
     try:
@@ -168,56 +214,167 @@ def layer_mix_model(layers: int):
 class PairData:
     pair: Pair
     settings: Settings
-    shards: dict[str, dict[str, list[Path]]]  # "layer0" / "mix" -> split -> shard folders
-    layers: int
-    precompute_cpu_s: float
+    layers: dict[int, dict[str, list[Path]]]   # student layer -> split -> shard folders
+    combined: dict[str, tuple[int, dict[str, list[Path]]]] = field(default_factory=dict)  # combine -> (k, shards)
+    selected: dict[str, dict[str, list[Path]]] = field(default_factory=dict)              # select -> shards
+    prepare_cpu_s: float = 0.0
+
+    def folders(self, variant: Variant) -> dict[str, list[Path]]:
+        if variant.combine:
+            return self.combined[variant.combine][1]
+        if variant.select:
+            return self.selected[variant.select]
+        if variant.layer:
+            return self.layers[layer_index(self.pair, variant.layer)]
+        return self.layers[self.pair.current_layer]
 
 
 def prepare_pair(root: Path, pair: Pair, size: Size) -> PairData:
-    """Demo materials of this shape, the corpus, and shards of every student layer (real precompute)."""
+    """Materials of this family, the corpus, shards of every student layer (real precompute), the
+    multi-layer shards and the three selections."""
     began = time.process_time()
     build_demo_materials(root / "materials" / "demo", seed=0, n_prompts=size.prompts, query_rows=size.query_rows,
-                         student_hidden_size=pair.student_hidden_size, student_layers=pair.student_layers)
+                         student_hidden_size=pair.student_hidden_size, student_layers=pair.student_layers,
+                         independent=pair.independent)
     settings = replace(demo_settings(steps=size.steps),
                        corpus={"train_prompts": size.train, "val_prompts": size.val},
-                       precompute={"shard_size": size.shard_size, "val_shard_size": size.val})
+                       precompute={"shard_size": size.shard_size, "val_shard_size": size.val},
+                       materials={"student_layer": pair.current_layer})
     write_project_file(root, settings)
     paths = ProjectPaths.of(root)
     materials = resolve_materials(paths, settings)
     build_corpus(paths, settings, materials, fingerprint=corpus_fingerprint(paths, settings, materials))
-    layers = pair.student_layers + 1  # hidden_states: the embeddings, then each layer's output
-    per_layer: dict[int, dict[str, list[Path]]] = {}
-    for layer in range(layers):
+    data = PairData(pair, settings, {})
+    # hidden_states: the embeddings (0), then each layer's output; -1 is the last after the final norm.
+    for layer in [*range(pair.student_layers), -1]:
         # A new student layer recomputes only the student halves; the teacher targets are reused.
         layer_settings = replace(settings, materials={"student_layer": layer})
-        per_layer[layer] = {}
+        data.layers[layer] = {}
         for split in ("train", "val"):
             keys = [p.key for p in plan_shards(paths, layer_settings, materials, split)]
             precompute_split(paths, layer_settings, materials, split, keys)
             snapshot = root / f"shards-layer{layer}" / split
             shutil.copytree(paths.root / "shards" / split, snapshot)
-            per_layer[layer][split] = sorted(p for p in snapshot.iterdir() if p.is_dir())
-    mix = {split: [concat_layers(root / "shards-mix" / split / f.name, [per_layer[k][split][i] for k in range(layers)])
-                   for i, f in enumerate(per_layer[0][split])] for split in ("train", "val")}
-    return PairData(pair, settings, {"layer0": per_layer[0], "mix": mix}, layers, time.process_time() - began)
+            data.layers[layer][split] = sorted(p for p in snapshot.iterdir() if p.is_dir())
+    last = pair.student_layers
+    thirds = sorted({round(last / 3), round(2 * last / 3), -1} - {last})  # -1 is the last layer's output
+    every = [*range(pair.student_layers), -1]
+    for combine, layers in (("thirds", thirds), ("ln-mean", every), ("learned-mix", every)):
+        data.combined[combine] = (len(layers), {
+            split: [concat_layers(root / f"shards-{combine}" / split / f.name,
+                                  [data.layers[k][split][i] for k in layers])
+                    for i, f in enumerate(data.layers[every[0]][split])] for split in ("train", "val")})
+    pool = data.layers[pair.current_layer]
+    for select in ("random", "clusters", "farthest"):
+        rows = select_prompts(pool["train"], size.train // 3, select)
+        data.selected[select] = {"train": write_selection(root / f"shards-select-{select}" / "train", pool["train"],
+                                                          rows, size.shard_size),
+                                 "val": pool["val"]}
+    data.prepare_cpu_s = time.process_time() - began
+    return data
+
+
+def write_shard(folder: Path, halves: dict[str, dict[str, torch.Tensor]], metas: dict[str, dict],
+                texts: list[str]) -> Path:
+    """A shard folder in the on-disk format (prompts, each half's safetensors, its sidecar last)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    atomic.write_text(folder / PROMPTS_FILE, "".join(json.dumps({"text": t}, ensure_ascii=False) + "\n"
+                                                     for t in texts))
+    for half, tensors in halves.items():
+        path = data_file(folder, half)
+        with atomic.atomic_path(path) as tmp:
+            save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
+        atomic.write_json(folder / f"{half}.json", {**metas[half], **verify.record(path)})
+    return folder
 
 
 def concat_layers(folder: Path, sources: list[Path]) -> Path:
     """A shard folder whose student half holds the given layers' states side by side ([tokens, k*Ds])."""
-    shutil.copytree(sources[0], folder)
     halves = [read_half(src, "student") for src in sources]
     for half in halves[1:]:
         assert torch.equal(half["offsets"], halves[0]["offsets"]), "the layers' shards hold different prompts"
-    tensors = {"hidden": torch.cat([h["hidden"] for h in halves], dim=1), "offsets": halves[0]["offsets"],
+    student = {"hidden": torch.cat([h["hidden"] for h in halves], dim=1), "offsets": halves[0]["offsets"],
                "token_ids": halves[0]["token_ids"]}
-    path = folder / STUDENT_FILE
-    with atomic.atomic_path(path) as tmp:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
-    meta = atomic.read_json(folder / "student.json")
-    meta.update(dim=int(tensors["hidden"].shape[1]), layers=len(sources),
-                fingerprint=atomic.fingerprint([atomic.read_json(s / "student.json")["fingerprint"] for s in sources]))
-    atomic.write_json(folder / "student.json", {**meta, **verify.record(path)})
-    return folder
+    student_meta = {**atomic.read_json(sources[0] / "student.json"), "dim": int(student["hidden"].shape[1]),
+                    "layers": len(sources), "fingerprint": atomic.fingerprint(
+                        [atomic.read_json(s / "student.json")["fingerprint"] for s in sources])}
+    texts = [json.loads(line)["text"] for line in (sources[0] / PROMPTS_FILE).read_text("utf-8").splitlines()]
+    return write_shard(folder, {"teacher": read_half(sources[0], "teacher"), "student": student},
+                       {"teacher": atomic.read_json(sources[0] / "teacher.json"), "student": student_meta}, texts)
+
+
+def select_prompts(pool: list[Path], n: int, how: str) -> list[tuple[int, int]]:
+    """(shard, row) of ``n`` prompts of the pool, before any teacher would run: from the student's states only.
+
+    The empty prompt keeps its share (the corpus's CFG rows) whatever the method; the other prompts are
+    chosen at random, balanced over k-means clusters of their mean student state (round-robin, a random
+    member of each cluster in turn), or by farthest-point sampling (each next prompt the one farthest, in
+    cosine distance, from all chosen so far)."""
+    where, means, empty = [], [], []
+    for s, folder in enumerate(pool):
+        shard = load_shard(folder)
+        for i, text in enumerate(shard.texts):
+            (empty if text == "" else where).append((s, i))
+            if text:
+                means.append(shard.states(i).float().mean(0))
+    g = torch.Generator().manual_seed(0)
+    n_empty = round(n * len(empty) / (len(empty) + len(where)))
+    k = n - n_empty
+    points = F.normalize(torch.stack(means), dim=-1)
+    if how == "random":
+        chosen = torch.randperm(len(where), generator=g)[:k].tolist()
+    elif how == "farthest":
+        chosen = [int((points @ points.mean(0)).argmax())]  # start nearest the centre: not an outlier
+        distance = 1 - points @ points[chosen[0]]
+        while len(chosen) < k:
+            chosen.append(int(distance.argmax()))
+            distance = torch.minimum(distance, 1 - points @ points[chosen[-1]])
+    else:
+        labels = kmeans(points, min(CLUSTERS, k), g)
+        members = [torch.nonzero(labels == c).flatten()[torch.randperm(int((labels == c).sum()), generator=g)].tolist()
+                   for c in range(int(labels.max()) + 1)]
+        chosen = []
+        while len(chosen) < k:
+            for group in members:
+                if group and len(chosen) < k:
+                    chosen.append(group.pop())
+    return sorted(empty[:n_empty] + [where[i] for i in chosen])
+
+
+def kmeans(points: torch.Tensor, k: int, g: torch.Generator, iterations: int = 25) -> torch.Tensor:
+    """Cluster labels of unit vectors (spherical k-means, seeded k-means++ start)."""
+    centres = [points[int(torch.randint(len(points), (1,), generator=g))]]
+    for _ in range(1, k):
+        nearest = (1 - points @ torch.stack(centres).T).min(1).values.clamp_min(0)
+        centres.append(points[int(torch.multinomial(nearest + 1e-12, 1, generator=g))])
+    centres = torch.stack(centres)
+    for _ in range(iterations):
+        labels = (points @ centres.T).argmax(1)
+        for c in range(k):
+            if (labels == c).any():
+                centres[c] = F.normalize(points[labels == c].mean(0), dim=-1)
+    return (points @ centres.T).argmax(1)
+
+
+def write_selection(folder: Path, pool: list[Path], rows: list[tuple[int, int]], per_shard: int) -> list[Path]:
+    """The chosen prompts as shards of their own (teacher targets and student states copied, in pool order)."""
+    loaded = {s: (load_shard(pool[s]), read_half(pool[s], "student")["token_ids"]) for s in {s for s, _ in rows}}
+    out = []
+    for start in range(0, len(rows), per_shard):
+        chunk = rows[start:start + per_shard]
+        states = [loaded[s][0].states(i) for s, i in chunk]
+        tokens = [loaded[s][1][loaded[s][0].offsets[i]:loaded[s][0].offsets[i + 1]] for s, i in chunk]
+        lengths = torch.tensor([len(x) for x in states], dtype=torch.int64)
+        student = {"hidden": torch.cat(states), "offsets": torch.cat([torch.zeros(1, dtype=torch.int64),
+                                                                      lengths.cumsum(0)]),
+                   "token_ids": torch.cat(tokens)}
+        teacher = {"targets": torch.stack([loaded[s][0].targets[i] for s, i in chunk])}
+        metas = {half: {**atomic.read_json(pool[chunk[0][0]] / f"{half}.json"), "prompts": len(chunk),
+                        "fingerprint": atomic.fingerprint([half, [(pool[s].name, i) for s, i in chunk]])}
+                 for half in ("teacher", "student")}
+        out.append(write_shard(folder / f"{len(out):05d}", {"teacher": teacher, "student": student}, metas,
+                               [loaded[s][0].texts[i] for s, i in chunk]))
+    return out
 
 
 # -- training -----------------------------------------------------------------------------
@@ -228,7 +385,7 @@ def train_once(work: Path, data: PairData, variant: Variant, steps: int, *, log_
     training = {**variant.training, "steps": steps, "warmup_steps": min(warmup, steps), "log_every": log_every,
                 "validate_every": steps, "checkpoint_every": steps, "keep_checkpoints": 1, "device": "cpu"}
     settings = replace(data.settings, training=training)
-    folders = data.shards["mix" if variant.mix else "layer0"]
+    folders = data.folders(variant)
     fingerprint = training_fingerprint(settings, [shards_identity(folders["train"])], [shards_identity(folders["val"])])
     marks: list[tuple[int, float]] = []
 
@@ -237,7 +394,9 @@ def train_once(work: Path, data: PairData, variant: Variant, steps: int, *, log_
             marks.append((payload["step"], time.process_time()))
 
     run_root = work / f"run-{time.monotonic_ns()}"
-    with layer_mix_model(data.layers) if variant.mix else contextlib.nullcontext():
+    model = layers_model(data.combined[variant.combine][0], variant.combine) if variant.combine \
+        else contextlib.nullcontext()
+    with model:
         began = time.process_time()
         summary = train_adapter(ProjectPaths.of(run_root), settings, train_folders=folders["train"],
                                 val_folders=folders["val"], fingerprint=fingerprint, on_event=on_event)
@@ -249,17 +408,17 @@ def train_once(work: Path, data: PairData, variant: Variant, steps: int, *, log_
     return {"summary": summary, "cpu_s": cpu, "cpu_per_step": min(windows)}
 
 
-def step_costs(work: Path, data: PairData, size: Size) -> dict[str, float]:
+def step_costs(work: Path, data: PairData, variants: list[Variant], size: Size) -> dict[str, float]:
     """CPU seconds per training step of each variant, from short runs (fixed costs left out)."""
     costs = {}
     # The first run of a process is slower (allocator, caches); run once untimed so that "current",
     # calibrated first, is not charged for it and every other variant handed extra steps.
-    for variant in (VARIANTS[0], *VARIANTS):
+    for variant in (variants[0], *variants):
         if variant.same_cost and variant.name != "current":
             continue
-        run = train_once(work, data, variant, size.calibration_steps, log_every=max(1, size.calibration_steps // 6))
+        run = train_once(work, data, variant, size.calibration_steps, log_every=max(1, size.calibration_steps // 4))
         costs[variant.name] = run["cpu_per_step"]
-    return {v.name: costs["current"] if v.same_cost else costs[v.name] for v in VARIANTS}
+    return {v.name: costs["current"] if v.same_cost else costs[v.name] for v in variants}
 
 
 def equal_cpu_steps(base_steps: int, base_cost: float, cost: float) -> int:
@@ -268,12 +427,77 @@ def equal_cpu_steps(base_steps: int, base_cost: float, cost: float) -> int:
     return max(1, round(base_steps * base_cost / cost))
 
 
+def measure_pair(root: Path, pair: Pair, size: Size) -> list[dict]:
+    data = prepare_pair(root / f"pair-{pair.name}", pair, size)
+    train = data.layers[pair.current_layer]["train"]
+    dims = atomic.read_json(train[0] / "student.json")["dim"]
+    print(f"pair {pair.name}: student {dims} wide, {pair.student_layers} layers "
+          f"({'independent of the teacher' if pair.independent else 'the teacher reads a lift of its layer 0'}), "
+          f"current reads layer {pair.current_layer}; teacher {TEACHER_HIDDEN_SIZE} wide x {size.query_rows} "
+          f"query rows; {sum(shard_size(f) for f in train)} train / "
+          f"{sum(shard_size(f) for f in data.layers[pair.current_layer]['val'])} val prompts, selections of "
+          f"{sum(shard_size(f) for f in data.selected['random']['train'])}; materials + corpus + shards "
+          f"{data.prepare_cpu_s:.0f} CPU s", file=sys.stderr, flush=True)
+    variants = variants_for(pair)
+    costs = step_costs(root / "runs", data, variants, size)
+    rows = []
+    for variant in variants:
+        steps = equal_cpu_steps(size.steps, costs["current"], costs[variant.name])
+        run = train_once(root / "runs", data, variant, steps, log_every=max(1, steps // 10))
+        rows.append({"pair": pair.name, "variant": variant.name, "steps": steps, "cpu_s": run["cpu_s"],
+                     "cosine": run["summary"].val_centred_cosine})
+        print(f"  {variant.name}: {steps} steps, {run['cpu_s']:.1f} CPU s, val centred cosine "
+              f"{rows[-1]['cosine']:.4f}", file=sys.stderr, flush=True)
+    return rows
+
+
+# -- the table and the rule ---------------------------------------------------------------
+
+def report(rows: list[dict]) -> None:
+    """Prints the table (deltas against each row's base, CPU ratios against current) and the verdict."""
+    by = {(r["pair"], r["variant"]): r for r in rows}
+    variants = {v.name: v for v in VARIANTS}
+    print(f"{'pair':<4} {'variant':<18} {'steps':>6} {'CPU s':>7} {'CPU ratio':>9} {'val cos':>8} {'delta':>8}  vs")
+    for r in rows:
+        base = variants[r["variant"]].base()
+        r["delta"] = r["cosine"] - by[(r["pair"], base)]["cosine"]
+        r["cpu_ratio"] = r["cpu_s"] / by[(r["pair"], "current")]["cpu_s"]
+        print(f"{r['pair']:<4} {r['variant']:<18} {r['steps']:>6} {r['cpu_s']:>7.2f} {r['cpu_ratio']:>9.2f} "
+              f"{r['cosine']:>8.4f} {r['delta']:>+8.4f}  {base}")
+    pairs = sorted({r["pair"] for r in rows})
+    spread = {p: abs(by[(p, "current-seed1")]["delta"]) for p in pairs}
+    print("seed-to-seed spread: " + ", ".join(f"{p} {spread[p]:.4f}" for p in pairs))
+    if not {"A", "B", "C"} <= set(pairs):
+        print("the verdict needs families A, B and C (--merge the saved rows)")
+        return
+    winners = []
+    for name, variant in variants.items():
+        if not variant.candidate or (("C", name) not in by):
+            continue
+        c = by[("C", name)]
+        others = [by[(p, name)] for p in ("A", "B") if (p, name) in by]  # a one-layer row may be current there
+        if (c["delta"] >= MARGIN and all(r["delta"] >= -spread[r["pair"]] for r in others)
+                and all(r["cpu_ratio"] <= CPU_TOLERANCE for r in [c, *others])):
+            winners.append((c["delta"], name))
+    for gain, name in sorted(winners, reverse=True):
+        print(f"winner: {name} (+{gain:.4f} on C against {variants[name].base()}, within the seed spread or "
+              "better on A and B, at equal CPU time)")
+    if not winners:
+        print(f"no variant gains >= {MARGIN} on C without losing beyond the seed spread on A or B; defaults unchanged")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run, well under a minute")
-    parser.add_argument("--steps", type=int, help="the current recipe's steps (default: 600, --quick 20)")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run, about a minute")
+    parser.add_argument("--steps", type=int, help="the current recipe's steps (default: 600, --quick 12)")
+    parser.add_argument("--pairs", default="ABC", help="the families to measure (default ABC)")
+    parser.add_argument("--save", type=Path, help="also write the measured rows here (json)")
+    parser.add_argument("--merge", type=Path, nargs="+", help="print the table and verdict of saved rows")
     parser.add_argument("--keep", type=Path, help="build everything here and keep it")
     args = parser.parse_args(argv)
+    if args.merge:
+        report([row for path in args.merge for row in json.loads(path.read_text())])
+        return 0
     torch.set_num_threads(1)  # CPU seconds comparable between runs and machines, whatever the neighbours do
     quiet_libraries()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -284,43 +508,14 @@ def main(argv: list[str] | None = None) -> int:
     root = args.keep or Path(tempfile.mkdtemp(prefix="bench-quality-"))
     rows: list[dict] = []
     try:
-        for pair in PAIRS:
-            data = prepare_pair(root / f"pair-{pair.name}", pair, size)
-            dims = atomic.read_json(data.shards["layer0"]["train"][0] / "student.json")["dim"]
-            print(f"pair {pair.name}: student {dims} wide, {pair.student_layers} layers ({data.layers} hidden states), "
-                  f"teacher {TEACHER_HIDDEN_SIZE} wide x {size.query_rows} query rows; "
-                  f"{sum(shard_size(f) for f in data.shards['layer0']['train'])} train / "
-                  f"{sum(shard_size(f) for f in data.shards['layer0']['val'])} val prompts; "
-                  f"materials + corpus + precompute {data.precompute_cpu_s:.0f} CPU s", file=sys.stderr, flush=True)
-            costs = step_costs(root / "runs", data, size)
-            for variant in VARIANTS:
-                steps = equal_cpu_steps(size.steps, costs["current"], costs[variant.name])
-                run = train_once(root / "runs", data, variant, steps, log_every=max(1, steps // 10))
-                rows.append({"pair": pair.name, "variant": variant.name, "steps": steps, "cpu_s": run["cpu_s"],
-                             "cosine": run["summary"].val_centred_cosine})
-                print(f"  {variant.name}: {steps} steps, {run['cpu_s']:.1f} CPU s, val centred cosine "
-                      f"{rows[-1]['cosine']:.4f}", file=sys.stderr, flush=True)
+        for pair in (p for p in PAIRS if p.name in args.pairs):
+            rows += measure_pair(root, pair, size)
     finally:
         if args.keep is None:
             shutil.rmtree(root, ignore_errors=True)
-
-    base = {r["pair"]: r for r in rows if r["variant"] == "current"}
-    print(f"{'pair':<4} {'variant':<16} {'steps':>6} {'CPU s':>7} {'CPU ratio':>9} {'val cos':>8} {'delta':>8}")
-    for r in rows:
-        b = base[r["pair"]]
-        r["delta"], r["cpu_ratio"] = r["cosine"] - b["cosine"], r["cpu_s"] / b["cpu_s"]
-        print(f"{r['pair']:<4} {r['variant']:<16} {r['steps']:>6} {r['cpu_s']:>7.2f} {r['cpu_ratio']:>9.2f} "
-              f"{r['cosine']:>8.4f} {r['delta']:>+8.4f}")
-    winners = []
-    for variant in (v for v in VARIANTS if v.candidate):
-        mine = [r for r in rows if r["variant"] == variant.name]
-        if all(r["delta"] >= MARGIN and r["cpu_ratio"] <= CPU_TOLERANCE for r in mine):
-            winners.append((min(r["delta"] for r in mine), variant.name))
-    if winners:
-        gain, name = max(winners)
-        print(f"winner: {name} (val centred cosine +{gain:.4f} or more on every pair at equal CPU time)")
-    else:
-        print(f"no variant wins by >= {MARGIN} on both pairs; defaults unchanged")
+    if args.save:
+        atomic.write_json(args.save, rows)
+    report(rows)
     print(f"benchmark CPU time: {time.process_time() - began:.0f} s (torch threads {torch.get_num_threads()})")
     return 0
 

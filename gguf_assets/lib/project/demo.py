@@ -89,6 +89,8 @@ INITIALIZER_RANGE = 0.03
 # more than it moves its own tokens: outputs depend on the prompt, while the prompt
 # tokens stay close to their embeddings (little token-token mixing for the student to copy).
 QUERY_ROW_SCALE = 0.02
+# The independent pair's student (build_demo_materials(independent=True)).
+INDEPENDENT_STUDENT_INIT = 2 * INITIALIZER_RANGE
 
 # Share of the prompts that are exact copies of earlier ones (the corpus step dedupes).
 _DUPLICATE_FRACTION = 0.005
@@ -221,8 +223,55 @@ def _long_prompt(rng: random.Random) -> str:
     return text
 
 
-def _generate_prompts(rng: random.Random, n_prompts: int) -> list[str]:
-    """Unique prompts of mixed length, then a few exact duplicates spliced in."""
+def _demo_prompt(rng: random.Random) -> str:
+    roll = rng.random()
+    if roll < 0.35:
+        return _short_prompt(rng)
+    if roll < 0.8:
+        return _medium_prompt(rng)
+    return _long_prompt(rng)
+
+
+# The independent pair's prompts (benchmarks/bench_quality.py, family C): a grammar and vocabulary of their
+# own, so nothing in it was tuned on the demo's prompts. Scenes of counted objects with attributes and
+# spatial relations, where word order matters (what is left of what), unlike a bag of style tags.
+_COUNTS = ("one", "two", "three", "four", "five", "six", "a dozen", "many", "a pair of", "several")
+_COLORS = ("scarlet", "teal", "ochre", "violet", "charcoal", "ivory", "amber", "cobalt", "olive", "coral",
+           "magenta", "bronze")
+_OBJECTS = ("cube", "sphere", "cone", "pyramid", "cylinder", "torus", "chair", "lamp", "bottle", "kettle",
+            "umbrella", "clock", "shoe", "book", "candle", "vase", "apple", "feather")
+_MATERIALS = ("glass", "felt", "chrome", "clay", "paper", "jade", "rubber", "oak", "wool", "ice")
+_RELATIONS = ("left of", "right of", "on top of", "underneath", "behind", "in front of", "inside", "next to",
+              "leaning on", "orbiting")
+_PLACES = ("on a checkered floor", "on a white table", "in an empty room", "on a sand dune", "on a rooftop",
+           "in a shallow pool", "on a shelf", "in a glass box", "on a tiled kitchen counter")
+_CAMERAS = ("top-down view", "eye level", "macro shot", "wide shot", "tilted frame", "orthographic",
+            "35mm lens", "fisheye lens", "long exposure")
+
+
+def _scene_object(rng: random.Random) -> str:
+    words = [rng.choice(_COUNTS), rng.choice(_COLORS)]
+    if rng.random() < 0.5:
+        words.append(rng.choice(_MATERIALS))
+    noun = rng.choice(_OBJECTS)
+    return " ".join(words + [noun if words[0] == "one" else noun + "s"])
+
+
+def _scene_prompt(rng: random.Random) -> str:
+    roll = rng.random()
+    if roll < 0.3:  # a terse object or two
+        return _scene_object(rng) if rng.random() < 0.5 else f"{_scene_object(rng)} and {_scene_object(rng)}"
+    parts = [f"{_scene_object(rng)} {rng.choice(_RELATIONS)} {_scene_object(rng)}"]
+    for _ in range(rng.randint(0, 3) if roll < 0.8 else rng.randint(3, 6)):
+        parts.append(f"{rng.choice(_RELATIONS)} {_scene_object(rng)}")
+    parts.append(rng.choice(_PLACES))
+    parts += rng.sample(_CAMERAS, rng.randint(0, 2))
+    return ", ".join(parts)
+
+
+def _with_duplicates(rng: random.Random, n_prompts: int, generate) -> list[str]:
+    """``n_prompts`` prompts from ``generate(rng)``: unique ones of mixed length, then a few exact duplicates
+    spliced in after their originals (the corpus step dedupes them)."""
     n_dupes = max(1, round(n_prompts * _DUPLICATE_FRACTION)) if n_prompts >= 2 else 0
     n_unique = n_prompts - n_dupes
     seen: set[str] = set()
@@ -232,18 +281,11 @@ def _generate_prompts(rng: random.Random, n_prompts: int) -> list[str]:
         attempts += 1
         if attempts > 50 * n_prompts + 1000:
             raise RuntimeError(f"could not generate {n_unique} unique prompts")
-        roll = rng.random()
-        if roll < 0.35:
-            text = _short_prompt(rng)
-        elif roll < 0.8:
-            text = _medium_prompt(rng)
-        else:
-            text = _long_prompt(rng)
+        text = generate(rng)
         if text not in seen:
             seen.add(text)
             prompts.append(text)
     for _ in range(n_dupes):
-        # Insert a copy after its original so both survive in order.
         src = rng.randrange(len(prompts))
         prompts.insert(rng.randint(src + 1, len(prompts)), prompts[src])
     return prompts
@@ -308,7 +350,7 @@ def _seeded_init(
 
 
 def _build_teacher(
-    tokenizer: PreTrainedTokenizerFast, seed: int, student_embeddings: torch.Tensor
+    tokenizer: PreTrainedTokenizerFast, seed: int, student_embeddings: torch.Tensor | None
 ) -> Qwen3MoeForCausalLM:
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
@@ -335,8 +377,10 @@ def _build_teacher(
     # function of what the student's layer 0 holds: the same tokenizer *and* a shared token
     # space, as when a student is cut down from its teacher. Independent random tables would
     # leave the adapter to memorize a ~400-token lookup through a 48-wide bottleneck.
-    with torch.no_grad():
-        teacher.get_input_embeddings().weight.copy_(_lift(student_embeddings, seed))
+    # ``None``: the teacher keeps its own table (the independent pair).
+    if student_embeddings is not None:
+        with torch.no_grad():
+            teacher.get_input_embeddings().weight.copy_(_lift(student_embeddings, seed))
     return teacher
 
 
@@ -349,7 +393,7 @@ def _lift(student_embeddings: torch.Tensor, seed: int) -> torch.Tensor:
 
 
 def _build_student(tokenizer: PreTrainedTokenizerFast, seed: int, *, hidden_size: int = STUDENT_HIDDEN_SIZE,
-                   layers: int = STUDENT_LAYERS) -> Qwen3ForCausalLM:
+                   layers: int = STUDENT_LAYERS, initializer_range: float = INITIALIZER_RANGE) -> Qwen3ForCausalLM:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     config = Qwen3Config(
@@ -361,7 +405,7 @@ def _build_student(tokenizer: PreTrainedTokenizerFast, seed: int, *, hidden_size
         head_dim=12,
         intermediate_size=2 * hidden_size,
         max_position_embeddings=MAX_POSITION_EMBEDDINGS,
-        initializer_range=INITIALIZER_RANGE,
+        initializer_range=initializer_range,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=None,
@@ -430,14 +474,20 @@ def _install(staged: Path, final: Path, trash: Path) -> None:
 
 def build_demo_materials(
     root: Path, *, seed: int = 0, n_prompts: int = 2000, query_rows: int = 256,
-    student_hidden_size: int = STUDENT_HIDDEN_SIZE, student_layers: int = STUDENT_LAYERS,
+    student_hidden_size: int = STUDENT_HIDDEN_SIZE, student_layers: int = STUDENT_LAYERS, independent: bool = False,
 ) -> DemoMaterials:
     """Build the demo teacher, student and dataset under ``root`` (no network).
 
     Same ``seed`` and options give byte-identical files. Existing ``teacher``,
     ``student`` and ``dataset`` folders under ``root`` are replaced. ``student_hidden_size``
     and ``student_layers`` give students of other shapes (benchmarks/bench_quality.py); the
-    teacher's token embeddings are a lift of whichever student's, as always.
+    teacher's token embeddings are a lift of whichever student's.
+
+    ``independent``: a pair this builder does not shape (bench_quality's family C), as two separately
+    trained models would be: the teacher keeps its own random token table, the student's weights are
+    drawn on their own at twice the scale (INDEPENDENT_STUDENT_INIT, so its layers differ more from its
+    embeddings), and the prompts come from a scene grammar of their own. Nothing ties the student's
+    layer 0 to what the teacher reads.
     """
     if n_prompts < 1:
         raise ValueError(f"n_prompts must be >= 1, got {n_prompts}")
@@ -450,7 +500,7 @@ def build_demo_materials(
 
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    prompts = _generate_prompts(random.Random(seed), n_prompts)
+    prompts = _with_duplicates(random.Random(seed), n_prompts, _scene_prompt if independent else _demo_prompt)
     tokenizer = _train_tokenizer(prompts)
     logger.info("demo tokenizer: %d tokens from %d prompts", len(tokenizer), len(prompts))
 
@@ -459,8 +509,9 @@ def build_demo_materials(
     try:
         staged = tmp / "staged"
         staged.mkdir()
-        student = _build_student(tokenizer, seed, hidden_size=student_hidden_size, layers=student_layers)
-        teacher = _build_teacher(tokenizer, seed, student.get_input_embeddings().weight)
+        student = _build_student(tokenizer, seed, hidden_size=student_hidden_size, layers=student_layers,
+                                 initializer_range=INDEPENDENT_STUDENT_INIT if independent else INITIALIZER_RANGE)
+        teacher = _build_teacher(tokenizer, seed, None if independent else student.get_input_embeddings().weight)
         _save_model(teacher, tokenizer, staged / "teacher")
         save_file(
             {QUERY_ROWS_TENSOR: _query_rows(seed, query_rows)},

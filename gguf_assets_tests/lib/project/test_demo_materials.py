@@ -207,3 +207,40 @@ def test_options_and_rebuild_in_place(tmp_path: Path) -> None:
     assert sum(1 for _ in iter_prompts(second.dataset_dir)) == 300
     with pytest.raises(ValueError):
         build_demo_materials(tmp_path, n_prompts=0)
+
+
+def _lift_residual(teacher_dir: Path, student_dir: Path) -> float:
+    """How much of the teacher's token table no linear map of the student's explains (0: a pure lift)."""
+    teacher = load_file(teacher_dir / "model.safetensors")["model.embed_tokens.weight"].double()
+    student = load_file(student_dir / "model.safetensors")["model.embed_tokens.weight"].double()
+    fit = torch.linalg.lstsq(student, teacher).solution
+    return float((teacher - student @ fit).square().sum() / teacher.square().sum())
+
+
+def test_the_independent_pair_is_not_shaped_by_the_builder(tmp_path: Path) -> None:
+    """bench_quality's family C: the teacher's token table is its own, the student is drawn separately, and
+    the prompts come from their own grammar; still deterministic, and its teacher still reads the prompt."""
+    lifted = build_demo_materials(tmp_path / "lifted", n_prompts=300, query_rows=8, student_hidden_size=96)
+    first = build_demo_materials(tmp_path / "c1", n_prompts=300, query_rows=8, student_hidden_size=96,
+                                 student_layers=6, independent=True)
+    again = build_demo_materials(tmp_path / "c2", n_prompts=300, query_rows=8, student_hidden_size=96,
+                                 student_layers=6, independent=True)
+    assert _files(tmp_path / "c1") == _files(tmp_path / "c2")
+    assert _lift_residual(lifted.teacher_dir, lifted.student_dir) < 1e-6  # the demo's: a lift, exactly
+    # Random 64-wide rows against a 96-wide basis over ~1000 tokens: most of the table is out of reach.
+    assert _lift_residual(first.teacher_dir, first.student_dir) > 0.8
+    texts = list(iter_prompts(first.dataset_dir))
+    demo_words = {w.strip(",.") for t in iter_prompts(lifted.dataset_dir) for w in t.split()}
+    scene_words = {w.strip(",.") for t in texts for w in t.split()}
+    assert len(texts) == 300 and 1 <= len(texts) - len(set(texts)) <= 5
+    assert len(scene_words & demo_words) < 0.3 * len(scene_words), scene_words & demo_words
+    student = AutoModelForCausalLM.from_pretrained(first.student_dir)
+    assert student.config.num_hidden_layers == 6 and student.config.hidden_size == 96
+    teacher = AutoModelForCausalLM.from_pretrained(first.teacher_dir).eval()
+    tok = AutoTokenizer.from_pretrained(first.teacher_dir)
+    query = load_file(first.teacher_dir / QUERY_ROWS_FILENAME)[QUERY_ROWS_TENSOR]
+    with torch.no_grad():
+        outputs = torch.stack([teacher.model(inputs_embeds=torch.cat(
+            [teacher.get_input_embeddings()(torch.tensor([tok(t).input_ids])), query[None]], dim=1)
+        ).last_hidden_state[0, -8:] for t in list(dict.fromkeys(texts))[:40]])
+    assert _prompt_dependence(outputs) > MIN_PROMPT_DEPENDENCE
