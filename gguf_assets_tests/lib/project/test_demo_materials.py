@@ -223,7 +223,7 @@ def test_the_independent_pair_is_not_shaped_by_the_builder(tmp_path: Path) -> No
     lifted = build_demo_materials(tmp_path / "lifted", n_prompts=300, query_rows=8, student_hidden_size=96)
     first = build_demo_materials(tmp_path / "c1", n_prompts=300, query_rows=8, student_hidden_size=96,
                                  student_layers=6, independent=True)
-    again = build_demo_materials(tmp_path / "c2", n_prompts=300, query_rows=8, student_hidden_size=96,
+    build_demo_materials(tmp_path / "c2", n_prompts=300, query_rows=8, student_hidden_size=96,
                                  student_layers=6, independent=True)
     assert _files(tmp_path / "c1") == _files(tmp_path / "c2")
     assert _lift_residual(lifted.teacher_dir, lifted.student_dir) < 1e-6  # the demo's: a lift, exactly
