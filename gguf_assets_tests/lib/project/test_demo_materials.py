@@ -224,7 +224,7 @@ def test_the_independent_pair_is_not_shaped_by_the_builder(tmp_path: Path) -> No
     first = build_demo_materials(tmp_path / "c1", n_prompts=300, query_rows=8, student_hidden_size=96,
                                  student_layers=6, independent=True)
     build_demo_materials(tmp_path / "c2", n_prompts=300, query_rows=8, student_hidden_size=96,
-                                 student_layers=6, independent=True)
+                         student_layers=6, independent=True)
     assert _files(tmp_path / "c1") == _files(tmp_path / "c2")
     assert _lift_residual(lifted.teacher_dir, lifted.student_dir) < 1e-6  # the demo's: a lift, exactly
     # Random 64-wide rows against a 96-wide basis over ~1000 tokens: most of the table is out of reach.
