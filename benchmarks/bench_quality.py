@@ -8,8 +8,10 @@ Three teacher/student families, each built locally by `lib/project/demo.py: buil
     B   the same with a 96-wide student
     C   an independent pair (``independent=True``): a 96-wide, 6-layer student and a teacher whose
         weights are drawn separately (its own token table), with prompts from a scene grammar of
-        their own. Nothing ties a student layer to what the teacher reads, as with two separately
-        trained models.
+        their own. Nothing ties a student layer to what the teacher reads.
+    D   the same pair, then each model trained on its own as a language model on the prompts
+        (``pretrain_steps``, 300 steps): two separately *trained* models, whose layers carry what
+        the grammar teaches, as real models' do and random ones' cannot.
 
 The corpus, the teacher targets and the student states come from the project's own code
 (`build_corpus`, `precompute_split`), the student states once per student layer. Every variant is
@@ -19,7 +21,7 @@ trained by the real trainer (`train.train_adapter`) on one torch thread, and its
 "Current" is the trainer8 recipe at the demo's CPU scale (`demo_settings`: 64 wide, 1 block, 4 heads,
 lr 4e-3, warmup 10 %, cosine to 10 %, AdamW wd 0.01, clip 1.0, whitened MSE + 0.5 (1 - cos), batch 16),
 reading the student at layer 0 on A and B (the demo's setting) and at its last layer (-1, the
-product's default) on C. ``current-seed1`` is the same with another seed: the chance spread.
+product's default) on C and D. ``current-seed1`` is the same with another seed: the chance spread.
 Variants, each at equal CPU time:
 
     isotropic              training.target_standardization: isotropic (one std, as PHI-S)
@@ -42,11 +44,11 @@ Equal CPU time: a short calibration run of each variant measures its CPU seconds
 (between log events, so fixed costs are left out), and the variant trains
 steps = current steps * current s/step / its s/step (the same steps when within 3 %).
 
-The rule (#27): a variant becomes a default when it gains >= 0.01 val centred cosine on family C
-and loses no more than the seed-to-seed spread (|current-seed1 delta|) on A and on B, at most 10 %
-over the current recipe's CPU seconds.
+The rule (#27): a variant becomes a default when it gains >= 0.01 val centred cosine on the
+independent families (C and D, each) and loses no more than the seed-to-seed spread
+(|current-seed1 delta|) on A and on B, at most 10 % over the current recipe's CPU seconds.
 
-    .venv/bin/python benchmarks/bench_quality.py                 # about 45 CPU minutes, all three families
+    .venv/bin/python benchmarks/bench_quality.py                 # about 35 CPU minutes, all four families
     .venv/bin/python benchmarks/bench_quality.py --pairs C --save c.json   # one family; then
     .venv/bin/python benchmarks/bench_quality.py --merge a.json b.json c.json   # the table and verdict
     .venv/bin/python benchmarks/bench_quality.py --quick         # a smoke run, about a minute
@@ -85,7 +87,7 @@ from gguf_assets.lib.training.train import train_adapter
 from gguf_assets.lib.training.train_data import load_shard, read_half, shard_size
 from gguf_assets.lib.training.training_run import shards_identity, training_fingerprint
 
-MARGIN = 0.01          # val centred cosine a variant must gain on family C to be adopted
+MARGIN = 0.01          # val centred cosine a variant must gain on each new family (C, D) to be adopted
 CPU_TOLERANCE = 1.10   # "equal CPU time": at most this much of the current recipe's CPU seconds
 SAME_COST = 0.03       # per-step costs this close count as equal (keeps calibration noise out of the steps)
 CLUSTERS = 32          # k of the k-means in select-clusters
@@ -97,10 +99,13 @@ class Pair:
     student_hidden_size: int
     student_layers: int = 2
     independent: bool = False
+    pretrained: bool = False  # both models trained as language models on the prompts (Size.pretrain_steps)
     current_layer: int = 0  # the student layer the current recipe reads (-1: the last, after the final norm)
 
 
-PAIRS = (Pair("A", 48), Pair("B", 96), Pair("C", 96, student_layers=6, independent=True, current_layer=-1))
+PAIRS = (Pair("A", 48), Pair("B", 96), Pair("C", 96, student_layers=6, independent=True, current_layer=-1),
+         Pair("D", 96, student_layers=6, independent=True, pretrained=True, current_layer=-1))
+NEW_FAMILIES = ("C", "D")  # the rule's: a default must win on each of them
 
 
 @dataclass(frozen=True)
@@ -155,10 +160,13 @@ class Size:
     query_rows: int
     steps: int          # the current recipe's steps
     calibration_steps: int
+    pretrain_steps: int  # family D's language-model training of each model
 
 
-FULL = Size(prompts=3200, train=2700, val=300, shard_size=900, query_rows=256, steps=600, calibration_steps=60)
-QUICK = Size(prompts=240, train=180, val=30, shard_size=60, query_rows=8, steps=12, calibration_steps=8)
+FULL = Size(prompts=3200, train=2700, val=300, shard_size=900, query_rows=256, steps=600, calibration_steps=60,
+            pretrain_steps=300)
+QUICK = Size(prompts=240, train=180, val=30, shard_size=60, query_rows=8, steps=12, calibration_steps=8,
+             pretrain_steps=10)
 
 
 # -- the multi-layer prototypes -----------------------------------------------------------
@@ -235,7 +243,8 @@ def prepare_pair(root: Path, pair: Pair, size: Size) -> PairData:
     began = time.process_time()
     build_demo_materials(root / "materials" / "demo", seed=0, n_prompts=size.prompts, query_rows=size.query_rows,
                          student_hidden_size=pair.student_hidden_size, student_layers=pair.student_layers,
-                         independent=pair.independent)
+                         independent=pair.independent,
+                         pretrain_steps=size.pretrain_steps if pair.pretrained else 0)
     settings = replace(demo_settings(steps=size.steps),
                        corpus={"train_prompts": size.train, "val_prompts": size.val},
                        precompute={"shard_size": size.shard_size, "val_shard_size": size.val},
@@ -427,12 +436,16 @@ def equal_cpu_steps(base_steps: int, base_cost: float, cost: float) -> int:
     return max(1, round(base_steps * base_cost / cost))
 
 
+PAIR_KINDS = {(False, False): "the teacher reads a lift of its layer 0", (True, False): "independent of the teacher",
+              (True, True): "independent of the teacher, both trained as language models"}
+
+
 def measure_pair(root: Path, pair: Pair, size: Size) -> list[dict]:
     data = prepare_pair(root / f"pair-{pair.name}", pair, size)
     train = data.layers[pair.current_layer]["train"]
     dims = atomic.read_json(train[0] / "student.json")["dim"]
     print(f"pair {pair.name}: student {dims} wide, {pair.student_layers} layers "
-          f"({'independent of the teacher' if pair.independent else 'the teacher reads a lift of its layer 0'}), "
+          f"({PAIR_KINDS[(pair.independent, pair.pretrained)]}), "
           f"current reads layer {pair.current_layer}; teacher {TEACHER_HIDDEN_SIZE} wide x {size.query_rows} "
           f"query rows; {sum(shard_size(f) for f in train)} train / "
           f"{sum(shard_size(f) for f in data.layers[pair.current_layer]['val'])} val prompts, selections of "
@@ -467,30 +480,31 @@ def report(rows: list[dict]) -> None:
     pairs = sorted({r["pair"] for r in rows})
     spread = {p: abs(by[(p, "current-seed1")]["delta"]) for p in pairs}
     print("seed-to-seed spread: " + ", ".join(f"{p} {spread[p]:.4f}" for p in pairs))
-    if not {"A", "B", "C"} <= set(pairs):
-        print("the verdict needs families A, B and C (--merge the saved rows)")
+    if not {"A", "B", *NEW_FAMILIES} <= set(pairs):
+        print(f"the verdict needs families A, B, {', '.join(NEW_FAMILIES)} (--merge the saved rows)")
         return
     winners = []
     for name, variant in variants.items():
-        if not variant.candidate or (("C", name) not in by):
-            continue
-        c = by[("C", name)]
+        if not variant.candidate or any((p, name) not in by for p in NEW_FAMILIES):
+            continue  # a reference row, or a one-layer row that is the new families' current recipe
+        new = [by[(p, name)] for p in NEW_FAMILIES]
         others = [by[(p, name)] for p in ("A", "B") if (p, name) in by]  # a one-layer row may be current there
-        if (c["delta"] >= MARGIN and all(r["delta"] >= -spread[r["pair"]] for r in others)
-                and all(r["cpu_ratio"] <= CPU_TOLERANCE for r in [c, *others])):
-            winners.append((c["delta"], name))
+        if (all(r["delta"] >= MARGIN for r in new) and all(r["delta"] >= -spread[r["pair"]] for r in others)
+                and all(r["cpu_ratio"] <= CPU_TOLERANCE for r in [*new, *others])):
+            winners.append((min(r["delta"] for r in new), name))
     for gain, name in sorted(winners, reverse=True):
-        print(f"winner: {name} (+{gain:.4f} on C against {variants[name].base()}, within the seed spread or "
-              "better on A and B, at equal CPU time)")
+        print(f"winner: {name} (+{gain:.4f} or more on {' and '.join(NEW_FAMILIES)} against "
+              f"{variants[name].base()}, within the seed spread or better on A and B, at equal CPU time)")
     if not winners:
-        print(f"no variant gains >= {MARGIN} on C without losing beyond the seed spread on A or B; defaults unchanged")
+        print(f"no variant gains >= {MARGIN} on {' and '.join(NEW_FAMILIES)} without losing beyond the seed spread "
+              "on A or B; defaults unchanged")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run, about a minute")
     parser.add_argument("--steps", type=int, help="the current recipe's steps (default: 600, --quick 12)")
-    parser.add_argument("--pairs", default="ABC", help="the families to measure (default ABC)")
+    parser.add_argument("--pairs", default="ABCD", help="the families to measure (default ABCD)")
     parser.add_argument("--save", type=Path, help="also write the measured rows here (json)")
     parser.add_argument("--merge", type=Path, nargs="+", help="print the table and verdict of saved rows")
     parser.add_argument("--keep", type=Path, help="build everything here and keep it")

@@ -414,6 +414,43 @@ def _build_student(tokenizer: PreTrainedTokenizerFast, seed: int, *, hidden_size
     return _seeded_init(Qwen3ForCausalLM, config, _derived_seed(seed, "student"))
 
 
+PRETRAIN_BATCH = 32
+PRETRAIN_LEARNING_RATE = 3e-3
+
+
+def _pretrain(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, prompts: list[str], steps: int,
+              seed: int) -> float:
+    """Next-token training on the prompts (each followed by EOS): AdamW, warmup then cosine, batches drawn
+    with the model's own seed (two models trained "separately" see different orders). Returns the mean
+    loss of the last tenth of the steps."""
+    import math
+
+    rows = [tokenizer(text).input_ids + [tokenizer.eos_token_id] for text in sorted(set(prompts))]
+    generator = torch.Generator().manual_seed(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=PRETRAIN_LEARNING_RATE, weight_decay=0.0)
+    losses = []
+    model.train()
+    for step in range(steps):
+        lr = PRETRAIN_LEARNING_RATE * min(1.0, (step + 1) / 20) * 0.5 * (1 + math.cos(math.pi * step / steps))
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        batch = [rows[i] for i in torch.randint(len(rows), (PRETRAIN_BATCH,), generator=generator).tolist()]
+        longest = max(len(r) for r in batch)
+        ids = torch.full((len(batch), longest), tokenizer.pad_token_id)
+        mask = torch.zeros((len(batch), longest), dtype=torch.long)
+        for i, r in enumerate(batch):
+            ids[i, :len(r)], mask[i, :len(r)] = torch.tensor(r), 1
+        loss = model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    model.eval()
+    tail = losses[-max(1, steps // 10):]
+    return sum(tail) / len(tail)
+
+
 def _query_rows(seed: int, n_rows: int) -> torch.Tensor:
     # Private generator: no global RNG side effects.
     gen = torch.Generator().manual_seed(_derived_seed(seed, "query_rows"))
@@ -475,6 +512,7 @@ def _install(staged: Path, final: Path, trash: Path) -> None:
 def build_demo_materials(
     root: Path, *, seed: int = 0, n_prompts: int = 2000, query_rows: int = 256,
     student_hidden_size: int = STUDENT_HIDDEN_SIZE, student_layers: int = STUDENT_LAYERS, independent: bool = False,
+    pretrain_steps: int = 0,
 ) -> DemoMaterials:
     """Build the demo teacher, student and dataset under ``root`` (no network).
 
@@ -488,6 +526,11 @@ def build_demo_materials(
     drawn on their own at twice the scale (INDEPENDENT_STUDENT_INIT, so its layers differ more from its
     embeddings), and the prompts come from a scene grammar of their own. Nothing ties the student's
     layer 0 to what the teacher reads.
+
+    ``pretrain_steps``: then train the teacher and the student, each on its own, as language models on the
+    prompts for that many steps (``_pretrain``; family D), so that their layers carry what the grammar
+    teaches (word order, which words go together), as a real model's do and a random one's cannot.
+    Byte-identical for the same seed and torch thread count.
     """
     if n_prompts < 1:
         raise ValueError(f"n_prompts must be >= 1, got {n_prompts}")
@@ -512,6 +555,10 @@ def build_demo_materials(
         student = _build_student(tokenizer, seed, hidden_size=student_hidden_size, layers=student_layers,
                                  initializer_range=INDEPENDENT_STUDENT_INIT if independent else INITIALIZER_RANGE)
         teacher = _build_teacher(tokenizer, seed, None if independent else student.get_input_embeddings().weight)
+        if pretrain_steps:
+            for name, model in (("teacher", teacher), ("student", student)):
+                loss = _pretrain(model, tokenizer, prompts, pretrain_steps, _derived_seed(seed, f"pretrain-{name}"))
+                logger.info("demo %s pretrained for %d steps: next-token loss %.3f", name, pretrain_steps, loss)
         _save_model(teacher, tokenizer, staged / "teacher")
         save_file(
             {QUERY_ROWS_TENSOR: _query_rows(seed, query_rows)},

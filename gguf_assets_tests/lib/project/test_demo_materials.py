@@ -244,3 +244,26 @@ def test_the_independent_pair_is_not_shaped_by_the_builder(tmp_path: Path) -> No
             [teacher.get_input_embeddings()(torch.tensor([tok(t).input_ids])), query[None]], dim=1)
         ).last_hidden_state[0, -8:] for t in list(dict.fromkeys(texts))[:40]])
     assert _prompt_dependence(outputs) > MIN_PROMPT_DEPENDENCE
+
+
+def _next_token_loss(model_dir: Path, texts: list[str]) -> float:
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    with torch.no_grad():
+        losses = [float(model(input_ids=ids, labels=ids).loss)
+                  for ids in (torch.tensor([tok(t).input_ids + [tok.eos_token_id]]) for t in texts)]
+    return sum(losses) / len(losses)
+
+
+def test_pretrained_pair_models_learn_the_prompts_each_on_its_own(tmp_path: Path) -> None:
+    """Family D: both models trained as language models; they then predict the prompts' next tokens far
+    better than the same models left random, and the two are still different models."""
+    options = dict(n_prompts=300, query_rows=8, student_hidden_size=96, student_layers=2, independent=True)
+    random_pair = build_demo_materials(tmp_path / "random", **options)
+    trained = build_demo_materials(tmp_path / "trained", **options, pretrain_steps=40)
+    texts = list(dict.fromkeys(iter_prompts(trained.dataset_dir)))[:30]
+    for role in ("teacher_dir", "student_dir"):
+        before = _next_token_loss(getattr(random_pair, role), texts)
+        after = _next_token_loss(getattr(trained, role), texts)
+        assert after < 0.7 * before, (role, before, after)
+    assert _lift_residual(trained.teacher_dir, trained.student_dir) > 0.5
