@@ -61,6 +61,7 @@ import argparse
 import contextlib
 import json
 import logging
+import random
 import shutil
 import sys
 import tempfile
@@ -75,9 +76,9 @@ from torch import nn
 
 from gguf_assets.lib.core import atomic, verify
 from gguf_assets.lib.core.quiet import quiet_libraries
-from gguf_assets.lib.corpus.corpus import build_corpus
+from gguf_assets.lib.corpus.corpus import build_corpus, read_split
 from gguf_assets.lib.materials.materials import resolve_materials
-from gguf_assets.lib.precompute.shards import data_file, plan_shards, precompute_split
+from gguf_assets.lib.precompute.shards import ShardBuilder, data_file, plan_shards, precompute_split
 from gguf_assets.lib.project.demo import TEACHER_HIDDEN_SIZE, build_demo_materials, demo_settings
 from gguf_assets.lib.project.layout import PROMPTS_FILE, ProjectPaths
 from gguf_assets.lib.project.pipeline import corpus_fingerprint
@@ -85,7 +86,7 @@ from gguf_assets.lib.project.settings import Settings, replace, write_project_fi
 from gguf_assets.lib.training import train as train_module
 from gguf_assets.lib.training.adapter import Adapter, AdapterShape
 from gguf_assets.lib.training.train import train_adapter
-from gguf_assets.lib.training.train_data import load_shard, read_half, shard_size
+from gguf_assets.lib.training.train_data import load_shard, read_half, shard_size, target_stats
 from gguf_assets.lib.training.training_run import shards_identity, training_fingerprint
 
 MARGIN = 0.01          # val centred cosine a variant must gain on each new family (C, D) to be adopted
@@ -388,6 +389,28 @@ def write_selection(folder: Path, pool: list[Path], rows: list[tuple[int, int]],
     return out
 
 
+def teacher_order(root: Path, data: PairData, n: int = 100) -> tuple[float, float]:
+    """How much the teacher's targets depend on word order, which a student's layer 0 cannot show the adapter
+    (token embeddings carry no position, and the adapter adds none): the centred cosine between a val
+    prompt's targets and those of its words shuffled, and between two different val prompts (the floor)."""
+    paths = ProjectPaths.of(root)
+    texts = [t for t in read_split(paths, "val") if len(t.split()) >= 4][:n]
+    rng, shuffled = random.Random(0), []
+    for text in texts:
+        words = text.split()
+        while " ".join(words) == text:
+            rng.shuffle(words)
+        shuffled.append(" ".join(words))
+    builder = ShardBuilder(paths, data.settings, resolve_materials(paths, data.settings))
+    original, reordered = (builder.targets(batch).targets.float() for batch in (texts, shuffled))
+    mean, _, _ = target_stats(data.layers[data.pair.current_layer]["train"], sigma_floor=1e-6)
+
+    def centred_cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float(F.cosine_similarity(a - mean, b - mean, dim=-1).mean())
+
+    return centred_cosine(original, reordered), centred_cosine(original, original.roll(1, 0))
+
+
 # -- training -----------------------------------------------------------------------------
 
 def train_once(work: Path, data: PairData, variant: Variant, steps: int, *, log_every: int) -> dict:
@@ -442,17 +465,22 @@ PAIR_KINDS = {(False, False): "the teacher reads a lift of its layer 0", (True, 
               (True, True): "independent of the teacher, both trained as language models"}
 
 
-def measure_pair(root: Path, pair: Pair, size: Size) -> list[dict]:
+def measure_pair(root: Path, pair: Pair, size: Size, *, train: bool = True) -> list[dict]:
     data = prepare_pair(root / f"pair-{pair.name}", pair, size)
-    train = data.layers[pair.current_layer]["train"]
-    dims = atomic.read_json(train[0] / "student.json")["dim"]
+    train_folders = data.layers[pair.current_layer]["train"]
+    dims = atomic.read_json(train_folders[0] / "student.json")["dim"]
     print(f"pair {pair.name}: student {dims} wide, {pair.student_layers} layers "
           f"({PAIR_KINDS[(pair.independent, pair.pretrained)]}), "
           f"current reads layer {pair.current_layer}; teacher {TEACHER_HIDDEN_SIZE} wide x {size.query_rows} "
-          f"query rows; {sum(shard_size(f) for f in train)} train / "
+          f"query rows; {sum(shard_size(f) for f in train_folders)} train / "
           f"{sum(shard_size(f) for f in data.layers[pair.current_layer]['val'])} val prompts, selections of "
           f"{sum(shard_size(f) for f in data.selected['random']['train'])}; materials + corpus + shards "
           f"{data.prepare_cpu_s:.0f} CPU s", file=sys.stderr, flush=True)
+    shuffled, different = teacher_order(root / f"pair-{pair.name}", data)
+    print(f"  teacher order, pair {pair.name}: a val prompt's targets vs its words shuffled, centred cosine "
+          f"{shuffled:.4f} (two different prompts: {different:.4f})", flush=True)
+    if not train:
+        return []
     variants = variants_for(pair)
     costs = step_costs(root / "runs", data, variants, size)
     rows = []
@@ -497,6 +525,9 @@ def report(rows: list[dict]) -> None:
     for gain, name in sorted(winners, reverse=True):
         print(f"winner: {name} (+{gain:.4f} or more on {' and '.join(NEW_FAMILIES)} against "
               f"{variants[name].base()}, within the seed spread or better on A and B, at equal CPU time)")
+        if variants[name].layer:
+            print("  (one student layer: read docs/recipe.md, 'The student layer', before changing "
+                  "materials.student_layer: layer 0 shows the adapter no word order)")
     if not winners:
         print(f"no variant gains >= {MARGIN} on {' and '.join(NEW_FAMILIES)} without losing beyond the seed spread "
               "on A or B; defaults unchanged")
@@ -509,6 +540,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pairs", default="ABCD", help="the families to measure (default ABCD)")
     parser.add_argument("--save", type=Path, help="also write the measured rows here (json)")
     parser.add_argument("--merge", type=Path, nargs="+", help="print the table and verdict of saved rows")
+    parser.add_argument("--order-only", action="store_true",
+                        help="build the families and measure only how much their teachers depend on word order")
     parser.add_argument("--keep", type=Path, help="build everything here and keep it")
     args = parser.parse_args(argv)
     if args.merge:
@@ -525,10 +558,12 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     try:
         for pair in (p for p in PAIRS if p.name in args.pairs):
-            rows += measure_pair(root, pair, size)
+            rows += measure_pair(root, pair, size, train=not args.order_only)
     finally:
         if args.keep is None:
             shutil.rmtree(root, ignore_errors=True)
+    if args.order_only:
+        return 0
     if args.save:
         atomic.write_json(args.save, rows)
     report(rows)

@@ -105,6 +105,10 @@ def test_quality_benchmark_prints_its_table_and_applies_its_own_rule():
                 found.add(name)
         return found
 
+    for pair in "ABCD":  # the teachers depend on the prompt more than on its word order, and on both
+        shuffled, different = _figures(out, f"teacher order, pair {pair}: a val prompt's targets vs its words "
+                                            "shuffled, centred cosine # (two different prompts: #)")
+        assert different < shuffled < 0.999, (pair, shuffled, different)
     verdicts = lines[header + 1 + len(rows) + 1:]
     named = {line.split()[1] for line in verdicts if line.startswith("winner: ")}
     if named:
