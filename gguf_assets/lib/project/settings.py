@@ -115,7 +115,9 @@ class Materials(_Section):
                                  description="file in the teacher folder holding the Q x D query rows")
     query_rows_tensor: str = Field("query_rows", description="tensor name of the query rows inside query_rows_file")
     teacher_layer: int = Field(-1, description="teacher hidden layer taken at the query positions (-1 = last)")
-    student_layer: int = Field(-1, description="student hidden layer fed to the adapter (-1 = last)")
+    student_layer: int = Field(-1, description=(
+        "student hidden layer fed to the adapter (-1 = last, after the final norm; 0 = the token embeddings, "
+        "which show the adapter no word order)"))
     trust_remote_code: bool = Field(False, description="allow models that need remote code (off: safer)")
 
 

@@ -517,6 +517,21 @@ def test_relational_loss_measures_the_batchs_similarity_structure():
         float(plain) + 2.0 * float(term.detach()), rel=1e-5)
 
 
+def test_the_adapter_reads_the_prompt_as_a_set_of_states():
+    """Why docs/recipe.md keeps materials.student_layer at -1: the adapter adds no positions, so states that
+    carry none (the token embeddings, layer 0) give the same output in any order."""
+    from gguf_assets.lib.training.adapter import Adapter, AdapterShape
+
+    torch.manual_seed(0)
+    model = Adapter(AdapterShape(student_dim=STUDENT_DIM, query_rows=QUERY_ROWS, target_dim=TARGET_DIM, width=32,
+                                 depth=2, heads=2)).eval()
+    states, mask = torch.randn(1, 7, STUDENT_DIM), torch.ones(1, 7, dtype=torch.bool)
+    with torch.no_grad():
+        out = model(states, mask)
+        assert torch.allclose(model(states[:, torch.randperm(7)], mask), out, atol=1e-5)
+        assert not torch.allclose(model(states[:, :6], mask[:, :6]), out, atol=1e-3)  # the set itself matters
+
+
 def test_a_run_with_the_relational_term_learns(shard_sets, reference, tmp_path):
     summary = train(tmp_path, shard_sets, replace(SETTINGS, training={"relational_weight": 0.1}))
     assert summary.finished and summary.fingerprint != reference["summary"].fingerprint
