@@ -55,12 +55,40 @@ def prepare_instance(paths: ProjectPaths) -> Path:
     from gguf_assets.cluster import instance_config, load_cluster
 
     template = resources.files("gguf_assets").joinpath(DAGSTER_YAML).read_text(encoding="utf-8")
-    template = instance_config(template, load_cluster(paths.root))  # Postgres when cluster.yaml says so
+    cluster = load_cluster(paths.root)
+    template = instance_config(template, cluster)  # Postgres when cluster.yaml says so
     target = home / DAGSTER_YAML
     if not target.is_file() or target.read_text(encoding="utf-8") != template:
         atomic.write_text(target, template)
     os.environ.update(instance_env(paths))
+    if cluster is None:  # Postgres makes its tables in transactions of its own; SQLite's first open races
+        _create_storage_once(home)
     return home
+
+
+STORAGE_CREATED = ".storage-created"  # in <project>/.dagster: the instance's tables exist
+
+
+def _create_storage_once(home: Path) -> None:
+    """Create the instance's storage before anyone else opens it, one process at a time.
+
+    Dagster creates its SQLite tables (and stamps their alembic version) on first open, unguarded: two
+    processes opening a new instance at once collide ("table alembic_version already exists", "more than
+    one head"). Every gguf-trainer entry point comes through here first; the Dagster CLI, webserver and
+    daemon started on a project that gguf-trainer has opened once find the tables made.
+    """
+    if (home / STORAGE_CREATED).is_file():
+        return
+    import fcntl
+
+    with open(home / ".storage-create.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also by a kill -9
+        if (home / STORAGE_CREATED).is_file():
+            return
+        import dagster as dg
+
+        dg.DagsterInstance.get().dispose()
+        atomic.write_text(home / STORAGE_CREATED, "")
 
 
 def size_gpu_pool(instance) -> int:

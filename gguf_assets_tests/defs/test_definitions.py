@@ -203,3 +203,25 @@ def test_bookkeeping_tags_are_hidden_from_the_runs_list_and_the_others_shown():
     # A run an earlier version tagged is still read.
     assert run_tags.get({"gguf_assets/pid": "12"}, run_tags.PID_TAG) == "12"
     assert run_tags.get({run_tags.PID_TAG: "13", "gguf_assets/pid": "12"}, run_tags.PID_TAG) == "13"
+
+
+def test_processes_opening_a_new_project_instance_at_once_all_get_it(tmp_path):
+    """Dagster creates its SQLite tables on first open, unguarded, so two processes opening a new instance
+    at once collided ('table alembic_version already exists': a `run` and a status read, in a test under
+    load). prepare_instance creates them once, under a lock, before anyone opens the instance."""
+    import subprocess
+    import sys
+
+    from gguf_assets.lib.project.layout import ProjectPaths
+
+    opener = ("import sys, dagster as dg; from gguf_assets.lib.project.layout import ProjectPaths; "
+              "from gguf_assets.runner import prepare_instance; "
+              "prepare_instance(ProjectPaths.of(sys.argv[1])); dg.DagsterInstance.get().get_runs(); print('ok')")
+    for attempt in range(3):  # the race needs the processes to meet: a few fresh projects
+        root = tmp_path / f"project-{attempt}"
+        root.mkdir()
+        procs = [subprocess.Popen([sys.executable, "-c", opener, str(root)], stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True) for _ in range(4)]
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+        assert all(p.returncode == 0 and out.strip().endswith("ok") for p, out in zip(procs, outs)), outs
+        assert (ProjectPaths.of(root).dagster_home / "history").is_dir()
