@@ -258,10 +258,10 @@ def _next_token_loss(model_dir: Path, texts: list[str]) -> float:
 def test_pretrained_pair_models_learn_the_prompts_each_on_its_own(tmp_path: Path) -> None:
     """Family D: both models trained as language models; they then predict the prompts' next tokens far
     better than the same models left random, and the two are still different models."""
-    options = dict(n_prompts=300, query_rows=8, student_hidden_size=96, student_layers=2, independent=True)
+    options = dict(n_prompts=150, query_rows=4, student_hidden_size=48, student_layers=2, independent=True)
     random_pair = build_demo_materials(tmp_path / "random", **options)
-    trained = build_demo_materials(tmp_path / "trained", **options, pretrain_steps=40)
-    texts = list(dict.fromkeys(iter_prompts(trained.dataset_dir)))[:30]
+    trained = build_demo_materials(tmp_path / "trained", **options, pretrain_steps=60)
+    texts = list(dict.fromkeys(iter_prompts(trained.dataset_dir)))[:12]
     for role in ("teacher_dir", "student_dir"):
         before = _next_token_loss(getattr(random_pair, role), texts)
         after = _next_token_loss(getattr(trained, role), texts)
