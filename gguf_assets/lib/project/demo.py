@@ -286,6 +286,7 @@ def _with_duplicates(rng: random.Random, n_prompts: int, generate) -> list[str]:
             seen.add(text)
             prompts.append(text)
     for _ in range(n_dupes):
+        # Insert a copy after its original so both survive in order.
         src = rng.randrange(len(prompts))
         prompts.insert(rng.randint(src + 1, len(prompts)), prompts[src])
     return prompts
