@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import CLI, cli_env, copy_project, pipeline_outputs
+from conftest import CLI, cli_env, copy_project, pipeline_outputs, wait_for
 
 from gguf_assets.lib.corpus.prompt_files import CorpusError, read_prompt_file
 from gguf_assets.lib.output.export import ExportError, check_file_name
@@ -317,6 +317,10 @@ def test_a_disk_that_fills_during_training_is_one_line_and_the_next_run_finishes
         seen.append(line)
         if "step 10/40" in line:
             break
+    # The step's checkpoint is written after its log line: fill the disk only once it is there (under load,
+    # the filler once won that race, and the checkpoint's own error came instead of the storage one).
+    wait_for(lambda: any(paths.root.glob("checkpoints/*/step-00000010/meta.json")), timeout=60,
+             what="the step-10 checkpoint", proc=proc)
     filler = small_disk / "filler"
     with pytest.raises(OSError), open(filler, "wb") as fh:
         while True:
