@@ -235,41 +235,64 @@ def start_services(commands: list[list[str]], *, log_file: Path | None = None) -
     With ``log_file`` their output goes there instead of the console.
     """
     out = open(log_file, "ab") if log_file else None  # noqa: SIM115  (the children keep it open)
+    started: list[subprocess.Popen] = []
     try:
-        return [subprocess.Popen(cmd, env=os.environ.copy(), start_new_session=True, stdout=out,
-                                 stderr=subprocess.STDOUT if out else None) for cmd in commands]
+        for cmd in commands:
+            started.append(subprocess.Popen(cmd, env=os.environ.copy(), start_new_session=True, stdout=out,
+                                            stderr=subprocess.STDOUT if out else None))
+        return started
+    except BaseException:  # one that cannot start: none of this call's keeps running unseen
+        stop_services(started)
+        raise
     finally:
         if out:
             out.close()
 
 
-def supervise(procs: list[subprocess.Popen], *, grace_s: float = 10.0) -> int:
+class StopSignals:
+    """Ctrl-C and SIGTERM noted instead of raised, from entering on: a stop that comes while services are being
+    started cannot leave one running that the starter never heard of."""
+
+    def __enter__(self) -> "StopSignals":
+        self.signal: int | None = None
+        self._previous = {sig: signal.signal(sig, self._note) for sig in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def _note(self, signum, _frame) -> None:
+        self.signal = signum
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def supervise(procs: list[subprocess.Popen], *, grace_s: float = 10.0, stop: StopSignals | None = None) -> int:
     """Wait until one process exits or we get Ctrl-C/SIGTERM; then stop them all promptly.
 
     Each child gets SIGTERM, then SIGKILL after ``grace_s`` (dagster dev was seen ignoring
     SIGTERM for over a minute, so the webserver and daemon are run and stopped directly).
+    ``stop``: the caller's, when it noted signals already while it started ``procs``.
     """
-    stopping = {"signal": None}
-
-    def stop(signum, _frame):
-        stopping["signal"] = signum
-
-    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        while stopping["signal"] is None and all(p.poll() is None for p in procs):
-            time.sleep(0.2)
-        ended = next((p for p in procs if p.returncode is not None), None)
-        if stopping["signal"] is None and ended is not None:
-            print(f"{Path(ended.args[0]).name} stopped ({_how_it_ended(ended.returncode)}); stopping the rest",
-                  flush=True)
-    finally:
-        stop_services(procs, grace_s=grace_s)
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    if stopping["signal"] is not None:
+    with contextlib.ExitStack() as stack:
+        stop = stop or stack.enter_context(StopSignals())
+        try:
+            while stop.signal is None and all(p.poll() is None for p in procs):
+                time.sleep(0.2)
+            ended = next((p for p in procs if p.returncode is not None), None)
+            if stop.signal is None and ended is not None:
+                print(f"{_service_name(ended.args)} stopped ({_how_it_ended(ended.returncode)}); stopping the rest",
+                      flush=True)
+        finally:
+            stop_services(procs, grace_s=grace_s)
+    if stop.signal is not None:
         return 0
     # A service stopped by a signal (systemd's SIGTERM, a kill) was stopped on purpose; a crash is an error.
     return max((p.returncode or 0) if (p.returncode or 0) > 0 else 0 for p in procs)
+
+
+def _service_name(command: list[str]) -> str:
+    """`dagster-daemon`, or the module of a `python -m gguf_assets.studio.dagster_ui` service."""
+    return command[2] if len(command) > 2 and command[1] == "-m" else Path(command[0]).name
 
 
 def _how_it_ended(returncode: int) -> str:
@@ -310,8 +333,14 @@ def check_ports_free(host: str, ports: dict[str, int]) -> None:
                                 "the other one.") from None
 
 
-def webserver_command(host: str, port: int) -> list[str]:
-    return [venv_tool("dagster-webserver"), "-m", DEFINITIONS_MODULE, "-h", host, "-p", str(port)]
+def webserver_command(host: str, port: int, allow_hosts: list[str] = ()) -> list[str]:
+    """Dagster's own webserver behind the studio's guard (the Host allow-list, the Origin check, the body cap)."""
+    return [sys.executable, "-m", "gguf_assets.studio.dagster_ui", "--host", host, "--port", str(port),
+            *_allow_host_args(allow_hosts)]
+
+
+def _allow_host_args(allow_hosts: list[str]) -> list[str]:
+    return [arg for name in allow_hosts for arg in ("--allow-host", name)]
 
 
 def daemon_command() -> list[str]:
@@ -319,6 +348,7 @@ def daemon_command() -> list[str]:
 
 
 def cmd_ui(args: argparse.Namespace) -> int:
+    from gguf_assets.defs.groups import lineage_path
     from gguf_assets.runner import prepare_instance, size_gpu_pool
 
     paths = ProjectPaths.of(args.project)
@@ -334,30 +364,35 @@ def cmd_ui(args: argparse.Namespace) -> int:
     url = "" if args.no_tensorboard else f"http://{args.host}:{args.tensorboard_port}"
     if url:
         os.environ[TENSORBOARD_URL_ENV] = url  # the adapter's page links to it (runs inherit it)
-    # The studio first: the one page for this project (verdict, stages and why, Run and Stop).
-    print(f"Studio for {paths.root} on {studio}", flush=True)
-    services = start_services([studio_command(paths, args.host, args.studio_port, dagster_url=base,
-                                              tensorboard_url=url)])
-    if url:
         (paths.root / TENSORBOARD_DIR).mkdir(exist_ok=True)
-        log_file = paths.dagster_home / "tensorboard.log"
-        services += start_services([tensorboard_command(paths, args.host, args.tensorboard_port)], log_file=log_file)
-        print(f"TensorBoard (training curves, unsmoothed) on {tensorboard_timeseries_url(url)} (its log: {log_file})",
-              flush=True)
-    from gguf_assets.defs.groups import lineage_path
-
-    print(f"Dagster UI for {paths.root} on {base} (Ctrl-C to stop); the whole pipeline: {base}{lineage_path()}",
-          flush=True)
-    commands = [webserver_command(args.host, args.port)]
-    if not args.no_daemon:
-        commands.append(daemon_command())
-    return supervise(services + start_services(commands))
+    with StopSignals() as stop:  # from the first start on, a Ctrl-C stops what was started, whenever it comes
+        services: list[subprocess.Popen] = []
+        try:
+            # The studio first: the one page for this project (verdict, stages and why, Run and Stop).
+            print(f"Studio for {paths.root} on {studio}", flush=True)
+            services = start_services([studio_command(paths, args.host, args.studio_port, dagster_url=base,
+                                                      tensorboard_url=url, allow_hosts=args.allow_host)])
+            if url and stop.signal is None:
+                log_file = paths.dagster_home / "tensorboard.log"
+                services += start_services([tensorboard_command(paths, args.host, args.tensorboard_port)],
+                                           log_file=log_file)
+                print(f"TensorBoard (training curves, unsmoothed) on {tensorboard_timeseries_url(url)} (its log: "
+                      f"{log_file})", flush=True)
+            if stop.signal is None:
+                print(f"Dagster UI for {paths.root} on {base} (Ctrl-C to stop); the whole pipeline: "
+                      f"{base}{lineage_path()}", flush=True)
+                services += start_services([webserver_command(args.host, args.port, args.allow_host),
+                                            *([] if args.no_daemon else [daemon_command()])])
+        except BaseException:  # a service that cannot start: the others stop too
+            stop_services(services)
+            raise
+        return supervise(services, stop=stop)
 
 
 def studio_command(paths: ProjectPaths, host: str, port: int, *, dagster_url: str,
-                   tensorboard_url: str) -> list[str]:
+                   tensorboard_url: str, allow_hosts: list[str] = ()) -> list[str]:
     return [sys.executable, "-m", "gguf_assets.studio", str(paths.root), "--host", host, "--port", str(port),
-            "--dagster-url", dagster_url, "--tensorboard-url", tensorboard_url]
+            "--dagster-url", dagster_url, "--tensorboard-url", tensorboard_url, *_allow_host_args(allow_hosts)]
 
 
 def tensorboard_command(paths: ProjectPaths, host: str, port: int) -> list[str]:
@@ -624,6 +659,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the studio page's port (this project: verdict, stages and why, Run and Stop)")
     p.add_argument("--tensorboard-port", type=int, default=6006, help="TensorBoard's port (training curves)")
     p.add_argument("--no-tensorboard", action="store_true", help="do not start TensorBoard")
+    p.add_argument("--allow-host", action="append", default=[], metavar="NAME",
+                   help="another host name the studio and the Dagster UI may be opened under (a LAN name, a "
+                        "tunnel); they answer only to 127.0.0.1, localhost, [::1] and --host otherwise")
     p.set_defaults(func=cmd_ui)
     return parser
 
@@ -644,6 +682,9 @@ def main(argv: list[str] | None = None) -> int:
     except SettingsError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C before a command set up its own stop (while Python still imports)
+        print("stopped (Ctrl-C)", file=sys.stderr)
+        return 130
     except BrokenPipeError:  # `gguf-trainer status DIR | head`: the reader left, which is no error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0

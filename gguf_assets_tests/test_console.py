@@ -1,6 +1,8 @@
 """What the user reads on the console: short lines, no library noise, one clear message per error."""
 
+import os
 import re
+import signal
 import subprocess
 import time
 
@@ -139,3 +141,53 @@ def test_a_second_ui_on_a_taken_port_says_so_instead_of_serving_nothing(make_pro
     assert done.returncode == 2, done.stdout + done.stderr
     assert f"127.0.0.1:{port} is already in use" in done.stderr and "--port N" in done.stderr, done.stderr
     assert "Dagster UI" not in done.stdout and "Traceback" not in done.stderr
+
+
+def _left_running(project) -> list[str]:
+    """Processes still serving ``project``: any whose command line or environment names its folder (the Dagster
+    code server names neither the folder nor a port in its command line, but inherits DAGSTER_HOME)."""
+    import psutil
+
+    left = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if proc.pid == os.getpid():
+                continue
+            named = str(project) in " ".join(proc.info["cmdline"] or []) or \
+                any(str(project) in value for value in proc.environ().values())
+            if named:
+                left.append(" ".join(proc.info["cmdline"] or [])[:120])
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return left
+
+
+@pytest.mark.slow  # starts the studio, the Dagster UI, its daemon and TensorBoard three times
+def test_ctrl_c_to_ui_stops_every_server_without_a_traceback_whenever_it_comes(make_project, tmp_path):
+    """Ctrl-C while Python still imports, just after the first server started, and once everything serves:
+    each time `ui` ends within seconds, prints no traceback, and leaves no process of the project behind."""
+    paths = make_project()
+    for moment in ("importing", "first server started", "all serving"):
+        port = free_port()
+        log = tmp_path / f"ui-{moment}.log"
+        with open(log, "w") as out:
+            ui = subprocess.Popen([*CLI, "ui", str(paths.root), "--port", str(port), "--studio-port",
+                                   str(free_port()), "--tensorboard-port", str(free_port())],
+                                  stdout=out, stderr=subprocess.STDOUT, text=True, env=cli_env())
+        if moment == "importing":
+            time.sleep(0.5)
+        else:
+            wanted = "Studio for" if moment == "first server started" else "Serving dagster-webserver"
+            deadline = time.monotonic() + 180
+            while wanted not in log.read_text() and time.monotonic() < deadline and ui.poll() is None:
+                time.sleep(0.05)
+            assert wanted in log.read_text(), log.read_text()
+        ui.send_signal(signal.SIGINT)
+        start = time.monotonic()
+        code = ui.wait(timeout=60)
+        took = time.monotonic() - start
+        out = log.read_text()
+        # -SIGINT: the signal came before Python set up its handler, which is as clean a stop as 130.
+        assert code in (0, 130, -signal.SIGINT) and took < 20, (moment, code, took, out)
+        assert "Traceback" not in out and "KeyboardInterrupt" not in out, (moment, out)
+        assert not _left_running(paths.root), (moment, _left_running(paths.root))

@@ -6,6 +6,7 @@ import logging
 import uvicorn
 
 from gguf_assets.studio.app import build_app
+from gguf_assets.studio.guard import STUDIO_BODY_LIMIT, guarded
 
 
 def main() -> None:
@@ -15,8 +16,12 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=3001)
     parser.add_argument("--dagster-url", default="")
     parser.add_argument("--tensorboard-url", default="")
+    parser.add_argument("--allow-host", action="append", default=[], metavar="NAME",
+                        help="another host name the page may be opened under (default: loopback and --host)")
     args = parser.parse_args()
-    app = build_app(args.project, dagster_url=args.dagster_url, tensorboard_url=args.tensorboard_url)
+    app = guarded(build_app(args.project, dagster_url=args.dagster_url, tensorboard_url=args.tensorboard_url),
+                  bind_host=args.host, extra_hosts=args.allow_host, body_limit=STUDIO_BODY_LIMIT,
+                  server="the studio")
     # uvicorn's access log would print every 2-second refresh; errors still come through.
     uvicorn.run(app, host=args.host, port=args.port, log_level=logging.WARNING, access_log=False)
 

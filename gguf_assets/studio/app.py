@@ -25,7 +25,7 @@ from gguf_assets.lib.core import atomic
 from gguf_assets.lib.core.commands import trainer, venv_tool
 from gguf_assets.lib.core.errors import UserError
 from gguf_assets.lib.core.lock import holder
-from gguf_assets.lib.project import settings_history
+from gguf_assets.lib.project import settings_file, settings_history
 from gguf_assets.lib.project.layout import ProjectPaths
 from gguf_assets.lib.project.manifests import DamagedRecord, Report
 from gguf_assets.lib.project.pipeline import project_status, with_running
@@ -239,27 +239,49 @@ def _size(n: int) -> str:
 
 
 def refusal(request: Request) -> JSONResponse | None:
-    """What another web page could send is refused (403): a POST must be JSON, which a page of another origin
-    cannot send without a CORS preflight (this app grants none), and must come from this page's own origin when
-    the browser names one. Otherwise any site the user visits could rewrite project.yaml or start a run."""
+    """A change must be sent as JSON (403 otherwise): a page of another origin cannot send JSON without a CORS
+    preflight, which this app grants none of. The Host allow-list, the Origin check and the body cap are
+    guard.py's, around the whole app."""
     if request.headers.get("content-type", "").split(";")[0].strip() != "application/json":
         return JSONResponse({"error": "a change must be sent as application/json (from the studio page)"},
                             status_code=403)
-    origin = request.headers.get("origin")
-    if origin and origin != f"{request.url.scheme}://{request.headers.get('host', '')}":
-        return JSONResponse({"error": f"refused a request from {origin}: only the studio page may change the "
-                                      "project"}, status_code=403)
     return None
+
+
+class BadRequest(Exception):
+    """A request body the studio page would never send: answered 400 with this message."""
+
+
+async def json_object(request: Request) -> dict:
+    try:
+        body = await request.json()
+    except ValueError as exc:
+        raise BadRequest(f"the request body is not JSON ({exc})") from None
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    return body
+
+
+def base_sha256(body: dict) -> str:
+    """The sha256 of the project.yaml text the page's edit was built from (see settings_file.py)."""
+    base = body.get("base_sha256")
+    if not isinstance(base, str) or len(base) != 64:
+        raise BadRequest("base_sha256 (the sha256 of the project.yaml text this edit was made on) is missing; "
+                         "reload the studio page")
+    return base
 
 
 def build_app(project: str | Path, *, dagster_url: str = "", tensorboard_url: str = "") -> Starlette:
     paths = ProjectPaths.of(project)
     started: list[subprocess.Popen] = []
     feed, hardware = ObservationFeed(), LiveHardware()
+    seen = settings_file.SeenTexts()
 
     async def page(request: Request) -> HTMLResponse:
-        text = paths.project_file.read_text(encoding="utf-8")  # the one source of truth, read on every load
+        served = seen.remember(settings_file.read(paths.project_file))  # the one source of truth, on every load
+        text = served.text
         return TEMPLATES.TemplateResponse(request, "project.html", {
+            "settings_sha256": served.sha256,
             "view": project_view(paths, feed, hardware), "dagster_url": dagster_url,
             "tensorboard_url": tensorboard_timeseries_url(tensorboard_url) if tensorboard_url else "",
             "settings_text": text, "presets": PRESETS, "forms": form_sections(text),
@@ -301,54 +323,66 @@ def build_app(project: str | Path, *, dagster_url: str = "", tensorboard_url: st
         return JSONResponse({"stopping": running["run_id"], "job": running["job"]})
 
     async def settings_text(_request: Request) -> JSONResponse:
-        text = paths.project_file.read_text(encoding="utf-8")
-        return JSONResponse({"text": text, "values": form_values(text),
+        served = seen.remember(settings_file.read(paths.project_file))
+        return JSONResponse({"text": served.text, "sha256": served.sha256, "values": form_values(served.text),
                              "presets": [{"name": p.name, "description": p.description} for p in PRESETS]})
 
-    def write_checked(new_text: str, new) -> JSONResponse:
-        """Write a checked project.yaml text atomically; the answer says which keys changed."""
+    def write_checked(new_text: str, new, base: str) -> JSONResponse:
+        """Write a checked project.yaml text atomically if the file is still the text the page edited (409
+        with what changed otherwise); the answer says which keys changed."""
         try:
             old = load_settings(paths.root)
         except SettingsError:
             old = None
-        atomic.write_text(paths.project_file, new_text)
+        try:
+            saved = settings_file.save_if_unchanged(paths.project_file, paths.dagster_home, new_text, base, seen)
+        except settings_file.SettingsChanged as exc:
+            return JSONResponse({"error": str(exc), "diff": exc.diff, "sha256": exc.current.sha256},
+                                status_code=409)
         changed = settings_history.changed_keys(old, new, lambda s: s.to_dict()) if old is not None else []
-        return JSONResponse({"saved": str(paths.project_file), "changed": changed, "text": new_text,
-                             "values": form_values(new_text)})
+        return JSONResponse({"saved": str(paths.project_file), "changed": changed, "text": saved.text,
+                             "sha256": saved.sha256, "values": form_values(saved.text)})
 
     async def save_settings(request: Request) -> JSONResponse:
+        """The text editor's Save (a preset applied there is saved this way too)."""
         if (refused := refusal(request)) is not None:
             return refused
-        text = (await request.json()).get("text", "")
+        body = await json_object(request)
+        text = body.get("text")
+        if not isinstance(text, str):
+            raise BadRequest("text (the whole project.yaml) must be a string")
         try:
             new = settings_from_text(paths.project_file, text)  # the file's own checks: file:line and the fix
         except SettingsError as exc:
             return JSONResponse({"error": str(exc)}, status_code=400)
-        return write_checked(text, new)
+        return write_checked(text, new, base_sha256(body))
 
     async def save_form(request: Request) -> JSONResponse:
         """The settings forms' Save: only the fields the user changed, set in project.yaml as it is now."""
         if (refused := refusal(request)) is not None:
             return refused
-        values = (await request.json()).get("values", {})
+        body = await json_object(request)
+        values = body.get("values", {})
         if not isinstance(values, dict):
-            return JSONResponse({"error": "values must be an object of section.key: value"}, status_code=400)
+            raise BadRequest("values must be an object of section.key: value")
         try:
-            saved = apply_form(paths.project_file, paths.project_file.read_text(encoding="utf-8"), values)
+            saved = apply_form(paths.project_file, settings_file.read(paths.project_file).text, values)
         except SettingsError as exc:
             return JSONResponse({"error": str(exc)}, status_code=400)
-        return write_checked(saved.text, saved.settings)
+        return write_checked(saved.text, saved.settings, base_sha256(body))
 
     async def apply_preset(request: Request) -> JSONResponse:
         if (refused := refusal(request)) is not None:
             return refused
-        body = await request.json()
+        body = await json_object(request)
         try:
-            chosen = preset(body.get("name", ""))
+            chosen = preset(str(body.get("name", "")))
         except KeyError as exc:
             return JSONResponse({"error": str(exc.args[0])}, status_code=400)
         text = body.get("text")
         text = paths.project_file.read_text(encoding="utf-8") if text is None else text
+        if not isinstance(text, str):
+            raise BadRequest("text (the editor's project.yaml) must be a string")
         with_preset = set_keys(text, chosen.changes)
         shown = form_values(with_preset)
         # The form gets the preset's fields only: what the user changed elsewhere in the form stays.
@@ -356,9 +390,11 @@ def build_app(project: str | Path, *, dagster_url: str = "", tensorboard_url: st
                              "values": {f"{section}.{key}": shown[f"{section}.{key}"]
                                         for section, keys in chosen.changes.items() for key in keys}})
 
-    return Starlette(routes=[Route("/", page), Route("/api/status", status),
-                             Route("/api/run", run, methods=["POST"]), Route("/api/stop", stop, methods=["POST"]),
-                             Route("/api/settings", settings_text),
-                             Route("/api/settings", save_settings, methods=["POST"]),
-                             Route("/api/settings/form", save_form, methods=["POST"]),
-                             Route("/api/preset", apply_preset, methods=["POST"])])
+    async def bad_request(_request: Request, exc: BadRequest) -> JSONResponse:
+        return JSONResponse({"error": str(exc)}, status_code=400)
+
+    return Starlette(exception_handlers={BadRequest: bad_request}, routes=[
+        Route("/", page), Route("/api/status", status),
+        Route("/api/run", run, methods=["POST"]), Route("/api/stop", stop, methods=["POST"]),
+        Route("/api/settings", settings_text), Route("/api/settings", save_settings, methods=["POST"]),
+        Route("/api/settings/form", save_form, methods=["POST"]), Route("/api/preset", apply_preset, methods=["POST"])])

@@ -1,6 +1,7 @@
 """The studio changes the project only for its own page: another web page cannot rewrite project.yaml or
 start a run (a cross-site request cannot be JSON without a CORS preflight, and its Origin is checked)."""
 
+import hashlib
 import json
 import subprocess
 import sys
@@ -78,14 +79,16 @@ def test_the_settings_form_shows_project_yaml_and_saves_only_what_changed(studio
     assert 'data-key="training.steps" data-initial=\'"130"\' value="130"' in _page(base)
 
     headers = {"Content-Type": "application/json", "Origin": base}
-    status, body = _post(base + "/api/settings/form", json.dumps({"values": {"training.steps": "0"}}).encode(),
-                         headers)
+    sha = hashlib.sha256(before.encode()).hexdigest()  # the text the page's form was built from
+    assert f'baseSha256 = "{sha}"' in _page(base)
+    status, body = _post(base + "/api/settings/form", json.dumps({"values": {"training.steps": "0"},
+                                                                  "base_sha256": sha}).encode(), headers)
     line = before.splitlines().index("  steps: 130") + 1
     assert status == 400 and body["error"].startswith(f"{paths.project_file}:{line}: training.steps = 0 must be >= 1")
     assert paths.project_file.read_text() == before
     status, body = _post(base + "/api/settings/form", json.dumps({"values": {"training.steps": "60",
-                                                                              "training.depth": "1"}}).encode(),
-                         headers)
+                                                                              "training.depth": "1"},
+                                                                  "base_sha256": sha}).encode(), headers)
     after = paths.project_file.read_text()
     assert status == 200 and body["changed"] == ["training.steps 130 → 60"] and body["text"] == after
     assert after == before.replace("  steps: 130", "  steps: 60") and body["values"]["training.steps"] == "60"

@@ -13,7 +13,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -64,11 +64,12 @@ def fsync_file(path: Path) -> None:
 
 
 @contextlib.contextmanager
-def atomic_path(final: Path) -> Iterator[Path]:
+def atomic_path(final: Path, *, before_replace: Callable[[], None] | None = None) -> Iterator[Path]:
     """Yield a temp path beside ``final``; on success it is fsynced and renamed over it.
 
     The caller (or a library such as safetensors/gguf) writes the temp path however it
     likes. On any exception the temp file is removed and ``final`` is untouched.
+    ``before_replace`` runs at the last moment before the rename, and may still refuse it by raising.
     """
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -80,6 +81,8 @@ def atomic_path(final: Path) -> Iterator[Path]:
         os.chmod(tmp, 0o666 & ~_umask())
         yield tmp
         fsync_file(tmp)
+        if before_replace is not None:
+            before_replace()
         os.replace(tmp, final)
         fsync_dir(final.parent)
     except BaseException as exc:

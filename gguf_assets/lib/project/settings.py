@@ -80,6 +80,7 @@ Device = Annotated[str, AfterValidator(_device)]
 Datasets = Annotated[list, BeforeValidator(_datasets)]
 Paths = Annotated[list[str], BeforeValidator(_paths)]
 # A number in exponent form without a dot (2e-4, 1E+3), which YAML 1.1 (PyYAML) leaves a string.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # what torch, numpy and the GGUF header can hold
 EXPONENT_FLOAT = re.compile(r"^[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)[eE][-+]?[0-9]+$")
 
 
@@ -96,6 +97,10 @@ class _Section(BaseModel):
             return float(value)  # `2e-4` is plainly a number
         if annotation is str and value is None:
             return ""  # `key:` with nothing after it
+        if annotation in (int, float) and isinstance(value, int) and not isinstance(value, bool) \
+                and not INT64_MIN <= value <= INT64_MAX:
+            raise ValueError(f"is out of range: a number here lies between {INT64_MIN} and {INT64_MAX} at most, "
+                             "and within the bounds the key's help gives")
         return value
 
 
@@ -422,7 +427,13 @@ def _explain(error: dict, source: Path, lines: dict[str, int], given: dict) -> s
         must = str(ctx["error"])
     else:
         must = _MUST_BE.get(kind, error["msg"]).format(**ctx, input=error["input"])
-    return f"{where}: {section}.{key} = {given[section][key]!r} {must}. ({fields[key].description})"
+    return f"{where}: {section}.{key} = {_shown(given[section][key])} {must}. ({fields[key].description})"
+
+
+def _shown(value: Any) -> str:
+    """A value as an error message quotes it: a pasted novel or a 400-digit number is cut short."""
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:60]}... ({len(text)} characters)"
 
 
 def settings_from_dict(raw: Any, *, source: Path = Path(PROJECT_FILE), text: str = "") -> Settings:

@@ -157,7 +157,9 @@ def _typed(kind: str, value: Any) -> Any:
     if kind == "bool":
         return value
     if kind == "list":
-        lines = value.splitlines() if isinstance(value, str) else list(value or [])
+        if not isinstance(value, (str, list)):
+            return value  # the settings check says what the key must be
+        lines = value.splitlines() if isinstance(value, str) else value
         items = []
         for line in (str(item).strip() for item in lines):
             if line:
@@ -171,6 +173,8 @@ def _typed(kind: str, value: Any) -> Any:
         except yaml.YAMLError:
             return value
         if isinstance(parsed, (int, float)) and not isinstance(parsed, bool):
+            if kind == "float" and isinstance(parsed, int):
+                return parsed  # as the file would hold it; the settings check bounds it (no float overflow here)
             return float(parsed) if kind == "float" else parsed
         return value.strip()
     return value
