@@ -374,7 +374,8 @@ def cmd_ui(args: argparse.Namespace) -> int:
                                                       tensorboard_url=url, allow_hosts=args.allow_host)])
             if url and stop.signal is None:
                 log_file = paths.dagster_home / "tensorboard.log"
-                services += start_services([tensorboard_command(paths, args.host, args.tensorboard_port)],
+                services += start_services([tensorboard_command(paths, args.host, args.tensorboard_port,
+                                                                    args.allow_host)],
                                            log_file=log_file)
                 print(f"TensorBoard (training curves, unsmoothed) on {tensorboard_timeseries_url(url)} (its log: "
                       f"{log_file})", flush=True)
@@ -395,9 +396,10 @@ def studio_command(paths: ProjectPaths, host: str, port: int, *, dagster_url: st
             "--dagster-url", dagster_url, "--tensorboard-url", tensorboard_url, *_allow_host_args(allow_hosts)]
 
 
-def tensorboard_command(paths: ProjectPaths, host: str, port: int) -> list[str]:
-    return [venv_tool("tensorboard"), "--logdir", str(paths.root / TENSORBOARD_DIR), "--host", host,
-            "--port", str(port)]
+def tensorboard_command(paths: ProjectPaths, host: str, port: int, allow_hosts: list[str] = ()) -> list[str]:
+    """TensorBoard behind the studio's guard (the Host allow-list)."""
+    return [sys.executable, "-m", "gguf_assets.studio.tensorboard", "--logdir", str(paths.root / TENSORBOARD_DIR),
+            "--host", host, "--port", str(port), *_allow_host_args(allow_hosts)]
 
 
 def cmd_auto_resume(project: str, *, daemon: bool, ui_port: int | None = None, ui_host: str = "127.0.0.1") -> int:

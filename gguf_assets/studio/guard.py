@@ -65,7 +65,7 @@ class LocalOnly:
             await self.app(scope, receive, send)
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-        problem = self._refusal(scope, headers)
+        problem = self.refusal(scope, headers)
         if problem is not None:
             status, message = problem
             if scope["type"] == "websocket":
@@ -80,7 +80,8 @@ class LocalOnly:
                 return
         await self.app(scope, receive, send)
 
-    def _refusal(self, scope: Scope, headers: dict[str, str]) -> tuple[int, str] | None:
+    def refusal(self, scope: Scope, headers: dict[str, str]) -> tuple[int, str] | None:
+        """(status, message) when the request is refused; None when it may pass."""
         host = host_of(headers.get("host", ""))
         if host not in self.hosts:
             return 403, (f"{self.server} answers only to {', '.join(self.hosts)}, not to the host name "
@@ -139,3 +140,23 @@ async def _answer(send: Send, status: int, message: str) -> None:
 def guarded(app: ASGIApp, *, bind_host: str, extra_hosts: Iterable[str] = (), body_limit: int,
             server: str) -> LocalOnly:
     return LocalOnly(app, hosts=allowed_hosts(bind_host, extra_hosts), body_limit=body_limit, server=server)
+
+
+def wsgi_guarded(app, *, bind_host: str, extra_hosts: Iterable[str] = (), body_limit: int, server: str):
+    """The same three checks for a WSGI app (TensorBoard's)."""
+    guard = LocalOnly(None, hosts=allowed_hosts(bind_host, extra_hosts), body_limit=body_limit, server=server)
+
+    def guarded_app(environ, start_response):
+        headers = {"host": environ.get("HTTP_HOST", ""), **({"origin": environ["HTTP_ORIGIN"]}
+                                                             if "HTTP_ORIGIN" in environ else {}),
+                   **({"content-length": environ["CONTENT_LENGTH"]} if environ.get("CONTENT_LENGTH") else {})}
+        problem = guard.refusal({"type": "http", "method": environ.get("REQUEST_METHOD", "GET")}, headers)
+        if problem is None:
+            return app(environ, start_response)
+        status, message = problem
+        body = json.dumps({"error": message}).encode()
+        start_response(f"{status} {'Forbidden' if status == 403 else 'Content Too Large'}",
+                       [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
+        return [body]
+
+    return guarded_app

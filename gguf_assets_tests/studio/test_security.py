@@ -45,8 +45,9 @@ GRAPHQL_WIPE = json.dumps({"query": 'mutation { wipeAssets(assetPartitionRanges:
 class Served:
     """The module's `gguf-trainer ui` and every answer it gave, for the canary check at the end."""
 
-    def __init__(self, paths, studio_port: int, dagster_port: int) -> None:
+    def __init__(self, paths, studio_port: int, dagster_port: int, tensorboard_port: int) -> None:
         self.paths, self.studio_port, self.dagster_port = paths, studio_port, dagster_port
+        self.tensorboard_port = tensorboard_port
         self.answers: list[bytes] = []
 
     def request(self, port: int, method: str, path: str, body: bytes | None = None, *, host: str | None = None,
@@ -83,16 +84,18 @@ class Served:
 def served(tmp_path_factory, demo_materials_root):
     root = tmp_path_factory.mktemp("security")
     paths = new_demo_project(root / "project", demo_materials_root, steps=40, mock_teacher=True)
-    studio_port, dagster_port = free_port(), free_port()
+    studio_port, dagster_port, tensorboard_port = free_port(), free_port(), free_port()
     log = root / "ui.log"
     with open(log, "w") as out:
         ui = subprocess.Popen([*CLI, "ui", str(paths.root), "--port", str(dagster_port), "--studio-port",
-                               str(studio_port), "--no-tensorboard", "--no-daemon"], stdout=out,
-                              stderr=subprocess.STDOUT, env=cli_env(HF_TOKEN=CANARY), start_new_session=True)
+                               str(studio_port), "--tensorboard-port", str(tensorboard_port), "--no-daemon"],
+                              stdout=out, stderr=subprocess.STDOUT, env=cli_env(HF_TOKEN=CANARY),
+                              start_new_session=True)
     try:
         wait_http(f"http://127.0.0.1:{studio_port}/api/status", timeout=120, proc=ui)
         wait_http(f"http://127.0.0.1:{dagster_port}/server_info", timeout=180, proc=ui)
-        yield Served(paths, studio_port, dagster_port)
+        wait_http(f"http://127.0.0.1:{tensorboard_port}/data/runs", timeout=120, proc=ui)
+        yield Served(paths, studio_port, dagster_port, tensorboard_port)
     finally:
         stop_with_ctrl_c(ui, what="gguf-trainer ui")
     assert CANARY not in log.read_text()
@@ -129,7 +132,8 @@ def test_rebinding_the_dagster_ui_is_refused_http_and_websocket(served):
     evil_host = f"{EVIL}:{port}"
     for method, path, body in (("GET", "/", None), ("GET", "/server_info", None),
                                ("GET", "/graphql?query=%7B%20version%20%7D", None),
-                               ("POST", "/graphql", GRAPHQL_QUERY.encode()), ("POST", "/graphql", GRAPHQL_WIPE.encode())):
+                               ("POST", "/graphql", GRAPHQL_QUERY.encode()),
+                               ("POST", "/graphql", GRAPHQL_WIPE.encode())):
         headers = {"Content-Type": "application/json", "Origin": f"http://{evil_host}"} if body else {}
         status, answer = served.request(port, method, path, body, host=evil_host, headers=headers)
         assert status == 403 and EVIL.encode() in answer, (method, path, status, answer[:200])
@@ -142,6 +146,14 @@ def test_rebinding_the_dagster_ui_is_refused_http_and_websocket(served):
     assert _websocket_upgrade(port, host=evil_host, origin=f"http://{evil_host}") != 101
     assert _websocket_upgrade(port, host=f"127.0.0.1:{port}", origin="http://evil.example") != 101
     assert _websocket_upgrade(port, host=f"127.0.0.1:{port}", origin=f"http://127.0.0.1:{port}") == 101
+
+
+def test_rebinding_tensorboard_is_refused(served):
+    port = served.tensorboard_port
+    for path in ("/", "/data/runs", "/data/plugins_listing"):
+        status, answer = served.request(port, "GET", path, host=f"{EVIL}:{port}")
+        assert status == 403 and EVIL.encode() in answer, (path, status, answer[:200])
+        assert served.request(port, "GET", path)[0] == 200, path
 
 
 def _websocket_upgrade(port: int, *, host: str, origin: str) -> int:
