@@ -63,6 +63,17 @@ def test_settings_reference_doc_is_generated_from_the_schema():
         "docs/settings.md is out of date: run `python -m gguf_assets.docs`")
 
 
+def test_the_gguf_layout_key_tables_are_generated_from_the_format_module():
+    import pytest
+
+    from gguf_assets.docs import GGUF_LAYOUT_DOC, gguf_layout_markdown, with_generated_regions
+
+    assert GGUF_LAYOUT_DOC.read_text(encoding="utf-8") == gguf_layout_markdown(), (
+        "docs/gguf_layout.md's key tables are out of date: run `python -m gguf_assets.docs`")
+    with pytest.raises(ValueError, match="provenance keys"):  # a table whose markers were lost is no silent skip
+        with_generated_regions("no markers here", {"provenance keys": "| x |"})
+
+
 def test_hardware_and_environment_panels_describe_this_machine():
     from gguf_assets.defs.panels import panel_metadata
     from gguf_assets.lib.telemetry.hardware import hardware_report

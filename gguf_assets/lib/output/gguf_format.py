@@ -68,31 +68,22 @@ HPARAM_TYPES: dict[str, GGUFValueType] = {
     "mlp_ratio": GGUFValueType.UINT32,
     "layer_norm_epsilon": GGUFValueType.FLOAT32,
 }
-HPARAM_HELP: dict[str, str] = {
-    "student_dim": "Ds, hidden size of the student layer whose states are the input",
-    "query_rows": "Q, number of learned query rows = rows of the output",
-    "target_dim": "D, hidden size of the teacher layer the output imitates",
-    "width": "W, the adapter's internal width",
-    "depth": "number of blocks (blk.0 .. blk.{depth-1})",
-    "heads": "H, attention heads in every MHA; head dim = W / H",
-    "mlp_ratio": "MLP hidden size = mlp_ratio * W",
-    "layer_norm_epsilon": "eps of every LayerNorm",
+# docs/gguf_layout.md's key tables are generated from the three tables below (`python -m gguf_assets.docs`; a
+# test fails when the committed file differs), so the words a loader's author reads are these.
+GENERAL_HELP: dict[str, tuple[GGUFValueType, str]] = {
+    KEY_ARCHITECTURE: (GGUFValueType.STRING, f"always `{ARCH}`"),
+    KEY_NAME: (GGUFValueType.STRING, "human-readable model name (never empty)"),
+    KEY_FORMAT_VERSION: (GGUFValueType.UINT32, f"`{FORMAT_VERSION}`; a loader must refuse other values"),
 }
-
-# Known provenance keys (written as llm_adapter.<key>); others are allowed if well formed.
-PROVENANCE_HELP: dict[str, str] = {
-    "student.repo": "student model repo id or local path",
-    "student.commit": "student model revision (commit hash) or content hash",
-    "student.layer": "student hidden-state layer index the adapter reads",
-    "student.hidden_size": "student hidden size (= student_dim)",
-    "teacher.repo": "teacher model repo id or local path",
-    "teacher.commit": "teacher model revision (commit hash) or content hash",
-    "teacher.layer": "teacher hidden-state layer index the adapter imitates",
-    "prompt_template": "template the prompts were wrapped in before tokenizing",
-    "training.steps": "optimizer steps of the exported weights",
-    "training.seed": "training seed",
-    "training.val_centred_cosine": "validation centred cosine measured at export",
-    "training.fingerprint": "fingerprint of the training settings and inputs",
+HPARAM_HELP: dict[str, str] = {
+    "student_dim": "Ds: hidden size of the student states fed in",
+    "query_rows": "Q: number of learned query rows = rows of the output",
+    "target_dim": "D: hidden size of the teacher states imitated",
+    "width": "W: internal width",
+    "depth": "number of blocks (`blk.0` … `blk.{depth-1}`)",
+    "heads": "H: heads of every attention; head dim `W / H` (W % H == 0)",
+    "mlp_ratio": "MLP hidden size = `mlp_ratio * W` (currently 4)",
+    "layer_norm_epsilon": "eps of every LayerNorm (currently 1e-5, stored as the nearest f32)",
 }
 
 # Provenance a runtime (and a person holding only the file) needs: where the student
@@ -109,6 +100,35 @@ REQUIRED_PROVENANCE: dict[str, GGUFValueType] = {
     "training.seed": GGUFValueType.INT64,
     "training.val_centred_cosine": GGUFValueType.FLOAT64,
 }
+# Known provenance keys (written as llm_adapter.<key>), in the order the exporter lists them, with the type the
+# exporter writes; others are allowed if well formed.
+PROVENANCE_HELP: dict[str, tuple[GGUFValueType, str]] = {
+    "student.repo": (GGUFValueType.STRING, "student model repo id or local path"),
+    "student.commit": (GGUFValueType.STRING, "student revision (commit hash) or `local:<content hash>`"),
+    "student.layer": (GGUFValueType.INT64, "student hidden-state layer index read (may be negative, Python-style)"),
+    "student.hidden_size": (GGUFValueType.INT64, "student hidden size (= `student_dim`)"),
+    "teacher.repo": (GGUFValueType.STRING,
+                     "teacher model repo id or local path (`mock-teacher` for the dev smoke test)"),
+    "teacher.commit": (GGUFValueType.STRING,
+                       "teacher revision (commit hash) or content hash (`none` for the mock teacher)"),
+    "teacher.layer": (GGUFValueType.INT64, "teacher hidden-state layer index imitated"),
+    "prompt_template": (GGUFValueType.STRING, "template the prompts were wrapped in before tokenizing"),
+    "training.steps": (GGUFValueType.INT64, "optimizer steps of the exported weights"),
+    "training.seed": (GGUFValueType.INT64, "training seed"),
+    "training.val_centred_cosine": (GGUFValueType.FLOAT64, "val centred cosine of the torch checkpoint at export"),
+    "training.fingerprint": (GGUFValueType.STRING, "fingerprint of training settings and inputs"),
+}
+
+
+def metadata_key_rows() -> tuple[list[tuple[str, str, str]], list[tuple[str, str, str, str]]]:
+    """The key tables of docs/gguf_layout.md: (key, GGUF type, meaning) for the general keys and hyperparameters,
+    in file order; (key, type, required, meaning) for the known provenance keys."""
+    fixed = [(f"`{key}`", vtype.name, meaning) for key, (vtype, meaning) in GENERAL_HELP.items()]
+    fixed += [(f"`{KEY_PREFIX}{key}`", HPARAM_TYPES[key].name, HPARAM_HELP[key]) for key in HPARAM_TYPES]
+    provenance = [(f"`{KEY_PREFIX}{key}`", vtype.name, "yes" if key in REQUIRED_PROVENANCE else "", meaning)
+                  for key, (vtype, meaning) in PROVENANCE_HELP.items()]
+    return fixed, provenance
+
 
 # GGML_MAX_NAME is 64 including the terminating NUL.
 MAX_TENSOR_NAME = 63

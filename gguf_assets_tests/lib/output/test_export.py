@@ -89,6 +89,12 @@ def test_exported_metadata_is_complete_and_typed(tmp_path: Path) -> None:
         assert fields[key].contents() == value, key
     assert set(gguf_format.REQUIRED_PROVENANCE) <= {k.removeprefix("llm_adapter.") for k in fields}
     assert sidecar.provenance["student.layer"] == -3
+    # docs/gguf_layout.md's tables are generated from gguf_format's: they list exactly what an export writes, in
+    # its order, with its types.
+    fixed, provenance = gguf_format.metadata_key_rows()
+    documented = [(row[0].strip("`"), row[1]) for row in (*fixed, *provenance)]
+    written = [(key, fields[key].types[0].name) for key in fields if key != "general.file_type"]
+    assert written == documented
 
 
 @pytest.mark.parametrize("key", sorted(gguf_format.REQUIRED_PROVENANCE))
