@@ -47,13 +47,13 @@ def cmd_init(args: argparse.Namespace) -> int:
 
 def _print_status(paths: ProjectPaths) -> None:
     from gguf_assets.lib.core.lock import holder
-    from gguf_assets.lib.project.pipeline import project_status, with_running
+    from gguf_assets.lib.project.pipeline import State, project_status, with_running
 
     settings = load_settings(paths.root)
     stages = with_running(project_status(paths, settings), holder(paths.lock_file))
     for s in stages:
         print(f"  {s.stage:<12} {s.state:<8} {s.detail}")
-    if any(s.stage.endswith("_shards") and s.state != "current" for s in stages):  # "will it fit?", before loading
+    if any(s.stage.endswith("_shards") and s.state != State.CURRENT for s in stages):  # "will it fit?", before loading
         print(_memory_line(paths, settings))
 
 

@@ -26,9 +26,10 @@ from gguf_assets.defs.run_tags import LEADER_TAG, STOPPED_TAG, WORKER_TAG
 from gguf_assets.lib.core import atomic
 from gguf_assets.lib.core.commands import trainer
 from gguf_assets.lib.core.lock import ProjectLock
+from gguf_assets.lib.precompute.half_state import HalfState
 from gguf_assets.lib.project import settings_history
 from gguf_assets.lib.project.layout import ProjectPaths
-from gguf_assets.lib.project.pipeline import StageState, project_status
+from gguf_assets.lib.project.pipeline import StageState, State, project_status
 from gguf_assets.lib.project.settings import Settings, load_settings
 
 log = logging.getLogger(__name__)
@@ -335,7 +336,7 @@ def run_pipeline(paths: ProjectPaths, *, echo: Callable[[str], None] = print, wo
                                          f"included: `{trainer('ui', paths.root)}`, run {result.run_id[:8]}.")
             done.add(work)
         status = project_status(paths, settings)
-        blocked = [s for s in status if s.state == "blocked"]
+        blocked = [s for s in status if s.state == State.BLOCKED]
         if blocked and all(s.detail.startswith("precompute.mode") for s in blocked):
             echo(f"not running {', '.join(s.stage for s in blocked)}: {blocked[0].detail}")
         _tell_about_edits(paths, settings, instance, echo)
@@ -510,7 +511,7 @@ def _worker_failure(paths: ProjectPaths, settings: Settings, instance, run, spli
 
     start, end = run_tags.get(run.tags, run_tags.RANGE_START_TAG), run_tags.get(run.tags, run_tags.RANGE_END_TAG)
     plans = [p for p in plan_shards(paths, settings, load_manifest(paths), split) if start <= p.key <= end]
-    at = next((p.key for p in plans if set(shard_status(paths, settings, p).values()) != {"current"}), None)
+    at = next((p.key for p in plans if set(shard_status(paths, settings, p).values()) != {HalfState.CURRENT}), None)
     why = ("its process was killed" if run_tags.INTERRUPTED_TAG in run.tags
            else failure_message(instance, run.run_id))
     where = f", at shard {split}/{at}" if at else ""

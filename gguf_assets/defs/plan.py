@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from gguf_assets.defs.run_tags import PIPELINE_TAG, RANGE_END_TAG, RANGE_START_TAG
 from gguf_assets.lib.project import settings_history
 from gguf_assets.lib.project.layout import SPLITS, ProjectPaths
-from gguf_assets.lib.project.pipeline import RESUMABLE, UNFINISHED, corpus_manifest, project_status
+from gguf_assets.lib.project.pipeline import RESUMABLE, UNFINISHED, State, corpus_manifest, project_status
 from gguf_assets.lib.project.settings import Settings
 
 
@@ -45,16 +45,16 @@ def next_work(paths: ProjectPaths, settings: Settings, instance) -> Work | None:
     from gguf_assets.defs.partitions import BY_SPLIT, expected_shard_keys, partitions_match
 
     status = {s.stage: s for s in project_status(paths, settings)}
-    if status["materials"].state != "current":
+    if status["materials"].state != State.CURRENT:
         # New materials come with the corpus: it reads them, and when it finds itself current it
         # only records that (same data version), so Dagster does not show it stale.
         return Work(MATERIALS_AND_CORPUS, ("materials", "corpus"), missing=status["materials"].state in RESUMABLE)
-    if status["corpus"].state != "current" or not partitions_match(
+    if status["corpus"].state != State.CURRENT or not partitions_match(
             instance, expected_shard_keys(corpus_manifest(paths), settings)):
         return Work(MATERIALS_AND_CORPUS, ("corpus",), missing=status["corpus"].state in RESUMABLE)
     for split in SPLITS:
         state = status[f"{split}_shards"].state
-        if state != "current":
+        if state != State.CURRENT:
             keys = tuple(instance.get_dynamic_partitions(BY_SPLIT[split].name))
             return Work(SHARDS_JOB[split], (f"{split}_shards",), keys, missing=state in RESUMABLE)
     order = ["adapter", "gguf", "eval_report"]

@@ -18,6 +18,7 @@ from gguf_assets.defs.resources import ProjectResource
 from gguf_assets.defs.settings import settings_key
 from gguf_assets.lib.core import atomic
 from gguf_assets.lib.materials.materials import load_manifest
+from gguf_assets.lib.precompute.half_state import HalfState
 from gguf_assets.lib.precompute.shards import plan_shards, precompute_split, shard_status
 from gguf_assets.lib.telemetry.render import markdown_table
 
@@ -98,7 +99,7 @@ def _shards_verified(split: str, shards: dg.AssetsDefinition) -> dg.AssetChecksD
         paths, settings = project.paths(), project.settings()
         plans = plan_shards(paths, settings, load_manifest(paths), split)
         bad = {plan.key: states for plan in plans
-               if set((states := shard_status(paths, settings, plan)).values()) != {"current"}}
+               if set((states := shard_status(paths, settings, plan)).values()) != {HalfState.CURRENT}}
         rows = [[key, ", ".join(f"{half} {state}" for half, state in states.items())]
                 for key, states in list(bad.items())[:50]]
         table = markdown_table(["shard", "halves"], rows)

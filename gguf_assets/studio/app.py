@@ -28,7 +28,7 @@ from gguf_assets.lib.core.lock import holder
 from gguf_assets.lib.project import settings_file, settings_history
 from gguf_assets.lib.project.layout import ProjectPaths
 from gguf_assets.lib.project.manifests import DamagedRecord, Report
-from gguf_assets.lib.project.pipeline import project_status, with_running
+from gguf_assets.lib.project.pipeline import State, project_status, with_running
 from gguf_assets.lib.project.presets import PRESETS, preset, set_keys
 from gguf_assets.lib.project.settings import SettingsError, load_settings, settings_from_text
 from gguf_assets.lib.project.settings_form import apply_form, form_sections, form_values
@@ -65,7 +65,7 @@ def project_view(paths: ProjectPaths, feed: ObservationFeed | None = None,
         "running": {"run_id": running["run_id"], "job": running["job"]} if running else None,
         # Live only once the run works on the adapter (a run that precomputes first would show "starting").
         "training": training_view(paths, settings, feed.entries("adapter", running["run_id"])
-                                  if any(s.stage == "adapter" and s.state == "running" for s in stages) else None),
+                                  if any(s.stage == "adapter" and s.state == State.RUNNING for s in stages) else None),
         "precompute": precompute_progress([(asset.removesuffix("_shards"), figures) for asset in SHARD_ASSETS
                                            if asset in assets for figures in feed.entries(asset, running["run_id"])]),
         "hardware_now": (hardware or LiveHardware()).read(),

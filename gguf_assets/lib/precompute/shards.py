@@ -30,6 +30,7 @@ from gguf_assets.lib.core import atomic, faults, verify
 from gguf_assets.lib.core.errors import UserError
 from gguf_assets.lib.corpus.corpus import read_split, shard_prompts
 from gguf_assets.lib.output.gguf_format import F16_MAX
+from gguf_assets.lib.precompute.half_state import HalfState
 from gguf_assets.lib.precompute.teacher_choice import teacher_choice
 from gguf_assets.lib.project import formats, settings_history
 from gguf_assets.lib.project.layout import (
@@ -80,8 +81,8 @@ def halves_for_mode(mode: str) -> tuple[str, ...]:
     return {"teacher+student": HALVES, "teacher": ("teacher",), "student": ("student",)}[mode]
 
 
-def half_status(folder: Path, half: str, fingerprint: str) -> str:
-    """'current', 'missing', 'stale' (settings changed) or 'corrupt' (bytes changed).
+def half_status(folder: Path, half: str, fingerprint: str) -> HalfState:
+    """Current, missing, stale (settings changed) or corrupt (bytes changed).
 
     The data file is checked by its recorded size, mtime and inode (lib/core/verify.py): no byte is
     read unless its stamp is unsure; then its content decides, and the new stamp is stored.
@@ -89,18 +90,18 @@ def half_status(folder: Path, half: str, fingerprint: str) -> str:
     """
     meta_path, data_path = folder / f"{half}.json", data_file(folder, half)
     if not meta_path.is_file() or not data_path.is_file():
-        return "missing"
+        return HalfState.MISSING
     try:
         meta = atomic.read_json(meta_path)
     except (OSError, json.JSONDecodeError):
-        return "corrupt"
+        return HalfState.CORRUPT
     if meta.get("fingerprint") != fingerprint:
-        return "stale"
+        return HalfState.STALE
     now = verify.confirmed(data_path, meta)
     if now is None:
-        return "corrupt"
+        return HalfState.CORRUPT
     verify.store_refreshed(meta_path, meta, now)
-    return "current"
+    return HalfState.CURRENT
 
 
 def forget_half(folder: Path, half: str) -> None:
@@ -160,7 +161,7 @@ def require_current(paths: ProjectPaths, settings: Settings, materials: Material
     """
     plans = plan_shards(paths, settings, materials, split)
     bad = [f"{plan.key} {half} half is {state}" for plan in plans
-           for half, state in shard_status(paths, settings, plan).items() if state != "current"]
+           for half, state in shard_status(paths, settings, plan).items() if state != HalfState.CURRENT]
     if bad:
         shown = "; ".join(bad[:5]) + (f"; and {len(bad) - 5} more" if len(bad) > 5 else "")
         raise ShardError(f"{split} shards are not current ({shown}). Materialize {split}_shards again: "
@@ -281,11 +282,11 @@ class ShardBuilder:
         for half, status in shard_status(self.paths, self.settings, plan).items():
             report[f"{half}_status"] = status
             meter = progress.get(half)
-            if status == "current":
+            if status == HalfState.CURRENT:
                 if meter:
                     meter.skip(len(plan.prompts))
                 continue
-            if status == "corrupt":
+            if status == HalfState.CORRUPT:
                 log.warning("shard %s/%s: %s half failed verification; recomputing it", plan.split, plan.key, half)
             # Until the new half is written, nothing may take the old bytes for current.
             (folder / f"{half}.json").unlink(missing_ok=True)
@@ -388,7 +389,7 @@ def precompute_split(paths: ProjectPaths, settings: Settings, materials: Materia
     halves = {}
     for half, meter in progress.items():
         figures = meter.figures()
-        halves[half] = HalfFigures(computed=sum(1 for r in reports if r.get(f"{half}_status") != "current"),
+        halves[half] = HalfFigures(computed=sum(1 for r in reports if r.get(f"{half}_status") != HalfState.CURRENT),
                                    prompts_per_s=figures["prompts_per_s"], tokens_per_s=figures["tokens_per_s"],
                                    truncated=sum(r.get(f"{half}_truncated", 0) for r in reports))
     placement = builder._teacher.placement.metadata() if builder._teacher is not None else {}

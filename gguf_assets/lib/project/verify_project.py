@@ -18,6 +18,7 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 
 from gguf_assets.lib.core import atomic
@@ -34,7 +35,15 @@ from gguf_assets.lib.project.manifests import DamagedRecord, read_record
 from gguf_assets.lib.project.settings import Settings
 
 DAMAGED_SUFFIX = ".damaged"
-OK, DAMAGED, MISSING = "ok", "damaged", "missing"
+class Check(StrEnum):
+    """What `verify` found of one file (a str: printed as its value)."""
+
+    OK = "ok"
+    DAMAGED = "damaged"
+    MISSING = "missing"
+
+
+OK, DAMAGED, MISSING = Check.OK, Check.DAMAGED, Check.MISSING
 
 
 @dataclass(frozen=True)
@@ -53,7 +62,7 @@ class Recorded:
 @dataclass(frozen=True)
 class FileCheck:
     file: Recorded
-    state: str  # ok | damaged | missing
+    state: Check
     bytes: int = 0
 
 
