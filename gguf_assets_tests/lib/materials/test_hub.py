@@ -454,3 +454,15 @@ def test_a_token_for_a_plain_http_endpoint_is_warned_about_once_and_still_sent(m
         hub.warn_if_token_in_clear_text("hf_secret")
     [record] = caplog.records
     assert "http://mirror.lan:8080: plain http" in record.getMessage() and "hf_secret" not in record.getMessage()
+
+
+def test_the_answer_bound_is_read_from_the_environment_when_a_call_starts(monkeypatch):
+    monkeypatch.delenv(hub.ANSWER_TIMEOUT_ENV, raising=False)
+    assert hub.HubOptions().answer_timeout_s == hub.DEFAULT_ANSWER_TIMEOUT_S == 90
+    monkeypatch.setenv(hub.ANSWER_TIMEOUT_ENV, "2.5")
+    assert hub.HubOptions().answer_timeout_s == 2.5
+    for bad in ("abc", "0", "-3", "inf", "nan"):
+        monkeypatch.setenv(hub.ANSWER_TIMEOUT_ENV, bad)
+        with pytest.raises(hub.HubError, match=rf"{hub.ANSWER_TIMEOUT_ENV}='{bad}' is not a number of seconds above "
+                                               r"0.*Unset it \(default 90\)"):
+            hub.HubOptions()
