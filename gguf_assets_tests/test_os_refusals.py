@@ -131,7 +131,7 @@ def test_init_into_a_read_only_folder_or_a_full_disk_is_one_line(used_project, t
     disk = tmp_path / "disk"
     disk.mkdir()
     done = in_namespace(FULL_DISK, disk, "init", str(disk / "project"))
-    one_line(done, f"no space left on the disk holding {disk}", "MiB free",
+    one_line(done, f"No space left on the disk holding {disk}", "MiB free",
              f"`gguf-trainer init` needs to write {disk}/project", "Free some space")
 
 
@@ -142,12 +142,12 @@ def test_permission_and_immutability_refusals_read_as_such(tmp_path):
     (project / "project.yaml").write_text("{}\n")
     denied = PermissionError(errno.EACCES, "Permission denied", str(project / ".dagster" / "runs.db"))
     message = os_refusal_message(denied, project=project, command="run")
-    assert message.startswith(f"permission denied: {project} (drwx") and "may not be written by" in message
+    assert message.startswith(f"Permission denied: {project} (drwx") and "may not be written by" in message
     assert f"`gguf-trainer run` needs to write {project}/.dagster/runs.db (Dagster's record of the runs)" in message
     assert f"chmod -R u+w {project}" in message and f"cp -a {project} NEW" in message
     immutable = PermissionError(errno.EPERM, "Operation not permitted", str(project / "project.yaml"))
     message = os_refusal_message(immutable, project=project, command="init")
-    assert message.startswith(f"operation not permitted on {project}/project.yaml") and "chattr -i -a" in message
+    assert message.startswith(f"Operation not permitted on {project}/project.yaml") and "chattr -i -a" in message
     # Not a file: a refused signal or socket is no refusal to write, and goes on as before.
     assert os_refusal_message(PermissionError(errno.EPERM, "Operation not permitted"), project=project,
                               command="run") is None

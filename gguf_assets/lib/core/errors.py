@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import os
+import pwd
 import re
 import stat
 from pathlib import Path
@@ -136,13 +137,11 @@ def _purpose(path: Path, root: Path | None) -> str:
     return ""
 
 
-def _user() -> str:
-    import pwd
-
+def _name_of(uid: int) -> str:
     try:
-        return pwd.getpwuid(os.geteuid()).pw_name
+        return pwd.getpwuid(uid).pw_name
     except KeyError:
-        return str(os.geteuid())
+        return str(uid)
 
 
 def os_refusal_message(exc: BaseException, *, project: str | Path | None, command: str) -> str | None:
@@ -158,23 +157,22 @@ def os_refusal_message(exc: BaseException, *, project: str | Path | None, comman
     if found is None:
         return None
     code, path = found
+    if code in (errno.EACCES, errno.EPERM) and path is None:
+        return None  # a refused signal or socket, not a file: not this
     root = Path(os.path.abspath(project)) if project else None
     if code is None:  # SQLite: which of the project's Dagster files may not be written?
-        if root is None:
-            return None
-        home = root / ".dagster"
-        probed = _probe([home, *sorted(home.glob("**/*.db")), root])
+        probed = _probe([root / ".dagster", *sorted((root / ".dagster").glob("**/*.db")), root]) if root else None
         if probed is None:
             return None
         code, path = probed
     path = _shown(path or root) if (path or root) else None
     if path is None:
         return None
-    if code in (errno.EACCES, errno.EPERM) and found[1] is None and found[0] is not None:
-        return None  # a refused signal or socket, not a file: not this
     inside = root is not None and (path == root or root in path.parents)
     folder = root if inside and root.exists() else _existing(path.parent if path == root else path)
-    what = f"`gguf-trainer {command}` needs to write {path}{_purpose(path, root)}"
+    there = _existing(path)
+    verb = "read" if code == errno.EACCES and path.exists() and not os.access(path, os.R_OK) else "write"
+    what = f"`gguf-trainer {command}` needs to {verb} {path}{_purpose(path, root)}"
     if command == "init" or root is None:
         elsewhere = f", or choose a folder you can write: `{trainer(command, 'NEW')}`" if command == "init" else ""
     else:
@@ -184,25 +182,21 @@ def os_refusal_message(exc: BaseException, *, project: str | Path | None, comman
         mount = _mount_point(path)
         return (f"{folder} is read-only (its file system is mounted read-only at {mount}), and {what}. Remount "
                 f"{mount} read-write{elsewhere}.")
-    there = _existing(path)
     if code in (errno.ENOSPC, errno.EDQUOT):
         free = os.statvfs(there).f_bavail * os.statvfs(there).f_frsize / 2**20
         quota = "; or your disk quota is used up" if code == errno.EDQUOT else ""
         kept = "" if command == "init" else ": everything finished so far is kept"
-        return (f"no space left on the disk holding {folder} ({free:.0f} MiB free{quota}), and {what}. Free some "
+        return (f"No space left on the disk holding {folder} ({free:.0f} MiB free{quota}), and {what}. Free some "
                 f"space (or move the project to a bigger disk), then run the command again{kept}.")
-    st = there.stat()
-    try:
-        import pwd
-
-        owner = pwd.getpwuid(st.st_uid).pw_name
-    except (KeyError, ImportError):
-        owner = str(st.st_uid)
-    user = _user()
+    user, st = _name_of(os.geteuid()), there.stat()
     if code == errno.EPERM:
-        return (f"operation not permitted on {there}, and {what}. If `lsattr -d {there}` shows i (immutable) or a "
+        return (f"Operation not permitted on {there}, and {what}. If `lsattr -d {there}` shows i (immutable) or a "
                 f"(append-only), `chattr -i -a {there}` as root lifts that; else make it writable for {user}"
                 f"{elsewhere}.")
-    return (f"permission denied: {there} ({stat.filemode(st.st_mode)}, owner {owner}) may not be written by {user}, "
-            f"and {what}. Make it writable for {user} (`chmod -R u+w {folder}` as its owner, or `chown -R {user} "
-            f"{folder}` as root){elsewhere}.")
+    if verb == "read":
+        return (f"Permission denied: {there} ({stat.filemode(st.st_mode)}, owner {_name_of(st.st_uid)}) may not be "
+                f"read by {user}, and {what}. Make it readable for {user} (`chmod -R u+r {there}` as its owner, or "
+                f"`chown -R {user} {there}` as root).")
+    return (f"Permission denied: {there} ({stat.filemode(st.st_mode)}, owner {_name_of(st.st_uid)}) may not be "
+            f"written by {user}, and {what}. Make it writable for {user} (`chmod -R u+w {folder}` as its owner, or "
+            f"`chown -R {user} {folder}` as root){elsewhere}.")
