@@ -13,7 +13,7 @@ from pathlib import Path
 
 from gguf_assets import DEFINITIONS_MODULE
 from gguf_assets.lib.core.commands import trainer, venv_tool
-from gguf_assets.lib.core.errors import UserError
+from gguf_assets.lib.core.errors import UserError, os_refusal_message
 from gguf_assets.lib.project.layout import ProjectPaths
 from gguf_assets.lib.project.settings import (
     SECTION_HINTS,
@@ -694,7 +694,10 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(exc, UserError):
             print(f"error: {exc}", file=sys.stderr)
             return 2
-        problem = _dagster_storage_problem(getattr(args, "project", None) or args.auto_resume, exc)
+        project = getattr(args, "project", None) or args.auto_resume
+        # A read-only folder, a missing permission or a full disk: one line, whichever command met it.
+        problem = _dagster_storage_problem(project, exc) or os_refusal_message(
+            exc, project=project, command="--auto-resume" if args.auto_resume else args.command)
         if problem:
             print(f"error: {problem}", file=sys.stderr)
             return 2

@@ -16,8 +16,11 @@ Errors carry ``X-Error-Code`` like the hub: ``RepoNotFound``, ``RevisionNotFound
 and 401 ``Invalid credentials in Authorization header`` for an unknown token.
 
 Faults are switched on per test with :meth:`LoopbackHub.add_fault`: ``drop`` (close the
-connection mid-file), ``stall`` (stop answering), ``corrupt`` (flip one byte of the body),
-``missing`` (404 EntryNotFound for a listed file) and ``error500``. Every request is recorded
+connection mid-file), ``stall`` (stop answering), ``slow`` (a slow mirror that keeps sending: the body
+in ``slow_piece_bytes`` pieces, ``slow_s`` apart), ``corrupt`` (flip one byte of the body),
+``missing`` (404 EntryNotFound for a listed file) and ``error500``. :meth:`LoopbackHub.go_silent` makes
+the whole hub a stalled mirror: it accepts every connection and reads the request, then never sends
+a byte, until the hub is closed (or ``go_silent(False)``). Every request is recorded
 in :attr:`LoopbackHub.requests` (the Authorization header only as none/granted/no-access/invalid,
 never its value).
 """
@@ -36,7 +39,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 LFS_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".parquet", ".gguf")
 LFS_MIN_BYTES = 100_000
-FAULT_ACTIONS = ("drop", "stall", "corrupt", "missing", "error500")
+FAULT_ACTIONS = ("drop", "stall", "slow", "corrupt", "missing", "error500")
 # Written to HF_HOME/token by the loopback_hub fixture: a token stored on the machine, never to be sent.
 STORED_HF_TOKEN = "hf_stored_on_this_machine_never_send"
 
@@ -77,10 +80,13 @@ class LoopbackHub:
     """``with LoopbackHub() as hub: hub.add_repo("org/model", folder)``; ``hub.url`` is the endpoint."""
 
     def __init__(self, *, token: str = "hf_loopback_granted_0123456789",
-                 no_access_token: str = "hf_loopback_not_granted_9876543210", stall_s: float = 30.0) -> None:
+                 no_access_token: str = "hf_loopback_not_granted_9876543210", stall_s: float = 30.0,
+                 slow_s: float = 0.15, slow_piece_bytes: int = 32 << 10) -> None:
         self.token = token
         self.no_access_token = no_access_token
         self.stall_s = stall_s
+        self.slow_s, self.slow_piece_bytes = slow_s, slow_piece_bytes
+        self.silent = False
         self.requests: list[dict] = []
         self._repos: dict[tuple[str, str], _Repo] = {}
         self._faults: list[_Fault] = []
@@ -150,6 +156,10 @@ class LoopbackHub:
             raise ValueError(f"unknown fault {action!r}; choose from {FAULT_ACTIONS}")
         with self._lock:
             self._faults.append(_Fault(action, path_contains, method, times, after_bytes))
+
+    def go_silent(self, silent: bool = True) -> None:
+        """Accept connections and never answer (a stalled mirror), from the next request on."""
+        self.silent = silent
 
     def clear_faults(self) -> None:
         with self._lock:
@@ -227,6 +237,11 @@ def _make_handler(hub: LoopbackHub) -> type[BaseHTTPRequestHandler]:
             auth = hub._auth(self.headers.get("Authorization"))
             hub.requests.append({"method": method, "path": path, "auth": auth, "range": self.headers.get("Range")})
             head = method == "HEAD"
+            if hub.silent:  # a stalled mirror: the connection stays open and nothing ever comes back
+                while hub.silent and not hub._stop.wait(0.1):
+                    pass
+                self.close_connection = True
+                return
             if auth == "invalid":
                 return self._error(401, None, "Invalid credentials in Authorization header", head=head)
             fault = hub._take_fault(method, path)
@@ -344,6 +359,13 @@ def _make_handler(hub: LoopbackHub) -> type[BaseHTTPRequestHandler]:
                     self._stall()
                 self.close_connection = True
                 self.connection.shutdown(socket.SHUT_RDWR)
+                return
+            if fault and fault.action == "slow":
+                for at in range(0, len(body), hub.slow_piece_bytes):
+                    self.wfile.write(body[at:at + hub.slow_piece_bytes])
+                    self.wfile.flush()
+                    if hub._stop.wait(hub.slow_s):
+                        return
                 return
             self.wfile.write(body)
 

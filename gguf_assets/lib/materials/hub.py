@@ -34,8 +34,9 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from gguf_assets.lib.core import atomic, faults
 from gguf_assets.lib.core import verify as stamps
@@ -53,8 +54,16 @@ REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 COMMIT = re.compile(r"^[0-9a-f]{40}$")
 # Variables whose value could make the child send a token other than the one handed to it.
 TOKEN_ENV_VARS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_TOKEN_PATH")
-TRANSIENT_KINDS = ("transient", "stalled")
-READY_FD_ENV = "GGUF_ASSETS_HUB_READY_FD"  # the pipe on which a download child says its imports are done
+TRANSIENT_KINDS = ("transient", "stalled", "silent")
+# The pipe on which a child says its imports are done ("r"), then each request it sends ("q") and each answer
+# (response headers) it gets ("a"): the watchdog tells a hub that answers nothing from a slow one.
+READY_FD_ENV = "GGUF_ASSETS_HUB_READY_FD"
+# How long a hub (or mirror, or the proxy in between) may leave the requests unanswered, over all the
+# tries of one listing or download, before the run gives up; an answering but slow hub is bound by the
+# api and stall timeouts instead. The user's knob, named in the messages.
+ANSWER_TIMEOUT_ENV = "GGUF_ASSETS_HUB_ANSWER_TIMEOUT_S"
+DEFAULT_ANSWER_TIMEOUT_S = 90.0
+WAITING_NOTICE_S = 5.0  # a request unanswered this long gets a console line (sooner with a small bound)
 CHILD_START_S = 120.0  # a child that cannot even start in this long is killed and retried
 # How "the hub cannot be reached at all" reads in the HTTP client's errors (glibc, macOS, httpx).
 UNREACHABLE_SIGNS = ("Name or service not known", "Temporary failure in name resolution",
@@ -128,10 +137,29 @@ class Listing:
         return Listing(self.commit, {p: self.files[p] for p in paths})
 
 
+def answer_timeout_from_env() -> float:
+    """GGUF_ASSETS_HUB_ANSWER_TIMEOUT_S, or the default; a value that is no positive number is the user's to fix."""
+    raw = os.environ.get(ANSWER_TIMEOUT_ENV, "").strip()
+    if not raw:
+        return DEFAULT_ANSWER_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise HubError("setting", f"{ANSWER_TIMEOUT_ENV}={raw!r} is not a number of seconds above 0: how long to "
+                                  "wait for a hub that answers nothing. Unset it (default "
+                                  f"{DEFAULT_ANSWER_TIMEOUT_S:.0f}) or set it to, for example, 300.")
+    return value
+
+
 @dataclass(frozen=True)
 class HubOptions:
     """Timeouts and retry bounds; tests shrink them, the defaults suit a slow home connection."""
 
+    # A hub that answers nothing at all (no response to a request), over all the tries of one call: the
+    # call gives up after this long. Each try waits a share of it (the tries: ``attempts``).
+    answer_timeout_s: float = field(default_factory=answer_timeout_from_env)
     api_timeout_s: float = 120.0  # a listing call that takes longer is killed and retried
     stall_timeout_s: float = 120.0  # a download with no new byte for this long is killed and retried
     attempts: int = 4  # tries per phase (stalls, dropped connections, 5xx, corrupted files)
@@ -339,9 +367,83 @@ def _redact(text: str, token: str | None) -> str:
     return text.replace(token, "<HF_TOKEN>") if token else text
 
 
+def host() -> str:
+    """The hub's host[:port], as the console names it."""
+    return urlsplit(endpoint()).netloc or endpoint()
+
+
+@dataclass
+class Waiting:
+    """How long the hub has left one listing's or download's requests unanswered, over all its tries.
+
+    The clock starts when a request goes out while none is outstanding and stops at any answer (response
+    headers, or a new byte of a download): a slow hub answers, a stalled one (or a proxy holding the
+    connection) does not. Each try gets a share of ``limit_s``, so a connection that hangs is replaced
+    by a new one; the call gives up once the whole of it has passed without an answer.
+    """
+
+    what: str  # "listing demo/student", for the console line
+    limit_s: float
+    attempts: int
+    since: float | None = None  # time.monotonic() of the first unanswered request; None after an answer
+    told: bool = False
+    start_s: float = 0.0  # how long the last try's process took to start (it counts into the silence)
+
+    @property
+    def per_try_s(self) -> float:
+        return self.limit_s / max(1, self.attempts)
+
+    @property
+    def notice_s(self) -> float:
+        return min(WAITING_NOTICE_S, self.limit_s / 4)
+
+    def began(self, at: float) -> None:
+        if self.since is None:
+            self.since, self.told = at, False
+
+    def heard(self) -> None:
+        self.since = None
+
+    def silent_s(self, now: float | None = None) -> float:
+        return 0.0 if self.since is None else (time.monotonic() if now is None else now) - self.since
+
+    def pause_s(self, retry_wait_s: float) -> float:
+        """The wait before the next try: while the hub is silent, short enough to leave the tries their share."""
+        return retry_wait_s if self.since is None else min(retry_wait_s, self.per_try_s / 4)
+
+    def spent(self, retry_wait_s: float, now: float | None = None) -> bool:
+        """Whether a next try would have too little of the bound left to be worth starting: then the try
+        under way gets the rest of it, and the call gives up once it has passed."""
+        left = self.limit_s - self.silent_s(now) - self.pause_s(retry_wait_s) - self.start_s
+        return self.since is not None and left < self.per_try_s / 4
+
+    def over(self) -> bool:
+        """Whether the hub has now answered nothing for the whole bound."""
+        return self.since is not None and self.silent_s() >= self.limit_s
+
+    def tell(self, now: float) -> None:
+        if self.told or self.silent_s(now) < self.notice_s:
+            return
+        self.told = True
+        clock = time.strftime("%H:%M:%S", time.localtime(time.time() - self.silent_s(now)))
+        log.warning("waiting for the hub at %s to answer (%.0f s, since %s): %s; it gets %.0f s in all (%s)",
+                    host(), self.silent_s(now), clock, self.what, self.limit_s, ANSWER_TIMEOUT_ENV)
+
+
+def _signals(fd: int) -> bytes | None:
+    """What the child said on the ready pipe since the last look; None once it closed the pipe."""
+    if not select.select([fd], [], [], 0)[0]:
+        return b""
+    return os.read(fd, 1 << 16) or None
+
+
 def _run_child(request: dict, *, token: str | None, options: HubOptions, progress_dir: Path | None,
-               on_progress=None) -> dict:
-    """Run one request in a child; kill it when it stalls. Returns the child's answer."""
+               on_progress=None, waiting: Waiting | None = None) -> dict:
+    """Run one request in a child; kill it when it stalls. Returns the child's answer.
+
+    Two clocks: ``limit`` (the api timeout for a listing, the stall timeout for a download: no new byte)
+    bounds a hub that answers slowly; ``waiting`` bounds a hub that answers nothing at all.
+    """
     # The hub's clock starts when the child is ready to ask (its imports done): on a loaded machine the
     # start alone can take longer than a short api timeout, and that is not the hub's silence.
     ready_read, ready_write = os.pipe()
@@ -355,6 +457,9 @@ def _run_child(request: dict, *, token: str | None, options: HubOptions, progres
     limit = options.stall_timeout_s if progress_dir is not None else options.api_timeout_s
     started = time.monotonic()
     ready, last_bytes, last_change = False, -1, started
+    asked = answered = 0  # requests the child sent, and answers it got
+    quiet_since = started  # this try's last sign of the hub: an answer, a byte, or a request after none pending
+    pipe_open = True
     first, wait = True, 0.02  # short waits first: most calls end within a second
     try:
         while True:
@@ -364,10 +469,25 @@ def _run_child(request: dict, *, token: str | None, options: HubOptions, progres
             except subprocess.TimeoutExpired:
                 first, wait = False, min(options.poll_s, wait * 2)
             now = time.monotonic()
+            said = _signals(ready_read) if pipe_open else b""
+            if said is None:
+                pipe_open, said = False, b""
+            if b"r" in said and not ready:
+                ready, last_change, quiet_since = True, now, now
+                if waiting is not None:
+                    waiting.start_s = now - started
+            for sign in said:
+                if sign == ord("q"):
+                    if asked == answered:
+                        quiet_since = now
+                    asked += 1
+                elif sign == ord("a"):
+                    answered += 1
+                    quiet_since = now
+                    if waiting is not None:
+                        waiting.heard()
             if not ready:
-                if select.select([ready_read], [], [], 0)[0]:
-                    ready, last_change = True, now
-                elif now - started > CHILD_START_S:
+                if now - started > CHILD_START_S:
                     proc.kill()
                     proc.communicate()
                     return {"ok": False, "kind": "transient",
@@ -376,6 +496,10 @@ def _run_child(request: dict, *, token: str | None, options: HubOptions, progres
             if progress_dir is not None:
                 current = _bytes_under(progress_dir)
                 if current != last_bytes:
+                    if last_bytes >= 0:  # a new byte: the hub is sending
+                        quiet_since = now
+                        if waiting is not None:
+                            waiting.heard()
                     last_bytes, last_change = current, now
                     if on_progress:
                         on_progress(current)
@@ -384,6 +508,15 @@ def _run_child(request: dict, *, token: str | None, options: HubOptions, progres
                 proc.communicate()
                 what = "sent no data" if progress_dir is not None else "did not answer"
                 return {"ok": False, "kind": "stalled", "detail": f"the hub {what} for {limit:.0f} s"}
+            if waiting is not None and asked > answered:
+                waiting.began(quiet_since)
+                waiting.tell(now)
+                try_over = now - quiet_since >= waiting.per_try_s and not waiting.spent(options.retry_wait_s, now)
+                if try_over or waiting.silent_s(now) >= waiting.limit_s:
+                    proc.kill()
+                    proc.communicate()
+                    return {"ok": False, "kind": "silent", "limit_s": waiting.limit_s,
+                            "detail": f"the hub at {host()} answered nothing for {int(waiting.silent_s(now))} s"}
     finally:
         os.close(ready_read)
         if proc.poll() is None:  # the run was cancelled (KeyboardInterrupt, termination): stop the download too
@@ -480,12 +613,39 @@ def _resume_partials(request: dict, token: str | bool) -> list[str]:
     return done
 
 
+_SIGNAL_FD: int | None = None  # in the child: the ready pipe, kept open for the request and answer signs
+
+
+def _signal_parent(sign: bytes) -> None:
+    if _SIGNAL_FD is not None:
+        with contextlib.suppress(OSError):  # the watchdog is gone: nobody to tell
+            os.write(_SIGNAL_FD, sign)
+
+
 def _tell_parent_ready() -> None:
     """Tell the watchdog (_run_child) that the slow start is over: its stall clock starts now."""
+    global _SIGNAL_FD
     fd = os.environ.pop(READY_FD_ENV, None)
     if fd is not None:
-        os.write(int(fd), b"r")
-        os.close(int(fd))
+        _SIGNAL_FD = int(fd)
+        _signal_parent(b"r")
+
+
+def _watch_requests() -> None:
+    """Tell the watchdog of every request sent ("q") and every answer received ("a", its headers), through
+    huggingface_hub's shared HTTP client (also one it makes anew, after an SSL error)."""
+    from huggingface_hub import set_client_factory
+    from huggingface_hub.utils._http import default_client_factory
+
+    def client_factory():
+        client = default_client_factory()
+        hooks = client.event_hooks
+        client.event_hooks = {**hooks,
+                              "request": [*hooks.get("request", []), lambda _request: _signal_parent(b"q")],
+                              "response": [*hooks.get("response", []), lambda _response: _signal_parent(b"a")]}
+        return client
+
+    set_client_factory(client_factory)
 
 
 def _child_main() -> None:
@@ -494,6 +654,7 @@ def _child_main() -> None:
     try:
         from huggingface_hub import HfApi, snapshot_download
 
+        _watch_requests()
         _tell_parent_ready()
         if request["op"] == "list":
             api = HfApi(token=token)
@@ -546,6 +707,12 @@ def _fail(ref: RepoRef, answer: dict, *, token: str | None, attempts: int, pinne
                  "run again later or pin another revision.",
         "stalled": f"{where}: {detail} ({attempts} tries). Check the network or proxy, then run again: finished "
                    "files are kept and partial ones resume.",
+        "silent": f"{where}: {detail} ({attempts} {'try' if attempts == 1 else 'tries'}, each on a new "
+                  f"connection). Check that the hub at {endpoint()} works (HF_ENDPOINT chooses it; a mirror may "
+                  "have stalled) and that no proxy or firewall holds the connection, then run again: finished "
+                  f"files are kept. The wait is bounded by {ANSWER_TIMEOUT_ENV} (now "
+                  f"{answer.get('limit_s', DEFAULT_ANSWER_TIMEOUT_S):.0f} s); raise it for a mirror that is slow "
+                  "to answer.",
         "offline": f"{where} is not downloaded yet and HF_HUB_OFFLINE is set. Unset it for one run, or set a "
                    "local folder instead of the repo id.",
         "transient": f"{where}: the download failed {attempts} times. Run again to resume. Last error: {detail}",
@@ -554,7 +721,7 @@ def _fail(ref: RepoRef, answer: dict, *, token: str | None, attempts: int, pinne
                        "point HF_ENDPOINT at a hub mirror you can reach.",
     }
     message = messages.get(kind, f"{where}: the hub answered an error. {detail}")
-    if kind not in ("stalled", "transient", "offline", "unreachable") and detail:
+    if kind not in ("stalled", "silent", "transient", "offline", "unreachable") and detail:
         message += f" (hub said: {detail.splitlines()[0][:300]})"
     return HubError(kind, message)
 
@@ -577,33 +744,41 @@ def warn_if_token_in_clear_text(token: str | None) -> None:
 
 
 def list_repo(ref: RepoRef, *, revision: str | None = None, token: str | None = None,
-              options: HubOptions = HubOptions()) -> Listing:
+              options: HubOptions | None = None) -> Listing:
     """Resolve ``revision`` (default: the ref's, else main) to a commit and list its files."""
+    options = options or HubOptions()
     revision = revision or ref.revision or "main"
     warn_if_token_in_clear_text(token)
     answer: dict = {}
-    for attempt in range(1, options.attempts + 1):
+    waiting = Waiting(f"listing {ref}", options.answer_timeout_s, options.attempts)
+    tries = 0
+    for tries in range(1, options.attempts + 1):
         answer = _run_child({"op": "list", "repo_id": ref.repo_id, "kind": ref.kind, "revision": revision,
-                             "timeout": options.api_timeout_s}, token=token, options=options, progress_dir=None)
+                             "timeout": options.api_timeout_s}, token=token, options=options, progress_dir=None,
+                            waiting=waiting)
         if answer["ok"] or answer["kind"] not in TRANSIENT_KINDS:
             break
-        log.warning("%s: listing failed (try %d of %d): %s", ref, attempt, options.attempts,
+        log.warning("%s: listing failed (try %d of %d): %s", ref, tries, options.attempts,
                     _redact(answer.get("detail", ""), token))
-        if attempt < options.attempts:
-            time.sleep(options.retry_wait_s)
+        if waiting.over():  # the hub has answered nothing for the whole bound
+            break
+        if tries < options.attempts:
+            time.sleep(waiting.pause_s(options.retry_wait_s))
     if not answer["ok"]:
-        raise _fail(ref, answer, token=token, attempts=options.attempts, pinned=bool(COMMIT.match(revision)))
+        raise _fail(ref, answer, token=token, attempts=tries, pinned=bool(COMMIT.match(revision)))
     return Listing(answer["commit"], {f["path"]: RemoteFile(**f) for f in answer["files"]})
 
 
 def download(ref: RepoRef, listing: Listing, folder: Path, *, token: str | None = None,
-             options: HubOptions = HubOptions(), cache: dict | None = None) -> tuple[dict, TransferStats]:
+             options: HubOptions | None = None, cache: dict | None = None) -> tuple[dict, TransferStats]:
     """Download the files of ``listing`` into ``folder`` by commit and verify every one of them.
 
     Stalls, dropped connections and files that fail verification are retried up to
     ``options.attempts`` times; a corrupted file is deleted and fetched again, never kept.
-    Returns the verification cache of the files and what the transfer took.
+    Returns the verification cache of the files and what the transfer took. A hub that answers nothing
+    at all is given up on after ``options.answer_timeout_s`` (over all the tries).
     """
+    options = options or HubOptions()
     stats, started = TransferStats(), time.monotonic()
     folder.mkdir(parents=True, exist_ok=True)
     bad, verified = verify(folder, listing, cache or {})
@@ -619,6 +794,7 @@ def download(ref: RepoRef, listing: Listing, folder: Path, *, token: str | None 
 
     answer: dict = {"ok": True}
     corrupt: list[str] = []
+    waiting = Waiting(f"downloading {ref}", options.answer_timeout_s, options.attempts)  # .what: set per try
     while bad:
         stats.attempts += 1
         for rel in bad:  # a present but wrong file must go, or huggingface_hub would keep it
@@ -628,11 +804,13 @@ def download(ref: RepoRef, listing: Listing, folder: Path, *, token: str | None 
         log.info("%s: fetching %d file(s) at %s (try %d of %d)", ref, len(bad), listing.commit[:12],
                  stats.attempts, options.attempts)
         remote = {rel: {"etag": listing.files[rel].etag, "size": listing.files[rel].size} for rel in bad}
+        waiting.what = f"downloading {len(bad)} file(s) of {ref}"
         answer = _run_child({"op": "download", "repo_id": ref.repo_id, "kind": ref.kind, "commit": listing.commit,
                              "local_dir": str(folder), "remote": remote, "timeout": options.api_timeout_s,
                              "read_timeout": max(1.0, options.stall_timeout_s / 2), "max_workers": options.max_workers,
                              "chunk_bytes": options.chunk_bytes},
-                            token=token, options=options, progress_dir=folder, on_progress=progress)
+                            token=token, options=options, progress_dir=folder, on_progress=progress,
+                            waiting=waiting)
         if not answer["ok"] and answer["kind"] not in TRANSIENT_KINDS:
             raise _fail(ref, answer, token=token, attempts=stats.attempts, pinned=True)
         still_bad, newly = verify(folder, listing.subset(bad), {})
@@ -647,10 +825,10 @@ def download(ref: RepoRef, listing: Listing, folder: Path, *, token: str | None 
         if not answer["ok"]:
             log.warning("%s: try %d failed: %s", ref, stats.attempts, _redact(answer.get("detail", ""), token))
         bad = still_bad
-        if bad and stats.attempts >= options.attempts:
+        if bad and (stats.attempts >= options.attempts or waiting.over()):
             break
         if bad:
-            time.sleep(options.retry_wait_s)
+            time.sleep(waiting.pause_s(options.retry_wait_s))
     stats.seconds = time.monotonic() - started
     if bad:
         for rel in corrupt:  # never left where a later step could load it

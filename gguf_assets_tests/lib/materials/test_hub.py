@@ -6,6 +6,8 @@ MaterialsError that names the repo and the fix.
 
 import hashlib
 import json
+import logging
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -189,6 +191,75 @@ def test_stalls_are_bounded_and_a_killed_download_resumes(make_project, loopback
     resumed = [r["range"] for r in loopback_hub.file_requests("model.safetensors")][-1]
     assert resumed == f"bytes={kept}-"
     assert _no_partials(paths) == []
+
+
+SILENT_BOUND_S = 4  # GGUF_ASSETS_HUB_ANSWER_TIMEOUT_S in the silent-hub test: small, so the test takes seconds
+
+
+def _give_up_on_silence(paths, caplog, host: str) -> tuple[float, float, str, str]:
+    """resolve_materials with the options a run uses (the bound from the environment), against a hub that
+    answers nothing: (seconds to the first "waiting" line, seconds to the failure, that line, the message)."""
+    caplog.clear()
+    started, wall = time.monotonic(), time.time()
+    with caplog.at_level(logging.WARNING, logger=hub.__name__), pytest.raises(MaterialsError) as failed:
+        resolve_materials(paths, load_settings(paths.root))
+    took = time.monotonic() - started
+    waiting = [r for r in caplog.records if r.getMessage().startswith(f"waiting for the hub at {host} to answer (")]
+    assert waiting, caplog.text
+    return waiting[0].created - wall, took, waiting[0].getMessage(), str(failed.value)
+
+
+@pytest.mark.serial  # it times how soon a silent hub is told and given up on: alone on the machine
+def test_a_hub_that_never_answers_is_told_within_seconds_and_given_up_within_its_bound(
+        make_project, loopback_hub, monkeypatch, caplog):
+    """A stalled mirror accepts the connection and never answers. The console says within seconds what
+    waits, for which host, since when and for how long at most; the call gives up once
+    GGUF_ASSETS_HUB_ANSWER_TIMEOUT_S has passed with no answer (over all its tries, each on a new
+    connection), and the message says what to check and names that bound. Listing and download alike."""
+    monkeypatch.setenv(hub.ANSWER_TIMEOUT_ENV, str(SILENT_BOUND_S))
+    host = loopback_hub.url.removeprefix("http://")
+    paths = make_project(materials={"student": "demo/student"}, precompute={"mock_teacher": True})
+
+    loopback_hub.go_silent()  # nothing answers, the listing first
+    first, took, line, message = _give_up_on_silence(paths, caplog, host)
+    print(f"silent hub, listing: first line after {first:.1f} s, given up after {took:.1f} s")
+    assert first < 5, (first, line)  # the notice comes 1 s into the silence (5 s with the default bound)
+    assert re.search(rf"\(\d+ s, since \d\d:\d\d:\d\d\): listing demo/student; it gets {SILENT_BOUND_S} s in all "
+                     rf"\({hub.ANSWER_TIMEOUT_ENV}\)$", line), line
+    assert SILENT_BOUND_S <= took < SILENT_BOUND_S + 8, took  # the bound, plus starting the first try's process
+    assert re.search(rf"^materials.student = 'demo/student': demo/student .*: the hub at {host} answered nothing "
+                     rf"for {SILENT_BOUND_S} s \([2-4] tries, each on a new connection\)\. Check that the hub at "
+                     rf"{loopback_hub.url} works \(HF_ENDPOINT", message), message
+    assert f"bounded by {hub.ANSWER_TIMEOUT_ENV} (now {SILENT_BOUND_S} s); raise it" in message, message
+    asked = [r for r in loopback_hub.requests if "/api/" in r["path"]]
+    assert 2 <= len(asked) <= 4, asked  # tried again on new connections, within the bound
+
+    loopback_hub.go_silent(False)  # the listing answers; the files never do
+    loopback_hub.add_fault("stall", path_contains="/resolve/", method=None, times=-1)
+    first, took, line, message = _give_up_on_silence(paths, caplog, host)
+    print(f"silent hub, download: first line after {first:.1f} s, given up after {took:.1f} s")
+    assert "downloading" in line and "of demo/student" in line, line
+    assert first < 8 and took < SILENT_BOUND_S + 12, (first, took)  # the listing comes first
+    assert f"answered nothing for {SILENT_BOUND_S} s" in message and hub.ANSWER_TIMEOUT_ENV in message, message
+    assert _no_partials(paths) and not list((paths.materials_dir / hub.HUB_DIR).rglob("model.safetensors"))
+
+
+@pytest.mark.serial  # a transfer timed against the answer bound: alone on the machine
+def test_a_slow_mirror_that_keeps_sending_is_not_cut_off_by_the_answer_bound(make_project, loopback_hub, monkeypatch,
+                                                                             demo_materials_root):
+    """The answer bound is for a hub that answers nothing: a mirror that answers and then sends slowly
+    (here the weights take longer than the whole bound) is bound only by the stall timeout (no new byte)."""
+    monkeypatch.setenv(hub.ANSWER_TIMEOUT_ENV, "3")
+    loopback_hub.slow_s, loopback_hub.slow_piece_bytes = 0.12, 16 << 10  # 550 KB in about 4 s
+    loopback_hub.add_fault("slow", path_contains="model.safetensors", times=-1)
+    paths = make_project(materials={"student": "demo/student"}, precompute={"mock_teacher": True})
+    started = time.monotonic()
+    manifest = resolve_materials(paths, load_settings(paths.root))
+    took = time.monotonic() - started
+    weights = Path(manifest.student["path"]) / "model.safetensors"
+    assert _sha256(weights) == _sha256(demo_materials_root / "student" / "model.safetensors")
+    assert took > 3.5, took  # longer than the bound: the weights came slowly, and were let come
+    assert len(loopback_hub.file_requests("model.safetensors")) == 1  # in one go, never cut off and retried
 
 
 def test_missing_file_unknown_repo_and_unknown_revision(make_project, loopback_hub):
@@ -383,3 +454,15 @@ def test_a_token_for_a_plain_http_endpoint_is_warned_about_once_and_still_sent(m
         hub.warn_if_token_in_clear_text("hf_secret")
     [record] = caplog.records
     assert "http://mirror.lan:8080: plain http" in record.getMessage() and "hf_secret" not in record.getMessage()
+
+
+def test_the_answer_bound_is_read_from_the_environment_when_a_call_starts(monkeypatch):
+    monkeypatch.delenv(hub.ANSWER_TIMEOUT_ENV, raising=False)
+    assert hub.HubOptions().answer_timeout_s == hub.DEFAULT_ANSWER_TIMEOUT_S == 90
+    monkeypatch.setenv(hub.ANSWER_TIMEOUT_ENV, "2.5")
+    assert hub.HubOptions().answer_timeout_s == 2.5
+    for bad in ("abc", "0", "-3", "inf", "nan"):
+        monkeypatch.setenv(hub.ANSWER_TIMEOUT_ENV, bad)
+        with pytest.raises(hub.HubError, match=rf"{hub.ANSWER_TIMEOUT_ENV}='{bad}' is not a number of seconds above "
+                                               r"0.*Unset it \(default 90\)"):
+            hub.HubOptions()
