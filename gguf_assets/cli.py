@@ -652,6 +652,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("env", help="print the environment the Dagster CLI needs for a project (eval it)")
     p.add_argument("project")
     p.set_defaults(func=cmd_env)
+    p = sub.add_parser("auto-resume", help="at boot: mark cut-off runs failed, continue the pipeline, keep "
+                                           "dagster-daemon running (the same as --auto-resume PROJECT)")
+    p.add_argument("project")
+    p.add_argument("--no-daemon", action="store_true", help="exit instead of starting the daemon")
+    p.add_argument("--ui-port", type=int, metavar="PORT", help="also serve the Dagster UI on this port, from the start")
+    p.add_argument("--ui-host", default="127.0.0.1", help="with --ui-port: the address to listen on")
+    p.set_defaults(func=lambda a: cmd_auto_resume(a.project, daemon=not a.no_daemon, ui_port=a.ui_port,
+                                                  ui_host=a.ui_host))
     p = sub.add_parser("ui", help="open the Dagster UI for a project")
     p.add_argument("project")
     p.add_argument("--host", default="127.0.0.1")
@@ -697,7 +705,7 @@ def main(argv: list[str] | None = None) -> int:
         project = getattr(args, "project", None) or args.auto_resume
         # A read-only folder, a missing permission or a full disk: one line, whichever command met it.
         problem = _dagster_storage_problem(project, exc) or os_refusal_message(
-            exc, project=project, command="--auto-resume" if args.auto_resume else args.command)
+            exc, project=project, command="auto-resume" if args.auto_resume else args.command)
         if problem:
             print(f"error: {problem}", file=sys.stderr)
             return 2

@@ -11,17 +11,37 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 
 from gguf_assets.lib.project.demo import build_demo_materials, demo_settings
 from gguf_assets.lib.project.layout import ProjectPaths
 from gguf_assets.lib.project.settings import Settings, replace, write_project_file
 
 
+def built_once(tmp_path_factory, worker_id: str, name: str, build) -> tuple[Path, str]:
+    """``build(folder)`` once for the whole suite: under pytest-xdist the workers share one folder, made by the
+    first that asks while the others wait (xdist's documented file-lock pattern). Returns the folder and the text
+    ``build`` returned. The folder is never changed afterwards: tests work on copies."""
+    if worker_id == "master":  # one process: nothing to share
+        folder = tmp_path_factory.mktemp(name)
+        return folder, build(folder)
+    folder = tmp_path_factory.getbasetemp().parent / name
+    marker = folder.with_name(name + ".built")
+    with FileLock(str(folder) + ".lock"):
+        if not marker.is_file():
+            shutil.rmtree(folder, ignore_errors=True)  # a build that died half way
+            folder.mkdir()
+            marker.write_text(build(folder))
+    return folder, marker.read_text()
+
+
 @pytest.fixture(scope="session")
-def demo_materials_root(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("demo-materials")
-    build_demo_materials(root, seed=0)
-    return root
+def demo_materials_root(tmp_path_factory, worker_id) -> Path:
+    def build(root: Path) -> str:
+        build_demo_materials(root, seed=0)
+        return ""
+
+    return built_once(tmp_path_factory, worker_id, "demo-materials", build)[0]
 
 
 def new_demo_project(root: Path, demo_materials: Path, *, steps: int = 120, mock_teacher: bool = False,
@@ -96,13 +116,17 @@ def cli_env(**extra: str) -> dict:
 
 
 @pytest.fixture(scope="session")
-def finished_project(tmp_path_factory, demo_materials_root) -> tuple[Path, float]:
-    """A project folder after one uninterrupted `gguf-trainer run` under FAULT_SETTINGS, and its seconds.
-    Never changed: a test that changes a project works on ``copy_project`` of it."""
-    root = new_demo_project(tmp_path_factory.mktemp("reference"), demo_materials_root, **FAULT_SETTINGS).root
-    start = time.perf_counter()
-    subprocess.run([*CLI, "run", str(root)], env=cli_env(), check=True, capture_output=True, timeout=600)
-    return root, time.perf_counter() - start
+def finished_project(tmp_path_factory, worker_id, demo_materials_root) -> tuple[Path, float]:
+    """A project folder after one uninterrupted `gguf-trainer run` under FAULT_SETTINGS, and its seconds; built
+    once for the whole suite. Never changed: a test that changes a project works on ``copy_project`` of it."""
+    def build(folder: Path) -> str:
+        root = new_demo_project(folder, demo_materials_root, **FAULT_SETTINGS).root
+        start = time.perf_counter()
+        subprocess.run([*CLI, "run", str(root)], env=cli_env(), check=True, capture_output=True, timeout=600)
+        return str(time.perf_counter() - start)
+
+    root, seconds = built_once(tmp_path_factory, worker_id, "reference", build)
+    return root, float(seconds)
 
 
 def copy_project(source: Path, dest: Path) -> ProjectPaths:

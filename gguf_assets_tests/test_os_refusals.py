@@ -83,7 +83,8 @@ READ_ONLY_REFUSALS = {
     "status": ".pipeline.workers.lock (the project's lock)",
     "run": ".dagster (Dagster's record of the runs)",
     "ui": ".dagster (Dagster's record of the runs)",
-    "--auto-resume": ".dagster (Dagster's record of the runs)",
+    "auto-resume": ".dagster (Dagster's record of the runs)",
+    "--auto-resume": ".dagster (Dagster's record of the runs)",  # the flag the subcommand replaced still works
 }
 
 
@@ -93,12 +94,14 @@ def test_a_read_only_project_is_one_line_for_every_command_that_writes(used_proj
     args = {"status": ["status", str(root)], "run": ["run", str(root)],
             "ui": ["ui", str(root), "--no-tensorboard", "--no-daemon", "--port", str(free_port()),
                    "--studio-port", str(free_port())],
+            "auto-resume": ["auto-resume", str(root), "--no-daemon"],
             "--auto-resume": ["--auto-resume", str(root), "--no-daemon"]}[command]
     done = in_namespace(READ_ONLY, root, *args)
+    named = command.removeprefix("--")
     one_line(done, f"{root} is read-only (its file system is mounted read-only at {root})",
-             f"`gguf-trainer {command}` needs to write {root}/{READ_ONLY_REFUSALS[command]}",
+             f"`gguf-trainer {named}` needs to write {root}/{READ_ONLY_REFUSALS[command]}",
              f"Remount {root} read-write, or copy the project to a place you can write and use the copy: "
-             f"`cp -a {root} NEW && ", f"gguf-trainer {command} NEW`.")
+             f"`cp -a {root} NEW && ", f"gguf-trainer {named} NEW`.")
 
 
 def test_reading_commands_work_on_a_read_only_project_and_a_repair_is_one_line(used_project, tmp_path):

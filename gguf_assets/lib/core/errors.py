@@ -146,7 +146,7 @@ def _name_of(uid: int) -> str:
 
 def os_refusal_message(exc: BaseException, *, project: str | Path | None, command: str) -> str | None:
     """One line for an OS refusal behind ``exc``: what refused (read-only, permission, no space), what
-    ``command`` (``status``, ``--auto-resume``, …) needed to write, and the fix. None when ``exc`` is not one.
+    ``command`` (``status``, ``auto-resume``, …) needed to write, and the fix. None when ``exc`` is not one.
 
     ``project`` is the project folder the command was given; SQLite's refusals name no file, so its
     Dagster storage (``.dagster``) is probed for what refuses.
