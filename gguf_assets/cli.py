@@ -14,6 +14,7 @@ from pathlib import Path
 from gguf_assets import DEFINITIONS_MODULE
 from gguf_assets.lib.core.commands import trainer, venv_tool
 from gguf_assets.lib.core.errors import UserError, os_refusal_message
+from gguf_assets.lib.core.lock import hold_services
 from gguf_assets.lib.project.layout import ProjectPaths
 from gguf_assets.lib.project.settings import (
     SECTION_HINTS,
@@ -229,17 +230,19 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return code
 
 
-def start_services(commands: list[list[str]], *, log_file: Path | None = None) -> list[subprocess.Popen]:
+def start_services(commands: list[list[str]], *, log_file: Path | None = None,
+                   keep_fds: tuple[int, ...] = ()) -> list[subprocess.Popen]:
     """Start long-running processes, each in its own session so a stop reaches its children.
 
-    With ``log_file`` their output goes there instead of the console.
+    With ``log_file`` their output goes there instead of the console. ``keep_fds``: open files they inherit (the
+    services lock, held for as long as any of them runs).
     """
     out = open(log_file, "ab") if log_file else None  # noqa: SIM115  (the children keep it open)
     started: list[subprocess.Popen] = []
     try:
         for cmd in commands:
             started.append(subprocess.Popen(cmd, env=os.environ.copy(), start_new_session=True, stdout=out,
-                                            stderr=subprocess.STDOUT if out else None))
+                                            stderr=subprocess.STDOUT if out else None, pass_fds=keep_fds))
         return started
     except BaseException:  # one that cannot start: none of this call's keeps running unseen
         stop_services(started)
@@ -353,15 +356,19 @@ def cmd_ui(args: argparse.Namespace) -> int:
 
     paths = ProjectPaths.of(args.project)
     load_settings(paths.root)
+    base = f"http://{args.host}:{args.port}"
+    studio = f"http://{args.host}:{args.studio_port}"
+    url = "" if args.no_tensorboard else f"http://{args.host}:{args.tensorboard_port}"
+    # Before any port is probed: a studio already open for this project is named, not refused port by port.
+    services_lock = hold_services(paths.dagster_home / SERVICES_LOCK, {"urls": {
+        "studio": studio, "Dagster UI": base, **({"TensorBoard": url} if url else {})}})
+    keep = (services_lock,)
     prepare_instance(paths)
     import dagster as dg
 
     size_gpu_pool(dg.DagsterInstance.get())  # the run queue holds UI-launched GPU runs to one per GPU
     check_ports_free(args.host, {"--port": args.port, "--studio-port": args.studio_port,
                                  **({} if args.no_tensorboard else {"--tensorboard-port": args.tensorboard_port})})
-    base = f"http://{args.host}:{args.port}"
-    studio = f"http://{args.host}:{args.studio_port}"
-    url = "" if args.no_tensorboard else f"http://{args.host}:{args.tensorboard_port}"
     if url:
         os.environ[TENSORBOARD_URL_ENV] = url  # the adapter's page links to it (runs inherit it)
         (paths.root / TENSORBOARD_DIR).mkdir(exist_ok=True)
@@ -370,24 +377,28 @@ def cmd_ui(args: argparse.Namespace) -> int:
         try:
             # The studio first: the one page for this project (verdict, stages and why, Run and Stop).
             print(f"Studio for {paths.root} on {studio}", flush=True)
-            services = start_services([studio_command(paths, args.host, args.studio_port, dagster_url=base,
-                                                      tensorboard_url=url, allow_hosts=args.allow_host)])
+            services += start_services([studio_command(paths, args.host, args.studio_port, dagster_url=base,
+                                                       tensorboard_url=url, allow_hosts=args.allow_host)],
+                                       keep_fds=keep)
             if url and stop.signal is None:
                 log_file = paths.dagster_home / "tensorboard.log"
                 services += start_services([tensorboard_command(paths, args.host, args.tensorboard_port,
                                                                     args.allow_host)],
-                                           log_file=log_file)
+                                           log_file=log_file, keep_fds=keep)
                 print(f"TensorBoard (training curves, unsmoothed) on {tensorboard_timeseries_url(url)} (its log: "
                       f"{log_file})", flush=True)
             if stop.signal is None:
                 print(f"Dagster UI for {paths.root} on {base} (Ctrl-C to stop); the whole pipeline: "
                       f"{base}{lineage_path()}", flush=True)
                 services += start_services([webserver_command(args.host, args.port, args.allow_host),
-                                            *([] if args.no_daemon else [daemon_command()])])
+                                            *([] if args.no_daemon else [daemon_command()])], keep_fds=keep)
         except BaseException:  # a service that cannot start: the others stop too
             stop_services(services)
             raise
         return supervise(services, stop=stop)
+
+
+SERVICES_LOCK = "services.lock"  # in <project>/.dagster: held while the project's studio, Dagster UI or daemon run
 
 
 def studio_command(paths: ProjectPaths, host: str, port: int, *, dagster_url: str,
@@ -428,9 +439,13 @@ def cmd_auto_resume(project: str, *, daemon: bool, ui_port: int | None = None, u
         return 0
     size_gpu_pool(instance)
     services = []
+    keep: tuple[int, ...] = ()
+    if daemon or ui_port is not None:  # its servers are the project's one set, as `ui`'s are
+        keep = (hold_services(paths.dagster_home / SERVICES_LOCK, {"urls": {
+            "Dagster UI": f"http://{ui_host}:{ui_port}"} if ui_port is not None else {}}),)
     if ui_port is not None:
         print(f"Dagster UI for {paths.root} on http://{ui_host}:{ui_port}", flush=True)
-        services = start_services([webserver_command(ui_host, ui_port)])
+        services = start_services([webserver_command(ui_host, ui_port)], keep_fds=keep)
     try:
         marked = mark_interrupted_runs(instance)
         print(f"project {paths.root}: marked {len(marked)} interrupted run(s) as failed {marked if marked else ''}")
@@ -444,7 +459,7 @@ def cmd_auto_resume(project: str, *, daemon: bool, ui_port: int | None = None, u
         return code
     if daemon:
         print("starting dagster-daemon for the project (sensors, schedules); Ctrl-C to stop", flush=True)
-        services += start_services([daemon_command()])
+        services += start_services([daemon_command()], keep_fds=keep)
     if services:
         return supervise(services)
     return code

@@ -191,3 +191,48 @@ def test_ctrl_c_to_ui_stops_every_server_without_a_traceback_whenever_it_comes(m
         assert code in (0, 130, -signal.SIGINT) and took < 20, (moment, code, took, out)
         assert "Traceback" not in out and "KeyboardInterrupt" not in out, (moment, out)
         assert not _left_running(paths.root), (moment, _left_running(paths.root))
+
+
+@pytest.mark.slow  # a real `gguf-trainer ui` with its daemon
+def test_a_second_ui_on_the_same_project_names_the_open_one_and_starts_nothing(make_project, tmp_path):
+    """Refused before any port is tried, naming the open studio's URLs and pid; also after the first `ui` was
+    killed with -9 while its servers (the daemon among them) still run: never two daemons on one instance."""
+    import psutil
+
+    paths = make_project()
+    studio_port = free_port()
+    log = tmp_path / "first.log"
+    with open(log, "w") as out:
+        first = subprocess.Popen([*CLI, "ui", str(paths.root), "--port", str(free_port()), "--studio-port",
+                                  str(studio_port), "--no-tensorboard"], stdout=out, stderr=subprocess.STDOUT,
+                                 env=cli_env())
+    try:
+        deadline = time.monotonic() + 120
+        while "Dagster UI for" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for round_ in ("open", "killed"):
+            # The same ports as the first: the second must not get as far as probing them.
+            second = subprocess.run([*CLI, "ui", str(paths.root), "--studio-port", str(studio_port)],
+                                    capture_output=True, text=True, env=cli_env(), timeout=60)
+            assert second.returncode == 2 and "Traceback" not in second.stderr, second.stderr
+            assert f"studio http://127.0.0.1:{studio_port}" in second.stderr and f"pid {first.pid}" in second.stderr
+            assert "already in use" not in second.stderr and "Studio for" not in second.stdout, second.stdout
+            if round_ == "open":
+                assert "which is gone" not in second.stderr
+                os.kill(first.pid, signal.SIGKILL)  # its servers live on in their own sessions
+                first.wait(timeout=30)
+            else:
+                assert "which is gone while its servers still run" in second.stderr, second.stderr
+        daemons = [p for p in psutil.process_iter(["cmdline"])
+                   if "dagster-daemon" in " ".join(p.info["cmdline"] or []) and str(paths.root) in
+                   p.environ().get("DAGSTER_HOME", "")]
+        assert len(daemons) == 1, daemons
+    finally:
+        if first.poll() is None:
+            first.kill()
+        for proc in psutil.process_iter():  # the orphaned servers of the killed `ui`
+            try:
+                if any(str(paths.root) in v for v in proc.environ().values()) and proc.pid != os.getpid():
+                    proc.kill()
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                pass

@@ -266,3 +266,34 @@ def _read_holder(fd: int) -> dict:
         return json.loads(os.pread(fd, 4096, 0).decode() or "{}")
     except (OSError, ValueError):
         return {}
+
+
+class ServicesOpen(UserError):
+    """The project's servers (studio, Dagster UI, daemon) are already running."""
+
+
+def hold_services(lock_file: Path, record: dict) -> int:
+    """One set of servers per project: an exclusive flock on ``lock_file`` with ``record`` (pid, the URLs) in it.
+
+    Returns the open fd: hand it to every server started (``pass_fds``), so the lock stays held for as long as
+    any of them runs, also after a kill -9 of the process that started them; a second `ui` is then refused
+    instead of starting a second dagster-daemon on the same instance. ServicesOpen (naming the open one's URLs
+    and pid) when it is held."""
+    lock_file = Path(lock_file)
+    lock_file.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        other = _read_holder(fd)
+        os.close(fd)
+        alive = psutil.pid_exists(int(other.get("pid", -1)))
+        urls = ", ".join(f"{name} {url}" for name, url in other.get("urls", {}).items()) or "its URLs unknown"
+        who = (f"pid {other.get('pid', '?')}" if alive else
+               f"started by pid {other.get('pid', '?')}, which is gone while its servers still run")
+        raise ServicesOpen(
+            f"{lock_file.parent.parent} is already open ({urls}; {who}, since {other.get('started', '?')}). "
+            "Open those pages, or stop that `gguf-trainer ui` first (Ctrl-C in its terminal); one project runs "
+            "one studio and one Dagster daemon.") from None
+    _write_holder(fd, {"pid": os.getpid(), "started": dt.datetime.now().isoformat(timespec="seconds"), **record})
+    return fd
