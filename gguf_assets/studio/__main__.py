@@ -19,6 +19,10 @@ def main() -> None:
     parser.add_argument("--allow-host", action="append", default=[], metavar="NAME",
                         help="another host name the page may be opened under (default: loopback and --host)")
     args = parser.parse_args()
+    from gguf_assets.lib.project.layout import ProjectPaths
+    from gguf_assets.runner import prepare_instance
+
+    prepare_instance(ProjectPaths.of(args.project))  # the project's own Dagster instance (as `ui` sets it up)
     app = guarded(build_app(args.project, dagster_url=args.dagster_url, tensorboard_url=args.tensorboard_url),
                   bind_host=args.host, extra_hosts=args.allow_host, body_limit=STUDIO_BODY_LIMIT,
                   server="the studio")

@@ -43,35 +43,99 @@ STAGE_TITLES = {"materials": "Materials", "corpus": "Corpus", "train_shards": "T
 
 
 def project_view(paths: ProjectPaths, feed: ObservationFeed | None = None,
-                 hardware: LiveHardware | None = None) -> dict:
-    """Everything the page's live panels show, as JSON: the stages with why, what runs, training and precompute
-    progress, the machine's load now, the verdict, the GGUF and the exported files."""
+                 hardware: LiveHardware | None = None, last_good: dict | None = None) -> dict:
+    """Everything the page's live panels show, as JSON: the stages with why, what runs, what Run would do, the last
+    run (failed at which stage, or stopped where, with its log), training and precompute progress, the machine's
+    load now, the verdict (marked when made under earlier settings), the GGUF and the exported files.
+
+    ``last_good``: the studio's memory of the last view made under valid settings; while project.yaml does not
+    load, that view is shown again, marked with the file's error, instead of an empty page."""
     try:
         settings = load_settings(paths.root)
     except SettingsError as exc:  # the page stays up and says what to fix
-        return {"project": str(paths.root), "settings_error": str(exc), "stages": [], "running": None, "report": None,
-                "training": None, "precompute": [], "hardware_now": (hardware or LiveHardware()).read()}
+        kept = dict(last_good or {"project": str(paths.root), "stages": [], "running": None, "report": None,
+                                   "training": None, "precompute": [], "last_run": None})
+        return {**kept, "settings_error": str(exc), "run_preview": f"Run is refused until project.yaml loads: {exc}",
+                "hardware_now": (hardware or LiveHardware()).read()}
     lock_holder = holder(paths.lock_file)
     stages = with_running(project_status(paths, settings), lock_holder)
     running = (lock_holder or {}).get("running")
     assets = set(running.get("assets", ())) if running else set()
     feed = feed or ObservationFeed()
-    return {
+    report = _report_view(paths, settings)
+    view = {
         "project": str(paths.root),
         "settings_error": None,
         "stages": [{"stage": s.stage, "title": STAGE_TITLES.get(s.stage, s.stage), "state": s.state,
                     "detail": s.detail} for s in stages],
         "busy": (lock_holder or {}).get("what") if lock_holder else None,
         "running": {"run_id": running["run_id"], "job": running["job"]} if running else None,
+        "run_preview": run_preview(paths, settings, stages, busy=lock_holder is not None),
+        "last_run": _last_run(paths, settings, feed),
         # Live only once the run works on the adapter (a run that precomputes first would show "starting").
         "training": training_view(paths, settings, feed.entries("adapter", running["run_id"])
                                   if any(s.stage == "adapter" and s.state == State.RUNNING for s in stages) else None),
         "precompute": precompute_progress([(asset.removesuffix("_shards"), figures) for asset in SHARD_ASSETS
                                            if asset in assets for figures in feed.entries(asset, running["run_id"])]),
         "hardware_now": (hardware or LiveHardware()).read(),
-        "report": _report_view(paths, settings),
+        "report": report and {**report, "outdated": _outdated(stages)},
         "run_command": trainer("run", paths.root),
     }
+    if last_good is not None:
+        last_good.clear()
+        last_good.update(view)
+    return view
+
+
+def _outdated(stages: list) -> str | None:
+    """Why the shown result is not what these settings would make: the first stage that is not current."""
+    for s in stages:
+        if s.state != State.CURRENT:
+            return f"{STAGE_TITLES.get(s.stage, s.stage)} is {s.state}" + (f": {s.detail}" if s.detail else "")
+    return None
+
+
+def run_preview(paths: ProjectPaths, settings, stages: list, *, busy: bool) -> str:
+    """What Run would do now, in one line: nothing, or where it starts and whether training starts over or
+    resumes (from the newest checkpoint of the training run these settings make)."""
+    if busy:
+        return "a run works on the project now: Stop ends it, and the next Run continues from where it stopped"
+    todo = [s for s in stages if s.state != State.CURRENT]
+    if not todo:
+        return "nothing to do: every stage is current"
+    first = todo[0]
+    adapter = next((s for s in stages if s.stage == "adapter"), None)
+    if adapter is None or adapter.state == State.CURRENT:
+        training = "keeps the trained adapter"
+    else:
+        step = _checkpoint_step(paths, settings)
+        training = (f"resumes training from step {step} of {settings.training.steps}" if step
+                    else f"trains from step 0 to {settings.training.steps}")
+    return f"Run starts at {STAGE_TITLES.get(first.stage, first.stage)} ({first.state}) and {training}"
+
+
+def _checkpoint_step(paths: ProjectPaths, settings) -> int:
+    from gguf_assets.lib.materials.materials import load_manifest
+    from gguf_assets.lib.project.pipeline import adapter_fingerprint, last_checkpoint_step
+
+    try:
+        return last_checkpoint_step(paths, adapter_fingerprint(paths, settings, load_manifest(paths)))
+    except (OSError, ValueError, KeyError, TypeError, UserError):
+        return 0  # no materials or corpus yet: nothing trained
+
+
+def _last_run(paths: ProjectPaths, settings, feed: ObservationFeed) -> dict | None:
+    from gguf_assets.lib.project.pipeline import where_stopped
+    from gguf_assets.studio.last_run import last_run_view
+
+    try:
+        instance = feed.instance()
+        view = last_run_view(instance)
+        if view and view["state"] == "stopped":
+            view = last_run_view(instance, where_stopped(paths, settings))
+        return view
+    except Exception:  # noqa: BLE001  the page stays up while the storage is busy or away
+        return None
 
 
 class ObservationFeed:
@@ -83,12 +147,19 @@ class ObservationFeed:
         self._cursors: dict[str, str | None] = {}
         self._by_run: dict[tuple[str, str], list[dict]] = {}
 
+    def instance(self):
+        import dagster as dg
+
+        if self._instance is None:
+            self._instance = dg.DagsterInstance.get()
+        return self._instance
+
     def entries(self, asset: str, run_id: str) -> list[dict]:
         """The metadata of ``asset``'s observations in the Dagster run ``run_id``, oldest first."""
         import dagster as dg
 
         try:
-            instance = self._instance or dg.DagsterInstance.get()
+            instance = self.instance()
             while True:
                 result = instance.fetch_observations(dg.AssetKey(asset), limit=1000,
                                                      cursor=self._cursors.get(asset), ascending=True)
@@ -276,13 +347,14 @@ def build_app(project: str | Path, *, dagster_url: str = "", tensorboard_url: st
     started: list[subprocess.Popen] = []
     feed, hardware = ObservationFeed(), LiveHardware()
     seen = settings_file.SeenTexts()
+    last_good: dict = {}  # the last view made under valid settings (project_view)
 
     async def page(request: Request) -> HTMLResponse:
         served = seen.remember(settings_file.read(paths.project_file))  # the one source of truth, on every load
         text = served.text
         return TEMPLATES.TemplateResponse(request, "project.html", {
             "settings_sha256": served.sha256,
-            "view": project_view(paths, feed, hardware), "dagster_url": dagster_url,
+            "view": project_view(paths, feed, hardware, last_good), "dagster_url": dagster_url,
             "tensorboard_url": tensorboard_timeseries_url(tensorboard_url) if tensorboard_url else "",
             "settings_text": text, "presets": PRESETS, "forms": form_sections(text),
             "memory": memory_view(paths), "machine": machine_view(),
@@ -290,7 +362,7 @@ def build_app(project: str | Path, *, dagster_url: str = "", tensorboard_url: st
             "presets_json": json.dumps({p.name: p.description for p in PRESETS}).replace("<", "\\u003c")})
 
     async def status(_request: Request) -> JSONResponse:
-        return JSONResponse(project_view(paths, feed, hardware))
+        return JSONResponse(project_view(paths, feed, hardware, last_good))
 
     async def run(request: Request) -> JSONResponse:
         if (refused := refusal(request)) is not None:
@@ -301,6 +373,10 @@ def build_app(project: str | Path, *, dagster_url: str = "", tensorboard_url: st
         if lock_holder is not None:
             return JSONResponse({"error": f"{paths.root} is busy: {lock_holder.get('what', 'another pipeline')}"},
                                 status_code=409)
+        try:
+            load_settings(paths.root)  # the run would stop at once with the same message, after seconds
+        except SettingsError as exc:
+            return JSONResponse({"error": f"Run is refused until project.yaml loads: {exc}"}, status_code=400)
         log_file = paths.dagster_home / RUN_LOG
         log_file.parent.mkdir(parents=True, exist_ok=True)
         with open(log_file, "ab") as log:

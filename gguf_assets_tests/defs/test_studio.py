@@ -148,9 +148,16 @@ def test_studio_edits_settings_in_its_form_runs_stops_resumes_and_shows_the_resu
             wait_for(lambda: _rows(page)["adapter"][0] == "stale", timeout=30, what="the adapter to show stale")
             assert "training.steps 40 → 60" in _rows(page)["adapter"][1]
             assert _rows(page)["gguf"] == ("blocked", "waits for adapter")
+            # The result shown was made under the old settings, and the page says so; and what Run will do.
+            wait_for(lambda: page.locator("#result-outdated").is_visible(), timeout=30, what="the outdated mark")
+            assert "training.steps 40 → 60" in page.locator("#result-outdated").inner_text()
+            assert page.locator("#run-preview").inner_text() == \
+                "Run starts at Adapter (training) (stale) and trains from step 0 to 60"
+            assert page.locator("#run").is_enabled() and page.locator("#stop").is_disabled()
 
             page.click("#run")
             wait_for(lambda: _rows(page)["adapter"][0] == "running", timeout=180, what="the run to train")
+            assert page.locator("#run").is_disabled() and page.locator("#stop").is_enabled()  # while it runs
             (running,) = [r for r in instance.get_runs() if r.status == dg.DagsterRunStatus.STARTED]
             assert running.job_name == "train_export_evaluate"  # the named job `gguf-trainer run` runs
             assert running.run_id[:8] in page.locator("#message").inner_text()
@@ -178,6 +185,13 @@ def test_studio_edits_settings_in_its_form_runs_stops_resumes_and_shows_the_resu
             assert "trained to step 30 of 60" in _rows(page)["adapter"][1]
             wait_for(lambda: page.locator("#training").inner_text().startswith("training: stopped at step 30/60"),
                      timeout=30, what="the training line to say where it stopped")
+            # Where it stopped, and that Run continues from there.
+            wait_for(lambda: "stopped" in page.locator("#last-run-state").inner_text(), timeout=30,
+                     what="the last run to show stopped")
+            stopped = page.locator("#last-run-state").inner_text()
+            assert "step 30 of 60" in stopped and stopped.endswith("Run continues from there"), stopped
+            assert page.locator("#run-preview").inner_text().endswith("resumes training from step 30 of 60")
+            _shot(page, "#panel-project", "stopped")
 
             # Run again: it resumes from the step-30 checkpoint and goes to the end (export and evaluation too).
             page.click("#run")
@@ -188,6 +202,10 @@ def test_studio_edits_settings_in_its_form_runs_stops_resumes_and_shows_the_resu
             wait_for(second_run_succeeded, timeout=300, what="the second run to succeed")
             wait_for(lambda: {state for state, _ in _rows(page).values()} == {"current"}, timeout=60,
                      what="every stage current again")
+            wait_for(lambda: page.locator("#run-preview").inner_text() == "nothing to do: every stage is current",
+                     timeout=30, what="Run to say there is nothing to do")
+            assert page.locator("#last-run-state").inner_text().startswith("finished")
+            assert page.locator("#result-outdated").is_hidden()
             assert "resuming training run" in (paths.dagster_home / "studio-run.log").read_text()
             new_report = atomic.read_json(paths.root / "output" / "demo-adapter.report.json")
             assert new_report["fingerprint"] != report["fingerprint"]

@@ -5,6 +5,7 @@ import hashlib
 import json
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 
@@ -101,3 +102,40 @@ def test_the_settings_form_shows_project_yaml_and_saves_only_what_changed(studio
     assert isinstance(now["gpus"], list) and set(now["sparks"]) == {"cpu", "ram"} | {f"gpu{g['index']}"
                                                                                     for g in now["gpus"]}
     assert len(now["sparks"]["ram"].split('points="')[1].split('"')[0].split()) >= 3  # the page's read and two polls
+
+
+def _status(base: str) -> dict:
+    with urllib.request.urlopen(base + "/api/status", timeout=30) as answer:
+        return json.load(answer)
+
+
+def test_a_failed_run_shows_at_its_stage_and_a_typo_keeps_the_view_and_refuses_run(studio):
+    """The studio tells the truth about the last run: a Run that fails (the teacher folder lost its config.json)
+    shows its message at its stage, with its log; then a typo in project.yaml keeps the last good view, marked
+    with the file's line, and Run is refused with the same message."""
+    paths, base = studio
+    headers = {"Content-Type": "application/json", "Origin": base}
+    view = _status(base)
+    assert view["last_run"] is None and view["run_preview"].startswith("Run starts at Materials (missing)")
+    assert "trains from step 0 to 120" in view["run_preview"]
+    (paths.root / "materials" / "demo" / "teacher" / "config.json").unlink()
+    assert _post(base + "/api/run", b"{}", headers)[0] == 200
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and ((view := _status(base))["last_run"] or {}).get("state") != "failed":
+        time.sleep(1)
+    last = view["last_run"]
+    assert last["state"] == "failed" and last["stage"] == "materials", last
+    assert "has no config.json" in last["message"] and "Traceback" not in last["message"], last
+    assert any("has no config.json" in line for line in last["log"]), last["log"]
+
+    good_stages = view["stages"]
+    text = paths.project_file.read_text()
+    broken = text.replace("  steps: 120", "  steps 120")  # a missing colon, typed by hand
+    paths.project_file.write_text(broken)
+    view = _status(base)
+    assert view["stages"] == good_stages and view["last_run"]["state"] == "failed"  # the last good view stays
+    line = broken.splitlines().index("  steps 120")
+    assert f"{paths.project_file}:" in view["settings_error"], view["settings_error"]
+    status, body = _post(base + "/api/run", b"{}", headers)
+    assert status == 400 and view["settings_error"] in body["error"] and "refused" in body["error"], body
+    assert abs(int(view["settings_error"].split(":")[1]) - (line + 1)) <= 1  # the typo's line (YAML's own count)

@@ -280,7 +280,7 @@ class ShardBuilder:
             atomic.write_text(prompts_file, prompts_body)
         report: dict = {"split": plan.split, "key": plan.key, "prompts": len(plan.prompts)}
         for half, status in shard_status(self.paths, self.settings, plan).items():
-            report[f"{half}_status"] = status
+            report[f"{half}_status"] = status.value  # a plain str: the report goes into Dagster metadata
             meter = progress.get(half)
             if status == HalfState.CURRENT:
                 if meter:

@@ -51,6 +51,7 @@ from gguf_assets.lib.training.checkpoints import (
     save_weights,
     set_aside_final,
 )
+from gguf_assets.lib.training.stops import StopHold, is_stop
 from gguf_assets.lib.training.train_data import (
     Batch,
     SampleOrder,
@@ -308,16 +309,32 @@ class _TrainingRun:
         self.model.train()
         self.clock_from = (time.perf_counter(), self.step)  # this process's steps: the ETA's rate
         self._start_window()
+        saved_at = self.step  # the step the newest checkpoint holds
+        hold = StopHold()
         try:
             while self.step < stop_at:
-                lr = lr_at(self.step, peak=t.learning_rate, warmup=t.warmup_steps, total=t.steps)
-                loss, grad_norm = self._step(lr)
-                if self.step % t.log_every == 0 or self.step == t.steps:
-                    self._log(loss, lr, grad_norm)
-                if self.step % t.validate_every == 0 or self.step == t.steps:
-                    self._validate()
-                if self.step % t.checkpoint_every == 0 or self.step == t.steps:
+                # A stop (Ctrl-C, SIGTERM, Terminate) is held until the step and its bookkeeping are done, so the
+                # state is whole at any stop, and the checkpoint below resumes byte-identically.
+                with hold:
+                    lr = lr_at(self.step, peak=t.learning_rate, warmup=t.warmup_steps, total=t.steps)
+                    loss, grad_norm = self._step(lr)
+                    if self.step % t.log_every == 0 or self.step == t.steps:
+                        self._log(loss, lr, grad_norm)
+                    if self.step % t.validate_every == 0 or self.step == t.steps:
+                        self._validate()
+                    if self.step % t.checkpoint_every == 0 or self.step == t.steps:
+                        self._checkpoint()
+                        saved_at = self.step
+        except BaseException as exc:
+            if is_stop(exc) and hold.forced:
+                self.note(f"stopped mid-step (a stop waited {hold.max_hold_s:.0f} s for step {self.step + 1} to "
+                          f"end, or came twice): the next run continues from step {saved_at}, its last checkpoint")
+            elif is_stop(exc) and self.step > saved_at:  # Stop keeps the work: the steps since the last checkpoint
+                with StopHold():
                     self._checkpoint()
+                self.note(f"stopped at step {self.step} of {t.steps}: checkpoint written, the next run continues "
+                          "from this step")
+            raise
         finally:
             self.stream.close()
             self.curves.close()

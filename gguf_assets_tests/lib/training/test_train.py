@@ -620,3 +620,33 @@ def test_tensorboard_names_a_run_by_its_shape_and_keeps_an_unnamed_runs_curves(t
     folder = run_folder(tmp_path, SETTINGS.training, fingerprint)
     assert folder.name == "32x1-40steps-lr0.01-01234567" and not old.exists()
     assert (folder / "events.out.tfevents.1").read_bytes() == b"kept"
+
+
+def test_a_stop_between_checkpoints_keeps_its_steps_and_resumes_bit_identical(shard_sets, reference, tmp_path):
+    """Ctrl-C at step 7 (checkpoints every 5): the stop waits for the step to be whole, writes a checkpoint of
+    step 7 before the run ends, and the next run continues from step 7 to the uninterrupted run's weights."""
+    import os
+    import signal
+
+    settings = replace(SETTINGS, training={"log_every": 1})  # not a result setting: same fingerprint
+
+    def ctrl_c_at_step_7(kind, data):
+        if kind == "log" and data["step"] == 7:
+            os.kill(os.getpid(), signal.SIGINT)  # a real signal, mid-step: held until the step is done
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (xdist may differ)
+    try:
+        events = []
+        with pytest.raises(KeyboardInterrupt):
+            train(tmp_path, shard_sets, settings, on_event=lambda k, d: (events.append((k, d)), ctrl_c_at_step_7(k, d)))
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert [d["step"] for k, d in events if k == "log"][-1] == 7  # nothing ran past the stop
+    run_dir = ProjectPaths.of(tmp_path).checkpoints_dir(reference["summary"].fingerprint)
+    assert list_checkpoints(run_dir)[-1].name == "step-00000007"
+    assert any(k == "note" and "stopped at step 7 of 40: checkpoint written" in d["message"] for k, d in events)
+    events.clear()
+    train(tmp_path, shard_sets, settings, on_event=lambda k, d: events.append((k, d)))
+    assert any(k == "note" and "step-00000007" in d["message"] for k, d in events)
+    assert [d["step"] for k, d in events if k == "log"][0] == 8  # no step done twice
+    assert (run_dir / FINAL_DIR / WEIGHTS_FILE).read_bytes() == reference["weights"]
