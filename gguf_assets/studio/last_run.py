@@ -67,6 +67,6 @@ def last_run_view(instance, where_stopped: str | None = None) -> dict | None:
         message = _first_line(run_failure[0].dagster_event.message) if run_failure else "failed"
         return {**view, "state": "failed", "message": message}
     if status in (dg.DagsterRunStatus.CANCELED, dg.DagsterRunStatus.CANCELING):
-        where = f"stopped {where_stopped}" if where_stopped else "stopped"
-        return {**view, "state": "stopped", "message": f"{where}; Run continues from there"}
+        where = f"{where_stopped}; " if where_stopped else ""
+        return {**view, "state": "stopped", "message": f"{where}Run continues from there"}
     return {**view, "state": "running", "message": f"{status.value.lower()}"}
