@@ -1,5 +1,6 @@
 """Shared fixtures: the tiny demo materials are built once per session and copied per test."""
 
+import json
 import os
 import shutil
 import signal
@@ -213,3 +214,36 @@ def create_run_with_status(instance, *, status, tags: dict[str, str]):
         nothing()
 
     return instance.create_run_for_job(a_run, status=status, tags=tags)
+
+
+# The longest tests first, so the two xdist workers end together instead of one waiting on a long test that
+# started last. Their seconds (setup, call and teardown) are in durations.json, updated by a run with
+# GGUF_ASSETS_RECORD_DURATIONS=1 (`GGUF_ASSETS_RECORD_DURATIONS=1 bash scripts/test.sh`); a test not in it
+# counts as short.
+DURATIONS_FILE = Path(__file__).with_name("durations.json")
+_RECORDED: dict[str, float] = {}
+
+
+def pytest_collection_modifyitems(config, items):
+    try:
+        seconds = json.loads(DURATIONS_FILE.read_text())
+    except (OSError, ValueError):
+        return
+    items.sort(key=lambda item: -seconds.get(item.nodeid, 0.0))  # stable: the rest keep their order
+
+
+def pytest_runtest_logreport(report):
+    if os.environ.get("GGUF_ASSETS_RECORD_DURATIONS") == "1":
+        _RECORDED[report.nodeid] = _RECORDED.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session, exitstatus):
+    # On the controller (or a single process): the workers' reports reach it too.
+    if os.environ.get("GGUF_ASSETS_RECORD_DURATIONS") == "1" and not hasattr(session.config, "workerinput"):
+        try:
+            known = json.loads(DURATIONS_FILE.read_text())
+        except (OSError, ValueError):
+            known = {}
+        known.update({k: round(v, 1) for k, v in _RECORDED.items()})
+        kept = dict(sorted(((k, v) for k, v in known.items() if v >= 3.0), key=lambda kv: -kv[1]))
+        DURATIONS_FILE.write_text(json.dumps(kept, indent=1) + "\n")
