@@ -17,10 +17,10 @@ from gguf_assets.defs.partitions import TRAIN_SHARDS, VAL_SHARDS
 from gguf_assets.defs.resources import ProjectResource
 from gguf_assets.defs.settings import settings_key
 from gguf_assets.lib.core import atomic
+from gguf_assets.lib.core.markdown import markdown_table
 from gguf_assets.lib.materials.materials import load_manifest
 from gguf_assets.lib.precompute.half_state import HalfState
 from gguf_assets.lib.precompute.shards import plan_shards, precompute_split, shard_status
-from gguf_assets.lib.telemetry.render import markdown_table
 
 GPU_POOL = "gpu"
 

@@ -14,6 +14,7 @@ import dagster as dg
 
 from gguf_assets.defs import groups
 from gguf_assets.defs.private_api import DATA_VERSION_TAG
+from gguf_assets.lib.core.markdown import markdown_table
 from gguf_assets.lib.project.layout import ProjectPaths
 from gguf_assets.lib.project.pipeline import (
     STAGES,
@@ -23,7 +24,6 @@ from gguf_assets.lib.project.pipeline import (
     stage_keys,
 )
 from gguf_assets.lib.project.settings import Settings
-from gguf_assets.lib.telemetry.render import markdown_table
 
 KEY_PREFIX = "settings"  # settings/<stage>
 # The metadata entry that says why the stage is stale after this observation (as `status` does).

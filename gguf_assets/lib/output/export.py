@@ -19,7 +19,8 @@ import torch
 
 from gguf_assets.lib.core import atomic, verify
 from gguf_assets.lib.core.errors import UserError
-from gguf_assets.lib.output.gguf_format import F16_MAX, is_f16_tensor, tensor_name, write_adapter_gguf
+from gguf_assets.lib.core.f16 import F16_MAX
+from gguf_assets.lib.output.gguf_format import is_f16_tensor, tensor_name, write_adapter_gguf
 from gguf_assets.lib.output.vision import vision_gguf_path, write_vision_gguf
 from gguf_assets.lib.precompute.teacher_choice import teacher_choice
 from gguf_assets.lib.project import settings_history

@@ -13,12 +13,12 @@ import shlex
 from pathlib import Path
 
 from gguf_assets.lib.core import atomic, verify
+from gguf_assets.lib.core.markdown import markdown_table, user_text
 from gguf_assets.lib.output.verdict import validation_curve, verdict
 from gguf_assets.lib.project import settings_history
 from gguf_assets.lib.project.layout import REPORT_JSON, REPORT_MD, ProjectPaths
 from gguf_assets.lib.project.manifests import ExportSidecar, MaterialsManifest, Report
 from gguf_assets.lib.project.settings import Settings
-from gguf_assets.lib.telemetry.render import markdown_table, user_text
 
 # ggk's flag for the vision encoder GGUF; used when the command template has no
 # {vision_gguf} placeholder but a vision GGUF was exported.

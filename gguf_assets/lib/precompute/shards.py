@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING
 
 from gguf_assets.lib.core import atomic, faults, verify
 from gguf_assets.lib.core.errors import UserError
+from gguf_assets.lib.core.f16 import F16_MAX
 from gguf_assets.lib.corpus.corpus import read_split, shard_prompts
-from gguf_assets.lib.output.gguf_format import F16_MAX
 from gguf_assets.lib.precompute.half_state import HalfState
 from gguf_assets.lib.precompute.teacher_choice import teacher_choice
 from gguf_assets.lib.project import formats, settings_history
