@@ -37,7 +37,7 @@ def build_pair(root: Path) -> Path:
     from safetensors.torch import save_file
     from transformers import Qwen3Config, Qwen3MoeConfig
 
-    from gguf_assets.lib.project.demo import demo_settings
+    from gguf_assets.lib.demo.demo import demo_settings
     from gguf_assets.lib.project.settings import Settings, replace, write_project_file
 
     teacher, student = root / "models" / "qwen3-moe-30b-a3b", root / "models" / "qwen3-0.6b"

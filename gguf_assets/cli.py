@@ -210,7 +210,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from gguf_assets.lib.project.demo import DEMO_STEPS, build_demo_materials, demo_settings
+    from gguf_assets.lib.demo.demo import DEMO_STEPS, build_demo_materials, demo_settings
 
     start = time.perf_counter()
     paths = ProjectPaths.of(args.project)

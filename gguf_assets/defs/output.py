@@ -22,7 +22,6 @@ from gguf_assets.lib.output.report import (
     render_markdown,
     render_use_in_ggk,
 )
-from gguf_assets.lib.output.verdict import GOOD
 from gguf_assets.lib.precompute.shards import require_current
 from gguf_assets.lib.project.manifests import Report
 from gguf_assets.lib.project.pipeline import (
@@ -31,6 +30,7 @@ from gguf_assets.lib.project.pipeline import (
     report_fingerprint,
     shard_fingerprints,
 )
+from gguf_assets.lib.training.verdict import GOOD
 
 
 @dg.asset(group_name=groups.OUTPUT, deps=[adapter, materials, settings_key("gguf")],

@@ -31,9 +31,9 @@ from gguf_assets.lib.project.manifests import DamagedRecord, Report
 from gguf_assets.lib.project.pipeline import State, project_status, with_running
 from gguf_assets.lib.project.presets import PRESETS, preset, set_keys
 from gguf_assets.lib.project.settings import SettingsError, load_settings, settings_from_text
-from gguf_assets.lib.project.settings_form import apply_form, form_sections, form_values
 from gguf_assets.lib.telemetry.curves_log import tensorboard_timeseries_url
 from gguf_assets.lib.telemetry.live import merged_history, precompute_progress, training_progress
+from gguf_assets.studio.settings_form import apply_form, form_sections, form_values
 
 TEMPLATES = Jinja2Templates(directory=str(Path(__file__).parent / "templates"))
 RUN_LOG = "studio-run.log"  # in <project>/.dagster: the console output of the runs the studio starts

@@ -31,7 +31,6 @@ from gguf_assets.lib.core.errors import UserError
 from gguf_assets.lib.core.f16 import F16_MAX
 from gguf_assets.lib.corpus.corpus import read_split, shard_prompts
 from gguf_assets.lib.precompute.half_state import HalfState
-from gguf_assets.lib.precompute.teacher_choice import teacher_choice
 from gguf_assets.lib.project import formats, settings_history
 from gguf_assets.lib.project.layout import (
     PROMPTS_FILE,
@@ -42,6 +41,7 @@ from gguf_assets.lib.project.layout import (
 )
 from gguf_assets.lib.project.manifests import MaterialsManifest
 from gguf_assets.lib.project.settings import Settings
+from gguf_assets.lib.project.teacher_choice import teacher_choice
 from gguf_assets.lib.telemetry.progress import Progress
 
 if TYPE_CHECKING:
@@ -194,9 +194,11 @@ class ShardBuilder:
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
+        from gguf_assets.lib.precompute.teacher import load_teacher
+
         folder = Path(self.materials.teacher["path"]) if self.choice.loads_teacher_model else None
-        self._teacher = self.choice.load(self.settings, teacher_folder=folder, student=self.student,
-                                         device=self.device, gpu_budget_gib=gpu_budget_gib)
+        self._teacher = load_teacher(self.choice, self.settings, teacher_folder=folder, student=self.student,
+                                     device=self.device, gpu_budget_gib=gpu_budget_gib)
         self.gpu_budget_gib = gpu_budget_gib if gpu_budget_gib is not None else self._teacher.placement.gpu_budget_gib
         return self._teacher
 

@@ -16,7 +16,6 @@ from gguf_assets.lib.core import atomic, verify
 from gguf_assets.lib.core.errors import UserError
 from gguf_assets.lib.materials.materials import load_manifest, manifest_is_current
 from gguf_assets.lib.precompute.half_state import HalfState
-from gguf_assets.lib.precompute.teacher_choice import teacher_choice
 from gguf_assets.lib.project import formats, settings_history
 from gguf_assets.lib.project.layout import SPLITS, ProjectPaths
 from gguf_assets.lib.project.manifests import (
@@ -27,6 +26,7 @@ from gguf_assets.lib.project.manifests import (
     read_record,
 )
 from gguf_assets.lib.project.settings import Settings
+from gguf_assets.lib.project.teacher_choice import teacher_choice
 
 STAGES = ("materials", "corpus", "train_shards", "val_shards", "adapter", "gguf", "eval_report")
 GGUF_SUFFIX = ".gguf"

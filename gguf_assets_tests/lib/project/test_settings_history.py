@@ -1,7 +1,7 @@
 """The settings snapshots behind each result's record, and the words `status` uses for what changed."""
 
+from gguf_assets.lib.demo.demo import demo_settings
 from gguf_assets.lib.project import settings_history
-from gguf_assets.lib.project.demo import demo_settings
 from gguf_assets.lib.project.pipeline import stage_settings
 from gguf_assets.lib.project.settings import replace
 

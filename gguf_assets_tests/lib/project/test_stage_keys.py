@@ -1,6 +1,6 @@
 """Each stage's settings table lists project.yaml's own keys, derived from what its fingerprint reads."""
 
-from gguf_assets.lib.project.demo import demo_settings
+from gguf_assets.lib.demo.demo import demo_settings
 from gguf_assets.lib.project.pipeline import stage_keys
 
 
