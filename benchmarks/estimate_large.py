@@ -58,7 +58,7 @@ def build_pair(root: Path) -> Path:
 def main() -> int:
     from gguf_assets.lib.project.layout import ProjectPaths
     from gguf_assets.lib.project.settings import load_settings
-    from gguf_assets.lib.telemetry.estimate import estimate_lines, placement_text, teacher_placements
+    from gguf_assets.lib.status.estimate import estimate_lines, placement_text, teacher_placements
 
     with tempfile.TemporaryDirectory() as tmp:
         project = build_pair(Path(tmp))

@@ -14,11 +14,11 @@ from gguf_assets.lib.core.markdown import markdown_table
 from gguf_assets.lib.materials.materials import load_manifest
 from gguf_assets.lib.precompute.shards import require_current
 from gguf_assets.lib.project.layout import CURVES_FILE, FINAL_DIR
-from gguf_assets.lib.project.pipeline import adapter_fingerprint
 from gguf_assets.lib.telemetry.curves_log import TENSORBOARD_URL_ENV, run_folder, run_name, tensorboard_timeseries_url
 from gguf_assets.lib.telemetry.hardware import HardwareSampler
 from gguf_assets.lib.telemetry.render import curves_markdown, curves_svg
 from gguf_assets.lib.training.train import train_adapter
+from gguf_assets.lib.training.training_run import adapter_fingerprint
 from gguf_assets.lib.training.verdict import verdict
 
 # Rows of the metrics table in the Markdown metadata; the full history is in final/meta.json.

@@ -355,6 +355,11 @@ def materials_settings_key(settings: Settings) -> dict:
     return {**m, "mode": choice.mode, "mock_teacher": choice.mock}
 
 
+def materials_fingerprint(settings: Settings) -> str:
+    """The materials' fingerprint: their settings (the pins they resolve to are the next stages' inputs)."""
+    return atomic.fingerprint(materials_settings_key(settings))
+
+
 def manifest_is_current(paths: ProjectPaths, settings: Settings) -> bool:
     """True if the manifest was made under these settings and no local source changed on disk."""
     if not paths.materials_manifest.is_file():

@@ -120,8 +120,26 @@ class ShardPlan:
         return paths.shard_dir(self.split, self.key)
 
 
+def shard_size(settings: Settings, split: str) -> int:
+    return settings.precompute.shard_size if split == "train" else settings.precompute.val_shard_size
+
+
+def shards_stage_settings(settings: Settings, split: str) -> dict:
+    """What a split's shards are computed from, as settings/<split>_shards shows it: each half's settings, the
+    models the mode loads and the shard size (it places prompts in shards: a new one makes them missing).
+
+    The fingerprints see a model through its pin (source and commit); the shards list the sources they
+    load, so a new source marks them, and not the stages that never load it."""
+    choice = teacher_choice(settings)
+    m = settings.materials
+    return {"halves": {half: half_settings(half, settings) for half in halves_for_mode(settings.precompute.mode)},
+            "models": {"student": m.student if choice.loads_student_model else None,
+                       "teacher": m.teacher if choice.loads_teacher_model else None},
+            "shard_size": shard_size(settings, split)}
+
+
 def plan_shards(paths: ProjectPaths, settings: Settings, materials: MaterialsManifest, split: str) -> list[ShardPlan]:
-    size = settings.precompute.shard_size if split == "train" else settings.precompute.val_shard_size
+    size = shard_size(settings, split)
     plans = []
     for index, prompts in enumerate(shard_prompts(read_split(paths, split), size)):
         h = prompts_hash(prompts)
@@ -133,6 +151,18 @@ def plan_shards(paths: ProjectPaths, settings: Settings, materials: MaterialsMan
 def shard_status(paths: ProjectPaths, settings: Settings, plan: ShardPlan) -> dict[str, str]:
     return {half: half_status(plan.folder(paths), half, plan.fingerprints[half])
             for half in halves_for_mode(settings.precompute.mode)}
+
+
+def planned_fingerprints(settings: Settings, plans: list[ShardPlan]) -> list[str]:
+    """Per planned shard, the fingerprint of the halves the mode makes (what training and the report read)."""
+    halves = halves_for_mode(settings.precompute.mode)
+    return [":".join(plan.fingerprints[h] for h in halves) for plan in plans]
+
+
+def shard_fingerprints(paths: ProjectPaths, settings: Settings, materials: MaterialsManifest, split: str) -> list[str]:
+    """A split's shard fingerprints, as they are when made now: what the adapter's and the report's fingerprints
+    chain."""
+    return planned_fingerprints(settings, plan_shards(paths, settings, materials, split))
 
 
 def data_file(folder: Path, half: str) -> Path:

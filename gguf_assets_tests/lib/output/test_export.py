@@ -168,27 +168,27 @@ def test_also_copy_to_is_verified_and_a_failed_copy_keeps_the_old_one(tmp_path: 
 def test_a_changed_export_or_a_copy_shared_with_another_project_is_not_current(tmp_path: Path, caplog) -> None:
     """Exported files are checked by stamp: a same-size bit flip (new mtime) or another project
     writing the same also_copy_to file makes the export not current, and the export says so."""
-    from gguf_assets.lib.project.pipeline import _exported_files_unchanged
+    from gguf_assets.lib.output.export_run import exported_files_unchanged
 
     shared = tmp_path / "ggk models"
     first_paths, settings = project(tmp_path, also_copy_to=str(shared))
     export.export_adapter(first_paths, settings, MATERIALS, fake_run(first_paths, make_adapter(0)))
-    assert _exported_files_unchanged(first_paths, settings)
+    assert exported_files_unchanged(first_paths, settings)
 
     gguf = first_paths.root / "output" / "adapter.gguf"
     data = bytearray(gguf.read_bytes())
     data[-7] ^= 0x01
     gguf.write_bytes(bytes(data))
-    assert not _exported_files_unchanged(first_paths, settings)
+    assert not exported_files_unchanged(first_paths, settings)
     export.export_adapter(first_paths, settings, MATERIALS, {"run_dir": "checkpoints/fp-test",
                                                               "fingerprint": "fp-test"})
-    assert _exported_files_unchanged(first_paths, settings)
+    assert exported_files_unchanged(first_paths, settings)
 
     second_paths = ProjectPaths.of(tmp_path / "second")
     with caplog.at_level("WARNING", logger="gguf_assets"):
         export.export_adapter(second_paths, settings, MATERIALS, fake_run(second_paths, make_adapter(1)))
     assert f"replacing {shared / 'adapter.gguf'}, which this project's last export did not write" in caplog.text
-    assert not _exported_files_unchanged(first_paths, settings)  # its copy now holds the second's tensors
+    assert not exported_files_unchanged(first_paths, settings)  # its copy now holds the second's tensors
 
 
 def test_projects_sharing_an_output_dir_keep_their_reports_apart(tmp_path: Path) -> None:
