@@ -26,8 +26,10 @@ GPU_POOL = "gpu"
 
 
 def _numbers(report: dict) -> dict:
-    """The plottable and short values of a report (no bools, no inf: an ETA not known yet)."""
-    return {k: v for k, v in report.items() if isinstance(v, (int, float, str)) and not isinstance(v, bool)
+    """The plottable and short values of a report (no bools, no inf: an ETA not known yet). A str enum (a half's
+    HalfState) goes in as its plain value: Dagster's serializer refuses enums it does not know."""
+    return {k: str(v) if isinstance(v, str) else v for k, v in report.items()
+            if isinstance(v, (int, float, str)) and not isinstance(v, bool)
             and not (isinstance(v, float) and not math.isfinite(v))}
 
 
