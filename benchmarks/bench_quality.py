@@ -1,6 +1,6 @@
 """Training quality: val centred cosine against CPU seconds, the current recipe vs variants.
 
-Three teacher/student families, each built locally by `lib/project/demo.py: build_demo_materials`
+Three teacher/student families, each built locally by `lib/demo/demo.py: build_demo_materials`
 (a random-weight three-layer Qwen3-MoE teacher, 64 wide, with 256 query rows; a Qwen3 student):
 
     A   the demo's pair: a 48-wide, 2-layer student; the teacher reads a linear lift of the
@@ -77,11 +77,11 @@ from torch import nn
 from gguf_assets.lib.core import atomic, verify
 from gguf_assets.lib.core.quiet import quiet_libraries
 from gguf_assets.lib.corpus.corpus import build_corpus, read_split
+from gguf_assets.lib.corpus.corpus_run import corpus_fingerprint
+from gguf_assets.lib.demo.demo import TEACHER_HIDDEN_SIZE, build_demo_materials, demo_settings
 from gguf_assets.lib.materials.materials import resolve_materials
 from gguf_assets.lib.precompute.shards import ShardBuilder, data_file, plan_shards, precompute_split
-from gguf_assets.lib.project.demo import TEACHER_HIDDEN_SIZE, build_demo_materials, demo_settings
 from gguf_assets.lib.project.layout import PROMPTS_FILE, ProjectPaths
-from gguf_assets.lib.project.pipeline import corpus_fingerprint
 from gguf_assets.lib.project.settings import Settings, replace, write_project_file
 from gguf_assets.lib.training import train as train_module
 from gguf_assets.lib.training.adapter import Adapter, AdapterShape

@@ -73,7 +73,7 @@ def free_port() -> int:
 
 def new_project(root: Path, materials: Path, *, train: int, val: int, shard_size: int, steps: int,
                 mock_teacher: bool = False):
-    from gguf_assets.lib.project.demo import demo_settings
+    from gguf_assets.lib.demo.demo import demo_settings
     from gguf_assets.lib.project.layout import ProjectPaths
     from gguf_assets.lib.project.settings import replace, write_project_file
 
@@ -239,7 +239,7 @@ def status_seconds(paths, repeats: int = 3) -> tuple[float, float]:
 
 
 def part_pipeline(tmp: Path, *, prompts: int, shard_size: int, steps: int, mock_teacher: bool = False) -> bool:
-    from gguf_assets.lib.project.demo import build_demo_materials
+    from gguf_assets.lib.demo.demo import build_demo_materials
 
     val = max(shard_size // 2, 100)
     models = "the demo's tiny student and a mock teacher" if mock_teacher else "the demo's tiny real models"
@@ -278,7 +278,7 @@ def part_partitions(tmp: Path, *, partitions: int) -> bool:
 
     from gguf_assets.defs.partitions import BY_SPLIT
     from gguf_assets.defs.plan import next_work
-    from gguf_assets.lib.project.demo import build_demo_materials
+    from gguf_assets.lib.demo.demo import build_demo_materials
     from gguf_assets.lib.project.settings import load_settings
 
     print(f"\n## partitions: {partitions} train shard partitions, synthetic shard files and records")
@@ -316,7 +316,7 @@ def part_partitions(tmp: Path, *, partitions: int) -> bool:
 def part_cluster(tmp: Path, *, shards: int, shard_size: int, worker_counts: tuple[int, ...] = (1, 2)) -> bool:
     from servers import postgres_server, redis_server
 
-    from gguf_assets.lib.project.demo import build_demo_materials
+    from gguf_assets.lib.demo.demo import build_demo_materials
 
     print(f"\n## cluster: {shards} train shards of {shard_size} prompts (mock teacher), in-process and on Celery "
           "workers")

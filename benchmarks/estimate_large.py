@@ -37,7 +37,7 @@ def build_pair(root: Path) -> Path:
     from safetensors.torch import save_file
     from transformers import Qwen3Config, Qwen3MoeConfig
 
-    from gguf_assets.lib.project.demo import demo_settings
+    from gguf_assets.lib.demo.demo import demo_settings
     from gguf_assets.lib.project.settings import Settings, replace, write_project_file
 
     teacher, student = root / "models" / "qwen3-moe-30b-a3b", root / "models" / "qwen3-0.6b"
@@ -58,7 +58,7 @@ def build_pair(root: Path) -> Path:
 def main() -> int:
     from gguf_assets.lib.project.layout import ProjectPaths
     from gguf_assets.lib.project.settings import load_settings
-    from gguf_assets.lib.telemetry.estimate import estimate_lines, placement_text, teacher_placements
+    from gguf_assets.lib.status.estimate import estimate_lines, placement_text, teacher_placements
 
     with tempfile.TemporaryDirectory() as tmp:
         project = build_pair(Path(tmp))

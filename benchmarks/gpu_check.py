@@ -39,11 +39,11 @@ import torch
 from gguf_assets.lib.core import atomic
 from gguf_assets.lib.core.quiet import quiet_libraries
 from gguf_assets.lib.corpus.corpus import build_corpus
+from gguf_assets.lib.corpus.corpus_run import corpus_fingerprint
+from gguf_assets.lib.demo.demo import QUERY_ROWS_FILENAME, QUERY_ROWS_TENSOR, build_demo_materials, demo_settings
 from gguf_assets.lib.materials.materials import resolve_materials
 from gguf_assets.lib.precompute.shards import plan_shards, precompute_split, require_current
-from gguf_assets.lib.project.demo import QUERY_ROWS_FILENAME, QUERY_ROWS_TENSOR, build_demo_materials, demo_settings
 from gguf_assets.lib.project.layout import ProjectPaths
-from gguf_assets.lib.project.pipeline import corpus_fingerprint
 from gguf_assets.lib.project.settings import Settings, replace, write_project_file
 
 GIB = 1 << 30
@@ -190,8 +190,8 @@ def check_oom_lowering(paths, settings, materials, device, results, caplog_recor
 def check_training_and_export(paths, settings, materials, device, results) -> None:
     from gguf_assets.lib.output.export import export_adapter
     from gguf_assets.lib.output.gguf_eval import evaluate_gguf
-    from gguf_assets.lib.project.pipeline import adapter_fingerprint
     from gguf_assets.lib.training.train import train_adapter
+    from gguf_assets.lib.training.training_run import adapter_fingerprint
 
     folders = {split: require_current(paths, settings, materials, split) for split in ("train", "val")}
     fingerprint = adapter_fingerprint(paths, settings, materials)

@@ -48,7 +48,7 @@ def cmd_init(args: argparse.Namespace) -> int:
 
 def _print_status(paths: ProjectPaths) -> None:
     from gguf_assets.lib.core.lock import holder
-    from gguf_assets.lib.project.pipeline import State, project_status, with_running
+    from gguf_assets.lib.status.states import State, project_status, with_running
 
     settings = load_settings(paths.root)
     stages = with_running(project_status(paths, settings), holder(paths.lock_file))
@@ -60,7 +60,7 @@ def _print_status(paths: ProjectPaths) -> None:
 
 def _memory_line(paths: ProjectPaths, settings) -> str:
     """The memory estimate in one status line (`gguf-trainer estimate DIR` has the details)."""
-    from gguf_assets.lib.telemetry.estimate import estimate, peak_gib, size_text
+    from gguf_assets.lib.status.estimate import estimate, peak_gib, size_text
 
     try:
         lines = estimate(paths, settings)
@@ -161,7 +161,7 @@ def _run(paths: ProjectPaths, *, workers: int | None = None, cancel_on_stop: boo
 
 
 def _where_stopped(paths: ProjectPaths) -> str:
-    from gguf_assets.lib.project.pipeline import where_stopped
+    from gguf_assets.lib.status.states import where_stopped
 
     try:
         return where_stopped(paths, load_settings(paths.root))
@@ -211,7 +211,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from gguf_assets.lib.project.demo import DEMO_STEPS, build_demo_materials, demo_settings
+    from gguf_assets.lib.demo.demo import DEMO_STEPS, build_demo_materials, demo_settings
 
     start = time.perf_counter()
     paths = ProjectPaths.of(args.project)
@@ -467,7 +467,7 @@ def cmd_auto_resume(project: str, *, daemon: bool, ui_port: int | None = None, u
 
 def cmd_estimate(args: argparse.Namespace) -> int:
     """How much memory the project's pair needs, from the safetensors headers, before anything loads."""
-    from gguf_assets.lib.telemetry.estimate import estimate_lines
+    from gguf_assets.lib.status.estimate import estimate_lines
 
     paths = ProjectPaths.of(args.project)
     print(f"memory estimate for {paths.root} (weights and training state; activations come on top):")
@@ -541,7 +541,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     """Re-read every file the project reuses or delivered against its recorded hash, whatever the stamps say."""
-    from gguf_assets.lib.project import verify_project as v
+    from gguf_assets.lib.status import verify_project as v
 
     paths = ProjectPaths.of(args.project)
     settings = load_settings(paths.root)

@@ -8,9 +8,9 @@ import re
 import sys
 from pathlib import Path
 
+from gguf_assets.lib.core.markdown import markdown_table
 from gguf_assets.lib.output.gguf_format import metadata_key_rows
 from gguf_assets.lib.project.settings import settings_reference_markdown
-from gguf_assets.lib.telemetry.render import markdown_table
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 SETTINGS_DOC = DOCS / "settings.md"

@@ -29,8 +29,8 @@ from gguf_assets.lib.core.lock import ProjectLock
 from gguf_assets.lib.precompute.half_state import HalfState
 from gguf_assets.lib.project import settings_history
 from gguf_assets.lib.project.layout import ProjectPaths
-from gguf_assets.lib.project.pipeline import StageState, State, project_status
 from gguf_assets.lib.project.settings import Settings, load_settings
+from gguf_assets.lib.status.states import StageState, State, project_status
 
 log = logging.getLogger(__name__)
 

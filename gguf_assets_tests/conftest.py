@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from filelock import FileLock
 
-from gguf_assets.lib.project.demo import build_demo_materials, demo_settings
+from gguf_assets.lib.demo.demo import build_demo_materials, demo_settings
 from gguf_assets.lib.project.layout import ProjectPaths
 from gguf_assets.lib.project.settings import Settings, replace, write_project_file
 

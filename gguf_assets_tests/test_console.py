@@ -10,7 +10,7 @@ import dagster as dg
 import pytest
 from conftest import CLI, cli_env, free_port, project_instance
 
-from gguf_assets.lib.output.verdict import GOOD
+from gguf_assets.lib.training.verdict import GOOD
 
 ANSI = re.compile(r"\x1b\[")
 

@@ -14,6 +14,7 @@ from gguf_assets.defs.training import adapter
 from gguf_assets.lib.core import atomic
 from gguf_assets.lib.materials.materials import load_manifest
 from gguf_assets.lib.output.export import ExportError, export_adapter
+from gguf_assets.lib.output.export_run import export_sidecar, gguf_path
 from gguf_assets.lib.output.gguf_eval import evaluate_gguf
 from gguf_assets.lib.output.report import (
     build_report,
@@ -22,15 +23,10 @@ from gguf_assets.lib.output.report import (
     render_markdown,
     render_use_in_ggk,
 )
-from gguf_assets.lib.output.verdict import GOOD
-from gguf_assets.lib.precompute.shards import require_current
+from gguf_assets.lib.output.report_run import report_fingerprint
+from gguf_assets.lib.precompute.shards import require_current, shard_fingerprints
 from gguf_assets.lib.project.manifests import Report
-from gguf_assets.lib.project.pipeline import (
-    export_sidecar,
-    gguf_path,
-    report_fingerprint,
-    shard_fingerprints,
-)
+from gguf_assets.lib.training.verdict import GOOD
 
 
 @dg.asset(group_name=groups.OUTPUT, deps=[adapter, materials, settings_key("gguf")],

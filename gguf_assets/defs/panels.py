@@ -2,8 +2,8 @@
 
 import dagster as dg
 
+from gguf_assets.lib.core.markdown import markdown_table
 from gguf_assets.lib.telemetry.hardware import environment_report, hardware_report
-from gguf_assets.lib.telemetry.render import markdown_table
 
 
 def panel_metadata() -> dict:

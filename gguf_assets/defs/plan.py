@@ -1,7 +1,7 @@
 """What is left to do for a project, as the next named job to run: one function for `gguf-trainer run`
 and for the daemon's resume sensor.
 
-The decision comes from the project status (the fingerprints of lib/project/pipeline.py).
+The decision comes from the project status (lib/status/states.py, from each stage's own fingerprint).
 """
 
 from __future__ import annotations
@@ -9,10 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gguf_assets.defs.run_tags import PIPELINE_TAG, RANGE_END_TAG, RANGE_START_TAG
+from gguf_assets.lib.corpus.corpus_run import corpus_manifest
 from gguf_assets.lib.project import settings_history
 from gguf_assets.lib.project.layout import SPLITS, ProjectPaths
-from gguf_assets.lib.project.pipeline import RESUMABLE, UNFINISHED, State, corpus_manifest, project_status
 from gguf_assets.lib.project.settings import Settings
+from gguf_assets.lib.status.states import RESUMABLE, UNFINISHED, State, project_status
 
 
 @dataclass(frozen=True)

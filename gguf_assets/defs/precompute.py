@@ -17,17 +17,19 @@ from gguf_assets.defs.partitions import TRAIN_SHARDS, VAL_SHARDS
 from gguf_assets.defs.resources import ProjectResource
 from gguf_assets.defs.settings import settings_key
 from gguf_assets.lib.core import atomic
+from gguf_assets.lib.core.markdown import markdown_table
 from gguf_assets.lib.materials.materials import load_manifest
 from gguf_assets.lib.precompute.half_state import HalfState
 from gguf_assets.lib.precompute.shards import plan_shards, precompute_split, shard_status
-from gguf_assets.lib.telemetry.render import markdown_table
 
 GPU_POOL = "gpu"
 
 
 def _numbers(report: dict) -> dict:
-    """The plottable and short values of a report (no bools, no inf: an ETA not known yet)."""
-    return {k: v for k, v in report.items() if isinstance(v, (int, float, str)) and not isinstance(v, bool)
+    """The plottable and short values of a report (no bools, no inf: an ETA not known yet). A str enum (a half's
+    HalfState) goes in as its plain value: Dagster's serializer refuses enums it does not know."""
+    return {k: str(v) if isinstance(v, str) else v for k, v in report.items()
+            if isinstance(v, (int, float, str)) and not isinstance(v, bool)
             and not (isinstance(v, float) and not math.isfinite(v))}
 
 

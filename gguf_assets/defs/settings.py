@@ -1,7 +1,7 @@
 """The project's settings, seen by Dagster: one observable source asset per stage, settings/<stage>.
 
 Each one's data version is the fingerprint that stage's result has when made now, from the
-current settings and the inputs on disk (lib/project/pipeline.py ``expected_fingerprints``: the
+current settings and the inputs on disk (lib/status/stages.py ``expected_fingerprints``: the
 fingerprints `status` compares, one engine). Every stage's asset depends on its settings asset
 and returns its own fingerprint as its data version, so after an edit of project.yaml Dagster's
 staleness marks exactly the stages whose results the edit changes, with no "Reload definitions"
@@ -14,16 +14,11 @@ import dagster as dg
 
 from gguf_assets.defs import groups
 from gguf_assets.defs.private_api import DATA_VERSION_TAG
+from gguf_assets.lib.core.markdown import markdown_table
 from gguf_assets.lib.project.layout import ProjectPaths
-from gguf_assets.lib.project.pipeline import (
-    STAGES,
-    UNFINISHED,
-    expected_fingerprints,
-    project_status,
-    stage_keys,
-)
 from gguf_assets.lib.project.settings import Settings
-from gguf_assets.lib.telemetry.render import markdown_table
+from gguf_assets.lib.status.stages import STAGES, expected_fingerprints, stage_keys
+from gguf_assets.lib.status.states import UNFINISHED, project_status
 
 KEY_PREFIX = "settings"  # settings/<stage>
 # The metadata entry that says why the stage is stale after this observation (as `status` does).
@@ -58,7 +53,7 @@ def observe_settings(instance: dg.DagsterInstance, settings: Settings, paths: Pr
     """Record each stage's expected fingerprint as the data version of settings/<stage> where it changed;
     returns those stages.
 
-    The versions are lib/project/pipeline.py's ``expected_fingerprints``, the very fingerprints `status` compares,
+    The versions are lib/status/stages.py's ``expected_fingerprints``, the very fingerprints `status` compares,
     so Dagster's stale marks follow from them. A stage whose inputs do not exist yet keeps its last
     version. An observation also says why its stage is stale (the keys that changed since its result was
     made, old → new): the same words `gguf-trainer status` prints.

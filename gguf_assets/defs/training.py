@@ -10,15 +10,16 @@ from gguf_assets.defs.panels import panel_metadata
 from gguf_assets.defs.precompute import GPU_POOL, train_shards, val_shards
 from gguf_assets.defs.resources import ProjectResource
 from gguf_assets.defs.settings import settings_key
+from gguf_assets.lib.core.markdown import markdown_table
 from gguf_assets.lib.materials.materials import load_manifest
-from gguf_assets.lib.output.verdict import verdict
 from gguf_assets.lib.precompute.shards import require_current
 from gguf_assets.lib.project.layout import CURVES_FILE, FINAL_DIR
-from gguf_assets.lib.project.pipeline import adapter_fingerprint
 from gguf_assets.lib.telemetry.curves_log import TENSORBOARD_URL_ENV, run_folder, run_name, tensorboard_timeseries_url
 from gguf_assets.lib.telemetry.hardware import HardwareSampler
-from gguf_assets.lib.telemetry.render import curves_markdown, curves_svg, markdown_table
+from gguf_assets.lib.telemetry.render import curves_markdown, curves_svg
 from gguf_assets.lib.training.train import train_adapter
+from gguf_assets.lib.training.training_run import adapter_fingerprint
+from gguf_assets.lib.training.verdict import verdict
 
 # Rows of the metrics table in the Markdown metadata; the full history is in final/meta.json.
 TABLE_ROWS = 40

@@ -1,7 +1,7 @@
 """The studio's web app (Starlette, which dagster-webserver already brings, with Jinja2 templates).
 
 One project per app. The page reads the same truths the CLI prints: `status` comes from
-lib/project/pipeline.py's one staleness engine, the verdict from the report, what runs now from
+lib/status/states.py's one staleness engine, the verdict from the report, what runs now from
 the project lock's holder record. Run starts `gguf-trainer run DIR` (the same named Dagster jobs,
 the same lock, the same console log); Stop asks Dagster to terminate the project's running run,
 which every entry point turns into a clean CANCELED stop. Nothing here keeps state of its own (the
@@ -28,12 +28,12 @@ from gguf_assets.lib.core.lock import holder
 from gguf_assets.lib.project import settings_file, settings_history
 from gguf_assets.lib.project.layout import ProjectPaths
 from gguf_assets.lib.project.manifests import DamagedRecord, Report
-from gguf_assets.lib.project.pipeline import State, project_status, with_running
 from gguf_assets.lib.project.presets import PRESETS, preset, set_keys
 from gguf_assets.lib.project.settings import SettingsError, load_settings, settings_from_text
-from gguf_assets.lib.project.settings_form import apply_form, form_sections, form_values
+from gguf_assets.lib.status.states import State, project_status, with_running
 from gguf_assets.lib.telemetry.curves_log import tensorboard_timeseries_url
 from gguf_assets.lib.telemetry.live import merged_history, precompute_progress, training_progress
+from gguf_assets.studio.settings_form import apply_form, form_sections, form_values
 
 TEMPLATES = Jinja2Templates(directory=str(Path(__file__).parent / "templates"))
 RUN_LOG = "studio-run.log"  # in <project>/.dagster: the console output of the runs the studio starts
@@ -197,8 +197,8 @@ def training_view(paths: ProjectPaths, settings, live: list[dict] | None) -> dic
     else for the adapter last trained."""
     from gguf_assets.lib.materials.materials import load_manifest
     from gguf_assets.lib.project.layout import FINAL_DIR, META_FILE
-    from gguf_assets.lib.project.pipeline import adapter_fingerprint, last_checkpoint_step
     from gguf_assets.lib.telemetry.render import curves_svg
+    from gguf_assets.lib.training.training_run import adapter_fingerprint, last_checkpoint_step
 
     try:
         fingerprint = adapter_fingerprint(paths, settings, load_manifest(paths))
@@ -264,9 +264,9 @@ def machine_view() -> dict:
 
 
 def memory_view(paths: ProjectPaths) -> dict:
-    """The memory estimate (lib/telemetry/estimate.py), as the page's Memory panel shows it, with where the
+    """The memory estimate (lib/status/estimate.py), as the page's Memory panel shows it, with where the
     teacher would go on this machine's GPUs."""
-    from gguf_assets.lib.telemetry.estimate import estimate, peak_gib, placement_lines, size_text
+    from gguf_assets.lib.status.estimate import estimate, peak_gib, placement_lines, size_text
     from gguf_assets.lib.telemetry.hardware import gpu_snapshot
 
     gpus = gpu_snapshot()

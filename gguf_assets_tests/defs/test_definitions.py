@@ -204,6 +204,72 @@ def test_no_import_cycles_counting_imports_inside_functions():
     assert "gguf_assets.defs.private_api" in graph["gguf_assets.runner"]
 
 
+# lib/'s packages from the bottom up: each may import only those before it, at module level and inside
+# functions. The stages follow the data (materials → corpus → precompute → training → output) on the
+# foundation (core, then project: settings, layout, contracts); telemetry (hardware, progress, curves) imports
+# nothing of lib/, and the precompute and training use it, so it sits right above core; status composes every
+# stage's fingerprint and check; the demo builds materials and settings for `gguf-trainer demo` and the tests,
+# and nothing in lib/ may depend on it.
+LIB_LAYERS = ("core", "telemetry", "project", "materials", "corpus", "precompute", "training", "output", "status",
+              "demo")
+
+
+def _lib_imports_against_the_layers(lib: Path) -> list[str]:
+    """Every import in ``lib`` (a gguf_assets/lib folder) of a lib package that is not below the importer's own
+    package in LIB_LAYERS, as "file:line importer -> imported (module)"."""
+    rank = {name: i for i, name in enumerate(LIB_LAYERS)}
+    prefix = f"{PACKAGE_NAME}.lib"
+    against = []
+    for file in sorted(lib.rglob("*.py")):
+        parts = file.relative_to(lib).parts
+        if len(parts) < 2:  # lib/__init__.py
+            continue
+        importer = parts[0]
+        for node in ast.walk(ast.parse(file.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                if node.level:  # relative: resolved against the importing module's package
+                    base = [PACKAGE_NAME, "lib", *parts[:-1]][: 2 + len(parts) - node.level]
+                    module = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    module = node.module or ""
+                # `from gguf_assets.lib import status` names the package in the imported names
+                modules = [f"{module}.{a.name}" for a in node.names] if module == prefix else [module]
+            elif isinstance(node, ast.Import):
+                modules = [a.name for a in node.names]
+            else:
+                continue
+            for module in modules:
+                if not module.startswith(prefix + "."):
+                    continue
+                imported = module.split(".")[2]
+                if imported != importer and rank.get(imported, len(rank)) >= rank.get(importer, -1):
+                    against.append(f"{file.relative_to(lib)}:{node.lineno} {importer} -> {imported} ({module})")
+    return against
+
+
+def test_lib_packages_import_only_the_layers_below_them():
+    packages = {p.name for p in LIB.iterdir() if (p / "__init__.py").is_file()}
+    assert packages == set(LIB_LAYERS), "place a new lib/ package in LIB_LAYERS"
+    assert _lib_imports_against_the_layers(LIB) == []
+
+
+def test_the_layer_check_finds_an_import_against_the_order(tmp_path):
+    """The check sees imports inside functions, relative ones and a package imported by name."""
+    lib = tmp_path / "lib"
+    for package in ("core", "project", "output", "status"):
+        (lib / package).mkdir(parents=True)
+        (lib / package / "__init__.py").write_text("")
+    (lib / "core" / "atomic.py").write_text("def f():\n    from gguf_assets.lib.status.states import State\n")
+    (lib / "project" / "layout.py").write_text("from ..output import export\nfrom gguf_assets.lib import status\n")
+    (lib / "output" / "export.py").write_text("import gguf_assets.lib.core.atomic\nfrom ..project import layout\n")
+    (lib / "status" / "states.py").write_text("from gguf_assets.lib.output import export\n")
+    assert _lib_imports_against_the_layers(lib) == [
+        "core/atomic.py:2 core -> status (gguf_assets.lib.status.states)",
+        "project/layout.py:1 project -> output (gguf_assets.lib.output)",
+        "project/layout.py:2 project -> status (gguf_assets.lib.status)",
+    ]
+
+
 def test_bookkeeping_tags_are_hidden_from_the_runs_list_and_the_others_shown():
     from gguf_assets.defs import run_tags
     from gguf_assets.defs.private_api import TagType, get_tag_type

@@ -12,11 +12,12 @@ import pyarrow.parquet as pq
 import pytest
 
 from gguf_assets.lib.core import atomic
+from gguf_assets.lib.demo.demo import demo_settings, iter_prompts
 from gguf_assets.lib.materials.materials import load_manifest
-from gguf_assets.lib.project.demo import demo_settings, iter_prompts
 from gguf_assets.lib.project.layout import REPORT_JSON, ProjectPaths
-from gguf_assets.lib.project.pipeline import STAGES, project_status
 from gguf_assets.lib.project.settings import load_settings, replace, write_project_file
+from gguf_assets.lib.status.stages import STAGES
+from gguf_assets.lib.status.states import project_status
 from gguf_assets.runner import run_pipeline
 
 pytestmark = pytest.mark.slow  # whole pipelines: excluded from the fast loop (-m 'not slow')

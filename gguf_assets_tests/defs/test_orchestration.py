@@ -56,8 +56,8 @@ def _kill9_during_training(paths, *, refuse_second: bool = False) -> None:
 
 
 def _status(paths) -> dict[str, str]:
-    from gguf_assets.lib.project.pipeline import project_status
     from gguf_assets.lib.project.settings import load_settings
+    from gguf_assets.lib.status.states import project_status
 
     return {s.stage: s.state for s in project_status(paths, load_settings(paths.root))}
 
@@ -250,8 +250,8 @@ def test_an_edit_during_training_affects_only_the_next_run(make_project):
     """One settings snapshot per run: `steps 40 → 20` and `adapter_name → edited` written at a
     checkpoint mid-training. The run trains its 40 steps and exports under the name it started with;
     the console says the edit is for the next run, and status names the edit as the reason."""
-    from gguf_assets.lib.project.pipeline import project_status
     from gguf_assets.lib.project.settings import load_settings, replace, write_project_file
+    from gguf_assets.lib.status.states import project_status
 
     paths = make_project(**FAULT_SETTINGS)
     name = load_settings(paths.root).output.adapter_name

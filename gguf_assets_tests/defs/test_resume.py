@@ -122,8 +122,8 @@ def _cmdline(process) -> list[str]:
 
 
 def _status(paths):
-    from gguf_assets.lib.project.pipeline import project_status
     from gguf_assets.lib.project.settings import load_settings
+    from gguf_assets.lib.status.states import project_status
 
     return project_status(paths, load_settings(paths.root))
 

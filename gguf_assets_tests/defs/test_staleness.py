@@ -16,8 +16,8 @@ from gguf_assets.defs.private_api import CachingStaleStatusResolver, LoadingCont
 from gguf_assets.defs.resources import ProjectResource
 from gguf_assets.defs.resume import resume_decision
 from gguf_assets.defs.settings import STALE_BECAUSE, settings_key
-from gguf_assets.lib.project.pipeline import project_status
 from gguf_assets.lib.project.settings import load_settings, replace, write_project_file
+from gguf_assets.lib.status.states import project_status
 from gguf_assets.runner import run_pipeline
 
 pytestmark = pytest.mark.slow  # whole pipelines: excluded from the fast loop (-m 'not slow')

@@ -1,1 +1,2 @@
-"""Building blocks every stage uses: atomic writes, the folder lock, stamps, liveness, fault points, errors."""
+"""Building blocks every stage uses: atomic writes, the folder lock, stamps, liveness, fault points, errors, Markdown
+tables, the float16 range."""

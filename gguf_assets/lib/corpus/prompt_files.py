@@ -26,8 +26,7 @@ from typing import BinaryIO
 
 from gguf_assets.lib.core import atomic
 from gguf_assets.lib.core.errors import UserError
-from gguf_assets.lib.materials.materials import DATASET_METADATA_FILES
-from gguf_assets.lib.project.layout import ProjectPaths
+from gguf_assets.lib.project.layout import DATASET_METADATA_FILES, ProjectPaths
 from gguf_assets.lib.project.manifests import MaterialsManifest
 from gguf_assets.lib.project.settings import Settings
 

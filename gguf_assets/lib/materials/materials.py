@@ -24,11 +24,11 @@ from gguf_assets.lib.core import atomic, verify
 from gguf_assets.lib.core.errors import UserError
 from gguf_assets.lib.core.safetensors_io import safetensors_header
 from gguf_assets.lib.materials import hub
-from gguf_assets.lib.precompute.teacher_choice import teacher_choice
 from gguf_assets.lib.project import settings_history
-from gguf_assets.lib.project.layout import ProjectPaths
+from gguf_assets.lib.project.layout import DATASET_METADATA_FILES, ProjectPaths
 from gguf_assets.lib.project.manifests import MODEL_ROLES, DamagedRecord, MaterialsManifest, read_record
 from gguf_assets.lib.project.settings import Settings
+from gguf_assets.lib.project.teacher_choice import teacher_choice
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,6 @@ WEIGHTS_INDEX = "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 REMOTE_CODE_SUFFIX = ".py"
 DATA_SUFFIXES = (".parquet", ".jsonl", ".json", ".csv", ".txt", ".jsonl.gz", ".json.gz", ".csv.gz", ".txt.gz")
-DATASET_METADATA_FILES = {"dataset_info.json", "dataset_infos.json", "dataset_dict.json", "state.json"}
 
 
 class MaterialsError(UserError, RuntimeError):
@@ -354,6 +353,11 @@ def materials_settings_key(settings: Settings) -> dict:
     m = {k: v for k, v in settings.section_dict("materials").items() if k not in ("teacher_layer", "student_layer")}
     choice = teacher_choice(settings)
     return {**m, "mode": choice.mode, "mock_teacher": choice.mock}
+
+
+def materials_fingerprint(settings: Settings) -> str:
+    """The materials' fingerprint: their settings (the pins they resolve to are the next stages' inputs)."""
+    return atomic.fingerprint(materials_settings_key(settings))
 
 
 def manifest_is_current(paths: ProjectPaths, settings: Settings) -> bool:

@@ -19,14 +19,15 @@ import torch
 
 from gguf_assets.lib.core import atomic, verify
 from gguf_assets.lib.core.errors import UserError
-from gguf_assets.lib.output.gguf_format import F16_MAX, is_f16_tensor, tensor_name, write_adapter_gguf
+from gguf_assets.lib.core.f16 import F16_MAX
+from gguf_assets.lib.output.export_run import export_sidecar, gguf_fingerprint, gguf_path
+from gguf_assets.lib.output.gguf_format import is_f16_tensor, tensor_name, write_adapter_gguf
 from gguf_assets.lib.output.vision import vision_gguf_path, write_vision_gguf
-from gguf_assets.lib.precompute.teacher_choice import teacher_choice
 from gguf_assets.lib.project import settings_history
 from gguf_assets.lib.project.layout import ProjectPaths
 from gguf_assets.lib.project.manifests import ExportSidecar, MaterialsManifest
-from gguf_assets.lib.project.pipeline import export_sidecar, gguf_fingerprint, gguf_path
 from gguf_assets.lib.project.settings import Settings, adapter_name_problem
+from gguf_assets.lib.project.teacher_choice import teacher_choice
 from gguf_assets.lib.training.adapter import MLP_RATIO, NORM_EPS
 from gguf_assets.lib.training.checkpoints import load_final
 

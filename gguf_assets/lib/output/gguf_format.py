@@ -41,6 +41,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, Keys
 
 from gguf_assets.lib.core import atomic, faults
+from gguf_assets.lib.core.f16 import F16_MAX
 
 logger = logging.getLogger(__name__)
 
@@ -132,8 +133,6 @@ def metadata_key_rows() -> tuple[list[tuple[str, str, str]], list[tuple[str, str
 
 # GGML_MAX_NAME is 64 including the terminating NUL.
 MAX_TENSOR_NAME = 63
-# Largest finite float16; anything larger rounds to inf.
-F16_MAX = float(np.finfo(np.float16).max)
 
 _KEY_RE = re.compile(r"[a-z0-9_]+(\.[a-z0-9_]+)*")
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1

@@ -13,12 +13,12 @@ import shlex
 from pathlib import Path
 
 from gguf_assets.lib.core import atomic, verify
-from gguf_assets.lib.output.verdict import validation_curve, verdict
+from gguf_assets.lib.core.markdown import markdown_table, user_text
 from gguf_assets.lib.project import settings_history
-from gguf_assets.lib.project.layout import REPORT_JSON, REPORT_MD, ProjectPaths
+from gguf_assets.lib.project.layout import FINAL_DIR, META_FILE, REPORT_JSON, REPORT_MD, ProjectPaths
 from gguf_assets.lib.project.manifests import ExportSidecar, MaterialsManifest, Report
 from gguf_assets.lib.project.settings import Settings
-from gguf_assets.lib.telemetry.render import markdown_table, user_text
+from gguf_assets.lib.training.verdict import validation_curve, verdict
 
 # ggk's flag for the vision encoder GGUF; used when the command template has no
 # {vision_gguf} placeholder but a vision GGUF was exported.
@@ -59,8 +59,6 @@ def _per_shard(evaluation: dict | None, torch_rows: list[dict]) -> list[dict]:
 
 def _validation_curve(paths: ProjectPaths) -> list[tuple[int, float]]:
     """The finished training run's validations (its final/meta.json), or none when it cannot be read."""
-    from gguf_assets.lib.project.layout import FINAL_DIR, META_FILE
-
     try:
         run_dir = paths.root / atomic.read_json(paths.adapter_manifest)["run_dir"]
         return validation_curve(atomic.read_json(run_dir / FINAL_DIR / META_FILE).get("history", []))

@@ -28,10 +28,9 @@ from typing import TYPE_CHECKING
 
 from gguf_assets.lib.core import atomic, faults, verify
 from gguf_assets.lib.core.errors import UserError
+from gguf_assets.lib.core.f16 import F16_MAX
 from gguf_assets.lib.corpus.corpus import read_split, shard_prompts
-from gguf_assets.lib.output.gguf_format import F16_MAX
 from gguf_assets.lib.precompute.half_state import HalfState
-from gguf_assets.lib.precompute.teacher_choice import teacher_choice
 from gguf_assets.lib.project import formats, settings_history
 from gguf_assets.lib.project.layout import (
     PROMPTS_FILE,
@@ -42,6 +41,7 @@ from gguf_assets.lib.project.layout import (
 )
 from gguf_assets.lib.project.manifests import MaterialsManifest
 from gguf_assets.lib.project.settings import Settings
+from gguf_assets.lib.project.teacher_choice import teacher_choice
 from gguf_assets.lib.telemetry.progress import Progress
 
 if TYPE_CHECKING:
@@ -120,8 +120,26 @@ class ShardPlan:
         return paths.shard_dir(self.split, self.key)
 
 
+def shard_size(settings: Settings, split: str) -> int:
+    return settings.precompute.shard_size if split == "train" else settings.precompute.val_shard_size
+
+
+def shards_stage_settings(settings: Settings, split: str) -> dict:
+    """What a split's shards are computed from, as settings/<split>_shards shows it: each half's settings, the
+    models the mode loads and the shard size (it places prompts in shards: a new one makes them missing).
+
+    The fingerprints see a model through its pin (source and commit); the shards list the sources they
+    load, so a new source marks them, and not the stages that never load it."""
+    choice = teacher_choice(settings)
+    m = settings.materials
+    return {"halves": {half: half_settings(half, settings) for half in halves_for_mode(settings.precompute.mode)},
+            "models": {"student": m.student if choice.loads_student_model else None,
+                       "teacher": m.teacher if choice.loads_teacher_model else None},
+            "shard_size": shard_size(settings, split)}
+
+
 def plan_shards(paths: ProjectPaths, settings: Settings, materials: MaterialsManifest, split: str) -> list[ShardPlan]:
-    size = settings.precompute.shard_size if split == "train" else settings.precompute.val_shard_size
+    size = shard_size(settings, split)
     plans = []
     for index, prompts in enumerate(shard_prompts(read_split(paths, split), size)):
         h = prompts_hash(prompts)
@@ -133,6 +151,18 @@ def plan_shards(paths: ProjectPaths, settings: Settings, materials: MaterialsMan
 def shard_status(paths: ProjectPaths, settings: Settings, plan: ShardPlan) -> dict[str, str]:
     return {half: half_status(plan.folder(paths), half, plan.fingerprints[half])
             for half in halves_for_mode(settings.precompute.mode)}
+
+
+def planned_fingerprints(settings: Settings, plans: list[ShardPlan]) -> list[str]:
+    """Per planned shard, the fingerprint of the halves the mode makes (what training and the report read)."""
+    halves = halves_for_mode(settings.precompute.mode)
+    return [":".join(plan.fingerprints[h] for h in halves) for plan in plans]
+
+
+def shard_fingerprints(paths: ProjectPaths, settings: Settings, materials: MaterialsManifest, split: str) -> list[str]:
+    """A split's shard fingerprints, as they are when made now: what the adapter's and the report's fingerprints
+    chain."""
+    return planned_fingerprints(settings, plan_shards(paths, settings, materials, split))
 
 
 def data_file(folder: Path, half: str) -> Path:
@@ -194,9 +224,11 @@ class ShardBuilder:
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
+        from gguf_assets.lib.precompute.teacher import load_teacher
+
         folder = Path(self.materials.teacher["path"]) if self.choice.loads_teacher_model else None
-        self._teacher = self.choice.load(self.settings, teacher_folder=folder, student=self.student,
-                                         device=self.device, gpu_budget_gib=gpu_budget_gib)
+        self._teacher = load_teacher(self.choice, self.settings, teacher_folder=folder, student=self.student,
+                                     device=self.device, gpu_budget_gib=gpu_budget_gib)
         self.gpu_budget_gib = gpu_budget_gib if gpu_budget_gib is not None else self._teacher.placement.gpu_budget_gib
         return self._teacher
 

@@ -29,6 +29,9 @@ WEIGHTS_FILE = "adapter.safetensors"
 STATE_FILE = "trainer_state.pt"
 META_FILE = "meta.json"
 CURVES_FILE = "curves.svg"
+# Files in a hub dataset's folder that describe it rather than hold prompts: the materials step does not
+# download them, the corpus does not read them.
+DATASET_METADATA_FILES = frozenset({"dataset_info.json", "dataset_infos.json", "dataset_dict.json", "state.json"})
 
 
 # Keys whose values are file or folder paths in the project's JSON files (manifests, sidecars,

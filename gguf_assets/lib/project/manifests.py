@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gguf_assets.lib.core import atomic
 from gguf_assets.lib.core.errors import UserError
 
 
@@ -40,6 +41,19 @@ def read_record(path: Path) -> dict[str, Any] | None:
     if not isinstance(doc, dict):
         raise DamagedRecord(path, f"a JSON {type(doc).__name__}, not an object")
     return doc
+
+
+def recorded(record: Path, key: str) -> Any:
+    """One field of a stage's JSON record; None when the record is missing or damaged (status says which)."""
+    try:
+        return atomic.read_json(record).get(key)
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def recorded_fingerprint(record: Path) -> str | None:
+    """The fingerprint a stage's record names: that of what its result was made from."""
+    return recorded(record, "fingerprint")
 
 
 class _JsonFields:

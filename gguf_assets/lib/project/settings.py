@@ -31,7 +31,7 @@ from pydantic_core import PydanticCustomError
 
 from gguf_assets.lib.core import atomic
 from gguf_assets.lib.core.errors import UserError
-from gguf_assets.lib.telemetry.render import markdown_table
+from gguf_assets.lib.core.markdown import markdown_table
 
 PROJECT_FILE = "project.yaml"
 # The output folder's report.json would collide with an adapter of this name's sidecar (<name>.json).

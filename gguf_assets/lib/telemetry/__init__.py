@@ -1,1 +1,1 @@
-"""Telemetry: hardware sampling, progress and ETA, TensorBoard curves, Markdown and SVG."""
+"""Telemetry: hardware sampling, progress and ETA, TensorBoard curves, SVG pictures, the studio's live figures."""

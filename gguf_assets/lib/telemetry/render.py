@@ -1,34 +1,11 @@
-"""What the UI and the reports show, as text: Markdown tables (one builder, so every table escapes the
-same way) and the training curves as an inline SVG."""
+"""What the UI and the reports show as pictures: the training curves and the live sparklines as inline SVG
+(the Markdown tables are lib/core/markdown.py's)."""
 
 from __future__ import annotations
 
 import base64
 import math
-from collections.abc import Iterable, Sequence
-
-_MARKDOWN_SPECIAL = str.maketrans({c: "\\" + c for c in "\\`*_[]<>#"} | {"\r": " ", "\t": " "})
-
-
-def cell(value: object) -> str:
-    """A table cell: pipes escaped and newlines flattened, so a value never breaks the row."""
-    return str(value).replace("|", "\\|").replace("\n", " ")
-
-
-def user_text(text: str, limit: int = 160) -> str:
-    """Text from the user's data (a prompt, a file name) shown as it is: Markdown specials escaped, cut at ``limit``."""
-    short = text if len(text) <= limit else text[:limit - 1] + "…"
-    return short.translate(_MARKDOWN_SPECIAL)
-
-
-def markdown_table(header: Sequence[str], rows: Iterable[Sequence[object]], *, right: Iterable[int] = ()) -> str:
-    """A table; ``right`` lists the columns (by index) aligned right, e.g. counts."""
-    right = set(right)
-    rule = "|" + "".join("---:|" if i in right else "---|" for i in range(len(header)))
-    lines = ["| " + " | ".join(cell(h) for h in header) + " |", rule]
-    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
-    return "\n".join(lines)
-
+from collections.abc import Sequence
 
 # Series with at most this many points get a marker at each (a single validation is otherwise invisible).
 MARKED_POINTS = 30

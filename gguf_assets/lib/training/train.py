@@ -17,7 +17,6 @@ from pathlib import Path
 import torch
 
 from gguf_assets.lib.core import atomic, faults, verify
-from gguf_assets.lib.output.verdict import validation_curve, verdict
 from gguf_assets.lib.project import formats, settings_history
 from gguf_assets.lib.project.layout import (
     BEST_DIR,
@@ -62,6 +61,7 @@ from gguf_assets.lib.training.train_data import (
     target_stats,
 )
 from gguf_assets.lib.training.training_run import NON_RESULT_KEYS, OFF_VALUES, TrainedAdapter, shards_identity
+from gguf_assets.lib.training.verdict import validation_curve, verdict
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
-"""What a training run is: the settings its result depends on and its fingerprint. No torch here:
-`status` and the planner compute the fingerprint too (lib/project/pipeline.py)."""
+"""What a training run is: the settings its result depends on, its fingerprint and whether the adapter on disk
+is current. No torch here: `status` and the planner compute the fingerprint too (lib/status/)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,11 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from gguf_assets.lib.core import atomic
+from gguf_assets.lib.core import atomic, verify
+from gguf_assets.lib.precompute.shards import shard_fingerprints
 from gguf_assets.lib.project import formats
+from gguf_assets.lib.project.layout import FINAL_DIR, STEP_DIR, WEIGHTS_FILE, ProjectPaths
+from gguf_assets.lib.project.manifests import MaterialsManifest, recorded
 from gguf_assets.lib.project.settings import Settings
 
 # Shards shuffled together (lib/training/train_data.py). Part of the data order, hence of the run fingerprint.
@@ -29,9 +32,48 @@ def training_settings(settings: Settings) -> dict:
             if k not in NON_RESULT_KEYS and not (k in OFF_VALUES and v == OFF_VALUES[k])}
 
 
+def adapter_stage_settings(settings: Settings) -> dict:
+    """What the adapter is computed from, as settings/adapter shows it: the training settings, and the
+    precompute mode (training needs both halves)."""
+    return {"training": training_settings(settings), "mode": settings.precompute.mode}
+
+
 def training_fingerprint(settings: Settings, train_fps: list[str], val_fps: list[str]) -> str:
     return atomic.fingerprint({"training": training_settings(settings), "train": train_fps, "val": val_fps,
                                "shuffle_window_shards": SHUFFLE_WINDOW_SHARDS, "format": formats.TRAINING_RUN})
+
+
+def adapter_fingerprint(paths: ProjectPaths, settings: Settings, materials: MaterialsManifest) -> str:
+    """The fingerprint of the training run these settings and the shards as planned now make (the shards are
+    planned from the corpus: callers that planned them already call training_fingerprint)."""
+    return training_fingerprint(settings, shard_fingerprints(paths, settings, materials, "train"),
+                                shard_fingerprints(paths, settings, materials, "val"))
+
+
+def adapter_is_current(paths: ProjectPaths, adapter_fp: str) -> bool:
+    """The adapter manifest names this fingerprint, and the finished weights are still as written."""
+    try:
+        manifest = atomic.read_json(paths.adapter_manifest)
+    except (OSError, ValueError):
+        return False
+    if manifest.get("fingerprint") != adapter_fp:
+        return False
+    weights = paths.root / manifest["run_dir"] / FINAL_DIR / WEIGHTS_FILE
+    recorded_weights = manifest.get("final_weights")
+    return verify.unchanged(weights, recorded_weights) if recorded_weights else weights.is_file()
+
+
+def last_checkpoint_step(paths: ProjectPaths, adapter_fp: str) -> int:
+    """The step of the newest checkpoint of the training run ``adapter_fp`` (0: none)."""
+    run_dir = paths.checkpoints_dir(adapter_fp)
+    steps = [int(m.group(1)) for d in (run_dir.iterdir() if run_dir.is_dir() else []) if (m := STEP_DIR.match(d.name))]
+    return max(steps, default=0)
+
+
+def final_weights_stored(paths: ProjectPaths) -> str:
+    """Where the adapter manifest says the finished weights are, as stored (relative to the project)."""
+    run_dir = recorded(paths.adapter_manifest, "run_dir") or "checkpoints/<run>"
+    return f"{run_dir}/{FINAL_DIR}/{WEIGHTS_FILE}"
 
 
 def shards_identity(folders: list[Path]) -> str:

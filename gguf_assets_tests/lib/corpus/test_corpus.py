@@ -225,7 +225,7 @@ def test_local_prompt_files_relative_to_project(project, tmp_path):
 
 
 def test_the_corpus_fingerprint_rereads_a_local_file_only_when_its_stamp_changed(project, monkeypatch):
-    from gguf_assets.lib.project.pipeline import corpus_fingerprint
+    from gguf_assets.lib.corpus.corpus_run import corpus_fingerprint
 
     project.root.mkdir(parents=True)
     extra = project.root / "extra.txt"

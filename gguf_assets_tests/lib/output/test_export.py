@@ -14,6 +14,7 @@ from safetensors.torch import save_file
 from test_gguf_format import SHAPE, make_adapter, write_shard
 
 from gguf_assets.lib.core import atomic
+from gguf_assets.lib.core.f16 import F16_MAX
 from gguf_assets.lib.output import export, gguf_eval, gguf_format
 from gguf_assets.lib.output.report import build_report, ggk_command
 from gguf_assets.lib.project.layout import FINAL_DIR, META_FILE, REPORT_JSON, REPORT_MD, WEIGHTS_FILE, ProjectPaths
@@ -167,27 +168,27 @@ def test_also_copy_to_is_verified_and_a_failed_copy_keeps_the_old_one(tmp_path: 
 def test_a_changed_export_or_a_copy_shared_with_another_project_is_not_current(tmp_path: Path, caplog) -> None:
     """Exported files are checked by stamp: a same-size bit flip (new mtime) or another project
     writing the same also_copy_to file makes the export not current, and the export says so."""
-    from gguf_assets.lib.project.pipeline import _exported_files_unchanged
+    from gguf_assets.lib.output.export_run import exported_files_unchanged
 
     shared = tmp_path / "ggk models"
     first_paths, settings = project(tmp_path, also_copy_to=str(shared))
     export.export_adapter(first_paths, settings, MATERIALS, fake_run(first_paths, make_adapter(0)))
-    assert _exported_files_unchanged(first_paths, settings)
+    assert exported_files_unchanged(first_paths, settings)
 
     gguf = first_paths.root / "output" / "adapter.gguf"
     data = bytearray(gguf.read_bytes())
     data[-7] ^= 0x01
     gguf.write_bytes(bytes(data))
-    assert not _exported_files_unchanged(first_paths, settings)
+    assert not exported_files_unchanged(first_paths, settings)
     export.export_adapter(first_paths, settings, MATERIALS, {"run_dir": "checkpoints/fp-test",
                                                               "fingerprint": "fp-test"})
-    assert _exported_files_unchanged(first_paths, settings)
+    assert exported_files_unchanged(first_paths, settings)
 
     second_paths = ProjectPaths.of(tmp_path / "second")
     with caplog.at_level("WARNING", logger="gguf_assets"):
         export.export_adapter(second_paths, settings, MATERIALS, fake_run(second_paths, make_adapter(1)))
     assert f"replacing {shared / 'adapter.gguf'}, which this project's last export did not write" in caplog.text
-    assert not _exported_files_unchanged(first_paths, settings)  # its copy now holds the second's tensors
+    assert not exported_files_unchanged(first_paths, settings)  # its copy now holds the second's tensors
 
 
 def test_projects_sharing_an_output_dir_keep_their_reports_apart(tmp_path: Path) -> None:
@@ -343,13 +344,13 @@ def test_matrices_whose_inputs_overflow_f16_on_the_val_states_are_stored_f32(tmp
     with torch.no_grad():
         adapter.in_proj.weight.mul_(8000.0)
         adapter.in_proj.bias.mul_(8000.0)
-    assert float(adapter.in_proj.weight.detach().abs().max()) < gguf_format.F16_MAX  # the weights alone would pass
+    assert float(adapter.in_proj.weight.detach().abs().max()) < F16_MAX  # the weights alone would pass
     folder = paths.root / "shards" / "val" / "00000"
     write_shard(folder, adapter=adapter, texts=["a", "b", "c"], lengths=[3, 5, 2], targets_dtype=torch.float32,
                 hidden_dtype=torch.float32, seed=5)
     peaks = export.input_peaks(adapter, export.val_batches([folder]))
     memory_inputs = [f"blocks.{b}.cross_attn.{p}.weight" for b in range(SHAPE.depth) for p in "kv"]
-    assert all(peaks[name] > gguf_format.F16_MAX / export.ACTIVATION_HEADROOM for name in memory_inputs), peaks
+    assert all(peaks[name] > F16_MAX / export.ACTIVATION_HEADROOM for name in memory_inputs), peaks
     rule = export.activation_rule(peaks)
     # k and v read the memory; o reads their weighted sum; q and the MLP read LayerNorm outputs.
     assert set(memory_inputs) <= set(rule) and "in_proj.weight" not in rule
@@ -361,4 +362,4 @@ def test_matrices_whose_inputs_overflow_f16_on_the_val_states_are_stored_f32(tmp
     assert {k for k in matrices if types[gguf_format.tensor_name(k)] == "F32"} == set(rule)
     assert set(sidecar.kept_f32) == {gguf_format.tensor_name(n) for n in rule}
     # Without val states (or with small inputs) nothing is kept f32 for its inputs.
-    assert export.activation_rule({"in_proj.weight": gguf_format.F16_MAX / export.ACTIVATION_HEADROOM}) == []
+    assert export.activation_rule({"in_proj.weight": F16_MAX / export.ACTIVATION_HEADROOM}) == []

@@ -17,6 +17,7 @@ from safetensors.numpy import save_file as save_numpy
 from safetensors.torch import save_file
 
 from gguf_assets.lib.core import atomic, safetensors_io
+from gguf_assets.lib.core.f16 import F16_MAX
 from gguf_assets.lib.output import gguf_eval, gguf_format
 from gguf_assets.lib.training.adapter import (
     MLP_RATIO,
@@ -178,6 +179,8 @@ def test_f16_overflow_is_kept_f32(tmp_path: Path) -> None:
     assert tensors["blk.0.mlp_up.weight"].dtype == np.float16
     assert all(np.isfinite(t).all() for t in tensors.values())
     assert summary["f16_count"] == sum(t.dtype == np.float16 for t in tensors.values())
+    # The limit both the export and the precompute check (lib/core/f16.py, numpy-free) is numpy's own.
+    assert F16_MAX == float(np.finfo(np.float16).max)
 
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])

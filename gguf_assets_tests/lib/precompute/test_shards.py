@@ -11,6 +11,8 @@ from safetensors.torch import load_file, save_file
 
 from gguf_assets.lib.core import atomic
 from gguf_assets.lib.corpus.corpus import build_corpus
+from gguf_assets.lib.corpus.corpus_run import corpus_fingerprint
+from gguf_assets.lib.demo.demo import TEACHER_LAYERS
 from gguf_assets.lib.materials.materials import resolve_materials
 from gguf_assets.lib.precompute.shards import (
     HALVES,
@@ -23,8 +25,6 @@ from gguf_assets.lib.precompute.shards import (
     shard_status,
 )
 from gguf_assets.lib.precompute.teacher import PrecomputeOutOfMemory
-from gguf_assets.lib.project.demo import TEACHER_LAYERS
-from gguf_assets.lib.project.pipeline import corpus_fingerprint
 from gguf_assets.lib.project.settings import load_settings, replace, write_project_file
 from gguf_assets.lib.telemetry.hardware import HardwareSampler, NvmlReader
 from gguf_assets.lib.telemetry.progress import Progress, format_seconds

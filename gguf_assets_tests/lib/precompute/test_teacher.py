@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from gguf_assets.lib.demo.demo import TEACHER_LAYERS, demo_settings
 from gguf_assets.lib.precompute.student import Student
 from gguf_assets.lib.precompute.teacher import (
     GIB,
@@ -26,7 +27,6 @@ from gguf_assets.lib.precompute.teacher import (
     oom_advice,
     plan_placement,
 )
-from gguf_assets.lib.project.demo import TEACHER_LAYERS, demo_settings
 from gguf_assets.lib.project.settings import replace
 
 CPU = torch.device("cpu")

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from gguf_assets.lib.project.demo import demo_settings
+from gguf_assets.lib.demo.demo import demo_settings
 from gguf_assets.lib.project.presets import PRESETS, preset, set_keys
 from gguf_assets.lib.project.settings import render_yaml, settings_from_text
 

@@ -1,13 +1,14 @@
 """The settings snapshots behind each result's record, and the words `status` uses for what changed."""
 
+from gguf_assets.lib.demo.demo import demo_settings
+from gguf_assets.lib.output.export_run import gguf_stage_settings
 from gguf_assets.lib.project import settings_history
-from gguf_assets.lib.project.demo import demo_settings
-from gguf_assets.lib.project.pipeline import stage_settings
 from gguf_assets.lib.project.settings import replace
+from gguf_assets.lib.training.training_run import adapter_stage_settings
 
 
 def _adapter(settings):
-    return stage_settings(settings)["adapter"]
+    return adapter_stage_settings(settings)
 
 
 def test_a_snapshot_is_kept_once_and_recalled_by_its_hash(tmp_path):
@@ -34,19 +35,5 @@ def test_changed_keys_names_only_what_alters_the_stage_old_to_new():
     # log_every changes no result and adapter_name is the export's: only steps is the adapter's reason.
     assert settings_history.changed_keys(old, new, _adapter) == ["training.steps 400 → 600"]
     assert settings_history.changed_keys(old, replace(old, training={"log_every": 7}), _adapter) == []
-    strings = settings_history.changed_keys(old, new, lambda s: stage_settings(s)["gguf"])
+    strings = settings_history.changed_keys(old, new, gguf_stage_settings)
     assert strings == ["output.adapter_name demo-adapter → edited"]
-
-
-def test_status_shows_the_stage_a_run_works_on_as_running():
-    from gguf_assets.lib.project.pipeline import StageState, with_running
-
-    status = [StageState("train_shards", "current"), StageState("adapter", "stale", "training.steps 400 → 600"),
-              StageState("gguf", "blocked", "waits for adapter")]
-    running = {"running": {"run_id": "1a2b3c4d5e6f", "job": "train_export_evaluate",
-                           "assets": ["adapter", "gguf", "eval_report"]}}
-    shown = with_running(status, running)
-    assert shown[1] == StageState("adapter", "running", "run 1a2b3c4d of train_export_evaluate; was stale: "
-                                  "training.steps 400 → 600")
-    assert shown[0] == status[0] and shown[2] == status[2]  # the rest wait as before
-    assert with_running(status, None) == status and with_running(status, {"pid": 1}) == status

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from gguf_assets.lib.core.errors import UserError
 from gguf_assets.lib.core.safetensors_io import safetensors_header
+from gguf_assets.lib.materials.materials import load_manifest
 from gguf_assets.lib.project.layout import ProjectPaths
 from gguf_assets.lib.project.settings import Settings
 
@@ -38,8 +39,6 @@ def _folder(paths: ProjectPaths, role: str, value: str) -> Path | None:
     if folder is not None and (folder / "config.json").is_file():
         return folder
     try:
-        from gguf_assets.lib.materials.materials import load_manifest
-
         entry = getattr(load_manifest(paths), role)
     except (OSError, ValueError, TypeError, UserError):
         return None

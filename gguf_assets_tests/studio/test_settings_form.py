@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from gguf_assets.lib.project.demo import demo_settings
+from gguf_assets.lib.demo.demo import demo_settings
 from gguf_assets.lib.project.settings import SECTION_CLASSES, SECTIONS, SettingsError, render_yaml, settings_from_text
-from gguf_assets.lib.project.settings_form import apply_form, form_sections, form_values
+from gguf_assets.studio.settings_form import apply_form, form_sections, form_values
 
 PATH = Path("/p/project.yaml")
 

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, TypeVar
 import torch
 
 from gguf_assets.lib.core.quiet import quiet_libraries
+from gguf_assets.lib.project.settings import Corpus, Materials, Output, Precompute, Settings, Training
 
 if TYPE_CHECKING:
     from transformers import (
@@ -469,6 +470,8 @@ def _write_dataset(dataset_dir: Path, prompts: list[str], *, seed: int) -> None:
             fh.write(json.dumps({"text": text}, ensure_ascii=False) + "\n")
     n_dupes = len(prompts) - len(set(prompts))
     lengths = sorted(len(p.split()) for p in prompts)
+    # The card keeps the module path it was written with (the builder is lib/demo/demo.py now): its bytes enter
+    # the demo dataset's pin, so any edit would change every fingerprint of a demo built afterwards.
     card = f"""---
 pretty_name: gguf_assets demo prompts
 language: [en]
@@ -602,15 +605,6 @@ def demo_settings(*, steps: int = DEMO_STEPS, mock_teacher: bool = False):
     time: a 1-block 64-wide adapter runs ~4x as many steps per second as 128 x 2 and,
     at equal time, learns this teacher better.
     """
-    from gguf_assets.lib.project.settings import (
-        Corpus,
-        Materials,
-        Output,
-        Precompute,
-        Settings,
-        Training,
-    )
-
     return Settings(
         materials=Materials(teacher="materials/demo/teacher", student="materials/demo/student",
                             datasets=["materials/demo/dataset"], student_layer=0),

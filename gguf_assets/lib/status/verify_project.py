@@ -23,6 +23,8 @@ from pathlib import Path
 
 from gguf_assets.lib.core import atomic
 from gguf_assets.lib.materials import hub
+from gguf_assets.lib.output.export_run import gguf_path
+from gguf_assets.lib.precompute.shards import HALVES, data_file
 from gguf_assets.lib.project.layout import (
     BEST_DIR,
     FINAL_DIR,
@@ -113,8 +115,6 @@ def _corpus(paths: ProjectPaths) -> Iterator[Recorded]:
 
 
 def _shards(paths: ProjectPaths, split: str) -> Iterator[Recorded]:
-    from gguf_assets.lib.precompute.shards import HALVES, data_file
-
     for folder in sorted((paths.root / "shards" / split).glob("*")):
         for half in HALVES:
             record = folder / f"{half}.json"
@@ -137,8 +137,6 @@ def _checkpoints(paths: ProjectPaths) -> Iterator[Recorded]:
 
 
 def _exported(paths: ProjectPaths, settings: Settings) -> Iterator[Recorded]:
-    from gguf_assets.lib.project.pipeline import gguf_path
-
     sidecar = gguf_path(paths, settings).with_suffix(".json")
     doc = _doc(sidecar)
     files = doc.get("files") or ([{"path": doc["path"], "sha256": doc["sha256"]}] if doc.get("sha256") else [])

@@ -8,7 +8,7 @@ from conftest import CLI, cli_env
 from safetensors import safe_open
 
 from gguf_assets.lib.project.settings import load_settings, replace, write_project_file
-from gguf_assets.lib.telemetry.estimate import GIB, adapter_params, estimate, peak_gib
+from gguf_assets.lib.status.estimate import GIB, adapter_params, estimate, peak_gib
 from gguf_assets.lib.training.adapter import Adapter, AdapterShape
 
 
@@ -80,7 +80,7 @@ def test_a_30b_class_moe_teacher_and_a_0_6b_student_from_config_json_alone_match
 
     from gguf_assets.lib.precompute.teacher import plan_placement
     from gguf_assets.lib.project.layout import ProjectPaths
-    from gguf_assets.lib.telemetry.estimate import teacher_placements
+    from gguf_assets.lib.status.estimate import teacher_placements
 
     large = _large_pair_script()
     project = large.build_pair(tmp_path)
@@ -113,7 +113,7 @@ def test_a_30b_class_moe_teacher_and_a_0_6b_student_from_config_json_alone_match
 
 def test_the_estimate_says_where_the_teacher_would_go_on_the_gpus_there_are(tmp_path):
     from gguf_assets.lib.project.layout import ProjectPaths
-    from gguf_assets.lib.telemetry.estimate import estimate_lines
+    from gguf_assets.lib.status.estimate import estimate_lines
 
     project = _large_pair_script().build_pair(tmp_path)
     paths, settings = ProjectPaths.of(project), load_settings(project)

@@ -3,15 +3,15 @@
 `precompute.mock_teacher` (a dev smoke test: synthetic targets computed from the student's
 states, no teacher download) stays the user-facing switch; only this module reads it. Every
 stage asks the choice instead: what to download and pin, what the targets' fingerprint
-depends on, what the GGUF names as its teacher, and which implementation to load
-(lib/precompute/teacher.py: HFTeacher or MockTeacher, both with ``encode(prompts, dtype=, on_batch=)``).
-No torch import here: the status and the CLI read it.
+depends on, what the GGUF names as its teacher, and which implementation the precompute loads
+(lib/precompute/teacher.py ``load_teacher``: HFTeacher or MockTeacher, both with
+``encode(prompts, dtype=, on_batch=)``). It lives with the settings because every stage from the
+materials on reads it. No torch import here: the status and the CLI read it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 from gguf_assets.lib.project.manifests import MaterialsManifest
 from gguf_assets.lib.project.settings import Settings
@@ -54,13 +54,6 @@ class TeacherChoice:
             return MOCK_TEACHER_REPO, MOCK_TEACHER_COMMIT
         return teacher["source"], teacher["commit"]
 
-    def load(self, settings: Settings, *, teacher_folder: Path | None, student, device, gpu_budget_gib=None):
-        """The teacher implementation; ``student`` is a callable returning the loaded student."""
-        from gguf_assets.lib.precompute.teacher import HFTeacher, MockTeacher
-
-        if self.mock:
-            return MockTeacher(student())
-        return HFTeacher(Path(teacher_folder), settings, device, gpu_budget_gib=gpu_budget_gib)
 
 
 def teacher_choice(settings: Settings) -> TeacherChoice:

@@ -1,6 +1,6 @@
 """The advice follows the validation curve: still rising means more steps, flat means a bigger adapter."""
 
-from gguf_assets.lib.output.verdict import GOOD, validation_curve, verdict
+from gguf_assets.lib.training.verdict import GOOD, validation_curve, verdict
 
 
 def test_a_curve_still_rising_at_the_end_asks_for_more_steps_not_a_wider_adapter():

@@ -1,4 +1,4 @@
-"""Tests for the offline demo-materials builder (gguf_assets.lib.project.demo)."""
+"""Tests for the offline demo-materials builder (gguf_assets.lib.demo.demo)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from gguf_assets.lib.project.demo import (
+from gguf_assets.lib.demo.demo import (
     EOS_TOKEN,
     PROMPTS_FILENAME,
     QUERY_ROWS_FILENAME,

@@ -1,0 +1,59 @@
+"""Each stage's settings table lists project.yaml's own keys, derived from what its fingerprint reads."""
+
+from gguf_assets.lib.demo.demo import demo_settings
+from gguf_assets.lib.status.stages import stage_keys
+
+
+def test_stage_keys_are_the_project_yaml_keys_each_stage_reads():
+    settings = demo_settings()
+    adapter = stage_keys(settings, "adapter")
+    assert "training.steps" in adapter and "training.width" in adapter
+    assert "training.log_every" not in adapter and "training.device" not in adapter  # cadence, not result
+    shards = stage_keys(settings, "train_shards")
+    assert {"precompute.shard_size", "materials.student_layer", "precompute.target_dtype"} <= set(shards)
+    assert "precompute.val_shard_size" not in shards and not any(k.startswith("training.") for k in shards)
+    assert set(stage_keys(settings, "gguf")) >= {"output.adapter_name", "output.output_dir", "output.also_copy_to"}
+    assert "output.evaluate" in stage_keys(settings, "eval_report")
+    assert "output.evaluate" not in stage_keys(settings, "gguf")
+
+
+def _fingerprints(paths, settings, materials) -> dict:
+    """Each stage's fingerprint from these settings, with everything else it chains held fixed (the pins, the
+    prompts, the fingerprints of the stages before it)."""
+    from gguf_assets.lib.corpus.corpus_run import corpus_fingerprint
+    from gguf_assets.lib.materials.materials import materials_fingerprint
+    from gguf_assets.lib.output.export_run import gguf_fingerprint
+    from gguf_assets.lib.output.report_run import report_fingerprint
+    from gguf_assets.lib.precompute.shards import HALVES, half_fingerprint
+    from gguf_assets.lib.training.training_run import training_fingerprint
+
+    halves = [half_fingerprint(half, settings, materials, "prompts") for half in HALVES]
+    return {"materials": materials_fingerprint(settings), "corpus": corpus_fingerprint(paths, settings, materials),
+            "train_shards": halves, "val_shards": halves, "adapter": training_fingerprint(settings, ["t"], ["v"]),
+            "gguf": gguf_fingerprint(settings, materials, "adapter"),
+            "eval_report": report_fingerprint(settings, "gguf", ["v"])}
+
+
+def test_every_key_a_stage_fingerprint_reads_is_one_of_its_settings(tmp_path):
+    """A key that enters a stage's fingerprint is in that stage's settings (settings/<stage> in the UI, the
+    words of `status`): the stage's own module defines both, so a new fingerprint key cannot be missed there."""
+    from gguf_assets.lib.project.layout import ProjectPaths
+    from gguf_assets.lib.project.manifests import MaterialsManifest
+    from gguf_assets.lib.project.settings import SECTIONS
+    from gguf_assets.lib.status.stages import STAGES, another_value
+
+    paths, settings = ProjectPaths.of(tmp_path), demo_settings()
+    pin = {"source": "s", "commit": "c", "path": str(tmp_path)}
+    materials = MaterialsManifest(teacher=pin, student=pin, vision_encoder=pin, datasets=[{**pin, "text_field": None}])
+    base = _fingerprints(paths, settings, materials)
+    keys = {stage: set(stage_keys(settings, stage)) for stage in STAGES}
+    missed = []
+    for section in SECTIONS:
+        current = getattr(settings, section)
+        for name, info in type(current).model_fields.items():
+            altered = another_value(getattr(current, name), info.annotation)
+            changed = settings.model_copy(update={section: current.model_copy(update={name: altered})})
+            now = _fingerprints(paths, changed, materials)
+            missed += [f"{stage}: {section}.{name}" for stage in STAGES
+                       if now[stage] != base[stage] and f"{section}.{name}" not in keys[stage]]
+    assert missed == []
