@@ -116,7 +116,7 @@ def run_preview(paths: ProjectPaths, settings, stages: list, *, busy: bool) -> s
 
 def _checkpoint_step(paths: ProjectPaths, settings) -> int:
     from gguf_assets.lib.materials.materials import load_manifest
-    from gguf_assets.lib.project.pipeline import adapter_fingerprint, last_checkpoint_step
+    from gguf_assets.lib.training.training_run import adapter_fingerprint, last_checkpoint_step
 
     try:
         return last_checkpoint_step(paths, adapter_fingerprint(paths, settings, load_manifest(paths)))
@@ -125,7 +125,7 @@ def _checkpoint_step(paths: ProjectPaths, settings) -> int:
 
 
 def _last_run(paths: ProjectPaths, settings, feed: ObservationFeed) -> dict | None:
-    from gguf_assets.lib.project.pipeline import where_stopped
+    from gguf_assets.lib.status.states import where_stopped
     from gguf_assets.studio.last_run import last_run_view
 
     try:
