@@ -82,7 +82,7 @@ READ_ONLY_REFUSALS = {
     # command: what it needs to write first
     "status": ".pipeline.workers.lock (the project's lock)",
     "run": ".dagster (Dagster's record of the runs)",
-    "ui": ".dagster (Dagster's record of the runs)",
+    "ui": ".dagster/services.lock (the lock that keeps one studio and one Dagster daemon per project)",
     "auto-resume": ".dagster (Dagster's record of the runs)",
     "--auto-resume": ".dagster (Dagster's record of the runs)",  # the flag the subcommand replaced still works
 }

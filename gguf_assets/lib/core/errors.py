@@ -126,6 +126,8 @@ def _purpose(path: Path, root: Path | None) -> str:
     if root is None or not (path == root or root in path.parents):
         return ""
     rel = path.relative_to(root)
+    if rel == Path(".dagster", "services.lock"):
+        return " (the lock that keeps one studio and one Dagster daemon per project)"
     if rel.parts[:1] == (".dagster",):
         return " (Dagster's record of the runs)"
     if path.name.endswith(".lock"):
