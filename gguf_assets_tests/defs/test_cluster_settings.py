@@ -24,13 +24,20 @@ def test_the_file_names_variables_only_and_the_config_routes_runs_to_the_workers
     config = instance_config(TEMPLATE, settings)
     assert "secret" not in config  # the config names the variables; Dagster reads them at start
     doc = yaml.safe_load(config)
-    assert doc["storage"] == {"postgres": {"postgres_url": {"env": "PG_URL"}}}
+    # dagster-postgres's storages, as subclasses that ride out a Postgres restart (the class each names exists).
+    import importlib
+
+    from dagster_postgres import PostgresEventLogStorage, PostgresRunStorage, PostgresScheduleStorage
+
+    assert "storage" not in doc
+    for key, base in (("run_storage", PostgresRunStorage), ("event_log_storage", PostgresEventLogStorage),
+                      ("schedule_storage", PostgresScheduleStorage)):
+        assert doc[key]["config"] == {"postgres_url": {"env": "PG_URL"}}
+        assert issubclass(getattr(importlib.import_module(doc[key]["module"]), doc[key]["class"]), base)
     launcher = doc["run_launcher"]
     assert launcher["config"]["broker"] == {"env": "BROKER_URL"} == launcher["config"]["backend"]
 
     # The class the config names builds a real Celery app with the settings long runs need.
-    import importlib
-
     from dagster_celery.launcher import CeleryRunLauncher
 
     cls = getattr(importlib.import_module(launcher["module"]), launcher["class"])
