@@ -43,6 +43,7 @@ from dagster._core.events import ASSET_CHECK_EVENTS, ASSET_EVENTS
 from dagster._core.storage.event_log import SqlEventLogStorageTable
 from dagster._core.storage.runs.schema import RunTagsTable
 from dagster._serdes import serialize_value
+from dagster_celery.config import DEFAULT_CONFIG
 from dagster_celery.launcher import CeleryRunLauncher
 from dagster_celery.tags import DAGSTER_CELERY_QUEUE_TAG, DAGSTER_CELERY_TASK_ID_TAG
 from dagster_postgres import PostgresEventLogStorage, PostgresRunStorage, PostgresScheduleStorage
@@ -64,6 +65,14 @@ CELERY_SETTINGS = {
     "broker_connection_retry_on_startup": True,
     "result_expires": 7 * 24 * 3600,
     "result_extended": True,  # a finished task's state names the worker that ran it (get_run_worker_debug_info)
+    # A Redis restart: the worker reconnects for as long as it takes (Celery's default gives up after 100 tries and
+    # the worker exits), and the run it executes goes on (Celery 6 will cancel it by default instead).
+    "broker_connection_max_retries": None,
+    "worker_cancel_long_running_tasks_on_connection_loss": False,
+    # Redis hands out again a task unacknowledged for this long; with late acknowledgement that is a run still
+    # going (training takes hours, the default is 1 h). A second delivery is dropped anyway (_execute_job_task),
+    # but it would hold a free worker for nothing: longer than any run. (dagster-celery's publish retries kept.)
+    "broker_transport_options": {**DEFAULT_CONFIG["broker_transport_options"], "visibility_timeout": 30 * 24 * 3600},
 }
 
 
@@ -125,12 +134,69 @@ def worker_argv(*, queues: list[str], name: str, loglevel: str = "WARNING") -> l
 
 def serve_runs(instance, *, queues: list[str], name: str) -> None:
     """Take runs from ``queues`` and execute them, until stopped (Ctrl-C or SIGTERM finishes the current run)."""
-    from dagster_celery.tasks import create_execute_job_task, create_resume_job_task
+    from dagster_celery.tasks import create_resume_job_task
 
     app = instance.run_launcher.celery
-    create_execute_job_task(app)
+    _execute_job_task(app)
     create_resume_job_task(app)
     app.worker_main(worker_argv(queues=queues, name=name))
+
+
+CLAIMS_DIR = "run-claims"  # in the instance's folder (<project>/.dagster, shared): one flock per run being executed
+
+
+def _execute_job_task(app):
+    """dagster-celery's run task (the same name and arguments), taking each run at most once.
+
+    The broker may deliver a run's task a second time: kombu puts a worker's unacknowledged tasks back in the
+    queue when its connection to Redis breaks (a restart), and Redis hands out again one unacknowledged for
+    longer than its visibility timeout. Dagster ignores a second run worker for a finished run, but one for a
+    run still going it marks failed ("started a new run worker while the run was already in state STARTED"),
+    though the first worker is computing it. So here a run is executed only by the worker that claims it (a
+    flock on the shared folder, held by the run's process until it ends, also a kill -9) and only from
+    NOT_STARTED or STARTING; any other delivery is dropped with one line in the worker's log. A run whose
+    worker died is the interrupted-runs check's to mark, and `run` plans its work again."""
+    import fcntl
+    import os
+    from pathlib import Path
+
+    import dagster as dg
+    from celery import states
+    from celery.exceptions import Ignore
+    from dagster._cli.api import _execute_run_command_body
+    from dagster._grpc.types import ExecuteRunArgs
+    from dagster._serdes import unpack_value
+    from dagster_celery.config import TASK_EXECUTE_JOB_NAME
+
+    startable = (dg.DagsterRunStatus.NOT_STARTED, dg.DagsterRunStatus.STARTING)
+
+    # Not track_started: a dropped delivery must leave the task's state alone (it names the worker the health check
+    # pings), so STARTED is stored here, as Celery would, only once this worker has the run; a drop raises Ignore.
+    @app.task(bind=True, name=TASK_EXECUTE_JOB_NAME)
+    def execute_job(task, execute_job_args_packed) -> int:
+        args = unpack_value(execute_job_args_packed, as_type=ExecuteRunArgs)
+        with dg.DagsterInstance.get() as instance:
+            claims = Path(instance.root_directory) / CLAIMS_DIR
+            claims.mkdir(parents=True, exist_ok=True)
+            claim = os.open(claims / args.run_id, os.O_CREAT | os.O_RDWR, 0o644)  # this process's until it ends
+            try:
+                fcntl.flock(claim, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                _say(f"run {args.run_id[:8]}: its task came again while a worker executes it; this delivery is "
+                     "dropped")
+                raise Ignore() from None
+            run = instance.get_run_by_id(args.run_id)
+            if run is not None and run.status not in startable:
+                _say(f"run {args.run_id[:8]} is {run.status.value.lower()} already; this delivery of its task is "
+                     "dropped")
+                raise Ignore()
+            task.backend.store_result(task.request.id, {"pid": os.getpid(), "hostname": task.request.hostname},
+                                      states.STARTED, request=task.request)
+            return _execute_run_command_body(
+                instance=instance, run_id=args.run_id, write_stream_fn=lambda _event: None,
+                set_exit_code_on_failure=args.set_exit_code_on_failure is not False)
+
+    return execute_job
 
 
 # ---------------------------------------------------------------------------------------------------------------

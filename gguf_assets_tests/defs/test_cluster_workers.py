@@ -75,6 +75,22 @@ def servers(tmp_path):
         yield {PG_ENV: pg, REDIS_ENV: redis.url}
 
 
+def _deliver_again(redis_url: str, run) -> None:
+    """The run's Celery task once more, as the launcher sent it (same task id): a redelivery by the broker."""
+    from dagster._grpc.types import ExecuteRunArgs
+    from dagster._serdes import pack_value
+    from dagster_celery.tags import DAGSTER_CELERY_TASK_ID_TAG
+    from dagster_celery.tasks import create_execute_job_task
+
+    from gguf_assets.defs.cluster_workers import ClusterRunLauncher
+
+    app = ClusterRunLauncher(broker=redis_url, backend=redis_url, default_queue="gpu").celery
+    args = ExecuteRunArgs(job_origin=run.job_code_origin, run_id=run.run_id, instance_ref=None,
+                          set_exit_code_on_failure=True)
+    create_execute_job_task(app).si(execute_job_args_packed=pack_value(args)).apply_async(
+        queue="gpu", routing_key="gpu.execute_job", task_id=run.tags[DAGSTER_CELERY_TASK_ID_TAG])
+
+
 def _run_by(pid_tag: str | None, worker: Worker) -> bool:
     """Whether a run's process (its pid tag) is a child of this worker."""
     try:
@@ -95,7 +111,7 @@ def test_two_workers_run_the_pipeline_and_a_killed_worker_s_shards_are_done_agai
     assert done.returncode == 0 and f"export {REDIS_ENV}=" in done.stdout and "worker" in done.stdout, done.stdout
 
     # Worker a stalls at its first shard write: the kill lands in the middle of a shard.
-    a = Worker(tmp_path / "host-a", paths.root, servers, "gguf-a", GGUF_ASSETS_FAULT="shard-write@1:stall:60").start()
+    a = Worker(tmp_path / "host-a", paths.root, servers, "gguf-a", GGUF_ASSETS_FAULT="shard-write@1:stall:120").start()
     b = Worker(tmp_path / "host-b", paths.root, servers, "gguf-b").start()
     leader = None
     try:
@@ -117,6 +133,16 @@ def test_two_workers_run_the_pipeline_and_a_killed_worker_s_shards_are_done_agai
         first = run_tags.get(a_run.tags, run_tags.RANGE_START_TAG)
         wait_for(lambda: (paths.root / f"shards/train/{first}/prompts.jsonl").is_file(), timeout=120,
                  what="worker a inside its first shard", proc=leader)
+        # The broker hands a's run out again (as kombu does with a worker's unacknowledged tasks when its connection
+        # to Redis breaks): b, idle once its own range is done, drops it instead of starting the run a second time
+        # (which Dagster would answer by marking the run failed under a).
+        wait_for(lambda: any(r.status == dg.DagsterRunStatus.SUCCESS and r.run_id != a_run.run_id
+                             for r in instance.get_runs(filters=dg.RunsFilter(job_name="precompute_train_shards"))),
+                 timeout=240, what="worker b's shard run", proc=leader)
+        _deliver_again(servers[REDIS_ENV], a_run)
+        wait_for(lambda: f"run {a_run.run_id[:8]}: its task came again" in b.log.read_text(), timeout=60,
+                 what="worker b to drop the second delivery", proc=leader)
+        assert instance.get_run_by_id(a_run.run_id).status == dg.DagsterRunStatus.STARTED
         a.kill()
         a.env.pop("GGUF_ASSETS_FAULT")
         a.start()  # the host comes back: the worker rejoins and takes work again
