@@ -37,6 +37,13 @@ GPU_QUEUE = "gpu"
 CPU_QUEUE = "cpu"
 QUEUES = (GPU_QUEUE, CPU_QUEUE)
 QUEUE_TAG = "dagster-celery/queue"
+# How long a cluster's Postgres or Redis may be away (a restart, a failover) before a storage call, or `run`
+# following the workers, gives up with one line: defs/cluster_workers.py (the storage), runner.through_outages.
+OUTAGE_S = 120.0
+# The instance's storage classes on a cluster: dagster-postgres's, riding out a restart (defs/cluster_workers.py).
+STORAGE_MODULE = "gguf_assets.defs.cluster_workers"
+STORAGE_CLASSES = {"run_storage": "RidingOutRunStorage", "event_log_storage": "RidingOutEventLogStorage",
+                   "schedule_storage": "RidingOutScheduleStorage"}
 _ENV_NAME = re.compile(r"^[A-Z_][A-Z0-9_]*$")
 
 
@@ -102,7 +109,10 @@ def instance_config(template: str, cluster: ClusterSettings | None) -> str:
     embedded = "storage:\n  sqlite:\n    base_dir:\n      env: DAGSTER_HOME\n"
     if embedded not in template:
         raise RuntimeError("the instance template's storage block changed; update cluster.instance_config")
-    postgres = f"storage:\n  postgres:\n    postgres_url:\n      env: {cluster.postgres_url_env}\n"
+    # dagster-postgres's storages, each a subclass that retries the calls a Postgres restart breaks (Dagster's own
+    # retries cover only opening a connection, for about 6 s: docs/cluster.md).
+    postgres = "".join(f"{key}:\n  module: {STORAGE_MODULE}\n  class: {name}\n  config:\n    postgres_url:\n"
+                       f"      env: {cluster.postgres_url_env}\n" for key, name in STORAGE_CLASSES.items())
     config = template.replace(embedded, postgres)
     if cluster.runs_on_workers:
         _need_env(cluster.celery_broker_env, "runs its work on Celery workers, with the broker", "redis://host:6379/0")

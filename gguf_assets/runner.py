@@ -21,6 +21,7 @@ from importlib import resources
 from pathlib import Path
 
 from gguf_assets import DEFINITIONS_MODULE
+from gguf_assets.cluster import OUTAGE_S  # how long a cluster's Postgres or Redis may be away
 from gguf_assets.defs.plan import Work, next_work, split_range
 from gguf_assets.defs.run_tags import LEADER_TAG, STOPPED_TAG, WORKER_TAG
 from gguf_assets.lib.core import atomic
@@ -540,47 +541,42 @@ def _wait_for_runs(instance, run_ids: list[str], echo: Callable[[str], None], *,
         time.sleep(POLL_S)
 
 
-OUTAGE_S = 120.0  # how long a cluster's Postgres or Redis may be away before `run` stops following
-
-
-def _connection_errors() -> tuple[type[BaseException], ...]:
-    """What a server that is away (restarting, unreachable) raises: SQLAlchemy's for Postgres, kombu's and
-    redis-py's for the Celery broker; the latter two exist only where the cluster extra is installed."""
-    import sqlalchemy.exc
-
-    errors: list[type[BaseException]] = [sqlalchemy.exc.OperationalError, sqlalchemy.exc.InterfaceError]
-    try:
-        import kombu.exceptions
-        import redis.exceptions
-
-        errors += [kombu.exceptions.OperationalError, redis.exceptions.ConnectionError]
-    except ImportError:
-        pass
-    return tuple(errors)
-
-
 def through_outages(call: Callable, echo: Callable[[str], None]):
-    """``call()``, again every 2 s while the instance's servers are away, for up to OUTAGE_S; then one clear line.
+    """``call()``, again every 2 s while the cluster's broker is away, for up to OUTAGE_S; then one clear line.
 
-    A restart of Postgres or Redis lasts seconds: following the runs should outlive it, and the runs on the
-    workers go on meanwhile."""
-    errors = _connection_errors()
+    A restart of Redis or Postgres lasts seconds: following the runs should outlive it, and the runs on the workers go
+    on meanwhile. Postgres calls ride out a restart inside the storage itself (defs/cluster_workers.py, in every
+    process: this one, the workers' runs, the UI), so a lost Postgres connection that reaches here has lasted
+    OUTAGE_S already: one line, at once."""
+    from gguf_assets.defs.cluster_workers import broker_errors, connection_lost, reason
+
+    errors = broker_errors()
     began = None
     while True:
         try:
             answer = call()
         except errors as exc:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            first = _first_line(exc)
             if began is None:
                 began = time.monotonic()
-                echo(f"lost the connection to the cluster's servers ({first}); trying again for up to "
+                echo(f"lost the connection to the cluster's broker ({first}); trying again for up to "
                      f"{OUTAGE_S:.0f} s")
             elif time.monotonic() - began > OUTAGE_S:
-                raise PipelineFailed(f"the cluster's servers have not answered for {OUTAGE_S:.0f} s ({first}). The "
-                                     "runs on the workers go on; when Postgres and Redis are back, `gguf-trainer "
-                                     "run` continues.") from None
+                raise PipelineFailed(f"the cluster's broker has not answered for {OUTAGE_S:.0f} s ({first}). The "
+                                     "runs on the workers go on; when Redis is back, `gguf-trainer run` "
+                                     "continues.") from None
             time.sleep(2.0)
             continue
+        except Exception as exc:
+            if connection_lost(exc):
+                raise PipelineFailed(f"the cluster's Postgres has not answered for {OUTAGE_S:.0f} s ({reason(exc)}). "
+                                     "What the workers finished is kept; when Postgres is back, `gguf-trainer run` "
+                                     "continues.") from None
+            raise
         if began is not None:
             echo(f"connected again after {time.monotonic() - began:.0f} s")
         return answer
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

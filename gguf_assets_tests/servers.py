@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 PG_USER = "gguf_pg"  # the system user the server runs as when the tests run as root
+OPTIONS_FILE = "server.options"  # the server's command-line options, in its folder
 
 
 def _unavailable(what: str) -> None:
@@ -77,6 +78,7 @@ def postgres_server(folder: Path, port: int) -> Iterator[str]:
 
     run(initdb, "-D", str(data), "-A", "trust", "-U", "gguf", "--no-sync")
     options = f"-p {port} -k {sockets} -c listen_addresses=127.0.0.1 -c fsync=off"
+    (folder / OPTIONS_FILE).write_text(options)  # for start_postgres after a stop_postgres
     run(pg_ctl, "-D", str(data), "-o", options, "-l", str(folder / "server.log"), "-w", "start")
     try:
         run(createdb, "-h", "127.0.0.1", "-p", str(port), "-U", "gguf", "dagster")
@@ -143,3 +145,18 @@ def restart_postgres(folder: Path) -> None:
     # -l again: without it the server would write to (and hold open) this call's captured stdout.
     subprocess.run(_as_server_user([pg_ctl, "-D", str(folder / "data"), "-m", "immediate", "-l",
                                     str(folder / "server.log"), "-w", "restart"]), check=True, capture_output=True)
+
+
+def stop_postgres(folder: Path) -> None:
+    """An immediate stop, as a crash would, of the server postgres_server(folder, ...) runs: an outage begins."""
+    folder = folder.resolve()
+    subprocess.run(_as_server_user([_pg_bin("pg_ctl"), "-D", str(folder / "data"), "-m", "immediate", "-w", "stop"]),
+                   check=True, capture_output=True)
+
+
+def start_postgres(folder: Path) -> None:
+    """Start again, with the same options, the server stop_postgres(folder) stopped: the outage ends."""
+    folder = folder.resolve()
+    subprocess.run(_as_server_user([_pg_bin("pg_ctl"), "-D", str(folder / "data"), "-o",
+                                    (folder / OPTIONS_FILE).read_text(), "-l", str(folder / "server.log"), "-w",
+                                    "start"]), check=True, capture_output=True)

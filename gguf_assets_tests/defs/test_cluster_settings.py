@@ -24,13 +24,20 @@ def test_the_file_names_variables_only_and_the_config_routes_runs_to_the_workers
     config = instance_config(TEMPLATE, settings)
     assert "secret" not in config  # the config names the variables; Dagster reads them at start
     doc = yaml.safe_load(config)
-    assert doc["storage"] == {"postgres": {"postgres_url": {"env": "PG_URL"}}}
+    # dagster-postgres's storages, as subclasses that ride out a Postgres restart (the class each names exists).
+    import importlib
+
+    from dagster_postgres import PostgresEventLogStorage, PostgresRunStorage, PostgresScheduleStorage
+
+    assert "storage" not in doc
+    for key, base in (("run_storage", PostgresRunStorage), ("event_log_storage", PostgresEventLogStorage),
+                      ("schedule_storage", PostgresScheduleStorage)):
+        assert doc[key]["config"] == {"postgres_url": {"env": "PG_URL"}}
+        assert issubclass(getattr(importlib.import_module(doc[key]["module"]), doc[key]["class"]), base)
     launcher = doc["run_launcher"]
     assert launcher["config"]["broker"] == {"env": "BROKER_URL"} == launcher["config"]["backend"]
 
     # The class the config names builds a real Celery app with the settings long runs need.
-    import importlib
-
     from dagster_celery.launcher import CeleryRunLauncher
 
     cls = getattr(importlib.import_module(launcher["module"]), launcher["class"])
@@ -39,6 +46,11 @@ def test_the_file_names_variables_only_and_the_config_routes_runs_to_the_workers
     conf = built.celery.conf
     assert conf.task_acks_late is True and conf.worker_prefetch_multiplier == 1 and conf.result_extended is True
     assert conf.broker_url == "redis://broker:6379/0"
+    # A Redis restart: the worker reconnects for as long as it takes and its run goes on; a run is not handed out
+    # again while it goes (a task unacknowledged for a week is still a run going, not a lost one).
+    assert conf.broker_connection_max_retries is None
+    assert conf.worker_cancel_long_running_tasks_on_connection_loss is False
+    assert conf.broker_transport_options["visibility_timeout"] >= 7 * 24 * 3600
 
     # Without a broker: Postgres storage only, runs in the starting process (no run launcher block).
     write_cluster(tmp_path, ClusterSettings(postgres_url_env="PG_URL"))

@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 from conftest import CLI, FAULT_SETTINGS, cli_env, free_port, pipeline_outputs, project_instance, wait_for
-from servers import postgres_server, redis_server
+from servers import postgres_server, redis_server, start_postgres, stop_postgres
 
 pytestmark = pytest.mark.slow  # two servers, two workers and a whole pipeline
 
@@ -75,6 +75,22 @@ def servers(tmp_path):
         yield {PG_ENV: pg, REDIS_ENV: redis.url}
 
 
+def _deliver_again(redis_url: str, run) -> None:
+    """The run's Celery task once more, as the launcher sent it (same task id): a redelivery by the broker."""
+    from dagster._grpc.types import ExecuteRunArgs
+    from dagster._serdes import pack_value
+    from dagster_celery.tags import DAGSTER_CELERY_TASK_ID_TAG
+    from dagster_celery.tasks import create_execute_job_task
+
+    from gguf_assets.defs.cluster_workers import ClusterRunLauncher
+
+    app = ClusterRunLauncher(broker=redis_url, backend=redis_url, default_queue="gpu").celery
+    args = ExecuteRunArgs(job_origin=run.job_code_origin, run_id=run.run_id, instance_ref=None,
+                          set_exit_code_on_failure=True)
+    create_execute_job_task(app).si(execute_job_args_packed=pack_value(args)).apply_async(
+        queue="gpu", routing_key="gpu.execute_job", task_id=run.tags[DAGSTER_CELERY_TASK_ID_TAG])
+
+
 def _run_by(pid_tag: str | None, worker: Worker) -> bool:
     """Whether a run's process (its pid tag) is a child of this worker."""
     try:
@@ -95,7 +111,7 @@ def test_two_workers_run_the_pipeline_and_a_killed_worker_s_shards_are_done_agai
     assert done.returncode == 0 and f"export {REDIS_ENV}=" in done.stdout and "worker" in done.stdout, done.stdout
 
     # Worker a stalls at its first shard write: the kill lands in the middle of a shard.
-    a = Worker(tmp_path / "host-a", paths.root, servers, "gguf-a", GGUF_ASSETS_FAULT="shard-write@1:stall:60").start()
+    a = Worker(tmp_path / "host-a", paths.root, servers, "gguf-a", GGUF_ASSETS_FAULT="shard-write@1:stall:120").start()
     b = Worker(tmp_path / "host-b", paths.root, servers, "gguf-b").start()
     leader = None
     try:
@@ -117,6 +133,16 @@ def test_two_workers_run_the_pipeline_and_a_killed_worker_s_shards_are_done_agai
         first = run_tags.get(a_run.tags, run_tags.RANGE_START_TAG)
         wait_for(lambda: (paths.root / f"shards/train/{first}/prompts.jsonl").is_file(), timeout=120,
                  what="worker a inside its first shard", proc=leader)
+        # The broker hands a's run out again (as kombu does with a worker's unacknowledged tasks when its connection
+        # to Redis breaks): b, idle once its own range is done, drops it instead of starting the run a second time
+        # (which Dagster would answer by marking the run failed under a).
+        wait_for(lambda: any(r.status == dg.DagsterRunStatus.SUCCESS and r.run_id != a_run.run_id
+                             for r in instance.get_runs(filters=dg.RunsFilter(job_name="precompute_train_shards"))),
+                 timeout=240, what="worker b's shard run", proc=leader)
+        _deliver_again(servers[REDIS_ENV], a_run)
+        wait_for(lambda: f"run {a_run.run_id[:8]}: its task came again" in b.log.read_text(), timeout=60,
+                 what="worker b to drop the second delivery", proc=leader)
+        assert instance.get_run_by_id(a_run.run_id).status == dg.DagsterRunStatus.STARTED
         a.kill()
         a.env.pop("GGUF_ASSETS_FAULT")
         a.start()  # the host comes back: the worker rejoins and takes work again
@@ -150,12 +176,39 @@ def test_two_workers_run_the_pipeline_and_a_killed_worker_s_shards_are_done_agai
         assert not leaked, (file, leaked)
 
 
+def _gguf_written(paths) -> bool:
+    """The worker is at the export's stall: the GGUF is in its temp file (the point is after the write)."""
+    try:
+        return any(f.stat().st_size for f in paths.root.glob("output/.tmp-*.gguf.*"))
+    except FileNotFoundError:  # renamed between the listing and the stat
+        return False
+
+
+RODE_OUT = "the cluster's Postgres answers again"  # what a process whose storage call rode out an outage says
+
+
+def _outage(postgres: Path, redis, worker: Worker) -> None:
+    """Postgres (an immediate stop, as a crash) and Redis (killed) go away, and come back once the worker's run has
+    waited on Postgres for longer than dagster-postgres's own retries (about 6 s), which alone would fail it."""
+    waited = worker.log.read_text().count("lost the connection to the cluster's Postgres")
+    stop_postgres(postgres)
+    redis.stop()
+    try:
+        wait_for(lambda: worker.log.read_text().count("lost the connection to the cluster's Postgres") > waited,
+                 timeout=120, what="the worker's run to wait for Postgres")
+        time.sleep(8)
+    finally:
+        start_postgres(postgres)
+        redis.start()
+
+
 def test_redis_and_postgres_restarts_then_ctrl_c_leave_the_run_going_and_the_next_run_finishes(
         make_project, reference_run, tmp_path, monkeypatch):
     """A crash and restart of the broker (its queue in an append-only file, as a broker's must be) and an immediate
     restart of Postgres while a worker computes shards: `run` keeps following. Then Ctrl-C: it stops following,
-    says the run goes on, and the run does finish on the worker; the next `run` finishes the pipeline,
-    byte-identical to a single-machine run."""
+    says the run goes on, and the run does finish on the worker; the next `run` finishes the pipeline through two
+    outages of both servers, one during the training and one during the GGUF export, each longer than
+    dagster-postgres's own retries: byte-identical to a single-machine run."""
     import dagster as dg
 
     from gguf_assets.defs import run_tags
@@ -167,9 +220,10 @@ def test_redis_and_postgres_restarts_then_ctrl_c_leave_the_run_going_and_the_nex
         subprocess.run([*CLI, "cluster", str(paths.root), "--celery-broker-env", REDIS_ENV], capture_output=True,
                        env=cli_env(), timeout=60, check=True)
         # The 4th shard-half write (the second train shard) stalls 30 s: the restarts and the Ctrl-C land while the
-        # worker is in the middle of the shards.
+        # worker is in the middle of the shards. In the next run, training step 11 and the GGUF's write stall 3 s
+        # each: the outages begin there, and the run goes on into them.
         worker = Worker(tmp_path / "host-a", paths.root, servers, "gguf-a",
-                        GGUF_ASSETS_FAULT="shard-write@4:stall:30").start()
+                        GGUF_ASSETS_FAULT="shard-write@4:stall:30,train-step@11:stall:3,gguf-export:stall:3").start()
         try:
             wait_for(lambda: _answering(redis.url) == {"gguf-a"}, timeout=120, what="the worker")
             for name, url in servers.items():
@@ -200,12 +254,22 @@ def test_redis_and_postgres_restarts_then_ctrl_c_leave_the_run_going_and_the_nex
             # The run goes on without anyone following it, and succeeds.
             wait_for(lambda: instance.get_run_by_id(running.run_id).status == dg.DagsterRunStatus.SUCCESS,
                      timeout=240, what="the run to finish on the worker")
-            again = subprocess.run([*CLI, "run", str(paths.root)], capture_output=True, text=True,
-                                   env=cli_env(**servers), timeout=600)
-            assert again.returncode == 0 and "Traceback" not in again.stdout + again.stderr, \
-                again.stdout + again.stderr
+            # The next run: the val shards, then training and the export, each through an outage of both servers.
+            with open(tmp_path / "again.log", "w") as out:
+                again = subprocess.Popen([*CLI, "run", str(paths.root)], stdout=out, stderr=subprocess.STDOUT,
+                                         text=True, env=cli_env(**servers))
+            for phase, reached in (("training", lambda: any(paths.root.glob("checkpoints/*/step-00000010/meta.json"))),
+                                   ("export", lambda: _gguf_written(paths))):
+                wait_for(reached, timeout=300, what=f"the worker in the {phase}", proc=again)
+                _outage(tmp_path / "postgres", redis, worker)
+            code = again.wait(timeout=600)
+            out = (tmp_path / "again.log").read_text()
+            assert code == 0 and "Traceback" not in out, out
+            assert out.count(RODE_OUT) >= 2, out  # `run` itself waited for Postgres through both outages
         finally:
             worker.stop()
+        assert worker.log.read_text().count(RODE_OUT) >= 2  # and so did the run on the worker
+        assert "Traceback" not in worker.log.read_text()
         assert pipeline_outputs(paths.root) == reference_run[0]
 
 

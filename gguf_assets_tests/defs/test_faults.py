@@ -234,6 +234,16 @@ def test_fault_point_acts_only_at_its_nth_visit(tmp_path, monkeypatch):
         faults.point("no-such-point")
 
 
+def test_several_faults_each_act_at_their_own_moment(monkeypatch):
+    monkeypatch.setenv(faults.ENV, "train-step@2:stall:0,gguf-export:enospc")
+    faults.reset()
+    assert faults.armed("train-step") and faults.armed("gguf-export") and not faults.armed("shard-write")
+    faults.point("train-step")
+    faults.point("train-step")  # the stall (0 s)
+    with pytest.raises(OSError, match="injected by GGUF_ASSETS_FAULT"):
+        faults.point("gguf-export")
+
+
 def test_docs_list_every_fault_point():
     doc = (Path(__file__).parents[2] / "docs" / "faults.md").read_text()
     for name, moment in faults.POINTS.items():

@@ -6,7 +6,8 @@ so the places where a torn write would do harm call :func:`point`. Normally it d
 
     GGUF_ASSETS_FAULT=<point>[@<nth>][:<action>[:<fraction>]]
 
-the ``nth`` time (default 1) this process reaches ``<point>`` it acts:
+the ``nth`` time (default 1) this process reaches ``<point>`` it acts. Several faults, separated by
+commas, each act at their own moment (``train-step@11:stall:5,gguf-export:stall:5``):
 
 - ``kill`` (default): SIGKILL to the whole process group, as a power cut would do to the
   pipeline, its download child and its shard workers. Start the pipeline in its own session.
@@ -58,8 +59,8 @@ class Fault:
 
 def parse(spec: str) -> Fault:
     """``<point>[@<nth>][:<action>[:<fraction>]]`` → :class:`Fault`, or a clear error."""
-    usage = (f"{ENV}={spec!r} is not <point>[@<nth>][:<action>[:<fraction>]]; points: {', '.join(POINTS)}; "
-             f"actions: {', '.join(ACTIONS)}. Unset {ENV} for a normal run.")
+    usage = (f"{ENV}={spec!r} is not <point>[@<nth>][:<action>[:<fraction>]] (several separated by commas); "
+             f"points: {', '.join(POINTS)}; actions: {', '.join(ACTIONS)}. Unset {ENV} for a normal run.")
     head, *rest = spec.strip().split(":")
     point, _, nth_text = head.partition("@")
     if point not in POINTS or len(rest) > 2:
@@ -77,6 +78,11 @@ def parse(spec: str) -> Fault:
     return Fault(point, nth, action, fraction)
 
 
+def parse_all(spec: str) -> list[Fault]:
+    """A comma-separated list of faults, each as :func:`parse` reads it."""
+    return [parse(one) for one in spec.split(",")]
+
+
 _reached: dict[str, int] = {}
 
 
@@ -88,7 +94,7 @@ def reset() -> None:
 def armed(name: str) -> bool:
     """Whether ``GGUF_ASSETS_FAULT`` names this point: for points that cost something to find."""
     spec = os.environ.get(ENV)
-    return bool(spec) and parse(spec).point == name
+    return bool(spec) and any(fault.point == name for fault in parse_all(spec))
 
 
 def point(name: str, torn: Path | None = None) -> None:
@@ -98,10 +104,13 @@ def point(name: str, torn: Path | None = None) -> None:
     if not armed(name):
         return
     spec = os.environ[ENV]
-    fault = parse(spec)
     _reached[name] = _reached.get(name, 0) + 1
-    if _reached[name] != fault.nth:
-        return
+    for fault in parse_all(spec):
+        if fault.point == name and _reached[name] == fault.nth:
+            _act(fault, spec, torn)
+
+
+def _act(fault: Fault, spec: str, torn: Path | None) -> None:
     if fault.action == "stall":
         import time
 
@@ -112,4 +121,4 @@ def point(name: str, torn: Path | None = None) -> None:
             fh.truncate(int(Path(torn).stat().st_size * fault.fraction))
     if fault.action == "kill":
         os.killpg(os.getpgrp(), signal.SIGKILL)
-    raise OSError(errno.ENOSPC, f"No space left on device (injected by {ENV}={spec})", str(torn or name))
+    raise OSError(errno.ENOSPC, f"No space left on device (injected by {ENV}={spec})", str(torn or fault.point))
