@@ -1,9 +1,10 @@
 """`gguf-trainer run`: a thin client of the project's Dagster instance.
 
 What is left to do is decided by one function, defs/plan.py's ``next_work``, from the project
-status (the fingerprints each stage owns, composed in lib/status/states.py): the next named job (defs/jobs.py) and the shard
-partitions it covers. `run` executes those jobs in-process until nothing is left; the daemon's
-resume sensor (defs/resume.py) requests the very same jobs, one at a time.
+status (the fingerprints each stage owns, composed in lib/status/states.py): the next named job
+(defs/jobs.py) and the shard partitions it covers. `run` executes those jobs in-process until
+nothing is left; the daemon's resume sensor (defs/resume.py) requests the very same jobs, one at a
+time.
 """
 
 from __future__ import annotations
