@@ -39,10 +39,6 @@ from typing import TypeVar
 
 import sqlalchemy as db
 import sqlalchemy.exc
-from dagster._core.events import ASSET_CHECK_EVENTS, ASSET_EVENTS
-from dagster._core.storage.event_log import SqlEventLogStorageTable
-from dagster._core.storage.runs.schema import RunTagsTable
-from dagster._serdes import serialize_value
 from dagster_celery.config import DEFAULT_CONFIG
 from dagster_celery.launcher import CeleryRunLauncher
 from dagster_celery.tags import DAGSTER_CELERY_QUEUE_TAG, DAGSTER_CELERY_TASK_ID_TAG
@@ -50,7 +46,15 @@ from dagster_postgres import PostgresEventLogStorage, PostgresRunStorage, Postgr
 from dagster_postgres.utils import DagsterPostgresException, get_token_provider_from_config, pg_url_from_config
 
 from gguf_assets.cluster import OUTAGE_S, QUEUE_TAG, STORAGE_CLASSES
-from gguf_assets.defs.private_api import CheckRunHealthResult, WorkerStatus
+from gguf_assets.defs.private_api import (
+    ASSET_CHECK_EVENTS,
+    ASSET_EVENTS,
+    CheckRunHealthResult,
+    RunTagsTable,
+    SqlEventLogStorageTable,
+    WorkerStatus,
+    serialize_value,
+)
 
 assert QUEUE_TAG == DAGSTER_CELERY_QUEUE_TAG, "dagster-celery renamed its queue tag: update gguf_assets.cluster"
 PING_TIMEOUT_S = 5.0
@@ -163,10 +167,9 @@ def _execute_job_task(app):
     import dagster as dg
     from celery import states
     from celery.exceptions import Ignore
-    from dagster._cli.api import _execute_run_command_body
-    from dagster._grpc.types import ExecuteRunArgs
-    from dagster._serdes import unpack_value
     from dagster_celery.config import TASK_EXECUTE_JOB_NAME
+
+    from gguf_assets.defs.private_api import ExecuteRunArgs, _execute_run_command_body, unpack_value
 
     startable = (dg.DagsterRunStatus.NOT_STARTED, dg.DagsterRunStatus.STARTING)
 

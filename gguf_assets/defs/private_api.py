@@ -23,25 +23,42 @@ why pyproject.toml pins ``dagster<1.14``.
   (run_tags.py).
 - ``CachingStaleStatusResolver``, ``StaleStatus``, ``LoadingContextForTest``: the tests read the
   UI's stale marks with the resolver the webserver draws them with.
+- ``ASSET_EVENTS``, ``ASSET_CHECK_EVENTS``, ``SqlEventLogStorageTable``, ``RunTagsTable``,
+  ``serialize_value``: the cluster's Postgres storage rides out a restart (defs/cluster_workers.py): an event
+  whose insert went through before the connection broke is found by its serialized body and not stored twice,
+  with only its asset index redone; a run's tag rows that a broken first try left half written are completed.
+  dagster-postgres has no retry of its own past opening a connection (docs/cluster.md).
+- ``_execute_run_command_body``, ``ExecuteRunArgs``, ``unpack_value``: the cluster worker's task executes a
+  run as dagster-celery's own task does, but only once per run (a second delivery of the task by the broker is
+  dropped), which needs the same body dagster-celery calls. ``pack_value``: its test redelivers a task as the
+  launcher packs it.
 - ``CheckRunHealthResult``, ``WorkerStatus``: a run launcher's worker health check (run monitoring's
   own interface), which the cluster's launcher answers (defs/cluster_workers.py) and the
   interrupted-runs check asks about a run on another machine (defs/resume.py).
 """
 
+from dagster._cli.api import _execute_run_command_body
 from dagster._core.definitions.data_version import DATA_VERSION_TAG, CachingStaleStatusResolver, StaleStatus
 from dagster._core.definitions.selector import JobSubsetSelector
+from dagster._core.events import ASSET_CHECK_EVENTS, ASSET_EVENTS
 from dagster._core.execution.api import execute_run
 from dagster._core.launcher import CheckRunHealthResult, WorkerStatus
 from dagster._core.loader import LoadingContextForTest
 from dagster._core.log_manager import LOG_RECORD_METADATA_ATTR
 from dagster._core.remote_origin import InProcessCodeLocationOrigin
+from dagster._core.storage.event_log import SqlEventLogStorageTable
+from dagster._core.storage.runs.schema import RunTagsTable
 from dagster._core.storage.tags import HIDDEN_TAG_PREFIX, TagType, get_tag_type
 from dagster._core.types.loadable_target_origin import LoadableTargetOrigin
 from dagster._core.workspace.context import WorkspaceProcessContext
 from dagster._core.workspace.load_target import InProcessWorkspaceLoadTarget, ModuleTarget
+from dagster._grpc.types import ExecuteRunArgs
+from dagster._serdes import pack_value, serialize_value, unpack_value
 from dagster._utils.hosted_user_process import recon_job_from_origin
 
 __all__ = [
+    "ASSET_CHECK_EVENTS", "ASSET_EVENTS", "ExecuteRunArgs", "RunTagsTable", "SqlEventLogStorageTable",
+    "_execute_run_command_body", "pack_value", "serialize_value", "unpack_value",
     "DATA_VERSION_TAG", "HIDDEN_TAG_PREFIX", "LOG_RECORD_METADATA_ATTR", "CachingStaleStatusResolver",
     "CheckRunHealthResult", "WorkerStatus",
     "InProcessCodeLocationOrigin", "InProcessWorkspaceLoadTarget", "JobSubsetSelector", "LoadableTargetOrigin",

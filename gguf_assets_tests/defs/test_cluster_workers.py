@@ -79,12 +79,11 @@ def servers(tmp_path):
 
 def _deliver_again(redis_url: str, run) -> None:
     """The run's Celery task once more, as the launcher sent it (same task id): a redelivery by the broker."""
-    from dagster._grpc.types import ExecuteRunArgs
-    from dagster._serdes import pack_value
     from dagster_celery.tags import DAGSTER_CELERY_TASK_ID_TAG
     from dagster_celery.tasks import create_execute_job_task
 
     from gguf_assets.defs.cluster_workers import ClusterRunLauncher
+    from gguf_assets.defs.private_api import ExecuteRunArgs, pack_value
 
     app = ClusterRunLauncher(broker=redis_url, backend=redis_url, default_queue="gpu").celery
     args = ExecuteRunArgs(job_origin=run.job_code_origin, run_id=run.run_id, instance_ref=None,
