@@ -21,6 +21,8 @@ from conftest import CLI, cli_env, free_port, new_demo_project
 from gguf_assets.lib.core.errors import os_refusal_message
 from gguf_assets.lib.core.lock import ProjectLock
 
+pytestmark = pytest.mark.slow  # every command through the real CLI, in mount namespaces (about 25 s)
+
 # $1: the folder; the rest: the command. 97: no mount here; 98: the folder still took a write.
 READ_ONLY = ('mount --bind "$1" "$1" && mount -o remount,ro,bind "$1" || exit 97; '
              'if touch "$1/.write-probe" 2>/dev/null; then exit 98; fi; shift; exec "$@"')

@@ -109,6 +109,7 @@ def _status(base: str) -> dict:
         return json.load(answer)
 
 
+@pytest.mark.slow  # a real `gguf-trainer run` started from the studio
 def test_a_failed_run_shows_at_its_stage_and_a_typo_keeps_the_view_and_refuses_run(studio):
     """The studio tells the truth about the last run: a Run that fails (the teacher folder lost its config.json)
     shows its message at its stage, with its log; then a typo in project.yaml keeps the last good view, marked
