@@ -31,7 +31,7 @@ from gguf_assets.lib.project.settings import load_settings
 
 pytestmark = pytest.mark.slow  # one `gguf-trainer ui` for the module (about 20 s to start on 2 cores)
 
-CANARY = "hf_CANARYcanaryCANARYcanary0123456789"
+CANARY = "hf_CANARY-canary-not-a-real-token-0123"  # distinctive, and no real token's shape
 EVIL = "evil.example"
 # Every studio endpoint, with a body the page itself would send.
 STUDIO_GETS = ("/", "/api/status", "/api/settings")
