@@ -209,6 +209,7 @@ def _give_up_on_silence(paths, caplog, host: str) -> tuple[float, float, str, st
     return waiting[0].created - wall, took, waiting[0].getMessage(), str(failed.value)
 
 
+@pytest.mark.slow  # about 10 s of waiting on a silent hub
 @pytest.mark.serial  # it times how soon a silent hub is told and given up on: alone on the machine
 def test_a_hub_that_never_answers_is_told_within_seconds_and_given_up_within_its_bound(
         make_project, loopback_hub, monkeypatch, caplog):
@@ -244,6 +245,7 @@ def test_a_hub_that_never_answers_is_told_within_seconds_and_given_up_within_its
     assert _no_partials(paths) and not list((paths.materials_dir / hub.HUB_DIR).rglob("model.safetensors"))
 
 
+@pytest.mark.slow  # about 5 s of a slow transfer
 @pytest.mark.serial  # a transfer timed against the answer bound: alone on the machine
 def test_a_slow_mirror_that_keeps_sending_is_not_cut_off_by_the_answer_bound(make_project, loopback_hub, monkeypatch,
                                                                              demo_materials_root):
