@@ -51,19 +51,24 @@ def stage_keys(settings: Settings, stage: str) -> list[str]:
     the stage's slice of ``stage_settings``. Derived from that function, so it can never drift from it."""
     base = stage_settings(settings)[stage]
     keys = []
+    for key, changed in each_key_changed(settings):
+        try:
+            differs = stage_settings(changed)[stage] != base
+        except Exception:  # noqa: BLE001  a stage that cannot even be described without this key reads it
+            differs = True
+        if differs:
+            keys.append(key)
+    return keys
+
+
+def each_key_changed(settings: Settings):
+    """(``section.key``, ``settings`` with only that key set to another value of its type), for every key."""
     for section in SECTIONS:
         current = getattr(settings, section)
         for name, info in type(current).model_fields.items():
             altered = another_value(getattr(current, name), info.annotation)
             # model_copy skips validation: a value that breaks a cross-check still shows what it would change.
-            changed = settings.model_copy(update={section: current.model_copy(update={name: altered})})
-            try:
-                differs = stage_settings(changed)[stage] != base
-            except Exception:  # noqa: BLE001  a stage that cannot even be described without this key reads it
-                differs = True
-            if differs:
-                keys.append(f"{section}.{name}")
-    return keys
+            yield f"{section}.{name}", settings.model_copy(update={section: current.model_copy(update={name: altered})})
 
 
 def another_value(value, annotation):

@@ -39,8 +39,7 @@ def test_every_key_a_stage_fingerprint_reads_is_one_of_its_settings(tmp_path):
     words of `status`): the stage's own module defines both, so a new fingerprint key cannot be missed there."""
     from gguf_assets.lib.project.layout import ProjectPaths
     from gguf_assets.lib.project.manifests import MaterialsManifest
-    from gguf_assets.lib.project.settings import SECTIONS
-    from gguf_assets.lib.status.stages import STAGES, another_value
+    from gguf_assets.lib.status.stages import STAGES, each_key_changed
 
     paths, settings = ProjectPaths.of(tmp_path), demo_settings()
     pin = {"source": "s", "commit": "c", "path": str(tmp_path)}
@@ -48,12 +47,7 @@ def test_every_key_a_stage_fingerprint_reads_is_one_of_its_settings(tmp_path):
     base = _fingerprints(paths, settings, materials)
     keys = {stage: set(stage_keys(settings, stage)) for stage in STAGES}
     missed = []
-    for section in SECTIONS:
-        current = getattr(settings, section)
-        for name, info in type(current).model_fields.items():
-            altered = another_value(getattr(current, name), info.annotation)
-            changed = settings.model_copy(update={section: current.model_copy(update={name: altered})})
-            now = _fingerprints(paths, changed, materials)
-            missed += [f"{stage}: {section}.{name}" for stage in STAGES
-                       if now[stage] != base[stage] and f"{section}.{name}" not in keys[stage]]
+    for key, changed in each_key_changed(settings):
+        now = _fingerprints(paths, changed, materials)
+        missed += [f"{stage}: {key}" for stage in STAGES if now[stage] != base[stage] and key not in keys[stage]]
     assert missed == []
