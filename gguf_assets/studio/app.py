@@ -129,11 +129,7 @@ def _last_run(paths: ProjectPaths, settings, feed: ObservationFeed) -> dict | No
     from gguf_assets.studio.last_run import last_run_view
 
     try:
-        instance = feed.instance()
-        view = last_run_view(instance)
-        if view and view["state"] == "stopped":
-            view = last_run_view(instance, where_stopped(paths, settings))
-        return view
+        return last_run_view(feed.instance(), lambda: where_stopped(paths, settings))
     except Exception:  # noqa: BLE001  the page stays up while the storage is busy or away
         return None
 

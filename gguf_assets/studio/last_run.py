@@ -5,6 +5,7 @@ of that run's own log. The truth is the project's Dagster instance: nothing here
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Callable
 
 LOG_LINES = 30  # the tail the page shows; the whole log is the run's page in the Dagster UI
 
@@ -43,9 +44,9 @@ def _log_tail(instance, run_id: str) -> list[str]:
     return lines[-LOG_LINES:]
 
 
-def last_run_view(instance, where_stopped: str | None = None) -> dict | None:
+def last_run_view(instance, where_stopped: Callable[[], str] | None = None) -> dict | None:
     """{run_id, job, state: running|finished|failed|stopped, stage, message, log} of the newest run, or None
-    when the project has none. ``where_stopped``: the pipeline's stopping point, for a stopped run."""
+    when the project has none. ``where_stopped()``: the pipeline's stopping point, asked only for a stopped run."""
     import dagster as dg
 
     runs = instance.get_runs(limit=1)
@@ -67,6 +68,6 @@ def last_run_view(instance, where_stopped: str | None = None) -> dict | None:
         message = _first_line(run_failure[0].dagster_event.message) if run_failure else "failed"
         return {**view, "state": "failed", "message": message}
     if status in (dg.DagsterRunStatus.CANCELED, dg.DagsterRunStatus.CANCELING):
-        where = f"{where_stopped}; " if where_stopped else ""
+        where = f"{where_stopped()}; " if where_stopped else ""
         return {**view, "state": "stopped", "message": f"{where}Run continues from there"}
     return {**view, "state": "running", "message": f"{status.value.lower()}"}
