@@ -641,6 +641,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("status", help="show which stages are current, stale or missing")
     p.add_argument("project")
     p.set_defaults(func=cmd_status)
+    from gguf_assets import runs_cli
+
+    runs_cli.add_parser(sub)
     p = sub.add_parser("estimate", help="how much GPU memory the teacher, student and training need, before a run")
     p.add_argument("project")
     p.set_defaults(func=cmd_estimate)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import math
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ from gguf_assets.lib.core.errors import UserError
 from gguf_assets.lib.core.f16 import F16_MAX
 from gguf_assets.lib.output.export_run import export_sidecar, gguf_fingerprint, gguf_path
 from gguf_assets.lib.output.gguf_format import is_f16_tensor, tensor_name, write_adapter_gguf
+from gguf_assets.lib.output.kept import copy_verified, keep_export
 from gguf_assets.lib.output.vision import vision_gguf_path, write_vision_gguf
 from gguf_assets.lib.project import settings_history
 from gguf_assets.lib.project.layout import ProjectPaths
@@ -63,18 +63,6 @@ def provenance(settings: Settings, materials: MaterialsManifest, meta: dict) -> 
         "training.val_centred_cosine": float(meta["val_centred_cosine"]),
         "training.fingerprint": meta["fingerprint"],
     }
-
-
-def copy_verified(source: Path, folder: Path, *, sha256: str) -> Path:
-    """Atomic copy into ``folder``; the copy's sha256 must match before it takes the final
-    name, so a failed copy leaves any previous copy untouched."""
-    target = Path(folder).expanduser() / Path(source).name
-    with atomic.atomic_path(target) as tmp:
-        shutil.copyfile(source, tmp)
-        if atomic.sha256_file(tmp) != sha256:
-            raise OSError(f"copy of {source} to {target} does not match its sha256; nothing was replaced "
-                          f"(check the disk at {folder})")
-    return target
 
 
 def _file_entry(role: str, path: Path | str, written: dict, *, copy_of: str | None = None) -> dict[str, Any]:
@@ -217,4 +205,5 @@ def export_adapter(paths: ProjectPaths, settings: Settings, materials: Materials
         empty_prompt_cosine_torch=meta.get("empty_prompt_cosine"), per_shard_torch=meta.get("per_shard", []),
         settings_hash=settings_history.remember(paths.root, settings))
     atomic.write_json(target.with_suffix(".json"), paths.stored_doc(sidecar.to_json()))
+    keep_export(paths, sidecar)  # the run keeps its own copy: `gguf-trainer runs --use` restores it
     return sidecar

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from gguf_assets.lib.core import atomic, verify
 from gguf_assets.lib.core.markdown import markdown_table, user_text
+from gguf_assets.lib.output.kept import keep_report
 from gguf_assets.lib.project import settings_history
 from gguf_assets.lib.project.layout import FINAL_DIR, META_FILE, REPORT_JSON, REPORT_MD, ProjectPaths
 from gguf_assets.lib.project.manifests import ExportSidecar, MaterialsManifest, Report
@@ -117,6 +118,7 @@ def build_report(paths: ProjectPaths, settings: Settings, materials: MaterialsMa
     # report.json/report.md: the folder's latest report, under the names earlier versions used.
     atomic.write_json(out / REPORT_JSON, stored)
     atomic.write_text(out / REPORT_MD, markdown)
+    keep_report(paths, gguf, stored, markdown)  # beside the run's kept GGUF (lib/output/kept.py)
     return Report.from_json(stored)
 
 

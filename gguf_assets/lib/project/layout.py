@@ -29,6 +29,14 @@ WEIGHTS_FILE = "adapter.safetensors"
 STATE_FILE = "trainer_state.pt"
 META_FILE = "meta.json"
 CURVES_FILE = "curves.svg"
+# Also inside checkpoints/<fingerprint>/, for `gguf-trainer runs` (lib/status/runs.py):
+SESSION_FILE = "session.json"  # the last training session of the run: running (pid), stopped or failed (why)
+LABEL_FILE = "label.txt"  # the user's label of the run (`gguf-trainer runs DIR --label RUN TEXT`)
+KEPT_DIR = "export"  # the run's own GGUF, export sidecar and report, kept when they were made (lib/output/kept.py)
+KEPT_FILE = "kept.json"
+# A deleted run's folder is renamed to checkpoints/.deleting/<fingerprint> before it is removed: a kill leaves
+# no half-deleted run among the runs (hidden folders are no runs).
+DELETING_DIR = ".deleting"
 # Files in a hub dataset's folder that describe it rather than hold prompts: the materials step does not
 # download them, the corpus does not read them.
 DATASET_METADATA_FILES = frozenset({"dataset_info.json", "dataset_infos.json", "dataset_dict.json", "state.json"})

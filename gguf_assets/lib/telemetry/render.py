@@ -6,60 +6,90 @@ from __future__ import annotations
 import base64
 import math
 from collections.abc import Sequence
+from html import escape
 
 # Series with at most this many points get a marker at each (a single validation is otherwise invisible).
 MARKED_POINTS = 30
 
 
+PAD = 34  # room for the y labels left of a panel
+
+
+def _svg_open(width: int, height: int) -> list[str]:
+    return [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+            f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="10">',
+            f'<rect width="{width}" height="{height}" fill="white"/>']
+
+
+def _panel(out: list[str], x0: int, title: str, series: list[tuple[str, str, list[tuple[float, float]]]], *,
+           panel_width: int, panel_height: int, log_y: bool = False) -> None:
+    """One chart at ``x0``: each of ``series`` (label, colour, (x, y) points) as a line, labelled at the right.
+    ``log_y``: the points' y are log10 of the values, and the y labels show the values."""
+    pad = PAD
+    every = [xy for _, _, pts in series for xy in pts]
+    out.append(f'<text x="{x0 + pad}" y="12">{title}</text>')
+    out.append(f'<rect x="{x0 + pad}" y="18" width="{panel_width - pad - 8}" height="{panel_height - 36}" '
+               'fill="none" stroke="#999"/>')
+    if not every:
+        return
+    sx0, sx1 = min(x for x, _ in every), max(x for x, _ in every)
+    sy0, sy1 = min(y for _, y in every), max(y for _, y in every)
+    if sy1 - sy0 < 1e-9:
+        sy0, sy1 = sy0 - 0.5, sy1 + 0.5
+
+    def xy(x: float, y: float) -> str:
+        px = x0 + pad + (x - sx0) / max(1e-9, sx1 - sx0) * (panel_width - pad - 8)
+        py = 18 + (1 - (y - sy0) / (sy1 - sy0)) * (panel_height - 36)
+        return f"{px:.1f},{py:.1f}"
+
+    # A log panel is drawn in log10 but labelled in the values themselves (a loss of 0.31, not -0.509).
+    shown = (lambda v: 10 ** v) if log_y else (lambda v: v)
+    out.append(f'<text x="{x0 + 2}" y="24">{shown(sy1):.3g}</text>'
+               f'<text x="{x0 + 2}" y="{panel_height - 18}">{shown(sy0):.3g}</text>')
+    out.append(f'<text x="{x0 + pad}" y="{panel_height - 6}">step {sx0}</text>'
+               f'<text x="{x0 + panel_width - 8}" y="{panel_height - 6}" text-anchor="end">{sx1}</text>')
+    for i, (label, colour, pts) in enumerate(series):
+        if len(pts) > 400:  # keep the embedded image small
+            pts = pts[:: math.ceil(len(pts) / 400)] + [pts[-1]]
+        if pts:
+            out.append(f'<polyline fill="none" stroke="{colour}" stroke-width="1.5" '
+                       f'points="{" ".join(xy(x, y) for x, y in pts)}"/>')
+            if len(pts) <= MARKED_POINTS:  # a few validations are points to read, not a line to guess
+                out += [f'<circle cx="{cx}" cy="{cy}" r="2.5" fill="{colour}"/>'
+                        for cx, cy in (xy(x, y).split(",") for x, y in pts)]
+            out.append(f'<text x="{x0 + panel_width - 10}" y="{30 + 12 * i}" text-anchor="end" '
+                       f'fill="{colour}">{label}</text>')
+
+
 def curves_svg(history: list[dict], *, panel_width: int = 320, panel_height: int = 180) -> str:
     """Two small line charts as SVG text: training loss (log scale, plus val loss) and val cosines."""
-    pad = 34
     panels = [("loss (log scale)", [("loss", "#1f77b4", True), ("val_loss", "#ff7f0e", True)]),
               ("val centred cosine", [("val_centred_cosine", "#2ca02c", False),
                                       ("empty_prompt_cosine", "#9467bd", False)])]
     width = panel_width * len(panels)
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{panel_height}" '
-           f'viewBox="0 0 {width} {panel_height}" font-family="sans-serif" font-size="10">',
-           f'<rect width="{width}" height="{panel_height}" fill="white"/>']
+    out = _svg_open(width, panel_height)
     for p, (title, series) in enumerate(panels):
-        x0 = p * panel_width
         points = {key: [(e["step"], math.log10(e[key]) if log_y else e[key]) for e in history
                         if isinstance(e.get(key), (int, float)) and math.isfinite(e[key]) and (not log_y or e[key] > 0)]
                   for key, _, log_y in series}
-        every = [xy for pts in points.values() for xy in pts]
-        out.append(f'<text x="{x0 + pad}" y="12">{title}</text>')
-        out.append(f'<rect x="{x0 + pad}" y="18" width="{panel_width - pad - 8}" height="{panel_height - 36}" '
-                   'fill="none" stroke="#999"/>')
-        if not every:
-            continue
-        sx0, sx1 = min(x for x, _ in every), max(x for x, _ in every)
-        sy0, sy1 = min(y for _, y in every), max(y for _, y in every)
-        if sy1 - sy0 < 1e-9:
-            sy0, sy1 = sy0 - 0.5, sy1 + 0.5
+        _panel(out, p * panel_width, title, [(key, colour, points[key]) for key, colour, _ in series],
+               panel_width=panel_width, panel_height=panel_height, log_y=all(log_y for _, _, log_y in series))
+    out.append("</svg>")
+    return "\n".join(out)
 
-        def xy(x: float, y: float) -> str:
-            px = x0 + pad + (x - sx0) / max(1e-9, sx1 - sx0) * (panel_width - pad - 8)
-            py = 18 + (1 - (y - sy0) / (sy1 - sy0)) * (panel_height - 36)
-            return f"{px:.1f},{py:.1f}"
 
-        # A log panel is drawn in log10 but labelled in the values themselves (a loss of 0.31, not -0.509).
-        shown = (lambda v: 10 ** v) if all(log_y for _, _, log_y in series) else (lambda v: v)
-        out.append(f'<text x="{x0 + 2}" y="24">{shown(sy1):.3g}</text>'
-                   f'<text x="{x0 + 2}" y="{panel_height - 18}">{shown(sy0):.3g}</text>')
-        out.append(f'<text x="{x0 + pad}" y="{panel_height - 6}">step {sx0}</text>'
-                   f'<text x="{x0 + panel_width - 8}" y="{panel_height - 6}" text-anchor="end">{sx1}</text>')
-        for i, (key, colour, _) in enumerate(series):
-            pts = points[key]
-            if len(pts) > 400:  # keep the embedded image small
-                pts = pts[:: math.ceil(len(pts) / 400)] + [pts[-1]]
-            if pts:
-                out.append(f'<polyline fill="none" stroke="{colour}" stroke-width="1.5" '
-                           f'points="{" ".join(xy(x, y) for x, y in pts)}"/>')
-                if len(pts) <= MARKED_POINTS:  # a few validations are points to read, not a line to guess
-                    out += [f'<circle cx="{cx}" cy="{cy}" r="2.5" fill="{colour}"/>'
-                            for cx, cy in (xy(x, y).split(",") for x, y in pts)]
-                out.append(f'<text x="{x0 + panel_width - 10}" y="{30 + 12 * i}" text-anchor="end" '
-                           f'fill="{colour}">{key}</text>')
+# One colour per compared run, in order.
+RUN_COLOURS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b")
+
+
+def compare_svg(curves: dict[str, list[tuple[float, float]]], *, title: str = "val centred cosine",
+                width: int = 640, height: int = 240) -> str:
+    """Several runs' curves ({run name: [(step, value)]}) overlaid in one chart, one colour per run."""
+    out = _svg_open(width, height)
+    series = [(escape(name), RUN_COLOURS[i % len(RUN_COLOURS)],
+               [(x, y) for x, y in points if isinstance(y, (int, float)) and math.isfinite(y)])
+              for i, (name, points) in enumerate(curves.items())]
+    _panel(out, 0, escape(title), series, panel_width=width, panel_height=height)
     out.append("</svg>")
     return "\n".join(out)
 

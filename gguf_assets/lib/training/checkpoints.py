@@ -116,6 +116,8 @@ class Resumed:
     started: dict = field(default_factory=dict)
     checkpoint: str | None = None
     ema: dict | None = None
+    train_seconds: float = 0.0  # the wall time of the sessions before, up to this checkpoint
+    started_at: float | None = None  # when step 0 began (unix time)
 
 
 def restore(run_dir: Path, model: Adapter, optimizer: torch.optim.Optimizer, device: torch.device,
@@ -146,7 +148,8 @@ def restore(run_dir: Path, model: Adapter, optimizer: torch.optim.Optimizer, dev
             torch.cuda.set_rng_state_all([s.cpu() for s in state["rng"]["cuda"]])
         return Resumed(step=meta["step"], history=meta.get("history", []), best=meta.get("best"),
                         untrained=meta.get("untrained"), started=meta.get("started", {}), checkpoint=ckpt.name,
-                        ema=state.get("ema") if ema else None)
+                        ema=state.get("ema") if ema else None, train_seconds=float(meta.get("train_seconds") or 0.0),
+                        started_at=meta.get("started_at"))
     return None
 
 

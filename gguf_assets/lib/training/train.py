@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from gguf_assets.lib.core import atomic, faults, verify
+from gguf_assets.lib.core import atomic, faults
 from gguf_assets.lib.project import formats, settings_history
 from gguf_assets.lib.project.layout import (
     BEST_DIR,
@@ -24,7 +24,6 @@ from gguf_assets.lib.project.layout import (
     DAMAGED_FINAL_DIR,
     FINAL_DIR,
     META_FILE,
-    WEIGHTS_FILE,
     ProjectPaths,
 )
 from gguf_assets.lib.project.settings import Settings
@@ -60,7 +59,18 @@ from gguf_assets.lib.training.train_data import (
     shard_size,
     target_stats,
 )
-from gguf_assets.lib.training.training_run import NON_RESULT_KEYS, OFF_VALUES, TrainedAdapter, shards_identity
+from gguf_assets.lib.training.training_run import (
+    NON_RESULT_KEYS,
+    OFF_VALUES,
+    SESSION_FAILED,
+    SESSION_RUNNING,
+    SESSION_STOPPED,
+    TrainedAdapter,
+    end_session,
+    record_finished_run,
+    shards_identity,
+    write_session,
+)
 from gguf_assets.lib.training.verdict import validation_curve, verdict
 
 log = logging.getLogger(__name__)
@@ -212,16 +222,9 @@ def train_adapter(paths: ProjectPaths, settings: Settings, *, train_folders: lis
 
 
 def record_adapter(paths: ProjectPaths, settings: Settings, result: TrainedAdapter) -> None:
-    """checkpoints/final.json: which finished run is the adapter, its weights' stamp and the settings it was
-    trained under (what `status` and the export read)."""
-    run_dir = paths.checkpoints_dir(result.fingerprint)
-    weights = run_dir / FINAL_DIR / WEIGHTS_FILE
-    recorded_sha256 = (atomic.read_json(run_dir / FINAL_DIR / META_FILE).get("sha256") or {}).get(WEIGHTS_FILE)
-    atomic.write_json(paths.adapter_manifest, {"fingerprint": result.fingerprint,
-                                               "run_dir": str(run_dir.relative_to(paths.root)),
-                                               "final_weights": verify.record(weights, recorded_sha256),
-                                               "val_centred_cosine": result.val_centred_cosine,
-                                               "settings_hash": settings_history.remember(paths.root, settings)})
+    """checkpoints/final.json names the finished run (training_run.record_finished_run)."""
+    record_finished_run(paths, result.fingerprint, settings_hash=settings_history.remember(paths.root, settings),
+                        val_centred_cosine=result.val_centred_cosine)
 
 
 class _TrainingRun:
@@ -270,9 +273,13 @@ class _TrainingRun:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.learning_rate, weight_decay=t.weight_decay)
         self.sizes = [shard_size(f) for f in self.train_folders]
         train_id, val_id = shards_identity(self.train_folders), shards_identity(self.val_folders)
+        # The whole settings snapshot too (by its hash): `gguf-trainer runs` diffs a run against project.yaml by it,
+        # and `--use` puts it back.
+        self.settings_hash = settings_history.remember(self.paths.root, self.settings)
         self.base_meta = {"fingerprint": self.fingerprint, "shape": shape.to_dict(),
                           "training": self.settings.section_dict("training"), "train_prompts": sum(self.sizes),
-                          "train_shards": train_id, "val_shards": val_id, "format": formats.TRAINING_RUN}
+                          "train_shards": train_id, "val_shards": val_id, "format": formats.TRAINING_RUN,
+                          "settings_hash": self.settings_hash}
         resumed = restore(self.run_dir, self.model, self.optimizer, self.device, shape, ema=t.ema_decay > 0)
         if resumed is not None:
             self.note(f"resuming training run {self.fingerprint} from {resumed.checkpoint} "
@@ -292,6 +299,11 @@ class _TrainingRun:
         self.step, self.history, self.best, self.untrained = resumed.step, resumed.history, resumed.best, \
             resumed.untrained
         self.base_meta["started"] = resumed.started
+        self.base_meta["started_at"] = resumed.started_at or round(time.time(), 1)
+        # Wall time adds up over the sessions (each checkpoint carries the sum up to it), so a run stopped and
+        # resumed says how long it trained, not how long its last session did.
+        self.seconds_before, self.session_start = resumed.train_seconds, time.perf_counter()
+        write_session(self.run_dir, SESSION_RUNNING, step=self.step, settings_hash=self.settings_hash)
         # With the average on, it is what is validated and kept (best/, final/); training steps the raw weights.
         self.average = WeightAverage(self.model, t.ema_decay) if t.ema_decay > 0 else None
         if self.average is not None and resumed.ema is not None:
@@ -332,15 +344,32 @@ class _TrainingRun:
             elif is_stop(exc) and self.step > saved_at:  # Stop keeps the work: the steps since the last checkpoint
                 with StopHold():
                     self._checkpoint()
+                    saved_at = self.step
                 self.note(f"stopped at step {self.step} of {t.steps}: checkpoint written, the next run continues "
                           "from this step")
+            with StopHold():
+                self._end_session(exc, saved_at)
             raise
         finally:
             self.stream.close()
             self.curves.close()
         if self.step < t.steps:
+            write_session(self.run_dir, SESSION_STOPPED, step=self.step, settings_hash=self.settings_hash,
+                          message=f"paused after {self.step} of {t.steps} steps")
             return {"finished": False, "step": self.step, "fingerprint": self.fingerprint}
         return self._finish()
+
+    def _end_session(self, exc: BaseException, saved_at: int) -> None:
+        """Say how the session ended (`gguf-trainer runs` shows it): stopped on purpose, or failed and why. A
+        record that cannot be written must not hide the error that ended the run."""
+        stopped = is_stop(exc)
+        message = (f"stopped at step {saved_at} of {self.t.steps}" if stopped
+                   else (str(exc).strip().splitlines() or [type(exc).__name__])[0][:500])
+        try:
+            write_session(self.run_dir, SESSION_STOPPED if stopped else SESSION_FAILED, step=saved_at,
+                          message=message, settings_hash=self.settings_hash)
+        except OSError as record_error:  # a full disk, say: the run's own error is what the user must see
+            log.warning("could not record how training ended in %s: %s", self.run_dir, record_error)
 
     def _step(self, lr: float) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step on the batch of this step; a non-finite loss or gradient stops with its cause.
@@ -429,12 +458,15 @@ class _TrainingRun:
     def _checkpoint(self) -> None:
         t = self.t
         meta = {**self.base_meta, "history": self.history, "best": self.best, "untrained": self.untrained,
-                "samples_seen": self.step * t.batch_size,
+                "samples_seen": self.step * t.batch_size, "train_seconds": self._train_seconds(),
                 "lr_next": lr_at(self.step, peak=t.learning_rate, warmup=t.warmup_steps, total=t.steps)}
         save_checkpoint(self.run_dir / f"step-{self.step:08d}", model=self.model, optimizer=self.optimizer,
                         step=self.step, meta=meta, ema=self.average.model if self.average is not None else None)
         prune_checkpoints(self.run_dir, t.keep_checkpoints)
         self.emit("checkpoint", {"step": self.step})
+
+    def _train_seconds(self) -> float:
+        return round(self.seconds_before + time.perf_counter() - self.session_start, 1)
 
     def _write_curves(self) -> str:
         svg = curves_svg(self.history)
@@ -448,10 +480,11 @@ class _TrainingRun:
         text, advice = verdict(final["val_centred_cosine"], curve, width=self.t.width, steps=self.t.steps)
         summary = {**self.base_meta, "finished": True, "step": self.step, "history": self.history, "best": self.best,
                    "untrained_val_centred_cosine": self.untrained, "verdict": text, "advice": advice,
-                   "read_mb_per_s": self.stream.stats.mb_per_s,
+                   "read_mb_per_s": self.stream.stats.mb_per_s, "train_seconds": self._train_seconds(),
                    **{k: final[k] for k in ("val_centred_cosine", "empty_prompt_cosine", "val_loss", "per_shard")}}
         save_weights(self.run_dir / FINAL_DIR, model=self.judged, step=self.step, meta=summary,
                      extra={CURVES_FILE: self._write_curves()})
+        end_session(self.run_dir)
         self.note(f"training finished: {text} {advice}")
         self.emit("finished", {"step": self.step, "val_centred_cosine": final["val_centred_cosine"]})
         return summary

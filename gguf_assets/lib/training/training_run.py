@@ -3,14 +3,24 @@ is current. No torch here: `status` and the planner compute the fingerprint too 
 
 from __future__ import annotations
 
+import os
+import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from gguf_assets.lib.core import atomic, verify
+from gguf_assets.lib.core import atomic, liveness, verify
 from gguf_assets.lib.precompute.shards import shard_fingerprints
 from gguf_assets.lib.project import formats
-from gguf_assets.lib.project.layout import FINAL_DIR, STEP_DIR, WEIGHTS_FILE, ProjectPaths
+from gguf_assets.lib.project.layout import (
+    BEST_DIR,
+    FINAL_DIR,
+    META_FILE,
+    SESSION_FILE,
+    STEP_DIR,
+    WEIGHTS_FILE,
+    ProjectPaths,
+)
 from gguf_assets.lib.project.manifests import MaterialsManifest, recorded
 from gguf_assets.lib.project.settings import Settings
 
@@ -74,6 +84,82 @@ def final_weights_stored(paths: ProjectPaths) -> str:
     """Where the adapter manifest says the finished weights are, as stored (relative to the project)."""
     run_dir = recorded(paths.adapter_manifest, "run_dir") or "checkpoints/<run>"
     return f"{run_dir}/{FINAL_DIR}/{WEIGHTS_FILE}"
+
+
+def record_finished_run(paths: ProjectPaths, fingerprint: str, *, settings_hash: str,
+                        val_centred_cosine: float | None) -> None:
+    """checkpoints/final.json: which finished run is the adapter, its weights' stamp and the settings it was
+    trained under (what `status` and the export read). Training writes it when a run finishes, and
+    `gguf-trainer runs --use` when it makes a finished run current again."""
+    run_dir = paths.checkpoints_dir(fingerprint)
+    weights = run_dir / FINAL_DIR / WEIGHTS_FILE
+    recorded_sha256 = (atomic.read_json(run_dir / FINAL_DIR / META_FILE).get("sha256") or {}).get(WEIGHTS_FILE)
+    atomic.write_json(paths.adapter_manifest, {"fingerprint": fingerprint,
+                                               "run_dir": str(run_dir.relative_to(paths.root)),
+                                               "final_weights": verify.record(weights, recorded_sha256),
+                                               "val_centred_cosine": val_centred_cosine,
+                                               "settings_hash": settings_hash})
+
+
+def final_weights_intact(run_dir: Path) -> bool:
+    """Whether final/ holds finished weights whose bytes match the sha256 its meta recorded (read in full)."""
+    try:
+        recorded_sha256 = (atomic.read_json(run_dir / FINAL_DIR / META_FILE).get("sha256") or {}).get(WEIGHTS_FILE)
+        return recorded_sha256 is not None and atomic.sha256_file(run_dir / FINAL_DIR / WEIGHTS_FILE) == recorded_sha256
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def newest_meta(run_dir: Path) -> dict | None:
+    """What a training run records of itself: its final/ meta, else its newest checkpoint's, else its best/'s."""
+    steps = sorted((d for d in run_dir.iterdir() if STEP_DIR.match(d.name)), reverse=True) if run_dir.is_dir() else []
+    for folder in (run_dir / FINAL_DIR, *steps, run_dir / BEST_DIR):
+        try:
+            meta = atomic.read_json(folder / META_FILE)
+        except (OSError, ValueError):
+            continue
+        if isinstance(meta, dict):
+            return meta
+    return None
+
+
+# -- the training session: running (which process), stopped or failed ---------------------
+
+SESSION_RUNNING, SESSION_STOPPED, SESSION_FAILED = "running", "stopped", "failed"
+
+
+def write_session(run_dir: Path, state: str, *, step: int, message: str = "", settings_hash: str = "") -> None:
+    """Record how the run's training session stands: running (by this process, which a kill -9 or a reboot ends
+    without a word: ``session_alive`` tells), stopped on purpose, or failed and why. Checkpoints say how far it
+    got; this says how it ended."""
+    pid = os.getpid()
+    atomic.write_json(run_dir / SESSION_FILE, {
+        "state": state, "step": step, "message": message, "at": round(time.time(), 1), "pid": pid,
+        "pid_started": liveness.process_started(pid), "boot_id": liveness.boot_id(), "machine": liveness.machine_id(),
+        **({"settings_hash": settings_hash} if settings_hash else {})})
+
+
+def read_session(run_dir: Path) -> dict | None:
+    try:
+        session = atomic.read_json(run_dir / SESSION_FILE)
+    except (OSError, ValueError):
+        return None
+    return session if isinstance(session, dict) else None
+
+
+def end_session(run_dir: Path) -> None:
+    """A finished run has no session to tell of: final/ says it all."""
+    (run_dir / SESSION_FILE).unlink(missing_ok=True)
+
+
+def session_alive(session: dict) -> bool | None:
+    """Whether the process a running session names still trains: True or False on this machine since its boot;
+    None when it ran on another machine (a cluster worker) and cannot be asked from here."""
+    if session.get("machine") != liveness.machine_id():
+        return None
+    pid = session.get("pid")
+    return (session.get("boot_id") == liveness.boot_id() and isinstance(pid, int) and liveness.process_alive(pid)
+            and liveness.process_started(pid) == session.get("pid_started"))
 
 
 def shards_identity(folders: list[Path]) -> str:

@@ -4,6 +4,7 @@ agreement carried in report.json, the report itself, and the exact-bytes golden 
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -145,7 +146,7 @@ def test_also_copy_to_is_verified_and_a_failed_copy_keeps_the_old_one(tmp_path: 
                                    "sha256": atomic.sha256_file(copy), "copy_of": sidecar.path}
     good = copy.read_bytes()
 
-    real_copy = export.shutil.copyfile
+    real_copy = shutil.copyfile
 
     def corrupting_copy(src, dst):  # a disk that flips a byte on the way
         real_copy(src, dst)
@@ -155,7 +156,7 @@ def test_also_copy_to_is_verified_and_a_failed_copy_keeps_the_old_one(tmp_path: 
             fh.seek(100)
             fh.write(bytes([byte[0] ^ 0x01]))
 
-    monkeypatch.setattr(export.shutil, "copyfile", corrupting_copy)
+    monkeypatch.setattr(shutil, "copyfile", corrupting_copy)
     (paths.root / "checkpoints").rename(tmp_path / "old-run")
     with pytest.raises(OSError, match="sha256"):
         export.export_adapter(paths, settings, MATERIALS, fake_run(paths, make_adapter(1)))

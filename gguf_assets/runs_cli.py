@@ -1,0 +1,196 @@
+"""`gguf-trainer runs DIR`: the project's training runs as a table, and --diff, --use, --delete, --label and
+--compare (lib/status/runs.py does the work; this prints it)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from gguf_assets.lib.core.commands import trainer
+from gguf_assets.lib.core.errors import UserError
+from gguf_assets.lib.project.layout import ProjectPaths
+
+DIFF_KEYS_SHOWN = 2  # in the table's "vs project.yaml" column; --diff RUN lists them all
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("runs", help="list the training runs (scores, settings diff, disk); use, delete, label or "
+                                    "compare them")
+    p.add_argument("project")
+    what = p.add_mutually_exclusive_group()
+    what.add_argument("--diff", metavar="RUN", help="the run's settings against project.yaml, key by key")
+    what.add_argument("--use", metavar="RUN", help="set project.yaml's keys that decide the run's result back to "
+                                                   "its values, and make its GGUF and report current (no training)")
+    what.add_argument("--delete", metavar="RUN", help="remove the run's folder (never the current run's)")
+    what.add_argument("--label", nargs=2, metavar=("RUN", "TEXT"), help="give the run a label (\"\" removes it)")
+    what.add_argument("--compare", nargs=2, metavar=("RUN", "RUN"), help="two runs' val centred cosine, step by step")
+    p.add_argument("--svg", metavar="FILE", help="with --compare: write the two curves overlaid to FILE (SVG)")
+    p.add_argument("--json", action="store_true", help="print the runs as JSON (for tools)")
+    p.set_defaults(func=cmd_runs)
+
+
+class NoProject(UserError):
+    pass
+
+
+def cmd_runs(args: argparse.Namespace) -> int:
+    from gguf_assets.lib.status import runs
+
+    paths = ProjectPaths.of(args.project)
+    if not paths.project_file.is_file():
+        raise NoProject(f"{paths.project_file} does not exist: pass a project folder (`gguf-trainer init DIR` makes "
+                        "one)")
+    if args.svg and not args.compare:
+        raise runs.RunsError("--svg goes with --compare RUN RUN")
+    if args.use:
+        return _use(paths, args.use, as_json=args.json)
+    if args.delete:
+        deleted = runs.delete_run(paths, args.delete)
+        _out(args.json, {"deleted": deleted.name, "fingerprint": deleted.fingerprint,
+                         "freed_bytes": deleted.freed_bytes},
+             f"deleted run {deleted.name}: freed {runs.size_text(deleted.freed_bytes)}")
+        return 0
+    if args.label:
+        run = runs.label_run(paths, *args.label)
+        _out(args.json, run.to_json(), f"labelled {run.name}: {run.label!r}" if run.label
+             else f"{run.name} has no label now")
+        return 0
+    view = runs.read_runs(paths)
+    if args.diff:
+        return _diff(paths, runs.find_run(view, args.diff), as_json=args.json)
+    if args.compare:
+        return _compare(view, args.compare, svg=args.svg, as_json=args.json)
+    if args.json:
+        print(json.dumps(view.to_json(), indent=2))
+        return 0
+    _table(paths, view)
+    return 0
+
+
+def _out(as_json: bool, doc: dict, text: str) -> None:
+    print(json.dumps(doc, indent=2) if as_json else text)
+
+
+def _score(x: float | None) -> str:
+    return "-" if x is None else f"{x:.4f}"
+
+
+def _vs_settings(run) -> str:
+    if run.made_by_settings:
+        return "same"
+    if run.diff is None:
+        return "? (settings not recorded)"
+    keys = [d for d in run.diff if d.result]
+    if not keys:
+        return "same settings, other shards"
+    from gguf_assets.lib.status.runs import shown_value
+
+    shown = [f"{d.key}={shown_value(d.run)}" for d in keys[:DIFF_KEYS_SHOWN]]
+    return ", ".join(shown) + (f" +{len(keys) - DIFF_KEYS_SHOWN} more" if len(keys) > DIFF_KEYS_SHOWN else "")
+
+
+def _table(paths: ProjectPaths, view) -> None:
+    from gguf_assets.lib.status.runs import RunState, size_text
+    from gguf_assets.lib.telemetry.progress import format_seconds
+
+    if not view.runs:
+        print(f"{paths.root} has no training runs yet: `{trainer('run', paths.root)}` trains one")
+    else:
+        header = ["run", "label", "state", "steps", "best val (step)", "final val", "wall", "disk", "now",
+                  "vs project.yaml (the run's values)"]
+        rows = []
+        for r in view.runs:
+            now = ", ".join(w for w, on in (("current", r.current), ("project.yaml", r.made_by_settings)) if on)
+            wall = "-" if r.train_seconds is None else ("~" if r.seconds_estimated else "") + format_seconds(
+                r.train_seconds)
+            rows.append([r.name, r.label or "-", r.state, f"{r.step}/{r.steps if r.steps else '?'}",
+                         "-" if r.best_val_centred_cosine is None else
+                         f"{r.best_val_centred_cosine:.4f} ({r.best_step})",
+                         _score(r.final_val_centred_cosine), wall, size_text(r.disk_bytes), now or "-",
+                         _vs_settings(r)])
+        widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
+        for row in [header, *rows]:
+            print("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)).rstrip())
+        for r in view.runs:
+            if r.state != RunState.FINISHED:
+                print(f"  {r.name}: {r.detail}")
+    if view.settings_error:
+        print(f"project.yaml does not load now, so the runs are listed without their settings diff: "
+              f"{view.settings_error}")
+    elif view.settings_fingerprint and not any(r.made_by_settings for r in view.runs):
+        print(f"project.yaml makes a run not trained yet ({view.settings_fingerprint}): "
+              f"`{trainer('run', paths.root)}` trains it")
+    if view.runs:
+        print(f"current: its GGUF and report are in the output folder. More: `{trainer('runs', paths.root)} "
+              "--diff RUN | --use RUN | --delete RUN | --label RUN TEXT | --compare RUN RUN` (RUN: a name, its "
+              "start, or a label)")
+
+
+def _diff(paths: ProjectPaths, run, *, as_json: bool) -> int:
+    if as_json:
+        print(json.dumps({"run": run.name, "fingerprint": run.fingerprint, "settings_source": run.settings_source,
+                          "diff": None if run.diff is None else [d.__dict__ for d in run.diff]}, indent=2))
+        return 0
+    if run.diff is None:
+        print(f"{run.name}: its settings were not recorded (it has no checkpoint, or its settings snapshot in "
+              f".settings/ is gone), so there is nothing to compare")
+        return 0
+    print(f"{run.name} ({run.state}) against {paths.project_file} (its settings: {run.settings_source}):")
+    if not run.diff:
+        print("  the same settings" + ("" if run.made_by_settings else
+                                       "; its shards differ from those project.yaml makes now (the materials or "
+                                       "prompts changed since it trained)"))
+    for d in run.diff:
+        print(f"  {d.text()}")
+    if any(d.result for d in run.diff):
+        print(f"`{trainer('runs', paths.root)} --use {run.name}` sets the keys that change a result to the run's "
+              "values")
+    return 0
+
+
+def _use(paths: ProjectPaths, ref: str, *, as_json: bool) -> int:
+    from gguf_assets.lib.status import runs
+
+    used = runs.use_run(paths, ref)
+    if as_json:
+        print(json.dumps(used.to_json(), indent=2))
+        return 0
+    print(f"using run {used.run.name}:")
+    print("  project.yaml: " + (", ".join(used.changed) if used.changed else "no change"))
+    if used.left:
+        print(f"  left as project.yaml has them (they change no result): {', '.join(used.left)}")
+    if used.restored:
+        print(f"  restored: {', '.join(used.restored)}")
+    print(f"  next run: {used.next_run}")
+    from gguf_assets.cli import _print_status
+
+    _print_status(paths)
+    return 0
+
+
+def _compare(view, refs: list[str], *, svg: str | None, as_json: bool) -> int:
+    from gguf_assets.lib.core import atomic
+    from gguf_assets.lib.status.runs import compare_runs
+
+    compared, image = compare_runs(view, refs)
+    if svg:
+        atomic.write_text(Path(svg), image)
+    if as_json:
+        print(json.dumps({"runs": [r.to_json() for r in compared], "svg": image}, indent=2))
+        return 0
+    by_step = [dict(r.curve) for r in compared]
+    names = [r.name for r in compared]
+    widths = [max(len(n), 8) for n in names]
+    print("val centred cosine by step (0: untrained)")
+    print("step    " + "  ".join(n.ljust(w) for n, w in zip(names, widths)))
+    for step in sorted(set().union(*by_step)):
+        print(f"{step:<8}" + "  ".join(_score(s.get(step)).ljust(w) for s, w in zip(by_step, widths)))
+    print("best    " + "  ".join(("-" if r.best_val_centred_cosine is None else
+                                  f"{r.best_val_centred_cosine:.4f}@{r.best_step}").ljust(w)
+                                 for r, w in zip(compared, widths)))
+    print("final   " + "  ".join(_score(r.final_val_centred_cosine).ljust(w) for r, w in zip(compared, widths)))
+    print(f"wrote the curves overlaid to {svg}" if svg else "--svg FILE writes the curves overlaid (the studio's Runs "
+          "panel shows them too)")
+    return 0
+
