@@ -16,6 +16,7 @@ import subprocess
 from pathlib import Path
 
 from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse
 from starlette.routing import Route
@@ -24,12 +25,21 @@ from starlette.templating import Jinja2Templates
 from gguf_assets.lib.core import atomic
 from gguf_assets.lib.core.commands import trainer, venv_tool
 from gguf_assets.lib.core.errors import UserError
-from gguf_assets.lib.core.lock import holder
+from gguf_assets.lib.core.lock import ProjectLocked, holder
 from gguf_assets.lib.project import settings_file, settings_history
 from gguf_assets.lib.project.layout import ProjectPaths
 from gguf_assets.lib.project.manifests import DamagedRecord, Report
 from gguf_assets.lib.project.presets import PRESETS, preset, set_keys
 from gguf_assets.lib.project.settings import SettingsError, load_settings, settings_from_text
+from gguf_assets.lib.status.runs import (
+    compare_runs,
+    delete_run,
+    label_run,
+    list_runs,
+    read_runs,
+    size_text,
+    use_run,
+)
 from gguf_assets.lib.status.states import State, project_status, with_running
 from gguf_assets.lib.telemetry.curves_log import tensorboard_timeseries_url
 from gguf_assets.lib.telemetry.live import merged_history, precompute_progress, training_progress
@@ -338,6 +348,26 @@ def base_sha256(body: dict) -> str:
     return base
 
 
+def run_ref(body: dict) -> str:
+    """The run a Runs panel request names (its name, fingerprint or label)."""
+    ref = body.get("run")
+    if not isinstance(ref, str) or not ref.strip():
+        raise BadRequest("run (the name of a run, as the Runs panel lists it) is missing; reload the studio page")
+    return ref
+
+
+def runs_view(paths: ProjectPaths, served: settings_file.SettingsText) -> dict:
+    """The runs, diffed against the project.yaml text ``served`` (listed without a diff when it does not load)."""
+    try:
+        view = list_runs(paths, settings_from_text(paths.project_file, served.text))
+    except SettingsError as exc:
+        view = list_runs(paths, None, settings_error=str(exc))
+    doc = view.to_json()
+    for run in doc["runs"]:
+        run["disk"] = size_text(run["disk_bytes"])
+    return doc
+
+
 def build_app(project: str | Path, *, dagster_url: str = "", tensorboard_url: str = "") -> Starlette:
     paths = ProjectPaths.of(project)
     started: list[subprocess.Popen] = []
@@ -462,6 +492,63 @@ def build_app(project: str | Path, *, dagster_url: str = "", tensorboard_url: st
                              "values": {f"{section}.{key}": shown[f"{section}.{key}"]
                                         for section, keys in chosen.changes.items() for key in keys}})
 
+    async def runs_list(_request: Request) -> JSONResponse:
+        """The Runs panel: every training run (lib/status/runs.py), diffed against the project.yaml text whose
+        sha256 comes with it: "use" names that text, so an edit made since is never overwritten."""
+        served = seen.remember(settings_file.read(paths.project_file))
+        return JSONResponse({**(await run_in_threadpool(runs_view, paths, served)), "settings_sha256": served.sha256})
+
+    async def runs_use(request: Request) -> JSONResponse:
+        if (refused := refusal(request)) is not None:
+            return refused
+        body = await json_object(request)
+        ref, base = run_ref(body), base_sha256(body)
+        try:
+            used = await run_in_threadpool(lambda: use_run(paths, ref, base_sha256=base, seen=seen))
+        except settings_file.SettingsChanged as exc:
+            return JSONResponse({"error": str(exc), "diff": exc.diff, "sha256": exc.current.sha256}, status_code=409)
+        except ProjectLocked as exc:
+            return JSONResponse({"error": str(exc)}, status_code=409)
+        except UserError as exc:  # an unknown run, one that trains now or cannot come back; project.yaml's errors
+            return JSONResponse({"error": str(exc)}, status_code=400)
+        return JSONResponse(used.to_json())
+
+    async def runs_delete(request: Request) -> JSONResponse:
+        if (refused := refusal(request)) is not None:
+            return refused
+        ref = run_ref(await json_object(request))
+        try:
+            deleted = await run_in_threadpool(delete_run, paths, ref)
+        except ProjectLocked as exc:
+            return JSONResponse({"error": str(exc)}, status_code=409)
+        except UserError as exc:  # the current run, one that trains now, an unknown run
+            return JSONResponse({"error": str(exc)}, status_code=400)
+        return JSONResponse({"deleted": deleted.name, "fingerprint": deleted.fingerprint,
+                             "freed_bytes": deleted.freed_bytes, "freed": size_text(deleted.freed_bytes)})
+
+    async def runs_label(request: Request) -> JSONResponse:
+        if (refused := refusal(request)) is not None:
+            return refused
+        body = await json_object(request)
+        ref, label = run_ref(body), body.get("label", "")
+        if not isinstance(label, str):
+            raise BadRequest("label must be a string (empty removes it)")
+        try:
+            run = await run_in_threadpool(label_run, paths, ref, label)
+        except UserError as exc:
+            return JSONResponse({"error": str(exc)}, status_code=400)
+        return JSONResponse(run.to_json())
+
+    async def runs_compare(request: Request) -> JSONResponse:
+        refs = request.query_params.getlist("run")
+        if len(refs) < 2:
+            raise BadRequest("name two runs to compare: ?run=A&run=B")
+        try:
+            compared, svg = compare_runs(await run_in_threadpool(read_runs, paths), refs)
+        except UserError as exc:
+            return JSONResponse({"error": str(exc)}, status_code=400)
+        return JSONResponse({"runs": [r.name for r in compared], "svg": svg})
+
     async def bad_request(_request: Request, exc: BadRequest) -> JSONResponse:
         return JSONResponse({"error": str(exc)}, status_code=400)
 
@@ -469,4 +556,7 @@ def build_app(project: str | Path, *, dagster_url: str = "", tensorboard_url: st
         Route("/", page), Route("/api/status", status),
         Route("/api/run", run, methods=["POST"]), Route("/api/stop", stop, methods=["POST"]),
         Route("/api/settings", settings_text), Route("/api/settings", save_settings, methods=["POST"]),
-        Route("/api/settings/form", save_form, methods=["POST"]), Route("/api/preset", apply_preset, methods=["POST"])])
+        Route("/api/settings/form", save_form, methods=["POST"]), Route("/api/preset", apply_preset, methods=["POST"]),
+        Route("/api/runs", runs_list), Route("/api/runs/compare", runs_compare),
+        Route("/api/runs/use", runs_use, methods=["POST"]), Route("/api/runs/delete", runs_delete, methods=["POST"]),
+        Route("/api/runs/label", runs_label, methods=["POST"])])
