@@ -1,0 +1,200 @@
+"""Training runs as lib/status/runs.py reads them from disk: names, states, scores, the settings diff, labels,
+deletion and the overlay, on copies of one real finished project (conftest ``finished_project``) and on run
+folders made from its own, plus one real training session stopped part way."""
+
+import os
+import shutil
+import subprocess
+import xml.etree.ElementTree as ET
+
+import pytest
+from conftest import copy_project
+
+from gguf_assets.lib.core import atomic
+from gguf_assets.lib.project import settings_history
+from gguf_assets.lib.project.layout import FINAL_DIR, KEPT_DIR, LABEL_FILE, META_FILE, SESSION_FILE, ProjectPaths
+from gguf_assets.lib.project.settings import load_settings, replace
+from gguf_assets.lib.status import runs
+from gguf_assets.lib.status.runs import RunsError, RunState
+from gguf_assets.lib.telemetry.curves_log import run_name
+from gguf_assets.lib.training.training_run import SESSION_RUNNING, write_session
+
+OTHER = "0123456789abcdef"  # a second run's folder: the finished run's checkpoints under another fingerprint
+
+
+@pytest.fixture
+def project(finished_project, tmp_path) -> ProjectPaths:
+    return copy_project(finished_project[0], tmp_path / "copy")
+
+
+def only_run(paths: ProjectPaths) -> runs.Run:
+    view = runs.list_runs(paths, load_settings(paths.root))
+    assert len(view.runs) == 1, view.runs
+    return view.runs[0]
+
+
+def second_run(paths: ProjectPaths, *, finished: bool) -> ProjectPaths:
+    """checkpoints/OTHER: a copy of the finished run's folder (without final/ and export/ when not finished)."""
+    first = only_run(paths).fingerprint
+    shutil.copytree(paths.checkpoints_dir(first), paths.checkpoints_dir(OTHER))
+    if not finished:
+        shutil.rmtree(paths.checkpoints_dir(OTHER) / FINAL_DIR)
+        shutil.rmtree(paths.checkpoints_dir(OTHER) / KEPT_DIR)
+    return paths
+
+
+def test_a_finished_run_is_named_scored_kept_and_current(project):
+    settings = load_settings(project.root)
+    run = only_run(project)
+    final = atomic.read_json(project.checkpoints_dir(run.fingerprint) / FINAL_DIR / META_FILE)
+    assert run.name == run_name(settings.training, run.fingerprint) == f"64x1-40steps-lr0.004-{run.fingerprint[:8]}"
+    assert (run.state, run.step, run.steps, run.detail) == (RunState.FINISHED, 40, 40, "")
+    assert run.final_val_centred_cosine == final["val_centred_cosine"] > 0.2
+    assert (run.best_step, run.best_val_centred_cosine) == (final["best"]["step"], final["best"]["val_centred_cosine"])
+    report = atomic.read_json(project.report_json(settings))
+    assert run.gguf_val_centred_cosine == report["val_centred_cosine"]
+    assert run.current and run.made_by_settings and run.diff == []
+    # Training recorded its wall time and its settings; the export and report were kept with the run.
+    assert not run.seconds_estimated and 0 < run.train_seconds < 600
+    assert settings_history.recall(project.root, run.settings_hash) == settings and run.settings_source == "its report"
+    assert (project.root / run.kept_gguf).read_bytes() == (project.root / "output" / "demo-adapter.gguf").read_bytes()
+    assert run.kept_report
+    assert run.curve[0][0] == 0 and run.curve[-1] == (40, pytest.approx(final["val_centred_cosine"]))
+    # The disk its folder and its TensorBoard events take, as du counts it (du adds each folder's own block).
+    folders = [project.checkpoints_dir(run.fingerprint), project.root / "tensorboard" / run.name]
+    du = subprocess.run(["du", "-skc", *map(str, folders)], capture_output=True, text=True, check=True)
+    total = int(du.stdout.splitlines()[-1].split()[0]) * 1024
+    assert total - 128 * 1024 <= run.disk_bytes <= total
+    assert not (project.checkpoints_dir(run.fingerprint) / SESSION_FILE).exists()  # finished: nothing to tell
+
+
+def test_the_settings_diff_says_which_keys_change_a_result(project):
+    now = load_settings(project.root)
+    earlier = replace(now, training={"steps": 10, "log_every": 3, "device": "cuda"}, output={"ggk_command": "ggk x"})
+    diff = {d.key: d for d in runs.settings_diff(earlier, now)}
+    assert set(diff) == {"training.steps", "training.log_every", "training.device", "output.ggk_command"}
+    assert (diff["training.steps"].run, diff["training.steps"].now) == (10, 40)
+    assert diff["training.steps"].result and diff["output.ggk_command"].result
+    assert not diff["training.log_every"].result and not diff["training.device"].result
+    assert diff["training.log_every"].text().endswith("(changes no result)")
+    assert runs.settings_diff(now, now) == []
+
+
+def test_a_run_s_state_comes_from_its_checkpoints_and_its_last_session(project):
+    second_run(project, finished=False)
+    run_dir = project.checkpoints_dir(OTHER)
+
+    def state() -> runs.Run:
+        view = runs.list_runs(project, load_settings(project.root))
+        return next(r for r in view.runs if r.fingerprint == OTHER)
+
+    run = state()  # no session record (a run from before they were kept): partial, at its newest checkpoint
+    assert (run.state, run.step, run.current, run.made_by_settings) == (RunState.PARTIAL, 40, False, False)
+    assert run.name.endswith(OTHER[:8]) and "trained to step 40 of 40" in run.detail
+    assert run.final_val_centred_cosine is None and run.best_val_centred_cosine is not None
+
+    write_session(run_dir, SESSION_RUNNING, step=40)  # this process: alive
+    assert state().state == RunState.RUNNING and f"pid {os.getpid()}" in state().detail
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    session = atomic.read_json(run_dir / SESSION_FILE)
+    atomic.write_json(run_dir / SESSION_FILE, {**session, "pid": gone.pid, "pid_started": "1.00"})
+    run = state()  # a kill -9 or a reboot leaves "running" behind a dead process
+    assert run.state == RunState.PARTIAL and "cut off at step 40" in run.detail
+    atomic.write_json(run_dir / SESSION_FILE, {**session, "state": "failed", "step": 35,
+                                               "message": "step 36: the loss is nan; lower the learning rate"})
+    run = state()
+    assert run.state == RunState.FAILED and "the loss is nan" in run.detail and "step 35" in run.detail
+    atomic.write_json(run_dir / SESSION_FILE, {**session, "state": "stopped", "message": "stopped at step 40 of 40"})
+    assert state().state == RunState.STOPPED
+
+
+def test_the_trainer_records_a_stopped_session_its_settings_and_its_time(project):
+    """A real training session (the finished project's shards, 60 steps) paused after 5 steps."""
+    from gguf_assets.lib.materials.materials import load_manifest
+    from gguf_assets.lib.precompute.shards import require_current
+    from gguf_assets.lib.training.train import train_adapter
+    from gguf_assets.lib.training.training_run import adapter_fingerprint
+
+    longer = replace(load_settings(project.root), training={"steps": 60})
+    materials = load_manifest(project)
+    folders = {split: require_current(project, longer, materials, split) for split in ("train", "val")}
+    fingerprint = adapter_fingerprint(project, longer, materials)
+    result = train_adapter(project, longer, train_folders=folders["train"], val_folders=folders["val"],
+                           fingerprint=fingerprint, stop_after=5)
+    assert not result.finished and result.step == 5
+    session = atomic.read_json(project.checkpoints_dir(fingerprint) / SESSION_FILE)
+    assert (session["state"], session["step"]) == ("stopped", 5)
+    view = runs.list_runs(project, load_settings(project.root))
+    run = next(r for r in view.runs if r.fingerprint == fingerprint)
+    assert (run.state, run.step, run.steps) == (RunState.STOPPED, 5, 60)
+    assert run.name == f"64x1-60steps-lr0.004-{fingerprint[:8]}" and not run.current and not run.made_by_settings
+    assert settings_history.recall(project.root, run.settings_hash) == longer and run.settings_source == "its training"
+    assert [(d.key, d.run, d.now) for d in run.diff] == [("training.steps", 60, 40)]
+    assert not run.seconds_estimated and run.train_seconds > 0
+    assert view.runs[-1].fingerprint == fingerprint  # oldest first
+
+
+def test_runs_are_found_by_name_fingerprint_start_or_label_and_refused_clearly(project):
+    second_run(project, finished=True)
+    view = runs.list_runs(project, load_settings(project.root))
+    first = next(r for r in view.runs if r.fingerprint != OTHER)
+    assert runs.find_run(view, first.name) == first and runs.find_run(view, first.fingerprint[:6]) == first
+    with pytest.raises(RunsError, match="names several runs"):
+        runs.find_run(view, "64x1")
+    with pytest.raises(RunsError, match="no run 'nope' in .*; its runs: 64x1-"):
+        runs.find_run(view, "nope")
+    labelled = runs.label_run(project, OTHER, "  wider\n try  ")
+    assert labelled.label == "wider try"
+    assert (project.checkpoints_dir(OTHER) / LABEL_FILE).read_text() == "wider try\n"
+    assert runs.find_run(runs.list_runs(project, None), "wider try").fingerprint == OTHER
+    with pytest.raises(RunsError, match="at most 200 characters"):
+        runs.label_run(project, OTHER, "x" * 201)
+    assert runs.label_run(project, OTHER, "").label == "" and not (project.checkpoints_dir(OTHER) / LABEL_FILE).exists()
+
+
+def test_delete_frees_a_run_and_never_the_current_one(project, tmp_path):
+    second_run(project, finished=True)
+    current = only_run_named(project, current=True)
+    with pytest.raises(RunsError, match="is the current run"):
+        runs.delete_run(project, current.name)
+    assert project.checkpoints_dir(current.fingerprint).is_dir()
+    # A file linked from elsewhere too frees nothing when the run goes: the freed figure says so.
+    linked = tmp_path / "kept-elsewhere.safetensors"
+    os.link(project.checkpoints_dir(OTHER) / FINAL_DIR / "adapter.safetensors", linked)
+    used, freed = runs.disk_usage([project.checkpoints_dir(OTHER)])
+    assert freed == used - linked.stat().st_blocks * 512 and freed > 0
+    deleted = runs.delete_run(project, OTHER)
+    assert (deleted.fingerprint, deleted.freed_bytes) == (OTHER, freed)
+    assert not project.checkpoints_dir(OTHER).exists() and not (project.root / "checkpoints" / ".deleting").exists()
+    assert linked.is_file() and [r.fingerprint for r in runs.list_runs(project, None).runs] == [current.fingerprint]
+
+
+def only_run_named(paths: ProjectPaths, *, current: bool) -> runs.Run:
+    return next(r for r in runs.list_runs(paths, load_settings(paths.root)).runs if r.current == current)
+
+
+def test_use_refuses_a_run_that_its_settings_no_longer_make(project):
+    """OTHER's settings are project.yaml's, which make the first run: it cannot come back, and nothing changes."""
+    second_run(project, finished=True)
+    before = project.project_file.read_bytes()
+    gguf = (project.root / "output" / "demo-adapter.gguf").read_bytes()
+    with pytest.raises(RunsError, match="cannot come back: its settings now make another training run"):
+        runs.use_run(project, OTHER)
+    assert project.project_file.read_bytes() == before
+    assert (project.root / "output" / "demo-adapter.gguf").read_bytes() == gguf
+    assert only_run_named(project, current=True).fingerprint != OTHER
+
+
+def test_compare_overlays_two_runs_curves(project):
+    second_run(project, finished=True)
+    runs.label_run(project, OTHER, "<b>copy</b>")
+    view = runs.list_runs(project, load_settings(project.root))
+    first = next(r for r in view.runs if r.fingerprint != OTHER)
+    compared, svg = runs.compare_runs(view, [first.name, OTHER])
+    root = ET.fromstring(svg)  # well-formed: the label's markup is escaped
+    lines = root.findall("{http://www.w3.org/2000/svg}polyline")
+    assert len(lines) == 2 and lines[0].get("stroke") != lines[1].get("stroke")
+    assert f"{compared[1].name} (&lt;b&gt;copy&lt;/b&gt;)" in svg and compared[0].name in svg
+    with pytest.raises(RunsError, match="the same run twice"):
+        runs.compare_runs(view, [OTHER, OTHER[:6]])
