@@ -28,6 +28,8 @@ from gguf_assets.lib.precompute.shards import HALVES, data_file
 from gguf_assets.lib.project.layout import (
     BEST_DIR,
     FINAL_DIR,
+    KEPT_DIR,
+    KEPT_FILE,
     META_FILE,
     SPLITS,
     STEP_DIR,
@@ -134,6 +136,10 @@ def _checkpoints(paths: ProjectPaths) -> Iterator[Recorded]:
             stage = "adapter" if folder.name == FINAL_DIR else "checkpoints"
             for name, sha256 in sorted((_doc(meta).get("sha256") or {}).items()):
                 yield Recorded(stage, folder / name, "sha256", sha256, meta)
+        kept = run_dir / KEPT_DIR / KEPT_FILE  # the run's own GGUF, which `gguf-trainer runs --use` puts back
+        gguf = _doc(kept).get("gguf") or {}
+        if gguf.get("sha256") and gguf.get("file"):
+            yield Recorded("checkpoints", run_dir / KEPT_DIR / Path(gguf["file"]).name, "sha256", gguf["sha256"], kept)
 
 
 def _exported(paths: ProjectPaths, settings: Settings) -> Iterator[Recorded]:

@@ -365,6 +365,7 @@ class _TrainingRun:
         stopped = is_stop(exc)
         message = (f"stopped at step {saved_at} of {self.t.steps}" if stopped
                    else (str(exc).strip().splitlines() or [type(exc).__name__])[0][:500])
+        message = message.replace(f"{self.paths.root}/", "")  # the project's own paths, relative: it may move
         try:
             write_session(self.run_dir, SESSION_STOPPED if stopped else SESSION_FAILED, step=saved_at,
                           message=message, settings_hash=self.settings_hash)
