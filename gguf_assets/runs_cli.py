@@ -163,9 +163,12 @@ def _use(paths: ProjectPaths, ref: str, *, as_json: bool) -> int:
     if used.restored:
         print(f"  restored: {', '.join(used.restored)}")
     print(f"  next run: {used.next_run}")
-    from gguf_assets.cli import _print_status
+    from gguf_assets.lib.core.lock import holder
+    from gguf_assets.lib.project.settings import load_settings
+    from gguf_assets.lib.status.states import project_status, with_running
 
-    _print_status(paths)
+    for s in with_running(project_status(paths, load_settings(paths.root)), holder(paths.lock_file)):
+        print(f"  {s.stage:<12} {s.state:<8} {s.detail}")  # as `gguf-trainer status` prints them
     return 0
 
 
