@@ -49,7 +49,25 @@ def project(two_runs, tmp_path) -> tuple[Path, bytes]:
     return copy_project(two_runs[0], tmp_path / "copy").root, two_runs[1]
 
 
-def test_list_diff_use_the_first_then_delete_the_second(project):
+def ui_stale(root: Path, monkeypatch) -> set[str]:
+    """The assets the Dagster UI draws stale once the daemon's sensor has looked (as test_staleness.py reads them)."""
+    import dagster as dg
+
+    from gguf_assets.definitions import build_definitions
+    from gguf_assets.defs.private_api import CachingStaleStatusResolver, LoadingContextForTest, StaleStatus
+    from gguf_assets.defs.resume import resume_decision
+
+    monkeypatch.setenv("DAGSTER_HOME", str(root / ".dagster"))
+    monkeypatch.setenv("GGUF_ASSETS_PROJECT", str(root))
+    instance = dg.DagsterInstance.get()
+    resume_decision(instance)
+    resolver = CachingStaleStatusResolver(instance, build_definitions(None).resolve_asset_graph(),
+                                          LoadingContextForTest(instance))
+    return {name for name in ("adapter", "gguf", "eval_report")
+            if resolver.get_status(dg.AssetKey(name)) == StaleStatus.STALE}
+
+
+def test_list_diff_use_the_first_then_delete_the_second(project, monkeypatch):
     root, first_gguf = project
     view = runs_json(root)
     first, second = view["runs"]
@@ -83,6 +101,7 @@ def test_list_diff_use_the_first_then_delete_the_second(project):
     status = cli("status", str(root))
     states = [line.split()[:2] for line in status.stdout.splitlines() if line.startswith("  ")]
     assert states and all(state == "current" for _, state in states), status.stdout
+    assert ui_stale(root, monkeypatch) == set()  # the Dagster UI agrees: `use` recorded what it made current
     report = json.loads((root / "output" / "demo-adapter.report.json").read_text())
     assert report["gguf_sha256"] == hashlib.sha256(first_gguf).hexdigest()
     assert report["val_centred_cosine"] == first["gguf_val_centred_cosine"]  # the first's own report, back

@@ -18,6 +18,12 @@ why pyproject.toml pins ``dagster<1.14``.
 - ``DATA_VERSION_TAG``: a runless observation carries its data version in this tag:
   ``report_runless_asset_event`` takes an AssetObservation, which has no data_version argument
   (ObserveResult, which has one, exists only inside a run).
+- ``CODE_VERSION_TAG``, ``DATA_VERSION_IS_USER_PROVIDED_TAG``, ``INPUT_DATA_VERSION_TAG_PREFIX``,
+  ``INPUT_EVENT_POINTER_TAG_PREFIX``, ``get_input_data_version_tag``, ``get_input_event_pointer_tag``:
+  `gguf-trainer runs --use` makes a finished run's results current again without a run; the runless
+  materializations it records for them (defs/settings.py ``record_made_current``) carry the provenance a run's
+  would (its inputs' data versions and events), so the UI's stale marks agree with `status`
+  (``report_runless_asset_event`` takes no provenance argument).
 - ``HIDDEN_TAG_PREFIX``, ``TagType``, ``get_tag_type``: run tags under Dagster's hidden prefix are
   left out of the UI's runs list and run page, where the project's bookkeeping tags belong
   (run_tags.py).
@@ -38,7 +44,17 @@ why pyproject.toml pins ``dagster<1.14``.
 """
 
 from dagster._cli.api import _execute_run_command_body
-from dagster._core.definitions.data_version import DATA_VERSION_TAG, CachingStaleStatusResolver, StaleStatus
+from dagster._core.definitions.data_version import (
+    CODE_VERSION_TAG,
+    DATA_VERSION_IS_USER_PROVIDED_TAG,
+    DATA_VERSION_TAG,
+    INPUT_DATA_VERSION_TAG_PREFIX,
+    INPUT_EVENT_POINTER_TAG_PREFIX,
+    CachingStaleStatusResolver,
+    StaleStatus,
+    get_input_data_version_tag,
+    get_input_event_pointer_tag,
+)
 from dagster._core.definitions.selector import JobSubsetSelector
 from dagster._core.events import ASSET_CHECK_EVENTS, ASSET_EVENTS
 from dagster._core.execution.api import execute_run
@@ -59,7 +75,9 @@ from dagster._utils.hosted_user_process import recon_job_from_origin
 __all__ = [
     "ASSET_CHECK_EVENTS", "ASSET_EVENTS", "ExecuteRunArgs", "RunTagsTable", "SqlEventLogStorageTable",
     "_execute_run_command_body", "pack_value", "serialize_value", "unpack_value",
-    "DATA_VERSION_TAG", "HIDDEN_TAG_PREFIX", "LOG_RECORD_METADATA_ATTR", "CachingStaleStatusResolver",
+    "CODE_VERSION_TAG", "DATA_VERSION_IS_USER_PROVIDED_TAG", "DATA_VERSION_TAG", "INPUT_DATA_VERSION_TAG_PREFIX",
+    "INPUT_EVENT_POINTER_TAG_PREFIX", "get_input_data_version_tag",
+    "get_input_event_pointer_tag", "HIDDEN_TAG_PREFIX", "LOG_RECORD_METADATA_ATTR", "CachingStaleStatusResolver",
     "CheckRunHealthResult", "WorkerStatus",
     "InProcessCodeLocationOrigin", "InProcessWorkspaceLoadTarget", "JobSubsetSelector", "LoadableTargetOrigin",
     "LoadingContextForTest", "ModuleTarget", "StaleStatus", "TagType", "WorkspaceProcessContext", "execute_run",

@@ -441,9 +441,12 @@ class Used:
     restored: list[str]  # the files put back into the output folder (as stored)
     next_run: str  # what the next `gguf-trainer run` does for it
     settings_sha256: str  # project.yaml's sha256 now (the studio's next edit is made on it)
+    stages: list[str]  # the stages whose results are the run's now, without a run (Dagster is told: the callers)
+    settings: Settings  # project.yaml's settings now
 
     def to_json(self) -> dict:
-        return {**asdict(self), "run": self.run.to_json()}
+        return {"run": self.run.to_json(), "changed": self.changed, "left": self.left, "restored": self.restored,
+                "next_run": self.next_run, "settings_sha256": self.settings_sha256, "stages": self.stages}
 
 
 def _training_only(run: Run, now: Settings, paths: ProjectPaths) -> Settings:
@@ -499,29 +502,29 @@ def use_run(paths: ProjectPaths, ref: str, *, base_sha256: str | None = None,
             saved = settings_file.save_if_unchanged(paths.project_file, paths.dagster_home, new_text,
                                                     base_sha256 or text.sha256, seen)
         settings_hash = settings_history.remember(paths.root, new)
-        restored, next_run = _make_current(paths, new, run, expected, settings_hash, upstream_changes)
-    return Used(run=_with(run, current=bool(restored) or run.current, made_by_settings=not upstream_changes),
+        restored, next_run, stages = _make_current(paths, new, run, expected, settings_hash, upstream_changes)
+    return Used(run=_with(run, current=bool(stages) or run.current, made_by_settings=not upstream_changes),
                 changed=[f"{d.key} {shown_value(d.now)} → {shown_value(d.run)}" for d in diffs if d.result],
                 left=[d.key for d in diffs if not d.result], restored=restored, next_run=next_run,
-                settings_sha256=saved.sha256)
+                settings_sha256=saved.sha256, stages=stages, settings=new)
 
 
 def _make_current(paths: ProjectPaths, settings: Settings, run: Run, expected: dict[str, str], settings_hash: str,
-                  upstream_changes: list[str]) -> tuple[list[str], str]:
+                  upstream_changes: list[str]) -> tuple[list[str], str, list[str]]:
     """Point checkpoints/final.json at the finished run and put its kept files back; (what was restored, what the
-    next `gguf-trainer run` does)."""
+    next `gguf-trainer run` does, the stages whose results are this run's now)."""
     if upstream_changes:
         return [], (f"the next `gguf-trainer run` makes the {' and '.join(upstream_changes)} again (its settings for "
-                    "them differ), then the shards; training is reused when they make this run again")
+                    "them differ), then the shards; training is reused when they make this run again"), []
     if run.state != RunState.FINISHED:
         return [], (f"it is {run.state} at step {run.step}: the next `gguf-trainer run` continues its training from "
-                    "there")
+                    "there"), []
     if expected.get("adapter") != run.fingerprint:
-        return [], "the next `gguf-trainer run` makes what it needs first (no corpus or shards yet)"
+        return [], "the next `gguf-trainer run` makes what it needs first (no corpus or shards yet)", []
     run_dir = paths.checkpoints_dir(run.fingerprint)
     if not final_weights_intact(run_dir):
         return [], ("its finished weights changed on disk since training wrote them: the next `gguf-trainer run` "
-                    "trains its last steps again from its newest intact checkpoint")
+                    "trains its last steps again from its newest intact checkpoint"), []
     record_finished_run(paths, run.fingerprint, settings_hash=settings_hash,
                         val_centred_cosine=run.final_val_centred_cosine)
     try:
@@ -530,11 +533,13 @@ def _make_current(paths: ProjectPaths, settings: Settings, run: Run, expected: d
     except NotRestorable as exc:
         return [paths.stored(paths.adapter_manifest)], (
             f"its GGUF was not restored ({exc}): the next `gguf-trainer run` exports and evaluates it again from its "
-            "finished weights, without training")
+            "finished weights, without training"), ["adapter"]
     restored = [paths.stored(paths.adapter_manifest), paths.stored(done.gguf), *(paths.stored(c) for c in done.copies)]
     if done.report is None:
-        return restored, "its report was not kept: the next `gguf-trainer run` evaluates its GGUF again"
-    return [*restored, paths.stored(done.report)], "nothing: its adapter, GGUF and report are current"
+        return restored, "its report was not kept: the next `gguf-trainer run` evaluates its GGUF again", \
+            ["adapter", "gguf"]
+    return [*restored, paths.stored(done.report)], "nothing: its adapter, GGUF and report are current", \
+        ["adapter", "gguf", "eval_report"]
 
 
 # -- comparing ----------------------------------------------------------------------------
