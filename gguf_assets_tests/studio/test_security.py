@@ -34,8 +34,9 @@ pytestmark = pytest.mark.slow  # one `gguf-trainer ui` for the module (about 20 
 CANARY = "hf_CANARY-canary-not-a-real-token-0123"  # distinctive, and no real token's shape
 EVIL = "evil.example"
 # Every studio endpoint, with a body the page itself would send.
-STUDIO_GETS = ("/", "/api/status", "/api/settings")
-STUDIO_POSTS = ("/api/run", "/api/stop", "/api/settings", "/api/settings/form", "/api/preset")
+STUDIO_GETS = ("/", "/api/status", "/api/settings", "/api/runs")
+STUDIO_POSTS = ("/api/run", "/api/stop", "/api/settings", "/api/settings/form", "/api/preset", "/api/runs/use",
+                "/api/runs/delete", "/api/runs/label")
 GRAPHQL_QUERY = json.dumps({"query": "{ version }"})
 # What a rebinding page would send to wipe the records (the mutation need not succeed: it must not be read).
 GRAPHQL_WIPE = json.dumps({"query": 'mutation { wipeAssets(assetPartitionRanges: [{assetKey: {path: ["adapter"]}}]) '
