@@ -41,6 +41,7 @@ from gguf_assets.lib.project.layout import (
 from gguf_assets.lib.project.presets import set_keys
 from gguf_assets.lib.project.settings import SECTIONS, Settings, SettingsError, replace, settings_from_text
 from gguf_assets.lib.status.stages import expected_fingerprints, stage_settings
+from gguf_assets.lib.status.states import State, project_status
 from gguf_assets.lib.telemetry.curves_log import TENSORBOARD_DIR, run_name
 from gguf_assets.lib.telemetry.render import compare_svg
 from gguf_assets.lib.training.training_run import (
@@ -496,6 +497,10 @@ def use_run(paths: ProjectPaths, ref: str, *, base_sha256: str | None = None,
                     f"{run.name} cannot come back: its settings now make another training run "
                     f"({expected['adapter']}), because its shards changed since it trained (the materials, the "
                     "prompts or a shard). Nothing was changed.")
+        if not changes and run.current and all(s.state == State.CURRENT for s in project_status(paths, now)):
+            return Used(run=run, changed=[], left=[d.key for d in diffs], restored=[],
+                        next_run="nothing: it is the current run, and every stage is current",
+                        settings_sha256=text.sha256, stages=[], settings=now)
         keep_current(paths, now)  # what the output folder holds now stays with its run, listed
         saved = settings_file.SettingsText(text.text, text.sha256)
         if changes:
