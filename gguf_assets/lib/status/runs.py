@@ -28,6 +28,7 @@ from gguf_assets.lib.core import atomic
 from gguf_assets.lib.core.commands import trainer
 from gguf_assets.lib.core.errors import UserError
 from gguf_assets.lib.core.lock import ProjectLock
+from gguf_assets.lib.output.export_run import exported_files_unchanged, gguf_path
 from gguf_assets.lib.output.kept import NotRestorable, keep_current, kept_gguf, read_kept, restore_kept
 from gguf_assets.lib.project import settings_file, settings_history
 from gguf_assets.lib.project.layout import (
@@ -38,6 +39,7 @@ from gguf_assets.lib.project.layout import (
     STEP_DIR,
     ProjectPaths,
 )
+from gguf_assets.lib.project.manifests import recorded_fingerprint
 from gguf_assets.lib.project.presets import set_keys
 from gguf_assets.lib.project.settings import SECTIONS, Settings, SettingsError, replace, settings_from_text
 from gguf_assets.lib.status.stages import expected_fingerprints, stage_settings
@@ -532,6 +534,11 @@ def _make_current(paths: ProjectPaths, settings: Settings, run: Run, expected: d
                     "trains its last steps again from its newest intact checkpoint"), []
     record_finished_run(paths, run.fingerprint, settings_hash=settings_hash,
                         val_centred_cosine=run.final_val_centred_cosine)
+    sidecar = gguf_path(paths, settings).with_suffix(".json")
+    if recorded_fingerprint(sidecar) == expected["gguf"] and exported_files_unchanged(paths, settings) and \
+            recorded_fingerprint(paths.report_json(settings)) == expected.get("eval_report"):
+        return [paths.stored(paths.adapter_manifest)], \
+            "nothing: its GGUF and report were in the output folder already", ["adapter", "gguf", "eval_report"]
     try:
         done = restore_kept(paths, settings, run.fingerprint, gguf_fp=expected["gguf"],
                             report_fp=expected.get("eval_report"))

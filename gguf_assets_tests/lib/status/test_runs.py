@@ -16,6 +16,7 @@ from gguf_assets.lib.project.layout import FINAL_DIR, KEPT_DIR, LABEL_FILE, META
 from gguf_assets.lib.project.settings import load_settings, replace
 from gguf_assets.lib.status import runs
 from gguf_assets.lib.status.runs import RunsError, RunState
+from gguf_assets.lib.status.states import State, project_status
 from gguf_assets.lib.telemetry.curves_log import run_name
 from gguf_assets.lib.training.training_run import SESSION_RUNNING, write_session
 
@@ -198,3 +199,30 @@ def test_compare_overlays_two_runs_curves(project):
     assert f"{compared[1].name} (&lt;b&gt;copy&lt;/b&gt;)" in svg and compared[0].name in svg
     with pytest.raises(RunsError, match="the same run twice"):
         runs.compare_runs(view, [OTHER, OTHER[:6]])
+
+
+def test_use_puts_a_run_s_gguf_back_from_its_own_copy_and_never_a_damaged_copy(project):
+    run = only_run(project)
+    text = project.project_file.read_text()
+    assert text.count("  steps: 40\n") == 1
+    project.project_file.write_text(text.replace("  steps: 40\n", "  steps: 60\n"))
+    gguf = project.root / "output" / "demo-adapter.gguf"
+    original = gguf.read_bytes()
+    gguf.unlink()  # gone from the output folder (deleted by hand, say)
+    used = runs.use_run(project, run.name)
+    assert used.changed == ["training.steps 60 → 40"] and project.project_file.read_text() == text
+    assert gguf.read_bytes() == original and used.stages == ["adapter", "gguf", "eval_report"]
+    assert "restored" not in used.next_run and used.next_run.startswith("nothing")
+    assert {s.state for s in project_status(project, load_settings(project.root))} == {State.CURRENT}
+
+    gguf.unlink()
+    kept = project.root / run.kept_gguf
+    data = bytearray(kept.read_bytes())
+    data[-5] ^= 0x01  # a flipped bit in its kept copy: it is never put back
+    kept.write_bytes(bytes(data))
+    used = runs.use_run(project, run.name)
+    assert "its GGUF was not restored" in used.next_run and "sha256 differs" in used.next_run, used.next_run
+    assert "exports and evaluates it again from its finished weights, without training" in used.next_run
+    assert used.stages == ["adapter"] and not gguf.exists()
+    states = {s.stage: s.state for s in project_status(project, load_settings(project.root))}
+    assert states["adapter"] == State.CURRENT and states["gguf"] in (State.DAMAGED, State.MISSING), states
