@@ -495,10 +495,11 @@ def use_run(paths: ProjectPaths, ref: str, *, base_sha256: str | None = None,
             except (OSError, ValueError, KeyError, TypeError, UserError):
                 expected = {}
             if expected.get("adapter") not in (None, run.fingerprint):
-                raise RunsError(
-                    f"{run.name} cannot come back: its settings now make another training run "
-                    f"({expected['adapter']}), because its shards changed since it trained (the materials, the "
-                    "prompts or a shard). Nothing was changed.")
+                why = ("its shards changed since it trained (the materials, the prompts or a shard)"
+                       if run.settings_source.startswith("its") else
+                       f"its settings were {run.settings_source}, and they do not make it, or its shards changed")
+                raise RunsError(f"{run.name} cannot come back: its settings now make another training run "
+                                f"({expected['adapter']}): {why}. Nothing was changed.")
         if not changes and run.current and all(s.state == State.CURRENT for s in project_status(paths, now)):
             return Used(run=run, changed=[], left=[d.key for d in diffs], restored=[],
                         next_run="nothing: it is the current run, and every stage is current",
