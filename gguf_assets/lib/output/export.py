@@ -204,6 +204,8 @@ def export_adapter(paths: ProjectPaths, settings: Settings, materials: Materials
         provenance=provenance(settings, materials, meta), val_centred_cosine_torch=float(meta["val_centred_cosine"]),
         empty_prompt_cosine_torch=meta.get("empty_prompt_cosine"), per_shard_torch=meta.get("per_shard", []),
         settings_hash=settings_history.remember(paths.root, settings))
+    # The run keeps its own copy (`gguf-trainer runs --use` restores it), before the sidecar makes the stage done:
+    # a kill while it is copied leaves the export to be made again, which also clears the copy's temp file.
+    keep_export(paths, sidecar)
     atomic.write_json(target.with_suffix(".json"), paths.stored_doc(sidecar.to_json()))
-    keep_export(paths, sidecar)  # the run keeps its own copy: `gguf-trainer runs --use` restores it
     return sidecar

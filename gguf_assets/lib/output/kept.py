@@ -87,6 +87,7 @@ def keep_report(paths: ProjectPaths, sidecar: ExportSidecar, report_doc: dict, m
     if kept is None or kept["gguf"]["sha256"] != sidecar.sha256 or kept["sidecar"].get("fingerprint") != \
             sidecar.fingerprint:
         return False
+    atomic.remove_stale_temps(kept_dir(paths, fingerprint), of=[KEPT_FILE])  # a report cut off here before
     atomic.write_json(kept_dir(paths, fingerprint) / KEPT_FILE, {**kept, "report": report_doc, "report_md": markdown})
     return True
 

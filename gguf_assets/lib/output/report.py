@@ -113,12 +113,13 @@ def build_report(paths: ProjectPaths, settings: Settings, materials: MaterialsMa
     # No absolute path into the project: a copied project's report points at its own files.
     stored = paths.stored_doc(report.to_json())
     markdown = render_markdown(Report.from_json(stored))
+    # Beside the run's kept GGUF (lib/output/kept.py), before the report makes the stage done.
+    keep_report(paths, gguf, stored, markdown)
     atomic.write_json(paths.report_json(settings), stored)
     atomic.write_text(paths.report_md(settings), markdown)
     # report.json/report.md: the folder's latest report, under the names earlier versions used.
     atomic.write_json(out / REPORT_JSON, stored)
     atomic.write_text(out / REPORT_MD, markdown)
-    keep_report(paths, gguf, stored, markdown)  # beside the run's kept GGUF (lib/output/kept.py)
     return Report.from_json(stored)
 
 
