@@ -88,7 +88,7 @@ def new_project(root: Path, materials: Path, *, train: int, val: int, shard_size
 def instance_of(paths):
     import dagster as dg
 
-    from gguf_assets.runner import prepare_instance
+    from gguf_assets.orchestration.instance import prepare_instance
 
     prepare_instance(paths)
     return dg.DagsterInstance.get()
@@ -172,7 +172,7 @@ def shard_overheads(instance) -> tuple[int, float, float]:
 
 @contextlib.contextmanager
 def webserver(paths):
-    from gguf_assets.runner import instance_env
+    from gguf_assets.orchestration.instance import instance_env
 
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "dagster_webserver", "-m", "gguf_assets.definitions", "-h",
@@ -277,9 +277,9 @@ def part_partitions(tmp: Path, *, partitions: int) -> bool:
     from bench_status import build_project
 
     from gguf_assets.defs.partitions import BY_SPLIT
-    from gguf_assets.defs.plan import next_work
     from gguf_assets.lib.demo.demo import build_demo_materials
     from gguf_assets.lib.project.settings import load_settings
+    from gguf_assets.orchestration.plan import next_work
 
     print(f"\n## partitions: {partitions} train shard partitions, synthetic shard files and records")
     materials = tmp / "materials-p"

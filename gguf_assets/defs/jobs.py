@@ -6,10 +6,10 @@ same jobs; each shard job covers a range of shard partitions in one run (single-
 
 import dagster as dg
 
-from gguf_assets.cluster import CPU_QUEUE, GPU_QUEUE, QUEUE_TAG
 from gguf_assets.defs.partitions import TRAIN_SHARDS, VAL_SHARDS
+from gguf_assets.orchestration.cluster import CPU_QUEUE, GPU_QUEUE, QUEUE_TAG
 
-# The Celery queue each job's runs go to on a cluster (defs/cluster_workers.py); a tag only, elsewhere.
+# The Celery queue each job's runs go to on a cluster (orchestration/cluster_workers.py); a tag only, elsewhere.
 ON_GPU = {QUEUE_TAG: GPU_QUEUE}
 ON_CPU = {QUEUE_TAG: CPU_QUEUE}
 # Dagster uses a job's own loggers only when the run config names them (defs/console.py).

@@ -1,5 +1,5 @@
 """What is done and what is not: the state of every stage, with why, for `status`, the studio, the planner
-(defs/plan.py) and `gguf-trainer run`.
+(orchestration/plan.py) and `gguf-trainer run`.
 
 Each stage's output records the fingerprint of everything it was made from. A stage is
 current when its recorded fingerprint equals the one computed from the current settings
@@ -62,7 +62,7 @@ class StageState:
 
 
 # The states `run` and the daemon continue by themselves: nothing the user decided differs from what
-# was asked. A stale stage waits for the user after a settings edit (defs/resume.py).
+# was asked. A stale stage waits for the user after a settings edit (orchestration/resume.py).
 RESUMABLE = (State.MISSING, State.PARTIAL, State.DAMAGED)
 UNFINISHED = (*RESUMABLE, State.STALE)
 

@@ -381,7 +381,7 @@ def test_materials_asset_through_dagster_keeps_the_token_out_of_storage(make_pro
 
     from gguf_assets.defs.materials import materials
     from gguf_assets.defs.resources import ProjectResource
-    from gguf_assets.runner import prepare_instance
+    from gguf_assets.orchestration.instance import prepare_instance
 
     loopback_hub.add_repo("org/gated-teacher", demo_materials_root / "teacher", gated=True)
     paths = make_project(materials={**HUB_SOURCES, "teacher": "org/gated-teacher"})

@@ -355,7 +355,7 @@ def test_dagster_records_plottable_metrics_curves_and_verdict(make_project):
     """Through the real pipeline: numeric observations per log/validate step, and the Markdown metadata."""
     import dagster as dg
 
-    from gguf_assets.runner import run_pipeline
+    from gguf_assets.orchestration.launching import run_pipeline
 
     paths = make_project(steps=20, mock_teacher=True, corpus={"train_prompts": 200, "val_prompts": 50},
                          precompute={"shard_size": 100, "val_shard_size": 50},

@@ -20,7 +20,7 @@ from conftest import CLI, cli_env, copy_project, free_port, project_instance, st
 from test_ui_browser import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS, _need_browser
 
 from gguf_assets.lib.core import atomic
-from gguf_assets.runner import instance_env
+from gguf_assets.orchestration.instance import instance_env
 
 pytestmark = pytest.mark.slow  # a UI, a browser and a pipeline run
 

@@ -19,7 +19,7 @@ import pytest
 from conftest import free_port, stop_with_ctrl_c, wait_http
 
 from gguf_assets.defs.groups import lineage_path
-from gguf_assets.runner import run_pipeline
+from gguf_assets.orchestration.launching import run_pipeline
 
 pytestmark = pytest.mark.slow  # whole pipelines: excluded from the fast loop (-m 'not slow')
 

@@ -113,7 +113,7 @@ def test_storage_calls_ride_out_postgres_restarts_and_store_each_event_once(tmp_
     import dagster as dg
     from servers import restart_postgres, start_postgres, stop_postgres
 
-    from gguf_assets.cluster import ClusterSettings, instance_config
+    from gguf_assets.orchestration.cluster import ClusterSettings, instance_config
 
     with postgres_server(tmp_path / "postgres", free_port()) as url:
         monkeypatch.setenv(URL_ENV, url)

@@ -82,8 +82,8 @@ def _deliver_again(redis_url: str, run) -> None:
     from dagster_celery.tags import DAGSTER_CELERY_TASK_ID_TAG
     from dagster_celery.tasks import create_execute_job_task
 
-    from gguf_assets.defs.cluster_workers import ClusterRunLauncher
-    from gguf_assets.defs.private_api import ExecuteRunArgs, pack_value
+    from gguf_assets.orchestration.cluster_workers import ClusterRunLauncher
+    from gguf_assets.orchestration.private_api import ExecuteRunArgs, pack_value
 
     app = ClusterRunLauncher(broker=redis_url, backend=redis_url, default_queue="gpu").celery
     args = ExecuteRunArgs(job_origin=run.job_code_origin, run_id=run.run_id, instance_ref=None,
@@ -104,7 +104,7 @@ def test_two_workers_run_the_pipeline_and_a_killed_worker_s_shards_are_done_agai
                                                                                    servers, tmp_path, monkeypatch):
     import dagster as dg
 
-    from gguf_assets.defs import run_tags
+    from gguf_assets.orchestration import run_tags
 
     paths = make_project(**FAULT_SETTINGS)
     done = subprocess.run([*CLI, "cluster", str(paths.root), "--celery-broker-env", REDIS_ENV], capture_output=True,
@@ -212,7 +212,7 @@ def test_redis_and_postgres_restarts_then_ctrl_c_leave_the_run_going_and_the_nex
     dagster-postgres's own retries: byte-identical to a single-machine run."""
     import dagster as dg
 
-    from gguf_assets.defs import run_tags
+    from gguf_assets.orchestration import run_tags
 
     with postgres_server(tmp_path / "postgres", free_port()) as pg, \
             redis_server(tmp_path / "redis", free_port(), persist=True) as redis:
@@ -277,7 +277,7 @@ def test_redis_and_postgres_restarts_then_ctrl_c_leave_the_run_going_and_the_nex
 # A Celery worker of the cluster's own app (its settings, its argv) with one task that sleeps.
 SLEEPER = """
 import sys, time
-from gguf_assets.defs.cluster_workers import ClusterRunLauncher, worker_argv
+from gguf_assets.orchestration.cluster_workers import ClusterRunLauncher, worker_argv
 app = ClusterRunLauncher(broker=sys.argv[1], backend=sys.argv[1], default_queue="gpu").celery
 @app.task(name="sleep", track_started=True)
 def sleep(seconds):
@@ -292,15 +292,16 @@ def test_a_run_on_another_machine_is_judged_by_pinging_its_celery_worker(tmp_pat
     import dagster as dg
     from dagster_celery.tags import DAGSTER_CELERY_TASK_ID_TAG
 
-    from gguf_assets.defs import run_tags
-    from gguf_assets.defs.resume import mark_interrupted_runs
+    from gguf_assets.orchestration import run_tags
+    from gguf_assets.orchestration.resume import mark_interrupted_runs
 
     with redis_server(tmp_path / "redis", free_port()) as redis:
         worker = subprocess.Popen([CLI[0], "-c", SLEEPER, redis.url], stdout=subprocess.DEVNULL,
                                   stderr=subprocess.DEVNULL, start_new_session=True)
         try:
             wait_for(lambda: "sleeper" in _answering(redis.url), timeout=60, what="the worker", proc=worker)
-            overrides = {"run_launcher": {"module": "gguf_assets.defs.cluster_workers", "class": "ClusterRunLauncher",
+            overrides = {"run_launcher": {"module": "gguf_assets.orchestration.cluster_workers",
+                                          "class": "ClusterRunLauncher",
                                           "config": {"broker": redis.url, "backend": redis.url,
                                                      "default_queue": "gpu"}}}
             (tmp_path / "home").mkdir()

@@ -8,7 +8,8 @@ import dagster as dg
 import pytest
 
 from gguf_assets.lib.core import atomic
-from gguf_assets.runner import run_pipeline, split_range
+from gguf_assets.orchestration.launching import run_pipeline
+from gguf_assets.orchestration.plan import split_range
 
 
 def test_split_range_is_contiguous_and_complete():
@@ -42,7 +43,7 @@ def test_two_workers_give_byte_identical_shards(make_project):
             assert (serial.root / rel).read_bytes() == (parallel.root / rel).read_bytes(), rel
     # Two separate runs covered the train shards, and every partition is recorded.
     instance = dg.DagsterInstance.get()
-    from gguf_assets.defs.run_tags import PID_TAG, RANGE_START_TAG, WORKER_TAG
+    from gguf_assets.orchestration.run_tags import PID_TAG, RANGE_START_TAG, WORKER_TAG
 
     worker_runs = [r.dagster_run for r in instance.get_run_records() if WORKER_TAG in r.dagster_run.tags]
     # Two train ranges ran as worker runs of the named job, each in its own process; the single
@@ -104,7 +105,7 @@ def test_a_killed_worker_is_named_with_its_shard_and_the_next_run_continues(make
 
     from conftest import CLI, FAULT_SETTINGS, cli_env, pipeline_outputs, project_instance, wait_for
 
-    from gguf_assets.defs import run_tags
+    from gguf_assets.orchestration import run_tags
 
     paths = make_project(**FAULT_SETTINGS)
     proc = subprocess.Popen([*CLI, "run", str(paths.root), "--workers", "2"], stdout=subprocess.PIPE,
