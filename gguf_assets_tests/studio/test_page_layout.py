@@ -35,9 +35,11 @@ class Studio:
 
     def __init__(self, paths, url: str, browser, shots: Path) -> None:
         self.paths, self.url, self.browser, self.shots = paths, url, browser, shots
+        self.contexts: list = []
 
     def page(self, viewport: dict = WIDE, **options):
         context = self.browser.new_context(viewport=viewport, **options)
+        self.contexts.append(context)
         page = context.new_page()
         errors: list[str] = []
         page.on("pageerror", lambda error: errors.append(str(error)))
@@ -73,6 +75,14 @@ def studio(finished_project, tmp_path_factory):
         stop_with_ctrl_c(proc, what="the studio")
 
 
+@pytest.fixture(autouse=True)
+def _close_pages(studio):
+    """Each test's pages go when it ends (they poll the studio every 2 s)."""
+    yield
+    while studio.contexts:
+        studio.contexts.pop().close()
+
+
 def _height(page) -> float:
     """How tall the page's content is (the document is never shorter than the window)."""
     return page.evaluate("document.body.getBoundingClientRect().bottom + window.scrollY")
@@ -85,6 +95,11 @@ def _scroll_width(page) -> int:
 def _shown_fields(page) -> list[str]:
     return page.evaluate("[...document.querySelectorAll('#settings-form .field')]"
                          ".filter((f) => f.getClientRects().length).map((f) => f.dataset.field)")
+
+
+def _luminance(css_colour: str) -> float:
+    red, green, blue = (int(part) for part in re.findall(r"\d+", css_colour)[:3])
+    return (0.2126 * red + 0.7152 * green + 0.0722 * blue) / 255
 
 
 def _field(page, key: str):
@@ -107,6 +122,7 @@ def test_the_first_screen_holds_the_verdict_the_ggk_command_run_stop_and_the_sta
         assert box["x"] >= 0 and box["y"] >= 0 and box["x"] + box["width"] <= WIDE["width"] \
             and box["y"] + box["height"] <= WIDE["height"], (selector, box)
     assert _scroll_width(page) <= WIDE["width"]
+    assert _luminance(page.evaluate("getComputedStyle(document.body).backgroundColor")) > 0.9  # light by default
     studio.shot(page, "wide-first-screen")
     studio.shot(page, "wide-as-opened", full_page=True)
     assert not page.errors, page.errors
@@ -213,9 +229,10 @@ def test_a_number_field_is_checked_on_the_field_as_the_server_checks_it(studio):
         except SettingsError as exc:
             refused = str(exc)
         assert (said in refused) if said else not refused, (key, typed, refused)
-        field.fill(json.loads(field.get_attribute("data-initial")))  # back to the file's value
-        field.press("Tab")
-        assert field.get_attribute("aria-invalid") is None
+    for key in {key for key, _, _ in NUMBERS}:  # back to the file's values
+        field = _field(page, key)
+        field.fill(json.loads(field.get_attribute("data-initial")))
+        assert field.get_attribute("aria-invalid") is None  # the mark goes as soon as the value is right
 
     steps = _field(page, "training.steps")
     steps.fill("2o00")
@@ -224,6 +241,8 @@ def test_a_number_field_is_checked_on_the_field_as_the_server_checks_it(studio):
     assert page.locator("#form-message").inner_text().startswith(
         "not saved: training.steps = '2o00' must be an integer")
     assert page.evaluate("document.activeElement.dataset.key") == "training.steps"
+    box = steps.bounding_box()  # in view, above the Save bar
+    assert 0 <= box["y"] and box["y"] + box["height"] <= page.locator(".sticky-save").bounding_box()["y"], box
     studio.shot(page, "wide-invalid-field")
     page.wait_for_timeout(300)
     assert not [url for url in sent if url.endswith("/api/settings/form")], sent
@@ -256,19 +275,10 @@ def test_a_phone_scrolls_nothing_sideways(studio):
     assert _scroll_width(page) <= PHONE["width"], _scroll_width(page)
     box = page.locator('[data-key="training.steps"]').bounding_box()
     assert box["x"] >= 0 and box["x"] + box["width"] <= PHONE["width"], box
-    studio.shot(page, "phone-open", full_page=True)
     assert not page.errors, page.errors
 
 
-def _luminance(css_colour: str) -> float:
-    red, green, blue = (int(part) for part in re.findall(r"\d+", css_colour)[:3])
-    return (0.2126 * red + 0.7152 * green + 0.0722 * blue) / 255
-
-
 def test_dark_mode_follows_the_system(studio):
-    light = studio.page()
-    assert _luminance(light.evaluate("getComputedStyle(document.body).backgroundColor")) > 0.9
-    light.context.close()
     page = studio.page(color_scheme="dark")
     background = page.evaluate("getComputedStyle(document.body).backgroundColor")
     text = page.evaluate("getComputedStyle(document.body).color")
@@ -276,6 +286,8 @@ def test_dark_mode_follows_the_system(studio):
     field = page.evaluate("getComputedStyle(document.querySelector('[data-key=\"training.steps\"]')).backgroundColor")
     assert _luminance(field) < 0.4, field  # the form's controls too (color-scheme)
     studio.shot(page, "dark-first-screen")
-    page.click("#open-all")
-    studio.shot(page, "dark-open", full_page=True)
+    page.click('nav a[href="#panel-settings"]')
+    page.click("#form-training > legend > .fold-toggle")
+    page.locator('.field[data-field="training.steps"]').scroll_into_view_if_needed()
+    studio.shot(page, "dark-settings")
     assert not page.errors, page.errors
