@@ -33,7 +33,7 @@ from gguf_assets.lib.project.settings import SettingsError, load_settings, setti
 from gguf_assets.lib.status.states import State, project_status, with_running
 from gguf_assets.lib.telemetry.curves_log import tensorboard_timeseries_url
 from gguf_assets.lib.telemetry.live import merged_history, precompute_progress, training_progress
-from gguf_assets.studio.settings_form import apply_form, form_sections, form_values
+from gguf_assets.studio.settings_form import NUMBER_RULES, apply_form, form_sections, form_values
 
 TEMPLATES = Jinja2Templates(directory=str(Path(__file__).parent / "templates"))
 RUN_LOG = "studio-run.log"  # in <project>/.dagster: the console output of the runs the studio starts
@@ -352,7 +352,7 @@ def build_app(project: str | Path, *, dagster_url: str = "", tensorboard_url: st
             "settings_sha256": served.sha256,
             "view": project_view(paths, feed, hardware, last_good), "dagster_url": dagster_url,
             "tensorboard_url": tensorboard_timeseries_url(tensorboard_url) if tensorboard_url else "",
-            "settings_text": text, "presets": PRESETS, "forms": form_sections(text),
+            "settings_text": text, "presets": PRESETS, "forms": form_sections(text), "number_rules": NUMBER_RULES,
             "memory": memory_view(paths), "machine": machine_view(),
             # "<" escaped: the JSON sits inside a <script> element.
             "presets_json": json.dumps({p.name: p.description for p in PRESETS}).replace("<", "\\u003c")})
