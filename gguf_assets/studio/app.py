@@ -30,6 +30,7 @@ from gguf_assets.lib.project.layout import ProjectPaths
 from gguf_assets.lib.project.manifests import DamagedRecord, Report
 from gguf_assets.lib.project.presets import PRESETS, preset, set_keys
 from gguf_assets.lib.project.settings import SettingsError, load_settings, settings_from_text
+from gguf_assets.lib.status.stages import SHARD_STAGES
 from gguf_assets.lib.status.states import State, project_status, with_running
 from gguf_assets.lib.telemetry.curves_log import tensorboard_timeseries_url
 from gguf_assets.lib.telemetry.live import merged_history, precompute_progress, training_progress
@@ -75,7 +76,7 @@ def project_view(paths: ProjectPaths, feed: ObservationFeed | None = None,
         # Live only once the run works on the adapter (a run that precomputes first would show "starting").
         "training": training_view(paths, settings, feed.entries("adapter", running.run_id)
                                   if any(s.stage == "adapter" and s.state == State.RUNNING for s in stages) else None),
-        "precompute": precompute_progress([(asset.removesuffix("_shards"), figures) for asset in SHARD_ASSETS
+        "precompute": precompute_progress([(asset.removesuffix("_shards"), figures) for asset in SHARD_STAGES
                                            if asset in assets for figures in feed.entries(asset, running.run_id)]),
         "hardware_now": (hardware or LiveHardware()).read(),
         "report": report and {**report, "outdated": _outdated(stages)},
@@ -168,9 +169,6 @@ class ObservationFeed:
         except Exception:  # noqa: BLE001  the page stays up while the storage is busy or away
             pass
         return self._by_run.get((asset, run_id), [])
-
-
-SHARD_ASSETS = ("train_shards", "val_shards")
 
 
 def _saved_history(run_dir: Path) -> list[dict]:

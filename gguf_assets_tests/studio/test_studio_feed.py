@@ -49,3 +49,10 @@ def test_the_page_names_the_run_the_lock_holder_record_names(make_project):
     assert view["running"] == {"run_id": "1a2b3c4d5e6f", "job": "all_stages"}
     materials = next(s for s in view["stages"] if s["stage"] == "materials")
     assert materials["state"] == "running" and materials["detail"].startswith("run 1a2b3c4d of all_stages; was ")
+
+
+def test_every_stage_has_its_title_on_the_page():
+    from gguf_assets.lib.status.stages import STAGES
+    from gguf_assets.studio.app import STAGE_TITLES
+
+    assert tuple(STAGE_TITLES) == STAGES
