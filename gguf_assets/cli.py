@@ -1,10 +1,23 @@
 """gguf-trainer: create a project, run the demo, run the pipeline, open the UI, auto-resume."""
+# ruff: noqa: E402  (the Ctrl-C handler below is set before the other imports load)
+
+import signal
+import sys
+
+
+def _quiet_exit_while_loading(_signum, _frame) -> None:
+    sys.exit(130)  # the shell's code for a Ctrl-C
+
+
+# Run as a program (`gguf-trainer`, `python -m gguf_assets.cli`): a Ctrl-C while the modules below still load ends it
+# quietly, as main() does once it runs, not with an import's traceback. A module that imports this one keeps its own.
+if __name__ == "__main__" or sys.argv[0].endswith("gguf-trainer"):
+    signal.signal(signal.SIGINT, _quiet_exit_while_loading)
 
 import argparse
 import os
 import shlex
 import subprocess
-import sys
 import time
 
 from gguf_assets.lib.core.commands import trainer, venv_tool
@@ -473,6 +486,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if signal.getsignal(signal.SIGINT) is _quiet_exit_while_loading:  # loaded: Ctrl-C is KeyboardInterrupt again
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     # Status lines (stdout) and log lines (stderr) in the order they happen, also when piped.
     sys.stdout.reconfigure(line_buffering=True)
     parser = build_parser()

@@ -18,7 +18,6 @@ from gguf_assets.lib.telemetry.curves_log import TENSORBOARD_URL_ENV, run_folder
 from gguf_assets.lib.telemetry.hardware import HardwareSampler
 from gguf_assets.lib.telemetry.render import curves_markdown, curves_svg
 from gguf_assets.lib.training.events import LogStep, TrainingEvent, Validation
-from gguf_assets.lib.training.train import train_adapter
 from gguf_assets.lib.training.training_run import adapter_fingerprint
 from gguf_assets.lib.training.verdict import verdict
 
@@ -54,6 +53,9 @@ def _metrics_table(history: list[dict]) -> str:
           description="The adapter (learned query rows attending to the student's states), trained with the "
                       "trainer8 recipe; resumes exactly from the last checkpoint of the same settings.")
 def adapter(context: dg.AssetExecutionContext, project: ProjectResource) -> dg.MaterializeResult:
+    # torch comes with it: imported by the run that trains, not by every process that loads the definitions
+    from gguf_assets.lib.training.train import train_adapter
+
     paths, settings = project.paths(), project.settings()
     materials = load_manifest(paths)
     # Checked first (stamps), then each half's sha256 as training reads it: nothing changed is trained on.

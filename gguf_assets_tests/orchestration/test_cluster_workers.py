@@ -5,7 +5,8 @@ environment, working folder and HOME, and each mounting the project folder at a 
 kill -9 of one worker in the middle of a shard: the pipeline plans that shard again, the other
 worker (or the restarted one) computes it, and the results are byte-identical to a single-machine
 run; a second delivery of a run's task meanwhile is dropped. No URL, worker path or host name lands in
-the project folder. Restarts and outages of Postgres and Redis during the shards, the training and the
+the project folder, and every record is in Postgres (none in SQLite; a second run finds everything current there).
+Restarts and outages of Postgres and Redis during the shards, the training and the
 GGUF export are ridden out, byte-identical too.
 """
 
@@ -110,6 +111,11 @@ def test_two_workers_run_the_pipeline_and_a_killed_worker_s_shards_are_done_agai
     done = subprocess.run([*CLI, "cluster", str(paths.root), "--celery-broker-env", REDIS_ENV], capture_output=True,
                           text=True, env=cli_env(), timeout=60)
     assert done.returncode == 0 and f"export {REDIS_ENV}=" in done.stdout and "worker" in done.stdout, done.stdout
+    # Without the URLs in the environment: one clear line, nothing started.
+    refused = subprocess.run([*CLI, "run", str(paths.root)], capture_output=True, text=True, env=cli_env(),
+                             timeout=120)
+    assert refused.returncode == 2 and f"${PG_ENV}, which is not set" in refused.stderr, refused.stderr
+    assert not paths.materials_manifest.exists()
 
     # Worker a stalls at its first shard write: the kill lands in the middle of a shard.
     a = Worker(tmp_path / "host-a", paths.root, servers, "gguf-a", GGUF_ASSETS_FAULT="shard-write@1:stall:120").start()
@@ -166,6 +172,11 @@ def test_two_workers_run_the_pipeline_and_a_killed_worker_s_shards_are_done_agai
     assert {name.split("@")[0] for name in workers_of.values()} == {"gguf-a", "gguf-b"}, workers_of
     assert {r.job_name for r in runs} == {"materials_and_corpus", "precompute_train_shards", "precompute_val_shards",
                                           "train_export_evaluate"}
+    assert not (paths.dagster_home / "history" / "runs.db").exists()  # every record went to Postgres, none to SQLite
+    # A second run finds everything current, from the records in Postgres: no new run.
+    again = subprocess.run([*CLI, "run", str(paths.root)], capture_output=True, text=True, env=cli_env(**servers),
+                           timeout=300)
+    assert again.returncode == 0 and len(instance.get_runs()) == len(runs), again.stdout + again.stderr
 
     # Nothing of a worker's: no URL, no mount path or folder, no host name, no worker name.
     secrets = [*servers.values(), str(tmp_path / "host-a"), str(tmp_path / "host-b"), "gguf-a@", "gguf-b@"]
