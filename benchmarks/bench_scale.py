@@ -50,7 +50,6 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "gguf_assets_tests"))  # servers.py: the cluster tests' real servers
 
 CLI = [sys.executable, "-m", "gguf_assets.cli"]
-STAGES = ("materials", "corpus", "train_shards", "val_shards", "adapter", "gguf", "eval_report")
 ASSETS_QUERY = "{ assetNodes { assetKey { path } staleStatus staleCauses { reason } } }"
 PARTITIONS_QUERY = ('{ assetNodeOrError(assetKey: {path: ["train_shards"]}) { ... on AssetNode { partitionKeys '
                     'partitionStats { numMaterialized numPartitions } assetPartitionStatuses { '
@@ -88,7 +87,7 @@ def new_project(root: Path, materials: Path, *, train: int, val: int, shard_size
 def instance_of(paths):
     import dagster as dg
 
-    from gguf_assets.runner import prepare_instance
+    from gguf_assets.orchestration.instance import prepare_instance
 
     prepare_instance(paths)
     return dg.DagsterInstance.get()
@@ -172,7 +171,7 @@ def shard_overheads(instance) -> tuple[int, float, float]:
 
 @contextlib.contextmanager
 def webserver(paths):
-    from gguf_assets.runner import instance_env
+    from gguf_assets.orchestration.instance import instance_env
 
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "dagster_webserver", "-m", "gguf_assets.definitions", "-h",
@@ -240,6 +239,7 @@ def status_seconds(paths, repeats: int = 3) -> tuple[float, float]:
 
 def part_pipeline(tmp: Path, *, prompts: int, shard_size: int, steps: int, mock_teacher: bool = False) -> bool:
     from gguf_assets.lib.demo.demo import build_demo_materials
+    from gguf_assets.lib.status.stages import STAGES
 
     val = max(shard_size // 2, 100)
     models = "the demo's tiny student and a mock teacher" if mock_teacher else "the demo's tiny real models"
@@ -277,9 +277,9 @@ def part_partitions(tmp: Path, *, partitions: int) -> bool:
     from bench_status import build_project
 
     from gguf_assets.defs.partitions import BY_SPLIT
-    from gguf_assets.defs.plan import next_work
     from gguf_assets.lib.demo.demo import build_demo_materials
     from gguf_assets.lib.project.settings import load_settings
+    from gguf_assets.orchestration.plan import next_work
 
     print(f"\n## partitions: {partitions} train shard partitions, synthetic shard files and records")
     materials = tmp / "materials-p"

@@ -1,17 +1,25 @@
 """gguf-trainer: create a project, run the demo, run the pipeline, open the UI, auto-resume."""
+# ruff: noqa: E402  (the Ctrl-C handler below is set before the other imports load)
+
+import signal
+import sys
+
+
+def _quiet_exit_while_loading(_signum, _frame) -> None:
+    sys.exit(130)  # the shell's code for a Ctrl-C
+
+
+# Run as a program (`gguf-trainer`, `python -m gguf_assets.cli`): a Ctrl-C while the modules below still load ends it
+# quietly, as main() does once it runs, not with an import's traceback. A module that imports this one keeps its own.
+if __name__ == "__main__" or sys.argv[0].endswith("gguf-trainer"):
+    signal.signal(signal.SIGINT, _quiet_exit_while_loading)
 
 import argparse
-import contextlib
 import os
 import shlex
-import shutil
-import signal
 import subprocess
-import sys
 import time
-from pathlib import Path
 
-from gguf_assets import DEFINITIONS_MODULE
 from gguf_assets.lib.core.commands import trainer, venv_tool
 from gguf_assets.lib.core.errors import UserError, os_refusal_message
 from gguf_assets.lib.core.lock import hold_services
@@ -24,6 +32,20 @@ from gguf_assets.lib.project.settings import (
     write_project_file,
 )
 from gguf_assets.lib.telemetry.curves_log import TENSORBOARD_DIR, TENSORBOARD_URL_ENV, tensorboard_timeseries_url
+from gguf_assets.orchestration.diagnosis import dagster_storage_problem
+from gguf_assets.orchestration.processes import DAGSTER_NOISE, RUN_CHILD_ENV, WithoutLines, run_in_own_process_group
+from gguf_assets.orchestration.services import (
+    SERVICES_LOCK,
+    StopSignals,
+    check_ports_free,
+    daemon_command,
+    start_services,
+    stop_services,
+    studio_command,
+    supervise,
+    tensorboard_command,
+    webserver_command,
+)
 
 INIT_HEADER = """gguf_assets project settings. Every key is documented in docs/settings.md.
 Materials are hub repo ids (owner/name, optionally @revision) or local folders (relative to this folder).
@@ -38,7 +60,7 @@ def cmd_init(args: argparse.Namespace) -> int:
         return 1
     paths.root.mkdir(parents=True, exist_ok=True)
     write_project_file(paths.root, Settings(), header=INIT_HEADER, hints=SECTION_HINTS)
-    from gguf_assets.runner import prepare_instance
+    from gguf_assets.orchestration.instance import prepare_instance
 
     prepare_instance(paths)
     print(f"created {paths.project_file}\nset materials.teacher, materials.student and materials.datasets, then run:\n"
@@ -73,76 +95,17 @@ def _memory_line(paths: ProjectPaths, settings) -> str:
 
 STOPPED_EXIT = 130  # the shell's code for a Ctrl-C
 VERIFY_PROGRESS_S = 2.0  # how often `verify` prints how far it is
-LOW_DISK_MIB = 16  # below this, a storage error is taken for a full disk
-# Set in the process that executes the pipeline (see _run_in_own_process_group).
-RUN_CHILD_ENV = "GGUF_ASSETS_RUN_CHILD"
-_PR_SET_PDEATHSIG = 1
 
-
-# Dagster writes these straight to stderr, multi-line SQL included, and then raises the error, which is
-# reported as one line (a full disk: _dagster_storage_problem).
-DAGSTER_NOISE = ("Exception while writing logger call to event log",)
-
-
-class _WithoutLines:
-    """A text stream that drops the writes starting with one of ``prefixes`` and passes on the rest."""
-
-    def __init__(self, stream, prefixes: tuple[str, ...]) -> None:
-        self._stream, self._prefixes = stream, prefixes
-
-    def write(self, text: str) -> int:
-        return len(text) if text.startswith(self._prefixes) else self._stream.write(text)
-
-    def __getattr__(self, name: str):
-        return getattr(self._stream, name)
-
-
-def _die_with_parent() -> None:
-    """In the child, before exec: the kernel kills it when the parent dies (a kill -9 of
-    `gguf-trainer run` still stops the work at once, as it did when the work ran in that process)."""
-    import ctypes
-
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
-def _run_in_own_process_group(paths: ProjectPaths, workers: int | None, cancel_on_stop: bool) -> int:
-    """Execute the pipeline in a child process of its own process group, and forward Ctrl-C and SIGTERM to it.
-
-    A Ctrl-C in a terminal reaches the whole foreground process group. Dagster's step helpers (the
-    compute-log `tail` and its `watch_orphans.py` watcher) are children of the executing process, so
-    each printed a KeyboardInterrupt traceback over the clean "stopped" line; in a group of its own
-    only the pipeline hears the stop, once, and ends its helpers itself.
-    """
-    command = [sys.executable, "-m", "gguf_assets.cli", "run", str(paths.root)]
-    command += ["--workers", str(workers)] if workers else []
-    command += ["--cancel-on-stop"] if cancel_on_stop else []
-    child = subprocess.Popen(command, env={**os.environ, RUN_CHILD_ENV: "1"}, process_group=0,
-                             preexec_fn=_die_with_parent)
-
-    def forward(signum, _frame):
-        if child.poll() is None:
-            os.kill(child.pid, signum)
-
-    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        code = child.wait()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    if code < 0 and -code not in (signal.SIGINT, signal.SIGTERM):  # killed (a power cut, the OOM killer)
-        if -code != signal.SIGKILL:  # SIGKILL cannot be caught, so it needs no reset
-            signal.signal(-code, signal.SIG_DFL)
-        os.kill(os.getpid(), -code)  # ends this process the same way, as if the work had run in it
-    return code
 
 
 def _run(paths: ProjectPaths, *, workers: int | None = None, cancel_on_stop: bool = False) -> int:
     """Run the pipeline, print the status, then the outcome: the results, or why (and where) it stopped."""
     if os.environ.get(RUN_CHILD_ENV) != "1":
-        return _run_in_own_process_group(paths, workers, cancel_on_stop)
-    from gguf_assets.runner import PipelineFailed, run_pipeline
+        return run_in_own_process_group(paths, workers, cancel_on_stop)
+    from gguf_assets.orchestration.launching import run_pipeline
+    from gguf_assets.orchestration.outages import PipelineFailed
 
-    sys.stderr = _WithoutLines(sys.stderr, DAGSTER_NOISE)
+    sys.stderr = WithoutLines(sys.stderr, DAGSTER_NOISE)
 
     outcome, code = None, 0
     try:
@@ -194,7 +157,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_env(args: argparse.Namespace) -> int:
     """Print the exports that the Dagster CLI, `dagster dev` and `dagster-daemon run` need for a project."""
-    from gguf_assets.runner import instance_env, prepare_instance
+    from gguf_assets.orchestration.instance import instance_env, prepare_instance
 
     paths = ProjectPaths.of(args.project)
     load_settings(paths.root)
@@ -230,129 +193,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return code
 
 
-def start_services(commands: list[list[str]], *, log_file: Path | None = None,
-                   keep_fds: tuple[int, ...] = ()) -> list[subprocess.Popen]:
-    """Start long-running processes, each in its own session so a stop reaches its children.
-
-    With ``log_file`` their output goes there instead of the console. ``keep_fds``: open files they inherit (the
-    services lock, held for as long as any of them runs).
-    """
-    out = open(log_file, "ab") if log_file else None  # noqa: SIM115  (the children keep it open)
-    started: list[subprocess.Popen] = []
-    try:
-        for cmd in commands:
-            started.append(subprocess.Popen(cmd, env=os.environ.copy(), start_new_session=True, stdout=out,
-                                            stderr=subprocess.STDOUT if out else None, pass_fds=keep_fds))
-        return started
-    except BaseException:  # one that cannot start: none of this call's keeps running unseen
-        stop_services(started)
-        raise
-    finally:
-        if out:
-            out.close()
-
-
-class StopSignals:
-    """Ctrl-C and SIGTERM noted instead of raised, from entering on: a stop that comes while services are being
-    started cannot leave one running that the starter never heard of."""
-
-    def __enter__(self) -> "StopSignals":
-        self.signal: int | None = None
-        self._previous = {sig: signal.signal(sig, self._note) for sig in (signal.SIGINT, signal.SIGTERM)}
-        return self
-
-    def _note(self, signum, _frame) -> None:
-        self.signal = signum
-
-    def __exit__(self, *exc) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-
-def supervise(procs: list[subprocess.Popen], *, grace_s: float = 10.0, stop: StopSignals | None = None) -> int:
-    """Wait until one process exits or we get Ctrl-C/SIGTERM; then stop them all promptly.
-
-    Each child gets SIGTERM, then SIGKILL after ``grace_s`` (dagster dev was seen ignoring
-    SIGTERM for over a minute, so the webserver and daemon are run and stopped directly).
-    ``stop``: the caller's, when it noted signals already while it started ``procs``.
-    """
-    with contextlib.ExitStack() as stack:
-        stop = stop or stack.enter_context(StopSignals())
-        try:
-            while stop.signal is None and all(p.poll() is None for p in procs):
-                time.sleep(0.2)
-            ended = next((p for p in procs if p.returncode is not None), None)
-            if stop.signal is None and ended is not None:
-                print(f"{_service_name(ended.args)} stopped ({_how_it_ended(ended.returncode)}); stopping the rest",
-                      flush=True)
-        finally:
-            stop_services(procs, grace_s=grace_s)
-    if stop.signal is not None:
-        return 0
-    # A service stopped by a signal (systemd's SIGTERM, a kill) was stopped on purpose; a crash is an error.
-    return max((p.returncode or 0) if (p.returncode or 0) > 0 else 0 for p in procs)
-
-
-def _service_name(command: list[str]) -> str:
-    """`dagster-daemon`, or the module of a `python -m gguf_assets.studio.dagster_ui` service."""
-    return command[2] if len(command) > 2 and command[1] == "-m" else Path(command[0]).name
-
-
-def _how_it_ended(returncode: int) -> str:
-    if returncode < 0:
-        return f"by {signal.Signals(-returncode).name}"
-    return "exit code 0" if returncode == 0 else f"exit code {returncode}"
-
-
-def stop_services(procs: list[subprocess.Popen], *, grace_s: float = 10.0) -> None:
-    for p in procs:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
-
-
-class PortTaken(UserError):
-    """A port the UI needs is already in use."""
-
-
-def check_ports_free(host: str, ports: dict[str, int]) -> None:
-    """Refuse at once when a port is taken: the server would exit after printing its address, and the user
-    would browse whatever holds the port (another project's UI)."""
-    import socket
-
-    for option, port in ports.items():
-        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
-            try:
-                probe.bind((host, port))
-            except OSError as exc:
-                raise PortTaken(f"{host}:{port} is already in use ({exc.strerror}): another `gguf-trainer ui` "
-                                f"or Dagster may be serving there. Choose a free port with {option} N, or stop "
-                                "the other one.") from None
-
-
-def webserver_command(host: str, port: int, allow_hosts: list[str] = ()) -> list[str]:
-    """Dagster's own webserver behind the studio's guard (the Host allow-list, the Origin check, the body cap)."""
-    return [sys.executable, "-m", "gguf_assets.studio.dagster_ui", "--host", host, "--port", str(port),
-            *_allow_host_args(allow_hosts)]
-
-
-def _allow_host_args(allow_hosts: list[str]) -> list[str]:
-    return [arg for name in allow_hosts for arg in ("--allow-host", name)]
-
-
-def daemon_command() -> list[str]:
-    return [venv_tool("dagster-daemon"), "run", "-m", DEFINITIONS_MODULE]
-
-
 def cmd_ui(args: argparse.Namespace) -> int:
     from gguf_assets.defs.groups import lineage_path
-    from gguf_assets.runner import prepare_instance, size_gpu_pool
+    from gguf_assets.orchestration.instance import prepare_instance, size_gpu_pool
 
     paths = ProjectPaths.of(args.project)
     load_settings(paths.root)
@@ -360,8 +203,8 @@ def cmd_ui(args: argparse.Namespace) -> int:
     studio = f"http://{args.host}:{args.studio_port}"
     url = "" if args.no_tensorboard else f"http://{args.host}:{args.tensorboard_port}"
     # Before any port is probed: a studio already open for this project is named, not refused port by port.
-    services_lock = hold_services(paths.dagster_home / SERVICES_LOCK, {"urls": {
-        "studio": studio, "Dagster UI": base, **({"TensorBoard": url} if url else {})}})
+    services_lock = hold_services(paths.dagster_home / SERVICES_LOCK, {
+        "studio": studio, "Dagster UI": base, **({"TensorBoard": url} if url else {})})
     keep = (services_lock,)
     prepare_instance(paths)
     import dagster as dg
@@ -398,21 +241,6 @@ def cmd_ui(args: argparse.Namespace) -> int:
         return supervise(services, stop=stop)
 
 
-SERVICES_LOCK = "services.lock"  # in <project>/.dagster: held while the project's studio, Dagster UI or daemon run
-
-
-def studio_command(paths: ProjectPaths, host: str, port: int, *, dagster_url: str,
-                   tensorboard_url: str, allow_hosts: list[str] = ()) -> list[str]:
-    return [sys.executable, "-m", "gguf_assets.studio", str(paths.root), "--host", host, "--port", str(port),
-            "--dagster-url", dagster_url, "--tensorboard-url", tensorboard_url, *_allow_host_args(allow_hosts)]
-
-
-def tensorboard_command(paths: ProjectPaths, host: str, port: int, allow_hosts: list[str] = ()) -> list[str]:
-    """TensorBoard behind the studio's guard (the Host allow-list)."""
-    return [sys.executable, "-m", "gguf_assets.studio.tensorboard", "--logdir", str(paths.root / TENSORBOARD_DIR),
-            "--host", host, "--port", str(port), *_allow_host_args(allow_hosts)]
-
-
 def cmd_auto_resume(project: str, *, daemon: bool, ui_port: int | None = None, ui_host: str = "127.0.0.1") -> int:
     """At boot: mark cut-off runs failed, continue the pipeline, then keep the daemon running.
 
@@ -420,14 +248,14 @@ def cmd_auto_resume(project: str, *, daemon: bool, ui_port: int | None = None, u
     ``output.auto_resume: false`` it only reports what is unfinished and exits: no run, no daemon,
     no UI (the project asked not to be resumed by itself).
     """
-    from gguf_assets.runner import prepare_instance, size_gpu_pool
+    from gguf_assets.orchestration.instance import prepare_instance, size_gpu_pool
 
     paths = ProjectPaths.of(project)
     settings = load_settings(paths.root)
     prepare_instance(paths)
     import dagster as dg
 
-    from gguf_assets.defs.resume import mark_interrupted_runs
+    from gguf_assets.orchestration.resume import mark_interrupted_runs
 
     instance = dg.DagsterInstance.get()
     if not settings.output.auto_resume:
@@ -441,8 +269,8 @@ def cmd_auto_resume(project: str, *, daemon: bool, ui_port: int | None = None, u
     services = []
     keep: tuple[int, ...] = ()
     if daemon or ui_port is not None:  # its servers are the project's one set, as `ui`'s are
-        keep = (hold_services(paths.dagster_home / SERVICES_LOCK, {"urls": {
-            "Dagster UI": f"http://{ui_host}:{ui_port}"} if ui_port is not None else {}}),)
+        keep = (hold_services(paths.dagster_home / SERVICES_LOCK, {
+            "Dagster UI": f"http://{ui_host}:{ui_port}"} if ui_port is not None else {}),)
     if ui_port is not None:
         print(f"Dagster UI for {paths.root} on http://{ui_host}:{ui_port}", flush=True)
         services = start_services([webserver_command(ui_host, ui_port)], keep_fds=keep)
@@ -477,7 +305,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
 def cmd_cluster(args: argparse.Namespace) -> int:
     """Keep the project's Dagster records in Postgres (or, with --off, back in the embedded SQLite)."""
-    from gguf_assets.cluster import ClusterSettings, cluster_file, write_cluster
+    from gguf_assets.orchestration.cluster import ClusterSettings, cluster_file, write_cluster
 
     paths = ProjectPaths.of(args.project)
     load_settings(paths.root)
@@ -511,8 +339,8 @@ def cmd_cluster(args: argparse.Namespace) -> int:
 
 def cmd_worker(args: argparse.Namespace) -> int:
     """A cluster worker: take this project's runs from the Celery queues and execute them here, one at a time."""
-    from gguf_assets.cluster import QUEUES, ClusterError, load_cluster
-    from gguf_assets.runner import prepare_instance
+    from gguf_assets.orchestration.cluster import QUEUES, ClusterError, load_cluster
+    from gguf_assets.orchestration.instance import prepare_instance
 
     paths = ProjectPaths.of(args.project)
     if not paths.project_file.is_file():  # each run reads the settings; a worker only needs the folder mounted
@@ -529,7 +357,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     prepare_instance(paths)
     import dagster as dg
 
-    from gguf_assets.defs.cluster_workers import serve_runs
+    from gguf_assets.orchestration.cluster_workers import serve_runs
 
     name = args.name or f"gguf-{os.getpid()}@%h"
     print(f"worker {name} for {paths.root}: taking runs from {', '.join(queues)} (Ctrl-C finishes the current run, "
@@ -576,40 +404,6 @@ def cmd_verify(args: argparse.Namespace) -> int:
         print(f"`{venv_tool('gguf-trainer')} verify {paths.root} --repair` marks them, so the next run redoes "
               "exactly those.")
     return 1
-
-
-def _dagster_storage_problem(project: str | None, exc: BaseException) -> str | None:
-    """The message for an error of the project's Dagster SQLite storage (.dagster): a full disk, or a damaged
-    file; None when ``exc`` is not that."""
-    import sqlite3
-
-    text = str(exc)
-    if not project or not any(s in text for s in ("malformed", "not a database", "disk I/O", "disk is full")):
-        return None
-    paths = ProjectPaths.of(project)
-    home = paths.root / ".dagster"
-    free_mib = shutil.disk_usage(home if home.exists() else paths.root).free / 2**20
-    if "disk is full" in text or free_mib < LOW_DISK_MIB:
-        return (f"No space left on the disk holding {paths.root} ({free_mib:.0f} MiB free): Dagster could not "
-                f"record the run in {home}. Everything finished so far is kept. Free some space, then "
-                f"`{venv_tool('gguf-trainer')} run {paths.root}` continues (the run cut off now is then "
-                "recorded as failed).")
-    damaged = []
-    for db in sorted(home.rglob("*.db")):
-        try:
-            with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as conn:
-                ok = conn.execute("PRAGMA quick_check").fetchone()[0] == "ok"
-        except sqlite3.DatabaseError as db_exc:
-            ok = "malformed" not in str(db_exc) and "not a database" not in str(db_exc)
-        if not ok:
-            damaged.append(db)
-    if not damaged:
-        return None
-    names = ", ".join(str(d) for d in damaged)
-    return (f"Dagster's run history is damaged: {names} ({text.splitlines()[0]}). Your results are in the "
-            f"project's files, not there, and nothing computed is lost. Move the history away and run again: "
-            f"`mv {home} {home}.damaged && {venv_tool('gguf-trainer')} run {paths.root}` (every finished stage is "
-            "found current and kept; only the list of past runs starts afresh).")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -695,6 +489,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if signal.getsignal(signal.SIGINT) is _quiet_exit_while_loading:  # loaded: Ctrl-C is KeyboardInterrupt again
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     # Status lines (stdout) and log lines (stderr) in the order they happen, also when piped.
     sys.stdout.reconfigure(line_buffering=True)
     parser = build_parser()
@@ -722,7 +518,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         project = getattr(args, "project", None) or args.auto_resume
         # A read-only folder, a missing permission or a full disk: one line, whichever command met it.
-        problem = _dagster_storage_problem(project, exc) or os_refusal_message(
+        problem = dagster_storage_problem(project, exc) or os_refusal_message(
             exc, project=project, command="auto-resume" if args.auto_resume else args.command)
         if problem:
             print(f"error: {problem}", file=sys.stderr)

@@ -17,7 +17,7 @@ from gguf_assets.defs.jobs import JOBS
 from gguf_assets.defs.output import exported_files_unchanged, reported_files_unchanged
 from gguf_assets.defs.precompute import SHARD_CHECKS
 from gguf_assets.defs.resources import ProjectResource
-from gguf_assets.defs.resume import interrupted_runs_sensor, resume_sensor
+from gguf_assets.defs.sensors import interrupted_runs_sensor, resume_sensor
 from gguf_assets.defs.settings import SETTINGS_ASSETS
 from gguf_assets.lib.project.settings import PROJECT_FILE, SettingsError, load_settings
 

@@ -152,7 +152,7 @@ def project_instance(paths: ProjectPaths):
     path, so DAGSTER_HOME (set here for the rest of the test; make_project restores it) says where."""
     import dagster as dg
 
-    from gguf_assets.runner import prepare_instance
+    from gguf_assets.orchestration.instance import prepare_instance
 
     prepare_instance(paths)
     return dg.DagsterInstance.get()

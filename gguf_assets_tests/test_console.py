@@ -30,7 +30,7 @@ def test_status_answers_without_loading_torch_or_dagster(make_project):
     (they cost seconds before the first line)."""
     import sys
 
-    from gguf_assets.runner import run_pipeline
+    from gguf_assets.orchestration.launching import run_pipeline
 
     paths = make_project(steps=10, mock_teacher=True, corpus={"train_prompts": 200, "val_prompts": 50},
                          precompute={"shard_size": 100, "val_shard_size": 50})

@@ -223,8 +223,8 @@ def test_an_output_dir_that_is_a_file_is_refused_before_any_work(make_project):
 
 def test_a_run_started_from_dagster_refuses_an_output_dir_that_is_a_file_too(make_project):
     """The same check guards every entry point: it runs where every Dagster run begins."""
-    from gguf_assets.defs.run_bookkeeping import RunBookkeeping
     from gguf_assets.lib.project.layout import OutputFolderError
+    from gguf_assets.orchestration.run_bookkeeping import RunBookkeeping
 
     paths = make_project()
     (paths.root / "out").write_text("x")
@@ -303,7 +303,7 @@ def test_a_disk_that_fills_during_training_is_one_line_and_the_next_run_finishes
     import dagster as dg
     from conftest import project_instance
 
-    from gguf_assets.runner import instance_env
+    from gguf_assets.orchestration.instance import instance_env
 
     source = finished_project[0]
     paths = copy_project(source, small_disk / "project")

@@ -12,7 +12,7 @@ import time
 
 import dagster as dg
 
-from gguf_assets.defs.private_api import LOG_RECORD_METADATA_ATTR
+from gguf_assets.orchestration.private_api import LOG_RECORD_METADATA_ATTR
 
 
 def user_message(error) -> str:

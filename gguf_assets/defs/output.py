@@ -13,9 +13,7 @@ from gguf_assets.defs.settings import settings_key
 from gguf_assets.defs.training import adapter
 from gguf_assets.lib.core import atomic
 from gguf_assets.lib.materials.materials import load_manifest
-from gguf_assets.lib.output.export import ExportError, export_adapter
 from gguf_assets.lib.output.export_run import export_sidecar, gguf_path
-from gguf_assets.lib.output.gguf_eval import evaluate_gguf
 from gguf_assets.lib.output.report import (
     build_report,
     render_evaluation,
@@ -34,6 +32,9 @@ from gguf_assets.lib.training.verdict import GOOD
           "matrices f16; norms, biases and target statistics f32; self-describing metadata (docs/gguf_layout.md). "
           "Plus the paired vision encoder as a clip/mmproj GGUF when one was downloaded (docs/vision_gguf.md).")
 def gguf(context: dg.AssetExecutionContext, project: ProjectResource) -> dg.MaterializeResult:
+    # numpy and torch come with it: imported by the run that exports, not by every process that loads definitions
+    from gguf_assets.lib.output.export import export_adapter
+
     paths, settings = project.paths(), project.settings()
     materials_manifest = load_manifest(paths)
     summary = export_adapter(paths, settings, materials_manifest, atomic.read_json(paths.adapter_manifest),
@@ -98,6 +99,9 @@ def _check_result(files: list[dict], problems: list[str]) -> dg.AssetCheckResult
           description="Evaluation of the exported GGUF on the "
           "val shards by an independent numpy reader, with the verdict, advice and how to use it in ggk.")
 def eval_report(context: dg.AssetExecutionContext, project: ProjectResource) -> dg.MaterializeResult:
+    from gguf_assets.lib.output.export import ExportError  # torch comes with these: imported where they run
+    from gguf_assets.lib.output.gguf_eval import evaluate_gguf
+
     paths, settings = project.paths(), project.settings()
     materials_manifest = load_manifest(paths)
     target = gguf_path(paths, settings)

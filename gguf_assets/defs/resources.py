@@ -32,7 +32,7 @@ class ProjectResource(dg.ConfigurableResource):
     # Developer note: project_dir is normally empty and comes from the environment
     # (project_dir_from_env: GGUF_ASSETS_PROJECT or the folder holding DAGSTER_HOME), so run
     # storage holds no absolute path and a copied project is independent. The run's bookkeeping
-    # (lock, settings snapshot, tags, dead runs) is defs/run_bookkeeping.py's; this resource only
+    # (lock, settings snapshot, tags, dead runs) is orchestration/run_bookkeeping.py's; this resource only
     # starts and ends it, the one hook Dagster calls in the run's process before any step.
 
     project_dir: str | None = Field(default=None, description="project folder (default: from the environment)")
@@ -44,7 +44,7 @@ class ProjectResource(dg.ConfigurableResource):
         super().__init__(**data)
 
     def setup_for_execution(self, context: dg.InitResourceContext) -> None:
-        from gguf_assets.defs.run_bookkeeping import RunBookkeeping
+        from gguf_assets.orchestration.run_bookkeeping import RunBookkeeping
 
         self._run = RunBookkeeping.begin(context.instance, context.dagster_run, self.paths())
 

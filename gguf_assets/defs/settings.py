@@ -13,12 +13,12 @@ is marked once they are (`status` calls it blocked until then).
 import dagster as dg
 
 from gguf_assets.defs import groups
-from gguf_assets.defs.private_api import DATA_VERSION_TAG
 from gguf_assets.lib.core.markdown import markdown_table
 from gguf_assets.lib.project.layout import ProjectPaths
 from gguf_assets.lib.project.settings import Settings
 from gguf_assets.lib.status.stages import STAGES, expected_fingerprints, stage_keys
 from gguf_assets.lib.status.states import UNFINISHED, project_status
+from gguf_assets.orchestration.private_api import DATA_VERSION_TAG
 
 KEY_PREFIX = "settings"  # settings/<stage>
 # The metadata entry that says why the stage is stale after this observation (as `status` does).

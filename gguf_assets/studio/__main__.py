@@ -20,7 +20,7 @@ def main() -> None:
                         help="another host name the page may be opened under (default: loopback and --host)")
     args = parser.parse_args()
     from gguf_assets.lib.project.layout import ProjectPaths
-    from gguf_assets.runner import prepare_instance
+    from gguf_assets.orchestration.instance import prepare_instance
 
     prepare_instance(ProjectPaths.of(args.project))  # the project's own Dagster instance (as `ui` sets it up)
     app = guarded(build_app(args.project, dagster_url=args.dagster_url, tensorboard_url=args.tensorboard_url),

@@ -57,7 +57,7 @@ def last_run_view(instance, where_stopped: Callable[[], str] | None = None) -> d
     view = {"run_id": run.run_id, "job": run.job_name, "stage": None, "message": "",
             "log": _log_tail(instance, run.run_id)}
     if status == dg.DagsterRunStatus.SUCCESS:
-        return {**view, "state": "finished", "message": "finished"}
+        return {**view, "state": "finished", "message": f"{run.job_name}, run {run.run_id[:8]}"}
     if status == dg.DagsterRunStatus.FAILURE:
         failures = instance.all_logs(run.run_id, of_type=dg.DagsterEventType.STEP_FAILURE)
         if failures:

@@ -19,6 +19,8 @@ import yaml
 from gguf_assets.lib.project.presets import set_keys
 from gguf_assets.lib.project.settings import (
     EXPONENT_FLOAT,
+    INT64_MAX,
+    INT64_MIN,
     SECTION_CLASSES,
     SECTIONS,
     Settings,
@@ -31,6 +33,9 @@ TITLES = {"materials": "Materials", "corpus": "Corpus", "precompute": "Precomput
           "output": "Output"}
 # Shown under their own heading inside their section, as the seed app's form has them.
 SUBSECTIONS = {"corpus.local_prompt_files": "Extra local prompt files"}
+# What any number field can hold, as settings.py reads and checks it: the page checks each number field on the
+# field itself with these (and the field's own bounds) before a Save is sent; the server checks again.
+NUMBER_RULES = {"int_min": INT64_MIN, "int_max": INT64_MAX, "exponent_float": EXPONENT_FLOAT.pattern}
 
 
 @dataclass(frozen=True)
@@ -52,6 +57,11 @@ class FormField:
     @property
     def key(self) -> str:
         return f"{self.section}.{self.name}"
+
+    @property
+    def changed(self) -> bool:
+        """The value differs from the schema's default (both as the form shows them): the page marks it."""
+        return self.value != self.default
 
     @property
     def subsection(self) -> str | None:

@@ -96,8 +96,8 @@ def test_a_typo_in_project_yaml_leaves_the_code_location_loaded_with_the_message
 
     from conftest import cli_env, project_instance
 
-    from gguf_assets.defs.resume import resume_decision
     from gguf_assets.defs.settings import SETTINGS_ASSETS
+    from gguf_assets.orchestration.resume import resume_decision
 
     paths = make_project(steps=5, mock_teacher=True)
     text = paths.project_file.read_text()
@@ -152,14 +152,14 @@ def _python_files():
 
 
 def test_dagster_private_api_is_used_in_one_module_only():
-    """Dagster's private modules are imported only by defs/private_api.py, which says why for each."""
+    """Dagster's private modules are imported only by orchestration/private_api.py, which says why for each."""
     offenders = []
     for file in _python_files():
         for node in ast.walk(ast.parse(file.read_text())):
             names = ([node.module or ""] if isinstance(node, ast.ImportFrom)
                      else [a.name for a in node.names] if isinstance(node, ast.Import) else [])
             offenders += [f"{file.relative_to(ROOT)}:{node.lineno} {n}" for n in names if n.startswith("dagster._")]
-    assert all(o.startswith("gguf_assets/defs/private_api.py:") for o in offenders), offenders
+    assert all(o.startswith("gguf_assets/orchestration/private_api.py:") for o in offenders), offenders
     assert offenders  # the one module is where they are
 
 
@@ -200,8 +200,37 @@ def test_no_import_cycles_counting_imports_inside_functions():
         if module not in done:
             visit(module, [module])
     assert not cycles, cycles[:5]
-    # The check sees function-level imports: the runner imports the definitions' wiring inside functions.
-    assert "gguf_assets.defs.private_api" in graph["gguf_assets.runner"]
+    # The check sees function-level imports: the instance opens the code location inside a function.
+    assert "gguf_assets.orchestration.private_api" in graph["gguf_assets.orchestration.instance"]
+
+
+# What the CLI, the studio and orchestration/ may take from defs/: the definitions' own names, never runtime code
+# (which lives in orchestration/). Each with what is taken.
+DEFS_OTHERS_MAY_IMPORT = {
+    "gguf_assets.defs.jobs": "the named jobs and their run config (runs are created of them)",
+    "gguf_assets.defs.precompute": "the gpu pool's name (sized to the machine's GPUs)",
+    "gguf_assets.defs.settings": "the settings assets' observation (the UI's stale marks follow project.yaml)",
+    "gguf_assets.defs.environment": "the variable that names a code location's project",
+    "gguf_assets.defs.groups": "the asset groups (the UI's lineage link)",
+    "gguf_assets.defs.console": "the console logger's one-line message of an error",
+    "gguf_assets.defs.partitions": "the shard partitions (the plan compares them with the corpus)",
+}
+
+
+def test_defs_hold_definitions_and_the_cli_studio_and_orchestration_take_only_their_names():
+    graph = _import_graph()
+    outside = [m for m in graph if not m.startswith("gguf_assets.defs") and m != "gguf_assets.definitions"]
+    taken = {(m, d) for m in outside for d in graph[m] if d.startswith("gguf_assets.defs.")}
+    assert {d for _, d in taken} <= DEFS_OTHERS_MAY_IMPORT.keys(), sorted(
+        (m, d) for m, d in taken if d not in DEFS_OTHERS_MAY_IMPORT)
+    # Every module under defs/ is part of the definitions (imported, at some depth, by definitions.py).
+    reached, todo = set(), ["gguf_assets.definitions"]
+    while todo:
+        module = todo.pop()
+        if module not in reached:
+            reached.add(module)
+            todo += graph.get(module, ())
+    assert {m for m in graph if m.startswith("gguf_assets.defs.")} <= reached
 
 
 # lib/'s packages from the bottom up: each may import only those before it, at module level and inside
@@ -271,8 +300,8 @@ def test_the_layer_check_finds_an_import_against_the_order(tmp_path):
 
 
 def test_bookkeeping_tags_are_hidden_from_the_runs_list_and_the_others_shown():
-    from gguf_assets.defs import run_tags
-    from gguf_assets.defs.private_api import TagType, get_tag_type
+    from gguf_assets.orchestration import run_tags
+    from gguf_assets.orchestration.private_api import TagType, get_tag_type
 
     assert all(get_tag_type(tag) == TagType.HIDDEN for tag in run_tags.HIDDEN_TAGS)
     for shown in (run_tags.WORKER_TAG, run_tags.INTERRUPTED_TAG, run_tags.STOPPED_TAG):
@@ -292,7 +321,7 @@ def test_processes_opening_a_new_project_instance_at_once_all_get_it(tmp_path):
     from gguf_assets.lib.project.layout import ProjectPaths
 
     opener = ("import sys, dagster as dg; from gguf_assets.lib.project.layout import ProjectPaths; "
-              "from gguf_assets.runner import prepare_instance; "
+              "from gguf_assets.orchestration.instance import prepare_instance; "
               "prepare_instance(ProjectPaths.of(sys.argv[1])); dg.DagsterInstance.get().get_runs(); print('ok')")
     for attempt in range(2):  # the race needs the processes to meet: two fresh projects
         root = tmp_path / f"project-{attempt}"

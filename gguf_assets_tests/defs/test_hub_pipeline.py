@@ -18,7 +18,7 @@ from gguf_assets.lib.project.layout import REPORT_JSON, ProjectPaths
 from gguf_assets.lib.project.settings import load_settings, replace, write_project_file
 from gguf_assets.lib.status.stages import STAGES
 from gguf_assets.lib.status.states import project_status
-from gguf_assets.runner import run_pipeline
+from gguf_assets.orchestration.launching import run_pipeline
 
 pytestmark = pytest.mark.slow  # whole pipelines: excluded from the fast loop (-m 'not slow')
 

@@ -6,7 +6,7 @@ import pytest
 from gguf_assets.lib.core import atomic
 from gguf_assets.lib.project.layout import REPORT_JSON
 from gguf_assets.lib.project.settings import load_settings, replace, write_project_file
-from gguf_assets.runner import run_pipeline
+from gguf_assets.orchestration.launching import run_pipeline
 
 pytestmark = pytest.mark.slow  # whole pipelines: excluded from the fast loop (-m 'not slow')
 

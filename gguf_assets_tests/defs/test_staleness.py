@@ -12,13 +12,13 @@ import dagster as dg
 import pytest
 
 from gguf_assets.definitions import build_definitions
-from gguf_assets.defs.private_api import CachingStaleStatusResolver, LoadingContextForTest, StaleStatus
 from gguf_assets.defs.resources import ProjectResource
-from gguf_assets.defs.resume import resume_decision
 from gguf_assets.defs.settings import STALE_BECAUSE, settings_key
 from gguf_assets.lib.project.settings import load_settings, replace, write_project_file
 from gguf_assets.lib.status.states import project_status
-from gguf_assets.runner import run_pipeline
+from gguf_assets.orchestration.launching import run_pipeline
+from gguf_assets.orchestration.private_api import CachingStaleStatusResolver, LoadingContextForTest, StaleStatus
+from gguf_assets.orchestration.resume import resume_decision
 
 pytestmark = pytest.mark.slow  # whole pipelines: excluded from the fast loop (-m 'not slow')
 

@@ -12,9 +12,12 @@ import threading
 import time
 from collections.abc import Callable
 from importlib import metadata
+from typing import TYPE_CHECKING
 
 import psutil
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +29,8 @@ SAMPLE_INTERVAL_S = 2.0
 
 def resolve_device(setting: str) -> torch.device:
     """'auto' picks the first CUDA device when there is one, else the CPU."""
+    import torch  # here, not above: every Dagster process (webserver, daemon, code server) imports this module
+
     if setting == "auto":
         return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
     if setting.startswith("cuda") and not torch.cuda.is_available():

@@ -7,8 +7,8 @@ import time
 import dagster as dg
 import pytest
 
-from gguf_assets.lib.core import atomic
-from gguf_assets.runner import run_pipeline, split_range
+from gguf_assets.orchestration.launching import run_pipeline
+from gguf_assets.orchestration.plan import split_range
 
 
 def test_split_range_is_contiguous_and_complete():
@@ -19,38 +19,27 @@ def test_split_range_is_contiguous_and_complete():
 
 
 @pytest.mark.slow  # a whole pipeline or subprocesses
-def test_two_workers_give_byte_identical_shards(make_project):
-    changes = dict(steps=5, corpus={"train_prompts": 400}, precompute={"shard_size": 50})
-    serial, parallel = make_project(**changes), make_project(**changes)
-    start = time.perf_counter()
-    run_pipeline(serial, echo=lambda _: None)
-    serial_s = time.perf_counter() - start
+def test_two_workers_give_byte_identical_shards(make_project, reference_run):
+    """`run --workers 2`: the train shards as two Dagster runs of their own (each in its own process), and every
+    output byte-identical to the reference pipeline's single run."""
+    from conftest import FAULT_SETTINGS, pipeline_outputs
+
+    parallel = make_project(**FAULT_SETTINGS)
     start = time.perf_counter()
     run_pipeline(parallel, echo=lambda _: None, workers=2)
-    parallel_s = time.perf_counter() - start
-    print(f"whole pipeline: serial {serial_s:.1f}s, 2 workers {parallel_s:.1f}s")
-
-    files = sorted(p.relative_to(serial.root) for p in serial.root.glob("shards/*/*/*") if p.is_file())
-    assert len(files) == 5 * (8 + 1)  # prompts, 2 halves, 2 sidecars per shard
-    for rel in files:
-        if rel.suffix == ".json" and rel.name != "prompts.jsonl":
-            # The records match but for the time taken and each file's mtime and inode (the disk's facts).
-            local = ("seconds", "mtime_ns", "inode")
-            a, b = atomic.read_json(serial.root / rel), atomic.read_json(parallel.root / rel)
-            assert {k: v for k, v in a.items() if k not in local} == {k: v for k, v in b.items() if k not in local}
-        else:
-            assert (serial.root / rel).read_bytes() == (parallel.root / rel).read_bytes(), rel
+    print(f"whole pipeline: 2 workers {time.perf_counter() - start:.1f}s, serial {reference_run[1]:.1f}s (a CLI run)")
+    assert pipeline_outputs(parallel.root) == reference_run[0]
     # Two separate runs covered the train shards, and every partition is recorded.
     instance = dg.DagsterInstance.get()
-    from gguf_assets.defs.run_tags import PID_TAG, RANGE_START_TAG, WORKER_TAG
+    from gguf_assets.orchestration.run_tags import PID_TAG, RANGE_START_TAG, WORKER_TAG
 
     worker_runs = [r.dagster_run for r in instance.get_run_records() if WORKER_TAG in r.dagster_run.tags]
     # Two train ranges ran as worker runs of the named job, each in its own process; the single
     # val shard needs no split.
-    assert sorted(r.tags[RANGE_START_TAG] for r in worker_runs) == ["00000", "00004"]
+    assert sorted(r.tags[RANGE_START_TAG] for r in worker_runs) == ["00000", "00002"]
     assert {r.job_name for r in worker_runs} == {"precompute_train_shards"}
     assert len({r.tags[PID_TAG] for r in worker_runs} | {str(os.getpid())}) == 3
-    assert len(instance.get_materialized_partitions(dg.AssetKey("train_shards"))) == 8
+    assert len(instance.get_materialized_partitions(dg.AssetKey("train_shards"))) == 4
 
 
 @pytest.mark.slow  # a whole pipeline or subprocesses
@@ -104,7 +93,7 @@ def test_a_killed_worker_is_named_with_its_shard_and_the_next_run_continues(make
 
     from conftest import CLI, FAULT_SETTINGS, cli_env, pipeline_outputs, project_instance, wait_for
 
-    from gguf_assets.defs import run_tags
+    from gguf_assets.orchestration import run_tags
 
     paths = make_project(**FAULT_SETTINGS)
     proc = subprocess.Popen([*CLI, "run", str(paths.root), "--workers", "2"], stdout=subprocess.PIPE,

@@ -7,11 +7,11 @@ password, and no path, so the folder can live on shared storage mounted anywhere
 project: the shard partitions and the run history are the project's own.
 
 With `celery_broker_env` as well, runs execute on Celery workers (`gguf-trainer worker DIR` on each
-machine, defs/cluster_workers.py) through dagster-celery's run launcher, with a Redis broker and
+machine, orchestration/cluster_workers.py) through dagster-celery's run launcher, with a Redis broker and
 result backend at the URL in that variable.
 
 `gguf-trainer cluster DIR --postgres-url-env NAME [--celery-broker-env NAME]` writes it;
-runner.prepare_instance renders the instance config (<project>/.dagster/dagster.yaml) from it on every
+orchestration.instance.prepare_instance renders the instance config (<project>/.dagster/dagster.yaml) from it on every
 start.
 """
 
@@ -38,10 +38,12 @@ CPU_QUEUE = "cpu"
 QUEUES = (GPU_QUEUE, CPU_QUEUE)
 QUEUE_TAG = "dagster-celery/queue"
 # How long a cluster's Postgres or Redis may be away (a restart, a failover) before a storage call, or `run`
-# following the workers, gives up with one line: defs/cluster_workers.py (the storage), runner.through_outages.
+# following the workers, gives up with one line: orchestration/cluster_workers.py (the storage),
+# orchestration/outages.py.
 OUTAGE_S = 120.0
-# The instance's storage classes on a cluster: dagster-postgres's, riding out a restart (defs/cluster_workers.py).
-STORAGE_MODULE = "gguf_assets.defs.cluster_workers"
+# The instance's storage classes on a cluster: dagster-postgres's, riding out a restart
+# (orchestration/cluster_workers.py).
+STORAGE_MODULE = "gguf_assets.orchestration.cluster_workers"
 STORAGE_CLASSES = {"run_storage": "RidingOutRunStorage", "event_log_storage": "RidingOutEventLogStorage",
                    "schedule_storage": "RidingOutScheduleStorage"}
 _ENV_NAME = re.compile(r"^[A-Z_][A-Z0-9_]*$")
@@ -118,7 +120,7 @@ def instance_config(template: str, cluster: ClusterSettings | None) -> str:
         _need_env(cluster.celery_broker_env, "runs its work on Celery workers, with the broker", "redis://host:6379/0")
         # The broker doubles as the result backend: the workers' task states are what the health check reads.
         config += ("# Runs execute on Celery workers (`gguf-trainer worker DIR`): docs/cluster.md.\n"
-                   "run_launcher:\n  module: gguf_assets.defs.cluster_workers\n  class: ClusterRunLauncher\n"
+                   "run_launcher:\n  module: gguf_assets.orchestration.cluster_workers\n  class: ClusterRunLauncher\n"
                    f"  config:\n    broker:\n      env: {cluster.celery_broker_env}\n"
                    f"    backend:\n      env: {cluster.celery_broker_env}\n    default_queue: gpu\n")
     return config

@@ -9,44 +9,26 @@ Screenshots of each page go to test-artifacts/.
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import urllib.request
 from pathlib import Path
 
 import pytest
+from browser import CHROMIUM, CHROMIUM_ARGS, need_browser
 from conftest import free_port, stop_with_ctrl_c, wait_http
 
 from gguf_assets.defs.groups import lineage_path
-from gguf_assets.runner import run_pipeline
+from gguf_assets.orchestration.launching import run_pipeline
 
 pytestmark = pytest.mark.slow  # whole pipelines: excluded from the fast loop (-m 'not slow')
 
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
 ASSETS = ("materials", "corpus", "train_shards", "val_shards", "adapter", "gguf", "eval_report")
 JOBS = ("materials_and_corpus", "precompute_train_shards", "precompute_val_shards", "train_export_evaluate")
-# Flags for a sandboxed, offline machine: without the background-networking ones Chromium
-# keeps trying to reach Google's hosts.
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-
-
-def _need_browser():
-    missing = not Path(CHROMIUM).exists()
-    try:
-        import playwright.sync_api  # noqa: F401
-    except ImportError:
-        missing = True
-    if missing:
-        if os.environ.get("CI"):
-            pytest.fail("CI must install Debian's chromium and the playwright package (see .ci/run)")
-        pytest.skip("chromium or playwright not installed (CI installs them)")
-
 
 def test_ui_shows_graph_report_and_plots_then_stops_on_ctrl_c(make_project):
-    _need_browser()
+    need_browser()
     from playwright.sync_api import sync_playwright
 
     paths = make_project(steps=40, mock_teacher=True, training={"log_every": 5, "validate_every": 10})

@@ -5,7 +5,8 @@ environment, working folder and HOME, and each mounting the project folder at a 
 kill -9 of one worker in the middle of a shard: the pipeline plans that shard again, the other
 worker (or the restarted one) computes it, and the results are byte-identical to a single-machine
 run; a second delivery of a run's task meanwhile is dropped. No URL, worker path or host name lands in
-the project folder. Restarts and outages of Postgres and Redis during the shards, the training and the
+the project folder, and every record is in Postgres (none in SQLite; a second run finds everything current there).
+Restarts and outages of Postgres and Redis during the shards, the training and the
 GGUF export are ridden out, byte-identical too.
 """
 
@@ -82,8 +83,8 @@ def _deliver_again(redis_url: str, run) -> None:
     from dagster_celery.tags import DAGSTER_CELERY_TASK_ID_TAG
     from dagster_celery.tasks import create_execute_job_task
 
-    from gguf_assets.defs.cluster_workers import ClusterRunLauncher
-    from gguf_assets.defs.private_api import ExecuteRunArgs, pack_value
+    from gguf_assets.orchestration.cluster_workers import ClusterRunLauncher
+    from gguf_assets.orchestration.private_api import ExecuteRunArgs, pack_value
 
     app = ClusterRunLauncher(broker=redis_url, backend=redis_url, default_queue="gpu").celery
     args = ExecuteRunArgs(job_origin=run.job_code_origin, run_id=run.run_id, instance_ref=None,
@@ -104,12 +105,17 @@ def test_two_workers_run_the_pipeline_and_a_killed_worker_s_shards_are_done_agai
                                                                                    servers, tmp_path, monkeypatch):
     import dagster as dg
 
-    from gguf_assets.defs import run_tags
+    from gguf_assets.orchestration import run_tags
 
     paths = make_project(**FAULT_SETTINGS)
     done = subprocess.run([*CLI, "cluster", str(paths.root), "--celery-broker-env", REDIS_ENV], capture_output=True,
                           text=True, env=cli_env(), timeout=60)
     assert done.returncode == 0 and f"export {REDIS_ENV}=" in done.stdout and "worker" in done.stdout, done.stdout
+    # Without the URLs in the environment: one clear line, nothing started.
+    refused = subprocess.run([*CLI, "run", str(paths.root)], capture_output=True, text=True, env=cli_env(),
+                             timeout=120)
+    assert refused.returncode == 2 and f"${PG_ENV}, which is not set" in refused.stderr, refused.stderr
+    assert not paths.materials_manifest.exists()
 
     # Worker a stalls at its first shard write: the kill lands in the middle of a shard.
     a = Worker(tmp_path / "host-a", paths.root, servers, "gguf-a", GGUF_ASSETS_FAULT="shard-write@1:stall:120").start()
@@ -166,6 +172,11 @@ def test_two_workers_run_the_pipeline_and_a_killed_worker_s_shards_are_done_agai
     assert {name.split("@")[0] for name in workers_of.values()} == {"gguf-a", "gguf-b"}, workers_of
     assert {r.job_name for r in runs} == {"materials_and_corpus", "precompute_train_shards", "precompute_val_shards",
                                           "train_export_evaluate"}
+    assert not (paths.dagster_home / "history" / "runs.db").exists()  # every record went to Postgres, none to SQLite
+    # A second run finds everything current, from the records in Postgres: no new run.
+    again = subprocess.run([*CLI, "run", str(paths.root)], capture_output=True, text=True, env=cli_env(**servers),
+                           timeout=300)
+    assert again.returncode == 0 and len(instance.get_runs()) == len(runs), again.stdout + again.stderr
 
     # Nothing of a worker's: no URL, no mount path or folder, no host name, no worker name.
     secrets = [*servers.values(), str(tmp_path / "host-a"), str(tmp_path / "host-b"), "gguf-a@", "gguf-b@"]
@@ -212,7 +223,7 @@ def test_redis_and_postgres_restarts_then_ctrl_c_leave_the_run_going_and_the_nex
     dagster-postgres's own retries: byte-identical to a single-machine run."""
     import dagster as dg
 
-    from gguf_assets.defs import run_tags
+    from gguf_assets.orchestration import run_tags
 
     with postgres_server(tmp_path / "postgres", free_port()) as pg, \
             redis_server(tmp_path / "redis", free_port(), persist=True) as redis:
@@ -277,7 +288,7 @@ def test_redis_and_postgres_restarts_then_ctrl_c_leave_the_run_going_and_the_nex
 # A Celery worker of the cluster's own app (its settings, its argv) with one task that sleeps.
 SLEEPER = """
 import sys, time
-from gguf_assets.defs.cluster_workers import ClusterRunLauncher, worker_argv
+from gguf_assets.orchestration.cluster_workers import ClusterRunLauncher, worker_argv
 app = ClusterRunLauncher(broker=sys.argv[1], backend=sys.argv[1], default_queue="gpu").celery
 @app.task(name="sleep", track_started=True)
 def sleep(seconds):
@@ -292,15 +303,16 @@ def test_a_run_on_another_machine_is_judged_by_pinging_its_celery_worker(tmp_pat
     import dagster as dg
     from dagster_celery.tags import DAGSTER_CELERY_TASK_ID_TAG
 
-    from gguf_assets.defs import run_tags
-    from gguf_assets.defs.resume import mark_interrupted_runs
+    from gguf_assets.orchestration import run_tags
+    from gguf_assets.orchestration.resume import mark_interrupted_runs
 
     with redis_server(tmp_path / "redis", free_port()) as redis:
         worker = subprocess.Popen([CLI[0], "-c", SLEEPER, redis.url], stdout=subprocess.DEVNULL,
                                   stderr=subprocess.DEVNULL, start_new_session=True)
         try:
             wait_for(lambda: "sleeper" in _answering(redis.url), timeout=60, what="the worker", proc=worker)
-            overrides = {"run_launcher": {"module": "gguf_assets.defs.cluster_workers", "class": "ClusterRunLauncher",
+            overrides = {"run_launcher": {"module": "gguf_assets.orchestration.cluster_workers",
+                                          "class": "ClusterRunLauncher",
                                           "config": {"broker": redis.url, "backend": redis.url,
                                                      "default_queue": "gpu"}}}
             (tmp_path / "home").mkdir()

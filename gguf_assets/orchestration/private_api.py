@@ -30,7 +30,7 @@ why pyproject.toml pins ``dagster<1.14``.
 - ``CachingStaleStatusResolver``, ``StaleStatus``, ``LoadingContextForTest``: the tests read the
   UI's stale marks with the resolver the webserver draws them with.
 - ``ASSET_EVENTS``, ``ASSET_CHECK_EVENTS``, ``SqlEventLogStorageTable``, ``RunTagsTable``,
-  ``serialize_value``: the cluster's Postgres storage rides out a restart (defs/cluster_workers.py): an event
+  ``serialize_value``: the cluster's Postgres storage rides out a restart (orchestration/cluster_workers.py): an event
   whose insert went through before the connection broke is found by its serialized body and not stored twice,
   with only its asset index redone; a run's tag rows that a broken first try left half written are completed.
   dagster-postgres has no retry of its own past opening a connection (docs/cluster.md).
@@ -39,8 +39,8 @@ why pyproject.toml pins ``dagster<1.14``.
   dropped), which needs the same body dagster-celery calls. ``pack_value``: its test redelivers a task as the
   launcher packs it.
 - ``CheckRunHealthResult``, ``WorkerStatus``: a run launcher's worker health check (run monitoring's
-  own interface), which the cluster's launcher answers (defs/cluster_workers.py) and the
-  interrupted-runs check asks about a run on another machine (defs/resume.py).
+  own interface), which the cluster's launcher answers (orchestration/cluster_workers.py) and the
+  interrupted-runs check asks about a run on another machine (orchestration/resume.py).
 """
 
 from dagster._cli.api import _execute_run_command_body

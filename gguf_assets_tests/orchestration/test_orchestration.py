@@ -19,7 +19,7 @@ import pytest
 from conftest import CLI, FAULT_SETTINGS, cli_env, pipeline_outputs, project_instance, wait_for
 from test_console import assert_clean_console
 
-from gguf_assets.defs.run_tags import PID_TAG
+from gguf_assets.orchestration.run_tags import PID_TAG
 
 pytestmark = pytest.mark.slow
 
@@ -84,7 +84,7 @@ def test_sigterm_then_kill9_then_a_plain_run_is_byte_identical(make_project, ref
     assert "continues from there" in out.splitlines()[-1] or "continues from there" in out
     assert not _runs(paths, dg.DagsterRunStatus.STARTED), "a stopped run must not stay STARTED"
     # Stopped on purpose: resumable, but the daemon leaves it until the user asks.
-    from gguf_assets.defs.resume import resume_decision
+    from gguf_assets.orchestration.resume import resume_decision
 
     assert "stopped on purpose" in resume_decision(_instance(paths)).skip_message
 
@@ -150,9 +150,10 @@ def test_daemon_alone_resumes_a_killed_pipeline_and_its_runs_are_never_reaped_al
 
 def test_the_daemon_leaves_work_made_stale_by_a_settings_edit_alone(make_project):
     """After an edit of project.yaml, the resume sensor says why it waits instead of retraining."""
-    from gguf_assets.defs.resume import resume_decision
     from gguf_assets.lib.project.settings import load_settings, replace, write_project_file
-    from gguf_assets.runner import prepare_instance, run_pipeline
+    from gguf_assets.orchestration.instance import prepare_instance
+    from gguf_assets.orchestration.launching import run_pipeline
+    from gguf_assets.orchestration.resume import resume_decision
 
     paths = make_project(steps=5, mock_teacher=True)
     prepare_instance(paths)
@@ -174,7 +175,7 @@ def test_the_daemon_leaves_work_made_stale_by_a_settings_edit_alone(make_project
 def test_a_copied_project_is_independent_of_its_original(make_project):
     """`cp -a` a finished project: nothing in the copy names the original, and running, editing or
     deleting in the copy never reads or writes the original."""
-    from gguf_assets.runner import run_pipeline
+    from gguf_assets.orchestration.launching import run_pipeline
 
     original = make_project(steps=5, mock_teacher=True)
     run_pipeline(original, echo=lambda _: None)
@@ -219,7 +220,7 @@ def test_the_documented_dagster_cli_commands_work(make_project):
     """README's Dagster CLI section: `eval "$(gguf-trainer env DIR)"`, then `dagster asset materialize`
     of one asset and of one shard partition, as named jobs' runs on the project's own instance."""
     from gguf_assets.lib.core import atomic
-    from gguf_assets.runner import run_pipeline
+    from gguf_assets.orchestration.launching import run_pipeline
 
     paths = make_project(steps=5, mock_teacher=True)
     run_pipeline(paths, echo=lambda _: None)

@@ -24,9 +24,9 @@ def test_sensor_marks_cut_off_runs_failed_and_frees_their_gpu_slots(tmp_path):
     reboot, is failed with the reason and its `gpu` slot freed; a live run is left alone."""
     from conftest import create_run_with_status
 
-    from gguf_assets.defs.resume import interrupted_runs_sensor
-    from gguf_assets.defs.run_tags import BOOT_TAG, PID_TAG
+    from gguf_assets.defs.sensors import interrupted_runs_sensor
     from gguf_assets.lib.core.liveness import boot_id
+    from gguf_assets.orchestration.run_tags import BOOT_TAG, PID_TAG
 
     gone = subprocess.Popen(["true"])
     gone.wait()
@@ -78,8 +78,8 @@ def test_auto_resume_serves_the_ui_and_its_daemon_fails_runs_cut_off_later(make_
     import psutil
     from conftest import create_run_with_status
 
-    from gguf_assets.defs.run_tags import BOOT_TAG, PID_TAG
     from gguf_assets.lib.core.liveness import boot_id
+    from gguf_assets.orchestration.run_tags import BOOT_TAG, PID_TAG
 
     paths = make_project(steps=5, mock_teacher=True)
     port = free_port()
@@ -131,13 +131,13 @@ def _status(paths):
 def test_a_stop_between_two_runs_still_tells_the_daemon_to_leave_the_pipeline(make_project, monkeypatch):
     """Ctrl-C that lands after a run succeeded and before the next starts: the latest run is tagged
     stopped, so the resume sensor waits for the user instead of starting the next job."""
-    from gguf_assets import runner
-    from gguf_assets.defs.resume import resume_decision
-    from gguf_assets.defs.run_tags import STOPPED_TAG
-    from gguf_assets.runner import run_pipeline
+    from gguf_assets.orchestration import launching
+    from gguf_assets.orchestration.launching import run_pipeline
+    from gguf_assets.orchestration.resume import resume_decision
+    from gguf_assets.orchestration.run_tags import STOPPED_TAG
 
     paths = make_project(steps=5, mock_teacher=True)
-    real_next_work, calls = runner.next_work, []
+    real_next_work, calls = launching.next_work, []
 
     def stop_before_the_second_job(*args, **kwargs):
         calls.append(1)
@@ -145,7 +145,7 @@ def test_a_stop_between_two_runs_still_tells_the_daemon_to_leave_the_pipeline(ma
             raise KeyboardInterrupt
         return real_next_work(*args, **kwargs)
 
-    monkeypatch.setattr(runner, "next_work", stop_before_the_second_job)
+    monkeypatch.setattr(launching, "next_work", stop_before_the_second_job)
     with pytest.raises(KeyboardInterrupt):
         run_pipeline(paths, echo=lambda _: None)
     instance = project_instance(paths)

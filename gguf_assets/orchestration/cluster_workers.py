@@ -45,8 +45,8 @@ from dagster_celery.tags import DAGSTER_CELERY_QUEUE_TAG, DAGSTER_CELERY_TASK_ID
 from dagster_postgres import PostgresEventLogStorage, PostgresRunStorage, PostgresScheduleStorage
 from dagster_postgres.utils import DagsterPostgresException, get_token_provider_from_config, pg_url_from_config
 
-from gguf_assets.cluster import OUTAGE_S, QUEUE_TAG, STORAGE_CLASSES
-from gguf_assets.defs.private_api import (
+from gguf_assets.orchestration.cluster import OUTAGE_S, QUEUE_TAG, STORAGE_CLASSES
+from gguf_assets.orchestration.private_api import (
     ASSET_CHECK_EVENTS,
     ASSET_EVENTS,
     CheckRunHealthResult,
@@ -56,7 +56,7 @@ from gguf_assets.defs.private_api import (
     serialize_value,
 )
 
-assert QUEUE_TAG == DAGSTER_CELERY_QUEUE_TAG, "dagster-celery renamed its queue tag: update gguf_assets.cluster"
+assert QUEUE_TAG == DAGSTER_CELERY_QUEUE_TAG, "dagster-celery renamed its queue tag: update orchestration/cluster.py"
 PING_TIMEOUT_S = 5.0
 
 # Celery settings for runs that take hours. Late acknowledgement with a prefetch of one: a worker
@@ -169,7 +169,7 @@ def _execute_job_task(app):
     from celery.exceptions import Ignore
     from dagster_celery.config import TASK_EXECUTE_JOB_NAME
 
-    from gguf_assets.defs.private_api import ExecuteRunArgs, _execute_run_command_body, unpack_value
+    from gguf_assets.orchestration.private_api import ExecuteRunArgs, _execute_run_command_body, unpack_value
 
     startable = (dg.DagsterRunStatus.NOT_STARTED, dg.DagsterRunStatus.STARTING)
 

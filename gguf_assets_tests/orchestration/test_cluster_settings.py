@@ -7,7 +7,13 @@ import pytest
 import yaml
 
 from gguf_assets.cli import main
-from gguf_assets.cluster import ClusterError, ClusterSettings, instance_config, load_cluster, write_cluster
+from gguf_assets.orchestration.cluster import (
+    ClusterError,
+    ClusterSettings,
+    instance_config,
+    load_cluster,
+    write_cluster,
+)
 
 TEMPLATE = "storage:\n  sqlite:\n    base_dir:\n      env: DAGSTER_HOME\ntelemetry:\n  enabled: false\n"
 

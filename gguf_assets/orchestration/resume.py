@@ -1,4 +1,5 @@
-"""Interrupted runs: find runs left STARTED by a reboot or a kill -9, mark them failed, free their slots.
+"""Interrupted runs and resuming: find runs left STARTED by a reboot or a kill -9, mark them failed, free their
+slots; and what the daemon resumes next (the sensors in defs/sensors.py ask ``resume_decision``).
 
 Under the default run launcher such a run stays STARTED forever and counts against the `gpu`
 pool, so the run queue would hold the next GPU run forever. Every job runs in-process, and
@@ -13,10 +14,10 @@ import os
 import dagster as dg
 import psutil
 
-from gguf_assets.defs import run_tags
-from gguf_assets.defs.run_tags import INTERRUPTED_TAG, PIPELINE_TAG, SETTINGS_TAG, STOPPED_TAG
 from gguf_assets.lib.core.liveness import holder_is_gone, machine_id
 from gguf_assets.lib.project import settings_history
+from gguf_assets.orchestration import run_tags
+from gguf_assets.orchestration.run_tags import INTERRUPTED_TAG, PIPELINE_TAG, SETTINGS_TAG, STOPPED_TAG
 
 ACTIVE = [dg.DagsterRunStatus.STARTED, dg.DagsterRunStatus.STARTING, dg.DagsterRunStatus.CANCELING]
 
@@ -44,7 +45,7 @@ def _is_cut_off(record, instance: dg.DagsterInstance) -> str | None:
 
 def _worker_lost(instance: dg.DagsterInstance, run: dg.DagsterRun) -> str | None:
     """A run on another machine: the run launcher's worker health check (run monitoring's) decides."""
-    from gguf_assets.defs.private_api import WorkerStatus
+    from gguf_assets.orchestration.private_api import WorkerStatus
 
     launcher = instance.run_launcher
     if not launcher.supports_check_run_worker_health:
@@ -70,21 +71,6 @@ def mark_interrupted_runs(instance: dg.DagsterInstance) -> list[str]:
     return marked
 
 
-def _mark_and_report(context: dg.SensorEvaluationContext) -> dg.SkipReason:
-    marked = mark_interrupted_runs(context.instance)
-    return dg.SkipReason(f"marked {len(marked)} interrupted run(s) as failed: {marked}" if marked
-                         else "no interrupted runs")
-
-
-def interrupted_runs_sensor(*, running: bool = True) -> dg.SensorDefinition:
-    """The sensor; it runs by default when the project's output.auto_resume is true, and can be
-    switched on in the UI otherwise."""
-    return dg.SensorDefinition(
-        name="interrupted_runs_sensor", evaluation_fn=_mark_and_report, minimum_interval_seconds=sensor_interval_s(),
-        default_status=dg.DefaultSensorStatus.RUNNING if running else dg.DefaultSensorStatus.STOPPED,
-        description="Marks runs cut off by a reboot or a kill -9 as failed and frees their gpu pool slots.")
-
-
 # How often the daemon looks for work to resume and for cut-off runs (seconds).
 SENSOR_INTERVAL_ENV = "GGUF_ASSETS_SENSOR_INTERVAL_S"
 WAITING = [dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.NOT_STARTED, *ACTIVE]
@@ -103,11 +89,11 @@ def resume_decision(instance: dg.DagsterInstance) -> dg.RunRequest | dg.SkipReas
     """
     from gguf_assets.defs.environment import project_dir_from_env
     from gguf_assets.defs.jobs import CONSOLE
-    from gguf_assets.defs.plan import next_work
     from gguf_assets.defs.settings import observe_settings
     from gguf_assets.lib.core.lock import is_locked
     from gguf_assets.lib.project.layout import ProjectPaths
     from gguf_assets.lib.project.settings import SettingsError, load_settings
+    from gguf_assets.orchestration.plan import next_work
 
     marked = mark_interrupted_runs(instance)
     folder = project_dir_from_env()
@@ -148,15 +134,3 @@ def resume_decision(instance: dg.DagsterInstance) -> dg.RunRequest | dg.SkipReas
     settings_history.remember(paths.root, settings)  # the run loads its settings by the tag's hash
     return dg.RunRequest(job_name=work.job, asset_selection=[dg.AssetKey(a) for a in work.assets],
                          tags=work.tags(settings), run_config=CONSOLE)
-
-
-def resume_sensor(*, running: bool = True) -> dg.SensorDefinition:
-    """Resumes the project's pipeline by itself after a kill -9 or a reboot (with only the daemon running)."""
-    from gguf_assets.defs.jobs import JOBS
-
-    return dg.SensorDefinition(
-        name="resume_pipeline_sensor", evaluation_fn=lambda context: resume_decision(context.instance),
-        minimum_interval_seconds=sensor_interval_s(), jobs=JOBS,
-        default_status=dg.DefaultSensorStatus.RUNNING if running else dg.DefaultSensorStatus.STOPPED,
-        description="Finishes a pipeline cut off by a kill -9 or a reboot, and materializes what is missing, one "
-                    "named job at a time. Work made stale by a settings edit waits for you.")

@@ -16,11 +16,12 @@ from importlib import metadata
 
 import dagster as dg
 import pytest
+from browser import CHROMIUM, CHROMIUM_ARGS, need_browser
 from conftest import CLI, cli_env, copy_project, free_port, project_instance, stop_with_ctrl_c, wait_for, wait_http
-from test_ui_browser import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS, _need_browser
+from test_ui_browser import ARTIFACTS
 
 from gguf_assets.lib.core import atomic
-from gguf_assets.runner import instance_env
+from gguf_assets.orchestration.instance import instance_env
 
 pytestmark = pytest.mark.slow  # a UI, a browser and a pipeline run
 
@@ -52,7 +53,7 @@ def _shot(page, panel: str, name: str) -> None:
 
 def test_studio_edits_settings_in_its_form_runs_stops_resumes_and_shows_the_result(finished_project, tmp_path,
                                                                                      monkeypatch):
-    _need_browser()
+    need_browser()
     from playwright.sync_api import sync_playwright
 
     paths = copy_project(finished_project[0], tmp_path / "copy")
@@ -79,6 +80,7 @@ def test_studio_edits_settings_in_its_form_runs_stops_resumes_and_shows_the_resu
                                           permissions=["clipboard-read", "clipboard-write"])
             page = context.new_page()
             page.goto(studio)
+            page.click("#open-all")  # every panel and settings group (below the first screen, most start folded)
             assert {state for state, _ in _rows(page).values()} == {"current"} and len(_rows(page)) == 7
             assert page.locator("#verdict").inner_text() == report["verdict"]
             assert page.locator("#gguf-path").inner_text() == str(paths.located(report["gguf_path"]))
@@ -126,16 +128,25 @@ def test_studio_edits_settings_in_its_form_runs_stops_resumes_and_shows_the_resu
             page.click("#apply-preset")
             wait_for(lambda: steps.input_value() == "2000", timeout=10, what="the preset in the form")
             assert validate_every.input_value() == "250" and paths.project_file.read_text() == before
-            # A value out of bounds is refused as the CLI refuses it: file:line, key, the bound; nothing written.
+            # A value out of bounds is refused on its field, in the CLI's words; nothing is sent or written.
             steps.fill("0")
+            page.click("#save-form")
+            assert steps.get_attribute("aria-invalid") == "true"
+            assert page.locator('[id="error-training.steps"]').inner_text() == "must be >= 1"
+            assert page.locator("#form-message").inner_text() == "not saved: training.steps = '0' must be >= 1"
+            assert paths.project_file.read_text() == before
+            # A rule across keys is refused as the CLI refuses it: file:line, key, the rule; nothing written.
+            steps.fill("60")
+            heads = page.locator('[data-key="training.heads"]')
+            heads.fill("7")
             page.click("#save-form")
             wait_for(lambda: page.locator("#form-message").inner_text().startswith(f"{paths.project_file}:"),
                      timeout=10, what="the form's answer")
-            line = before.splitlines().index("  steps: 40") + 1
+            line = before.splitlines().index("  heads: 4") + 1
             refusal = page.locator("#form-message").inner_text()
-            assert refusal.startswith(f"{paths.project_file}:{line}: training.steps = 0 must be >= 1"), refusal
-            assert paths.project_file.read_text() == before
-            steps.fill("60")
+            assert refusal == f"{paths.project_file}:{line}: training.heads heads (7) must divide width (64)", refusal
+            assert heads.get_attribute("aria-invalid") == "true" and paths.project_file.read_text() == before
+            heads.fill("4")  # back to the file's value: not a change
             validate_every.fill("20")  # back to the file's value: not a change
             page.click("#save-form")
             wait_for(lambda: page.locator("#form-message").inner_text().startswith("saved"), timeout=10,

@@ -23,7 +23,8 @@ from safetensors.torch import load as safetensors_load
 from gguf_assets.lib.core import atomic, faults
 from gguf_assets.lib.materials.hub import INCOMPLETE_SUFFIX, HubOptions
 from gguf_assets.lib.project.layout import STATE_FILE
-from gguf_assets.runner import PipelineFailed, run_pipeline
+from gguf_assets.orchestration.launching import run_pipeline
+from gguf_assets.orchestration.outages import PipelineFailed
 
 pytestmark = pytest.mark.slow  # whole pipelines: excluded from the fast loop (-m 'not slow')
 

@@ -1,0 +1,153 @@
+"""The long-running servers `gguf-trainer ui` and `auto-resume` start (the studio, Dagster's webserver behind the
+studio's guard, TensorBoard, dagster-daemon): their commands, starting them in sessions of their own, watching them,
+and stopping them all on Ctrl-C or when one ends."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from gguf_assets import DEFINITIONS_MODULE
+from gguf_assets.lib.core.commands import venv_tool
+from gguf_assets.lib.core.errors import UserError
+from gguf_assets.lib.project.layout import ProjectPaths
+from gguf_assets.lib.telemetry.curves_log import TENSORBOARD_DIR
+
+SERVICES_LOCK = "services.lock"  # in <project>/.dagster: held while the project's studio, Dagster UI or daemon run
+
+
+def studio_command(paths: ProjectPaths, host: str, port: int, *, dagster_url: str,
+                   tensorboard_url: str, allow_hosts: list[str] = ()) -> list[str]:
+    return [sys.executable, "-m", "gguf_assets.studio", str(paths.root), "--host", host, "--port", str(port),
+            "--dagster-url", dagster_url, "--tensorboard-url", tensorboard_url, *_allow_host_args(allow_hosts)]
+
+
+def tensorboard_command(paths: ProjectPaths, host: str, port: int, allow_hosts: list[str] = ()) -> list[str]:
+    """TensorBoard behind the studio's guard (the Host allow-list)."""
+    return [sys.executable, "-m", "gguf_assets.studio.tensorboard", "--logdir", str(paths.root / TENSORBOARD_DIR),
+            "--host", host, "--port", str(port), *_allow_host_args(allow_hosts)]
+
+
+def start_services(commands: list[list[str]], *, log_file: Path | None = None,
+                   keep_fds: tuple[int, ...] = ()) -> list[subprocess.Popen]:
+    """Start long-running processes, each in its own session so a stop reaches its children.
+
+    With ``log_file`` their output goes there instead of the console. ``keep_fds``: open files they inherit (the
+    services lock, held for as long as any of them runs).
+    """
+    out = open(log_file, "ab") if log_file else None  # noqa: SIM115  (the children keep it open)
+    started: list[subprocess.Popen] = []
+    try:
+        for cmd in commands:
+            started.append(subprocess.Popen(cmd, env=os.environ.copy(), start_new_session=True, stdout=out,
+                                            stderr=subprocess.STDOUT if out else None, pass_fds=keep_fds))
+        return started
+    except BaseException:  # one that cannot start: none of this call's keeps running unseen
+        stop_services(started)
+        raise
+    finally:
+        if out:
+            out.close()
+
+
+class StopSignals:
+    """Ctrl-C and SIGTERM noted instead of raised, from entering on: a stop that comes while services are being
+    started cannot leave one running that the starter never heard of."""
+
+    def __enter__(self) -> "StopSignals":
+        self.signal: int | None = None
+        self._previous = {sig: signal.signal(sig, self._note) for sig in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def _note(self, signum, _frame) -> None:
+        self.signal = signum
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def supervise(procs: list[subprocess.Popen], *, grace_s: float = 10.0, stop: StopSignals | None = None) -> int:
+    """Wait until one process exits or we get Ctrl-C/SIGTERM; then stop them all promptly.
+
+    Each child gets SIGTERM, then SIGKILL after ``grace_s`` (dagster dev was seen ignoring
+    SIGTERM for over a minute, so the webserver and daemon are run and stopped directly).
+    ``stop``: the caller's, when it noted signals already while it started ``procs``.
+    """
+    with contextlib.ExitStack() as stack:
+        stop = stop or stack.enter_context(StopSignals())
+        try:
+            while stop.signal is None and all(p.poll() is None for p in procs):
+                time.sleep(0.2)
+            ended = next((p for p in procs if p.returncode is not None), None)
+            if stop.signal is None and ended is not None:
+                print(f"{_service_name(ended.args)} stopped ({_how_it_ended(ended.returncode)}); stopping the rest",
+                      flush=True)
+        finally:
+            stop_services(procs, grace_s=grace_s)
+    if stop.signal is not None:
+        return 0
+    # A service stopped by a signal (systemd's SIGTERM, a kill) was stopped on purpose; a crash is an error.
+    return max((p.returncode or 0) if (p.returncode or 0) > 0 else 0 for p in procs)
+
+
+def _service_name(command: list[str]) -> str:
+    """`dagster-daemon`, or the module of a `python -m gguf_assets.studio.dagster_ui` service."""
+    return command[2] if len(command) > 2 and command[1] == "-m" else Path(command[0]).name
+
+
+def _how_it_ended(returncode: int) -> str:
+    if returncode < 0:
+        return f"by {signal.Signals(-returncode).name}"
+    return "exit code 0" if returncode == 0 else f"exit code {returncode}"
+
+
+def stop_services(procs: list[subprocess.Popen], *, grace_s: float = 10.0) -> None:
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+class PortTaken(UserError):
+    """A port the UI needs is already in use."""
+
+
+def check_ports_free(host: str, ports: dict[str, int]) -> None:
+    """Refuse at once when a port is taken: the server would exit after printing its address, and the user
+    would browse whatever holds the port (another project's UI)."""
+    import socket
+
+    for option, port in ports.items():
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+            try:
+                probe.bind((host, port))
+            except OSError as exc:
+                raise PortTaken(f"{host}:{port} is already in use ({exc.strerror}): another `gguf-trainer ui` "
+                                f"or Dagster may be serving there. Choose a free port with {option} N, or stop "
+                                "the other one.") from None
+
+
+def webserver_command(host: str, port: int, allow_hosts: list[str] = ()) -> list[str]:
+    """Dagster's own webserver behind the studio's guard (the Host allow-list, the Origin check, the body cap)."""
+    return [sys.executable, "-m", "gguf_assets.studio.dagster_ui", "--host", host, "--port", str(port),
+            *_allow_host_args(allow_hosts)]
+
+
+def _allow_host_args(allow_hosts: list[str]) -> list[str]:
+    return [arg for name in allow_hosts for arg in ("--allow-host", name)]
+
+
+def daemon_command() -> list[str]:
+    return [venv_tool("dagster-daemon"), "run", "-m", DEFINITIONS_MODULE]

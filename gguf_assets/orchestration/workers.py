@@ -1,0 +1,123 @@
+"""Shards as several Dagster runs at once: on this machine through the instance's run launcher, or on a cluster's
+Celery workers (orchestration/cluster_workers.py), followed until they end."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+from gguf_assets.lib.core.commands import trainer
+from gguf_assets.lib.precompute.half_state import HalfState
+from gguf_assets.lib.project.layout import ProjectPaths
+from gguf_assets.lib.project.settings import Settings
+from gguf_assets.orchestration.instance import CODE_LOCATION, create_run, open_workspace
+from gguf_assets.orchestration.outages import PipelineFailed, through_outages
+from gguf_assets.orchestration.plan import Work, split_range
+from gguf_assets.orchestration.run_outcomes import failure_message, wait_for_runs
+from gguf_assets.orchestration.run_tags import LEADER_TAG, WORKER_TAG
+
+
+def run_workers(paths: ProjectPaths, instance, work: Work, settings: Settings, workers: int,
+                 echo: Callable[[str], None]) -> None:
+    """Launch one Dagster run per contiguous shard range through the instance's run launcher; wait for all.
+
+    The launcher starts each run in its own process under a code server that this process
+    starts, so the runs are this pipeline's descendants and share its lock. Each keeps torch's
+    default thread count: CPU matmul results depend on it, and shards must be byte-identical
+    whatever the number of workers.
+    """
+    import dagster as dg
+
+    ranges = split_range(work.partitions, workers)
+    with open_workspace(instance, in_process=False) as workspace:
+        run_ids = []
+        try:
+            for keys in ranges:
+                run = create_run(workspace, work, {**work.tags(settings, keys), LEADER_TAG: str(os.getpid()),
+                                                    WORKER_TAG: f"{len(run_ids) + 1}/{len(ranges)}"})
+                instance.launch_run(run.run_id, workspace)
+                run_ids.append(run.run_id)
+                echo(f"→ {work.job} shards {keys[0]}..{keys[-1]} as run {run.run_id[:8]} "
+                     f"(worker {len(run_ids)}/{len(ranges)})")
+            wait_for_runs(instance, run_ids, echo)
+        except KeyboardInterrupt:
+            for run_id in run_ids:
+                if not instance.get_run_by_id(run_id).is_finished:
+                    instance.run_launcher.terminate(run_id)
+            raise
+    failed = [instance.get_run_by_id(r) for r in run_ids]
+    failed = [run for run in failed if run.status != dg.DagsterRunStatus.SUCCESS]
+    if failed:
+        split = "train" if "train" in work.assets[0] else "val"
+        lines = [worker_failure(paths, settings, instance, run, split) for run in failed]
+        raise PipelineFailed("\n".join(lines) + f"\nThe shards finished so far are kept (the other workers' too); "
+                             f"`{trainer('run', paths.root)}` continues with the rest. Logs: "
+                             f"`{trainer('ui', paths.root)}`.")
+
+
+def run_on_workers(paths: ProjectPaths, instance, workspace, work: Work, settings: Settings, workers: int | None,
+                    echo: Callable[[str], None], *, cancel_on_stop: bool) -> bool:
+    """On a cluster: launch ``work`` as runs to the Celery workers' queue, admitted to this pipeline, and
+    follow them. True when all succeeded; False when a worker died under one (its shards are planned
+    again); a run that failed on its own ends the pipeline with its reason."""
+    import dagster as dg
+
+    from gguf_assets.lib.core.lock import admit_runs
+    from gguf_assets.orchestration.cluster import GPU_QUEUE, QUEUE_TAG
+    from gguf_assets.orchestration.run_tags import ADMITTED_TAG, INTERRUPTED_TAG
+
+    location = workspace.get_code_location(CODE_LOCATION)
+    queue = next(iter(location.get_repositories().values())).get_full_job(work.job).tags.get(QUEUE_TAG, GPU_QUEUE)
+    parts = workers or max(1, len(through_outages(lambda: instance.run_launcher.live_workers(queue), echo)))
+    ranges = split_range(work.partitions, parts) if work.partitions else [None]
+    runs = []
+    for index, keys in enumerate(ranges, 1):
+        worker = {WORKER_TAG: f"{index}/{len(ranges)}"} if len(ranges) > 1 else {}
+        runs.append(create_run(workspace, work, {**work.tags(settings, keys), ADMITTED_TAG: "true", **worker}))
+    admit_runs(paths.lock_file, [run.run_id for run in runs])  # before any worker can start one
+    for run, keys in zip(runs, ranges):
+        through_outages(lambda: instance.launch_run(run.run_id, workspace), echo)
+        shards = f" shards {keys[0]}..{keys[-1]}" if keys else ""
+        echo(f"→ {work.job}{shards} as run {run.run_id[:8]} on the workers' `{queue}` queue")
+    run_ids = [run.run_id for run in runs]
+    try:
+        wait_for_runs(instance, run_ids, echo, cluster=True)
+    except KeyboardInterrupt:
+        going = [r for r in run_ids if not instance.get_run_by_id(r).is_finished]
+        if cancel_on_stop:
+            for run_id in going:
+                instance.run_launcher.terminate(run_id)
+            echo(f"cancelled {len(going)} run(s) on the workers")
+        elif going:
+            echo(f"stopped following; {len(going)} run(s) go on on the workers ({', '.join(r[:8] for r in going)}): "
+                 f"`{trainer('status', paths.root)}` shows what they finished, Terminate in the Dagster UI stops them")
+        raise
+    finished = [instance.get_run_by_id(r) for r in run_ids]
+    failed = [run for run in finished if run.status != dg.DagsterRunStatus.SUCCESS]
+    if not failed:
+        return True
+    if all(INTERRUPTED_TAG in run.tags for run in failed):
+        for run in failed:
+            echo(f"a worker died under run {run.run_id[:8]} ({work.job}); its work goes back to the queue")
+        return False
+    split = next((s for s in ("train", "val") if work.assets == (f"{s}_shards",)), None)
+    lines = [worker_failure(paths, settings, instance, run, split) if split else
+             f"run {run.run_id[:8]} of {work.job}: {failure_message(instance, run.run_id)}" for run in failed]
+    raise PipelineFailed("\n".join(lines) + f"\nWhat finished is kept; `{trainer('run', paths.root)}` continues. "
+                         f"Logs: `{trainer('ui', paths.root)}`.")
+
+
+def worker_failure(paths: ProjectPaths, settings: Settings, instance, run, split: str) -> str:
+    """One line for a failed worker run: which worker, its shards, the shard it stopped at, and why."""
+    from gguf_assets.lib.materials.materials import load_manifest
+    from gguf_assets.lib.precompute.shards import plan_shards, shard_status
+    from gguf_assets.orchestration import run_tags
+
+    start, end = run_tags.get(run.tags, run_tags.RANGE_START_TAG), run_tags.get(run.tags, run_tags.RANGE_END_TAG)
+    plans = [p for p in plan_shards(paths, settings, load_manifest(paths), split) if start <= p.key <= end]
+    at = next((p.key for p in plans if set(shard_status(paths, settings, p).values()) != {HalfState.CURRENT}), None)
+    why = ("its process was killed" if run_tags.INTERRUPTED_TAG in run.tags
+           else failure_message(instance, run.run_id))
+    where = f", at shard {split}/{at}" if at else ""
+    return (f"worker {run_tags.get(run.tags, WORKER_TAG) or '?'} (run {run.run_id[:8]}, {split} shards "
+            f"{start}..{end}) stopped{where}: {why}")

@@ -1,0 +1,293 @@
+"""The studio page's layout in headless Chromium, on a copy of the finished demo project (no pipeline run here).
+
+At 1,400 x 900 the first screen holds the verdict, the ggk command and its Copy button, Run, Stop and the stage
+table; the panels below fold, and stay as the user left them; the settings are grouped, marked where they differ
+from the schema's defaults, and narrowed by the filter; a number field is text checked on the field as the server
+checks it (the browser used to turn `2o00` into 200), and a Save it refuses sends nothing; the server's own refusal
+marks the field it names. A 390-px phone scrolls nothing sideways, and dark mode follows the system. Screenshots
+go to the test's tmp folder, and to $GGUF_ASSETS_SCREENSHOTS too when it is set.
+"""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from browser import CHROMIUM, CHROMIUM_ARGS, need_browser
+from conftest import cli_env, copy_project, free_port, stop_with_ctrl_c, wait_for, wait_http
+
+from gguf_assets.lib.core import atomic
+from gguf_assets.lib.project.settings import SECTION_CLASSES, SettingsError
+from gguf_assets.studio.settings_form import apply_form
+
+pytestmark = pytest.mark.slow  # a studio and a browser (about 30 s on 2 cores; the demo project is the suite's)
+
+WIDE, PHONE = {"width": 1400, "height": 900}, {"width": 390, "height": 844}
+N_SETTINGS = sum(len(section.model_fields) for section in SECTION_CLASSES.values())
+
+
+class Studio:
+    """One studio on a copy of the finished demo project, one Chromium, and where the screenshots go."""
+
+    def __init__(self, paths, url: str, browser, shots: Path) -> None:
+        self.paths, self.url, self.browser, self.shots = paths, url, browser, shots
+        self.contexts: list = []
+
+    def page(self, viewport: dict = WIDE, **options):
+        context = self.browser.new_context(viewport=viewport, **options)
+        self.contexts.append(context)
+        page = context.new_page()
+        errors: list[str] = []
+        page.on("pageerror", lambda error: errors.append(str(error)))
+        page.errors = errors  # the page's script must never throw
+        page.goto(self.url)
+        return page
+
+    def shot(self, page, name: str, *, full_page: bool = False) -> None:
+        path = self.shots / f"{name}.png"
+        page.screenshot(path=str(path), full_page=full_page)
+        if os.environ.get("GGUF_ASSETS_SCREENSHOTS"):
+            folder = Path(os.environ["GGUF_ASSETS_SCREENSHOTS"])
+            folder.mkdir(parents=True, exist_ok=True)
+            shutil.copy(path, folder / path.name)
+
+
+@pytest.fixture(scope="module")
+def studio(finished_project, tmp_path_factory):
+    need_browser()
+    from playwright.sync_api import sync_playwright
+
+    paths = copy_project(finished_project[0], tmp_path_factory.mktemp("layout") / "project")
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "gguf_assets.studio", str(paths.root), "--port", str(port)],
+                            env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/api/status", timeout=60, proc=proc)
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+            yield Studio(paths, f"http://127.0.0.1:{port}", browser, tmp_path_factory.mktemp("screenshots"))
+            browser.close()
+    finally:
+        stop_with_ctrl_c(proc, what="the studio")
+
+
+@pytest.fixture(autouse=True)
+def _close_pages(studio):
+    """Each test's pages go when it ends (they poll the studio every 2 s)."""
+    yield
+    while studio.contexts:
+        studio.contexts.pop().close()
+
+
+def _height(page) -> float:
+    """How tall the page's content is (the document is never shorter than the window)."""
+    return page.evaluate("document.body.getBoundingClientRect().bottom + window.scrollY")
+
+
+def _scroll_width(page) -> int:
+    return page.evaluate("document.documentElement.scrollWidth")
+
+
+def _shown_fields(page) -> list[str]:
+    return page.evaluate("[...document.querySelectorAll('#settings-form .field')]"
+                         ".filter((f) => f.getClientRects().length).map((f) => f.dataset.field)")
+
+
+def _luminance(css_colour: str) -> float:
+    red, green, blue = (int(part) for part in re.findall(r"\d+", css_colour)[:3])
+    return (0.2126 * red + 0.7152 * green + 0.0722 * blue) / 255
+
+
+def _field(page, key: str):
+    return page.locator(f'[data-key="{key}"]')
+
+
+def _error(page, key: str):
+    return page.locator(f'[id="error-{key}"]')
+
+
+def test_the_first_screen_holds_the_verdict_the_ggk_command_run_stop_and_the_stages(studio):
+    page = studio.page()
+    report = atomic.read_json(studio.paths.root / "output" / "demo-adapter.report.json")
+    assert page.locator("#verdict").inner_text() == report["verdict"]
+    assert page.locator("#ggk-command").inner_text() == report["ggk_command"]
+    assert page.locator("#stages tr").count() == 7
+    for selector in ("#verdict", "#score", "#ggk-command", "#copy-ggk", "#run", "#stop", "#stages", "#run-preview"):
+        box = page.locator(selector).bounding_box()
+        assert box is not None, selector
+        assert box["x"] >= 0 and box["y"] >= 0 and box["x"] + box["width"] <= WIDE["width"] \
+            and box["y"] + box["height"] <= WIDE["height"], (selector, box)
+    assert _scroll_width(page) <= WIDE["width"]
+    assert _luminance(page.evaluate("getComputedStyle(document.body).backgroundColor")) > 0.9  # light by default
+    studio.shot(page, "wide-first-screen")
+    studio.shot(page, "wide-as-opened", full_page=True)
+    assert not page.errors, page.errors
+
+
+def test_the_panels_fold_and_stay_as_the_user_left_them(studio):
+    page = studio.page()
+    as_opened = _height(page)
+    assert as_opened < 2.5 * WIDE["height"], as_opened  # the first screen, then the training metrics open
+    page.click("#open-all")
+    everything = _height(page)
+    assert everything > 4 * WIDE["height"], everything  # what the page was before it folded
+    page.click("#fold-all")
+    folded = _height(page)
+    assert folded <= WIDE["height"] + 100, folded  # the first screen and a heading per panel
+    assert page.locator("#curves").is_hidden() and page.locator("#panel-settings .fold-toggle").first \
+        .get_attribute("aria-expanded") == "false"
+    studio.shot(page, "wide-folded", full_page=True)
+    page.reload()  # kept in the browser's storage
+    assert page.locator("#curves").is_hidden() and _height(page) == folded
+    page.click("#panel-training > h2 > .fold-toggle")
+    assert page.locator("#curves").is_visible()
+    page.reload()
+    assert page.locator("#curves").is_visible() and page.locator("#files").is_hidden()
+    page.click('nav a[href="#panel-files"]')  # a link to a folded panel opens it
+    assert page.locator("#files").is_visible()
+    assert not page.errors, page.errors
+
+
+def test_settings_are_grouped_marked_where_not_the_default_and_filtered(studio):
+    page = studio.page()
+    page.click('nav a[href="#panel-settings"]')
+    legends = page.locator("#settings-form legend").all_inner_texts()
+    assert [re.sub(r"\s*\(.*", "", text) for text in legends] == ["Materials", "Corpus", "Precompute", "Training",
+                                                                 "Output"]
+    assert _shown_fields(page) == []  # every group folded as the page opens
+    assert re.fullmatch(r"Training\s*\(\d+ changed\)", legends[3]), legends[3]  # what differs, counted
+    page.click("#form-training > legend > .fold-toggle")
+    steps, grad_clip = page.locator('.field[data-field="training.steps"]'), \
+        page.locator('.field[data-field="training.grad_clip"]')
+    # The demo trains 40 steps (the default is 20000); it keeps the default gradient clip.
+    assert "changed" in steps.get_attribute("class") and steps.locator(".badge").is_visible()
+    assert steps.locator(".badge").get_attribute("title") == "differs from the default: 20000"
+    assert "changed" not in grad_clip.get_attribute("class") and grad_clip.locator(".badge").is_hidden()
+    _field(page, "training.steps").fill("20000")  # the default typed in: not changed, but not saved either
+    assert "changed" not in steps.get_attribute("class") and "edited" in steps.get_attribute("class")
+    assert page.locator("#unsaved").inner_text() == "1 not saved"
+    _field(page, "training.steps").fill("40")
+    assert "changed" in steps.get_attribute("class") and "edited" not in steps.get_attribute("class")
+    studio.shot(page, "wide-settings-training")
+
+    page.fill("#settings-filter", "warmup")
+    assert _shown_fields(page) == ["training.warmup_steps"]
+    assert page.locator("#form-materials").is_hidden()
+    assert page.locator("#filter-count").inner_text() == f"1 of {N_SETTINGS} settings shown"
+    page.fill("#settings-filter", "cuda")  # a folded group with a match opens while the filter is on
+    assert _shown_fields(page) == ["precompute.device", "training.device"]
+    studio.shot(page, "wide-settings-filtered")
+    page.fill("#settings-filter", "")
+    assert "folded" in page.locator("#form-precompute").get_attribute("class").split()  # as it was
+    assert len(_shown_fields(page)) == len(SECTION_CLASSES["training"].model_fields)
+    page.check("#only-changed")
+    shown = _shown_fields(page)
+    assert "training.steps" in shown and "training.grad_clip" not in shown and "materials.student" in shown
+    assert all("changed" in page.locator(f'.field[data-field="{key}"]').get_attribute("class") for key in shown)
+    page.uncheck("#only-changed")
+    assert not page.errors, page.errors
+
+
+# What the page says on a number field, and the server says the same (settings.py's words): `2o00` is no number
+# (type=number used to drop the letter and save 200), the int64 limits, finiteness and each key's bounds.
+NUMBERS = [("training.steps", "2o00", "must be an integer"), ("training.steps", "0", "must be >= 1"),
+           ("training.steps", "9223372036854775808", "is out of range: a number here lies between "
+                                                     "-9223372036854775808 and 9223372036854775807"),
+           ("training.steps", "9223372036854775807", ""), ("training.steps", "2.5", "must be an integer"),
+           ("training.learning_rate", "1e400", "must be a finite number"), ("training.learning_rate", "2e-4", ""),
+           ("training.learning_rate", "9" * 400, "is out of range"), ("training.learning_rate", "abc",
+                                                                       "must be a number"),
+           ("training.ema_decay", "1", "must be below 1.0"), ("training.ema_decay", "0.999", ""),
+           ("corpus.empty_fraction", "0.6", "must be <= 0.5"), ("materials.student_layer", "-3", "")]
+
+
+def test_a_number_field_is_checked_on_the_field_as_the_server_checks_it(studio):
+    page = studio.page()
+    page.click("#open-all")
+    sent = []
+    page.on("request", lambda request: sent.append(request.url) if request.method == "POST" else None)
+    before = studio.paths.project_file.read_bytes()
+    text = before.decode()
+    for key, typed, said in NUMBERS:
+        field = _field(page, key)
+        field.fill(typed)
+        field.press("Tab")  # checked when the user leaves the field
+        assert field.input_value() == typed  # nothing the browser could not read is dropped
+        if said:
+            assert field.get_attribute("aria-invalid") == "true", (key, typed)
+            assert _error(page, key).is_visible() and _error(page, key).inner_text().startswith(said), \
+                (key, typed, _error(page, key).inner_text())
+        else:
+            assert field.get_attribute("aria-invalid") is None and _error(page, key).is_hidden(), (key, typed)
+        try:  # the server's own check, on the same text
+            apply_form(studio.paths.project_file, text, {key: typed})
+            refused = ""
+        except SettingsError as exc:
+            refused = str(exc)
+        assert (said in refused) if said else not refused, (key, typed, refused)
+    for key in {key for key, _, _ in NUMBERS}:  # back to the file's values
+        field = _field(page, key)
+        field.fill(json.loads(field.get_attribute("data-initial")))
+        assert field.get_attribute("aria-invalid") is None  # the mark goes as soon as the value is right
+
+    steps = _field(page, "training.steps")
+    steps.fill("2o00")
+    page.click("#save-form")  # refused on the page: nothing is sent, nothing written
+    assert steps.get_attribute("aria-invalid") == "true" and _error(page, "training.steps").is_visible()
+    assert page.locator("#form-message").inner_text().startswith(
+        "not saved: training.steps = '2o00' must be an integer")
+    assert page.evaluate("document.activeElement.dataset.key") == "training.steps"
+    box = steps.bounding_box()  # in view, above the Save bar
+    assert 0 <= box["y"] and box["y"] + box["height"] <= page.locator(".sticky-save").bounding_box()["y"], box
+    studio.shot(page, "wide-invalid-field")
+    page.wait_for_timeout(300)
+    assert not [url for url in sent if url.endswith("/api/settings/form")], sent
+    assert studio.paths.project_file.read_bytes() == before
+    steps.fill("40")
+    assert steps.get_attribute("aria-invalid") is None  # the mark goes as soon as the value is right
+
+    # A rule across keys is the server's: its refusal (file:line, key, the rule) marks the field it names.
+    heads = _field(page, "training.heads")
+    heads.fill("7")
+    page.click("#save-form")
+    wait_for(lambda: page.locator("#form-message").inner_text().startswith(f"{studio.paths.project_file}:"),
+             timeout=10, what="the server's refusal")
+    assert heads.get_attribute("aria-invalid") == "true"
+    assert _error(page, "training.heads").inner_text() == "training.heads heads (7) must divide width (64)"
+    assert studio.paths.project_file.read_bytes() == before
+    heads.fill("4")
+    assert heads.get_attribute("aria-invalid") is None and _error(page, "training.heads").is_hidden()
+    assert not page.errors, page.errors
+
+
+def test_a_phone_scrolls_nothing_sideways(studio):
+    page = studio.page(PHONE, is_mobile=True, has_touch=True)  # a mobile browser honours the viewport meta
+    assert page.evaluate("document.documentElement.clientWidth") == PHONE["width"]
+    assert _scroll_width(page) <= PHONE["width"]
+    assert page.locator("#run").is_visible() and page.locator("#verdict").is_visible()
+    studio.shot(page, "phone-first-screen")
+    studio.shot(page, "phone-as-opened", full_page=True)
+    page.click("#open-all")  # every panel and settings group open: tables scroll inside themselves
+    assert _scroll_width(page) <= PHONE["width"], _scroll_width(page)
+    box = page.locator('[data-key="training.steps"]').bounding_box()
+    assert box["x"] >= 0 and box["x"] + box["width"] <= PHONE["width"], box
+    assert not page.errors, page.errors
+
+
+def test_dark_mode_follows_the_system(studio):
+    page = studio.page(color_scheme="dark")
+    background = page.evaluate("getComputedStyle(document.body).backgroundColor")
+    text = page.evaluate("getComputedStyle(document.body).color")
+    assert _luminance(background) < 0.15 and _luminance(text) > 0.7, (background, text)
+    field = page.evaluate("getComputedStyle(document.querySelector('[data-key=\"training.steps\"]')).backgroundColor")
+    assert _luminance(field) < 0.4, field  # the form's controls too (color-scheme)
+    studio.shot(page, "dark-first-screen")
+    page.click('nav a[href="#panel-settings"]')
+    page.click("#form-training > legend > .fold-toggle")
+    page.locator('.field[data-field="training.steps"]').scroll_into_view_if_needed()
+    studio.shot(page, "dark-settings")
+    assert not page.errors, page.errors
