@@ -163,6 +163,8 @@ def _use(paths: ProjectPaths, ref: str, *, as_json: bool) -> int:
     if used.restored:
         print(f"  restored: {', '.join(used.restored)}")
     print(f"  next run: {used.next_run}")
+    from gguf_assets.orchestration.runs import tell_dagster
+
     if (problem := tell_dagster(paths, used)) is not None:
         print(f"  {problem}")
     from gguf_assets.lib.core.lock import holder
@@ -172,31 +174,6 @@ def _use(paths: ProjectPaths, ref: str, *, as_json: bool) -> int:
     for s in with_running(project_status(paths, load_settings(paths.root)), holder(paths.lock_file)):
         print(f"  {s.stage:<12} {s.state:<8} {s.detail}")  # as `gguf-trainer status` prints them
     return 0
-
-
-def tell_dagster(paths: ProjectPaths, used, get_instance=None) -> str | None:
-    """Record the results ``use`` made current in the project's Dagster instance, so the UI's stale marks agree
-    with `status` (defs/settings.py ``record_made_current``); a line saying what went wrong, or None. The files
-    are the truth: a busy or unreachable instance only leaves the marks until the next run. ``get_instance``: the
-    studio's (it has one open)."""
-    if not used.stages:
-        return None
-    try:
-        import dagster as dg
-
-        from gguf_assets.defs.settings import record_made_current
-
-        if get_instance is None:  # the CLI: the project's own instance, as `run` opens it
-            from gguf_assets.runner import prepare_instance
-
-            prepare_instance(paths)
-            get_instance = dg.DagsterInstance.get
-        record_made_current(get_instance(), used.settings, paths, used.stages,
-                            why=f"gguf-trainer runs --use {used.run.name}")
-    except Exception as exc:  # noqa: BLE001  the run's files are restored either way
-        return (f"the Dagster UI was not told ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}): it "
-                f"shows {', '.join(used.stages)} stale until the next run")
-    return None
 
 
 def _compare(view, refs: list[str], *, svg: str | None, as_json: bool) -> int:

@@ -21,7 +21,7 @@ why pyproject.toml pins ``dagster<1.14``.
 - ``CODE_VERSION_TAG``, ``DATA_VERSION_IS_USER_PROVIDED_TAG``, ``INPUT_DATA_VERSION_TAG_PREFIX``,
   ``INPUT_EVENT_POINTER_TAG_PREFIX``, ``get_input_data_version_tag``, ``get_input_event_pointer_tag``:
   `gguf-trainer runs --use` makes a finished run's results current again without a run; the runless
-  materializations it records for them (defs/settings.py ``record_made_current``) carry the provenance a run's
+  materializations it records for them (orchestration/runs.py ``record_made_current``) carry the provenance a run's
   would (its inputs' data versions and events), so the UI's stale marks agree with `status`
   (``report_runless_asset_event`` takes no provenance argument).
 - ``HIDDEN_TAG_PREFIX``, ``TagType``, ``get_tag_type``: run tags under Dagster's hidden prefix are

@@ -511,7 +511,7 @@ def build_app(project: str | Path, *, dagster_url: str = "", tensorboard_url: st
             return JSONResponse({"error": str(exc)}, status_code=409)
         except UserError as exc:  # an unknown run, one that trains now or cannot come back; project.yaml's errors
             return JSONResponse({"error": str(exc)}, status_code=400)
-        from gguf_assets.runs_cli import tell_dagster
+        from gguf_assets.orchestration.runs import tell_dagster
 
         problem = await run_in_threadpool(lambda: tell_dagster(paths, used, feed.instance))
         return JSONResponse({**used.to_json(), "dagster": problem})
