@@ -10,10 +10,25 @@ from contextlib import contextmanager
 from importlib import resources
 from pathlib import Path
 
+import dagster as dg
+
 from gguf_assets import DEFINITIONS_MODULE
+from gguf_assets.defs.environment import PROJECT_ENV
+from gguf_assets.defs.jobs import CONSOLE
+from gguf_assets.defs.precompute import GPU_POOL
 from gguf_assets.lib.core import atomic
 from gguf_assets.lib.project.layout import ProjectPaths
+from gguf_assets.lib.telemetry.hardware import gpu_snapshot
+from gguf_assets.orchestration.cluster import instance_config, load_cluster
 from gguf_assets.orchestration.plan import Work
+from gguf_assets.orchestration.private_api import (
+    InProcessCodeLocationOrigin,
+    InProcessWorkspaceLoadTarget,
+    JobSubsetSelector,
+    LoadableTargetOrigin,
+    ModuleTarget,
+    WorkspaceProcessContext,
+)
 
 DAGSTER_YAML = "dagster.yaml"
 CODE_LOCATION = DEFINITIONS_MODULE  # the name dagster-webserver and dagster-daemon give `-m` (the module's)
@@ -27,7 +42,6 @@ def prepare_instance(paths: ProjectPaths) -> Path:
     """
     home = paths.dagster_home
     home.mkdir(parents=True, exist_ok=True)
-    from gguf_assets.orchestration.cluster import instance_config, load_cluster
 
     template = resources.files("gguf_assets").joinpath(DAGSTER_YAML).read_text(encoding="utf-8")
     cluster = load_cluster(paths.root)
@@ -60,7 +74,6 @@ def _create_storage_once(home: Path) -> None:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also by a kill -9
         if (home / STORAGE_CREATED).is_file():
             return
-        import dagster as dg
 
         dg.DagsterInstance.get().dispose()
         atomic.write_text(home / STORAGE_CREATED, "")
@@ -68,8 +81,6 @@ def _create_storage_once(home: Path) -> None:
 
 def size_gpu_pool(instance) -> int:
     """One `gpu` pool slot per GPU (1 on a CPU machine), so queued GPU runs never share a card."""
-    from gguf_assets.defs.precompute import GPU_POOL
-    from gguf_assets.lib.telemetry.hardware import gpu_snapshot
 
     slots = max(1, len(gpu_snapshot()))
     instance.event_log_storage.set_concurrency_slots(GPU_POOL, slots)
@@ -78,7 +89,6 @@ def size_gpu_pool(instance) -> int:
 
 def instance_env(paths: ProjectPaths) -> dict[str, str]:
     """What the Dagster CLI, webserver and daemon need to work on this project."""
-    from gguf_assets.defs.environment import PROJECT_ENV
 
     return {"DAGSTER_HOME": str(paths.dagster_home), PROJECT_ENV: str(paths.root)}
 
@@ -92,13 +102,6 @@ def open_workspace(instance, *, in_process: bool) -> Iterator:
     the definitions already imported here; otherwise a code server is started, which the run
     launcher needs to start runs in their own processes.
     """
-    from gguf_assets.orchestration.private_api import (
-        InProcessCodeLocationOrigin,
-        InProcessWorkspaceLoadTarget,
-        LoadableTargetOrigin,
-        ModuleTarget,
-        WorkspaceProcessContext,
-    )
 
     if in_process:
         target = InProcessWorkspaceLoadTarget(InProcessCodeLocationOrigin(
@@ -114,10 +117,7 @@ def open_workspace(instance, *, in_process: bool) -> Iterator:
 
 def create_run(workspace, work: Work, tags: dict[str, str]):
     """A run of ``work``'s job for its assets, created from the code location (so it has an origin)."""
-    import dagster as dg
 
-    from gguf_assets.defs.jobs import CONSOLE
-    from gguf_assets.orchestration.private_api import JobSubsetSelector
 
     location = workspace.get_code_location(CODE_LOCATION)
     repo = next(iter(location.get_repositories().values()))

@@ -11,15 +11,22 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import dagster as dg
+
+from gguf_assets.defs.settings import observe_settings
 from gguf_assets.lib.core.commands import trainer
 from gguf_assets.lib.core.lock import ProjectLock
+from gguf_assets.lib.corpus.prompt_files import check_prompt_files
 from gguf_assets.lib.project import settings_history
 from gguf_assets.lib.project.layout import ProjectPaths
-from gguf_assets.lib.project.settings import Settings, load_settings
+from gguf_assets.lib.project.settings import Settings, SettingsError, load_settings
 from gguf_assets.lib.status.states import StageState, State, project_status
+from gguf_assets.orchestration.cluster import load_cluster
 from gguf_assets.orchestration.instance import create_run, open_workspace, prepare_instance, size_gpu_pool
 from gguf_assets.orchestration.outages import PipelineFailed
 from gguf_assets.orchestration.plan import Work, next_work
+from gguf_assets.orchestration.private_api import execute_run, recon_job_from_origin
+from gguf_assets.orchestration.resume import mark_interrupted_runs
 from gguf_assets.orchestration.run_outcomes import failure_message
 from gguf_assets.orchestration.stopping import StopRequest, stop_tags_the_latest_run, was_interrupted
 from gguf_assets.orchestration.workers import run_on_workers, run_workers
@@ -38,16 +45,11 @@ def run_pipeline(paths: ProjectPaths, *, echo: Callable[[str], None] = print, wo
     workers answer). A stop (Ctrl-C) there stops following, and the runs go on, unless
     ``cancel_on_stop``.
     """
-    from gguf_assets.orchestration.cluster import load_cluster
 
     cluster = load_cluster(paths.root)
     on_workers = cluster is not None and cluster.runs_on_workers
     prepare_instance(paths)
-    import dagster as dg
 
-    from gguf_assets.defs.settings import observe_settings
-    from gguf_assets.orchestration.private_api import execute_run, recon_job_from_origin
-    from gguf_assets.orchestration.resume import mark_interrupted_runs
 
     instance = dg.DagsterInstance.get()
     size_gpu_pool(instance)
@@ -63,7 +65,6 @@ def run_pipeline(paths: ProjectPaths, *, echo: Callable[[str], None] = print, wo
         settings_history.remember(paths.root, settings)
         observe_settings(instance, settings, paths)  # the UI's stale marks follow project.yaml as of now
         # A typo in a prompt file path should fail in seconds, not after a teacher download.
-        from gguf_assets.lib.corpus.prompt_files import check_prompt_files
 
         check_prompt_files(paths, settings)
         done: set[Work] = set()
@@ -107,8 +108,6 @@ def run_pipeline(paths: ProjectPaths, *, echo: Callable[[str], None] = print, wo
 
 def tell_about_edits(paths: ProjectPaths, settings: Settings, instance, echo: Callable[[str], None]) -> None:
     """project.yaml edited while the pipeline ran: say so, and let the UI's stale marks follow the edit."""
-    from gguf_assets.defs.settings import observe_settings
-    from gguf_assets.lib.project.settings import SettingsError
 
     try:
         now = load_settings(paths.root)

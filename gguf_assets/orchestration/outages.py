@@ -6,6 +6,7 @@ import time
 from collections.abc import Callable
 
 from gguf_assets.orchestration.cluster import OUTAGE_S  # how long a cluster's Postgres or Redis may be away
+from gguf_assets.orchestration.cluster_workers import broker_errors, connection_lost, reason
 
 
 class PipelineFailed(RuntimeError):
@@ -19,7 +20,6 @@ def through_outages(call: Callable, echo: Callable[[str], None]):
     on meanwhile. Postgres calls ride out a restart inside the storage itself (cluster_workers.py, in every
     process: this one, the workers' runs, the UI), so a lost Postgres connection that reaches here has lasted
     OUTAGE_S already: one line, at once."""
-    from gguf_assets.orchestration.cluster_workers import broker_errors, connection_lost, reason
 
     errors = broker_errors()
     began = None

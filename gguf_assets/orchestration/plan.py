@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gguf_assets.defs.jobs import MATERIALS_AND_CORPUS, SHARDS_JOB, TRAIN_AND_EXPORT
+from gguf_assets.defs.partitions import BY_SPLIT, expected_shard_keys, partitions_match
 from gguf_assets.lib.corpus.corpus_run import corpus_manifest
 from gguf_assets.lib.project import settings_history
 from gguf_assets.lib.project.layout import SPLITS, ProjectPaths
@@ -43,8 +45,6 @@ class Work:
 
 def next_work(paths: ProjectPaths, settings: Settings, instance) -> Work | None:
     """The next job to run for this project, or None when everything is current (or blocked)."""
-    from gguf_assets.defs.jobs import MATERIALS_AND_CORPUS, SHARDS_JOB, TRAIN_AND_EXPORT
-    from gguf_assets.defs.partitions import BY_SPLIT, expected_shard_keys, partitions_match
 
     status = {s.stage: s for s in project_status(paths, settings)}
     if status["materials"].state != State.CURRENT:

@@ -14,9 +14,17 @@ import os
 import dagster as dg
 import psutil
 
+from gguf_assets.defs.environment import project_dir_from_env
+from gguf_assets.defs.jobs import CONSOLE
+from gguf_assets.defs.settings import observe_settings
 from gguf_assets.lib.core.liveness import holder_is_gone, machine_id
+from gguf_assets.lib.core.lock import is_locked
 from gguf_assets.lib.project import settings_history
+from gguf_assets.lib.project.layout import ProjectPaths
+from gguf_assets.lib.project.settings import SettingsError, load_settings
 from gguf_assets.orchestration import run_tags
+from gguf_assets.orchestration.plan import next_work
+from gguf_assets.orchestration.private_api import WorkerStatus
 from gguf_assets.orchestration.run_tags import INTERRUPTED_TAG, PIPELINE_TAG, SETTINGS_TAG, STOPPED_TAG
 
 ACTIVE = [dg.DagsterRunStatus.STARTED, dg.DagsterRunStatus.STARTING, dg.DagsterRunStatus.CANCELING]
@@ -45,7 +53,6 @@ def _is_cut_off(record, instance: dg.DagsterInstance) -> str | None:
 
 def _worker_lost(instance: dg.DagsterInstance, run: dg.DagsterRun) -> str | None:
     """A run on another machine: the run launcher's worker health check (run monitoring's) decides."""
-    from gguf_assets.orchestration.private_api import WorkerStatus
 
     launcher = instance.run_launcher
     if not launcher.supports_check_run_worker_health:
@@ -87,13 +94,6 @@ def resume_decision(instance: dg.DagsterInstance) -> dg.RunRequest | dg.SkipReas
     under the current settings; it never starts work that a settings edit made stale (that waits
     for Materialize, `gguf-trainer run`, or an edit back), and never retries a genuine failure.
     """
-    from gguf_assets.defs.environment import project_dir_from_env
-    from gguf_assets.defs.jobs import CONSOLE
-    from gguf_assets.defs.settings import observe_settings
-    from gguf_assets.lib.core.lock import is_locked
-    from gguf_assets.lib.project.layout import ProjectPaths
-    from gguf_assets.lib.project.settings import SettingsError, load_settings
-    from gguf_assets.orchestration.plan import next_work
 
     marked = mark_interrupted_runs(instance)
     folder = project_dir_from_env()

@@ -6,7 +6,11 @@ import re
 import time
 from collections.abc import Callable
 
+import dagster as dg
+
+from gguf_assets.defs.console import user_message
 from gguf_assets.orchestration.outages import through_outages
+from gguf_assets.orchestration.resume import mark_interrupted_runs
 
 POLL_S = 1.0
 REPORT_EVERY_S = 10.0
@@ -16,9 +20,7 @@ _KILLED_BY = re.compile(r"was terminated by signal (\d+) \((\w+)\)")
 
 
 def failure_message(instance, run_id: str) -> str:
-    import dagster as dg
 
-    from gguf_assets.defs.console import user_message
 
     for record in instance.get_records_for_run(run_id, of_type={dg.DagsterEventType.STEP_FAILURE,
                                                                 dg.DagsterEventType.RUN_FAILURE}).records:
@@ -38,7 +40,6 @@ def failure_message(instance, run_id: str) -> str:
 def wait_for_runs(instance, run_ids: list[str], echo: Callable[[str], None], *, cluster: bool = False) -> None:
     """Until every run has ended. On a ``cluster`` a Postgres or Redis restart is ridden out (through_outages);
     the embedded SQLite's errors (a full disk, a damaged file) are the CLI's to report at once."""
-    from gguf_assets.orchestration.resume import mark_interrupted_runs
 
     def poll():
         mark_interrupted_runs(instance)  # a worker killed -9 never ends its run: it is marked, so the wait ends

@@ -4,17 +4,19 @@ project's latest run as stopped, and leaves everything finished for the next run
 from __future__ import annotations
 
 import os
+import select
 import signal
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+
+import dagster as dg
 
 from gguf_assets.orchestration.run_tags import STOPPED_TAG
 
 
 def was_interrupted(instance, run_id: str) -> bool:
     """Did the run fail because this process got SIGINT/SIGTERM? (Dagster's own handler catches it in a step.)"""
-    import dagster as dg
 
     return any(getattr(getattr(r.event_log_entry.dagster_event.event_specific_data, "error", None), "cls_name", "")
                == "DagsterExecutionInterruptedError"
@@ -60,16 +62,13 @@ class StopRequest:
         return run.status if run is not None else None
 
     def _mark_canceling(self) -> None:
-        import dagster as dg
 
         run = self.instance.get_run_by_id(self.run_id) if self.instance and self.run_id else None
         if run is not None and run.status in (dg.DagsterRunStatus.STARTED, dg.DagsterRunStatus.STARTING):
             self.instance.report_run_canceling(run, message=f"Stopped on purpose ({self.by}).")
 
     def _watch(self, read_fd: int) -> None:
-        import select
 
-        import dagster as dg
 
         while not self._over.is_set():
             ready, _, _ = select.select([read_fd], [], [], self.POLL_S)
@@ -96,7 +95,6 @@ class StopRequest:
 
     def record_cancel(self, run_id: str) -> None:
         """The run this stop cut short is CANCELED, never a failure (a signal may have beaten the mark)."""
-        import dagster as dg
 
         run = self.instance.get_run_by_id(run_id)
         if run is not None and run.status != dg.DagsterRunStatus.CANCELED:

@@ -6,15 +6,22 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
+import dagster as dg
+
 from gguf_assets.lib.core.commands import trainer
+from gguf_assets.lib.core.lock import admit_runs
+from gguf_assets.lib.materials.materials import load_manifest
 from gguf_assets.lib.precompute.half_state import HalfState
+from gguf_assets.lib.precompute.shards import plan_shards, shard_status
 from gguf_assets.lib.project.layout import ProjectPaths
 from gguf_assets.lib.project.settings import Settings
+from gguf_assets.orchestration import run_tags
+from gguf_assets.orchestration.cluster import GPU_QUEUE, QUEUE_TAG
 from gguf_assets.orchestration.instance import CODE_LOCATION, create_run, open_workspace
 from gguf_assets.orchestration.outages import PipelineFailed, through_outages
 from gguf_assets.orchestration.plan import Work, split_range
 from gguf_assets.orchestration.run_outcomes import failure_message, wait_for_runs
-from gguf_assets.orchestration.run_tags import LEADER_TAG, WORKER_TAG
+from gguf_assets.orchestration.run_tags import ADMITTED_TAG, INTERRUPTED_TAG, LEADER_TAG, WORKER_TAG
 
 
 def run_workers(paths: ProjectPaths, instance, work: Work, settings: Settings, workers: int,
@@ -26,7 +33,6 @@ def run_workers(paths: ProjectPaths, instance, work: Work, settings: Settings, w
     default thread count: CPU matmul results depend on it, and shards must be byte-identical
     whatever the number of workers.
     """
-    import dagster as dg
 
     ranges = split_range(work.partitions, workers)
     with open_workspace(instance, in_process=False) as workspace:
@@ -60,11 +66,7 @@ def run_on_workers(paths: ProjectPaths, instance, workspace, work: Work, setting
     """On a cluster: launch ``work`` as runs to the Celery workers' queue, admitted to this pipeline, and
     follow them. True when all succeeded; False when a worker died under one (its shards are planned
     again); a run that failed on its own ends the pipeline with its reason."""
-    import dagster as dg
 
-    from gguf_assets.lib.core.lock import admit_runs
-    from gguf_assets.orchestration.cluster import GPU_QUEUE, QUEUE_TAG
-    from gguf_assets.orchestration.run_tags import ADMITTED_TAG, INTERRUPTED_TAG
 
     location = workspace.get_code_location(CODE_LOCATION)
     queue = next(iter(location.get_repositories().values())).get_full_job(work.job).tags.get(QUEUE_TAG, GPU_QUEUE)
@@ -109,9 +111,6 @@ def run_on_workers(paths: ProjectPaths, instance, workspace, work: Work, setting
 
 def worker_failure(paths: ProjectPaths, settings: Settings, instance, run, split: str) -> str:
     """One line for a failed worker run: which worker, its shards, the shard it stopped at, and why."""
-    from gguf_assets.lib.materials.materials import load_manifest
-    from gguf_assets.lib.precompute.shards import plan_shards, shard_status
-    from gguf_assets.orchestration import run_tags
 
     start, end = run_tags.get(run.tags, run_tags.RANGE_START_TAG), run_tags.get(run.tags, run_tags.RANGE_END_TAG)
     plans = [p for p in plan_shards(paths, settings, load_manifest(paths), split) if start <= p.key <= end]
