@@ -9,7 +9,16 @@ from gguf_assets.defs.settings import observe_settings, settings_key
 from gguf_assets.lib.project.layout import ProjectPaths
 from gguf_assets.lib.project.settings import Settings
 from gguf_assets.lib.status.stages import expected_fingerprints
-from gguf_assets.orchestration.private_api import DATA_VERSION_TAG
+from gguf_assets.orchestration.instance import prepare_instance
+from gguf_assets.orchestration.private_api import (
+    CODE_VERSION_TAG,
+    DATA_VERSION_IS_USER_PROVIDED_TAG,
+    DATA_VERSION_TAG,
+    INPUT_DATA_VERSION_TAG_PREFIX,
+    INPUT_EVENT_POINTER_TAG_PREFIX,
+    get_input_data_version_tag,
+    get_input_event_pointer_tag,
+)
 
 # The stages whose results `gguf-trainer runs --use` can put back, in order: each is an input of the next.
 MADE_CURRENT_STAGES = ("adapter", "gguf", "eval_report")
@@ -22,15 +31,6 @@ def record_made_current(instance: dg.DagsterInstance, settings: Settings, paths:
     files have now and the provenance a run's materialization carries (the versions and events of its inputs), so
     the UI's stale marks agree with `status`. Returns the stages recorded: none that was never materialized in this
     instance (the UI then shows it missing, as before)."""
-    from gguf_assets.orchestration.private_api import (
-        CODE_VERSION_TAG,
-        DATA_VERSION_IS_USER_PROVIDED_TAG,
-        INPUT_DATA_VERSION_TAG_PREFIX,
-        INPUT_EVENT_POINTER_TAG_PREFIX,
-        get_input_data_version_tag,
-        get_input_event_pointer_tag,
-    )
-
     observe_settings(instance, settings, paths)
     expected = expected_fingerprints(paths, settings)
     # The assets declare no code version; a run's id stands for it in theirs, this record's own id in this one.
@@ -67,8 +67,6 @@ def tell_dagster(paths: ProjectPaths, used, get_instance=None) -> str | None:
         return None
     try:
         if get_instance is None:
-            from gguf_assets.orchestration.instance import prepare_instance
-
             prepare_instance(paths)
             get_instance = dg.DagsterInstance.get
         record_made_current(get_instance(), used.settings, paths, used.stages,
