@@ -17,7 +17,13 @@ from safetensors.torch import load_file, save
 from gguf_assets.lib.materials import query_rows as qr
 from gguf_assets.lib.materials.hub import HubOptions
 from gguf_assets.lib.materials.materials import MaterialsError, load_manifest, manifest_is_current, resolve_materials
-from gguf_assets.lib.project.settings import SettingsError, load_settings, settings_from_dict
+from gguf_assets.lib.project.settings import (
+    SettingsError,
+    load_settings,
+    replace,
+    settings_from_dict,
+    write_project_file,
+)
 
 T2I, T2I_FILE, ROWS_NAME = "org/t2i-model", "transformer/model.safetensors", "text_proj.learned_query_tokens"
 LLM = "stock/llm"
@@ -226,3 +232,34 @@ def test_rows_from_a_local_file(make_project, demo_materials_root, tmp_path):
     assert manifest.query_rows["origin"] == "local" and manifest.query_rows["commit"].startswith("local:")
     assert torch.equal(load_file(paths.materials_dir / "query_rows.safetensors")["query_rows"], rows)
     assert manifest_is_current(paths, load_settings(paths.root))
+
+    # Another tensor named: the manifest is no longer current, and the next run takes that one.
+    settings = replace(load_settings(paths.root), materials={"query_rows": {
+        **load_settings(paths.root).materials.query_rows, "tensor": "text_proj.in_proj.weight"}})
+    write_project_file(paths.root, settings)
+    assert not manifest_is_current(paths, load_settings(paths.root))
+    manifest = resolve_materials(paths, load_settings(paths.root))
+    assert manifest.query_rows["shape"] == [8, rows.shape[1]] and manifest.query_rows["tensor"] != ROWS_NAME
+    assert load_file(paths.materials_dir / "query_rows.safetensors")["query_rows"].shape == (8, rows.shape[1])
+
+
+def test_a_dropped_connection_resumes_the_tensor_from_what_arrived(make_project, loopback_hub, demo_materials_root):
+    rows = _demo_rows(demo_materials_root)
+    checkpoint = _t2i_checkpoint(rows)
+    n = qr.header_length(checkpoint[:8])
+    start, end = qr.tensor_span(qr.parse_header(checkpoint[8:8 + n]), ROWS_NAME, n)
+    loopback_hub.add_repo(LLM, _stock_llm(demo_materials_root))
+    loopback_hub.add_repo(T2I, {T2I_FILE: checkpoint})
+    # Every GET of the file is cut at the middle of the rows: the prefix and header arrive whole, the rows half.
+    loopback_hub.add_fault("drop", path_contains=T2I_FILE, times=3, after_bytes=(start + end) // 2)
+    paths = _project(make_project, T2I)
+
+    manifest = resolve_materials(paths, load_settings(paths.root), hub_options=FAST)
+
+    assert torch.equal(load_file(paths.materials_dir / "query_rows.safetensors")["query_rows"], rows)
+    ranges = [r["range"] for r in loopback_hub.requests if r["path"].endswith(T2I_FILE) and r["method"] == "GET"]
+    assert ranges[:3] == ["bytes=0-7", f"bytes=8-{7 + n}", f"bytes={start}-{end - 1}"]
+    resumed = int(ranges[3].removeprefix("bytes=").split("-")[0])
+    assert start < resumed <= (start + end) // 2 and ranges[3].endswith(f"-{end - 1}")
+    assert loopback_hub.served[T2I_FILE] < 8 + n + 2 * (end - start)
+    assert manifest.query_rows["tensor_sha256"]
