@@ -230,6 +230,13 @@ def test_rows_from_a_local_file(make_project, demo_materials_root, tmp_path):
                                                    "file": "", "tensor": ROWS_NAME}})
     manifest = resolve_materials(paths, load_settings(paths.root))
     assert manifest.query_rows["origin"] == "local" and manifest.query_rows["commit"].startswith("local:")
+    # `gguf-trainer verify` checks the stored rows against their sha256, as made by the project.
+    from gguf_assets.lib.status.verify_project import recorded_files
+
+    stored = [f for f in recorded_files(paths, load_settings(paths.root)) if f.path.name == "query_rows.safetensors"
+              and f.path.parent == paths.materials_dir]
+    assert [(f.hash_kind, f.expected, f.owner) for f in stored] == [
+        ("sha256", manifest.query_rows["stored"]["sha256"], "project")]
     assert torch.equal(load_file(paths.materials_dir / "query_rows.safetensors")["query_rows"], rows)
     assert manifest_is_current(paths, load_settings(paths.root))
 
