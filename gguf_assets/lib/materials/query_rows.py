@@ -235,11 +235,15 @@ def resolve_hub(qr: dict, materials_dir: Path, stored: Path, hidden: int, *, pin
         fetched += out.stat().st_size - before
         return out.read_bytes()
 
-    n = header_length(fetch(0, 8, "prefix"), file_size=remote.size, where=where)
-    entries = parse_header(fetch(8, 8 + n, "header"), where=where)
-    entry = check_choice(entries, qr["tensor"], hidden, where)
-    start, end = tensor_span(entries, qr["tensor"], n, file_size=remote.size, where=where)
-    data = fetch(start, end, f"{start}-{end}")
+    try:
+        n = header_length(fetch(0, 8, "prefix"), file_size=remote.size, where=where)
+        entries = parse_header(fetch(8, 8 + n, "header"), where=where)
+        entry = check_choice(entries, qr["tensor"], hidden, where)
+        start, end = tensor_span(entries, qr["tensor"], n, file_size=remote.size, where=where)
+        data = fetch(start, end, f"{start}-{end}")
+    except QueryRowsError:  # the user's to fix: nothing to resume (a cut connection keeps its partial bytes)
+        shutil.rmtree(work, ignore_errors=True)
+        raise
     record = {"key": setting_key(qr), **{k: qr.get(k, "") for k in ("source", "file", "tensor")}, "origin": "hub",
               "commit": listing.commit, "file_etag": remote.etag, "file_sha256": remote.sha256,
               "file_size": remote.size, "fetched_bytes": fetched}

@@ -204,6 +204,7 @@ def test_wrong_tensor_name_lists_the_candidates(make_project, loopback_hub, demo
     assert lines[0].startswith(f"materials.query_rows.tensor = 'query_tokens' is not in {T2I}:{T2I_FILE}")
     assert lines[1:] == [f"  text_proj.in_proj.weight  [8, {rows.shape[1]}]", f"  {ROWS_NAME}  {list(rows.shape)}"]
     assert loopback_hub.served[T2I_FILE] < 4096  # the header only
+    assert not (paths.materials_dir / qr.PARTIAL_DIR).exists()
 
 
 def test_file_missing_from_the_repo_names_its_safetensors_files(make_project, loopback_hub, demo_materials_root):
