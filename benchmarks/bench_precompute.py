@@ -110,8 +110,8 @@ def pipeline_seconds(builder: ShardBuilder, prompts: list[str]) -> tuple[float, 
         seconds = time.perf_counter() - start
     finally:
         del teacher.forward_batch
-    assert report["teacher_status"] == "missing", report
-    return seconds, report["teacher_seconds"], inside[0]
+    assert report.halves["teacher"].status == "missing", report
+    return seconds, report.halves["teacher"].seconds, inside[0]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -85,6 +85,7 @@ from gguf_assets.lib.project.layout import PROMPTS_FILE, ProjectPaths
 from gguf_assets.lib.project.settings import Settings, replace, write_project_file
 from gguf_assets.lib.training import train as train_module
 from gguf_assets.lib.training.adapter import Adapter, AdapterShape
+from gguf_assets.lib.training.events import LogStep, TrainingEvent
 from gguf_assets.lib.training.train import train_adapter
 from gguf_assets.lib.training.train_data import load_shard, read_half, shard_size, target_stats
 from gguf_assets.lib.training.training_run import shards_identity, training_fingerprint
@@ -423,9 +424,9 @@ def train_once(work: Path, data: PairData, variant: Variant, steps: int, *, log_
     fingerprint = training_fingerprint(settings, [shards_identity(folders["train"])], [shards_identity(folders["val"])])
     marks: list[tuple[int, float]] = []
 
-    def on_event(kind: str, payload: dict) -> None:
-        if kind == "log":
-            marks.append((payload["step"], time.process_time()))
+    def on_event(event: TrainingEvent) -> None:
+        if isinstance(event, LogStep):
+            marks.append((event.step, time.process_time()))
 
     run_root = work / f"run-{time.monotonic_ns()}"
     model = layers_model(data.combined[variant.combine][0], variant.combine) if variant.combine \

@@ -50,7 +50,6 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "gguf_assets_tests"))  # servers.py: the cluster tests' real servers
 
 CLI = [sys.executable, "-m", "gguf_assets.cli"]
-STAGES = ("materials", "corpus", "train_shards", "val_shards", "adapter", "gguf", "eval_report")
 ASSETS_QUERY = "{ assetNodes { assetKey { path } staleStatus staleCauses { reason } } }"
 PARTITIONS_QUERY = ('{ assetNodeOrError(assetKey: {path: ["train_shards"]}) { ... on AssetNode { partitionKeys '
                     'partitionStats { numMaterialized numPartitions } assetPartitionStatuses { '
@@ -240,6 +239,7 @@ def status_seconds(paths, repeats: int = 3) -> tuple[float, float]:
 
 def part_pipeline(tmp: Path, *, prompts: int, shard_size: int, steps: int, mock_teacher: bool = False) -> bool:
     from gguf_assets.lib.demo.demo import build_demo_materials
+    from gguf_assets.lib.status.stages import STAGES
 
     val = max(shard_size // 2, 100)
     models = "the demo's tiny student and a mock teacher" if mock_teacher else "the demo's tiny real models"

@@ -43,6 +43,7 @@ from gguf_assets.lib.project.layout import (
 )
 from gguf_assets.lib.project.settings import Settings, Training
 from gguf_assets.lib.training.adapter import adapter_loss, lr_at, standardize
+from gguf_assets.lib.training.events import LogStep
 from gguf_assets.lib.training.train import adapter_shape, build_model, train_adapter
 from gguf_assets.lib.training.train_data import SampleOrder, ShardStream, collate, shard_size, target_stats
 
@@ -86,7 +87,7 @@ def trainer_steps_per_s(folders: list[Path], val: list[Path], settings: Settings
     windows = []
     run = work / f"trainer-{time.monotonic_ns()}"
     train_adapter(ProjectPaths.of(run), settings, train_folders=folders, val_folders=val, fingerprint="bench",
-                  on_event=lambda kind, data: windows.append(data["steps_per_s"]) if kind == "log" else None)
+                  on_event=lambda event: windows.append(event.steps_per_s) if isinstance(event, LogStep) else None)
     return sorted(windows[1:])[len(windows[1:]) // 2]
 
 

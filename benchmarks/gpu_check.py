@@ -190,6 +190,7 @@ def check_oom_lowering(paths, settings, materials, device, results, caplog_recor
 def check_training_and_export(paths, settings, materials, device, results) -> None:
     from gguf_assets.lib.output.export import export_adapter
     from gguf_assets.lib.output.gguf_eval import evaluate_gguf
+    from gguf_assets.lib.training.events import LogStep, TrainingEvent
     from gguf_assets.lib.training.train import train_adapter
     from gguf_assets.lib.training.training_run import adapter_fingerprint
 
@@ -199,9 +200,9 @@ def check_training_and_export(paths, settings, materials, device, results) -> No
         torch.cuda.reset_peak_memory_stats(device)
     steps_timing: list[float] = []
 
-    def on_event(kind: str, data: dict) -> None:
-        if kind == "log":
-            steps_timing.append(data["steps_per_s"])
+    def on_event(event: TrainingEvent) -> None:
+        if isinstance(event, LogStep):
+            steps_timing.append(event.steps_per_s)
 
     began = time.perf_counter()
     summary = train_adapter(paths, settings, train_folders=folders["train"], val_folders=folders["val"],

@@ -203,8 +203,8 @@ def cmd_ui(args: argparse.Namespace) -> int:
     studio = f"http://{args.host}:{args.studio_port}"
     url = "" if args.no_tensorboard else f"http://{args.host}:{args.tensorboard_port}"
     # Before any port is probed: a studio already open for this project is named, not refused port by port.
-    services_lock = hold_services(paths.dagster_home / SERVICES_LOCK, {"urls": {
-        "studio": studio, "Dagster UI": base, **({"TensorBoard": url} if url else {})}})
+    services_lock = hold_services(paths.dagster_home / SERVICES_LOCK, {
+        "studio": studio, "Dagster UI": base, **({"TensorBoard": url} if url else {})})
     keep = (services_lock,)
     prepare_instance(paths)
     import dagster as dg
@@ -269,8 +269,8 @@ def cmd_auto_resume(project: str, *, daemon: bool, ui_port: int | None = None, u
     services = []
     keep: tuple[int, ...] = ()
     if daemon or ui_port is not None:  # its servers are the project's one set, as `ui`'s are
-        keep = (hold_services(paths.dagster_home / SERVICES_LOCK, {"urls": {
-            "Dagster UI": f"http://{ui_host}:{ui_port}"} if ui_port is not None else {}}),)
+        keep = (hold_services(paths.dagster_home / SERVICES_LOCK, {
+            "Dagster UI": f"http://{ui_host}:{ui_port}"} if ui_port is not None else {}),)
     if ui_port is not None:
         print(f"Dagster UI for {paths.root} on http://{ui_host}:{ui_port}", flush=True)
         services = start_services([webserver_command(ui_host, ui_port)], keep_fds=keep)

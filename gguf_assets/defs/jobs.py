@@ -7,6 +7,7 @@ same jobs; each shard job covers a range of shard partitions in one run (single-
 import dagster as dg
 
 from gguf_assets.defs.partitions import TRAIN_SHARDS, VAL_SHARDS
+from gguf_assets.lib.status.stages import INPUT_STAGES, TRAINING_STAGES
 from gguf_assets.orchestration.cluster import CPU_QUEUE, GPU_QUEUE, QUEUE_TAG
 
 # The Celery queue each job's runs go to on a cluster (orchestration/cluster_workers.py); a tag only, elsewhere.
@@ -19,7 +20,7 @@ SHARDS_JOB = {"train": "precompute_train_shards", "val": "precompute_val_shards"
 TRAIN_AND_EXPORT = "train_export_evaluate"
 
 JOBS = [
-    dg.define_asset_job(MATERIALS_AND_CORPUS, selection=["materials", "corpus"], config=CONSOLE, tags=ON_CPU,
+    dg.define_asset_job(MATERIALS_AND_CORPUS, selection=list(INPUT_STAGES), config=CONSOLE, tags=ON_CPU,
                         description="Pin and download the materials, then build the prompt corpus."),
     dg.define_asset_job(SHARDS_JOB["train"], selection=["train_shards"], partitions_def=TRAIN_SHARDS,
                         config=CONSOLE, tags=ON_GPU,
@@ -27,7 +28,7 @@ JOBS = [
     dg.define_asset_job(SHARDS_JOB["val"], selection=["val_shards"], partitions_def=VAL_SHARDS,
                         config=CONSOLE, tags=ON_GPU,
                         description="Teacher targets and student states for a range of val shards."),
-    dg.define_asset_job(TRAIN_AND_EXPORT, selection=["adapter", "gguf", "eval_report"],
+    dg.define_asset_job(TRAIN_AND_EXPORT, selection=list(TRAINING_STAGES),
                         config=CONSOLE, tags=ON_GPU,
                         description="Train the adapter, export the GGUF and evaluate it (any suffix of the three)."),
 ]

@@ -20,15 +20,15 @@ from gguf_assets.lib.core import atomic
 from gguf_assets.lib.core.markdown import markdown_table
 from gguf_assets.lib.materials.materials import load_manifest
 from gguf_assets.lib.precompute.half_state import HalfState
-from gguf_assets.lib.precompute.shards import plan_shards, precompute_split, shard_status
+from gguf_assets.lib.precompute.shards import ShardReport, plan_shards, precompute_split, shard_status
 
 GPU_POOL = "gpu"
 
 
-def _numbers(report: dict) -> dict:
-    """The plottable and short values of a report (no bools, no inf: an ETA not known yet). A str enum (a half's
-    HalfState) goes in as its plain value: Dagster's serializer refuses enums it does not know."""
-    return {k: str(v) if isinstance(v, str) else v for k, v in report.items()
+def _numbers(figures: dict) -> dict:
+    """The plottable and short values of some figures (no bools, no inf: an ETA not known yet). A str enum goes in
+    as its plain value: Dagster's serializer refuses enums it does not know."""
+    return {k: str(v) if isinstance(v, str) else v for k, v in figures.items()
             if isinstance(v, (int, float, str)) and not isinstance(v, bool)
             and not (isinstance(v, float) and not math.isfinite(v))}
 
@@ -41,14 +41,14 @@ def _device_map(placement: dict) -> dg.MetadataValue:
 def materialize_shards(context: dg.AssetExecutionContext, project: ProjectResource, split: str) -> dg.MaterializeResult:
     paths, settings = project.paths(), project.settings()
 
-    def shard_done(report: dict) -> None:
-        key = report["key"]
-        figures = _numbers(report)
-        seconds = sum(report.get(f"{half}_seconds", 0.0) for half in ("teacher", "student"))
+    def shard_done(report: ShardReport) -> None:
+        key = report.key
+        figures = _numbers(report.figures())
+        seconds = sum(done.seconds for done in report.halves.values())
         figures["seconds"] = round(seconds, 3)
-        figures["prompts_per_s"] = round(report["prompts"] / seconds, 3) if seconds else 0.0
-        if report.get("placement"):  # the console said where the teacher went when it was loaded
-            figures["teacher_device_map"] = _device_map(report["placement"])
+        figures["prompts_per_s"] = round(report.prompts / seconds, 3) if seconds else 0.0
+        if report.device_map:  # the console said where the teacher went when it was loaded
+            figures["teacher_device_map"] = _device_map(report.device_map)
         figures["folder"] = dg.MetadataValue.path(str(paths.shard_dir(split, key)))
         # This shard's own materialization (one per shard per run) gets this shard's own figures.
         context.add_asset_metadata(figures, partition_key=key)

@@ -17,6 +17,7 @@ from gguf_assets.lib.project.layout import CURVES_FILE, FINAL_DIR
 from gguf_assets.lib.telemetry.curves_log import TENSORBOARD_URL_ENV, run_folder, run_name, tensorboard_timeseries_url
 from gguf_assets.lib.telemetry.hardware import HardwareSampler
 from gguf_assets.lib.telemetry.render import curves_markdown, curves_svg
+from gguf_assets.lib.training.events import LogStep, TrainingEvent, Validation
 from gguf_assets.lib.training.training_run import adapter_fingerprint
 from gguf_assets.lib.training.verdict import verdict
 
@@ -64,12 +65,12 @@ def adapter(context: dg.AssetExecutionContext, project: ProjectResource) -> dg.M
 
     hardware = HardwareSampler()
 
-    def on_event(kind: str, data: dict) -> None:
+    def on_event(event: TrainingEvent) -> None:
         # Notes are logged by the library itself (the event log captures gguf_assets' loggers).
-        if kind in ("log", "validate"):
-            # One observation per log/validate step: Dagster plots each numeric key over time. The
-            # "log" events carry the live hardware sample (GPU/CPU/RAM) taken at that step.
-            numbers = {k: float(v) for k, v in data.items() if isinstance(v, (int, float))}
+        if isinstance(event, (LogStep, Validation)):
+            # One observation per log/validate step: Dagster plots each numeric key over time. A LogStep
+            # carries the live hardware sample (GPU/CPU/RAM) taken at that step.
+            numbers = {k: float(v) for k, v in event.figures().items() if isinstance(v, (int, float))}
             context.log_event(dg.AssetObservation(asset_key=context.asset_key, metadata=numbers))
 
     with hardware:  # samples GPU/CPU/RAM in the background for the run's summary

@@ -12,6 +12,7 @@ from gguf_assets.lib.corpus.corpus_run import corpus_manifest
 from gguf_assets.lib.project import settings_history
 from gguf_assets.lib.project.layout import SPLITS, ProjectPaths
 from gguf_assets.lib.project.settings import Settings
+from gguf_assets.lib.status.stages import INPUT_STAGES, TRAINING_STAGES
 from gguf_assets.lib.status.states import RESUMABLE, UNFINISHED, State, project_status
 from gguf_assets.orchestration.run_tags import PIPELINE_TAG, RANGE_END_TAG, RANGE_START_TAG
 
@@ -49,7 +50,7 @@ def next_work(paths: ProjectPaths, settings: Settings, instance) -> Work | None:
     if status["materials"].state != State.CURRENT:
         # New materials come with the corpus: it reads them, and when it finds itself current it
         # only records that (same data version), so Dagster does not show it stale.
-        return Work(MATERIALS_AND_CORPUS, ("materials", "corpus"), missing=status["materials"].state in RESUMABLE)
+        return Work(MATERIALS_AND_CORPUS, INPUT_STAGES, missing=status["materials"].state in RESUMABLE)
     if status["corpus"].state != State.CURRENT or not partitions_match(
             instance, expected_shard_keys(corpus_manifest(paths), settings)):
         return Work(MATERIALS_AND_CORPUS, ("corpus",), missing=status["corpus"].state in RESUMABLE)
@@ -58,12 +59,12 @@ def next_work(paths: ProjectPaths, settings: Settings, instance) -> Work | None:
         if state != State.CURRENT:
             keys = tuple(instance.get_dynamic_partitions(BY_SPLIT[split].name))
             return Work(SHARDS_JOB[split], (f"{split}_shards",), keys, missing=state in RESUMABLE)
-    order = ["adapter", "gguf", "eval_report"]
-    todo = [s for s in order if status[s].state in UNFINISHED]
+    todo = [s for s in TRAINING_STAGES if status[s].state in UNFINISHED]
     if not todo:
         return None
     # Once one stage is redone, everything after it is redone too.
-    return Work(TRAIN_AND_EXPORT, tuple(order[order.index(todo[0]):]), missing=status[todo[0]].state in RESUMABLE)
+    return Work(TRAIN_AND_EXPORT, TRAINING_STAGES[TRAINING_STAGES.index(todo[0]):],
+                missing=status[todo[0]].state in RESUMABLE)
 
 
 def split_range(keys: list[str] | tuple[str, ...], parts: int) -> list[tuple[str, ...]]:

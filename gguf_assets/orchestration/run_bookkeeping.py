@@ -16,7 +16,7 @@ import dagster as dg
 
 from gguf_assets.defs.settings import observe_settings
 from gguf_assets.lib.core.liveness import boot_id, machine_id, process_started
-from gguf_assets.lib.core.lock import ProjectLock
+from gguf_assets.lib.core.lock import ProjectLock, RunningRun
 from gguf_assets.lib.project import settings_history
 from gguf_assets.lib.project.layout import ProjectPaths, check_output_folders
 from gguf_assets.lib.project.settings import Settings, load_settings
@@ -52,8 +52,9 @@ class RunBookkeeping:
                                                run_tags.SETTINGS_TAG: settings_history.settings_hash(settings)})
         describe = f"Dagster run {run.run_id[:8]} of {run.job_name}" if run is not None else ""
         leader = run_tags.get(run.tags, run_tags.LEADER_TAG) if run is not None else None
-        running = None if run is None else {"run_id": run.run_id, "job": run.job_name,
-                                            "assets": sorted(k.to_user_string() for k in run.asset_selection or ())}
+        running = None if run is None else RunningRun(
+            run_id=run.run_id, job=run.job_name,
+            assets=tuple(sorted(k.to_user_string() for k in run.asset_selection or ())))
         admitted = run is not None and run_tags.get(run.tags, run_tags.ADMITTED_TAG) is not None
         lock = ProjectLock(paths.lock_file, describe=describe, leader_pid=int(leader) if leader else None,
                            running=running, admitted_run=run.run_id if admitted else None)

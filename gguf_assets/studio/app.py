@@ -30,6 +30,7 @@ from gguf_assets.lib.project.layout import ProjectPaths
 from gguf_assets.lib.project.manifests import DamagedRecord, Report
 from gguf_assets.lib.project.presets import PRESETS, preset, set_keys
 from gguf_assets.lib.project.settings import SettingsError, load_settings, settings_from_text
+from gguf_assets.lib.status.stages import SHARD_STAGES
 from gguf_assets.lib.status.states import State, project_status, with_running
 from gguf_assets.lib.telemetry.curves_log import tensorboard_timeseries_url
 from gguf_assets.lib.telemetry.live import merged_history, precompute_progress, training_progress
@@ -59,8 +60,8 @@ def project_view(paths: ProjectPaths, feed: ObservationFeed | None = None,
                 "hardware_now": (hardware or LiveHardware()).read()}
     lock_holder = holder(paths.lock_file)
     stages = with_running(project_status(paths, settings), lock_holder)
-    running = (lock_holder or {}).get("running")
-    assets = set(running.get("assets", ())) if running else set()
+    running = lock_holder.running if lock_holder is not None else None
+    assets = set(running.assets) if running is not None else set()
     feed = feed or ObservationFeed()
     report = _report_view(paths, settings)
     view = {
@@ -68,15 +69,15 @@ def project_view(paths: ProjectPaths, feed: ObservationFeed | None = None,
         "settings_error": None,
         "stages": [{"stage": s.stage, "title": STAGE_TITLES.get(s.stage, s.stage), "state": s.state,
                     "detail": s.detail} for s in stages],
-        "busy": (lock_holder or {}).get("what") if lock_holder else None,
-        "running": {"run_id": running["run_id"], "job": running["job"]} if running else None,
+        "busy": lock_holder.what if lock_holder is not None else None,
+        "running": {"run_id": running.run_id, "job": running.job} if running is not None else None,
         "run_preview": run_preview(paths, settings, stages, busy=lock_holder is not None),
         "last_run": _last_run(paths, settings, feed),
         # Live only once the run works on the adapter (a run that precomputes first would show "starting").
-        "training": training_view(paths, settings, feed.entries("adapter", running["run_id"])
+        "training": training_view(paths, settings, feed.entries("adapter", running.run_id)
                                   if any(s.stage == "adapter" and s.state == State.RUNNING for s in stages) else None),
-        "precompute": precompute_progress([(asset.removesuffix("_shards"), figures) for asset in SHARD_ASSETS
-                                           if asset in assets for figures in feed.entries(asset, running["run_id"])]),
+        "precompute": precompute_progress([(asset.removesuffix("_shards"), figures) for asset in SHARD_STAGES
+                                           if asset in assets for figures in feed.entries(asset, running.run_id)]),
         "hardware_now": (hardware or LiveHardware()).read(),
         "report": report and {**report, "outdated": _outdated(stages)},
         "run_command": trainer("run", paths.root),
@@ -168,9 +169,6 @@ class ObservationFeed:
         except Exception:  # noqa: BLE001  the page stays up while the storage is busy or away
             pass
         return self._by_run.get((asset, run_id), [])
-
-
-SHARD_ASSETS = ("train_shards", "val_shards")
 
 
 def _saved_history(run_dir: Path) -> list[dict]:
@@ -367,7 +365,8 @@ def build_app(project: str | Path, *, dagster_url: str = "", tensorboard_url: st
             proc.poll()  # reap finished runs
         lock_holder = holder(paths.lock_file)
         if lock_holder is not None:
-            return JSONResponse({"error": f"{paths.root} is busy: {lock_holder.get('what', 'another pipeline')}"},
+            busy = lock_holder.what if lock_holder.what is not None else "another pipeline"
+            return JSONResponse({"error": f"{paths.root} is busy: {busy}"},
                                 status_code=409)
         try:
             load_settings(paths.root)  # the run would stop at once with the same message, after seconds
@@ -384,15 +383,16 @@ def build_app(project: str | Path, *, dagster_url: str = "", tensorboard_url: st
     async def stop(request: Request) -> JSONResponse:
         if (refused := refusal(request)) is not None:
             return refused
-        running = (holder(paths.lock_file) or {}).get("running")
-        if not running:
+        lock_holder = holder(paths.lock_file)
+        running = lock_holder.running if lock_holder is not None else None
+        if running is None:
             return JSONResponse({"error": "nothing of this project is running"}, status_code=409)
         import dagster as dg
 
         instance = dg.DagsterInstance.get()
         # What Terminate in Dagster's UI does: the run ends CANCELED, resumable, whoever started it.
-        instance.run_launcher.terminate(running["run_id"])
-        return JSONResponse({"stopping": running["run_id"], "job": running["job"]})
+        instance.run_launcher.terminate(running.run_id)
+        return JSONResponse({"stopping": running.run_id, "job": running.job})
 
     async def settings_text(_request: Request) -> JSONResponse:
         served = seen.remember(settings_file.read(paths.project_file))

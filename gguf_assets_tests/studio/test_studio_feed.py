@@ -28,3 +28,31 @@ def test_the_feed_reads_each_assets_observations_once_in_order_per_run():
     _observe(instance, "adapter", {"step": 20.0, "loss": 1.2, "steps_per_s": 3.0, "eta_s": 6.7})
     assert [f["step"] for f in feed.entries("adapter", "")] == [10.0, 20.0]  # the new one added, none twice
     assert feed.entries("adapter", "another-run") == []
+
+
+def test_the_page_names_the_run_the_lock_holder_record_names(make_project):
+    """The studio's "busy" and "running" come from the project lock's holder record (lib/core/lock.py): the
+    pipeline's words, and the run id and job of the Dagster run inside it; the stage it works on shows running."""
+    from gguf_assets.lib.core.lock import ProjectLock, RunningRun
+    from gguf_assets.studio.app import project_view
+
+    paths = make_project(steps=5, mock_teacher=True)
+    feed = ObservationFeed(dg.DagsterInstance.ephemeral())
+    idle = project_view(paths, feed)
+    assert idle["busy"] is None and idle["running"] is None
+    with ProjectLock(paths.lock_file, describe="gguf-trainer run demo"):
+        assert project_view(paths, feed)["busy"] == "gguf-trainer run demo"
+        running = RunningRun(run_id="1a2b3c4d5e6f", job="all_stages", assets=("materials", "corpus"))
+        with ProjectLock(paths.lock_file, describe="Dagster run 1a2b3c4d of all_stages", running=running):
+            view = project_view(paths, feed)
+    assert view["busy"] == "gguf-trainer run demo"  # the pipeline's words; the run inside it is "running"
+    assert view["running"] == {"run_id": "1a2b3c4d5e6f", "job": "all_stages"}
+    materials = next(s for s in view["stages"] if s["stage"] == "materials")
+    assert materials["state"] == "running" and materials["detail"].startswith("run 1a2b3c4d of all_stages; was ")
+
+
+def test_every_stage_has_its_title_on_the_page():
+    from gguf_assets.lib.status.stages import STAGES
+    from gguf_assets.studio.app import STAGE_TITLES
+
+    assert tuple(STAGE_TITLES) == STAGES

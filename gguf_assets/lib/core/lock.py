@@ -26,11 +26,14 @@ before writing: its shards are the new pipeline's to plan.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import fcntl
 import json
 import os
 import time
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -40,6 +43,70 @@ from gguf_assets.lib.core.errors import UserError
 
 class ProjectLocked(UserError, RuntimeError):
     pass
+
+
+@dataclass(frozen=True)
+class RunningRun:
+    """The Dagster run that works on the project now: its id, its job and the assets it materializes."""
+
+    run_id: str
+    job: str
+    assets: tuple[str, ...] = ()
+
+    def to_json(self) -> dict:
+        return {"run_id": self.run_id, "job": self.job, "assets": list(self.assets)}
+
+    @classmethod
+    def from_json(cls, data: object) -> RunningRun | None:
+        """None for anything that names no run (absent, empty, not an object)."""
+        if not isinstance(data, dict) or not data.get("run_id"):
+            return None
+        return cls(run_id=str(data["run_id"]), job=str(data.get("job", "")),
+                   assets=tuple(str(a) for a in data.get("assets") or ()))
+
+
+@dataclass(frozen=True)
+class HolderRecord:
+    """Who holds a lock file, as written into it (JSON): the project lock's {pid, started, what[, running]}, the
+    services lock's {pid, started, urls}.
+
+    A field the file does not have stays None and is left out when written, so the JSON keeps the keys (and their
+    order) that earlier versions wrote; a record written by an older or newer version reads, unknown keys ignored.
+    """
+
+    pid: int | None = None
+    started: str | None = None  # ISO time, seconds
+    what: str | None = None  # the project lock: the pipeline, in words ("gguf-trainer run demo")
+    running: RunningRun | None = None  # the project lock: the Dagster run executing now (``ProjectLock.running``)
+    urls: tuple[tuple[str, str], ...] | None = None  # the services lock: (name, URL) of each server started
+
+    def to_json(self) -> dict:
+        data: dict = {}
+        if self.pid is not None:
+            data["pid"] = self.pid
+        if self.started is not None:
+            data["started"] = self.started
+        if self.what is not None:
+            data["what"] = self.what
+        if self.running is not None:
+            data["running"] = self.running.to_json()
+        if self.urls is not None:
+            data["urls"] = dict(self.urls)
+        return data
+
+    @classmethod
+    def from_json(cls, data: object) -> HolderRecord:
+        """The record in ``data`` (a JSON object); what is missing or malformed in it reads as unknown (None)."""
+        if not isinstance(data, dict):
+            return cls()
+        try:
+            pid = int(data["pid"]) if data.get("pid") is not None else None
+        except (TypeError, ValueError):
+            pid = None
+        started, what, urls = data.get("started"), data.get("what"), data.get("urls")
+        return cls(pid=pid, started=None if started is None else str(started),
+                   what=None if what is None else str(what), running=RunningRun.from_json(data.get("running")),
+                   urls=tuple((str(k), str(v)) for k, v in urls.items()) if isinstance(urls, dict) else None)
 
 
 WORKERS_SUFFIX = ".workers"  # .pipeline.lock -> .pipeline.workers.lock
@@ -74,7 +141,7 @@ def admit_runs(lock_file: Path, run_ids: list[str]) -> None:
 # Lock files this process holds, with a nesting count: the CLI holds the lock for a whole
 # `run`, and each Dagster run (which may execute in that same process) takes it again; the
 # records the nested takers replaced, to put back when they leave.
-_held: dict[Path, list] = {}  # path -> [fd, nesting count, [records replaced]]
+_held: dict[Path, list] = {}  # path -> [fd, nesting count, [HolderRecord replaced]]
 
 
 def _is_ancestor(pid: int) -> bool:
@@ -87,13 +154,13 @@ def _is_ancestor(pid: int) -> bool:
 class ProjectLock:
     """Exclusive lock on a project folder; ``describe`` is shown to whoever is refused (e.g. the run).
 
-    ``running`` ({run_id, job, assets}) says which Dagster run executes now; `status` reads it
+    ``running`` says which Dagster run executes now; `status` reads it
     (``holder``) to show those stages as running. A nested taker in the same process (the run
     inside `gguf-trainer run`) records its own while it holds the lock.
     """
 
     def __init__(self, lock_file: Path, *, describe: str = "", leader_pid: int | None = None,
-                 running: dict | None = None, admitted_run: str | None = None) -> None:
+                 running: RunningRun | None = None, admitted_run: str | None = None) -> None:
         self.lock_file = Path(lock_file).resolve()
         self.describe = describe
         self.leader_pid = leader_pid
@@ -111,7 +178,7 @@ class ProjectLock:
             previous = _read_holder(entry[0])
             entry[2].append(previous)
             if self.running is not None:
-                _write_holder(entry[0], {**previous, "running": self.running})
+                _write_holder(entry[0], dataclasses.replace(previous, running=self.running))
             return self
         self.lock_file.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.lock_file, os.O_RDWR | os.O_CREAT, 0o600)
@@ -120,7 +187,7 @@ class ProjectLock:
         except BlockingIOError:
             holder = _read_holder(fd)
             os.close(fd)
-            pid = int(holder.get("pid", -1))
+            pid = holder.pid if holder.pid is not None else -1
             if pid > 0 and pid == self.leader_pid and _is_ancestor(pid):
                 self._worker_fd = _flock(workers_file(self.lock_file), fcntl.LOCK_SH)
                 if self._worker_fd is not None:
@@ -141,8 +208,7 @@ class ProjectLock:
                 f"{self.lock_file.parent} is still written by the worker runs of an earlier pipeline "
                 f"({_who(earlier)}), which is gone. Wait for them to finish (they keep their shards), or stop them "
                 "with Terminate in the Dagster UI; two pipelines must not write the same project folder.")
-        record = {"pid": os.getpid(), "started": dt.datetime.now().isoformat(timespec="seconds"), "what": self.describe}
-        _write_holder(fd, {**record, "running": self.running} if self.running else record)
+        _write_holder(fd, HolderRecord(pid=os.getpid(), started=_now(), what=self.describe, running=self.running))
         _held[self.lock_file] = [fd, 1, []]
         return self
 
@@ -213,10 +279,18 @@ def _workers_still_write(lock_file: Path, *, new_pipeline: bool = False) -> bool
     return False
 
 
-def _who(record: dict) -> str:
+def _now() -> str:
+    return dt.datetime.now().isoformat(timespec="seconds")
+
+
+def _known(value: object) -> object:
+    return "?" if value is None else value
+
+
+def _who(record: HolderRecord) -> str:
     """A holder record in the words of a refusal: "pid 12, started 2026-12-01T09:00:00, gguf-trainer run demo"."""
-    what = f", {record['what']}" if record.get("what") else ""
-    return f"pid {record.get('pid', '?')}, started {record.get('started', '?')}{what}"
+    what = f", {record.what}" if record.what else ""
+    return f"pid {_known(record.pid)}, started {_known(record.started)}{what}"
 
 
 def is_locked(lock_file: Path) -> bool:
@@ -240,8 +314,8 @@ def is_locked(lock_file: Path) -> bool:
         os.close(fd)
 
 
-def holder(lock_file: Path) -> dict | None:
-    """Who holds the lock now ({pid, started, what[, running]}), or None when nobody does."""
+def holder(lock_file: Path) -> HolderRecord | None:
+    """Who holds the lock now (pid, started, what[, running]), or None when nobody does."""
     if not is_locked(lock_file):
         return None
     try:
@@ -254,26 +328,27 @@ def holder(lock_file: Path) -> dict | None:
         os.close(fd)
 
 
-def _write_holder(fd: int, record: dict) -> None:
-    data = json.dumps(record).encode()
+def _write_holder(fd: int, record: HolderRecord) -> None:
+    data = json.dumps(record.to_json()).encode()
     os.pwrite(fd, data, 0)
     os.ftruncate(fd, len(data))
     os.fsync(fd)
 
 
-def _read_holder(fd: int) -> dict:
+def _read_holder(fd: int) -> HolderRecord:
     try:
-        return json.loads(os.pread(fd, 4096, 0).decode() or "{}")
+        return HolderRecord.from_json(json.loads(os.pread(fd, 4096, 0).decode() or "{}"))
     except (OSError, ValueError):
-        return {}
+        return HolderRecord()
 
 
 class ServicesOpen(UserError):
     """The project's servers (studio, Dagster UI, daemon) are already running."""
 
 
-def hold_services(lock_file: Path, record: dict) -> int:
-    """One set of servers per project: an exclusive flock on ``lock_file`` with ``record`` (pid, the URLs) in it.
+def hold_services(lock_file: Path, urls: Mapping[str, str]) -> int:
+    """One set of servers per project: an exclusive flock on ``lock_file`` with a record of this pid and the
+    ``urls`` ({name: URL} of the servers) in it.
 
     Returns the open fd: hand it to every server started (``pass_fds``), so the lock stays held for as long as
     any of them runs, also after a kill -9 of the process that started them; a second `ui` is then refused
@@ -287,13 +362,13 @@ def hold_services(lock_file: Path, record: dict) -> int:
     except BlockingIOError:
         other = _read_holder(fd)
         os.close(fd)
-        alive = psutil.pid_exists(int(other.get("pid", -1)))
-        urls = ", ".join(f"{name} {url}" for name, url in other.get("urls", {}).items()) or "its URLs unknown"
-        who = (f"pid {other.get('pid', '?')}" if alive else
-               f"started by pid {other.get('pid', '?')}, which is gone while its servers still run")
+        alive = psutil.pid_exists(other.pid if other.pid is not None else -1)
+        named = ", ".join(f"{name} {url}" for name, url in other.urls or ()) or "its URLs unknown"
+        who = (f"pid {_known(other.pid)}" if alive else
+               f"started by pid {_known(other.pid)}, which is gone while its servers still run")
         raise ServicesOpen(
-            f"{lock_file.parent.parent} is already open ({urls}; {who}, since {other.get('started', '?')}). "
+            f"{lock_file.parent.parent} is already open ({named}; {who}, since {_known(other.started)}). "
             "Open those pages, or stop that `gguf-trainer ui` first (Ctrl-C in its terminal); one project runs "
             "one studio and one Dagster daemon.") from None
-    _write_holder(fd, {"pid": os.getpid(), "started": dt.datetime.now().isoformat(timespec="seconds"), **record})
+    _write_holder(fd, HolderRecord(pid=os.getpid(), started=_now(), urls=tuple(urls.items())))
     return fd

@@ -26,13 +26,11 @@ from typing import BinaryIO
 
 from gguf_assets.lib.core import atomic
 from gguf_assets.lib.core.errors import UserError
+from gguf_assets.lib.project.formats import GZIP_SUFFIX, PARQUET, PROMPT_FORMATS, TEXT_PROMPT_FORMATS
 from gguf_assets.lib.project.layout import DATASET_METADATA_FILES, ProjectPaths
 from gguf_assets.lib.project.manifests import MaterialsManifest
 from gguf_assets.lib.project.settings import Settings
 
-PROMPT_FORMATS = (".txt", ".jsonl", ".json", ".csv", ".parquet")
-GZIP_SUFFIX = ".gz"
-PARQUET = ".parquet"
 # Rows per parquet batch: with only the text column read, memory is about this many prompts
 # plus one row group's compressed column chunk.
 PARQUET_BATCH_ROWS = 1024
@@ -402,6 +400,7 @@ def _read_parquet(file: Path, text_field: str) -> Iterator[str | BadRecord]:
             raise _parquet_error(file, exc) from None
 
 
+# A reader for each text format (lib/project/formats.py: TEXT_PROMPT_FORMATS); parquet is read by _read_parquet.
 _READERS: dict[str, Callable[[BinaryIO, Path, str, bool], Iterator[str | BadRecord]]] = {
     ".txt": _read_txt, ".jsonl": _read_jsonl, ".json": _read_json, ".csv": _read_csv}
 
@@ -415,8 +414,10 @@ class PromptFile:
         self.format = prompt_format(file)
         self.sha256: str | None = None
         if self.format is None:
-            raise CorpusError(f"{file}: unsupported prompt file type. Use .txt (one prompt per line), .jsonl, .json "
-                              f"or .csv, optionally gzip-compressed ({GZIP_SUFFIX}), or .parquet.")
+            first, *others, last = TEXT_PROMPT_FORMATS
+            raise CorpusError(f"{file}: unsupported prompt file type. Use {first} (one prompt per line), "
+                              f"{', '.join(others)} or {last}, optionally gzip-compressed ({GZIP_SUFFIX}), or "
+                              f"{PARQUET}.")
         if self.format == PARQUET and file.name.lower().endswith(GZIP_SUFFIX):
             raise CorpusError(f"{file}: a gzip-compressed parquet file cannot be read in place. Decompress it; "
                               "parquet compresses its columns itself.")

@@ -35,6 +35,7 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -54,7 +55,6 @@ REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 COMMIT = re.compile(r"^[0-9a-f]{40}$")
 # Variables whose value could make the child send a token other than the one handed to it.
 TOKEN_ENV_VARS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_TOKEN_PATH")
-TRANSIENT_KINDS = ("transient", "stalled", "silent")
 # The pipe on which a child says its imports are done ("r"), then each request it sends ("q") and each answer
 # (response headers) it gets ("a"): the watchdog tells a hub that answers nothing from a slow one.
 READY_FD_ENV = "GGUF_ASSETS_HUB_READY_FD"
@@ -71,10 +71,34 @@ UNREACHABLE_SIGNS = ("Name or service not known", "Temporary failure in name res
                      "Network is unreachable", "getaddrinfo failed")
 
 
+class HubFailure(StrEnum):
+    """Why a hub call failed: the kinds a child process answers with (``ChildAnswer.kind``), and the caller's own
+    two (CORRUPT, SETTING). ``_fail`` words each for the user."""
+
+    NOT_FOUND = "not_found"  # no such repo (or private, and no token that can read it)
+    GATED = "gated"  # gated, and the token (if any) has no access
+    UNAUTHORIZED = "unauthorized"  # HTTP 401: the token was rejected
+    FORBIDDEN = "forbidden"  # HTTP 403: the token may not read the repo
+    REVISION = "revision"  # no such branch, tag or commit
+    ENTRY = "entry"  # a listed file is missing on the server (404)
+    HTTP = "http"  # another 4xx answer
+    OFFLINE = "offline"  # HF_HUB_OFFLINE is set
+    UNREACHABLE = "unreachable"  # no name resolution or nothing listening: retrying won't help
+    TRANSIENT = "transient"  # a dropped connection, a 5xx or 429, a child that died: worth a retry
+    STALLED = "stalled"  # the hub stopped sending (or answering) for the stall or api timeout
+    SILENT = "silent"  # the hub answered nothing at all for the answer bound
+    CORRUPT = "corrupt"  # the caller's: files kept arriving with another checksum than announced
+    SETTING = "setting"  # the caller's: GGUF_ASSETS_HUB_ANSWER_TIMEOUT_S is no number of seconds
+    NO_RANGE = "no_range"  # a Range request answered with the whole file (200): refused, not followed
+
+
+TRANSIENT_KINDS = (HubFailure.TRANSIENT, HubFailure.STALLED, HubFailure.SILENT)
+
+
 class HubError(UserError, RuntimeError):
     """A hub request that failed for good; ``kind`` says why, the message names the repo and the fix."""
 
-    def __init__(self, kind: str, message: str) -> None:
+    def __init__(self, kind: HubFailure, message: str) -> None:
         super().__init__(message)
         self.kind = kind
 
@@ -137,6 +161,59 @@ class Listing:
         return Listing(self.commit, {p: self.files[p] for p in paths})
 
 
+@dataclass(frozen=True)
+class ChildAnswer:
+    """What a child process (``_child_main``) answers for its one request, as one JSON line on its stdout; or what
+    the watchdog (``_run_child``) concludes when the child stalls, stays silent or dies.
+
+    ``ok``: a listing has its ``commit`` and ``files``, a download the files it finished from partial ones
+    (``resumed``). Otherwise ``kind`` says why, with the HTTP ``status`` when there was one, the error's
+    ``detail`` (token-free only once redacted) and, for a silent hub, the bound it had (``limit_s``)."""
+
+    ok: bool
+    kind: HubFailure | None = None
+    status: int | None = None
+    detail: str = ""
+    limit_s: float | None = None
+    commit: str | None = None
+    files: tuple[RemoteFile, ...] = ()
+    resumed: tuple[str, ...] = ()
+    etag: str | None = None  # a range read (``fetch_range``): the file's etag and size from the hub's metadata
+    size: int | None = None
+
+    @classmethod
+    def failed(cls, kind: HubFailure, detail: str, *, status: int | None = None,
+               limit_s: float | None = None) -> ChildAnswer:
+        return cls(ok=False, kind=kind, status=status, detail=detail, limit_s=limit_s)
+
+    @property
+    def retryable(self) -> bool:
+        """A failure that another try may mend (a dropped connection, a stall, a silent hub)."""
+        return not self.ok and self.kind in TRANSIENT_KINDS
+
+    def to_json(self) -> dict:
+        """{"ok": true, "commit", "files"} of a listing, {"ok": true, "resumed"} of a download, or
+        {"ok": false, "kind", "status", "detail"[, "limit_s"]} of a failure."""
+        if self.ok:
+            if self.etag is not None:  # a range read
+                return {"ok": True, "commit": self.commit, "etag": self.etag, "size": self.size}
+            if self.commit is not None:
+                return {"ok": True, "commit": self.commit, "files": [asdict(f) for f in self.files]}
+            return {"ok": True, "resumed": list(self.resumed)}
+        return {"ok": False, "kind": self.kind.value if self.kind is not None else None, "status": self.status,
+                "detail": self.detail, **({"limit_s": self.limit_s} if self.limit_s is not None else {})}
+
+    @classmethod
+    def from_json(cls, data: dict) -> ChildAnswer:
+        """The answer in ``data``; an unknown kind raises ValueError (the caller takes it for a broken child)."""
+        if data["ok"]:
+            return cls(ok=True, commit=data.get("commit"),
+                       files=tuple(RemoteFile(**f) for f in data.get("files") or ()),
+                       resumed=tuple(data.get("resumed") or ()), etag=data.get("etag"), size=data.get("size"))
+        return cls.failed(HubFailure(data["kind"]), str(data.get("detail") or ""), status=data.get("status"),
+                          limit_s=data.get("limit_s"))
+
+
 def answer_timeout_from_env() -> float:
     """GGUF_ASSETS_HUB_ANSWER_TIMEOUT_S, or the default; a value that is no positive number is the user's to fix."""
     raw = os.environ.get(ANSWER_TIMEOUT_ENV, "").strip()
@@ -147,9 +224,10 @@ def answer_timeout_from_env() -> float:
     except ValueError:
         value = float("nan")
     if not value > 0 or value == float("inf"):
-        raise HubError("setting", f"{ANSWER_TIMEOUT_ENV}={raw!r} is not a number of seconds above 0: how long to "
-                                  "wait for a hub that answers nothing. Unset it (default "
-                                  f"{DEFAULT_ANSWER_TIMEOUT_S:.0f}) or set it to, for example, 300.")
+        raise HubError(HubFailure.SETTING,
+                       f"{ANSWER_TIMEOUT_ENV}={raw!r} is not a number of seconds above 0: how long to wait for a hub "
+                       f"that answers nothing. Unset it (default {DEFAULT_ANSWER_TIMEOUT_S:.0f}) or set it to, for "
+                       "example, 300.")
     return value
 
 
@@ -438,7 +516,7 @@ def _signals(fd: int) -> bytes | None:
 
 
 def _run_child(request: dict, *, token: str | None, options: HubOptions, progress_dir: Path | None,
-               on_progress=None, waiting: Waiting | None = None) -> dict:
+               on_progress=None, waiting: Waiting | None = None) -> ChildAnswer:
     """Run one request in a child; kill it when it stalls. Returns the child's answer.
 
     Two clocks: ``limit`` (the api timeout for a listing, the stall timeout for a download: no new byte)
@@ -490,8 +568,8 @@ def _run_child(request: dict, *, token: str | None, options: HubOptions, progres
                 if now - started > CHILD_START_S:
                     proc.kill()
                     proc.communicate()
-                    return {"ok": False, "kind": "transient",
-                            "detail": f"the download process did not start within {CHILD_START_S:.0f} s"}
+                    return ChildAnswer.failed(HubFailure.TRANSIENT,
+                                              f"the download process did not start within {CHILD_START_S:.0f} s")
                 continue
             if progress_dir is not None:
                 current = _bytes_under(progress_dir)
@@ -507,7 +585,7 @@ def _run_child(request: dict, *, token: str | None, options: HubOptions, progres
                 proc.kill()
                 proc.communicate()
                 what = "sent no data" if progress_dir is not None else "did not answer"
-                return {"ok": False, "kind": "stalled", "detail": f"the hub {what} for {limit:.0f} s"}
+                return ChildAnswer.failed(HubFailure.STALLED, f"the hub {what} for {limit:.0f} s")
             if waiting is not None and asked > answered:
                 waiting.began(quiet_since)
                 waiting.tell(now)
@@ -515,8 +593,9 @@ def _run_child(request: dict, *, token: str | None, options: HubOptions, progres
                 if try_over or waiting.silent_s(now) >= waiting.limit_s:
                     proc.kill()
                     proc.communicate()
-                    return {"ok": False, "kind": "silent", "limit_s": waiting.limit_s,
-                            "detail": f"the hub at {host()} answered nothing for {int(waiting.silent_s(now))} s"}
+                    return ChildAnswer.failed(
+                        HubFailure.SILENT, f"the hub at {host()} answered nothing for {int(waiting.silent_s(now))} s",
+                        limit_s=waiting.limit_s)
     finally:
         os.close(ready_read)
         if proc.poll() is None:  # the run was cancelled (KeyboardInterrupt, termination): stop the download too
@@ -526,13 +605,13 @@ def _run_child(request: dict, *, token: str | None, options: HubOptions, progres
         if line.strip():
             log.debug("huggingface_hub: %s", line)
     try:
-        return json.loads(out.strip().splitlines()[-1])
-    except (json.JSONDecodeError, IndexError):
-        return {"ok": False, "kind": "transient",
-                "detail": f"download process exited with code {proc.returncode}: {_redact(err, token)[-500:]}"}
+        return ChildAnswer.from_json(json.loads(out.strip().splitlines()[-1]))
+    except (json.JSONDecodeError, IndexError, KeyError, TypeError, ValueError, AttributeError):
+        return ChildAnswer.failed(
+            HubFailure.TRANSIENT, f"download process exited with code {proc.returncode}: {_redact(err, token)[-500:]}")
 
 
-def _classify(exc: BaseException, request: dict) -> dict:
+def _classify(exc: BaseException, request: dict) -> ChildAnswer:
     from huggingface_hub import errors
 
     status = getattr(getattr(exc, "response", None), "status_code", None)
@@ -540,24 +619,25 @@ def _classify(exc: BaseException, request: dict) -> dict:
     # By class name: huggingface_hub's HTTP client has been httpx and is now httpx2.
     if any(cls.__name__ == "TimeoutException" for cls in type(exc).__mro__):
         waited = request.get("read_timeout") or request.get("timeout")
-        return {"ok": False, "kind": "stalled", "status": None, "detail": f"the hub sent no data for {waited:.0f} s"}
-    kinds = [(errors.GatedRepoError, "gated"), (errors.RevisionNotFoundError, "revision"),
-             (errors.RemoteEntryNotFoundError, "entry"), (errors.RepositoryNotFoundError, "not_found")]
+        return ChildAnswer.failed(HubFailure.STALLED, f"the hub sent no data for {waited:.0f} s")
+    kinds = [(errors.GatedRepoError, HubFailure.GATED), (errors.RevisionNotFoundError, HubFailure.REVISION),
+             (errors.RemoteEntryNotFoundError, HubFailure.ENTRY),
+             (errors.RepositoryNotFoundError, HubFailure.NOT_FOUND)]
     if isinstance(exc, errors.OfflineModeIsEnabled):
-        return {"ok": False, "kind": "offline", "status": None, "detail": detail}
+        return ChildAnswer.failed(HubFailure.OFFLINE, detail)
     for cls, kind in kinds:
         if isinstance(exc, cls):
-            return {"ok": False, "kind": kind, "status": status, "detail": detail}
+            return ChildAnswer.failed(kind, detail, status=status)
     if isinstance(exc, errors.HfHubHTTPError) and status in (401, 403):
-        return {"ok": False, "kind": "unauthorized" if status == 401 else "forbidden", "status": status,
-                "detail": detail}
+        return ChildAnswer.failed(HubFailure.UNAUTHORIZED if status == 401 else HubFailure.FORBIDDEN, detail,
+                                  status=status)
     if isinstance(exc, errors.HfHubHTTPError) and status is not None and status < 500 and status not in (408, 429):
-        return {"ok": False, "kind": "http", "status": status, "detail": detail}
+        return ChildAnswer.failed(HubFailure.HTTP, detail, status=status)
     if status is None and any(sign in detail for sign in UNREACHABLE_SIGNS):
         # No name resolution or nothing listening: offline or a wrong HF_ENDPOINT, and retrying won't help.
-        return {"ok": False, "kind": "unreachable", "status": None, "detail": detail}
+        return ChildAnswer.failed(HubFailure.UNREACHABLE, detail)
     # Connection errors, timeouts, 5xx, 429, size mismatches after a cut connection: worth retrying.
-    return {"ok": False, "kind": "transient", "status": status, "detail": detail}
+    return ChildAnswer.failed(HubFailure.TRANSIENT, detail, status=status)
 
 
 def partial_files(folder: Path) -> list[Path]:
@@ -613,7 +693,7 @@ def _resume_partials(request: dict, token: str | bool) -> list[str]:
     return done
 
 
-def _fetch_range(request: dict, token: str | bool) -> dict:
+def _fetch_range(request: dict, token: str | bool) -> ChildAnswer:
     """Bytes [start, end) of one file at a commit into ``out``, continuing what an earlier try left there.
 
     The file's metadata comes first (huggingface_hub's ``get_hf_file_metadata``: the commit the hub
@@ -639,13 +719,13 @@ def _fetch_range(request: dict, token: str | bool) -> dict:
         with get_session().stream("GET", url, headers=headers, timeout=request["read_timeout"]) as response:
             hf_raise_for_status(response)
             if response.status_code != 206:
-                return {"ok": False, "kind": "no_range", "status": response.status_code,
-                        "detail": f"the hub answered {response.status_code} to a Range request for {request['path']}"}
+                return ChildAnswer.failed(HubFailure.NO_RANGE, f"the hub answered {response.status_code} to a Range "
+                                          f"request for {request['path']}", status=response.status_code)
             with open(out, "ab") as fh:
                 for chunk in response.iter_bytes():  # as they arrive: a cut connection keeps every byte received
                     fh.write(chunk[:want - fh.tell()])
                     fh.flush()
-    return {"ok": True, "commit": meta.commit_hash, "etag": meta.etag, "size": meta.size}
+    return ChildAnswer(ok=True, commit=meta.commit_hash, etag=meta.etag or "", size=meta.size)
 
 
 _SIGNAL_FD: int | None = None  # in the child: the ready pipe, kept open for the request and answer signs
@@ -700,7 +780,7 @@ def _child_main() -> None:
                      for f in api.list_repo_tree(request["repo_id"], repo_type=request["kind"], revision=info.sha,
                                                  recursive=True)
                      if hasattr(f, "blob_id")]
-            answer = {"ok": True, "commit": info.sha, "files": files}
+            answer = ChildAnswer(ok=True, commit=info.sha, files=tuple(RemoteFile(**f) for f in files))
         elif request["op"] == "range":
             answer = _fetch_range(request, token)
         else:
@@ -713,52 +793,61 @@ def _child_main() -> None:
                 snapshot_download(request["repo_id"], repo_type=request["kind"], revision=request["commit"],
                                   local_dir=request["local_dir"], allow_patterns=rest, token=token,
                                   etag_timeout=request["timeout"], max_workers=request["max_workers"])
-            answer = {"ok": True, "resumed": resumed}
+            answer = ChildAnswer(ok=True, resumed=tuple(resumed))
     except Exception as exc:  # every failure goes back to the watchdog, classified
         answer = _classify(exc, request)
-    sys.stdout.write("\n" + json.dumps(answer) + "\n")
+    sys.stdout.write("\n" + json.dumps(answer.to_json()) + "\n")
 
 
 # ---------------------------------------------------------------- the public calls
 
-def _fail(ref: RepoRef, answer: dict, *, token: str | None, attempts: int, pinned: bool) -> HubError:
-    kind, detail = answer["kind"], _redact(answer.get("detail", ""), token)
+def _fail(ref: RepoRef, answer: ChildAnswer, *, token: str | None, attempts: int, pinned: bool) -> HubError:
+    kind, detail = answer.kind or HubFailure.TRANSIENT, _redact(answer.detail, token)
     where = f"{ref} ({ref.kind} repo on {endpoint()})"
+    bound_s = answer.limit_s if answer.limit_s is not None else DEFAULT_ANSWER_TIMEOUT_S
     messages = {
-        "not_found": f"{where}: not found. Check the id (owner/name"
-                     f"{', and that it is a dataset' if ref.kind == 'dataset' else ''}). If it is private, set "
-                     "HF_TOKEN to a token of an account that can read it.",
-        "gated": (f"{where} is gated and no token was given. Accept its terms on {ref.web_url}, then set HF_TOKEN "
-                  "to a read token of that account." if not token else
-                  f"{where} is gated and HF_TOKEN has no access to it. Request or accept access on {ref.web_url} "
-                  "with the account the token belongs to, or use a token of an account that has access."),
-        "unauthorized": f"{where}: HF_TOKEN was rejected (invalid or expired). Create a new read token at "
-                        "https://huggingface.co/settings/tokens and set HF_TOKEN to it.",
-        "forbidden": f"{where}: HF_TOKEN is not allowed to read this repo. Use a token with read access to it.",
-        "revision": (f"{where}: the pinned commit recorded in materials/manifest.json no longer exists upstream "
-                     "(the history was rewritten). Set an explicit revision (owner/name@branch-or-commit) to pin "
-                     "anew." if pinned else
-                     f"{where}: revision {ref.revision or 'main'!r} not found. Use a branch, tag or commit that "
-                     f"exists (see {ref.web_url}/commits/main)."),
-        "entry": f"{where}: a file the repo lists is missing on the server (404). The repo may be changing; "
-                 "run again later or pin another revision.",
-        "stalled": f"{where}: {detail} ({attempts} tries). Check the network or proxy, then run again: finished "
-                   "files are kept and partial ones resume.",
-        "silent": f"{where}: {detail} ({attempts} {'try' if attempts == 1 else 'tries'}, each on a new "
-                  f"connection). Check that the hub at {endpoint()} works (HF_ENDPOINT chooses it; a mirror may "
-                  "have stalled) and that no proxy or firewall holds the connection, then run again: finished "
-                  f"files are kept. The wait is bounded by {ANSWER_TIMEOUT_ENV} (now "
-                  f"{answer.get('limit_s', DEFAULT_ANSWER_TIMEOUT_S):.0f} s); raise it for a mirror that is slow "
-                  "to answer.",
-        "offline": f"{where} is not downloaded yet and HF_HUB_OFFLINE is set. Unset it for one run, or set a "
-                   "local folder instead of the repo id.",
-        "transient": f"{where}: the download failed {attempts} times. Run again to resume. Last error: {detail}",
-        "unreachable": f"{where}: the hub cannot be reached ({(detail or 'no answer').splitlines()[0][:200]}). "
-                       "Are you offline? Set a local folder (relative to the project) instead of the repo id, or "
-                       "point HF_ENDPOINT at a hub mirror you can reach.",
+        HubFailure.NOT_FOUND:
+            f"{where}: not found. Check the id (owner/name"
+            f"{', and that it is a dataset' if ref.kind == 'dataset' else ''}). If it is private, set HF_TOKEN to a "
+            "token of an account that can read it.",
+        HubFailure.GATED:
+            f"{where} is gated and no token was given. Accept its terms on {ref.web_url}, then set HF_TOKEN to a read "
+            "token of that account." if not token else
+            f"{where} is gated and HF_TOKEN has no access to it. Request or accept access on {ref.web_url} with the "
+            "account the token belongs to, or use a token of an account that has access.",
+        HubFailure.UNAUTHORIZED:
+            f"{where}: HF_TOKEN was rejected (invalid or expired). Create a new read token at "
+            "https://huggingface.co/settings/tokens and set HF_TOKEN to it.",
+        HubFailure.FORBIDDEN:
+            f"{where}: HF_TOKEN is not allowed to read this repo. Use a token with read access to it.",
+        HubFailure.REVISION:
+            f"{where}: the pinned commit recorded in materials/manifest.json no longer exists upstream (the history "
+            "was rewritten). Set an explicit revision (owner/name@branch-or-commit) to pin anew." if pinned else
+            f"{where}: revision {ref.revision or 'main'!r} not found. Use a branch, tag or commit that exists (see "
+            f"{ref.web_url}/commits/main).",
+        HubFailure.ENTRY:
+            f"{where}: a file the repo lists is missing on the server (404). The repo may be changing; run again "
+            "later or pin another revision.",
+        HubFailure.STALLED:
+            f"{where}: {detail} ({attempts} tries). Check the network or proxy, then run again: finished files are "
+            "kept and partial ones resume.",
+        HubFailure.SILENT:
+            f"{where}: {detail} ({attempts} {'try' if attempts == 1 else 'tries'}, each on a new connection). Check "
+            f"that the hub at {endpoint()} works (HF_ENDPOINT chooses it; a mirror may have stalled) and that no proxy "
+            "or firewall holds the connection, then run again: finished files are kept. The wait is bounded by "
+            f"{ANSWER_TIMEOUT_ENV} (now {bound_s:.0f} s); raise it for a mirror that is slow to answer.",
+        HubFailure.OFFLINE:
+            f"{where} is not downloaded yet and HF_HUB_OFFLINE is set. Unset it for one run, or set a local folder "
+            "instead of the repo id.",
+        HubFailure.TRANSIENT:
+            f"{where}: the download failed {attempts} times. Run again to resume. Last error: {detail}",
+        HubFailure.UNREACHABLE:
+            f"{where}: the hub cannot be reached ({(detail or 'no answer').splitlines()[0][:200]}). Are you offline? "
+            "Set a local folder (relative to the project) instead of the repo id, or point HF_ENDPOINT at a hub mirror "
+            "you can reach.",
     }
     message = messages.get(kind, f"{where}: the hub answered an error. {detail}")
-    if kind not in ("stalled", "silent", "transient", "offline", "unreachable") and detail:
+    if kind not in (*TRANSIENT_KINDS, HubFailure.OFFLINE, HubFailure.UNREACHABLE) and detail:
         message += f" (hub said: {detail.splitlines()[0][:300]})"
     return HubError(kind, message)
 
@@ -786,24 +875,24 @@ def list_repo(ref: RepoRef, *, revision: str | None = None, token: str | None = 
     options = options or HubOptions()
     revision = revision or ref.revision or "main"
     warn_if_token_in_clear_text(token)
-    answer: dict = {}
+    answer = ChildAnswer(ok=False)
     waiting = Waiting(f"listing {ref}", options.answer_timeout_s, options.attempts)
     tries = 0
     for tries in range(1, options.attempts + 1):
         answer = _run_child({"op": "list", "repo_id": ref.repo_id, "kind": ref.kind, "revision": revision,
                              "timeout": options.api_timeout_s}, token=token, options=options, progress_dir=None,
                             waiting=waiting)
-        if answer["ok"] or answer["kind"] not in TRANSIENT_KINDS:
+        if not answer.retryable:
             break
         log.warning("%s: listing failed (try %d of %d): %s", ref, tries, options.attempts,
-                    _redact(answer.get("detail", ""), token))
+                    _redact(answer.detail, token))
         if waiting.over():  # the hub has answered nothing for the whole bound
             break
         if tries < options.attempts:
             time.sleep(waiting.pause_s(options.retry_wait_s))
-    if not answer["ok"]:
+    if not answer.ok:
         raise _fail(ref, answer, token=token, attempts=tries, pinned=bool(COMMIT.match(revision)))
-    return Listing(answer["commit"], {f["path"]: RemoteFile(**f) for f in answer["files"]})
+    return Listing(answer.commit or "", {f.path: f for f in answer.files})
 
 
 def download(ref: RepoRef, listing: Listing, folder: Path, *, token: str | None = None,
@@ -829,7 +918,7 @@ def download(ref: RepoRef, listing: Listing, folder: Path, *, token: str | None 
             last_log[0] = time.monotonic()
             log.info("%s: %.1f of %.1f MiB on disk", ref, current / 2**20, total / 2**20)
 
-    answer: dict = {"ok": True}
+    answer = ChildAnswer(ok=True)
     corrupt: list[str] = []
     waiting = Waiting(f"downloading {ref}", options.answer_timeout_s, options.attempts)  # .what: set per try
     while bad:
@@ -848,7 +937,7 @@ def download(ref: RepoRef, listing: Listing, folder: Path, *, token: str | None 
                              "chunk_bytes": options.chunk_bytes},
                             token=token, options=options, progress_dir=folder, on_progress=progress,
                             waiting=waiting)
-        if not answer["ok"] and answer["kind"] not in TRANSIENT_KINDS:
+        if not answer.ok and not answer.retryable:
             raise _fail(ref, answer, token=token, attempts=stats.attempts, pinned=True)
         still_bad, newly = verify(folder, listing.subset(bad), {})
         verified.update(newly)
@@ -859,8 +948,8 @@ def download(ref: RepoRef, listing: Listing, folder: Path, *, token: str | None 
         if corrupt:
             log.warning("%s: %s did not match the checksum the hub announced; deleted, fetching again",
                         ref, ", ".join(corrupt))
-        if not answer["ok"]:
-            log.warning("%s: try %d failed: %s", ref, stats.attempts, _redact(answer.get("detail", ""), token))
+        if not answer.ok:
+            log.warning("%s: try %d failed: %s", ref, stats.attempts, _redact(answer.detail, token))
         bad = still_bad
         if bad and (stats.attempts >= options.attempts or waiting.over()):
             break
@@ -870,23 +959,24 @@ def download(ref: RepoRef, listing: Listing, folder: Path, *, token: str | None 
     if bad:
         for rel in corrupt:  # never left where a later step could load it
             (folder / rel).unlink(missing_ok=True)
-        if not answer["ok"]:
+        if not answer.ok:
             raise _fail(ref, answer, token=token, attempts=stats.attempts, pinned=True)
-        raise HubError("corrupt", f"{ref}: {', '.join(bad)} arrived with a different checksum or size than the "
-                                  f"hub announced, {stats.attempts} times; the bad copies were deleted. Check for "
-                                  "a proxy rewriting downloads, or run again later.")
+        raise HubError(HubFailure.CORRUPT,
+                       f"{ref}: {', '.join(bad)} arrived with a different checksum or size than the hub announced, "
+                       f"{stats.attempts} times; the bad copies were deleted. Check for a proxy rewriting downloads, "
+                       "or run again later.")
     return verified, stats
 
 
 def fetch_range(ref: RepoRef, commit: str, path: str, start: int, end: int, out: Path, *,
-                token: str | None = None, options: HubOptions | None = None) -> dict:
+                token: str | None = None, options: HubOptions | None = None) -> ChildAnswer:
     """Bytes [start, end) of ``path`` at ``commit`` into the file ``out`` (resumed from what it holds, tried
     again on stalls and dropped connections); returns the hub's metadata of the file: the commit it
     resolved, its etag and size. Only that range crosses the network."""
     options = options or HubOptions()
     warn_if_token_in_clear_text(token)
     waiting = Waiting(f"reading {path} of {ref}", options.answer_timeout_s, options.attempts)
-    answer: dict = {}
+    answer = ChildAnswer(ok=False)
     tries = 0
     for tries in range(1, options.attempts + 1):
         answer = _run_child({"op": "range", "repo_id": ref.repo_id, "kind": ref.kind, "commit": commit,
@@ -894,20 +984,20 @@ def fetch_range(ref: RepoRef, commit: str, path: str, start: int, end: int, out:
                              "timeout": options.api_timeout_s, "read_timeout": max(1.0, options.stall_timeout_s / 2),
                              "chunk_bytes": options.chunk_bytes},
                             token=token, options=options, progress_dir=out.parent, waiting=waiting)
-        complete = out.is_file() and out.stat().st_size == end - start
-        if answer["ok"] and complete:
+        have = out.stat().st_size if out.is_file() else 0
+        if answer.ok and have == end - start:
             return answer
-        if answer["ok"]:
-            answer = {"ok": False, "kind": "transient",
-                      "detail": f"the connection closed after {out.stat().st_size if out.is_file() else 0} of "
-                                f"{end - start} bytes"}
-        if answer["kind"] == "no_range":
-            raise HubError("no_range", f"{ref}: {answer['detail']}; the hub (HF_ENDPOINT={endpoint()}) must honour "
-                                       "HTTP Range requests to fetch one tensor without the whole file.")
-        if answer["kind"] not in TRANSIENT_KINDS or waiting.over():
+        if answer.ok:
+            answer = ChildAnswer.failed(HubFailure.TRANSIENT,
+                                        f"the connection closed after {have} of {end - start} bytes")
+        if answer.kind == HubFailure.NO_RANGE:
+            raise HubError(HubFailure.NO_RANGE, f"{ref}: {answer.detail}; the hub (HF_ENDPOINT={endpoint()}) must "
+                                                "honour HTTP Range requests to fetch one tensor without the whole "
+                                                "file.")
+        if not answer.retryable or waiting.over():
             break
         log.warning("%s: reading bytes of %s failed (try %d of %d): %s", ref, path, tries, options.attempts,
-                    _redact(answer.get("detail", ""), token))
+                    _redact(answer.detail, token))
         if tries < options.attempts:
             time.sleep(waiting.pause_s(options.retry_wait_s))
     raise _fail(ref, answer, token=token, attempts=tries, pinned=True)

@@ -25,6 +25,7 @@ from gguf_assets.lib.core.errors import UserError
 from gguf_assets.lib.core.safetensors_io import safetensors_header
 from gguf_assets.lib.materials import hub, query_rows
 from gguf_assets.lib.project import settings_history
+from gguf_assets.lib.project.formats import PROMPT_FILE_SUFFIXES
 from gguf_assets.lib.project.layout import DATASET_METADATA_FILES, ProjectPaths
 from gguf_assets.lib.project.manifests import MODEL_ROLES, DamagedRecord, MaterialsManifest, read_record
 from gguf_assets.lib.project.settings import Settings
@@ -39,7 +40,6 @@ WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 REMOTE_CODE_SUFFIX = ".py"
-DATA_SUFFIXES = (".parquet", ".jsonl", ".json", ".csv", ".txt", ".jsonl.gz", ".json.gz", ".csv.gz", ".txt.gz")
 
 
 class MaterialsError(UserError, RuntimeError):
@@ -189,10 +189,10 @@ def _refine_model_files(role: str, source: str, folder: Path, listing: hub.Listi
 
 
 def _select_dataset_files(source: str, listing: hub.Listing) -> list[str]:
-    files = sorted(p for p in listing.files if p.endswith(DATA_SUFFIXES)
+    files = sorted(p for p in listing.files if p.endswith(PROMPT_FILE_SUFFIXES)
                    and p.rsplit("/", 1)[-1] not in DATASET_METADATA_FILES)
     if not files:
-        raise MaterialsError(f"materials.datasets: {source!r} has no data files ({', '.join(DATA_SUFFIXES)}) at "
+        raise MaterialsError(f"materials.datasets: {source!r} has no data files ({', '.join(PROMPT_FILE_SUFFIXES)}) at "
                              f"{listing.commit[:12]}; its files: {', '.join(sorted(listing.files)[:8]) or 'none'}.")
     return files
 

@@ -227,11 +227,11 @@ def resolve_hub(qr: dict, materials_dir: Path, stored: Path, hidden: int, *, pin
         out = work / f"{tag}.{name}"
         before = out.stat().st_size if out.is_file() else 0
         meta = hub.fetch_range(ref, listing.commit, qr["file"], start, end, out, token=token, options=options)
-        if meta.get("commit") and meta["commit"] != listing.commit:
-            raise QueryRowsError(f"{where}: the hub resolved the file at commit {meta['commit']}, not the pinned "
+        if meta.commit and meta.commit != listing.commit:
+            raise QueryRowsError(f"{where}: the hub resolved the file at commit {meta.commit}, not the pinned "
                                  f"{listing.commit}; run again.")
-        if (meta.get("etag") or "").strip('"') not in ("", remote.etag):
-            raise QueryRowsError(f"{where}: the hub's etag {meta['etag']} is not the listed {remote.etag}; run again.")
+        if (meta.etag or "").strip('"') not in ("", remote.etag):
+            raise QueryRowsError(f"{where}: the hub's etag {meta.etag} is not the listed {remote.etag}; run again.")
         fetched += out.stat().st_size - before
         return out.read_bytes()
 

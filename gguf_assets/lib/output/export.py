@@ -77,9 +77,9 @@ def copy_verified(source: Path, folder: Path, *, sha256: str) -> Path:
     return target
 
 
-def _file_entry(role: str, path: Path | str, written: dict, *, copy_of: str | None = None) -> dict[str, Any]:
+def _file_entry(role: str, path: Path | str, sha256: str, *, copy_of: str | None = None) -> dict[str, Any]:
     # The stamp (size, mtime, inode) lets `status` see a changed file without reading it.
-    entry = {"role": role, "path": str(path), **verify.record(Path(path), sha256=written["sha256"])}
+    entry = {"role": role, "path": str(path), **verify.record(Path(path), sha256=sha256)}
     if copy_of:
         entry["copy_of"] = copy_of
     return entry
@@ -185,17 +185,17 @@ def export_adapter(paths: ProjectPaths, settings: Settings, materials: Materials
     atomic.remove_stale_temps(target.parent, of=ours)
     summary = write_adapter_gguf(target, tensors=tensors, hparams=hparams,
                                  provenance=provenance(settings, materials, meta), name=name, keep_f32=keep_f32)
-    by_values = [n for n in summary["kept_f32"] if n not in {tensor_name(k) for k in keep_f32}]
+    by_values = [n for n in summary.kept_f32 if n not in {tensor_name(k) for k in keep_f32}]
     if by_values:
         log.warning("kept in f32 because values exceed the f16 range: %s", by_values)
-    files = [_file_entry(ROLE_ADAPTER, target, summary)]
+    files = [_file_entry(ROLE_ADAPTER, target, summary.sha256)]
 
     vision = None
     encoder = materials.vision_encoder
     if encoder and settings.output.export_vision_encoder:
         vision = write_vision_gguf(Path(encoder["path"]), vision_gguf_path(target.parent, name),
                                    name=f"{name}-vision", source=encoder["source"], commit=encoder["commit"])
-        files.append(_file_entry(ROLE_VISION, vision["path"], vision))
+        files.append(_file_entry(ROLE_VISION, vision["path"], vision["sha256"]))
     elif encoder:
         log.info("vision encoder not exported: output.export_vision_encoder is off")
 
@@ -207,10 +207,12 @@ def export_adapter(paths: ProjectPaths, settings: Settings, materials: Materials
             _warn_if_not_ours(folder / Path(entry["path"]).name, previous_files)
             copy = copy_verified(Path(entry["path"]), folder, sha256=entry["sha256"])
             copies.append(str(copy))
-            files.append(_file_entry(entry["role"], copy, entry, copy_of=entry["path"]))
+            files.append(_file_entry(entry["role"], copy, entry["sha256"], copy_of=entry["path"]))
 
     sidecar = ExportSidecar(
-        **{k: (str(v) if isinstance(v, Path) else v) for k, v in summary.items()},
+        path=summary.path, sha256=summary.sha256, bytes=summary.bytes, name=summary.name,
+        architecture=summary.architecture, format_version=summary.format_version, tensor_count=summary.tensor_count,
+        f16_count=summary.f16_count, f32_count=summary.f32_count, kept_f32=list(summary.kept_f32),
         fingerprint=gguf_fingerprint(settings, materials, adapter_manifest["fingerprint"]),
         adapter_fingerprint=adapter_manifest["fingerprint"], copies=copies, files=files, vision=vision,
         provenance=provenance(settings, materials, meta), val_centred_cosine_torch=float(meta["val_centred_cosine"]),

@@ -34,6 +34,7 @@ import math
 import re
 from collections.abc import Collection, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -568,9 +569,35 @@ def _verify_file(path: Path, kvs: list[KV], tensors: Mapping[str, np.ndarray], l
             raise GGUFVerifyError(f"{path}: tensor {name} bytes differ from what was written")
 
 
-def write_verified_gguf(path: Path, kvs: list[KV], tensors: Mapping[str, np.ndarray]) -> dict[str, Any]:
+@dataclass(frozen=True)
+class VerifiedFile:
+    """A file written atomically and verified: its size, and its sha256 (hashed from memory as it was written)."""
+
+    bytes: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class WrittenGguf:
+    """What ``write_adapter_gguf`` wrote: the file (path, size, sha256), its tensors by stored type (the names
+    kept in f32 among them), and the model name, architecture and format version in its metadata. The export
+    sidecar (lib/project/manifests.py ``ExportSidecar``) records these fields under the same names."""
+
+    path: str
+    bytes: int
+    sha256: str
+    tensor_count: int
+    f16_count: int
+    f32_count: int
+    kept_f32: tuple[str, ...]  # GGUF names of the tensors kept in f32 that would be f16 (the activation rule, range)
+    name: str
+    architecture: str
+    format_version: int
+
+
+def write_verified_gguf(path: Path, kvs: list[KV], tensors: Mapping[str, np.ndarray]) -> VerifiedFile:
     """Write any GGUF (architecture = ``kvs[0]``) atomically: temp file, re-read and compare
-    every key and tensor byte, then rename. Returns ``{bytes, sha256}`` of the final file.
+    every key and tensor byte, then rename. Returns the final file's size and sha256.
 
     ``tensors`` maps GGUF names to arrays already in their stored dtype (F16 or F32).
     """
@@ -590,40 +617,27 @@ def write_verified_gguf(path: Path, kvs: list[KV], tensors: Mapping[str, np.ndar
             _verify_file(tmp, kvs, tensors, layout)
             size = tmp.stat().st_size
             synced.result()
-        return {"bytes": size, "sha256": sha.result()}
+        return VerifiedFile(bytes=size, sha256=sha.result())
 
 
 def write_adapter_gguf(path: Path, *, tensors: Mapping[str, np.ndarray], hparams: Mapping[str, Any],
-                       provenance: Mapping[str, Any], name: str, keep_f32: Collection[str] = ()) -> dict[str, Any]:
-    """Write the adapter GGUF atomically and verified; return a summary.
+                       provenance: Mapping[str, Any], name: str, keep_f32: Collection[str] = ()) -> WrittenGguf:
+    """Write the adapter GGUF atomically and verified; return what was written.
 
     ``tensors`` is the ``Adapter`` state dict as float arrays (torch names). The target
     file is replaced only after the temp file re-reads identically; on any error the old
     file (if any) is untouched and no temp file remains.
-
-    Returns ``{path, bytes, sha256, tensor_count, f16_count, f32_count, kept_f32, name,
-    architecture, format_version}``.
     """
     path = Path(path)
     kvs = build_metadata(hparams=hparams, provenance=provenance, name=name)
     prepared, kept_f32 = _prepare_tensors(tensors, hparams, keep_f32)
     written = write_verified_gguf(path, kvs, prepared)
-    size, sha = written["bytes"], written["sha256"]
     f16 = sum(1 for a in prepared.values() if a.dtype == np.float16)
-    summary = {
-        "path": str(path),
-        "bytes": size,
-        "sha256": sha,
-        "tensor_count": len(prepared),
-        "f16_count": f16,
-        "f32_count": len(prepared) - f16,
-        "kept_f32": kept_f32,
-        "name": name,
-        "architecture": ARCH,
-        "format_version": FORMAT_VERSION,
-    }
+    summary = WrittenGguf(path=str(path), bytes=written.bytes, sha256=written.sha256, tensor_count=len(prepared),
+                          f16_count=f16, f32_count=len(prepared) - f16, kept_f32=tuple(kept_f32), name=name,
+                          architecture=ARCH, format_version=FORMAT_VERSION)
     logger.info("wrote %s: %d tensors (%d f16, %d f32), %d bytes, sha256 %s", path, len(prepared), f16,
-                len(prepared) - f16, size, sha[:12])
+                len(prepared) - f16, written.bytes, written.sha256[:12])
     return summary
 
 

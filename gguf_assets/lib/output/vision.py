@@ -238,12 +238,12 @@ def write_vision_gguf(folder: Path, out: Path, *, name: str, source: str, commit
     _check_blocks(folder, tensors, hp)
     written = fmt.write_verified_gguf(out, kvs, tensors)
     f16 = sum(1 for a in tensors.values() if a.dtype == np.float16)
-    summary = {"path": str(out), **written, "architecture": ARCH, "name": name, "tensor_count": len(tensors),
-               "f16_count": f16, "f32_count": len(tensors) - f16, "kept_f32": kept_f32,
-               "mapped": len(tensors) - len(unmapped), "unmapped": unmapped, "skipped": skipped,
+    summary = {"path": str(out), "bytes": written.bytes, "sha256": written.sha256, "architecture": ARCH,
+               "name": name, "tensor_count": len(tensors), "f16_count": f16, "f32_count": len(tensors) - f16,
+               "kept_f32": kept_f32, "mapped": len(tensors) - len(unmapped), "unmapped": unmapped, "skipped": skipped,
                "source": source, "commit": commit}
     logger.info("wrote vision encoder %s: %d tensors (%d under original names, %d skipped), %d bytes", out,
-                len(tensors), len(unmapped), len(skipped), written["bytes"])
+                len(tensors), len(unmapped), len(skipped), written.bytes)
     return summary
 
 

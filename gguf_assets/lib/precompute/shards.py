@@ -16,12 +16,13 @@ memory is one shard's targets and states, whatever the corpus size.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import hashlib
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -152,7 +153,7 @@ def plan_shards(paths: ProjectPaths, settings: Settings, materials: MaterialsMan
     return plans
 
 
-def shard_status(paths: ProjectPaths, settings: Settings, plan: ShardPlan) -> dict[str, str]:
+def shard_status(paths: ProjectPaths, settings: Settings, plan: ShardPlan) -> dict[str, HalfState]:
     return {half: half_status(plan.folder(paths), half, plan.fingerprints[half])
             for half in halves_for_mode(settings.precompute.mode)}
 
@@ -309,8 +310,8 @@ class ShardBuilder:
                     dtype=self.settings.precompute.student_dtype)
         return {"hidden": states.hidden, "offsets": states.offsets, "token_ids": states.token_ids}, meta
 
-    def build(self, plan: ShardPlan, *, progress: dict[str, Progress] | None = None) -> dict:
-        """Make the shard current; returns what was done per half, with counts and timings."""
+    def build(self, plan: ShardPlan, *, progress: dict[str, Progress] | None = None) -> ShardReport:
+        """Make the shard current; returns what was done per half, with counts and timings (no hardware)."""
         progress = progress or {}
         folder = plan.folder(self.paths)
         folder.mkdir(parents=True, exist_ok=True)
@@ -319,11 +320,12 @@ class ShardBuilder:
         prompts_file = folder / PROMPTS_FILE
         if not prompts_file.is_file() or prompts_file.read_text(encoding="utf-8") != prompts_body:
             atomic.write_text(prompts_file, prompts_body)
-        report: dict = {"split": plan.split, "key": plan.key, "prompts": len(plan.prompts)}
+        halves: dict[str, HalfReport] = {}
+        placement, device_map = {}, None
         for half, status in shard_status(self.paths, self.settings, plan).items():
-            report[f"{half}_status"] = status.value  # a plain str: the report goes into Dagster metadata
             meter = progress.get(half)
             if status == HalfState.CURRENT:
+                halves[half] = HalfReport(status)
                 if meter:
                     meter.skip(len(plan.prompts))
                 continue
@@ -337,12 +339,59 @@ class ShardBuilder:
             _write_half(folder, half, tensors, meta)
             del tensors  # one shard's results at most are alive at any time
             if half == "teacher":
-                report.update(self._teacher.placement.metadata(), placement=meta["placement"])
-            report[f"{half}_seconds"] = meta["seconds"]
-            report[f"{half}_truncated"] = meta["truncated"]
-            report[f"{half}_tokens"] = int(meta.get("text_tokens", meta.get("tokens", 0)))
-            report[f"{half}_prompts_per_s"] = round(len(plan.prompts) / meta["seconds"], 3) if meta["seconds"] else 0.0
-        return report
+                placement, device_map = self._teacher.placement.metadata(), meta["placement"]
+            halves[half] = HalfReport(
+                status, seconds=meta["seconds"], truncated=meta["truncated"],
+                tokens=int(meta.get("text_tokens", meta.get("tokens", 0))),
+                prompts_per_s=round(len(plan.prompts) / meta["seconds"], 3) if meta["seconds"] else 0.0)
+        return ShardReport(plan.split, plan.key, len(plan.prompts), halves, placement=placement,
+                           device_map=device_map)
+
+
+@dataclass(frozen=True)
+class HalfReport:
+    """One half of one shard in a precompute run: its state as the run found it and, when the run computed it
+    (it was not current), how long that took, the prompts cut at the length limit and the tokens read."""
+
+    status: HalfState
+    seconds: float = 0.0
+    truncated: int = 0
+    tokens: int = 0
+    prompts_per_s: float = 0.0
+
+    @property
+    def computed(self) -> bool:
+        return self.status != HalfState.CURRENT
+
+
+@dataclass(frozen=True)
+class ShardReport:
+    """What a precompute run did to one shard (``on_shard_done``, ``ShardRun.reports``): each half of the mode,
+    in its order; where the teacher's layers went when the teacher half was computed; the hardware summary of
+    the shard's time (``precompute_split`` adds it)."""
+
+    split: str
+    key: str
+    prompts: int
+    halves: Mapping[str, HalfReport]
+    placement: Mapping[str, float | str] = field(default_factory=dict)  # Placement.metadata(): teacher_* figures
+    device_map: Mapping[str, Mapping[str, float]] | None = None  # {device: {layers, gib}} when the teacher ran
+    hardware: Mapping[str, float] = field(default_factory=dict)  # HardwareSampler.summary() of this shard
+
+    def figures(self) -> dict[str, float | int | str]:
+        """The shard's figures as flat Dagster metadata (the keys every version recorded): split, key, prompts;
+        per half <half>_status and, when computed, the teacher's placement, <half>_seconds, _truncated, _tokens,
+        _prompts_per_s; then the hardware summary. A half's state goes in as its plain str."""
+        out: dict = {"split": self.split, "key": self.key, "prompts": self.prompts}
+        for half, done in self.halves.items():
+            out[f"{half}_status"] = done.status.value  # Dagster's serializer refuses enums it does not know
+            if not done.computed:
+                continue
+            if half == "teacher":
+                out.update(self.placement)
+            out.update({f"{half}_seconds": done.seconds, f"{half}_truncated": done.truncated,
+                        f"{half}_tokens": done.tokens, f"{half}_prompts_per_s": done.prompts_per_s})
+        return {**out, **self.hardware}
 
 
 @dataclass(frozen=True)
@@ -359,7 +408,7 @@ class HalfFigures:
 class ShardRun:
     """What one precompute run did: a report per shard, and its totals."""
 
-    reports: list[dict]
+    reports: list[ShardReport]
     shards: int
     prompts: int
     seconds: float
@@ -380,7 +429,7 @@ class ShardRun:
 
 
 def precompute_split(paths: ProjectPaths, settings: Settings, materials: MaterialsManifest, split: str, keys: list[str],
-                     *, on_shard_done: Callable[[dict], None] | None = None,
+                     *, on_shard_done: Callable[[ShardReport], None] | None = None,
                      on_progress: Callable[[dict], None] | None = None,
                      sample_interval_s: float | None = None) -> ShardRun:
     """Make the given shards current, one at a time, with live progress and hardware figures.
@@ -417,8 +466,8 @@ def precompute_split(paths: ProjectPaths, settings: Settings, materials: Materia
         for done, key in enumerate(keys, 1):
             current["key"] = key
             shard_start = sampler.clock()
-            report = builder.build(plans[key], progress=progress)
-            report.update(sampler.summary(since=shard_start))
+            report = dataclasses.replace(builder.build(plans[key], progress=progress),
+                                         hardware=sampler.summary(since=shard_start))
             reports.append(report)
             elapsed = time.perf_counter() - start
             eta = elapsed / done * (len(keys) - done)
@@ -430,15 +479,15 @@ def precompute_split(paths: ProjectPaths, settings: Settings, materials: Materia
     halves = {}
     for half, meter in progress.items():
         figures = meter.figures()
-        halves[half] = HalfFigures(computed=sum(1 for r in reports if r.get(f"{half}_status") != HalfState.CURRENT),
+        halves[half] = HalfFigures(computed=sum(1 for r in reports if r.halves[half].computed),
                                    prompts_per_s=figures["prompts_per_s"], tokens_per_s=figures["tokens_per_s"],
-                                   truncated=sum(r.get(f"{half}_truncated", 0) for r in reports))
+                                   truncated=sum(r.halves[half].truncated for r in reports))
     placement = builder._teacher.placement.metadata() if builder._teacher is not None else {}
     return ShardRun(reports, shards=len(keys), prompts=total, seconds=round(seconds, 3), halves=halves,
                     placement=placement, hardware=sampler.summary())
 
 
 def build_shards(paths: ProjectPaths, settings: Settings, materials: MaterialsManifest, split: str, keys: list[str],
-                 *, on_shard_done: Callable[[dict], None] | None = None) -> list[dict]:
+                 *, on_shard_done: Callable[[ShardReport], None] | None = None) -> list[ShardReport]:
     """The per-shard reports of `precompute_split`."""
     return precompute_split(paths, settings, materials, split, keys, on_shard_done=on_shard_done).reports

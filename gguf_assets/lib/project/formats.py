@@ -1,10 +1,13 @@
-"""Format versions of the stored results, in one place.
+"""Format versions of the stored results, and the prompt file formats, in one place.
 
 Each enters its stage's fingerprint (lib/corpus/corpus_run.py, lib/precompute/shards.py,
 lib/training/training_run.py, lib/output/export_run.py, lib/output/report_run.py): bumping one
 marks that stage, and what depends on it, stale in every project, so results written by older
 code are recomputed instead of silently reused. Bump one when a change alters what its stage
 writes. (The adapter GGUF's own `format_version` key is lib/output/gguf_format.FORMAT_VERSION.)
+
+The prompt file formats are what the corpus reads (lib/corpus/prompt_files.py, a reader for each) and what the
+materials step downloads of a hub dataset (lib/materials/materials.py).
 """
 
 CORPUS = 2  # 2: streaming readers (.csv, .gz) and a numpy split: the same seed orders prompts otherwise
@@ -12,3 +15,11 @@ SHARD_HALF = 1
 TRAINING_RUN = 2
 GGUF_EXPORT = 2
 EVAL_REPORT = 3  # 3: keyed by the export's fingerprint alone (known before the export runs), not its sha256
+
+# Prompt files: the text formats, each also read gzip-compressed (GZIP_SUFFIX after its suffix), and parquet
+# (compressed inside the format).
+TEXT_PROMPT_FORMATS = (".txt", ".jsonl", ".json", ".csv")
+PARQUET = ".parquet"
+GZIP_SUFFIX = ".gz"
+PROMPT_FORMATS = (*TEXT_PROMPT_FORMATS, PARQUET)
+PROMPT_FILE_SUFFIXES = (*PROMPT_FORMATS, *(f + GZIP_SUFFIX for f in TEXT_PROMPT_FORMATS))  # how their names end

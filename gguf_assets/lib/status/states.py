@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
+from gguf_assets.lib.core.lock import HolderRecord
 from gguf_assets.lib.corpus.corpus_run import corpus_is_current
 from gguf_assets.lib.materials.materials import load_manifest, manifest_is_current
 from gguf_assets.lib.output.export_run import gguf_fingerprint, gguf_is_current, gguf_path
@@ -230,14 +231,15 @@ def where_stopped(paths: ProjectPaths, settings: Settings) -> str:
     return f"at {unfinished.stage}"
 
 
-def with_running(status: list[StageState], holder: dict | None) -> list[StageState]:
+def with_running(status: list[StageState], holder: HolderRecord | None) -> list[StageState]:
     """``status`` with the stage that the project's running Dagster run works on now shown as running
     (its run id and job; what it was before), from the lock's holder record (lib/core/lock.py ``holder``)."""
-    running = (holder or {}).get("running") or {}
-    assets = set(running.get("assets", ()))
-    now = next((s for s in status if s.stage in assets and s.state != State.CURRENT), None)
+    running = holder.running if holder is not None else None
+    if running is None:
+        return status
+    now = next((s for s in status if s.stage in running.assets and s.state != State.CURRENT), None)
     if now is None:
         return status
     was = f"; was {now.state}" + (f": {now.detail}" if now.detail else "")
-    shown = StageState(now.stage, State.RUNNING, f"run {running['run_id'][:8]} of {running['job']}{was}")
+    shown = StageState(now.stage, State.RUNNING, f"run {running.run_id[:8]} of {running.job}{was}")
     return [shown if s is now else s for s in status]

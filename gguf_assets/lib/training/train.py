@@ -50,6 +50,16 @@ from gguf_assets.lib.training.checkpoints import (
     save_weights,
     set_aside_final,
 )
+from gguf_assets.lib.training.events import (
+    CheckpointWritten,
+    Finished,
+    LogStep,
+    NewBest,
+    Note,
+    OnEvent,
+    TrainingEvent,
+    Validation,
+)
 from gguf_assets.lib.training.stops import StopHold, is_stop
 from gguf_assets.lib.training.train_data import (
     Batch,
@@ -189,18 +199,18 @@ def _non_finite_cause(step: int, what: str, value: float, *, batch: Batch, folde
 
 
 def train_adapter(paths: ProjectPaths, settings: Settings, *, train_folders: list[Path], val_folders: list[Path],
-                  fingerprint: str, on_event: Callable[[str, dict], None] | None = None,
+                  fingerprint: str, on_event: OnEvent | None = None,
                   stop_after: int | None = None, sample_hardware: Callable[[], dict] | None = None) -> TrainedAdapter:
     """Train (or resume) the run ``fingerprint``; returns its result (a paused one with ``stop_after``).
 
-    ``on_event(kind, data)`` receives "note" (a message), "log", "validate", "best",
-    "checkpoint" and "finished" events. ``stop_after`` ends the call after that many steps
-    without finishing (tests, pausing); the next call resumes from the last checkpoint.
+    ``on_event(event)`` receives each ``TrainingEvent`` (lib/training/events.py): a ``Note`` (a message),
+    ``LogStep``, ``Validation``, ``NewBest``, ``CheckpointWritten`` and ``Finished``. ``stop_after`` ends the call
+    after that many steps without finishing (tests, pausing); the next call resumes from the last checkpoint.
     ``sample_hardware()`` (GPU/CPU/RAM figures) is called at each log step; its figures go to
-    the "log" event and to TensorBoard (<project>/tensorboard/<fingerprint>, lib/telemetry/curves_log.py).
+    the ``LogStep`` and to TensorBoard (<project>/tensorboard/<fingerprint>, lib/telemetry/curves_log.py).
     """
     run = _TrainingRun(paths, settings, train_folders, val_folders, fingerprint,
-                       emit=on_event or (lambda kind, data: None), sample_hardware=sample_hardware)
+                       emit=on_event or _ignore, sample_hardware=sample_hardware)
     summary = run.already_finished()
     if summary is None:
         run.start_or_resume()
@@ -209,6 +219,10 @@ def train_adapter(paths: ProjectPaths, settings: Settings, *, train_folders: lis
     if result.finished:
         record_adapter(paths, settings, result)
     return result
+
+
+def _ignore(_event: TrainingEvent) -> None:
+    pass
 
 
 def record_adapter(paths: ProjectPaths, settings: Settings, result: TrainedAdapter) -> None:
@@ -229,7 +243,7 @@ class _TrainingRun:
     then ``_log``, ``_validate`` and ``_checkpoint`` at their cadence), then ``_finish``."""
 
     def __init__(self, paths: ProjectPaths, settings: Settings, train_folders: list[Path], val_folders: list[Path],
-                 fingerprint: str, *, emit: Callable[[str, dict], None],
+                 fingerprint: str, *, emit: OnEvent,
                  sample_hardware: Callable[[], dict] | None) -> None:
         self.paths, self.t, self.settings = paths, settings.training, settings
         self.train_folders, self.val_folders, self.fingerprint = train_folders, val_folders, fingerprint
@@ -239,7 +253,7 @@ class _TrainingRun:
 
     def note(self, message: str, *, warning: bool = False) -> None:
         (log.warning if warning else log.info)("%s", message)
-        self.emit("note", {"message": message, "warning": warning})
+        self.emit(Note(message, warning=warning))
 
     def _evaluate(self, model: Adapter) -> dict:
         return evaluate(model, self.val_folders, device=self.device, cosine_weight=self.t.cosine_weight,
@@ -389,40 +403,42 @@ class _TrainingRun:
     def _log(self, loss: torch.Tensor, lr: float, grad_norm: torch.Tensor) -> None:
         t, stream = self.t, self.stream
         elapsed = time.perf_counter() - self.window_start
-        entry = {"step": self.step, "loss": float(loss), "lr": lr, "grad_norm": float(grad_norm),
-                 "steps_per_s": self.window_steps / elapsed,
-                 "samples_per_s": self.window_steps * t.batch_size / elapsed,
-                 "data_wait_fraction": (stream.wait_seconds - self.window_wait) / elapsed,
-                 "read_mb_per_s": (stream.stats.bytes - self.window_bytes) / 1e6 / elapsed}
-        self.history.append(entry)
         eta_s = self._eta_s()
-        log.info("step %d/%d loss %.4f lr %.2e grad %.3f %.2f steps/s %.1f samples/s, ETA %s", self.step, t.steps,
-                 entry["loss"], lr, entry["grad_norm"], entry["steps_per_s"], entry["samples_per_s"],
-                 format_seconds(eta_s))
-        hardware = self.sample_hardware() if self.sample_hardware else {}
-        self.curves.scalars(self.step, entry, "train")
-        self.curves.scalars(self.step, hardware, "hardware")
         # The console's ETA goes with the event (not the history: it is about this process), so the studio's
         # progress bar says what the console says.
-        self.emit("log", {**entry, **hardware, **({"eta_s": round(eta_s, 1)} if math.isfinite(eta_s) else {})})
+        event = LogStep(step=self.step, loss=float(loss), lr=lr, grad_norm=float(grad_norm),
+                        steps_per_s=self.window_steps / elapsed,
+                        samples_per_s=self.window_steps * t.batch_size / elapsed,
+                        data_wait_fraction=(stream.wait_seconds - self.window_wait) / elapsed,
+                        read_mb_per_s=(stream.stats.bytes - self.window_bytes) / 1e6 / elapsed,
+                        hardware=self.sample_hardware() if self.sample_hardware else {},
+                        eta_s=round(eta_s, 1) if math.isfinite(eta_s) else None)
+        entry = event.history_entry()
+        self.history.append(entry)
+        log.info("step %d/%d loss %.4f lr %.2e grad %.3f %.2f steps/s %.1f samples/s, ETA %s", self.step, t.steps,
+                 event.loss, lr, event.grad_norm, event.steps_per_s, event.samples_per_s, format_seconds(eta_s))
+        self.curves.scalars(self.step, entry, "train")
+        self.curves.scalars(self.step, dict(event.hardware), "hardware")
+        self.emit(event)
         self._start_window()
 
     def _validate(self) -> None:
         metrics = self._evaluate(self.judged)
-        entry = {"step": self.step,
-                 **{k: metrics[k] for k in ("val_centred_cosine", "empty_prompt_cosine", "val_loss")}}
+        validation = Validation(step=self.step, val_centred_cosine=metrics["val_centred_cosine"],
+                                empty_prompt_cosine=metrics["empty_prompt_cosine"], val_loss=metrics["val_loss"])
+        entry = validation.figures()
         self.history.append(entry)
         self.curves.scalars(self.step, entry, "val")
         empty = metrics["empty_prompt_cosine"]
         log.info("step %d: val centred cosine %.4f (empty prompt %s), val loss %.4f", self.step,
                  metrics["val_centred_cosine"], "n/a" if empty is None else f"{empty:.4f}", metrics["val_loss"])
-        self.emit("validate", entry)
+        self.emit(validation)
         if self.best is None or metrics["val_centred_cosine"] > self.best["val_centred_cosine"]:
             self.best = {"step": self.step, "val_centred_cosine": metrics["val_centred_cosine"],
                          "empty_prompt_cosine": metrics["empty_prompt_cosine"], "val_loss": metrics["val_loss"]}
             save_weights(self.run_dir / BEST_DIR, model=self.judged, step=self.step,
                          meta={**self.base_meta, **self.best})
-            self.emit("best", self.best)
+            self.emit(NewBest(**self.best))
         # A checkpoint's time may not come for a while; keep the picture current for the UI.
         self._write_curves()
 
@@ -434,7 +450,7 @@ class _TrainingRun:
         save_checkpoint(self.run_dir / f"step-{self.step:08d}", model=self.model, optimizer=self.optimizer,
                         step=self.step, meta=meta, ema=self.average.model if self.average is not None else None)
         prune_checkpoints(self.run_dir, t.keep_checkpoints)
-        self.emit("checkpoint", {"step": self.step})
+        self.emit(CheckpointWritten(self.step))
 
     def _write_curves(self) -> str:
         svg = curves_svg(self.history)
@@ -453,5 +469,5 @@ class _TrainingRun:
         save_weights(self.run_dir / FINAL_DIR, model=self.judged, step=self.step, meta=summary,
                      extra={CURVES_FILE: self._write_curves()})
         self.note(f"training finished: {text} {advice}")
-        self.emit("finished", {"step": self.step, "val_centred_cosine": final["val_centred_cosine"]})
+        self.emit(Finished(step=self.step, val_centred_cosine=final["val_centred_cosine"]))
         return summary

@@ -200,17 +200,63 @@ def test_a_worker_outliving_its_leader_still_holds_the_folder(lock_file):
 def test_the_holder_record_names_the_run_a_nested_taker_executes(lock_file):
     """`status` reads which run works on the folder: a run taking the lock inside `gguf-trainer run` records
     itself while it holds it, and the pipeline's own record is back once it leaves."""
-    from gguf_assets.lib.core.lock import holder
+    from gguf_assets.lib.core.lock import RunningRun, holder
 
     assert holder(lock_file) is None
     with ProjectLock(lock_file, describe="gguf-trainer run demo"):
-        assert holder(lock_file)["what"] == "gguf-trainer run demo" and "running" not in holder(lock_file)
-        running = {"run_id": "1a2b3c4d5e", "job": "train_export_evaluate", "assets": ["adapter", "gguf"]}
+        assert holder(lock_file).what == "gguf-trainer run demo" and holder(lock_file).running is None
+        assert list(json.loads(lock_file.read_text())) == ["pid", "started", "what"]  # the keys of every version
+        running = RunningRun(run_id="1a2b3c4d5e", job="train_export_evaluate", assets=("adapter", "gguf"))
         with ProjectLock(lock_file, describe="Dagster run 1a2b3c4d", running=running):
-            assert holder(lock_file)["running"] == running
-            assert holder(lock_file)["pid"] == os.getpid()
-        assert "running" not in holder(lock_file)
+            assert holder(lock_file).running == running
+            assert holder(lock_file).pid == os.getpid()
+            assert json.loads(lock_file.read_text())["running"] == {
+                "run_id": "1a2b3c4d5e", "job": "train_export_evaluate", "assets": ["adapter", "gguf"]}
+        assert holder(lock_file).running is None and "running" not in json.loads(lock_file.read_text())
     assert holder(lock_file) is None
+
+
+def test_a_holder_record_of_the_old_dict_shape_reads_and_writes_the_same_json():
+    """The record is JSON in the lock file: what an earlier version wrote reads into the typed record (unknown keys
+    ignored, missing or malformed ones unknown), and the record writes back the same keys in the same order."""
+    from gguf_assets.lib.core.lock import HolderRecord, RunningRun
+
+    old = {"pid": 12, "started": "2026-12-01T09:00:00", "what": "Dagster run 1a2b3c4d of all_stages",
+           "running": {"run_id": "1a2b3c4d5e", "job": "all_stages", "assets": ["materials", "corpus"]}}
+    record = HolderRecord.from_json(old)
+    assert record == HolderRecord(pid=12, started="2026-12-01T09:00:00", what="Dagster run 1a2b3c4d of all_stages",
+                                  running=RunningRun("1a2b3c4d5e", "all_stages", ("materials", "corpus")))
+    assert json.dumps(record.to_json()) == json.dumps(old)
+    services = {"pid": 7, "started": "2026-12-01T09:00:00", "urls": {"studio": "http://h:1", "Dagster UI": "http://h:2"}}
+    assert json.dumps(HolderRecord.from_json(services).to_json()) == json.dumps(services)
+    assert HolderRecord.from_json({"urls": {}}).to_json() == {"urls": {}}  # auto-resume's daemon-only record
+    newer = HolderRecord.from_json({**old, "host": "node-3", "running": {**old["running"], "queued": 2}})
+    assert newer == record  # keys of a later version are ignored
+    assert HolderRecord.from_json({}) == HolderRecord() and HolderRecord().to_json() == {}
+    assert HolderRecord.from_json(["not", "a", "record"]) == HolderRecord()
+    assert HolderRecord.from_json({"pid": "x", "running": {}}) == HolderRecord()  # malformed: unknown, no run
+    assert RunningRun.from_json({"run_id": "abc"}) == RunningRun("abc", "", ())  # an old run without assets
+
+
+def test_the_services_lock_names_the_open_servers(tmp_path):
+    """A second `ui` is refused with the URLs and pid from the first one's record."""
+    from gguf_assets.lib.core.lock import hold_services
+
+    lock_file = tmp_path / "project" / ".dagster" / "services.lock"
+    fd = hold_services(lock_file, {"studio": "http://127.0.0.1:3001", "Dagster UI": "http://127.0.0.1:3000"})
+    try:
+        record = json.loads(lock_file.read_text())
+        assert list(record) == ["pid", "started", "urls"] and record["pid"] == os.getpid()
+        assert record["urls"] == {"studio": "http://127.0.0.1:3001", "Dagster UI": "http://127.0.0.1:3000"}
+        refused = subprocess.run(
+            [sys.executable, "-c", "import sys\nfrom gguf_assets.lib.core.lock import ServicesOpen, hold_services\n"
+             "try:\n    hold_services(sys.argv[1], {})\nexcept ServicesOpen as exc:\n    print(exc)",
+             str(lock_file)], capture_output=True, text=True, timeout=60)
+        said = refused.stdout
+        assert said.startswith(f"{tmp_path / 'project'} is already open (studio http://127.0.0.1:3001, Dagster UI "
+                               f"http://127.0.0.1:3000; pid {os.getpid()}, since {record['started']})."), said
+    finally:
+        os.close(fd)
 
 
 # A cluster run (no descendant of the leader) that joins when admitted, then writes until a line on stdin.

@@ -468,3 +468,40 @@ def test_the_answer_bound_is_read_from_the_environment_when_a_call_starts(monkey
         with pytest.raises(hub.HubError, match=rf"{hub.ANSWER_TIMEOUT_ENV}='{bad}' is not a number of seconds above "
                                                r"0.*Unset it \(default 90\)"):
             hub.HubOptions()
+
+
+def test_a_childs_answer_crosses_the_pipe_as_json_and_reads_back_typed():
+    """The child's one JSON line: a listing, a download and each kind of failure read back into the same
+    ChildAnswer; the keys are those of before (ok, commit, files | resumed | kind, status, detail[, limit_s])."""
+    listing = hub.ChildAnswer(ok=True, commit="c" * 40, files=(hub.RemoteFile("config.json", 10, "b1"),
+                                                               hub.RemoteFile("model.safetensors", 20, "b2", "s2")))
+    assert list(listing.to_json()) == ["ok", "commit", "files"]
+    assert listing.to_json()["files"][1] == {"path": "model.safetensors", "size": 20, "blob_id": "b2", "sha256": "s2"}
+    downloaded = hub.ChildAnswer(ok=True, resumed=("model.safetensors",))
+    assert downloaded.to_json() == {"ok": True, "resumed": ["model.safetensors"]}
+    ranged = hub.ChildAnswer(ok=True, commit="c" * 40, etag="e" * 64, size=123)  # fetch_range: the file's metadata
+    assert ranged.to_json() == {"ok": True, "commit": "c" * 40, "etag": "e" * 64, "size": 123}
+    for answer in (listing, downloaded, ranged, *(hub.ChildAnswer.failed(kind, f"{kind} happened", status=503)
+                                          for kind in hub.HubFailure),
+                   hub.ChildAnswer.failed(hub.HubFailure.SILENT, "answered nothing for 9 s", limit_s=9.0)):
+        assert hub.ChildAnswer.from_json(json.loads(json.dumps(answer.to_json()))) == answer
+    assert hub.ChildAnswer.from_json({"ok": False, "kind": "stalled", "detail": "d"}).kind is hub.HubFailure.STALLED
+    assert [k for k in hub.HubFailure if hub.ChildAnswer.failed(k, "").retryable] == list(hub.TRANSIENT_KINDS)
+    assert not listing.retryable
+    with pytest.raises(ValueError):
+        hub.ChildAnswer.from_json({"ok": False, "kind": "no such kind"})  # _run_child: a broken child, transient
+
+
+def test_each_failure_kind_is_worded_for_the_user(monkeypatch):
+    monkeypatch.setenv("HF_ENDPOINT", "https://hub.example.org")
+    ref = hub.RepoRef.parse("owner/name", kind="dataset")
+    gated = hub._fail(ref, hub.ChildAnswer.failed(hub.HubFailure.GATED, "GatedRepoError: 401"), token=None,
+                      attempts=1, pinned=False)
+    assert gated.kind is hub.HubFailure.GATED and str(gated).startswith(
+        "owner/name (dataset repo on https://hub.example.org) is gated and no token was given. Accept its terms on "
+        "https://hub.example.org/datasets/owner/name, then set HF_TOKEN to a read token of that account. (hub said: "
+        "GatedRepoError: 401)")
+    silent = hub._fail(ref, hub.ChildAnswer.failed(hub.HubFailure.SILENT, "the hub answered nothing for 9 s",
+                                                   limit_s=9.0), token=None, attempts=1, pinned=False)
+    assert "(1 try, each on a new connection)" in str(silent) and f"{hub.ANSWER_TIMEOUT_ENV} (now 9 s)" in str(silent)
+    assert "hub said" not in str(silent)

@@ -304,11 +304,11 @@ def test_golden_bytes_and_round_trip(tmp_path: Path) -> None:
     tensors = golden_tensors()
     summary = gguf_format.write_adapter_gguf(out, tensors=tensors, hparams=GOLDEN_HPARAMS,
                                              provenance=GOLDEN_PROVENANCE, name="tiny")
-    assert summary["kept_f32"] == ["out_proj.weight"]
+    assert summary.kept_f32 == ("out_proj.weight",)
     if os.environ.get(REGEN_ENV) == "1":
         atomic.write_bytes(GOLDEN, out.read_bytes())
     assert out.read_bytes() == GOLDEN.read_bytes(), (
-        f"the adapter GGUF bytes changed (sha256 {summary['sha256']} vs {atomic.sha256_file(GOLDEN)}). If this "
+        f"the adapter GGUF bytes changed (sha256 {summary.sha256} vs {atomic.sha256_file(GOLDEN)}). If this "
         f"is deliberate: bump gguf_format.FORMAT_VERSION if a loader would notice, update docs/gguf_layout.md, "
         f"and rerun with {REGEN_ENV}=1.")
     # The export casts in torch before writing: the same bytes (f16 rounding, the f32 fallback).
@@ -316,7 +316,7 @@ def test_golden_bytes_and_round_trip(tmp_path: Path) -> None:
     assert cast["in_proj.weight"].dtype == np.float16 and cast["out_proj.weight"].dtype == np.float32
     via_torch = tmp_path / "via_torch.gguf"
     assert gguf_format.write_adapter_gguf(via_torch, tensors=cast, hparams=GOLDEN_HPARAMS,
-                                          provenance=GOLDEN_PROVENANCE, name="tiny")["kept_f32"] == ["out_proj.weight"]
+                                          provenance=GOLDEN_PROVENANCE, name="tiny").kept_f32 == ("out_proj.weight",)
     assert via_torch.read_bytes() == GOLDEN.read_bytes()
 
     # The golden file read back: every key and every tensor.

@@ -66,7 +66,7 @@ def f16_rounded(adapter: Adapter) -> Adapter:
     return clone
 
 
-def write(path: Path, adapter: Adapter, **overrides) -> dict:
+def write(path: Path, adapter: Adapter, **overrides) -> gguf_format.WrittenGguf:
     kwargs = {"tensors": numpy_state(adapter), "hparams": hparams(), "provenance": PROVENANCE, "name": "test-adapter"}
     kwargs.update(overrides)
     return gguf_format.write_adapter_gguf(path, **kwargs)
@@ -110,13 +110,13 @@ def test_roundtrip_keys_and_tensors(tmp_path: Path) -> None:
     out = tmp_path / "adapter.gguf"
     summary = write(out, adapter)
     state = numpy_state(adapter)
-    assert summary["path"] == str(out)
-    assert summary["bytes"] == out.stat().st_size
-    assert summary["sha256"] == atomic.sha256_file(out)
-    assert summary["tensor_count"] == len(state) == 12 + 26 * SHAPE.depth  # as docs/gguf_layout.md says
-    assert summary["kept_f32"] == []
+    assert summary.path == str(out)
+    assert summary.bytes == out.stat().st_size
+    assert summary.sha256 == atomic.sha256_file(out)
+    assert summary.tensor_count == len(state) == 12 + 26 * SHAPE.depth  # as docs/gguf_layout.md says
+    assert summary.kept_f32 == ()
     n_f16 = sum(gguf_format.is_f16_tensor(k) for k in state)
-    assert (summary["f16_count"], summary["f32_count"]) == (n_f16, len(state) - n_f16)
+    assert (summary.f16_count, summary.f32_count) == (n_f16, len(state) - n_f16)
     assert n_f16 == 2 + 2 + 10 * SHAPE.depth  # query, null_memory, in/out_proj, 10 matrices per block
 
     meta = gguf_format.read_gguf_metadata(out)
@@ -171,14 +171,14 @@ def test_f16_overflow_is_kept_f32(tmp_path: Path) -> None:
     state["query"][0, 0] = -7e4
     out = tmp_path / "big.gguf"
     summary = gguf_format.write_adapter_gguf(out, tensors=state, hparams=hparams(), provenance=PROVENANCE, name="big")
-    assert sorted(summary["kept_f32"]) == ["blk.1.mlp_up.weight", "query"]
+    assert sorted(summary.kept_f32) == ["blk.1.mlp_up.weight", "query"]
     tensors = gguf_format.read_gguf_tensors(out)
-    for name in summary["kept_f32"]:
+    for name in summary.kept_f32:
         assert tensors[name].dtype == np.float32
     assert tensors["blk.1.mlp_up.weight"][3, 4] == np.float32(7e4)
     assert tensors["blk.0.mlp_up.weight"].dtype == np.float16
     assert all(np.isfinite(t).all() for t in tensors.values())
-    assert summary["f16_count"] == sum(t.dtype == np.float16 for t in tensors.values())
+    assert summary.f16_count == sum(t.dtype == np.float16 for t in tensors.values())
     # The limit both the export and the precompute check (lib/core/f16.py, numpy-free) is numpy's own.
     assert F16_MAX == float(np.finfo(np.float16).max)
 
@@ -276,8 +276,8 @@ def test_the_hash_computed_during_the_write_is_the_files(tmp_path: Path) -> None
     for seed in (0, 1):
         out = tmp_path / f"adapter-{seed}.gguf"
         summary = write(out, make_adapter(seed))
-        assert summary["sha256"] == atomic.sha256_file(out)
-        assert summary["bytes"] == out.stat().st_size
+        assert summary.sha256 == atomic.sha256_file(out)
+        assert summary.bytes == out.stat().st_size
 
 
 # --- the evaluator --------------------------------------------------------------------

@@ -80,9 +80,9 @@ def test_build_writes_verified_halves_and_reports_live_figures(project, caplog):
     # Live figures with each progress line: which shard and half, the rate, and a hardware sample.
     assert {(t["shard"], t["half"]) for t in ticks} >= {(keys[-1], "teacher"), (keys[-1], "student")}
     assert all(t["total"] == TRAIN and "host_cpu_pct" in t and "host_ram_used_gib" in t for t in ticks)
-    assert [r["teacher_tokens"] > 0 and r["student_tokens"] > 0 for r in finished] == [True, True]
+    assert [r.halves["teacher"].tokens > 0 and r.halves["student"].tokens > 0 for r in finished] == [True, True]
     # Each shard is reported the moment it is written, in order (Dagster records it then).
-    assert [r["key"] for r in finished] == keys and run.reports == finished
+    assert [r.key for r in finished] == keys and run.reports == finished
     for plan in plan_shards(paths, settings, materials, "train"):
         assert shard_status(paths, settings, plan) == {"teacher": "current", "student": "current"}
         folder = plan.folder(paths)
@@ -96,8 +96,17 @@ def test_build_writes_verified_halves_and_reports_live_figures(project, caplog):
         assert meta["placement"] == {"cpu": {"layers": TEACHER_LAYERS, "gib": meta["placement"]["cpu"]["gib"]}}
         assert meta["truncated"] == 0 and meta["text_tokens"] > 0
     report = run.reports[0]
-    assert report["teacher_status"] == "missing" and report["teacher_prompts_per_s"] > 0
-    assert report["teacher_cpu_layers"] == TEACHER_LAYERS and report["host_process_rss_gib_max"] > 0
+    assert report.halves["teacher"].status == "missing" and report.halves["teacher"].prompts_per_s > 0
+    assert report.device_map == {"cpu": {"layers": TEACHER_LAYERS, "gib": report.device_map["cpu"]["gib"]}}
+    # Its flat figures, as the shard's Dagster materialization records them (the keys of every version).
+    figures = report.figures()
+    assert list(figures) == ["split", "key", "prompts", "teacher_status", "teacher_placement", "teacher_cpu_layers",
+                             "teacher_cpu_gib", "teacher_seconds", "teacher_truncated", "teacher_tokens",
+                             "teacher_prompts_per_s", "student_status", "student_seconds", "student_truncated",
+                             "student_tokens", "student_prompts_per_s", *report.hardware]
+    assert list(report.hardware)[0] == "hw_samples"
+    assert figures["teacher_status"] == "missing" and type(figures["teacher_status"]) is str
+    assert figures["teacher_cpu_layers"] == TEACHER_LAYERS and figures["host_process_rss_gib_max"] > 0
     summary = run.metadata()
     assert run.computed("teacher") == 2 and run.halves["student"].computed == 2
     assert summary["teacher_halves_computed"] == 2 and summary["student_halves_computed"] == 2
@@ -109,7 +118,7 @@ def test_build_writes_verified_halves_and_reports_live_figures(project, caplog):
 
     # Nothing changed: nothing is recomputed, and the reused work does not count as throughput.
     again = precompute_split(paths, settings, materials, "train", keys)
-    assert {r["teacher_status"] for r in again.reports} == {"current"}
+    assert {r.halves["teacher"].status for r in again.reports} == {"current"}
     assert again.computed("teacher") == 0 and again.halves["teacher"].prompts_per_s == 0
 
 
@@ -124,7 +133,7 @@ def test_student_change_leaves_teacher_targets_byte_for_byte(project):
     assert {h: s for p in plans for h, s in shard_status(paths, settings, p).items()} == {
         "teacher": "current", "student": "stale"}
     reports = build_shards(paths, settings, materials, "train", keys)
-    assert {(r["teacher_status"], r["student_status"]) for r in reports} == {("current", "stale")}
+    assert {(r.halves["teacher"].status, r.halves["student"].status) for r in reports} == {("current", "stale")}
     assert _digests(paths, "teacher") == teacher_before  # same bytes, never rewritten (same mtime)
     after = _digests(paths, "student")
     assert all(after[k][0] != student_before[k][0] for k in after)
@@ -152,7 +161,7 @@ def test_corrupted_halves_are_detected_never_used_and_recomputed(project, caplog
     with caplog.at_level(logging.WARNING, logger="gguf_assets.lib.precompute.shards"):
         reports = build_shards(paths, settings, materials, "train", keys)
     assert "00000: teacher half failed verification; recomputing it" in caplog.text
-    assert [(r["teacher_status"], r["student_status"]) for r in reports] == [("corrupt", "current"),
+    assert [(r.halves["teacher"].status, r.halves["student"].status) for r in reports] == [("corrupt", "current"),
                                                                              ("current", "corrupt")]
     # Recomputed from scratch, deterministically: the original bytes are back.
     assert {f: f.read_bytes() for f in good} == good
@@ -212,7 +221,7 @@ def test_a_change_that_keeps_the_stamp_is_caught_when_training_reads_it(project)
         load_shard(plan.folder(paths))
     assert shard_status(paths, settings, plan) == {"teacher": "current", "student": "missing"}
     reports = build_shards(paths, settings, materials, "train", keys)
-    assert [(r["teacher_status"], r["student_status"]) for r in reports] == [("current", "current"),
+    assert [(r.halves["teacher"].status, r.halves["student"].status) for r in reports] == [("current", "current"),
                                                                              ("current", "missing")]
     assert data.read_bytes() == good
 
@@ -254,7 +263,7 @@ def test_a_changed_setting_makes_only_its_half_stale(project):
     plan = plan_shards(paths, settings, materials, "train")[0]
     assert shard_status(paths, settings, plan) == {"teacher": "stale", "student": "current"}
     reports = build_shards(paths, settings, materials, "train", keys)
-    assert {(r["teacher_status"], r["student_status"]) for r in reports} == {("stale", "current")}
+    assert {(r.halves["teacher"].status, r.halves["student"].status) for r in reports} == {("stale", "current")}
     assert load_file(str(plan.folder(paths) / "teacher.safetensors"))["targets"].dtype == torch.bfloat16
     assert _digests(paths, "student") == student_before
 
@@ -266,18 +275,18 @@ def test_teacher_only_then_student_only_then_both(project):
 
     settings, materials = _with(paths, settings, precompute={"mode": "teacher"})
     reports = build_shards(paths, settings, materials, "train", keys)
-    assert all("student_status" not in r for r in reports)
+    assert all("student" not in r.halves for r in reports)
     assert all((f / "teacher.safetensors").is_file() and not (f / "student.safetensors").exists() for f in folders)
     teacher_before = _digests(paths, "teacher")
 
     settings, materials = _with(paths, settings, precompute={"mode": "student"})
     reports = build_shards(paths, settings, materials, "train", keys)
-    assert all("teacher_status" not in r and r["student_status"] == "missing" for r in reports)
+    assert all("teacher" not in r.halves and r.halves["student"].status == "missing" for r in reports)
     assert all((f / "student.safetensors").is_file() for f in folders)
 
     settings, materials = _with(paths, settings, precompute={"mode": "teacher+student"})
     reports = build_shards(paths, settings, materials, "train", keys)
-    assert {(r["teacher_status"], r["student_status"]) for r in reports} == {("current", "current")}
+    assert {(r.halves["teacher"].status, r.halves["student"].status) for r in reports} == {("current", "current")}
     assert _digests(paths, "teacher") == teacher_before
 
 

@@ -1,5 +1,9 @@
 """Each stage's settings table lists project.yaml's own keys, derived from what its fingerprint reads."""
 
+from pathlib import Path
+
+import pytest
+
 from gguf_assets.lib.demo.demo import demo_settings
 from gguf_assets.lib.status.stages import stage_keys
 
@@ -51,3 +55,32 @@ def test_every_key_a_stage_fingerprint_reads_is_one_of_its_settings(tmp_path):
         now = _fingerprints(paths, changed, materials)
         missed += [f"{stage}: {key}" for stage in STAGES if now[stage] != base[stage] and key not in keys[stage]]
     assert missed == []
+
+
+def test_the_stage_list_is_one_list_and_every_per_stage_table_follows_it():
+    """STAGES (lib/status/stages.py) is the one list of stages; the jobs' groups are its slices, and each table
+    keyed by stage (here its settings; the studio's titles: studio/test_studio_feed.py) has exactly its stages, in
+    its order."""
+    from gguf_assets.lib.status.stages import INPUT_STAGES, SHARD_STAGES, STAGES, TRAINING_STAGES, stage_settings
+
+    assert STAGES == ("materials", "corpus", "train_shards", "val_shards", "adapter", "gguf", "eval_report")
+    assert (*INPUT_STAGES, *SHARD_STAGES, *TRAINING_STAGES) == STAGES
+    assert tuple(stage_settings(demo_settings())) == STAGES
+
+
+def test_the_prompt_formats_are_one_list():
+    """The prompt file formats are written once (lib/project/formats.py): the corpus has a reader for each text
+    format, the materials select a hub dataset's files by the same suffixes, and the refusal of another file type
+    names them all."""
+    from gguf_assets.lib.corpus import prompt_files
+    from gguf_assets.lib.project import formats
+
+    assert formats.PROMPT_FORMATS == (".txt", ".jsonl", ".json", ".csv", ".parquet")
+    assert tuple(prompt_files._READERS) == formats.TEXT_PROMPT_FORMATS
+    assert set(formats.PROMPT_FILE_SUFFIXES) == {*formats.PROMPT_FORMATS, ".txt.gz", ".jsonl.gz", ".json.gz",
+                                                 ".csv.gz"}
+    assert all(prompt_files.prompt_format(Path(f"a/b{suffix.upper()}")) for suffix in formats.PROMPT_FILE_SUFFIXES)
+    with pytest.raises(prompt_files.CorpusError) as refused:
+        prompt_files.PromptFile(Path("prompts.xml"), "text")
+    assert str(refused.value) == ("prompts.xml: unsupported prompt file type. Use .txt (one prompt per line), .jsonl, "
+                                  ".json or .csv, optionally gzip-compressed (.gz), or .parquet.")

@@ -1,18 +1,19 @@
 """The status engine's words: what a running stage shows."""
 
+from gguf_assets.lib.core.lock import HolderRecord, RunningRun
 from gguf_assets.lib.status.states import StageState, with_running
 
 
 def test_status_shows_the_stage_a_run_works_on_as_running():
     status = [StageState("train_shards", "current"), StageState("adapter", "stale", "training.steps 400 → 600"),
               StageState("gguf", "blocked", "waits for adapter")]
-    running = {"running": {"run_id": "1a2b3c4d5e6f", "job": "train_export_evaluate",
-                           "assets": ["adapter", "gguf", "eval_report"]}}
+    running = HolderRecord(running=RunningRun(run_id="1a2b3c4d5e6f", job="train_export_evaluate",
+                                              assets=("adapter", "gguf", "eval_report")))
     shown = with_running(status, running)
     assert shown[1] == StageState("adapter", "running", "run 1a2b3c4d of train_export_evaluate; was stale: "
                                   "training.steps 400 → 600")
     assert shown[0] == status[0] and shown[2] == status[2]  # the rest wait as before
-    assert with_running(status, None) == status and with_running(status, {"pid": 1}) == status
+    assert with_running(status, None) == status and with_running(status, HolderRecord(pid=1)) == status
 
 
 def test_the_status_engine_and_every_stage_module_load_no_torch():

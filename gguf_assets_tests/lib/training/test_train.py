@@ -39,6 +39,7 @@ from gguf_assets.lib.project.settings import Settings, Training, load_settings, 
 from gguf_assets.lib.telemetry.curves_log import run_folder
 from gguf_assets.lib.telemetry.render import curves_markdown, curves_svg
 from gguf_assets.lib.training.checkpoints import list_checkpoints, load_final
+from gguf_assets.lib.training.events import Finished, LogStep, Note, Validation
 from gguf_assets.lib.training.train import train_adapter
 from gguf_assets.lib.training.train_data import SampleOrder, ShardStream, TrainingError
 from gguf_assets.lib.training.training_run import TrainedAdapter, shards_identity, training_fingerprint
@@ -105,7 +106,7 @@ def reference(shard_sets, tmp_path_factory):
     """One uninterrupted run, and every event it emitted."""
     root = tmp_path_factory.mktemp("reference")
     events = []
-    summary = train(root, shard_sets, on_event=lambda kind, data: events.append((kind, data)))
+    summary = train(root, shard_sets, on_event=events.append)
     run_dir = ProjectPaths.of(root).checkpoints_dir(summary.fingerprint)
     return {"summary": summary, "run_dir": run_dir, "events": events,
             "weights": (run_dir / FINAL_DIR / WEIGHTS_FILE).read_bytes()}
@@ -119,19 +120,22 @@ def test_uninterrupted_run_learns_and_reports(reference):
     assert s.finished and s.step == SETTINGS.training.steps
     assert s.val_centred_cosine > s.untrained_val_centred_cosine + 0.15, s
     assert "below 0.9" in s.verdict or s.val_centred_cosine >= 0.9
-    kinds = [k for k, _ in reference["events"]]
-    logs = [d for k, d in reference["events"] if k == "log"]
-    assert [d["step"] for d in logs] == [5, 10, 15, 20, 25, 30, 35, 40]
-    for entry in logs:
-        assert {"loss", "lr", "grad_norm", "steps_per_s", "samples_per_s"} <= set(entry)
-        assert all(isinstance(entry[k], float) for k in ("loss", "lr", "grad_norm", "steps_per_s", "samples_per_s"))
+    logs = [e for e in reference["events"] if isinstance(e, LogStep)]
+    assert [e.step for e in logs] == [5, 10, 15, 20, 25, 30, 35, 40]
+    for event in logs:
+        assert all(isinstance(getattr(event, k), float) for k in ("loss", "lr", "grad_norm", "steps_per_s",
+                                                                   "samples_per_s"))
+        # What the adapter's observation records (the studio and Dagster's plots read these keys).
+        assert list(event.figures()) == ["step", "loss", "lr", "grad_norm", "steps_per_s", "samples_per_s",
+                                         "data_wait_fraction", "read_mb_per_s", "eta_s"]
     # The console's ETA rides along (the studio's progress bar shows it): 0 at the last step, not in the history.
-    assert all(entry["eta_s"] >= 0 for entry in logs) and logs[-1]["eta_s"] == 0 and logs[0]["eta_s"] > 0
+    assert all(e.eta_s >= 0 for e in logs) and logs[-1].eta_s == 0 and logs[0].eta_s > 0
     assert not any("eta_s" in entry for entry in s.history)
-    vals = [d for k, d in reference["events"] if k == "validate"]
-    assert [d["step"] for d in vals] == [10, 20, 30, 40]
-    assert all({"val_centred_cosine", "empty_prompt_cosine", "val_loss"} <= set(d) for d in vals)
-    assert kinds[-1] == "finished"
+    assert [e.history_entry() for e in logs] == [entry for entry in s.history if "loss" in entry]
+    vals = [e for e in reference["events"] if isinstance(e, Validation)]
+    assert [e.step for e in vals] == [10, 20, 30, 40]
+    assert [e.figures() for e in vals] == [entry for entry in s.history if "val_loss" in entry]
+    assert isinstance(reference["events"][-1], Finished)
     model, meta = load_final(reference["run_dir"])
     assert meta["step"] == 40 and model.target_std.min() >= SETTINGS.training.sigma_floor
 
@@ -150,13 +154,13 @@ def test_keeps_last_checkpoints_and_the_best(reference):
 
 def test_stop_and_resume_is_bit_identical(shard_sets, reference, tmp_path):
     events = []
-    first = train(tmp_path, shard_sets, stop_after=13, on_event=lambda k, d: events.append((k, d)))
+    first = train(tmp_path, shard_sets, stop_after=13, on_event=events.append)
     assert (first.finished, first.step, first.fingerprint) == (False, 13, reference["summary"].fingerprint)
     assert first.val_centred_cosine is None  # a paused run has no score yet
     run_dir = ProjectPaths.of(tmp_path).checkpoints_dir(first.fingerprint)
     assert list_checkpoints(run_dir)[-1].name == "step-00000010"  # steps 11-13 are lost and redone
-    second = train(tmp_path, shard_sets, on_event=lambda k, d: events.append((k, d)))
-    assert any(k == "note" and "resuming" in d["message"] and "step-00000010" in d["message"] for k, d in events)
+    second = train(tmp_path, shard_sets, on_event=events.append)
+    assert any(isinstance(e, Note) and "resuming" in e.message and "step-00000010" in e.message for e in events)
     assert (run_dir / FINAL_DIR / WEIGHTS_FILE).read_bytes() == reference["weights"]
     # TensorBoard shows each step once: steps 11-13 of the stopped run are purged, redone ones kept.
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -177,8 +181,8 @@ KILL_SCRIPT = textwrap.dedent("""
     from gguf_assets.lib.training.train import train_adapter
 
     root, spec = Path(sys.argv[1]), json.loads(sys.argv[2])
-    def slow_down(kind, data):  # widens the window for the kill; the math is untouched
-        if kind == "log":
+    def slow_down(event):  # widens the window for the kill; the math is untouched
+        if type(event).__name__ == "LogStep":
             time.sleep(0.05)
     settings = Settings(training=Training(**spec["training"]))
     train_adapter(ProjectPaths.of(root), settings, train_folders=[Path(p) for p in spec["train"]],
@@ -226,16 +230,16 @@ def test_settings_change_starts_a_new_run_and_says_why(shard_sets, reference, tm
     new = fingerprint_for(changed, shard_sets)
     assert new != old
     train(tmp_path, shard_sets, changed, stop_after=5,
-          on_event=lambda k, d: notes.append(d) if k == "note" else None)
-    message = notes[0]["message"]
-    assert f"since run {old}" in message and "learning_rate: 0.01 → 0.003" in message and notes[0]["warning"]
+          on_event=lambda e: notes.append(e) if isinstance(e, Note) else None)
+    message = notes[0].message
+    assert f"since run {old}" in message and "learning_rate: 0.01 → 0.003" in message and notes[0].warning
     meta = atomic.read_json(list_checkpoints(ProjectPaths.of(tmp_path).checkpoints_dir(new))[-1] / META_FILE)
     assert meta["started"]["previous_run"] == old and meta["step"] == 5
     # The old run is untouched and is reused as is when the settings go back.
     assert (ProjectPaths.of(tmp_path).checkpoints_dir(old) / FINAL_DIR / WEIGHTS_FILE).read_bytes() == old_final
     notes.clear()
-    again = train(tmp_path, shard_sets, on_event=lambda k, d: notes.append(d) if k == "note" else None)
-    assert again.finished and "already finished" in notes[0]["message"]
+    again = train(tmp_path, shard_sets, on_event=lambda e: notes.append(e) if isinstance(e, Note) else None)
+    assert again.finished and "already finished" in notes[0].message
     # Bookkeeping settings do not start a new run.
     assert fingerprint_for(replace(SETTINGS, training={"log_every": 7, "device": "auto"}), shard_sets) == old
 
@@ -410,9 +414,9 @@ def test_a_damaged_checkpoint_is_skipped_and_the_final_weights_are_identical(sha
     _flip(run_dir / "step-00000010" / WEIGHTS_FILE)
     events = []
     with caplog.at_level("WARNING", logger="gguf_assets"):
-        train(tmp_path, shard_sets, on_event=lambda k, d: events.append((k, d)))
+        train(tmp_path, shard_sets, on_event=events.append)
     assert "checkpoint step-00000010 is damaged" in caplog.text and "content differs" in caplog.text
-    assert any(k == "note" and "from step-00000005" in d["message"] for k, d in events)
+    assert any(isinstance(e, Note) and "from step-00000005" in e.message for e in events)
     assert (run_dir / FINAL_DIR / WEIGHTS_FILE).read_bytes() == reference["weights"]
 
 
@@ -426,14 +430,14 @@ def test_damaged_final_weights_are_set_aside_and_trained_again_identically(shard
         load_final(run_dir)  # what the export reads: never a damaged adapter
     assert (run_dir / DAMAGED_FINAL_DIR).is_dir() and not (run_dir / FINAL_DIR).exists()
     events = []
-    train(tmp_path, shard_sets, on_event=lambda k, d: events.append((k, d)))
-    assert any(k == "note" and "resuming" in d["message"] and "step-00000040" in d["message"] for k, d in events)
+    train(tmp_path, shard_sets, on_event=events.append)
+    assert any(isinstance(e, Note) and "resuming" in e.message and "step-00000040" in e.message for e in events)
     assert (run_dir / FINAL_DIR / WEIGHTS_FILE).read_bytes() == reference["weights"]
 
     _flip(run_dir / FINAL_DIR / WEIGHTS_FILE)  # found by the trainer itself, when the adapter is asked for again
     events.clear()
-    train(tmp_path, shard_sets, on_event=lambda k, d: events.append((k, d)))
-    assert any(k == "note" and d["warning"] and "are damaged" in d["message"] for k, d in events)
+    train(tmp_path, shard_sets, on_event=events.append)
+    assert any(isinstance(e, Note) and e.warning and "are damaged" in e.message for e in events)
     assert load_final(run_dir)[1]["step"] == 40
     assert (run_dir / FINAL_DIR / WEIGHTS_FILE).read_bytes() == reference["weights"]
 
@@ -630,23 +634,23 @@ def test_a_stop_between_checkpoints_keeps_its_steps_and_resumes_bit_identical(sh
 
     settings = replace(SETTINGS, training={"log_every": 1})  # not a result setting: same fingerprint
 
-    def ctrl_c_at_step_7(kind, data):
-        if kind == "log" and data["step"] == 7:
+    def ctrl_c_at_step_7(event):
+        if isinstance(event, LogStep) and event.step == 7:
             os.kill(os.getpid(), signal.SIGINT)  # a real signal, mid-step: held until the step is done
 
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (xdist may differ)
     try:
         events = []
         with pytest.raises(KeyboardInterrupt):
-            train(tmp_path, shard_sets, settings, on_event=lambda k, d: (events.append((k, d)), ctrl_c_at_step_7(k, d)))
+            train(tmp_path, shard_sets, settings, on_event=lambda e: (events.append(e), ctrl_c_at_step_7(e)))
     finally:
         signal.signal(signal.SIGINT, previous)
-    assert [d["step"] for k, d in events if k == "log"][-1] == 7  # nothing ran past the stop
+    assert [e.step for e in events if isinstance(e, LogStep)][-1] == 7  # nothing ran past the stop
     run_dir = ProjectPaths.of(tmp_path).checkpoints_dir(reference["summary"].fingerprint)
     assert list_checkpoints(run_dir)[-1].name == "step-00000007"
-    assert any(k == "note" and "stopped at step 7 of 40: checkpoint written" in d["message"] for k, d in events)
+    assert any(isinstance(e, Note) and "stopped at step 7 of 40: checkpoint written" in e.message for e in events)
     events.clear()
-    train(tmp_path, shard_sets, settings, on_event=lambda k, d: events.append((k, d)))
-    assert any(k == "note" and "step-00000007" in d["message"] for k, d in events)
-    assert [d["step"] for k, d in events if k == "log"][0] == 8  # no step done twice
+    train(tmp_path, shard_sets, settings, on_event=events.append)
+    assert any(isinstance(e, Note) and "step-00000007" in e.message for e in events)
+    assert [e.step for e in events if isinstance(e, LogStep)][0] == 8  # no step done twice
     assert (run_dir / FINAL_DIR / WEIGHTS_FILE).read_bytes() == reference["weights"]
