@@ -271,3 +271,22 @@ def test_a_dropped_connection_resumes_the_tensor_from_what_arrived(make_project,
     assert start < resumed <= (start + end) // 2 and ranges[3].endswith(f"-{end - 1}")
     assert loopback_hub.served[T2I_FILE] < 8 + n + 2 * (end - start)
     assert manifest.query_rows["tensor_sha256"]
+
+
+def test_the_targets_fingerprint_follows_the_rows_content_only_when_the_setting_is_set():
+    from gguf_assets.lib.precompute.shards import half_fingerprint
+    from gguf_assets.lib.project.manifests import MaterialsManifest
+
+    base = settings_from_dict({"materials": {"teacher": "a/b", "student": "c/d"}})
+    teacher = {"source": "a/b", "commit": "c" * 40}
+    unset = half_fingerprint("teacher", base, MaterialsManifest(teacher=teacher), "p")
+    # Unset: a stray query_rows entry changes nothing (the teacher folder's file is what the pin covers).
+    assert half_fingerprint("teacher", base, MaterialsManifest(teacher=teacher, query_rows={"tensor_sha256": "x"}),
+                            "p") == unset
+    rows = {"source": "o/t", "file": "f.safetensors", "tensor": "q"}
+    set_ = replace(base, materials={"query_rows": rows})
+    one = half_fingerprint("teacher", set_, MaterialsManifest(teacher=teacher, query_rows={"tensor_sha256": "x"}), "p")
+    two = half_fingerprint("teacher", set_, MaterialsManifest(teacher=teacher, query_rows={"tensor_sha256": "y"}), "p")
+    assert len({unset, one, two}) == 3
+    assert half_fingerprint("student", set_, MaterialsManifest(teacher=teacher), "p") == \
+        half_fingerprint("student", base, MaterialsManifest(teacher=teacher), "p")
