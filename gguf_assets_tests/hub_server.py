@@ -10,6 +10,7 @@ Endpoints, as huggingface_hub 2.4 calls them:
   with ``oid`` (git blob id), ``size`` and, for LFS files, ``lfs.oid`` (sha256)
 * ``HEAD|GET [/datasets]/{owner}/{name}/resolve/{rev}/{path}`` → the file, with ``X-Repo-Commit``,
   ``ETag`` (sha256 for LFS files, the blob id otherwise), ``Content-Length`` and ``Range`` support
+  (``bytes=N-`` and ``bytes=N-M``; ``served`` counts the body bytes sent per file)
 
 Errors carry ``X-Error-Code`` like the hub: ``RepoNotFound``, ``RevisionNotFound``,
 ``EntryNotFound``, ``GatedRepo`` (401 without a token, 403 with a token that was not granted),
@@ -88,6 +89,7 @@ class LoopbackHub:
         self.slow_s, self.slow_piece_bytes = slow_s, slow_piece_bytes
         self.silent = False
         self.requests: list[dict] = []
+        self.served: dict[str, int] = {}  # file path -> body bytes sent for it (GET), over all requests
         self._repos: dict[tuple[str, str], _Repo] = {}
         self._faults: list[_Fault] = []
         self._lock = threading.Lock()
@@ -333,16 +335,22 @@ def _make_handler(hub: LoopbackHub) -> type[BaseHTTPRequestHandler]:
                        "Content-Type": "application/octet-stream"}
             if _is_lfs(file, data):
                 headers.update({"X-Linked-Etag": f'"{etag}"', "X-Linked-Size": len(data)})
-            start = 0
-            if (rng := self.headers.get("Range")) and (m := re.match(r"bytes=(\d+)-", rng)):
+            start, stop = 0, len(data)
+            if (rng := self.headers.get("Range")) and (m := re.match(r"bytes=(\d+)-(\d*)$", rng.strip())):
                 start = min(int(m.group(1)), len(data))
-            body = data[start:]
+                if m.group(2):  # an inclusive end, as HTTP ranges are
+                    stop = max(start, min(int(m.group(2)) + 1, len(data)))
+            partial = (start, stop) != (0, len(data))
+            body = data[start:stop]
+            if not head:
+                with hub._lock:
+                    hub.served[file] = hub.served.get(file, 0) + len(body)
             if fault and fault.action == "corrupt" and body:
                 flip = len(body) // 2
                 body = body[:flip] + bytes([body[flip] ^ 0x01]) + body[flip + 1:]
-            status = 206 if start else 200
-            if start:
-                headers["Content-Range"] = f"bytes {start}-{len(data) - 1}/{len(data)}"
+            status = 206 if partial else 200
+            if partial:
+                headers["Content-Range"] = f"bytes {start}-{stop - 1}/{len(data)}"
             self.send_response(status)
             for key, value in headers.items():
                 self.send_header(key, str(value))

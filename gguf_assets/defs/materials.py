@@ -32,9 +32,19 @@ def materials(context: dg.AssetExecutionContext, project: ProjectResource) -> dg
     metadata["download_seconds"] = sum(d["seconds"] for d in downloads)
     metadata["refetched_files"] = sum(d["refetched"] for d in downloads)
     metadata["hub_token_used"] = token is not None
+    qr = manifest.query_rows if project.settings().materials.query_rows else None
+    if qr:  # materials.query_rows: one tensor of another file, fetched by range
+        metadata["query_rows"] = dg.MetadataValue.md(markdown_table(
+            ["source", "file", "tensor", "pinned to", "shape", "dtype", "fetched bytes", "sha256"],
+            [[f"`{qr['source']}`", f"`{qr.get('file') or ''}`", f"`{qr['tensor']}`", f"`{qr['commit']}`",
+              f"{qr['shape']}", qr["dtype"], qr.get("fetched_bytes", 0), f"`{qr['tensor_sha256']}`"]]))
+        metadata["query_rows_commit"] = dg.MetadataValue.text(qr["commit"])
     metadata.update(panel_metadata())
     metadata.update(project.stage_metadata("materials"))
     # Its data version is what it pinned: re-resolving to the same commits changes nothing downstream.
-    pins = atomic.fingerprint([[e["role"], e["source"], e["commit"]] for e in entries])
+    pinned = [[e["role"], e["source"], e["commit"]] for e in entries]
+    if qr:
+        pinned.append(["query_rows", qr["source"], qr["commit"], qr["tensor"], qr["tensor_sha256"]])
+    pins = atomic.fingerprint(pinned)
     project.result_written(context)
     return dg.MaterializeResult(data_version=dg.DataVersion(pins), metadata=metadata)

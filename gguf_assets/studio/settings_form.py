@@ -45,7 +45,7 @@ class FormField:
 
     section: str
     name: str
-    kind: str  # int, float, bool, choice, text, list
+    kind: str  # int, float, bool, choice, text, list, mapping (a one-line YAML mapping, e.g. materials.query_rows)
     help: str
     value: Any
     default: Any
@@ -101,6 +101,8 @@ def _kind(annotation) -> str:
         return "float"
     if annotation is list or get_origin(annotation) is list:
         return "list"
+    if annotation is dict or get_origin(annotation) is dict:
+        return "mapping"
     return "text"
 
 
@@ -123,6 +125,8 @@ def shown(kind: str, value: Any) -> Any:
         return "\n".join(item if isinstance(item, str) else yaml_value(item) for item in items)
     if kind in ("text", "choice"):
         return "" if value is None else str(value)
+    if kind == "mapping":
+        return "" if value in (None, "", {}) else yaml_value(value)
     return "" if value is None else yaml_value(value)
 
 
@@ -175,6 +179,14 @@ def _typed(kind: str, value: Any) -> Any:
             if line:
                 items.append(yaml.safe_load(line) if line.startswith("{") else line)
         return items
+    if kind == "mapping" and isinstance(value, str):
+        if not value.strip():
+            return {}
+        try:  # `{source: org/t2i, file: f.safetensors, tensor: t}`; anything else goes to the settings check as is
+            parsed = yaml.safe_load(value)
+        except yaml.YAMLError:
+            return value
+        return parsed if isinstance(parsed, dict) else value
     if kind in ("int", "float") and isinstance(value, str):
         if kind == "float" and EXPONENT_FLOAT.match(value.strip()):
             return float(value)  # `2e-3`, which YAML 1.1 would leave a string (settings.py reads it so too)

@@ -94,3 +94,46 @@ def test_run_downloads_every_material_from_the_hub(tmp_path, demo_materials_root
     before = len(loopback_hub.requests)
     assert all(s.state == "current" for s in run_pipeline(paths, echo=echoed.append))
     assert len(loopback_hub.requests) == before
+
+
+def test_run_with_query_rows_from_a_tensor_of_a_gated_t2i_repo(tmp_path, demo_materials_root, loopback_hub,
+                                                               monkeypatch):
+    """A stock LLM teacher (no query rows) and the rows taken by range out of a bigger checkpoint elsewhere."""
+    import torch
+    from safetensors.torch import load_file, save
+
+    rows = load_file(demo_materials_root / "teacher" / "query_rows.safetensors")["query_rows"]
+    checkpoint = save({"blocks.0.weight": torch.randn(512, 512), "text_proj.query_tokens": rows.clone(),
+                       "vae.weight": torch.randn(512, 512)})
+    teacher = {p.name: p.read_bytes() for p in (demo_materials_root / "teacher").iterdir()
+               if p.is_file() and p.name != "query_rows.safetensors"}
+    loopback_hub.add_repo("stock/llm", teacher)
+    loopback_hub.add_repo("org/t2i", {"transformer/model.safetensors": checkpoint}, gated=True)
+    root = tmp_path / "project"
+    settings = replace(demo_settings(steps=20),
+                       materials={"teacher": "stock/llm", "student": STUDENT, "datasets": [DATASET],
+                                  "query_rows": {"source": "org/t2i@main", "file": "transformer/model.safetensors",
+                                                 "tensor": "text_proj.query_tokens"}},
+                       corpus={"train_prompts": 400, "val_prompts": 100},
+                       precompute={"shard_size": 200, "val_shard_size": 100},
+                       training={"validate_every": 10, "checkpoint_every": 10, "log_every": 10})
+    parquet = _parquet_bytes(demo_materials_root / "dataset", tmp_path / "p.parquet")
+    loopback_hub.add_repo(DATASET, {PARQUET_FILE: parquet}, kind="dataset")
+    write_project_file(root, settings)
+    paths = ProjectPaths.of(root)
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path))
+    monkeypatch.setenv("GGUF_ASSETS_PROJECT", str(root))
+    monkeypatch.setenv("HF_TOKEN", loopback_hub.token)
+
+    status = run_pipeline(paths, echo=lambda _line: None)
+
+    assert {s.stage: s.state for s in status} == dict.fromkeys(STAGES, "current")
+    entry = load_manifest(paths).query_rows
+    assert entry["commit"] == loopback_hub.head("org/t2i") and entry["shape"] == list(rows.shape)
+    assert loopback_hub.served["transformer/model.safetensors"] < len(checkpoint) // 4
+    assert {r["auth"] for r in loopback_hub.requests if "org/t2i/resolve/" in r["path"]} == {"granted"}
+    report = atomic.read_json(paths.output_dir(load_settings(root)) / REPORT_JSON)
+    assert paths.located(report["gguf_path"]).is_file() and report["val_centred_cosine"] is not None
+    found = subprocess.run(["grep", "-r", "-l", "-a", "-F", loopback_hub.token, str(tmp_path)],
+                           capture_output=True, text=True)
+    assert found.returncode == 1, found.stdout

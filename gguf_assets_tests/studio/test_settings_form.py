@@ -94,3 +94,20 @@ def test_a_dataset_mapping_shows_as_one_flow_line_and_reads_back_as_the_same_map
                                                  {"source": "org/prompts", "text_field": "caption"}, "org/more"]
     assert "  datasets: [materials/demo/dataset, {source: org/prompts, text_field: caption}, org/more]\n" in saved.text
     assert "    text_field: caption\n" not in saved.text  # the block's lines went with it
+
+
+def test_the_query_rows_mapping_is_one_flow_line_set_and_cleared_from_the_form(text):
+    fields = _fields(text)
+    assert (fields["materials.query_rows"].kind, fields["materials.query_rows"].value) == ("mapping", "")
+    assert apply_form(PATH, text, {"materials.query_rows": ""}).changes == {}
+    line = "{source: org/t2i@main, file: transformer/model.safetensors, tensor: text_proj.query}"
+    saved = apply_form(PATH, text, {"materials.query_rows": line})
+    assert saved.settings.materials.query_rows == {"source": "org/t2i@main", "file": "transformer/model.safetensors",
+                                                   "tensor": "text_proj.query"}
+    shown = form_values(saved.text)["materials.query_rows"]
+    assert apply_form(PATH, saved.text, {"materials.query_rows": shown}).changes == {}
+    assert apply_form(PATH, saved.text, {"materials.query_rows": ""}).settings.materials.query_rows == {}
+    with pytest.raises(SettingsError, match="materials.query_rows .*needs a non-empty tensor"):
+        apply_form(PATH, text, {"materials.query_rows": "{source: org/t2i}"})
+    with pytest.raises(SettingsError, match="materials.query_rows = 'org/t2i' must be a mapping"):
+        apply_form(PATH, text, {"materials.query_rows": "org/t2i"})

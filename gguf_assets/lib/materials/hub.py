@@ -89,6 +89,7 @@ class HubFailure(StrEnum):
     SILENT = "silent"  # the hub answered nothing at all for the answer bound
     CORRUPT = "corrupt"  # the caller's: files kept arriving with another checksum than announced
     SETTING = "setting"  # the caller's: GGUF_ASSETS_HUB_ANSWER_TIMEOUT_S is no number of seconds
+    NO_RANGE = "no_range"  # a Range request answered with the whole file (200): refused, not followed
 
 
 TRANSIENT_KINDS = (HubFailure.TRANSIENT, HubFailure.STALLED, HubFailure.SILENT)
@@ -177,6 +178,8 @@ class ChildAnswer:
     commit: str | None = None
     files: tuple[RemoteFile, ...] = ()
     resumed: tuple[str, ...] = ()
+    etag: str | None = None  # a range read (``fetch_range``): the file's etag and size from the hub's metadata
+    size: int | None = None
 
     @classmethod
     def failed(cls, kind: HubFailure, detail: str, *, status: int | None = None,
@@ -192,6 +195,8 @@ class ChildAnswer:
         """{"ok": true, "commit", "files"} of a listing, {"ok": true, "resumed"} of a download, or
         {"ok": false, "kind", "status", "detail"[, "limit_s"]} of a failure."""
         if self.ok:
+            if self.etag is not None:  # a range read
+                return {"ok": True, "commit": self.commit, "etag": self.etag, "size": self.size}
             if self.commit is not None:
                 return {"ok": True, "commit": self.commit, "files": [asdict(f) for f in self.files]}
             return {"ok": True, "resumed": list(self.resumed)}
@@ -204,7 +209,7 @@ class ChildAnswer:
         if data["ok"]:
             return cls(ok=True, commit=data.get("commit"),
                        files=tuple(RemoteFile(**f) for f in data.get("files") or ()),
-                       resumed=tuple(data.get("resumed") or ()))
+                       resumed=tuple(data.get("resumed") or ()), etag=data.get("etag"), size=data.get("size"))
         return cls.failed(HubFailure(data["kind"]), str(data.get("detail") or ""), status=data.get("status"),
                           limit_s=data.get("limit_s"))
 
@@ -688,6 +693,41 @@ def _resume_partials(request: dict, token: str | bool) -> list[str]:
     return done
 
 
+def _fetch_range(request: dict, token: str | bool) -> ChildAnswer:
+    """Bytes [start, end) of one file at a commit into ``out``, continuing what an earlier try left there.
+
+    The file's metadata comes first (huggingface_hub's ``get_hf_file_metadata``: the commit the hub
+    resolved and the file's etag and size), then one ``Range`` GET through huggingface_hub's own
+    session and headers (so the token is handled as for every other download). A hub that ignores the
+    range (200 instead of 206) is refused rather than followed: it would send the whole file.
+    """
+    from huggingface_hub import get_hf_file_metadata, hf_hub_url
+    from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
+
+    url = hf_hub_url(request["repo_id"], request["path"], repo_type=request["kind"], revision=request["commit"])
+    meta = get_hf_file_metadata(url, token=token, timeout=request["timeout"])
+    out = Path(request["out"])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    have = out.stat().st_size if out.is_file() else 0
+    want = request["end"] - request["start"]
+    if have > want:
+        out.unlink()
+        have = 0
+    if have < want:
+        headers = {**build_hf_headers(token=token), "Accept-Encoding": "identity",
+                   "Range": f"bytes={request['start'] + have}-{request['end'] - 1}"}
+        with get_session().stream("GET", url, headers=headers, timeout=request["read_timeout"]) as response:
+            hf_raise_for_status(response)
+            if response.status_code != 206:
+                return ChildAnswer.failed(HubFailure.NO_RANGE, f"the hub answered {response.status_code} to a Range "
+                                          f"request for {request['path']}", status=response.status_code)
+            with open(out, "ab") as fh:
+                for chunk in response.iter_bytes():  # as they arrive: a cut connection keeps every byte received
+                    fh.write(chunk[:want - fh.tell()])
+                    fh.flush()
+    return ChildAnswer(ok=True, commit=meta.commit_hash, etag=meta.etag or "", size=meta.size)
+
+
 _SIGNAL_FD: int | None = None  # in the child: the ready pipe, kept open for the request and answer signs
 
 
@@ -741,6 +781,8 @@ def _child_main() -> None:
                                                  recursive=True)
                      if hasattr(f, "blob_id")]
             answer = ChildAnswer(ok=True, commit=info.sha, files=tuple(RemoteFile(**f) for f in files))
+        elif request["op"] == "range":
+            answer = _fetch_range(request, token)
         else:
             from huggingface_hub import constants
 
@@ -924,6 +966,41 @@ def download(ref: RepoRef, listing: Listing, folder: Path, *, token: str | None 
                        f"{stats.attempts} times; the bad copies were deleted. Check for a proxy rewriting downloads, "
                        "or run again later.")
     return verified, stats
+
+
+def fetch_range(ref: RepoRef, commit: str, path: str, start: int, end: int, out: Path, *,
+                token: str | None = None, options: HubOptions | None = None) -> ChildAnswer:
+    """Bytes [start, end) of ``path`` at ``commit`` into the file ``out`` (resumed from what it holds, tried
+    again on stalls and dropped connections); returns the hub's metadata of the file: the commit it
+    resolved, its etag and size. Only that range crosses the network."""
+    options = options or HubOptions()
+    warn_if_token_in_clear_text(token)
+    waiting = Waiting(f"reading {path} of {ref}", options.answer_timeout_s, options.attempts)
+    answer = ChildAnswer(ok=False)
+    tries = 0
+    for tries in range(1, options.attempts + 1):
+        answer = _run_child({"op": "range", "repo_id": ref.repo_id, "kind": ref.kind, "commit": commit,
+                             "path": path, "start": start, "end": end, "out": str(out),
+                             "timeout": options.api_timeout_s, "read_timeout": max(1.0, options.stall_timeout_s / 2),
+                             "chunk_bytes": options.chunk_bytes},
+                            token=token, options=options, progress_dir=out.parent, waiting=waiting)
+        have = out.stat().st_size if out.is_file() else 0
+        if answer.ok and have == end - start:
+            return answer
+        if answer.ok:
+            answer = ChildAnswer.failed(HubFailure.TRANSIENT,
+                                        f"the connection closed after {have} of {end - start} bytes")
+        if answer.kind == HubFailure.NO_RANGE:
+            raise HubError(HubFailure.NO_RANGE, f"{ref}: {answer.detail}; the hub (HF_ENDPOINT={endpoint()}) must "
+                                                "honour HTTP Range requests to fetch one tensor without the whole "
+                                                "file.")
+        if not answer.retryable or waiting.over():
+            break
+        log.warning("%s: reading bytes of %s failed (try %d of %d): %s", ref, path, tries, options.attempts,
+                    _redact(answer.detail, token))
+        if tries < options.attempts:
+            time.sleep(waiting.pause_s(options.retry_wait_s))
+    raise _fail(ref, answer, token=token, attempts=tries, pinned=True)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from pathlib import Path
 from gguf_assets.lib.core import atomic, verify
 from gguf_assets.lib.core.errors import UserError
 from gguf_assets.lib.core.safetensors_io import safetensors_header
-from gguf_assets.lib.materials import hub
+from gguf_assets.lib.materials import hub, query_rows
 from gguf_assets.lib.project import settings_history
 from gguf_assets.lib.project.formats import PROMPT_FILE_SUFFIXES
 from gguf_assets.lib.project.layout import DATASET_METADATA_FILES, ProjectPaths
@@ -226,7 +226,8 @@ def _resolve_hub(role: str, source: str, paths: ProjectPaths, settings: Settings
             report["network"] = True
             full = hub.list_repo(ref, revision=pinned, token=token, options=options)
             folder = hub.snapshot_dir(root, ref, full.commit)
-            needs_query_rows = role == "teacher" and teacher_choice(settings).loads_teacher_model
+            needs_query_rows = (role == "teacher" and teacher_choice(settings).loads_teacher_model
+                                and not settings.materials.query_rows)  # else they are a material of their own
             if role == "datasets":
                 meta, weights = [], _select_dataset_files(source, full)
             else:
@@ -324,7 +325,10 @@ def resolve_materials(paths: ProjectPaths, settings: Settings, *, token: str | N
         new_cache.update(c)
         if report:
             downloads.append({"role": role, **report})
-    if manifest.teacher and needs_teacher:
+    if manifest.teacher and needs_teacher and m.query_rows:
+        manifest.query_rows = _resolve_query_rows(paths, settings, Path(manifest.teacher["path"]), old.query_rows,
+                                                  token=token, options=hub_options)
+    elif manifest.teacher and needs_teacher:
         _check_query_rows(Path(manifest.teacher["path"]), settings)
     in_use = {Path(folder) for folder in new_cache}
     for stale in hub.remove_unfinished_snapshots(paths.materials_dir / hub.HUB_DIR, keep=in_use):
@@ -370,6 +374,11 @@ def manifest_is_current(paths: ProjectPaths, settings: Settings) -> bool:
         return False
     if manifest.settings != materials_settings_key(settings):
         return False
+    if settings.materials.query_rows:
+        entry = manifest.query_rows
+        if not entry or entry.get("key") != query_rows.setting_key(settings.materials.query_rows) \
+                or not Path(entry["path"]).is_file() or verify.confirmed(Path(entry["path"]), entry["stored"]) is None:
+            return False
     stored = copy.deepcopy(manifest)
     for folder, files in manifest.hash_cache.items():
         root = Path(folder)
@@ -398,6 +407,21 @@ def manifest_is_current(paths: ProjectPaths, settings: Settings) -> bool:
             files[rel] = now
     verify.store_refreshed(paths.materials_manifest, _stored_form(paths, stored), _stored_form(paths, manifest))
     return True
+
+
+def _resolve_query_rows(paths: ProjectPaths, settings: Settings, teacher: Path, old: dict | None, *,
+                        token: str | None, options: hub.HubOptions | None) -> dict:
+    """materials.query_rows: one tensor of a local or hub safetensors file, fetched by range and stored alone."""
+    qr = settings.materials.query_rows
+    try:
+        entry = query_rows.resolve(qr, paths.materials_dir, paths.resolve_local(qr["source"]), teacher, old,
+                                   is_repo=hub.is_repo_source(qr["source"]), token=token,
+                                   options=options or hub.HubOptions())
+    except hub.HubError as exc:
+        raise MaterialsError(f"{query_rows.SETTING}.source = {qr['source']!r}: {exc}") from None
+    if entry is not old:
+        log.info("%s: %s", query_rows.SETTING, query_rows.describe(entry))
+    return entry
 
 
 def _check_query_rows(teacher: Path, settings: Settings) -> None:

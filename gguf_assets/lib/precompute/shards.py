@@ -74,8 +74,12 @@ def half_settings(half: str, settings: Settings) -> dict:
 def half_fingerprint(half: str, settings: Settings, materials: MaterialsManifest, shard_prompts_hash: str) -> str:
     """Everything a half depends on: its settings, the pinned models it runs, and its prompts."""
     model = "student" if half == "student" else teacher_choice(settings).targets_model
+    extra = {}
+    if half == "teacher" and model == "teacher" and settings.materials.query_rows:
+        # The rows' content (the tensor's sha256): a moved branch of their repo makes the targets stale.
+        extra["query_rows_sha256"] = (materials.query_rows or {}).get("tensor_sha256")
     return atomic.fingerprint({"half": half, "prompts": shard_prompts_hash, **half_settings(half, settings),
-                               model: materials.pin(model), "format": formats.SHARD_HALF})
+                               model: materials.pin(model), "format": formats.SHARD_HALF, **extra})
 
 
 def halves_for_mode(mode: str) -> tuple[str, ...]:
@@ -228,8 +232,13 @@ class ShardBuilder:
         from gguf_assets.lib.precompute.teacher import load_teacher
 
         folder = Path(self.materials.teacher["path"]) if self.choice.loads_teacher_model else None
+        rows = None
+        if folder is not None and self.settings.materials.query_rows:
+            from gguf_assets.lib.materials.query_rows import rows_location
+
+            rows = rows_location(self.settings, self.materials, folder)
         self._teacher = load_teacher(self.choice, self.settings, teacher_folder=folder, student=self.student,
-                                     device=self.device, gpu_budget_gib=gpu_budget_gib)
+                                     device=self.device, gpu_budget_gib=gpu_budget_gib, rows=rows)
         self.gpu_budget_gib = gpu_budget_gib if gpu_budget_gib is not None else self._teacher.placement.gpu_budget_gib
         return self._teacher
 

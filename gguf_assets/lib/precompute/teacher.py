@@ -80,23 +80,28 @@ class TeacherTargets:
     peak_abs: float            # max |target| before the dtype cast; inf if any was non-finite
 
 
-def load_query_rows(folder: Path, settings: Settings, hidden_size: int) -> torch.Tensor:
-    """The Q x D query rows, checked against the teacher's hidden size before the backbone loads."""
+def load_query_rows(folder: Path, settings: Settings, hidden_size: int,
+                    rows: tuple[Path, str, str] | None = None) -> torch.Tensor:
+    """The Q x D query rows, checked against the teacher's hidden size before the backbone loads. ``rows``:
+    (file, tensor, setting) when they are a material of their own (materials.query_rows), else the
+    teacher folder's query_rows_file."""
     m = settings.materials
-    file = Path(folder) / m.query_rows_file
+    file, tensor, setting = rows or (Path(folder) / m.query_rows_file, m.query_rows_tensor,
+                                     "materials.query_rows_file")
+    named = f"{setting} = {m.query_rows_file!r}" if rows is None else setting
     if not file.is_file():
-        raise TeacherError(f"materials.query_rows_file = {m.query_rows_file!r}: {file} does not exist; the teacher "
-                           f"needs its Q x {hidden_size} query rows.")
+        raise TeacherError(f"{named}: {file} does not exist; the teacher needs its Q x {hidden_size} query rows.")
     with safe_open(str(file), "pt") as fh:
-        if m.query_rows_tensor not in fh.keys():
-            raise TeacherError(f"materials.query_rows_tensor = {m.query_rows_tensor!r} is not in {file} "
+        if tensor not in fh.keys():
+            raise TeacherError(f"materials.query_rows_tensor = {tensor!r} is not in {file} "
                                f"(it holds {sorted(fh.keys())}).")
-        rows = fh.get_tensor(m.query_rows_tensor)
-    if rows.ndim != 2 or rows.shape[1] != hidden_size or rows.shape[0] == 0:
-        raise TeacherError(f"query rows {file}:{m.query_rows_tensor} have shape {tuple(rows.shape)}, but the "
+        rows_t = fh.get_tensor(tensor)
+    if rows_t.ndim != 2 or rows_t.shape[1] != hidden_size or rows_t.shape[0] == 0:
+        raise TeacherError(f"query rows {file}:{tensor} have shape {tuple(rows_t.shape)}, but the "
                            f"teacher's hidden size is {hidden_size}: they must be Q x {hidden_size}. Check "
-                           "materials.query_rows_file / materials.query_rows_tensor against materials.teacher.")
-    return rows
+                           + ("materials.query_rows_file / materials.query_rows_tensor" if rows is None else setting)
+                           + " against materials.teacher.")
+    return rows_t
 
 
 # -- placement ----------------------------------------------------------------------------
@@ -315,7 +320,7 @@ class HFTeacher:
     """A transformers backbone (safetensors only) with query rows appended to each prompt."""
 
     def __init__(self, folder: Path, settings: Settings, device: torch.device, *,
-                 gpu_budget_gib: float | None = None) -> None:
+                 gpu_budget_gib: float | None = None, rows: tuple[Path, str, str] | None = None) -> None:
         from transformers import AutoConfig, AutoModel, AutoTokenizer
 
         m = settings.materials
@@ -323,7 +328,7 @@ class HFTeacher:
         config = AutoConfig.from_pretrained(folder, trust_remote_code=m.trust_remote_code)
         self.dim = int(config.hidden_size)
         # Checked before the (possibly huge) backbone loads.
-        self.query_rows = load_query_rows(folder, settings, self.dim)
+        self.query_rows = load_query_rows(folder, settings, self.dim, rows)
         self.n_query = int(self.query_rows.shape[0])
         max_positions = int(getattr(config, "max_position_embeddings", 32768))
         self.max_prompt_tokens = max_positions - self.n_query
@@ -433,12 +438,13 @@ class MockTeacher:
         return TeacherTargets(out, states.tokens, states.truncated, peak)
 
 
-def teacher_shape(folder: Path, settings: Settings) -> tuple[int, int]:
-    """(Q, D) without loading the backbone."""
+def teacher_shape(folder: Path, settings: Settings, rows: tuple[Path, str, str] | None = None) -> tuple[int, int]:
+    """(Q, D) without loading the backbone; ``rows`` as for load_query_rows."""
     m = settings.materials
     hidden = json.loads((Path(folder) / "config.json").read_text(encoding="utf-8"))["hidden_size"]
-    with safe_open(str(Path(folder) / m.query_rows_file), "pt") as fh:
-        q = fh.get_slice(m.query_rows_tensor).get_shape()[0]
+    file, tensor = (rows[0], rows[1]) if rows else (Path(folder) / m.query_rows_file, m.query_rows_tensor)
+    with safe_open(str(file), "pt") as fh:
+        q = fh.get_slice(tensor).get_shape()[0]
     return int(q), int(hidden)
 
 
@@ -447,9 +453,9 @@ def summarize_placement(summary: dict[str, dict[str, float]]) -> str:
 
 
 def load_teacher(choice: TeacherChoice, settings: Settings, *, teacher_folder: Path | None, student, device,
-                 gpu_budget_gib: float | None = None):
+                 gpu_budget_gib: float | None = None, rows: tuple[Path, str, str] | None = None):
     """The teacher implementation ``choice`` names (lib/project/teacher_choice.py); ``student`` is a callable
     returning the loaded student."""
     if choice.mock:
         return MockTeacher(student())
-    return HFTeacher(Path(teacher_folder), settings, device, gpu_budget_gib=gpu_budget_gib)
+    return HFTeacher(Path(teacher_folder), settings, device, gpu_budget_gib=gpu_budget_gib, rows=rows)

@@ -168,6 +168,9 @@ class MaterialsManifest(_JsonFields):
     student: dict | None = None
     vision_encoder: dict | None = None
     datasets: list[dict] = field(default_factory=list)
+    # materials.query_rows, when set: the one tensor fetched into materials/query_rows.safetensors
+    # (lib/materials/query_rows.py): source, file, tensor, commit, the file's etag, the tensor's sha256.
+    query_rows: dict | None = None
     settings: dict = field(default_factory=dict)  # what it was resolved under (materials.materials_settings_key)
     settings_hash: str = ""  # the whole snapshot it was resolved under (lib/project/settings_history.py)
     # Per local or downloaded folder, {relative file: record}: lib/verify's stamp with the sha256 (a local

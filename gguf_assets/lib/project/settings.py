@@ -70,6 +70,32 @@ def _datasets(value: Any) -> list:
     return out
 
 
+QUERY_ROWS_KEYS = ("source", "file", "tensor")
+
+
+def _query_rows(value: Any) -> dict:
+    """Unset ({} or nothing), or {source, file, tensor}: a tensor in a local or hub safetensors file."""
+    if value is None or value == {}:
+        return {}
+    if not isinstance(value, dict):
+        raise ValueError("must be a mapping {source: owner/name@revision or a local file/folder, file: path in "
+                         "it, tensor: name}, or {} (unset: the teacher folder's query_rows_file)")
+    extra = set(value) - set(QUERY_ROWS_KEYS)
+    if extra:
+        raise ValueError(f"has unknown keys {sorted(extra)}; allowed: {', '.join(QUERY_ROWS_KEYS)}")
+    out = {}
+    for key in QUERY_ROWS_KEYS:
+        item = value.get(key, "")
+        if item is None:
+            item = ""
+        if not isinstance(item, str):
+            raise ValueError(f"{key} must be a string, not {item!r}")
+        if key != "file" and not item.strip():
+            raise ValueError(f"needs a non-empty {key}")
+        out[key] = item.strip()
+    return out
+
+
 def _paths(value: Any) -> list[str]:
     if not isinstance(value, list) or not all(isinstance(v, str) and v.strip() for v in value):
         raise ValueError("must be a list of file paths (strings)")
@@ -79,6 +105,7 @@ def _paths(value: Any) -> list[str]:
 Device = Annotated[str, AfterValidator(_device)]
 Datasets = Annotated[list, BeforeValidator(_datasets)]
 Paths = Annotated[list[str], BeforeValidator(_paths)]
+QueryRows = Annotated[dict, BeforeValidator(_query_rows)]
 # A number in exponent form without a dot (2e-4, 1E+3), which YAML 1.1 (PyYAML) leaves a string.
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # what torch, numpy and the GGUF header can hold
 EXPONENT_FLOAT = re.compile(r"^[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)[eE][-+]?[0-9]+$")
@@ -119,6 +146,10 @@ class Materials(_Section):
     query_rows_file: str = Field("query_rows.safetensors",
                                  description="file in the teacher folder holding the Q x D query rows")
     query_rows_tensor: str = Field("query_rows", description="tensor name of the query rows inside query_rows_file")
+    query_rows: QueryRows = Field(default_factory=dict, description=(
+        "query rows from a tensor of their own: {source: owner/t2i-model@revision or a local file/folder, file: "
+        "path of the safetensors file in it, tensor: name}; only that tensor is fetched (by HTTP range), pinned, "
+        "checked and kept as materials/query_rows.safetensors. {} = the teacher folder's query_rows_file"))
     teacher_layer: int = Field(-1, description="teacher hidden layer taken at the query positions (-1 = last)")
     student_layer: int = Field(-1, description=(
         "student hidden layer fed to the adapter (-1 = last, after the final norm; 0 = the token embeddings, "

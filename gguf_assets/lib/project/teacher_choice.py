@@ -45,6 +45,8 @@ class TeacherChoice:
         m, p = settings.materials, settings.precompute
         if self.mock:
             return {"mock": True, "student_layer": m.student_layer, "student_dtype": p.student_dtype}
+        if m.query_rows:  # a material of their own: the setting names them (their sha256 joins the pins)
+            return {"query_rows": dict(m.query_rows), "layer": m.teacher_layer}
         return {"query_rows": [m.query_rows_file, m.query_rows_tensor], "layer": m.teacher_layer}
 
     def provenance(self, materials: MaterialsManifest) -> tuple[str, str]:

@@ -47,6 +47,21 @@ def _folder(paths: ProjectPaths, role: str, value: str) -> Path | None:
     return None
 
 
+def _teacher_shape(paths: ProjectPaths, settings: Settings, teacher: Path) -> tuple[int, int] | None:
+    """(Q, D) of the teacher's targets; None while materials.query_rows is set but not fetched yet."""
+    from gguf_assets.lib.precompute.teacher import teacher_shape
+
+    rows = None
+    if settings.materials.query_rows:
+        from gguf_assets.lib.materials.query_rows import rows_location
+
+        try:
+            rows = rows_location(settings, load_manifest(paths), teacher)
+        except (OSError, ValueError, TypeError, UserError):
+            return None
+    return teacher_shape(teacher, settings, rows)
+
+
 def _count(n: int) -> str:
     return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.1f} M" if n >= 1e5 else f"{n:,}"
 
@@ -140,16 +155,16 @@ def estimate(paths: ProjectPaths, settings: Settings) -> list[MemoryLine]:
         n, source = model_params(student, settings)
         lines.append(MemoryLine("student", n * BYTES[p.student_dtype] / GIB,
                                 f"{_count(n)} parameters in {p.student_dtype} (precompute.student_dtype){source}"))
-    if student is not None and (teacher is not None or p.mock_teacher):
+    shape = None
+    if student is not None and p.mock_teacher:
+        from gguf_assets.lib.precompute.teacher import MOCK_DIM, MOCK_QUERY_ROWS
+
+        shape = MOCK_QUERY_ROWS, MOCK_DIM
+    elif student is not None and teacher is not None:
+        shape = _teacher_shape(paths, settings, teacher)
+    if shape is not None:
         student_dim = json.loads((student / "config.json").read_text(encoding="utf-8"))["hidden_size"]
-        if p.mock_teacher:
-            from gguf_assets.lib.precompute.teacher import MOCK_DIM, MOCK_QUERY_ROWS
-
-            query_rows, target_dim = MOCK_QUERY_ROWS, MOCK_DIM
-        else:
-            from gguf_assets.lib.precompute.teacher import teacher_shape
-
-            query_rows, target_dim = teacher_shape(teacher, settings)
+        query_rows, target_dim = shape
         n = adapter_params(student_dim, query_rows, target_dim, t.width, t.depth)
         per_param = ADAM_BYTES_PER_PARAM + (4 if t.ema_decay else 0)
         lines.append(MemoryLine("adapter training", n * per_param / GIB,

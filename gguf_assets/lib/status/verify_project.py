@@ -90,6 +90,9 @@ def _doc(record: Path) -> dict:
 
 def _materials(paths: ProjectPaths) -> Iterator[Recorded]:
     record = paths.materials_manifest
+    rows = _doc(record).get("query_rows") or {}
+    if rows.get("path") and (rows.get("stored") or {}).get("sha256"):  # materials.query_rows, fetched by range
+        yield Recorded("materials", paths.located(rows["path"]), "sha256", rows["stored"]["sha256"], record, "project")
     for folder, files in _doc(record).get("_hash_cache", {}).items():
         root = paths.located(folder)
         hub_download = root.is_relative_to(paths.materials_dir / "hub")

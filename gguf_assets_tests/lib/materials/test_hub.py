@@ -479,7 +479,9 @@ def test_a_childs_answer_crosses_the_pipe_as_json_and_reads_back_typed():
     assert listing.to_json()["files"][1] == {"path": "model.safetensors", "size": 20, "blob_id": "b2", "sha256": "s2"}
     downloaded = hub.ChildAnswer(ok=True, resumed=("model.safetensors",))
     assert downloaded.to_json() == {"ok": True, "resumed": ["model.safetensors"]}
-    for answer in (listing, downloaded, *(hub.ChildAnswer.failed(kind, f"{kind} happened", status=503)
+    ranged = hub.ChildAnswer(ok=True, commit="c" * 40, etag="e" * 64, size=123)  # fetch_range: the file's metadata
+    assert ranged.to_json() == {"ok": True, "commit": "c" * 40, "etag": "e" * 64, "size": 123}
+    for answer in (listing, downloaded, ranged, *(hub.ChildAnswer.failed(kind, f"{kind} happened", status=503)
                                           for kind in hub.HubFailure),
                    hub.ChildAnswer.failed(hub.HubFailure.SILENT, "answered nothing for 9 s", limit_s=9.0)):
         assert hub.ChildAnswer.from_json(json.loads(json.dumps(answer.to_json()))) == answer
