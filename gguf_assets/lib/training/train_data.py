@@ -298,6 +298,14 @@ def shard_target_sums(folder: Path) -> tuple[torch.Tensor, torch.Tensor, int]:
         if cached is not None:
             return cached
     targets = read_half(folder, "teacher")["targets"]
+    sums = _chunk_sums(targets, folder)
+    # Stored only if the record still names the bytes just read (read_half checked them against it).
+    if sums[2] and teacher_sha256 and atomic.read_json(record_file).get("sha256") == teacher_sha256:
+        _store_sums(folder, teacher_sha256, *sums)
+    return sums
+
+
+def _chunk_sums(targets: torch.Tensor, folder: Path) -> tuple[torch.Tensor, torch.Tensor, int]:
     s1, s2 = [], []
     for begin in range(0, targets.shape[0], STATS_CHUNK_PROMPTS):
         chunk = targets[begin:begin + STATS_CHUNK_PROMPTS].double()
@@ -310,11 +318,19 @@ def shard_target_sums(folder: Path) -> tuple[torch.Tensor, torch.Tensor, int]:
     if not s1:
         empty = torch.zeros(0, *targets.shape[1:], dtype=torch.float64)
         return empty, empty, 0
-    sums = torch.stack(s1), torch.stack(s2), int(targets.shape[0])
-    # Stored only if the record still names the bytes just read (read_half checked them against it).
-    if teacher_sha256 and atomic.read_json(record_file).get("sha256") == teacher_sha256:
+    return torch.stack(s1), torch.stack(s2), int(targets.shape[0])
+
+
+def store_target_sums(folder: Path, targets: torch.Tensor, teacher_sha256: str) -> None:
+    """The precompute's call, right after it wrote a teacher half: its sums from the targets still in memory (the
+    same values as the file's), so the first training run reads no teacher byte before its first step. Targets
+    that are not finite store nothing: training names the prompt, as before."""
+    try:
+        sums = _chunk_sums(targets, folder)
+    except TrainingError:
+        return
+    if sums[2]:
         _store_sums(folder, teacher_sha256, *sums)
-    return sums
 
 
 def target_stats(folders: list[Path], *, sigma_floor: float,

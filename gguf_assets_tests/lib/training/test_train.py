@@ -722,3 +722,32 @@ def test_cached_shard_sums_give_the_streamed_statistics_bit_for_bit(tmp_path, mo
     reads.clear()
     same(False)
     assert reads == []
+
+
+def test_sums_stored_by_the_precompute_are_the_sums_of_the_written_half(tmp_path, monkeypatch):
+    """_write_half stores a teacher half's sums from the targets in memory: training then reads no teacher byte
+    before its first step, and gets the streamed statistics bit for bit. Non-finite targets store nothing (training
+    names the prompt, as before)."""
+    from gguf_assets.lib.precompute.shards import _write_half
+    from gguf_assets.lib.training import train_data
+
+    source = write_shards(tmp_path / "src", shards=2, prompts=45, seed=7)
+    folders = []
+    for k, folder in enumerate(source):
+        out = tmp_path / "written" / f"{k:05d}"
+        out.mkdir(parents=True)
+        _write_half(out, "teacher", {"targets": load_file(str(folder / TEACHER_FILE))["targets"]},
+                    {"fingerprint": f"t-{k}", "prompts": 45})
+        assert (out / train_data.STATS_RECORD).is_file()
+        folders.append(out)
+    monkeypatch.setattr(train_data, "read_half", lambda folder, half, **kw: pytest.fail(f"read {folder} {half}"))
+    got = train_data.target_stats(folders, sigma_floor=0.05)
+    want = _streamed_target_stats(source, sigma_floor=0.05)
+    assert got[2] == want[2] == 90 and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    targets = torch.zeros(3, QUERY_ROWS, TARGET_DIM).half()
+    targets[1, 0, 0] = float("nan")
+    _write_half(bad, "teacher", {"targets": targets}, {"fingerprint": "t-bad", "prompts": 3})
+    assert not (bad / train_data.STATS_RECORD).exists()
