@@ -13,6 +13,11 @@ def _quiet_exit_while_loading(_signum, _frame) -> None:
 # quietly, as main() does once it runs, not with an import's traceback. A module that imports this one keeps its own.
 if __name__ == "__main__" or sys.argv[0].endswith("gguf-trainer"):
     signal.signal(signal.SIGINT, _quiet_exit_while_loading)
+    # `gguf-trainer run` says at once that it started: the pipeline's modules (torch, dagster) take seconds to load,
+    # in the child that runs it (GGUF_ASSETS_RUN_CHILD, orchestration/processes.py), and Run must not look dead.
+    if sys.argv[1:2] == ["run"] and not {"-h", "--help"} & set(sys.argv) and \
+            __import__("os").environ.get("GGUF_ASSETS_RUN_CHILD") != "1":
+        print("starting: loading the pipeline", flush=True)
 
 import argparse
 import os

@@ -305,3 +305,18 @@ def test_the_large_pair_estimate_prints_the_pairs_sizes_and_where_the_teacher_go
     assert 29 < billions < 31 and gib == pytest.approx(billions * 1e9 * 2 / 2**30, rel=1e-3)
     placed = [line.split() for line in out.splitlines() if line.strip().startswith(("sequential", "balanced"))]
     assert len(placed) == 4 and placed[2][1:2] == ["cuda:0"] and "cuda:1" in placed[3], placed
+
+
+@pytest.mark.serial  # its rules time a Run and a Stop: alone on the machine (scripts/test.sh)
+@pytest.mark.slow  # about 70 s: a demo pipeline run, then a Run timed to its first step and stopped
+def test_feedback_benchmark_shows_the_first_line_at_once_and_stops_cleanly():
+    """bench_feedback.py --quick: Run prints its first line at once, shows a training step (step 1), and a
+    Ctrl-C at that step stops it with exit 130, saying so and naming the checkpoint step."""
+    out = _run("bench_feedback.py", "--quick")
+    assert "first line" in out and "starting: loading the pipeline" in out, out
+    first_step = re.search(r"first step ([\d.]+) s .*\bstep (\d+)/(\d+)", out)
+    assert first_step and int(first_step.group(2)) == 1, out
+    stop = re.search(r"stop -> stopped ([\d.]+) s, exit 130, said stopped: True, checkpoint step (\d+)", out)
+    assert stop and int(stop.group(2)) >= 1, out
+    rules = [line.strip() for line in out.splitlines() if line.strip().startswith("rule: ")]
+    assert len(rules) == 2 and all(line.endswith("-> ok") for line in rules), out

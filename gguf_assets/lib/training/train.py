@@ -346,6 +346,8 @@ class _TrainingRun:
                     loss, grad_norm = self._step(lr)
                     if self.step % t.log_every == 0 or self.step == t.steps:
                         self._log(loss, lr, grad_norm)
+                    elif self.step == self.clock_from[1] + 1:  # this process's first step: shown at once
+                        self._first_step_line(loss)
                     if self.step % t.validate_every == 0 or self.step == t.steps:
                         self._validate()
                     if self.step % t.checkpoint_every == 0 or self.step == t.steps:
@@ -429,6 +431,12 @@ class _TrainingRun:
         """Throughput is measured over the steps since the last log line."""
         self.window_start, self.window_steps = time.perf_counter(), 0
         self.window_wait, self.window_bytes = self.stream.wait_seconds, self.stream.stats.bytes
+
+    def _first_step_line(self, loss: torch.Tensor) -> None:
+        """A console line for the first step this process trains, so training is seen to have started (the full
+        line, with the rates, comes every log_every steps; this one adds nothing to the history or the curves)."""
+        log.info("step %d/%d loss %.4f (training started; the full line every %d steps), ETA %s", self.step,
+                 self.t.steps, float(loss), self.t.log_every, format_seconds(self._eta_s()))
 
     def _log(self, loss: torch.Tensor, lr: float, grad_norm: torch.Tensor) -> None:
         t, stream = self.t, self.stream

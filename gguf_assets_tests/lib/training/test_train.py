@@ -605,7 +605,8 @@ def test_each_training_line_has_an_eta_that_counts_down(shard_sets, tmp_path, ca
     with caplog.at_level("INFO", logger="gguf_assets"):
         train(tmp_path, shard_sets)
     lines = [r.getMessage() for r in caplog.records if re.match(r"step \d+/40 loss", r.getMessage())]
-    assert len(lines) == 40 // SETTINGS.training.log_every, lines
+    # Step 1 is shown at once (training has started), then every log_every steps.
+    assert len(lines) == 1 + 40 // SETTINGS.training.log_every and lines[0].startswith("step 1/40 loss"), lines
     etas = [re.search(r", ETA (\S+)$", line).group(1) for line in lines]
     assert etas[-1] == "0s"  # the last step: nothing left
     assert all(re.fullmatch(r"(\d+m)?\d+s", eta) for eta in etas), etas
@@ -654,3 +655,103 @@ def test_a_stop_between_checkpoints_keeps_its_steps_and_resumes_bit_identical(sh
     assert any(isinstance(e, Note) and "step-00000007" in e.message for e in events)
     assert [e.step for e in events if isinstance(e, LogStep)][0] == 8  # no step done twice
     assert (run_dir / FINAL_DIR / WEIGHTS_FILE).read_bytes() == reference["weights"]
+
+
+def _streamed_target_stats(folders: list[Path], *, sigma_floor: float, isotropic: bool = False):
+    """target_stats as it was before the per-shard sums: every target streamed in chunks, in shard order."""
+    from gguf_assets.lib.training.train_data import STATS_CHUNK_PROMPTS
+
+    total, s1, s2 = 0, None, None
+    for folder in folders:
+        targets = load_file(str(folder / TEACHER_FILE))["targets"]
+        for begin in range(0, targets.shape[0], STATS_CHUNK_PROMPTS):
+            chunk = targets[begin:begin + STATS_CHUNK_PROMPTS].double()
+            s1 = chunk.sum(0) if s1 is None else s1 + chunk.sum(0)
+            s2 = (chunk * chunk).sum(0) if s2 is None else s2 + (chunk * chunk).sum(0)
+            total += chunk.shape[0]
+    mean = s1 / total
+    var = (s2 / total - mean * mean).clamp_min(0)
+    std = var.mean().sqrt().expand_as(var).contiguous() if isotropic else var.sqrt()
+    return mean.float(), std.clamp_min(sigma_floor).float(), total
+
+
+def test_cached_shard_sums_give_the_streamed_statistics_bit_for_bit(tmp_path, monkeypatch):
+    """The per-shard chunk sums (stored beside each teacher half) fold to exactly the streamed statistics, on the
+    first run (computed) and the next (reused without reading the targets); a changed half or a damaged sums file
+    is never reused."""
+    from gguf_assets.lib.core import verify
+    from gguf_assets.lib.training import train_data
+
+    # 70 and 33 prompts: chunks of 32 that straddle nothing and chunks with a remainder.
+    folders = write_shards(tmp_path / "a", shards=3, prompts=70, seed=5) + write_shards(tmp_path / "b", shards=2,
+                                                                                      prompts=33, seed=6)
+    for folder in folders:  # recorded as the precompute records them, so the sums may be stored
+        record = atomic.read_json(folder / "teacher.json")
+        atomic.write_json(folder / "teacher.json", {**record, **verify.record(folder / TEACHER_FILE)})
+
+    def same(isotropic: bool) -> None:
+        got = train_data.target_stats(folders, sigma_floor=0.05, isotropic=isotropic)
+        want = _streamed_target_stats(folders, sigma_floor=0.05, isotropic=isotropic)
+        assert got[2] == want[2] == 3 * 70 + 2 * 33
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+    same(False)
+    assert all((f / train_data.STATS_FILE).is_file() and (f / train_data.STATS_RECORD).is_file() for f in folders)
+    real_read_half = train_data.read_half
+
+    def no_teacher_reads(folder, half, **kwargs):
+        raise AssertionError(f"read {folder} {half}: the stored sums should have been reused")
+
+    monkeypatch.setattr(train_data, "read_half", no_teacher_reads)
+    same(False)
+    same(True)
+
+    # A teacher half written again with other targets (and its new record): its sums are computed again.
+    changed = folders[1]
+    save_file({"targets": (load_file(str(changed / TEACHER_FILE))["targets"].float() * 2).half()},
+              str(changed / TEACHER_FILE))
+    atomic.write_json(changed / "teacher.json", {**atomic.read_json(changed / "teacher.json"),
+                                                 **verify.record(changed / TEACHER_FILE)})
+    reads = []
+    monkeypatch.setattr(train_data, "read_half", lambda folder, half, **kw: reads.append(folder)
+                        or real_read_half(folder, half, **kw))
+    same(False)
+    assert reads == [changed]
+
+    # Damaged sums (a flipped byte): not trusted, computed again from the half, and stored again whole.
+    _flip(folders[3] / train_data.STATS_FILE)
+    reads.clear()
+    same(False)
+    assert reads == [folders[3]]
+    reads.clear()
+    same(False)
+    assert reads == []
+
+
+def test_sums_stored_by_the_precompute_are_the_sums_of_the_written_half(tmp_path, monkeypatch):
+    """_write_half stores a teacher half's sums from the targets in memory: training then reads no teacher byte
+    before its first step, and gets the streamed statistics bit for bit. Non-finite targets store nothing (training
+    names the prompt, as before)."""
+    from gguf_assets.lib.precompute.shards import _write_half
+    from gguf_assets.lib.training import train_data
+
+    source = write_shards(tmp_path / "src", shards=2, prompts=45, seed=7)
+    folders = []
+    for k, folder in enumerate(source):
+        out = tmp_path / "written" / f"{k:05d}"
+        out.mkdir(parents=True)
+        _write_half(out, "teacher", {"targets": load_file(str(folder / TEACHER_FILE))["targets"]},
+                    {"fingerprint": f"t-{k}", "prompts": 45})
+        assert (out / train_data.STATS_RECORD).is_file()
+        folders.append(out)
+    monkeypatch.setattr(train_data, "read_half", lambda folder, half, **kw: pytest.fail(f"read {folder} {half}"))
+    got = train_data.target_stats(folders, sigma_floor=0.05)
+    want = _streamed_target_stats(source, sigma_floor=0.05)
+    assert got[2] == want[2] == 90 and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    targets = torch.zeros(3, QUERY_ROWS, TARGET_DIM).half()
+    targets[1, 0, 0] = float("nan")
+    _write_half(bad, "teacher", {"targets": targets}, {"fingerprint": "t-bad", "prompts": 3})
+    assert not (bad / train_data.STATS_RECORD).exists()
