@@ -353,8 +353,11 @@ def _stored_form(paths: ProjectPaths, manifest: MaterialsManifest) -> dict:
 
 
 def materials_settings_key(settings: Settings) -> dict:
-    """The settings a materials manifest was resolved under (the layers are read later, by the shards)."""
-    m = {k: v for k, v in settings.section_dict("materials").items() if k not in ("teacher_layer", "student_layer")}
+    """The settings a materials manifest was resolved under (the layers are read later, by the shards).
+
+    ``query_rows`` enters only when set: a project resolved before the key existed stays current."""
+    m = {k: v for k, v in settings.section_dict("materials").items()
+         if k not in ("teacher_layer", "student_layer") and not (k == "query_rows" and not v)}
     choice = teacher_choice(settings)
     return {**m, "mode": choice.mode, "mock_teacher": choice.mock}
 

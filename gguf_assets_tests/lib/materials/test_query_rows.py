@@ -290,3 +290,20 @@ def test_the_targets_fingerprint_follows_the_rows_content_only_when_the_setting_
     assert len({unset, one, two}) == 3
     assert half_fingerprint("student", set_, MaterialsManifest(teacher=teacher), "p") == \
         half_fingerprint("student", base, MaterialsManifest(teacher=teacher), "p")
+
+
+def test_a_project_resolved_before_the_setting_existed_stays_current(make_project):
+    """Upgrading must not make every project's materials stale: unset, materials.query_rows is not part of the
+    settings a manifest records (a manifest written before the key existed holds no such key)."""
+    from gguf_assets.lib.core import atomic
+    from gguf_assets.lib.materials.materials import materials_settings_key
+
+    paths = make_project(steps=5, mock_teacher=True)
+    settings = load_settings(paths.root)
+    assert "query_rows" not in materials_settings_key(settings)
+    resolve_materials(paths, settings)
+    recorded = atomic.read_json(paths.materials_manifest)
+    assert "query_rows" not in recorded["settings"]  # what an older version wrote, too
+    assert manifest_is_current(paths, settings)
+    rows = {"source": "o/t", "file": "f.safetensors", "tensor": "q"}
+    assert not manifest_is_current(paths, replace(settings, materials={"query_rows": rows}))
