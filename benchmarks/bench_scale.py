@@ -373,18 +373,19 @@ def _stop_worker(proc: subprocess.Popen) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small: 600 prompts, mock teacher, 200 partitions")
-    parser.add_argument("--part", choices=("pipeline", "partitions", "cluster", "all"), default="all")
+    parser.add_argument("--part", nargs="+", choices=("pipeline", "partitions", "cluster", "all"), default=["all"],
+                        help="which parts (several may be named)")
     args = parser.parse_args(argv)
     ok = True
     with tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp:
         tmp = Path(tmp)
         os.chmod(tmp, 0o755)  # the Postgres server's own user must reach its folder
-        if args.part in ("pipeline", "all"):
+        if {"pipeline", "all"} & set(args.part):
             ok &= part_pipeline(tmp, prompts=600 if args.quick else 60_000, shard_size=200 if args.quick else 1000,
                                 steps=40 if args.quick else 20_000, mock_teacher=args.quick)
-        if args.part in ("partitions", "all"):
+        if {"partitions", "all"} & set(args.part):
             ok &= part_partitions(tmp, partitions=200 if args.quick else 10_000)
-        if args.part in ("cluster", "all"):
+        if {"cluster", "all"} & set(args.part):
             # Quick: two workers only (the path one worker takes is the same, and each mode is a whole pipeline).
             ok &= part_cluster(tmp, shards=2 if args.quick else 20, shard_size=20 if args.quick else 100,
                                worker_counts=(2,) if args.quick else (1, 2))

@@ -272,11 +272,12 @@ def test_gpu_check_passes_on_cpu_at_its_tiny_size():
         assert status["precompute balanced"] == status["out-of-memory auto-lower"] == "SKIP", out
 
 
-@pytest.mark.slow  # a pipeline, a webserver, 200 synthetic partitions, the shards in-process and on 2 workers
+@pytest.mark.slow  # a pipeline, a webserver, 200 synthetic partitions
 def test_scale_benchmark_prints_every_stage_and_part_and_applies_its_rules():
     """bench_scale.py --quick: per stage wall and peak RSS, the per-partition overhead, status and GraphQL
-    times, then the same at synthetic partitions, then the cluster's overhead with two workers."""
-    out = _run("bench_scale.py", "--quick")
+    times, then the same at synthetic partitions. Its cluster part (Postgres, Redis, Celery workers) is left to the
+    full benchmark: the suite runs the whole pipeline on those servers in test_cluster_workers.py already."""
+    out = _run("bench_scale.py", "--quick", "--part", "pipeline", "partitions")
     rows = {line.split()[0]: line.split()[1:] for line in out.splitlines()
             if line.split() and line.split()[0] in ("materials", "corpus", "train_shards", "val_shards", "adapter",
                                                       "gguf", "eval_report")}
@@ -288,13 +289,7 @@ def test_scale_benchmark_prints_every_stage_and_part_and_applies_its_rules():
     assert partitions == 3 + 1 and 0 < compute < wall and 0 <= overhead * partitions < wall, out
     assert "rule: the UI lists all 3 train partitions materialized -> ok" in out, out
     assert "(200/200)" in out and "-> FAIL" not in out, out
-    modes = {line[:20].strip(): [float(x) for x in line[20:].split()] for line in out.splitlines()
-             if line.startswith(("in-process ", "celery, 1 worker", "celery, 2 workers"))}
-    assert set(modes) == {"in-process", "celery, 2 workers"}, out  # --quick: 1 worker only at full size
-    for mode, (shards, mode_compute, mode_overhead, versus, mode_wall) in modes.items():
-        assert shards == 2 + 1 and 0 < mode_compute < mode_wall and mode_overhead >= 0, (mode, out)
-        assert abs(versus - (mode_overhead - modes["in-process"][2])) < 0.002, (mode, out)
-    assert out.count("rule: ") == 3, out
+    assert "## cluster" not in out and out.count("rule: ") == 2, out
 
 
 @pytest.mark.slow  # about 6 s: two large configs built on the meta device, four placements planned

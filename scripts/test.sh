@@ -9,18 +9,20 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 if [ "${1:-}" = "--fast" ]; then
   shift
-  OMP_NUM_THREADS=1 exec .venv/bin/python -m pytest -n 2 --dist worksteal -m "not slow and not serial" "$@"
+  OMP_NUM_THREADS=1 exec .venv/bin/python -m pytest -n 2 --dist load --maxschedchunk 1 -m "not slow and not serial" "$@"
 fi
 whole=1
 for arg in "$@"; do
   case "$arg" in -q|-v|-qq|-vv|-x) ;; *) whole=0 ;; esac
 done
 if [ "$whole" = 1 ]; then
-  # worksteal: an idle process takes queued tests from the busy one, so the long tests do not pile up at the end.
+  # The tests come longest first (conftest.py, durations.json) and each worker takes the next one as it frees up
+  # (--dist load, one at a time): the long ones spread over both workers. (worksteal handed the first half, so all
+  # the long tests, to one worker, which then ran them one after another while the other had finished.)
   # One torch/OpenMP thread per process: two workers, each with its pipelines' subprocesses, already fill both
   # cores, and oversubscribed OpenMP teams spin against each other (two demo pipelines side by side: 38 s each
   # with the default threads, 22 s with one).
-  OMP_NUM_THREADS=1 .venv/bin/python -m pytest -n 2 --dist worksteal -m "not serial" "$@"
+  OMP_NUM_THREADS=1 .venv/bin/python -m pytest -n 2 --dist load --maxschedchunk 1 -m "not serial" "$@"
   exec .venv/bin/python -m pytest -m serial "$@"
 fi
 exec .venv/bin/python -m pytest "$@"

@@ -186,7 +186,7 @@ def _write_half(folder: Path, half: str, tensors: dict[str, torch.Tensor], meta:
     # The sidecar goes last: a shard half counts as done only once its sidecar exists.
     atomic.write_json(folder / f"{half}.json", meta)
     if half == "teacher" and "targets" in tensors:  # training's target statistics, ready for its first step
-        from gguf_assets.lib.training.train_data import store_target_sums
+        from gguf_assets.lib.precompute.target_sums import store_target_sums  # torch: imported where it is needed
 
         store_target_sums(folder, tensors["targets"], meta["sha256"])
     return meta

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import bisect
 import json
-import logging
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -28,17 +27,20 @@ import torch
 from gguf_assets.lib.core import atomic, verify
 from gguf_assets.lib.core.errors import UserError
 from gguf_assets.lib.core.safetensors_io import ReadStats, read_torch
+from gguf_assets.lib.precompute.target_sums import (  # noqa: F401  (STATS_*: the names tests and tools read here)
+    STATS_CHUNK_PROMPTS,
+    STATS_FILE,
+    STATS_RECORD,
+    NonFiniteTarget,
+    cached_sums,
+    chunk_sums,
+    store_sums,
+)
 from gguf_assets.lib.project.layout import (
     PROMPTS_FILE,
     TEACHER_FILE,
 )
 from gguf_assets.lib.training.training_run import SHUFFLE_WINDOW_SHARDS
-
-log = logging.getLogger(__name__)
-
-# Prompts per chunk when streaming target statistics: a 1000-prompt shard of 256x4096
-# targets would be 8 GB in float64 at once.
-STATS_CHUNK_PROMPTS = 32
 
 
 class TrainingError(UserError, RuntimeError):
@@ -248,89 +250,27 @@ def collate(samples: list[tuple[torch.Tensor, torch.Tensor]], device: torch.devi
     return states.to(device), mask.to(device), targets.to(device)
 
 
-# Per-shard target sums, kept beside the teacher half so a new training run does not read every teacher byte
-# again before its first step. One row per STATS_CHUNK_PROMPTS chunk (not one per shard), so that folding the
-# rows in order repeats exactly the float64 additions of a single stream over all targets: the statistics, and
-# so the trained weights, are bit-identical whether the sums come from the cache or from the targets.
-STATS_FILE = "teacher.sums"  # safetensors bytes; not *.safetensors, which globs take for a shard half
-STATS_RECORD = "teacher.sums.json"
-
-
-def _cached_sums(folder: Path, teacher_sha256: str) -> tuple[torch.Tensor, torch.Tensor, int] | None:
-    """The stored chunk sums of the teacher half whose recorded sha256 is ``teacher_sha256``, checked against the
-    sha256 of the stats file itself; None when absent, made for other bytes or another chunking, or damaged."""
-    record_file = folder / STATS_RECORD
-    if not record_file.is_file():
-        return None
-    try:
-        record = atomic.read_json(record_file)
-        if record.get("teacher_sha256") != teacher_sha256 or record.get("chunk_prompts") != STATS_CHUNK_PROMPTS:
-            return None
-        sums = read_torch(folder / STATS_FILE, expected_sha256=record["sha256"])
-        return sums["s1"], sums["s2"], int(record["prompts"])
-    except (OSError, ValueError, KeyError, verify.CorruptFile) as exc:  # recomputed below, and stored again
-        log.info("%s: target sums not reused (%s); computing them from the teacher half", folder, exc)
-        return None
-
-
-def _store_sums(folder: Path, teacher_sha256: str, s1: torch.Tensor, s2: torch.Tensor, prompts: int) -> None:
-    from safetensors.torch import save_file
-
-    path = folder / STATS_FILE
-    try:
-        with atomic.atomic_path(path) as tmp:
-            save_file({"s1": s1.contiguous(), "s2": s2.contiguous()}, str(tmp))
-        # The record goes last and names the teacher bytes the sums are of: a changed half never reuses them.
-        atomic.write_json(folder / STATS_RECORD, {"teacher_sha256": teacher_sha256, "prompts": prompts,
-                                                  "chunk_prompts": STATS_CHUNK_PROMPTS, **verify.record(path)})
-    except OSError as exc:  # a read-only shard folder: training goes on, the next run computes them again
-        log.info("%s: target sums not stored (%s)", folder, exc)
-
-
 def shard_target_sums(folder: Path) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(s1, s2, prompts) of a shard's teacher half: float64 sums of the targets and of their squares, one row per
     chunk of STATS_CHUNK_PROMPTS prompts [chunks, Q, D]. Reused from the shard folder when stored there for the
-    teacher half's recorded sha256, else computed (checking every target is finite) and stored."""
+    teacher half's recorded sha256 (lib/precompute/target_sums.py), else computed (checking every target is finite)
+    and stored."""
     record_file = folder / "teacher.json"
     teacher_sha256 = (atomic.read_json(record_file).get("sha256") if record_file.is_file() else None)
     if teacher_sha256:
-        cached = _cached_sums(folder, teacher_sha256)
+        cached = cached_sums(folder, teacher_sha256)
         if cached is not None:
             return cached
     targets = read_half(folder, "teacher")["targets"]
-    sums = _chunk_sums(targets, folder)
+    try:
+        sums = chunk_sums(targets)
+    except NonFiniteTarget as exc:
+        raise TrainingError(f"{folder / TEACHER_FILE}: target of prompt {exc.prompt} is not finite; recompute this "
+                            "shard (delete its teacher.json) or check materials.teacher_layer.") from None
     # Stored only if the record still names the bytes just read (read_half checked them against it).
     if sums[2] and teacher_sha256 and atomic.read_json(record_file).get("sha256") == teacher_sha256:
-        _store_sums(folder, teacher_sha256, *sums)
+        store_sums(folder, teacher_sha256, *sums)
     return sums
-
-
-def _chunk_sums(targets: torch.Tensor, folder: Path) -> tuple[torch.Tensor, torch.Tensor, int]:
-    s1, s2 = [], []
-    for begin in range(0, targets.shape[0], STATS_CHUNK_PROMPTS):
-        chunk = targets[begin:begin + STATS_CHUNK_PROMPTS].double()
-        if not torch.isfinite(chunk).all():
-            bad = begin + int((~torch.isfinite(chunk)).flatten(1).any(1).nonzero()[0])
-            raise TrainingError(f"{folder / TEACHER_FILE}: target of prompt {bad} is not finite; recompute this "
-                                "shard (delete its teacher.json) or check materials.teacher_layer.")
-        s1.append(chunk.sum(0))
-        s2.append((chunk * chunk).sum(0))
-    if not s1:
-        empty = torch.zeros(0, *targets.shape[1:], dtype=torch.float64)
-        return empty, empty, 0
-    return torch.stack(s1), torch.stack(s2), int(targets.shape[0])
-
-
-def store_target_sums(folder: Path, targets: torch.Tensor, teacher_sha256: str) -> None:
-    """The precompute's call, right after it wrote a teacher half: its sums from the targets still in memory (the
-    same values as the file's), so the first training run reads no teacher byte before its first step. Targets
-    that are not finite store nothing: training names the prompt, as before."""
-    try:
-        sums = _chunk_sums(targets, folder)
-    except TrainingError:
-        return
-    if sums[2]:
-        _store_sums(folder, teacher_sha256, *sums)
 
 
 def target_stats(folders: list[Path], *, sigma_floor: float,
