@@ -81,7 +81,6 @@ def _create_storage_once(home: Path) -> None:
 
 def size_gpu_pool(instance) -> int:
     """One `gpu` pool slot per GPU (1 on a CPU machine), so queued GPU runs never share a card."""
-
     slots = max(1, len(gpu_snapshot()))
     instance.event_log_storage.set_concurrency_slots(GPU_POOL, slots)
     return slots
@@ -89,7 +88,6 @@ def size_gpu_pool(instance) -> int:
 
 def instance_env(paths: ProjectPaths) -> dict[str, str]:
     """What the Dagster CLI, webserver and daemon need to work on this project."""
-
     return {"DAGSTER_HOME": str(paths.dagster_home), PROJECT_ENV: str(paths.root)}
 
 
@@ -102,7 +100,6 @@ def open_workspace(instance, *, in_process: bool) -> Iterator:
     the definitions already imported here; otherwise a code server is started, which the run
     launcher needs to start runs in their own processes.
     """
-
     if in_process:
         target = InProcessWorkspaceLoadTarget(InProcessCodeLocationOrigin(
             LoadableTargetOrigin(executable_path=sys.executable, module_name=DEFINITIONS_MODULE),
@@ -117,8 +114,6 @@ def open_workspace(instance, *, in_process: bool) -> Iterator:
 
 def create_run(workspace, work: Work, tags: dict[str, str]):
     """A run of ``work``'s job for its assets, created from the code location (so it has an origin)."""
-
-
     location = workspace.get_code_location(CODE_LOCATION)
     repo = next(iter(location.get_repositories().values()))
     assets = frozenset(dg.AssetKey(a) for a in work.assets)

@@ -45,11 +45,9 @@ def run_pipeline(paths: ProjectPaths, *, echo: Callable[[str], None] = print, wo
     workers answer). A stop (Ctrl-C) there stops following, and the runs go on, unless
     ``cancel_on_stop``.
     """
-
     cluster = load_cluster(paths.root)
     on_workers = cluster is not None and cluster.runs_on_workers
     prepare_instance(paths)
-
 
     instance = dg.DagsterInstance.get()
     size_gpu_pool(instance)
@@ -108,7 +106,6 @@ def run_pipeline(paths: ProjectPaths, *, echo: Callable[[str], None] = print, wo
 
 def tell_about_edits(paths: ProjectPaths, settings: Settings, instance, echo: Callable[[str], None]) -> None:
     """project.yaml edited while the pipeline ran: say so, and let the UI's stale marks follow the edit."""
-
     try:
         now = load_settings(paths.root)
     except SettingsError as exc:

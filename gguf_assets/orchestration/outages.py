@@ -20,7 +20,6 @@ def through_outages(call: Callable, echo: Callable[[str], None]):
     on meanwhile. Postgres calls ride out a restart inside the storage itself (cluster_workers.py, in every
     process: this one, the workers' runs, the UI), so a lost Postgres connection that reaches here has lasted
     OUTAGE_S already: one line, at once."""
-
     errors = broker_errors()
     began = None
     while True:

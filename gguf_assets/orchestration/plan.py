@@ -22,7 +22,6 @@ from gguf_assets.orchestration.run_tags import PIPELINE_TAG, RANGE_END_TAG, RANG
 @dataclass(frozen=True)
 class Work:
     """One run's worth of work: a named job, the assets it materializes, and its shard partitions."""
-
     job: str
     assets: tuple[str, ...]
     partitions: tuple[str, ...] = ()
@@ -45,7 +44,6 @@ class Work:
 
 def next_work(paths: ProjectPaths, settings: Settings, instance) -> Work | None:
     """The next job to run for this project, or None when everything is current (or blocked)."""
-
     status = {s.stage: s for s in project_status(paths, settings)}
     if status["materials"].state != State.CURRENT:
         # New materials come with the corpus: it reads them, and when it finds itself current it

@@ -53,7 +53,6 @@ def _is_cut_off(record, instance: dg.DagsterInstance) -> str | None:
 
 def _worker_lost(instance: dg.DagsterInstance, run: dg.DagsterRun) -> str | None:
     """A run on another machine: the run launcher's worker health check (run monitoring's) decides."""
-
     launcher = instance.run_launcher
     if not launcher.supports_check_run_worker_health:
         return None
@@ -94,7 +93,6 @@ def resume_decision(instance: dg.DagsterInstance) -> dg.RunRequest | dg.SkipReas
     under the current settings; it never starts work that a settings edit made stale (that waits
     for Materialize, `gguf-trainer run`, or an edit back), and never retries a genuine failure.
     """
-
     marked = mark_interrupted_runs(instance)
     folder = project_dir_from_env()
     if not folder:

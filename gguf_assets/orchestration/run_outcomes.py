@@ -20,8 +20,6 @@ _KILLED_BY = re.compile(r"was terminated by signal (\d+) \((\w+)\)")
 
 
 def failure_message(instance, run_id: str) -> str:
-
-
     for record in instance.get_records_for_run(run_id, of_type={dg.DagsterEventType.STEP_FAILURE,
                                                                 dg.DagsterEventType.RUN_FAILURE}).records:
         event = record.event_log_entry.dagster_event
@@ -40,7 +38,6 @@ def failure_message(instance, run_id: str) -> str:
 def wait_for_runs(instance, run_ids: list[str], echo: Callable[[str], None], *, cluster: bool = False) -> None:
     """Until every run has ended. On a ``cluster`` a Postgres or Redis restart is ridden out (through_outages);
     the embedded SQLite's errors (a full disk, a damaged file) are the CLI's to report at once."""
-
     def poll():
         mark_interrupted_runs(instance)  # a worker killed -9 never ends its run: it is marked, so the wait ends
         return [instance.get_run_by_id(r) for r in run_ids]

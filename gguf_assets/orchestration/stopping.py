@@ -17,7 +17,6 @@ from gguf_assets.orchestration.run_tags import STOPPED_TAG
 
 def was_interrupted(instance, run_id: str) -> bool:
     """Did the run fail because this process got SIGINT/SIGTERM? (Dagster's own handler catches it in a step.)"""
-
     return any(getattr(getattr(r.event_log_entry.dagster_event.event_specific_data, "error", None), "cls_name", "")
                == "DagsterExecutionInterruptedError"
                for r in instance.get_records_for_run(run_id, of_type=dg.DagsterEventType.STEP_FAILURE).records)
@@ -36,7 +35,6 @@ class StopRequest:
     also seen through the wakeup fd by a watcher thread, which delivers SIGINT again every 2 s
     until the pipeline has stopped.
     """
-
     RESEND_S = 2.0
     POLL_S = 1.0
 
@@ -62,14 +60,11 @@ class StopRequest:
         return run.status if run is not None else None
 
     def _mark_canceling(self) -> None:
-
         run = self.instance.get_run_by_id(self.run_id) if self.instance and self.run_id else None
         if run is not None and run.status in (dg.DagsterRunStatus.STARTED, dg.DagsterRunStatus.STARTING):
             self.instance.report_run_canceling(run, message=f"Stopped on purpose ({self.by}).")
 
     def _watch(self, read_fd: int) -> None:
-
-
         while not self._over.is_set():
             ready, _, _ = select.select([read_fd], [], [], self.POLL_S)
             if self._over.is_set():
@@ -95,7 +90,6 @@ class StopRequest:
 
     def record_cancel(self, run_id: str) -> None:
         """The run this stop cut short is CANCELED, never a failure (a signal may have beaten the mark)."""
-
         run = self.instance.get_run_by_id(run_id)
         if run is not None and run.status != dg.DagsterRunStatus.CANCELED:
             self.instance.report_run_canceled(run, message=f"Stopped on purpose ({self.by or 'a stop'}); "

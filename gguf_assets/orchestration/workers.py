@@ -33,7 +33,6 @@ def run_workers(paths: ProjectPaths, instance, work: Work, settings: Settings, w
     default thread count: CPU matmul results depend on it, and shards must be byte-identical
     whatever the number of workers.
     """
-
     ranges = split_range(work.partitions, workers)
     with open_workspace(instance, in_process=False) as workspace:
         run_ids = []
@@ -66,8 +65,6 @@ def run_on_workers(paths: ProjectPaths, instance, workspace, work: Work, setting
     """On a cluster: launch ``work`` as runs to the Celery workers' queue, admitted to this pipeline, and
     follow them. True when all succeeded; False when a worker died under one (its shards are planned
     again); a run that failed on its own ends the pipeline with its reason."""
-
-
     location = workspace.get_code_location(CODE_LOCATION)
     queue = next(iter(location.get_repositories().values())).get_full_job(work.job).tags.get(QUEUE_TAG, GPU_QUEUE)
     parts = workers or max(1, len(through_outages(lambda: instance.run_launcher.live_workers(queue), echo)))
@@ -111,7 +108,6 @@ def run_on_workers(paths: ProjectPaths, instance, workspace, work: Work, setting
 
 def worker_failure(paths: ProjectPaths, settings: Settings, instance, run, split: str) -> str:
     """One line for a failed worker run: which worker, its shards, the shard it stopped at, and why."""
-
     start, end = run_tags.get(run.tags, run_tags.RANGE_START_TAG), run_tags.get(run.tags, run_tags.RANGE_END_TAG)
     plans = [p for p in plan_shards(paths, settings, load_manifest(paths), split) if start <= p.key <= end]
     at = next((p.key for p in plans if set(shard_status(paths, settings, p).values()) != {HalfState.CURRENT}), None)
