@@ -507,10 +507,6 @@ def build_app(project: str | Path, *, dagster_url: str = "", tensorboard_url: st
             used = await run_in_threadpool(lambda: use_run(paths, ref, base_sha256=base, seen=seen))
         except settings_file.SettingsChanged as exc:
             return JSONResponse({"error": str(exc), "diff": exc.diff, "sha256": exc.current.sha256}, status_code=409)
-        except ProjectLocked as exc:
-            return JSONResponse({"error": str(exc)}, status_code=409)
-        except UserError as exc:  # an unknown run, one that trains now or cannot come back; project.yaml's errors
-            return JSONResponse({"error": str(exc)}, status_code=400)
         from gguf_assets.orchestration.runs import tell_dagster
 
         problem = await run_in_threadpool(lambda: tell_dagster(paths, used, feed.instance))
@@ -520,12 +516,7 @@ def build_app(project: str | Path, *, dagster_url: str = "", tensorboard_url: st
         if (refused := refusal(request)) is not None:
             return refused
         ref = run_ref(await json_object(request))
-        try:
-            deleted = await run_in_threadpool(delete_run, paths, ref)
-        except ProjectLocked as exc:
-            return JSONResponse({"error": str(exc)}, status_code=409)
-        except UserError as exc:  # the current run, one that trains now, an unknown run
-            return JSONResponse({"error": str(exc)}, status_code=400)
+        deleted = await run_in_threadpool(delete_run, paths, ref)
         return JSONResponse({"deleted": deleted.name, "fingerprint": deleted.fingerprint,
                              "freed_bytes": deleted.freed_bytes, "freed": size_text(deleted.freed_bytes)})
 
@@ -536,26 +527,25 @@ def build_app(project: str | Path, *, dagster_url: str = "", tensorboard_url: st
         ref, label = run_ref(body), body.get("label", "")
         if not isinstance(label, str):
             raise BadRequest("label must be a string (empty removes it)")
-        try:
-            run = await run_in_threadpool(label_run, paths, ref, label)
-        except UserError as exc:
-            return JSONResponse({"error": str(exc)}, status_code=400)
+        run = await run_in_threadpool(label_run, paths, ref, label)
         return JSONResponse(run.to_json())
 
     async def runs_compare(request: Request) -> JSONResponse:
         refs = request.query_params.getlist("run")
         if len(refs) < 2:
             raise BadRequest("name two runs to compare: ?run=A&run=B")
-        try:
-            compared, svg = compare_runs(await run_in_threadpool(read_runs, paths), refs)
-        except UserError as exc:
-            return JSONResponse({"error": str(exc)}, status_code=400)
+        compared, svg = compare_runs(await run_in_threadpool(read_runs, paths), refs)
         return JSONResponse({"runs": [r.name for r in compared], "svg": svg})
 
     async def bad_request(_request: Request, exc: BadRequest) -> JSONResponse:
         return JSONResponse({"error": str(exc)}, status_code=400)
 
-    return Starlette(exception_handlers={BadRequest: bad_request}, routes=[
+    async def refused_by_the_library(_request: Request, exc: UserError) -> JSONResponse:
+        """The Runs panel's refusals, each one line from lib/: an unknown run, the current one, one that trains now
+        (400); the project held by a pipeline (ProjectLocked, 409)."""
+        return JSONResponse({"error": str(exc)}, status_code=409 if isinstance(exc, ProjectLocked) else 400)
+
+    return Starlette(exception_handlers={BadRequest: bad_request, UserError: refused_by_the_library}, routes=[
         Route("/", page), Route("/api/status", status),
         Route("/api/run", run, methods=["POST"]), Route("/api/stop", stop, methods=["POST"]),
         Route("/api/settings", settings_text), Route("/api/settings", save_settings, methods=["POST"]),
