@@ -27,15 +27,7 @@ import torch
 from gguf_assets.lib.core import atomic, verify
 from gguf_assets.lib.core.errors import UserError
 from gguf_assets.lib.core.safetensors_io import ReadStats, read_torch
-from gguf_assets.lib.precompute.target_sums import (  # noqa: F401  (STATS_*: the names tests and tools read here)
-    STATS_CHUNK_PROMPTS,
-    STATS_FILE,
-    STATS_RECORD,
-    NonFiniteTarget,
-    cached_sums,
-    chunk_sums,
-    store_sums,
-)
+from gguf_assets.lib.precompute.target_sums import NonFiniteTarget, cached_sums, chunk_sums, store_sums
 from gguf_assets.lib.project.layout import (
     PROMPTS_FILE,
     TEACHER_FILE,
@@ -252,7 +244,7 @@ def collate(samples: list[tuple[torch.Tensor, torch.Tensor]], device: torch.devi
 
 def shard_target_sums(folder: Path) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(s1, s2, prompts) of a shard's teacher half: float64 sums of the targets and of their squares, one row per
-    chunk of STATS_CHUNK_PROMPTS prompts [chunks, Q, D]. Reused from the shard folder when stored there for the
+    chunk of prompts [chunks, Q, D]. Reused from the shard folder when stored there for the
     teacher half's recorded sha256 (lib/precompute/target_sums.py), else computed (checking every target is finite)
     and stored."""
     record_file = folder / "teacher.json"

@@ -659,7 +659,7 @@ def test_a_stop_between_checkpoints_keeps_its_steps_and_resumes_bit_identical(sh
 
 def _streamed_target_stats(folders: list[Path], *, sigma_floor: float, isotropic: bool = False):
     """target_stats as it was before the per-shard sums: every target streamed in chunks, in shard order."""
-    from gguf_assets.lib.training.train_data import STATS_CHUNK_PROMPTS
+    from gguf_assets.lib.precompute.target_sums import STATS_CHUNK_PROMPTS
 
     total, s1, s2 = 0, None, None
     for folder in folders:
@@ -680,6 +680,7 @@ def test_cached_shard_sums_give_the_streamed_statistics_bit_for_bit(tmp_path, mo
     first run (computed) and the next (reused without reading the targets); a changed half or a damaged sums file
     is never reused."""
     from gguf_assets.lib.core import verify
+    from gguf_assets.lib.precompute import target_sums
     from gguf_assets.lib.training import train_data
 
     # 70 and 33 prompts: chunks of 32 that straddle nothing and chunks with a remainder.
@@ -696,7 +697,7 @@ def test_cached_shard_sums_give_the_streamed_statistics_bit_for_bit(tmp_path, mo
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
     same(False)
-    assert all((f / train_data.STATS_FILE).is_file() and (f / train_data.STATS_RECORD).is_file() for f in folders)
+    assert all((f / target_sums.STATS_FILE).is_file() and (f / target_sums.STATS_RECORD).is_file() for f in folders)
     real_read_half = train_data.read_half
 
     def no_teacher_reads(folder, half, **kwargs):
@@ -719,7 +720,7 @@ def test_cached_shard_sums_give_the_streamed_statistics_bit_for_bit(tmp_path, mo
     assert reads == [changed]
 
     # Damaged sums (a flipped byte): not trusted, computed again from the half, and stored again whole.
-    _flip(folders[3] / train_data.STATS_FILE)
+    _flip(folders[3] / target_sums.STATS_FILE)
     reads.clear()
     same(False)
     assert reads == [folders[3]]
@@ -732,6 +733,7 @@ def test_sums_stored_by_the_precompute_are_the_sums_of_the_written_half(tmp_path
     """_write_half stores a teacher half's sums from the targets in memory: training then reads no teacher byte
     before its first step, and gets the streamed statistics bit for bit. Non-finite targets store nothing (training
     names the prompt, as before)."""
+    from gguf_assets.lib.precompute import target_sums
     from gguf_assets.lib.precompute.shards import _write_half
     from gguf_assets.lib.training import train_data
 
@@ -742,7 +744,7 @@ def test_sums_stored_by_the_precompute_are_the_sums_of_the_written_half(tmp_path
         out.mkdir(parents=True)
         _write_half(out, "teacher", {"targets": load_file(str(folder / TEACHER_FILE))["targets"]},
                     {"fingerprint": f"t-{k}", "prompts": 45})
-        assert (out / train_data.STATS_RECORD).is_file()
+        assert (out / target_sums.STATS_RECORD).is_file()
         folders.append(out)
     monkeypatch.setattr(train_data, "read_half", lambda folder, half, **kw: pytest.fail(f"read {folder} {half}"))
     got = train_data.target_stats(folders, sigma_floor=0.05)
@@ -754,4 +756,4 @@ def test_sums_stored_by_the_precompute_are_the_sums_of_the_written_half(tmp_path
     targets = torch.zeros(3, QUERY_ROWS, TARGET_DIM).half()
     targets[1, 0, 0] = float("nan")
     _write_half(bad, "teacher", {"targets": targets}, {"fingerprint": "t-bad", "prompts": 3})
-    assert not (bad / train_data.STATS_RECORD).exists()
+    assert not (bad / target_sums.STATS_RECORD).exists()
