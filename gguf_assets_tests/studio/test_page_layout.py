@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from browser import CHROMIUM, CHROMIUM_ARGS, need_browser
+from browser import CHROMIUM, CHROMIUM_ARGS, PHONE, WIDE, need_browser
 from conftest import cli_env, copy_project, free_port, stop_with_ctrl_c, wait_for, wait_http
 
 from gguf_assets.lib.core import atomic
@@ -26,7 +26,6 @@ from gguf_assets.studio.settings_form import apply_form
 
 pytestmark = pytest.mark.slow  # a studio and a browser (about 30 s on 2 cores; the demo project is the suite's)
 
-WIDE, PHONE = {"width": 1400, "height": 900}, {"width": 390, "height": 844}
 N_SETTINGS = sum(len(section.model_fields) for section in SECTION_CLASSES.values())
 
 

@@ -5,8 +5,10 @@ evaluation from the report, the machine and its libraries; `training.steps` chan
 is saved into project.yaml (comments kept) and shows up as stale with the key old → new (the one
 staleness engine); Run starts the named Dagster job the CLI runs and the progress bar moves with the
 trainer's log steps; Stop ends that run CANCELED within seconds, resumable; Run again trains to the end
-from the checkpoint, and the new verdict and ggk command are read and copied. One pipeline run to the end.
-Screenshots of the main views go to test-artifacts/studio-*.png.
+from the checkpoint, and the new verdict and ggk command are read and copied; the Runs panel lists both runs with
+their scores and settings diff, "Use" puts the first back (its GGUF bytes again, nothing retrained) and Delete
+removes the second, saying what it freed. One pipeline run to the end. The walk runs at 1,400 px wide; each step
+is also shot at 390 px (a phone). Screenshots go to test-artifacts/studio-*.png.
 """
 
 import re
@@ -16,9 +18,8 @@ from importlib import metadata
 
 import dagster as dg
 import pytest
-from browser import CHROMIUM, CHROMIUM_ARGS, need_browser
+from browser import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS, WIDE, need_browser, shoot_both_widths
 from conftest import CLI, cli_env, copy_project, free_port, project_instance, stop_with_ctrl_c, wait_for, wait_http
-from test_ui_browser import ARTIFACTS
 
 from gguf_assets.lib.core import atomic
 from gguf_assets.orchestration.instance import instance_env
@@ -51,6 +52,10 @@ def _shot(page, panel: str, name: str) -> None:
     page.locator(panel).screenshot(path=str(ARTIFACTS / f"studio-{name}.png"))
 
 
+def _run_row(page, run: dict):
+    return page.locator(f'#runs-table tr[data-run="{run["name"]}"]')
+
+
 def test_studio_edits_settings_in_its_form_runs_stops_resumes_and_shows_the_result(finished_project, tmp_path,
                                                                                      monkeypatch):
     need_browser()
@@ -61,6 +66,7 @@ def test_studio_edits_settings_in_its_form_runs_stops_resumes_and_shows_the_resu
         monkeypatch.setenv(name, value)
     instance = project_instance(paths)
     report = atomic.read_json(paths.root / "output" / "demo-adapter.report.json")
+    first_gguf = (paths.root / "output" / "demo-adapter.gguf").read_bytes()
     port, studio_port = free_port(), free_port()
     console = tmp_path / "ui.log"  # a file, not a pipe: nobody reads a pipe while the browser works
     with open(console, "w") as out:
@@ -76,7 +82,7 @@ def test_studio_edits_settings_in_its_form_runs_stops_resumes_and_shows_the_resu
         wait_http(studio + "/api/status", timeout=60, proc=ui)
         with sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-            context = browser.new_context(viewport={"width": 1280, "height": 900},
+            context = browser.new_context(viewport=WIDE,
                                           permissions=["clipboard-read", "clipboard-write"])
             page = context.new_page()
             page.goto(studio)
@@ -203,6 +209,7 @@ def test_studio_edits_settings_in_its_form_runs_stops_resumes_and_shows_the_resu
             assert "step 30 of 60" in stopped and stopped.endswith("Run continues from there"), stopped
             assert page.locator("#run-preview").inner_text().endswith("resumes training from step 30 of 60")
             _shot(page, "#panel-project", "stopped")
+            shoot_both_widths(page, "studio-walk-stopped")
 
             # Run again: it resumes from the step-30 checkpoint and goes to the end (export and evaluation too).
             page.click("#run")
@@ -231,6 +238,8 @@ def test_studio_edits_settings_in_its_form_runs_stops_resumes_and_shows_the_resu
             wait_for(lambda: page.locator("#copy-message").inner_text() == "copied", timeout=10, what="the copy")
             assert page.evaluate("navigator.clipboard.readText()") == new_report["ggk_command"]
             _shot(page, "#panel-ggk", "use-it-in-ggk")
+            shoot_both_widths(page, "studio-walk-finished")
+
             # Where the Clipboard API is missing (a page not served from localhost, an older browser), the Copy
             # button falls back to copying a selected text area: the copy event carries the command.
             bare = context.new_page()
@@ -240,6 +249,59 @@ def test_studio_edits_settings_in_its_form_runs_stops_resumes_and_shows_the_resu
             bare.click("#copy-ggk")
             wait_for(lambda: bare.locator("#copy-message").inner_text() == "copied", timeout=10, what="the fallback")
             assert bare.evaluate("window.copied") == new_report["ggk_command"]
+
+            # Runs: the finished project's run (40 steps) and the one just trained (60), with their scores and how
+            # each differs from project.yaml.
+            page.reload()
+            page.click("#open-all")
+            wait_for(lambda: page.locator("#runs-table tr[data-run]").count() == 2, timeout=30, what="both runs listed")
+            listed = page.evaluate("fetch('api/runs').then((answer) => answer.json())")
+            first, second = sorted(listed["runs"], key=lambda run: run["steps"])
+            assert (first["steps"], second["steps"]) == (40, 60) and {first["state"], second["state"]} == {"finished"}
+            assert first["fingerprint"] == report["fingerprint"] and second["fingerprint"] == new_report["fingerprint"]
+            # Columns: actions, run, label, state, steps, best val (step), final val, wall, disk, now, vs project.yaml.
+            first_cells, second_cells = (_run_row(page, run).locator("td").all_inner_texts() for run in (first, second))
+            assert first_cells[1:5] == [first["name"], "-", "finished", "40/40"], first_cells
+            assert second_cells[1:5] == [second["name"], "-", "finished", "60/60"], second_cells
+            for cells, run in ((first_cells, first), (second_cells, second)):
+                assert cells[6] == f"{run['final_val_centred_cosine']:.4f}", cells
+                assert cells[5].startswith(f"{run['best_val_centred_cosine']:.4f} ("), cells
+            assert "training.steps=40" in first_cells[10] and first_cells[9] == "-", first_cells
+            assert second_cells[10] == "same" and second_cells[9] == "current, project.yaml", second_cells
+            assert _run_row(page, second).locator("button", has_text="Delete").is_disabled()  # never the current
+            page.locator("#runs").scroll_into_view_if_needed()
+            _shot(page, "#runs", "runs")
+            shoot_both_widths(page, "studio-walk-runs")
+
+            # "Use" the first run: project.yaml back to 40 steps, its GGUF bytes current again, nothing retrained.
+            page.on("dialog", lambda dialog: dialog.accept())  # Use and Delete ask first (confirm)
+            runs_before = len(instance.get_runs())
+            _run_row(page, first).locator("button", has_text="Use").click()
+            wait_for(lambda: "  steps: 40\n" in paths.project_file.read_text(), timeout=30,
+                     what="project.yaml set back")
+            wait_for(lambda: (paths.root / "output" / "demo-adapter.gguf").read_bytes() == first_gguf, timeout=30,
+                     what="the first run's GGUF in the output folder again")
+            assert paths.project_file.read_text() == after.replace("  steps: 60\n", "  steps: 40\n")
+            wait_for(lambda: page.locator("#run-preview").inner_text() == "nothing to do: every stage is current",
+                     timeout=60, what="every stage current under the first run's settings")
+            assert len(instance.get_runs()) == runs_before  # no run started: nothing retrained
+            used_report = atomic.read_json(paths.root / "output" / "demo-adapter.report.json")
+            assert used_report["fingerprint"] == first["fingerprint"]
+
+            # Delete the second run: the page says what it freed, and its folder is gone.
+            page.reload()
+            page.click("#open-all")
+            wait_for(lambda: page.locator("#runs-table tr[data-run]").count() == 2, timeout=30, what="the runs again")
+            assert _run_row(page, first).locator("td").all_inner_texts()[9] == "current, project.yaml"
+            second_folder = paths.checkpoints_dir(second["fingerprint"])
+            assert second_folder.is_dir()
+            _run_row(page, second).locator("button", has_text="Delete").click()
+            wait_for(lambda: "freed" in page.locator("#runs-message").inner_text(), timeout=30, what="the delete")
+            deleted = page.locator("#runs-message").inner_text()
+            assert re.fullmatch(rf"deleted {re.escape(second['name'])}: freed [\d.]+ (KiB|MiB|GiB)", deleted), deleted
+            assert not second_folder.exists()
+            wait_for(lambda: page.locator("#runs-table tr[data-run]").count() == 1, timeout=30, what="one run left")
+            shoot_both_widths(page, "studio-walk-deleted")
             page.screenshot(path=str(ARTIFACTS / "studio.png"), full_page=True)
             browser.close()
         assert stopped_s < 15, stopped_s

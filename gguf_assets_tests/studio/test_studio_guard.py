@@ -1,6 +1,7 @@
 """The studio changes the project only for its own page: another web page cannot rewrite project.yaml or
 start a run (a cross-site request cannot be JSON without a CORS preflight, and its Origin is checked)."""
 
+import contextlib
 import hashlib
 import json
 import subprocess
@@ -10,7 +11,8 @@ import urllib.error
 import urllib.request
 
 import pytest
-from conftest import cli_env, free_port, stop_with_ctrl_c, wait_http
+from browser import CHROMIUM, CHROMIUM_ARGS, WIDE, need_browser, shoot_both_widths
+from conftest import cli_env, free_port, stop_with_ctrl_c, wait_for, wait_http
 
 
 def _post(url: str, body: bytes, headers: dict) -> tuple[int, dict]:
@@ -104,6 +106,21 @@ def test_the_settings_form_shows_project_yaml_and_saves_only_what_changed(studio
     assert len(now["sparks"]["ram"].split('points="')[1].split('"')[0].split()) >= 3  # the page's read and two polls
 
 
+@contextlib.contextmanager
+def _browser_page(base: str):
+    """The studio's page in headless Chromium at 1,400 px, every panel open."""
+    need_browser()
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        page = browser.new_context(viewport=WIDE).new_page()
+        page.goto(base)
+        page.click("#open-all")
+        yield page
+        browser.close()
+
+
 def _status(base: str) -> dict:
     with urllib.request.urlopen(base + "/api/status", timeout=30) as answer:
         return json.load(answer)
@@ -128,6 +145,14 @@ def test_a_failed_run_shows_at_its_stage_and_a_typo_keeps_the_view_and_refuses_r
     assert last["state"] == "failed" and last["stage"] == "materials", last
     assert "has no config.json" in last["message"] and "Traceback" not in last["message"], last
     assert any("has no config.json" in line for line in last["log"]), last["log"]
+    with _browser_page(base) as page:  # as the user sees it, at 1,400 and 390 px
+        assert page.locator("#last-run-state").inner_text().startswith("failed at materials: ")
+        assert "has no config.json" in page.locator("#last-run-state").inner_text()
+        failed_cell = page.locator('#stages tr[data-stage="materials"] td.state')
+        wait_for(lambda: failed_cell.get_attribute("class") == "state failed", timeout=10, what="materials failed")
+        assert page.locator("#run-log-box").get_attribute("open") is not None  # the log opens on a failure
+        assert "has no config.json" in page.locator("#run-log").inner_text()
+        shoot_both_widths(page, "studio-walk-failed-run")
 
     good_stages = view["stages"]
     text = paths.project_file.read_text()
@@ -140,3 +165,9 @@ def test_a_failed_run_shows_at_its_stage_and_a_typo_keeps_the_view_and_refuses_r
     status, body = _post(base + "/api/run", b"{}", headers)
     assert status == 400 and view["settings_error"] in body["error"] and "refused" in body["error"], body
     assert abs(int(view["settings_error"].split(":")[1]) - (line + 1)) <= 1  # the typo's line (YAML's own count)
+    with _browser_page(base) as page:
+        assert page.locator("#settings-error").inner_text() == view["settings_error"]
+        assert page.locator("#run").is_disabled()  # Run is refused while the settings are invalid
+        assert page.locator("#last-run-state").inner_text().startswith("failed at materials: ")  # the view stays
+        assert len(page.locator("#stages tr").all()) == len(good_stages)
+        shoot_both_widths(page, "studio-walk-typo")

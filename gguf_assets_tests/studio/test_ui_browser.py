@@ -12,10 +12,9 @@ import os
 import subprocess
 import sys
 import urllib.request
-from pathlib import Path
 
 import pytest
-from browser import CHROMIUM, CHROMIUM_ARGS, need_browser
+from browser import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS, need_browser
 from conftest import free_port, stop_with_ctrl_c, wait_http
 
 from gguf_assets.defs.groups import lineage_path
@@ -23,7 +22,6 @@ from gguf_assets.orchestration.launching import run_pipeline
 
 pytestmark = pytest.mark.slow  # whole pipelines: excluded from the fast loop (-m 'not slow')
 
-ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
 ASSETS = ("materials", "corpus", "train_shards", "val_shards", "adapter", "gguf", "eval_report")
 JOBS = ("materials_and_corpus", "precompute_train_shards", "precompute_val_shards", "train_export_evaluate")
 
