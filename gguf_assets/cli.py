@@ -86,16 +86,27 @@ def _print_status(paths: ProjectPaths) -> None:
 
 
 def _memory_line(paths: ProjectPaths, settings) -> str:
-    """The memory estimate in one status line (`gguf-trainer estimate DIR` has the details)."""
-    from gguf_assets.lib.status.estimate import estimate, peak_gib, size_text
+    """The memory estimate in one status line (`gguf-trainer estimate DIR` has the details); a hub that does not
+    answer within a few seconds makes it one line saying so, never a slow or failed status."""
+    from gguf_assets.lib.materials.hub_shapes import quick_options
+    from gguf_assets.lib.status.estimate import estimate, missing_piece, peak_gib, size_text
 
     try:
-        lines = estimate(paths, settings)
+        lines = estimate(paths, settings, token=_hf_token(), options=quick_options())
     except (UserError, OSError, ValueError, KeyError) as exc:
         return f"  memory: not known yet ({str(exc).splitlines()[0]})"
+    if missing_piece(lines):
+        return f"  memory: not known yet: {missing_piece(lines)}"
     parts = ", ".join(f"{line.part} {size_text(line.gib)}" for line in lines)
     return (f"  memory: peak on one GPU {size_text(peak_gib(lines))} ({parts}); details: "
             f"`{trainer('estimate', paths.root)}`")
+
+
+def _hf_token() -> str | None:
+    """The HF token the materials step sends (defs/resources.py reads the same variable); never printed."""
+    from gguf_assets.defs.environment import HF_TOKEN_ENV
+
+    return os.environ.get(HF_TOKEN_ENV) or None
 
 
 STOPPED_EXIT = 130  # the shell's code for a Ctrl-C
@@ -300,11 +311,13 @@ def cmd_auto_resume(project: str, *, daemon: bool, ui_port: int | None = None, u
 
 def cmd_estimate(args: argparse.Namespace) -> int:
     """How much memory the project's pair needs, from the safetensors headers, before anything loads."""
-    from gguf_assets.lib.status.estimate import estimate_lines
+    from gguf_assets.lib.status.estimate import estimate_lines, parse_gpu_sizes
 
     paths = ProjectPaths.of(args.project)
+    settings = load_settings(paths.root)
+    sizes = parse_gpu_sizes(args.gpus) if args.gpus is not None else None
     print(f"memory estimate for {paths.root} (weights and training state; activations come on top):")
-    print("\n".join(estimate_lines(paths, load_settings(paths.root))))
+    print("\n".join(estimate_lines(paths, settings, gpu_sizes_gib=sizes, token=_hf_token())))
     return 0
 
 
@@ -445,6 +458,8 @@ def build_parser() -> argparse.ArgumentParser:
     runs_cli.add_parser(sub)
     p = sub.add_parser("estimate", help="how much GPU memory the teacher, student and training need, before a run")
     p.add_argument("project")
+    p.add_argument("--gpus", metavar="GIB,GIB", default=None,
+                   help="plan for these GPUs, GiB each (for example 24,24); default: this machine's")
     p.set_defaults(func=cmd_estimate)
     p = sub.add_parser("cluster", help="keep the project's Dagster records in Postgres (docs/cluster.md)")
     p.add_argument("project")
