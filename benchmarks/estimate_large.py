@@ -63,14 +63,15 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         project = build_pair(Path(tmp))
         paths, settings = ProjectPaths.of(project), load_settings(project)
-        print("estimate (trainer8 adapter 1024 x 6, Qwen3-30B-A3B-shaped teacher, Qwen3-0.6B-shaped student), "
-              f"--gpus {GPU_SETS[0][0]}:")
-        print("\n".join(estimate_lines(paths, settings, gpu_sizes_gib=GPU_SETS[0], available_cpu_bytes=CPU_RAM)))
+        print("estimate (trainer8 adapter 1024 x 6, Qwen3-30B-A3B-shaped teacher, Qwen3-0.6B-shaped student):")
+        sizes_lines = estimate_lines(paths, settings, gpu_sizes_gib=GPU_SETS[0], available_cpu_bytes=CPU_RAM)
+        print("\n".join(sizes_lines[:4]))  # the parts and the peak; the placements per GPU set follow
         for sizes in GPU_SETS:
             print(f"--gpus {','.join(map(str, sizes))} ({len(sizes)} x {sizes[0]} GiB, {CPU_RAM // GIB} GiB RAM):")
             for line in placement_lines(paths, settings, named_gpus(sizes), available_cpu_bytes=CPU_RAM):
-                if line != SPEED_NOTE:  # printed once, with the estimate above
+                if line != SPEED_NOTE:  # printed once, below
                     print(f"  {line}")
+        print(f"  {SPEED_NOTE}")
     return 0
 
 
