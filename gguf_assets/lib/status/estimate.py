@@ -230,14 +230,15 @@ def estimate(paths: ProjectPaths, settings: Settings, *, token: str | None = Non
                                    "; on a CPU it computes in f32, twice that, in RAM"))
     lines.append(_weights_line("student", student, settings, p.student_dtype, "(precompute.student_dtype)"))
     shape, missing = None, "known once the teacher's and the student's config.json are there"
-    if student.folder is not None and p.mock_teacher:
-        from gguf_assets.lib.precompute.teacher import MOCK_DIM, MOCK_QUERY_ROWS
-
-        shape = MOCK_QUERY_ROWS, MOCK_DIM, ""
-    elif student.folder is not None and teacher.folder is not None:
+    if student.folder is not None and (p.mock_teacher or teacher.folder is not None):
         try:
-            shape = _rows_shape(paths, settings, teacher.folder, token=token, options=options)
             student_dim = qr.teacher_hidden_size(student.folder)
+            if p.mock_teacher:
+                from gguf_assets.lib.precompute.teacher import MOCK_DIM, MOCK_QUERY_ROWS
+
+                shape = MOCK_QUERY_ROWS, MOCK_DIM, ""
+            else:
+                shape = _rows_shape(paths, settings, teacher.folder, token=token, options=options)
         except (UserError, OSError, ValueError) as exc:  # a wrong tensor name lists candidates: the first line here
             missing = f"the query rows' shape: {str(exc).splitlines()[0]}"
     if shape is not None:

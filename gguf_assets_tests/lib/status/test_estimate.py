@@ -307,3 +307,10 @@ def test_an_unreachable_hub_is_one_line_quickly(make_project, monkeypatch):
     lines = estimate(paths, load_settings(paths.root), options=hub_shapes.quick_options())
     assert lines[0].gib is None and "cannot be reached" in lines[0].how
     assert time.monotonic() - before < 5  # remembered for hub_shapes.RETRY_AFTER_S: no new try
+
+
+def test_the_mock_teacher_needs_only_the_students_config(make_project):
+    paths = make_project(mock_teacher=True)
+    lines = {line.part: line for line in estimate(paths, load_settings(paths.root))}
+    assert lines["teacher"].gib == 0.0 and lines["adapter training"].gib > 0
+    assert "256 x 64 out" in lines["adapter training"].how  # the mock teacher's targets
