@@ -24,10 +24,10 @@ CACHE_SUBDIR = "hub"
 CONFIG_FILE = "config.json"
 WEIGHTS_INDEX = "model.safetensors.index.json"
 WEIGHTS_SUFFIX = ".safetensors"
-SHAPES_FILE = "shapes.json"  # beside config.json: what the listing and the headers said
 # `status` and the studio must stay quick whatever the hub does: one try, a short bound on silence.
 QUICK = dict(answer_timeout_s=8.0, api_timeout_s=8.0, stall_timeout_s=8.0, attempts=1, retry_wait_s=0.0)
 # A hub that did not answer is not asked again for this long: the studio's page and `status` repeat the question.
+# (A refusal, such as a gated repo, is asked again at once: the user may just have set HF_TOKEN.)
 RETRY_AFTER_S = 30.0
 
 
@@ -73,7 +73,8 @@ def hub_model(cache_dir: Path, source: str, *, skip: str = "", token: str | None
     try:
         listing = hub.list_repo(ref, token=token, options=options)
     except hub.HubError as exc:
-        atomic.write_json(failed, {"at": time.time(), "message": str(exc).splitlines()[0]})
+        if exc.kind in (hub.HubFailure.UNREACHABLE, *hub.TRANSIENT_KINDS):  # a hub that did not answer, not a
+            atomic.write_json(failed, {"at": time.time(), "message": str(exc).splitlines()[0]})  # refusal to fix
         raise
     failed.unlink(missing_ok=True)
     if CONFIG_FILE not in listing.files:

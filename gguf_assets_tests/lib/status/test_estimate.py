@@ -314,3 +314,16 @@ def test_the_mock_teacher_needs_only_the_students_config(make_project):
     lines = {line.part: line for line in estimate(paths, load_settings(paths.root))}
     assert lines["teacher"].gib == 0.0 and lines["adapter training"].gib > 0
     assert "256 x 64 out" in lines["adapter training"].how  # the mock teacher's targets
+
+
+def test_a_gated_hub_teacher_is_read_with_the_hf_token_and_without_it_is_one_line(make_project, loopback_hub,
+                                                                                  demo_materials_root):
+    """The token the materials step sends (HF_TOKEN) opens a gated repo for the estimate too; it never shows."""
+    loopback_hub.add_repo("gated/teacher", demo_materials_root / "teacher", gated=True)
+    paths = make_project(materials={"teacher": "gated/teacher", "student": "demo/student"},
+                         precompute={"mock_teacher": False})
+    refused = estimate(paths, load_settings(paths.root))[0]
+    assert refused.gib is None and "gated/teacher" in refused.how and "gated" in refused.how.split(": ", 1)[1]
+    lines = estimate(paths, load_settings(paths.root), token=loopback_hub.token)  # asked again at once
+    assert lines[0].gib > 0 and all(loopback_hub.token not in line.how for line in lines)
+    assert any(r["auth"] == "granted" for r in loopback_hub.requests if "gated/teacher" in r["path"])
