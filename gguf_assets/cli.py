@@ -73,7 +73,9 @@ def cmd_init(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_status(paths: ProjectPaths) -> None:
+def _print_status(paths: ProjectPaths, *, ask_hub: bool = False) -> None:
+    """Every stage's state, and "will it fit?" while shards are missing. ``ask_hub``: read a hub id's config from
+    the hub when the project's .cache lacks it (`status` itself; after a run, the run's own outcome comes first)."""
     from gguf_assets.lib.core.lock import holder
     from gguf_assets.lib.status.states import State, project_status, with_running
 
@@ -82,17 +84,17 @@ def _print_status(paths: ProjectPaths) -> None:
     for s in stages:
         print(f"  {s.stage:<12} {s.state:<8} {s.detail}")
     if any(s.stage.endswith("_shards") and s.state != State.CURRENT for s in stages):  # "will it fit?", before loading
-        print(_memory_line(paths, settings))
+        print(_memory_line(paths, settings, ask_hub=ask_hub))
 
 
-def _memory_line(paths: ProjectPaths, settings) -> str:
+def _memory_line(paths: ProjectPaths, settings, *, ask_hub: bool) -> str:
     """The memory estimate in one status line (`gguf-trainer estimate DIR` has the details); a hub that does not
     answer within a few seconds makes it one line saying so, never a slow or failed status."""
     from gguf_assets.lib.materials.hub_shapes import quick_options
     from gguf_assets.lib.status.estimate import estimate, missing_piece, peak_gib, size_text
 
     try:
-        lines = estimate(paths, settings, token=_hf_token(), options=quick_options())
+        lines = estimate(paths, settings, token=_hf_token(), options=quick_options(), ask_hub=ask_hub)
     except (UserError, OSError, ValueError, KeyError) as exc:
         return f"  memory: not known yet ({str(exc).splitlines()[0]})"
     if missing_piece(lines):
@@ -185,7 +187,7 @@ def cmd_env(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     paths = ProjectPaths.of(args.project)
-    _print_status(paths)
+    _print_status(paths, ask_hub=True)
     return 0
 
 

@@ -56,9 +56,10 @@ def _source_key(source: str) -> str:
 
 
 def hub_model(cache_dir: Path, source: str, *, skip: str = "", token: str | None = None,
-              options: hub.HubOptions | None = None) -> HubModel:
+              options: hub.HubOptions | None = None, ask_hub: bool = True) -> HubModel:
     """``source``'s config folder, read from the hub the first time (``skip``: a file that is not weights, the
-    teacher's query rows file). Raises HubError (its one-line message names the repo and the fix)."""
+    teacher's query rows file; ``ask_hub`` False: from the cache only). Raises HubError (its one-line message
+    names the repo and the fix), or UserError when ``ask_hub`` is False and nothing is cached."""
     ref = hub.RepoRef.parse(source, kind="model")
     pointer = _cache_root(cache_dir) / f"{_source_key(source)}.json"
     if pointer.is_file():
@@ -66,6 +67,8 @@ def hub_model(cache_dir: Path, source: str, *, skip: str = "", token: str | None
         folder = Path(known["folder"])
         if (folder / CONFIG_FILE).is_file():
             return HubModel(**{**known, "folder": folder})
+    if not ask_hub:
+        raise UserError("not read from the hub yet (`gguf-trainer status` or `estimate` reads it)")
     failed = pointer.with_suffix(".failed.json")
     if failed.is_file() and time.time() - atomic.read_json(failed)["at"] < RETRY_AFTER_S:
         raise hub.HubError(hub.HubFailure.UNREACHABLE, atomic.read_json(failed)["message"])
@@ -92,15 +95,18 @@ def hub_model(cache_dir: Path, source: str, *, skip: str = "", token: str | None
 
 
 def hub_rows_shape(cache_dir: Path, source: str, file: str, tensor: str, hidden: int, *, token: str | None = None,
-                   options: hub.HubOptions | None = None) -> tuple[list[int], int]:
+                   options: hub.HubOptions | None = None, ask_hub: bool = True) -> tuple[list[int], int]:
     """(shape, bytes read) of tensor ``tensor`` in ``file`` of hub repo ``source``, from the file's header alone;
-    the named tensor is checked as the materials step checks it (QueryRowsError lists the candidates)."""
+    the named tensor is checked as the materials step checks it (QueryRowsError lists the candidates).
+    ``ask_hub`` False: from the cache only (UserError when it is not there)."""
     ref = hub.RepoRef.parse(source, kind="model")
     pointer = _cache_root(cache_dir) / f"{_source_key(source)}.rows.json"
     key = query_rows.setting_key({"source": source, "file": file, "tensor": tensor})
     known = atomic.read_json(pointer) if pointer.is_file() else {}
     if key in known:
         return known[key]["shape"], 0
+    if not ask_hub:
+        raise UserError(f"{source}:{file} not read from the hub yet (`gguf-trainer status` or `estimate` reads it)")
     options = options or hub.HubOptions()
     listing = hub.list_repo(ref, token=token, options=options)
     remote = listing.files.get(file)

@@ -65,9 +65,10 @@ class ModelConfig:
 
 
 def model_config(paths: ProjectPaths, settings: Settings, role: str, *, token: str | None = None,
-                 options: hub.HubOptions | None = None) -> ModelConfig:
+                 options: hub.HubOptions | None = None, ask_hub: bool = True) -> ModelConfig:
     """materials.<role>'s config folder; a hub id not downloaded yet is read from the hub (config.json and the
-    weights index, kilobytes; kept in the project's .cache), never its weights."""
+    weights index, kilobytes; kept in the project's .cache), never its weights; ``ask_hub`` False: from the
+    .cache only."""
     value = getattr(settings.materials, role)
     folder = _folder(paths, role, value)
     if folder is not None:
@@ -82,7 +83,8 @@ def model_config(paths: ProjectPaths, settings: Settings, role: str, *, token: s
         return ModelConfig(None, f"materials.{role} = {value!r}: no such folder ({local}) and not a hub repo id")
     skip = settings.materials.query_rows_file if role == "teacher" else ""
     try:
-        remote = hub_shapes.hub_model(paths.cache_dir, value, skip=skip, token=token, options=options)
+        remote = hub_shapes.hub_model(paths.cache_dir, value, skip=skip, token=token, options=options,
+                                      ask_hub=ask_hub)
     except UserError as exc:  # HubError included: its first line names the repo and the fix
         return ModelConfig(None, f"the estimate needs the hub for {value}: {str(exc).splitlines()[0]}")
     except OSError as exc:  # a read-only project folder: nowhere to keep what the hub said
@@ -95,7 +97,7 @@ def model_config(paths: ProjectPaths, settings: Settings, role: str, *, token: s
 
 
 def _rows_shape(paths: ProjectPaths, settings: Settings, teacher: Path, *, token: str | None,
-                options: hub.HubOptions | None) -> tuple[int, int, str]:
+                options: hub.HubOptions | None, ask_hub: bool) -> tuple[int, int, str]:
     """(Q, D, where Q came from) of the teacher's targets, from the query rows' header wherever they are: the
     fetched material, the file or hub repo materials.query_rows names, the teacher folder's query_rows_file;
     else the usual Q, said so with what to add."""
@@ -114,7 +116,8 @@ def _rows_shape(paths: ProjectPaths, settings: Settings, teacher: Path, *, token
             file = local / m.query_rows["file"] if local.is_dir() else local
             return hub_shapes.local_rows_shape(file, m.query_rows["tensor"], hidden)[0], hidden, ""
         shape, _ = hub_shapes.hub_rows_shape(paths.cache_dir, m.query_rows["source"], m.query_rows["file"],
-                                             m.query_rows["tensor"], hidden, token=token, options=options)
+                                             m.query_rows["tensor"], hidden, token=token, options=options,
+                                             ask_hub=ask_hub)
         return shape[0], hidden, f", rows from the header of {m.query_rows['source']}:{m.query_rows['file']}"
     file = teacher / m.query_rows_file
     if file.is_file():
@@ -214,18 +217,19 @@ def _weights_line(role: str, config: ModelConfig, settings: Settings, dtype: str
 
 
 def estimate(paths: ProjectPaths, settings: Settings, *, token: str | None = None,
-             options: hub.HubOptions | None = None) -> list[MemoryLine]:
+             options: hub.HubOptions | None = None, ask_hub: bool = True) -> list[MemoryLine]:
     """Teacher, student and adapter training, each in GiB, or None with one line saying what is missing. Hub ids
     not downloaded yet are read from the hub (``token``: the HF token the materials step sends; ``options``: its
-    bounds, hub_shapes.quick_options() where the answer must come quickly)."""
+    bounds, hub_shapes.quick_options() where the answer must come quickly; ``ask_hub`` False: only what the
+    project's .cache holds)."""
     p, t = settings.precompute, settings.training
     lines = []
-    student = model_config(paths, settings, "student", token=token, options=options)
+    student = model_config(paths, settings, "student", token=token, options=options, ask_hub=ask_hub)
     teacher = ModelConfig(None)
     if p.mock_teacher:
         lines.append(MemoryLine("teacher", 0.0, "precompute.mock_teacher: no teacher is loaded"))
     else:
-        teacher = model_config(paths, settings, "teacher", token=token, options=options)
+        teacher = model_config(paths, settings, "teacher", token=token, options=options, ask_hub=ask_hub)
         lines.append(_weights_line("teacher", teacher, settings, "bf16", "(GPU)",
                                    "; on a CPU it computes in f32, twice that, in RAM"))
     lines.append(_weights_line("student", student, settings, p.student_dtype, "(precompute.student_dtype)"))
@@ -238,7 +242,7 @@ def estimate(paths: ProjectPaths, settings: Settings, *, token: str | None = Non
 
                 shape = MOCK_QUERY_ROWS, MOCK_DIM, ""
             else:
-                shape = _rows_shape(paths, settings, teacher.folder, token=token, options=options)
+                shape = _rows_shape(paths, settings, teacher.folder, token=token, options=options, ask_hub=ask_hub)
         except (UserError, OSError, ValueError) as exc:  # a wrong tensor name lists candidates: the first line here
             missing = f"the query rows' shape: {str(exc).splitlines()[0]}"
     if shape is not None:
