@@ -30,7 +30,7 @@ from gguf_assets.lib.project.settings import Settings
 GIB = 2**30
 BYTES = {"bf16": 2, "f16": 2, "f32": 4}
 ADAM_BYTES_PER_PARAM = 16  # f32 weights, f32 gradients, two f32 AdamW moments
-USUAL_QUERY_ROWS = 256  # what text-to-image checkpoints ship (docs DESIGN §1); used only while the rows are unknown
+USUAL_QUERY_ROWS = 256  # what text-to-image checkpoints ship (DESIGN.md §1); used only while the rows are unknown
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,6 @@ class ModelConfig:
 
     folder: Path | None
     why: str = ""  # with a folder: where it came from, for the "how" text; without: what is missing
-    from_hub: bool = False
 
 
 def model_config(paths: ProjectPaths, settings: Settings, role: str, *, token: str | None = None,
@@ -93,7 +92,7 @@ def model_config(paths: ProjectPaths, settings: Settings, role: str, *, token: s
     return ModelConfig(remote.folder, f" (config.json from the hub at {remote.commit[:12]}, "
                                       f"{remote.read_bytes / 1024:.1f} KiB read, built on the meta device; the "
                                       f"weights, {size_text(remote.weights_bytes / GIB)} in {remote.weight_files} "
-                                      "file(s), not downloaded)", from_hub=True)
+                                      "file(s), not downloaded)")
 
 
 def _rows_shape(paths: ProjectPaths, settings: Settings, teacher: Path, *, token: str | None,
@@ -277,7 +276,7 @@ def size_text(gib: float | None) -> str:
     return f"{gib:.2f} GiB" if gib >= 1 else f"{gib * 1024:.1f} MiB"
 
 
-# The seed's measurement (docs DESIGN §1, its reference run: a Qwen3-30B-A3B-class MoE teacher on an RTX 5090 with an
+# The seed's measurement (DESIGN.md §1, its reference run: a Qwen3-30B-A3B-class MoE teacher on an RTX 5090 with an
 # RTX 4050): 4.5 prompts/s with the whole teacher on the GPUs (sequential), 2.4 prompts/s with about half of it
 # offloaded to the CPU (balanced). The only two points measured; every other figure is interpolated between them.
 SEED_PROMPTS_PER_S_ON_GPUS = 4.5
@@ -298,6 +297,9 @@ def placement_outcome(summary: dict[str, dict[str, float]]) -> str:
     total = sum(v["gib"] for v in summary.values()) or 1.0
     off = sum(v["gib"] for d, v in summary.items() if not d.startswith("cuda")) / total
     gpus = [d for d in summary if d.startswith("cuda")]
+    if "disk" in summary:  # the precompute refuses this (plan_placement): GPUs and RAM are too small
+        return (f"does not fit: {summary['disk']['gib']:.2f} GiB would go to disk; raise "
+                "precompute.teacher_cpu_memory_gib or use bigger GPUs")
     if off > 0:
         where = f"teacher partly offloaded: {off:.0%} of it in CPU RAM"
     elif len(gpus) > 1:
@@ -331,8 +333,8 @@ def placement_lines(paths: ProjectPaths, settings: Settings, gpus: list[dict], *
     cpu = psutil.virtual_memory().available if available_cpu_bytes is None else available_cpu_bytes
     try:
         placements = teacher_placements(folder, settings, free_gpu_bytes=free, available_cpu_bytes=cpu)
-    except (UserError, ValueError, OSError, KeyError, ImportError) as exc:  # e.g. precompute.device names a GPU
-        return [f"teacher placement: {str(exc).splitlines()[0]}"]  # this machine lacks
+    except (UserError, ValueError, OSError, KeyError, ImportError) as exc:  # e.g. precompute.device: no such GPU
+        return [f"teacher placement: {str(exc).splitlines()[0]}"]
     chosen = settings.precompute.teacher_placement
     return [f"teacher placement {strategy}{' (precompute.teacher_placement)' if strategy == chosen else ''}: "
             f"{placement_text(summary)} -> {placement_outcome(summary)}" for strategy, summary in placements.items()

@@ -327,3 +327,10 @@ def test_a_gated_hub_teacher_is_read_with_the_hf_token_and_without_it_is_one_lin
     lines = estimate(paths, load_settings(paths.root), token=loopback_hub.token)  # asked again at once
     assert lines[0].gib > 0 and all(loopback_hub.token not in line.how for line in lines)
     assert any(r["auth"] == "granted" for r in loopback_hub.requests if "gated/teacher" in r["path"])
+
+
+def test_a_teacher_that_would_spill_to_disk_is_said_not_to_fit():
+    from gguf_assets.lib.status.estimate import placement_outcome
+
+    assert placement_outcome({"cuda:0": {"layers": 2, "gib": 20.0}, "cpu": {"layers": 2, "gib": 20.0},
+                              "disk": {"layers": 1, "gib": 9.5}}).startswith("does not fit: 9.50 GiB would go to disk")
