@@ -29,6 +29,7 @@ QUICK = dict(answer_timeout_s=8.0, api_timeout_s=8.0, stall_timeout_s=8.0, attem
 # A hub that did not answer is not asked again for this long: the studio's page and `status` repeat the question.
 # (A refusal, such as a gated repo, is asked again at once: the user may just have set HF_TOKEN.)
 RETRY_AFTER_S = 30.0
+UNANSWERED_FILE = "unanswered.json"  # the hub that last did not answer, when, and why (HubError's words)
 
 
 def quick_options() -> hub.HubOptions:
@@ -69,17 +70,19 @@ def hub_model(cache_dir: Path, source: str, *, skip: str = "", token: str | None
             return HubModel(**{**known, "folder": folder})
     if not ask_hub:
         raise UserError("not read from the hub yet (`gguf-trainer status` or `estimate` reads it)")
-    failed = pointer.with_suffix(".failed.json")
-    if failed.is_file() and time.time() - atomic.read_json(failed)["at"] < RETRY_AFTER_S:
-        raise hub.HubError(hub.HubFailure.UNREACHABLE, atomic.read_json(failed)["message"])
+    unanswered = _cache_root(cache_dir) / UNANSWERED_FILE  # per hub, not per repo: one silent hub, one wait
+    last = atomic.read_json(unanswered) if unanswered.is_file() else {}
+    if last.get("endpoint") == hub.endpoint() and time.time() - last["at"] < RETRY_AFTER_S:
+        raise hub.HubError(hub.HubFailure.UNREACHABLE, f"{ref} ({ref.kind} repo on {hub.endpoint()}): {last['why']}")
     options = options or hub.HubOptions()
     try:
         listing = hub.list_repo(ref, token=token, options=options)
     except hub.HubError as exc:
         if exc.kind in (hub.HubFailure.UNREACHABLE, *hub.TRANSIENT_KINDS):  # a hub that did not answer, not a
-            atomic.write_json(failed, {"at": time.time(), "message": str(exc).splitlines()[0]})  # refusal to fix
+            atomic.write_json(unanswered, {"endpoint": hub.endpoint(), "at": time.time(),  # refusal to fix
+                                           "why": str(exc).splitlines()[0].split("): ", 1)[-1]})
         raise
-    failed.unlink(missing_ok=True)
+    unanswered.unlink(missing_ok=True)
     if CONFIG_FILE not in listing.files:
         raise UserError(f"{source}: the repo has no config.json at {listing.commit[:12]}; point it at a transformers "
                         "model repo (config, tokenizer and *.safetensors).")
