@@ -334,3 +334,24 @@ def test_a_teacher_that_would_spill_to_disk_is_said_not_to_fit():
 
     assert placement_outcome({"cuda:0": {"layers": 2, "gib": 20.0}, "cpu": {"layers": 2, "gib": 20.0},
                               "disk": {"layers": 1, "gib": 9.5}}).startswith("does not fit: 9.50 GiB would go to disk")
+
+
+def test_a_silent_hub_costs_status_one_short_wait(make_project, loopback_hub, caplog):
+    """A hub that takes the connection and never answers (a stalled mirror): the quick bound status and the
+    studio use ends the wait within seconds, once for both models, and the next ask is answered from the .cache."""
+    import time
+
+    from gguf_assets.lib.materials import hub_shapes
+
+    paths = make_project(materials={"teacher": "demo/teacher", "student": "demo/student"},
+                         precompute={"mock_teacher": False})
+    loopback_hub.go_silent()
+    started = time.monotonic()
+    lines = estimate(paths, load_settings(paths.root), options=hub_shapes.quick_options())
+    took = time.monotonic() - started
+    assert lines[0].gib is None and lines[1].gib is None and "8 s" in lines[1].how, lines
+    assert took < hub_shapes.QUICK["answer_timeout_s"] + 12, took  # one wait (the student's), not one per model
+    assert "listing failed" not in caplog.text  # one try: its failure is the line, no warning before it
+    started = time.monotonic()
+    assert estimate(paths, load_settings(paths.root), options=hub_shapes.quick_options())[0].gib is None
+    assert time.monotonic() - started < 3
