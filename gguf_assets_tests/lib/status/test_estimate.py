@@ -256,7 +256,7 @@ def test_a_30b_a3b_shaped_hub_teacher_is_estimated_from_its_config_and_index_alo
     assert "teacher partly offloaded: 27% of it in CPU RAM; about 3.1 prompts/s" in sequential
 
 
-@pytest.mark.slow  # about 20 s on 2 busy cores: `estimate` and `status` as the user runs them (two CLI processes)
+@pytest.mark.slow  # 20 to 75 s on 2 busy cores: `estimate` and `status` as the user runs them (two CLI processes)
 def test_a_config_only_folder_without_query_rows_gets_a_one_line_answer(make_project, demo_materials_root):
     """config.json alone (the weights and the rows not there yet): `estimate` and `status` answer, exit 0, no
     traceback; a folder without even config.json is one line saying what to add."""
