@@ -4,9 +4,9 @@ weights: the estimate builds them on the meta device) plus the teacher's [256, D
 
     .venv/bin/python benchmarks/estimate_large.py
 
-Prints `gguf-trainer estimate`'s lines for the trainer8 recipe (1024 x 6) and where the teacher would go,
-per device, under sequential and balanced placement on the seed's machine (an RTX 5090 with 32 GiB and
-a 6 GiB RTX 4050) and on two 80 GiB GPUs.
+Prints `gguf-trainer estimate --gpus 24`'s lines for the trainer8 recipe (1024 x 6), then where the teacher would
+go, per device, under sequential and balanced placement, and the speed that costs (scaled from the seed's
+measurement), on 1 x 24, 2 x 24, 1 x 80 and 1 x 141 GiB (`--gpus` of each), with 128 GiB of CPU RAM.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ QWEN3_0_6B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, n
                   num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
                   tie_word_embeddings=True)
 QUERY_ROWS = 256
-MACHINES = {"the seed's RTX 5090 + RTX 4050": {0: 32 * GIB, 1: 6 * GIB}, "two 80 GiB GPUs": {0: 80 * GIB, 1: 80 * GIB}}
+GPU_SETS = ([24], [24, 24], [80], [141])  # GiB per GPU, as `--gpus` takes them
 CPU_RAM = 128 * GIB
 
 
@@ -58,19 +58,20 @@ def build_pair(root: Path) -> Path:
 def main() -> int:
     from gguf_assets.lib.project.layout import ProjectPaths
     from gguf_assets.lib.project.settings import load_settings
-    from gguf_assets.lib.status.estimate import estimate_lines, placement_text, teacher_placements
+    from gguf_assets.lib.status.estimate import SPEED_NOTE, estimate_lines, named_gpus, placement_lines
 
     with tempfile.TemporaryDirectory() as tmp:
         project = build_pair(Path(tmp))
         paths, settings = ProjectPaths.of(project), load_settings(project)
         print("estimate (trainer8 adapter 1024 x 6, Qwen3-30B-A3B-shaped teacher, Qwen3-0.6B-shaped student):")
-        print("\n".join(estimate_lines(paths, settings)))
-        for machine, gpus in MACHINES.items():
-            print(f"teacher placement on {machine} (budgets: auto, {CPU_RAM // GIB} GiB RAM):")
-            placements = teacher_placements(paths.resolve_local(settings.materials.teacher), settings,
-                                            free_gpu_bytes=gpus, available_cpu_bytes=CPU_RAM)
-            for strategy, summary in placements.items():
-                print(f"  {strategy:<10} {placement_text(summary)}")
+        sizes_lines = estimate_lines(paths, settings, gpu_sizes_gib=GPU_SETS[0], available_cpu_bytes=CPU_RAM)
+        print("\n".join(sizes_lines[:4]))  # the parts and the peak; the placements per GPU set follow
+        for sizes in GPU_SETS:
+            print(f"--gpus {','.join(map(str, sizes))} ({len(sizes)} x {sizes[0]} GiB, {CPU_RAM // GIB} GiB RAM):")
+            for line in placement_lines(paths, settings, named_gpus(sizes), available_cpu_bytes=CPU_RAM):
+                if line != SPEED_NOTE:  # printed once, below
+                    print(f"  {line}")
+        print(f"  {SPEED_NOTE}")
     return 0
 
 

@@ -73,7 +73,9 @@ def cmd_init(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_status(paths: ProjectPaths) -> None:
+def _print_status(paths: ProjectPaths, *, ask_hub: bool = False) -> None:
+    """Every stage's state, and "will it fit?" while shards are missing. ``ask_hub``: read a hub id's config from
+    the hub when the project's .cache lacks it (`status` itself; after a run, the run's own outcome comes first)."""
     from gguf_assets.lib.core.lock import holder
     from gguf_assets.lib.status.states import State, project_status, with_running
 
@@ -82,20 +84,31 @@ def _print_status(paths: ProjectPaths) -> None:
     for s in stages:
         print(f"  {s.stage:<12} {s.state:<8} {s.detail}")
     if any(s.stage.endswith("_shards") and s.state != State.CURRENT for s in stages):  # "will it fit?", before loading
-        print(_memory_line(paths, settings))
+        print(_memory_line(paths, settings, ask_hub=ask_hub))
 
 
-def _memory_line(paths: ProjectPaths, settings) -> str:
-    """The memory estimate in one status line (`gguf-trainer estimate DIR` has the details)."""
-    from gguf_assets.lib.status.estimate import estimate, peak_gib, size_text
+def _memory_line(paths: ProjectPaths, settings, *, ask_hub: bool) -> str:
+    """The memory estimate in one status line (`gguf-trainer estimate DIR` has the details); a hub that does not
+    answer within a few seconds makes it one line saying so, never a slow or failed status."""
+    from gguf_assets.lib.materials.hub_shapes import quick_options
+    from gguf_assets.lib.status.estimate import estimate, missing_piece, peak_gib, size_text
 
     try:
-        lines = estimate(paths, settings)
+        lines = estimate(paths, settings, token=_hf_token(), options=quick_options(), ask_hub=ask_hub)
     except (UserError, OSError, ValueError, KeyError) as exc:
         return f"  memory: not known yet ({str(exc).splitlines()[0]})"
+    if missing_piece(lines):
+        return f"  memory: not known yet: {missing_piece(lines)}"
     parts = ", ".join(f"{line.part} {size_text(line.gib)}" for line in lines)
     return (f"  memory: peak on one GPU {size_text(peak_gib(lines))} ({parts}); details: "
             f"`{trainer('estimate', paths.root)}`")
+
+
+def _hf_token() -> str | None:
+    """The HF token the materials step sends (defs/resources.py reads the same variable); never printed."""
+    from gguf_assets.defs.environment import HF_TOKEN_ENV
+
+    return os.environ.get(HF_TOKEN_ENV) or None
 
 
 STOPPED_EXIT = 130  # the shell's code for a Ctrl-C
@@ -174,7 +187,7 @@ def cmd_env(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     paths = ProjectPaths.of(args.project)
-    _print_status(paths)
+    _print_status(paths, ask_hub=True)
     return 0
 
 
@@ -300,11 +313,13 @@ def cmd_auto_resume(project: str, *, daemon: bool, ui_port: int | None = None, u
 
 def cmd_estimate(args: argparse.Namespace) -> int:
     """How much memory the project's pair needs, from the safetensors headers, before anything loads."""
-    from gguf_assets.lib.status.estimate import estimate_lines
+    from gguf_assets.lib.status.estimate import estimate_lines, parse_gpu_sizes
 
     paths = ProjectPaths.of(args.project)
+    settings = load_settings(paths.root)
+    sizes = parse_gpu_sizes(args.gpus) if args.gpus is not None else None
     print(f"memory estimate for {paths.root} (weights and training state; activations come on top):")
-    print("\n".join(estimate_lines(paths, load_settings(paths.root))))
+    print("\n".join(estimate_lines(paths, settings, gpu_sizes_gib=sizes, token=_hf_token())))
     return 0
 
 
@@ -445,6 +460,8 @@ def build_parser() -> argparse.ArgumentParser:
     runs_cli.add_parser(sub)
     p = sub.add_parser("estimate", help="how much GPU memory the teacher, student and training need, before a run")
     p.add_argument("project")
+    p.add_argument("--gpus", metavar="GIB,GIB", default=None,
+                   help="plan for these GPUs, GiB each (for example 24,24); default: this machine's")
     p.set_defaults(func=cmd_estimate)
     p = sub.add_parser("cluster", help="keep the project's Dagster records in Postgres (docs/cluster.md)")
     p.add_argument("project")

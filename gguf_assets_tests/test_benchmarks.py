@@ -292,14 +292,20 @@ def test_scale_benchmark_prints_every_stage_and_part_and_applies_its_rules():
     assert "## cluster" not in out and out.count("rule: ") == 2, out
 
 
-@pytest.mark.slow  # about 6 s: two large configs built on the meta device, four placements planned
+@pytest.mark.slow  # about 10 s: two large configs built on the meta device, ten placements planned
 def test_the_large_pair_estimate_prints_the_pairs_sizes_and_where_the_teacher_goes():
     out = _run("estimate_large.py")
     gib, billions = _figures(out, "teacher # GiB # B parameters in bf16 (GPU) (from config.json on the meta "
                              "device: no weights here yet); on a CPU it computes in f32, twice that, in RAM")
     assert 29 < billions < 31 and gib == pytest.approx(billions * 1e9 * 2 / 2**30, rel=1e-3)
-    placed = [line.split() for line in out.splitlines() if line.strip().startswith(("sequential", "balanced"))]
-    assert len(placed) == 4 and placed[2][1:2] == ["cuda:0"] and "cuda:1" in placed[3], placed
+    sections = out.split("\n--gpus ")[1:]
+    assert [s.split()[0] for s in sections] == ["24", "24,24", "80", "141"], out
+    sequential = [next(line for line in s.splitlines() if "placement sequential" in line) for s in sections]
+    speeds = [float(re.search(r"about ([\d.]+) prompts/s", line).group(1)) for line in sequential]
+    # 1 x 24 offloads most of the 56 GiB, 2 x 24 less, 80 and 141 GiB hold it all on one GPU at the seed's 4.5.
+    assert "cpu " in sequential[0] and "cuda:1 " in sequential[1] and "cpu " in sequential[1], sequential
+    assert speeds[0] < 2.4 < speeds[1] < 4.5 and speeds[2:] == [4.5, 4.5], sequential
+    assert all("-> all on one GPU" in line for line in sequential[2:]) and out.count("speed: the seed's") == 1, out
 
 
 @pytest.mark.serial  # its rules time a Run and a Stop: alone on the machine (scripts/test.sh)

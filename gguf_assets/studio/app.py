@@ -269,19 +269,23 @@ def machine_view() -> dict:
 
 def memory_view(paths: ProjectPaths) -> dict:
     """The memory estimate (lib/status/estimate.py), as the page's Memory panel shows it, with where the
-    teacher would go on this machine's GPUs."""
-    from gguf_assets.lib.status.estimate import estimate, peak_gib, placement_lines, size_text
+    teacher would go on this machine's GPUs and what that costs in speed (`gguf-trainer estimate`'s lines). A hub
+    id not downloaded yet is read from the hub once (kept in the project's .cache), within a few seconds."""
+    from gguf_assets.defs.environment import HF_TOKEN_ENV
+    from gguf_assets.lib.materials.hub_shapes import quick_options
+    from gguf_assets.lib.status.estimate import estimate, missing_piece, peak_gib, placement_lines, size_text
     from gguf_assets.lib.telemetry.hardware import gpu_snapshot
 
     gpus = gpu_snapshot()
+    hub_access = {"token": os.environ.get(HF_TOKEN_ENV) or None, "options": quick_options()}
     try:
         settings = load_settings(paths.root)
-        lines = estimate(paths, settings)
-        placements = placement_lines(paths, settings, gpus)
+        lines = estimate(paths, settings, **hub_access)
+        placements = placement_lines(paths, settings, gpus, **hub_access)
     except (UserError, OSError, ValueError, KeyError) as exc:
         return {"lines": [], "peak": "?", "gpus": [], "placements": [], "error": str(exc)}
     return {"lines": [{"part": line.part, "size": size_text(line.gib), "how": line.how} for line in lines],
-            "peak": size_text(peak_gib(lines)), "error": None, "placements": placements,
+            "peak": size_text(peak_gib(lines)), "error": missing_piece(lines), "placements": placements,
             "gpus": [f"GPU {g['index']}: {g['mem_total_gib']:.0f} GiB" for g in gpus]}
 
 

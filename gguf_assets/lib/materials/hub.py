@@ -882,14 +882,13 @@ def list_repo(ref: RepoRef, *, revision: str | None = None, token: str | None = 
         answer = _run_child({"op": "list", "repo_id": ref.repo_id, "kind": ref.kind, "revision": revision,
                              "timeout": options.api_timeout_s}, token=token, options=options, progress_dir=None,
                             waiting=waiting)
-        if not answer.retryable:
+        if not answer.retryable or tries == options.attempts:  # the last try's failure is the error raised below
             break
         log.warning("%s: listing failed (try %d of %d): %s", ref, tries, options.attempts,
                     _redact(answer.detail, token))
         if waiting.over():  # the hub has answered nothing for the whole bound
             break
-        if tries < options.attempts:
-            time.sleep(waiting.pause_s(options.retry_wait_s))
+        time.sleep(waiting.pause_s(options.retry_wait_s))
     if not answer.ok:
         raise _fail(ref, answer, token=token, attempts=tries, pinned=bool(COMMIT.match(revision)))
     return Listing(answer.commit or "", {f.path: f for f in answer.files})

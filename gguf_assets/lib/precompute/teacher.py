@@ -14,7 +14,6 @@ the caller retries with the GPU budget lowered (`lower_budget_on_oom`).
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 from collections.abc import Callable
@@ -436,16 +435,6 @@ class MockTeacher:
             on_batch(len(prompts), states.tokens)
         peak = float(out.float().abs().max()) if out.numel() else 0.0
         return TeacherTargets(out, states.tokens, states.truncated, peak)
-
-
-def teacher_shape(folder: Path, settings: Settings, rows: tuple[Path, str, str] | None = None) -> tuple[int, int]:
-    """(Q, D) without loading the backbone; ``rows`` as for load_query_rows."""
-    m = settings.materials
-    hidden = json.loads((Path(folder) / "config.json").read_text(encoding="utf-8"))["hidden_size"]
-    file, tensor = (rows[0], rows[1]) if rows else (Path(folder) / m.query_rows_file, m.query_rows_tensor)
-    with safe_open(str(file), "pt") as fh:
-        q = fh.get_slice(tensor).get_shape()[0]
-    return int(q), int(hidden)
 
 
 def summarize_placement(summary: dict[str, dict[str, float]]) -> str:

@@ -119,6 +119,12 @@ class ProjectPaths:
         return self.output_dir(settings) / f"{settings.output.adapter_name}{REPORT_SUFFIX}.md"
 
     @property
+    def cache_dir(self) -> Path:
+        """What was read only to answer a question (a hub model's config for `estimate`): safe to delete, read
+        again when missing; no stage depends on it."""
+        return self.root / ".cache"
+
+    @property
     def dagster_home(self) -> Path:
         return self.root / ".dagster"
 

@@ -1,6 +1,11 @@
 """How much memory a project's pair needs, before anything loads: from the safetensors headers (before any
 download, from config.json alone, the model built on the meta device) and the adapter's shape, not a guess
-from the model's name.
+from the model's name. A hub id not downloaded yet is answered from its config.json and weights index, read from
+the hub (kilobytes; lib/materials/hub_shapes.py keeps them in the project's .cache); the query rows' Q from their
+header, wherever they are. What cannot be known is one line that says what to add, never an exception.
+
+Where the teacher goes on the GPUs (this machine's, or sizes the user names) is planned on the meta device by the
+precompute's own planner, and its speed scaled from the seed's one measurement (see prompts_per_s).
 
 Counted: the teacher's and the student's weights at the dtype they compute in on a GPU (bf16 for the
 teacher, precompute.student_dtype for the student), and the adapter's training state (f32 weights
@@ -11,12 +16,13 @@ small share of the teacher's weights; the precompute lowers its own GPU budget o
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from gguf_assets.lib.core.errors import UserError
 from gguf_assets.lib.core.safetensors_io import safetensors_header
+from gguf_assets.lib.materials import hub, hub_shapes
+from gguf_assets.lib.materials import query_rows as qr
 from gguf_assets.lib.materials.materials import load_manifest
 from gguf_assets.lib.project.layout import ProjectPaths
 from gguf_assets.lib.project.settings import Settings
@@ -24,6 +30,7 @@ from gguf_assets.lib.project.settings import Settings
 GIB = 2**30
 BYTES = {"bf16": 2, "f16": 2, "f32": 4}
 ADAM_BYTES_PER_PARAM = 16  # f32 weights, f32 gradients, two f32 AdamW moments
+USUAL_QUERY_ROWS = 256  # what text-to-image checkpoints ship (DESIGN.md §1); used only while the rows are unknown
 
 
 @dataclass(frozen=True)
@@ -47,19 +54,75 @@ def _folder(paths: ProjectPaths, role: str, value: str) -> Path | None:
     return None
 
 
-def _teacher_shape(paths: ProjectPaths, settings: Settings, teacher: Path) -> tuple[int, int] | None:
-    """(Q, D) of the teacher's targets; None while materials.query_rows is set but not fetched yet."""
-    from gguf_assets.lib.precompute.teacher import teacher_shape
+@dataclass(frozen=True)
+class ModelConfig:
+    """Where a model's config.json is (its folder, the materials' download, or the hub cache) and what that is,
+    or, when it cannot be had, why (``folder`` None, ``why`` one line naming what to add)."""
 
-    rows = None
-    if settings.materials.query_rows:
-        from gguf_assets.lib.materials.query_rows import rows_location
+    folder: Path | None
+    why: str = ""  # with a folder: where it came from, for the "how" text; without: what is missing
 
+
+def model_config(paths: ProjectPaths, settings: Settings, role: str, *, token: str | None = None,
+                 options: hub.HubOptions | None = None, ask_hub: bool = True) -> ModelConfig:
+    """materials.<role>'s config folder; a hub id not downloaded yet is read from the hub (config.json and the
+    weights index, kilobytes; kept in the project's .cache), never its weights; ``ask_hub`` False: from the
+    .cache only."""
+    value = getattr(settings.materials, role)
+    folder = _folder(paths, role, value)
+    if folder is not None:
+        return ModelConfig(folder)
+    if not value:
+        return ModelConfig(None, f"materials.{role} is not set: set it to a hub repo id or a local folder")
+    local = paths.resolve_local(value)
+    if local.exists():
+        return ModelConfig(None, f"materials.{role} = {value!r}: {local} has no config.json; add the model's "
+                                 "config.json (the weights may come later)")
+    if not hub.is_repo_source(value):
+        return ModelConfig(None, f"materials.{role} = {value!r}: no such folder ({local}) and not a hub repo id")
+    skip = settings.materials.query_rows_file if role == "teacher" else ""
+    try:
+        remote = hub_shapes.hub_model(paths.cache_dir, value, skip=skip, token=token, options=options,
+                                      ask_hub=ask_hub)
+    except UserError as exc:  # HubError included: its first line names the repo and the fix
+        return ModelConfig(None, f"the estimate needs the hub for {value}: {str(exc).splitlines()[0]}")
+    except OSError as exc:  # a read-only project folder: nowhere to keep what the hub said
+        return ModelConfig(None, f"{value}: cannot keep the hub's answer in {paths.cache_dir} ({exc}); make the "
+                                 "project folder writable")
+    return ModelConfig(remote.folder, f" (config.json from the hub at {remote.commit[:12]}, "
+                                      f"{remote.read_bytes / 1024:.1f} KiB read, built on the meta device; the "
+                                      f"weights, {size_text(remote.weights_bytes / GIB)} in {remote.weight_files} "
+                                      "file(s), not downloaded)")
+
+
+def _rows_shape(paths: ProjectPaths, settings: Settings, teacher: Path, *, token: str | None,
+                options: hub.HubOptions | None, ask_hub: bool) -> tuple[int, int, str]:
+    """(Q, D, where Q came from) of the teacher's targets, from the query rows' header wherever they are: the
+    fetched material, the file or hub repo materials.query_rows names, the teacher folder's query_rows_file;
+    else the usual Q, said so with what to add."""
+    m = settings.materials
+    hidden = qr.teacher_hidden_size(teacher)
+    if m.query_rows:
+        entry = None
         try:
-            rows = rows_location(settings, load_manifest(paths), teacher)
+            entry = load_manifest(paths).query_rows
         except (OSError, ValueError, TypeError, UserError):
-            return None
-    return teacher_shape(teacher, settings, rows)
+            pass
+        if entry and entry.get("key") == qr.setting_key(m.query_rows):
+            return entry["shape"][0], hidden, ""
+        local = paths.resolve_local(m.query_rows["source"])
+        if local.exists():
+            file = local / m.query_rows["file"] if local.is_dir() else local
+            return hub_shapes.local_rows_shape(file, m.query_rows["tensor"], hidden)[0], hidden, ""
+        shape, _ = hub_shapes.hub_rows_shape(paths.cache_dir, m.query_rows["source"], m.query_rows["file"],
+                                             m.query_rows["tensor"], hidden, token=token, options=options,
+                                             ask_hub=ask_hub)
+        return shape[0], hidden, f", rows from the header of {m.query_rows['source']}:{m.query_rows['file']}"
+    file = teacher / m.query_rows_file
+    if file.is_file():
+        return hub_shapes.local_rows_shape(file, m.query_rows_tensor, hidden)[0], hidden, ""
+    return (USUAL_QUERY_ROWS, hidden, f"; Q = {USUAL_QUERY_ROWS} assumed (the usual): add {m.query_rows_file} to the "
+            "teacher folder or set materials.query_rows to count the real rows")
 
 
 def _count(n: int) -> str:
@@ -137,43 +200,66 @@ def adapter_params(student_dim: int, query_rows: int, target_dim: int, width: in
             + 2 * width + width * target_dim + target_dim + 2 * query_rows * target_dim)
 
 
-def estimate(paths: ProjectPaths, settings: Settings) -> list[MemoryLine]:
-    m, p, t = settings.materials, settings.precompute, settings.training
+def _weights_line(role: str, config: ModelConfig, settings: Settings, dtype: str, how: str,
+                  after: str = "") -> MemoryLine:
+    """The weights of a model in ``dtype``; not known (one line why) when its config is missing or unbuildable."""
+    if config.folder is None:
+        return MemoryLine(role, None, config.why)
+    try:
+        n, source = model_params(config.folder, settings,
+                                 skip=settings.materials.query_rows_file if role == "teacher" else "")
+    except (ValueError, KeyError, OSError, ImportError) as exc:  # an unknown model_type, a config missing a key
+        return MemoryLine(role, None, f"{config.folder / 'config.json'} cannot be built on the meta device "
+                                      f"({str(exc).splitlines()[0][:200]}); check materials.{role}")
+    return MemoryLine(role, n * BYTES[dtype] / GIB, f"{_count(n)} parameters in {dtype} {how}"
+                      + (config.why or source) + after)
+
+
+def estimate(paths: ProjectPaths, settings: Settings, *, token: str | None = None,
+             options: hub.HubOptions | None = None, ask_hub: bool = True) -> list[MemoryLine]:
+    """Teacher, student and adapter training, each in GiB, or None with one line saying what is missing. Hub ids
+    not downloaded yet are read from the hub (``token``: the HF token the materials step sends; ``options``: its
+    bounds, hub_shapes.quick_options() where the answer must come quickly; ``ask_hub`` False: only what the
+    project's .cache holds)."""
+    p, t = settings.precompute, settings.training
     lines = []
-    teacher, student = _folder(paths, "teacher", m.teacher), _folder(paths, "student", m.student)
+    student = model_config(paths, settings, "student", token=token, options=options, ask_hub=ask_hub)
+    teacher = ModelConfig(None)
     if p.mock_teacher:
         lines.append(MemoryLine("teacher", 0.0, "precompute.mock_teacher: no teacher is loaded"))
-    elif teacher is None:
-        lines.append(MemoryLine("teacher", None, f"{m.teacher or '(not set)'}: known once the materials are there"))
     else:
-        n, source = model_params(teacher, settings, skip=m.query_rows_file)
-        lines.append(MemoryLine("teacher", n * BYTES["bf16"] / GIB, f"{_count(n)} parameters in bf16 (GPU){source}; "
-                                "on a CPU it computes in f32, twice that, in RAM"))
-    if student is None:
-        lines.append(MemoryLine("student", None, f"{m.student or '(not set)'}: known once the materials are there"))
-    else:
-        n, source = model_params(student, settings)
-        lines.append(MemoryLine("student", n * BYTES[p.student_dtype] / GIB,
-                                f"{_count(n)} parameters in {p.student_dtype} (precompute.student_dtype){source}"))
-    shape = None
-    if student is not None and p.mock_teacher:
-        from gguf_assets.lib.precompute.teacher import MOCK_DIM, MOCK_QUERY_ROWS
+        teacher = model_config(paths, settings, "teacher", token=token, options=options, ask_hub=ask_hub)
+        lines.append(_weights_line("teacher", teacher, settings, "bf16", "(GPU)",
+                                   "; on a CPU it computes in f32, twice that, in RAM"))
+    lines.append(_weights_line("student", student, settings, p.student_dtype, "(precompute.student_dtype)"))
+    shape, missing = None, "known once the teacher's and the student's config.json are there"
+    if student.folder is not None and (p.mock_teacher or teacher.folder is not None):
+        try:
+            student_dim = qr.teacher_hidden_size(student.folder)
+            if p.mock_teacher:
+                from gguf_assets.lib.precompute.teacher import MOCK_DIM, MOCK_QUERY_ROWS
 
-        shape = MOCK_QUERY_ROWS, MOCK_DIM
-    elif student is not None and teacher is not None:
-        shape = _teacher_shape(paths, settings, teacher)
+                shape = MOCK_QUERY_ROWS, MOCK_DIM, ""
+            else:
+                shape = _rows_shape(paths, settings, teacher.folder, token=token, options=options, ask_hub=ask_hub)
+        except (UserError, OSError, ValueError) as exc:  # a wrong tensor name lists candidates: the first line here
+            missing = f"the query rows' shape: {str(exc).splitlines()[0]}"
     if shape is not None:
-        student_dim = json.loads((student / "config.json").read_text(encoding="utf-8"))["hidden_size"]
-        query_rows, target_dim = shape
+        query_rows, target_dim, rows_note = shape
         n = adapter_params(student_dim, query_rows, target_dim, t.width, t.depth)
         per_param = ADAM_BYTES_PER_PARAM + (4 if t.ema_decay else 0)
         lines.append(MemoryLine("adapter training", n * per_param / GIB,
                                 f"{_count(n)} parameters ({t.width} x {t.depth}, {query_rows} x {target_dim} "
                                 f"out) x {per_param} bytes (weights, gradients, AdamW"
-                                + (", weight average" if t.ema_decay else "") + "), plus activations"))
+                                + (", weight average" if t.ema_decay else "") + f"), plus activations{rows_note}"))
     else:
-        lines.append(MemoryLine("adapter training", None, "known once the teacher and student are there"))
+        lines.append(MemoryLine("adapter training", None, missing))
     return lines
+
+
+def missing_piece(lines: list[MemoryLine]) -> str | None:
+    """The first thing the estimate lacks, in one line (None when every part is known)."""
+    return next((line.how for line in lines if line.gib is None), None)
 
 
 def peak_gib(lines: list[MemoryLine]) -> float | None:
@@ -190,24 +276,69 @@ def size_text(gib: float | None) -> str:
     return f"{gib:.2f} GiB" if gib >= 1 else f"{gib * 1024:.1f} MiB"
 
 
-def placement_lines(paths: ProjectPaths, settings: Settings, gpus: list[dict]) -> list[str]:
+# The seed's measurement (DESIGN.md §1, its reference run: a Qwen3-30B-A3B-class MoE teacher on an RTX 5090 with an
+# RTX 4050): 4.5 prompts/s with the whole teacher on the GPUs (sequential), 2.4 prompts/s with about half of it
+# offloaded to the CPU (balanced). The only two points measured; every other figure is interpolated between them.
+SEED_PROMPTS_PER_S_ON_GPUS = 4.5
+SEED_PROMPTS_PER_S_HALF_OFFLOADED = 2.4
+
+
+def prompts_per_s(offloaded: float) -> float:
+    """The seed's speed with a share ``offloaded`` of the teacher in CPU RAM: seconds per prompt interpolated
+    linearly between its two measurements (0 and half offloaded), and extrapolated past half the same way (each
+    offloaded layer costs the CPU the same time)."""
+    on_gpus, half = 1 / SEED_PROMPTS_PER_S_ON_GPUS, 1 / SEED_PROMPTS_PER_S_HALF_OFFLOADED
+    return 1 / (on_gpus + (half - on_gpus) * offloaded / 0.5)
+
+
+def placement_outcome(summary: dict[str, dict[str, float]]) -> str:
+    """What a placement comes to (all on one GPU, split over GPUs, or part in CPU RAM) and the speed it costs,
+    scaled from the seed's measurement."""
+    total = sum(v["gib"] for v in summary.values()) or 1.0
+    off = sum(v["gib"] for d, v in summary.items() if not d.startswith("cuda")) / total
+    gpus = [d for d in summary if d.startswith("cuda")]
+    if "disk" in summary:  # the precompute refuses this (plan_placement): GPUs and RAM are too small
+        return (f"does not fit: {summary['disk']['gib']:.2f} GiB would go to disk; raise "
+                "precompute.teacher_cpu_memory_gib or use bigger GPUs")
+    if off > 0:
+        where = f"teacher partly offloaded: {off:.0%} of it in CPU RAM"
+    elif len(gpus) > 1:
+        where = f"teacher split over {len(gpus)} GPUs, nothing offloaded"
+    else:
+        where = "all on one GPU"
+    return f"{where}; about {prompts_per_s(off):.1f} prompts/s"
+
+
+SPEED_NOTE = (f"speed: the seed's measurement ({SEED_PROMPTS_PER_S_ON_GPUS} prompts/s with a Qwen3-30B-A3B-class "
+              f"teacher all on GPUs, {SEED_PROMPTS_PER_S_HALF_OFFLOADED} with half of it offloaded; an RTX 5090 + "
+              "RTX 4050), interpolated in seconds per prompt by the share offloaded; other GPUs and teachers differ")
+
+
+def placement_lines(paths: ProjectPaths, settings: Settings, gpus: list[dict], *, token: str | None = None,
+                    options: hub.HubOptions | None = None, available_cpu_bytes: int | None = None) -> list[str]:
     """Where the teacher would go on these GPUs (gpu_snapshot's: index, mem_total_gib, mem_used_gib), per device,
-    under sequential and balanced placement; none when there is no GPU, the precompute runs on the CPU, or the
-    teacher is not there yet (or is the mock one)."""
+    under sequential and balanced placement, with what each costs in speed; none when there is no GPU, the
+    precompute runs on the CPU, or the teacher is the mock one or not known yet."""
     import psutil
 
-    folder = _folder(paths, "teacher", settings.materials.teacher)
-    if not gpus or settings.precompute.device == "cpu" or settings.precompute.mock_teacher or folder is None:
+    if not gpus or settings.precompute.mock_teacher:
+        return []
+    if settings.precompute.device == "cpu":
+        return ["teacher placement: precompute.device = 'cpu' keeps the teacher in RAM; set it to auto or cuda to "
+                "place it on GPUs"]
+    folder = model_config(paths, settings, "teacher", token=token, options=options).folder
+    if folder is None:
         return []
     free = {int(g["index"]): int((g["mem_total_gib"] - g["mem_used_gib"]) * GIB) for g in gpus}
+    cpu = psutil.virtual_memory().available if available_cpu_bytes is None else available_cpu_bytes
     try:
-        placements = teacher_placements(folder, settings, free_gpu_bytes=free,
-                                        available_cpu_bytes=psutil.virtual_memory().available)
-    except (UserError, ValueError, OSError) as exc:  # e.g. precompute.device names a GPU this machine lacks
-        return [f"teacher placement: {exc}"]
+        placements = teacher_placements(folder, settings, free_gpu_bytes=free, available_cpu_bytes=cpu)
+    except (UserError, ValueError, OSError, KeyError, ImportError) as exc:  # e.g. precompute.device: no such GPU
+        return [f"teacher placement: {str(exc).splitlines()[0]}"]
     chosen = settings.precompute.teacher_placement
     return [f"teacher placement {strategy}{' (precompute.teacher_placement)' if strategy == chosen else ''}: "
-            f"{placement_text(summary)}" for strategy, summary in placements.items()]
+            f"{placement_text(summary)} -> {placement_outcome(summary)}" for strategy, summary in placements.items()
+            ] + [SPEED_NOTE]
 
 
 def placement_text(summary: dict[str, dict[str, float]]) -> str:
@@ -215,16 +346,42 @@ def placement_text(summary: dict[str, dict[str, float]]) -> str:
     return ", ".join(f"{device} {v['layers']} layers {v['gib']:.2f} GiB" for device, v in summary.items())
 
 
-def estimate_lines(paths: ProjectPaths, settings: Settings, *, gpus: list[dict] | None = None) -> list[str]:
-    """The estimate as console lines, with the GPUs this machine has (``gpus``: gpu_snapshot's, read when not
-    given) and where the teacher would go on them (the studio shows the same)."""
+def named_gpus(sizes_gib: list[float]) -> list[dict]:
+    """GPUs the user names by size (``--gpus 24,24``), empty, in gpu_snapshot's form."""
+    return [{"index": i, "mem_total_gib": float(size), "mem_used_gib": 0.0} for i, size in enumerate(sizes_gib)]
+
+
+def parse_gpu_sizes(text: str) -> list[float]:
+    """``--gpus 24,24`` -> [24.0, 24.0]: GiB per GPU; a UserError naming the option otherwise."""
+    try:
+        sizes = [float(part) for part in text.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or not all(0 < size < 1e6 for size in sizes):
+        raise UserError(f"--gpus {text!r}: give each GPU's memory in GiB, separated by commas (for example "
+                        "--gpus 24,24 for two 24 GiB cards, --gpus 80 for one).")
+    return sizes
+
+
+def estimate_lines(paths: ProjectPaths, settings: Settings, *, gpus: list[dict] | None = None,
+                   gpu_sizes_gib: list[float] | None = None, token: str | None = None,
+                   options: hub.HubOptions | None = None, available_cpu_bytes: int | None = None) -> list[str]:
+    """The estimate as console lines, against the GPUs named (``gpu_sizes_gib``: --gpus), else the ones given
+    (``gpus``: gpu_snapshot's), else this machine's; with where the teacher would go on them (the studio shows
+    the same)."""
     from gguf_assets.lib.telemetry.hardware import gpu_snapshot
 
-    lines = estimate(paths, settings)
+    lines = estimate(paths, settings, token=token, options=options)
     out = [f"  {line.part:<17} {size_text(line.gib):>10}  {line.how}" for line in lines]
     peak = peak_gib(lines)
-    gpus = gpu_snapshot() if gpus is None else gpus
-    where = ", ".join(f"GPU {g['index']} {g['mem_total_gib']:.0f} GiB" for g in gpus) or "no NVIDIA GPU here"
+    if gpu_sizes_gib:
+        gpus = named_gpus(gpu_sizes_gib)
+        where = "--gpus " + ", ".join(f"GPU {g['index']} {g['mem_total_gib']:g} GiB" for g in gpus)
+    else:
+        gpus = gpu_snapshot() if gpus is None else gpus
+        where = "this machine: " + (", ".join(f"GPU {g['index']} {g['mem_total_gib']:.0f} GiB" for g in gpus)
+                                    or "no NVIDIA GPU here (--gpus 24,24 plans for GPUs you name)")
     out.append(f"  peak on one GPU   {size_text(peak):>10}  teacher + student while the "
-               f"shards are computed, or the adapter's training; this machine: {where}")
-    return out + [f"  {line}" for line in placement_lines(paths, settings, gpus)]
+               f"shards are computed, or the adapter's training; {where}")
+    return out + [f"  {line}" for line in placement_lines(paths, settings, gpus, token=token, options=options,
+                                                          available_cpu_bytes=available_cpu_bytes)]

@@ -1,0 +1,144 @@
+"""What a hub model and its query rows look like, without their weights: for "will it fit?" before any download.
+
+A model repo answers with its file listing (sizes included), ``config.json`` and the safetensors index: kilobytes.
+The query rows' shape comes from the header of the safetensors file that holds them, by two HTTP range reads
+(its 8-byte length, then the JSON header), as ``query_rows.py`` fetches them.
+
+Everything read is kept under ``<project>/.cache/hub/`` (``ProjectPaths.cache_dir``), by the source as it is
+written (``owner/name@revision``), so ``status`` asks the hub once, not at every call. Delete the folder to read
+again (a moved branch is not noticed until then; the materials step pins what it downloads on its own).
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from gguf_assets.lib.core import atomic
+from gguf_assets.lib.core.errors import UserError
+from gguf_assets.lib.materials import hub, query_rows
+
+CACHE_SUBDIR = "hub"
+CONFIG_FILE = "config.json"
+WEIGHTS_INDEX = "model.safetensors.index.json"
+WEIGHTS_SUFFIX = ".safetensors"
+# `status` and the studio must stay quick whatever the hub does: one try, a short bound on silence.
+QUICK = dict(answer_timeout_s=8.0, api_timeout_s=8.0, stall_timeout_s=8.0, attempts=1, retry_wait_s=0.0)
+# A hub that did not answer is not asked again for this long: the studio's page and `status` repeat the question.
+# (A refusal, such as a gated repo, is asked again at once: the user may just have set HF_TOKEN.)
+RETRY_AFTER_S = 30.0
+UNANSWERED_FILE = "unanswered.json"  # the hub that last did not answer, when, and why (HubError's words)
+
+
+def quick_options() -> hub.HubOptions:
+    return hub.HubOptions(**QUICK)
+
+
+@dataclass(frozen=True)
+class HubModel:
+    """A hub model's config folder (config.json and the weights index, no weights) and what its listing said."""
+
+    source: str
+    commit: str
+    folder: Path
+    weights_bytes: int  # the *.safetensors files at the top of the repo: what a download would fetch
+    weight_files: int
+    read_bytes: int  # what was fetched to know this
+
+
+def _cache_root(cache_dir: Path) -> Path:
+    return cache_dir / CACHE_SUBDIR
+
+
+def _source_key(source: str) -> str:
+    return source.replace("/", "--").replace("@", "@@")
+
+
+def hub_model(cache_dir: Path, source: str, *, skip: str = "", token: str | None = None,
+              options: hub.HubOptions | None = None, ask_hub: bool = True) -> HubModel:
+    """``source``'s config folder, read from the hub the first time (``skip``: a file that is not weights, the
+    teacher's query rows file; ``ask_hub`` False: from the cache only). Raises HubError (its one-line message
+    names the repo and the fix), or UserError when ``ask_hub`` is False and nothing is cached."""
+    ref = hub.RepoRef.parse(source, kind="model")
+    pointer = _cache_root(cache_dir) / f"{_source_key(source)}.json"
+    if pointer.is_file():
+        known = atomic.read_json(pointer)
+        folder = Path(known["folder"])
+        if (folder / CONFIG_FILE).is_file():
+            return HubModel(**{**known, "folder": folder})
+    if not ask_hub:
+        raise UserError("not read from the hub yet (`gguf-trainer status` or `estimate` reads it)")
+    unanswered = _cache_root(cache_dir) / UNANSWERED_FILE  # per hub, not per repo: one silent hub, one wait
+    last = atomic.read_json(unanswered) if unanswered.is_file() else {}
+    if last.get("endpoint") == hub.endpoint() and time.time() - last["at"] < RETRY_AFTER_S:
+        raise hub.HubError(hub.HubFailure.UNREACHABLE, f"{ref} ({ref.kind} repo on {hub.endpoint()}): {last['why']}")
+    options = options or hub.HubOptions()
+    try:
+        listing = hub.list_repo(ref, token=token, options=options)
+    except hub.HubError as exc:
+        if exc.kind in (hub.HubFailure.UNREACHABLE, *hub.TRANSIENT_KINDS):  # a hub that did not answer, not a
+            atomic.write_json(unanswered, {"endpoint": hub.endpoint(), "at": time.time(),  # refusal to fix
+                                           "why": str(exc).splitlines()[0].split("): ", 1)[-1]})
+        raise
+    unanswered.unlink(missing_ok=True)
+    if CONFIG_FILE not in listing.files:
+        raise UserError(f"{source}: the repo has no config.json at {listing.commit[:12]}; point it at a transformers "
+                        "model repo (config, tokenizer and *.safetensors).")
+    small = [p for p in (CONFIG_FILE, WEIGHTS_INDEX) if p in listing.files]
+    folder = _cache_root(cache_dir) / ref.folder / listing.commit
+    hub.download(ref, listing.subset(small), folder, token=token, options=options)
+    shutil.rmtree(folder / hub.HF_CACHE_DIR, ignore_errors=True)
+    weights = [f for p, f in listing.files.items() if "/" not in p and p.endswith(WEIGHTS_SUFFIX) and p != skip]
+    model = HubModel(source, listing.commit, folder, sum(f.size for f in weights), len(weights),
+                     sum(listing.files[p].size for p in small))
+    atomic.write_json(pointer, {**asdict(model), "folder": str(folder)})
+    return model
+
+
+def hub_rows_shape(cache_dir: Path, source: str, file: str, tensor: str, hidden: int, *, token: str | None = None,
+                   options: hub.HubOptions | None = None, ask_hub: bool = True) -> tuple[list[int], int]:
+    """(shape, bytes read) of tensor ``tensor`` in ``file`` of hub repo ``source``, from the file's header alone;
+    the named tensor is checked as the materials step checks it (QueryRowsError lists the candidates).
+    ``ask_hub`` False: from the cache only (UserError when it is not there)."""
+    ref = hub.RepoRef.parse(source, kind="model")
+    pointer = _cache_root(cache_dir) / f"{_source_key(source)}.rows.json"
+    key = query_rows.setting_key({"source": source, "file": file, "tensor": tensor})
+    known = atomic.read_json(pointer) if pointer.is_file() else {}
+    if key in known:
+        return known[key]["shape"], 0
+    if not ask_hub:
+        raise UserError(f"{source}:{file} not read from the hub yet (`gguf-trainer status` or `estimate` reads it)")
+    options = options or hub.HubOptions()
+    listing = hub.list_repo(ref, token=token, options=options)
+    remote = listing.files.get(file)
+    if remote is None:
+        raise query_rows.QueryRowsError(f"{query_rows.SETTING}.file = {file!r} is not in {ref} at "
+                                        f"{listing.commit[:12]}.")
+    where = f"{ref}:{file} at {listing.commit[:12]}"
+    work = _cache_root(cache_dir) / "headers"
+    try:
+        def read(start: int, end: int, name: str) -> bytes:
+            out = work / f"{remote.etag[:16]}.{name}"
+            out.unlink(missing_ok=True)
+            hub.fetch_range(ref, listing.commit, file, start, end, out, token=token, options=options)
+            return out.read_bytes()
+
+        n = query_rows.header_length(read(0, 8, "prefix"), file_size=remote.size, where=where)
+        entries = query_rows.parse_header(read(8, 8 + n, "header"), where=where)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    shape = query_rows.check_choice(entries, tensor, hidden, where)["shape"]
+    atomic.write_json(pointer, {**known, key: {"shape": shape, "commit": listing.commit}})
+    return shape, 8 + n
+
+
+def local_rows_shape(file: Path, tensor: str, hidden: int) -> list[int]:
+    """The shape of tensor ``tensor`` in a local safetensors file, from its header (checked as the materials step
+    checks it)."""
+    from gguf_assets.lib.core.safetensors_io import safetensors_header
+
+    header, _, _ = safetensors_header(file)
+    entries = {k: v for k, v in header.items() if k != "__metadata__"}
+    return query_rows.check_choice(entries, tensor, hidden, str(file))["shape"]
