@@ -23,7 +23,7 @@ class Measured:
         return self.amount / (self.hours * 3600)
 
     def text(self) -> str:
-        return f"{self.amount:,} {self.unit} in {self.hours:.2g} h on {self.where}, {self.per_second:.2f} {self.unit}/s"
+        return f"{self.amount:,} {self.unit} in {self.hours:.2g} h on {self.where}, {self.per_second:.1f} {self.unit}/s"
 
 
 # Teacher time of the precompute: a 30 GB Qwen3-MoE teacher, sequential placement, all of it on the GPUs.
