@@ -277,6 +277,7 @@ def part_pipeline(tmp: Path, *, prompts: int, shard_size: int, steps: int, mock_
 
 
 def part_eta(tmp: Path, *, shards: int, shard_size: int) -> bool:
+    from gguf_assets.lib.core import atomic
     from gguf_assets.lib.corpus.corpus import build_corpus
     from gguf_assets.lib.corpus.corpus_run import corpus_fingerprint
     from gguf_assets.lib.demo.demo import build_demo_materials
@@ -311,6 +312,13 @@ def part_eta(tmp: Path, *, shards: int, shard_size: int) -> bool:
     print(f"after the first shard ({at:.1f} s): {pace.text()}")
     print(f"predicted end: {at + pace.seconds_left:.1f} s; measured end: {end:.1f} s "
           f"(the rest took {format_seconds(rest)} against the ETA {format_seconds(pace.seconds_left)})")
+    # Where the time went: each half's busy span (its sidecar) against the wall time between them.
+    spans = [atomic.read_json(plan.folder(paths) / f"{half}.json") for split in ("train", "val")
+             for plan in plan_shards(paths, settings, manifest, split) for half in ("teacher", "student")]
+    per_shard = [round(t["finished_at"] - t["started_at"] + s["finished_at"] - s["started_at"], 1)
+                 for t, s in zip(spans[::2], spans[1::2])]
+    busy = sum(per_shard)
+    print(f"per shard, both halves busy (s): {per_shard}; busy {busy:.1f} s of the {end:.1f} s wall")
     error = abs(pace.seconds_left - rest) / rest
     ok = error <= ETA_TOLERANCE
     print(f"rule: ETA after the first shard within {ETA_TOLERANCE:.0%} of the measured rest ({error:.0%}) "
