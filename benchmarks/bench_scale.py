@@ -16,13 +16,16 @@ Part `cluster` (needs PostgreSQL and redis-server, as .ci/run installs): the sam
 in-process, then through the Celery deployment with one and with two workers; per partition,
 the orchestration cost on top of the shard compute.
 
+Part `eta`: the demo's tiny real models precompute several shards (in-process, as a shard run does); the ETA
+`status` shows after the first finished shard (lib/status/pace.py) against the measured end of the precompute.
+
     .venv/bin/python benchmarks/bench_scale.py                 # all parts at full size (an hour or more on CPU)
     .venv/bin/python benchmarks/bench_scale.py --part partitions
     .venv/bin/python benchmarks/bench_scale.py --quick         # small sizes (the tests run this)
 
 Each part ends in a `rule:` line (`-> ok` or `-> FAIL`; exit 1 on a failure): status and planning
-at 10,000 partitions stay under a second per 1,000 partitions, and the cluster's per-partition
-overhead stays under 10 s.
+at 10,000 partitions stay under a second per 1,000 partitions, the cluster's per-partition
+overhead stays under 10 s, and the ETA after the first shard is within ETA_TOLERANCE of the measured end.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ PARTITIONS_QUERY = ('{ assetNodeOrError(assetKey: {path: ["train_shards"]}) { ..
                     '... on DefaultPartitionStatuses { materializedPartitions } } } } }')
 MAX_S_PER_1000_PARTITIONS = 1.0  # status and planning
 MAX_CLUSTER_OVERHEAD_S = 10.0  # per partition, through Celery
+ETA_TOLERANCE = 0.5  # the first shard's ETA against the measured rest: within 50 % (it pays for loading the models)
 
 
 def env_without_project(**extra: str) -> dict[str, str]:
@@ -272,6 +276,56 @@ def part_pipeline(tmp: Path, *, prompts: int, shard_size: int, steps: int, mock_
     return ok
 
 
+def part_eta(tmp: Path, *, shards: int, shard_size: int) -> bool:
+    from gguf_assets.lib.core import atomic
+    from gguf_assets.lib.corpus.corpus import build_corpus
+    from gguf_assets.lib.corpus.corpus_run import corpus_fingerprint
+    from gguf_assets.lib.demo.demo import build_demo_materials
+    from gguf_assets.lib.materials.materials import resolve_materials
+    from gguf_assets.lib.precompute.shards import plan_shards, precompute_split
+    from gguf_assets.lib.project.settings import load_settings
+    from gguf_assets.lib.status.pace import precompute_pace
+    from gguf_assets.lib.telemetry.progress import format_seconds
+
+    val = shard_size
+    print(f"\n## eta: {shards} train shards of {shard_size} prompts and 1 val shard, the demo's tiny real models")
+    materials = tmp / "eta-materials"
+    build_demo_materials(materials, seed=0, n_prompts=(shards + 1) * shard_size * 21 // 20 + 100)
+    paths = new_project(tmp / "eta", materials, train=shards * shard_size, val=val, shard_size=shard_size, steps=10)
+    settings = load_settings(paths.root)
+    manifest = resolve_materials(paths, settings)
+    build_corpus(paths, settings, manifest, fingerprint=corpus_fingerprint(paths, settings, manifest))
+    shown: dict = {}
+    start = time.perf_counter()
+
+    def first_shard_done(_report) -> None:
+        if not shown:
+            shown["at"] = time.perf_counter() - start
+            shown["pace"] = precompute_pace(paths, settings)
+
+    for split in ("train", "val"):
+        keys = [plan.key for plan in plan_shards(paths, settings, manifest, split)]
+        precompute_split(paths, settings, manifest, split, keys, on_shard_done=first_shard_done)
+    end = time.perf_counter() - start
+    pace, at = shown["pace"], shown["at"]
+    rest = end - at
+    print(f"after the first shard ({at:.1f} s): {pace.text()}")
+    print(f"predicted end: {at + pace.seconds_left:.1f} s; measured end: {end:.1f} s "
+          f"(the rest took {format_seconds(rest)} against the ETA {format_seconds(pace.seconds_left)})")
+    # Where the time went: each half's busy span (its sidecar) against the wall time between them.
+    spans = [atomic.read_json(plan.folder(paths) / f"{half}.json") for split in ("train", "val")
+             for plan in plan_shards(paths, settings, manifest, split) for half in ("teacher", "student")]
+    per_shard = [round(t["finished_at"] - t["started_at"] + s["finished_at"] - s["started_at"], 1)
+                 for t, s in zip(spans[::2], spans[1::2])]
+    busy = sum(per_shard)
+    print(f"per shard, both halves busy (s): {per_shard}; busy {busy:.1f} s of the {end:.1f} s wall")
+    error = abs(pace.seconds_left - rest) / rest
+    ok = error <= ETA_TOLERANCE
+    print(f"rule: ETA after the first shard within {ETA_TOLERANCE:.0%} of the measured rest ({error:.0%}) "
+          f"-> {'ok' if ok else 'FAIL'}")
+    return ok
+
+
 def part_partitions(tmp: Path, *, partitions: int) -> bool:
     import dagster as dg
     from bench_status import build_project
@@ -373,7 +427,8 @@ def _stop_worker(proc: subprocess.Popen) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small: 600 prompts, mock teacher, 200 partitions")
-    parser.add_argument("--part", nargs="+", choices=("pipeline", "partitions", "cluster", "all"), default=["all"],
+    parser.add_argument("--part", nargs="+", choices=("pipeline", "partitions", "cluster", "eta", "all"),
+                        default=["all"],
                         help="which parts (several may be named)")
     args = parser.parse_args(argv)
     ok = True
@@ -385,6 +440,8 @@ def main(argv: list[str] | None = None) -> int:
                                 steps=40 if args.quick else 20_000, mock_teacher=args.quick)
         if {"partitions", "all"} & set(args.part):
             ok &= part_partitions(tmp, partitions=200 if args.quick else 10_000)
+        if {"eta", "all"} & set(args.part):
+            ok &= part_eta(tmp, shards=4 if args.quick else 8, shard_size=100 if args.quick else 400)
         if {"cluster", "all"} & set(args.part):
             # Quick: two workers only (the path one worker takes is the same, and each mode is a whole pipeline).
             ok &= part_cluster(tmp, shards=2 if args.quick else 20, shard_size=20 if args.quick else 100,

@@ -14,7 +14,10 @@ the library's own stages on them, without Dagster:
    first budget is above it; the precompute must lower the budget by itself and finish;
 4. training at a real adapter size (1024 x 6 on a GPU) for a few hundred steps: steps/s,
    peak GPU memory, a finite loss;
-5. export and the numpy evaluation of the GGUF, which must agree with torch within 1e-3.
+5. export and the numpy evaluation of the GGUF, which must agree with torch within 1e-3;
+6. every GPU (needs 2 or more; "skipped: N GPU(s)" otherwise): `gguf-trainer run DIR --workers auto` as a user
+   runs it, one shard worker per GPU: each shard must record a GPU of its own worker, all GPUs must have
+   computed shards, and the shards must be byte-identical to one worker's on one GPU.
 
 Each check prints PASS, FAIL or SKIP (with why) and its figures; the exit code is 1 if any
 check failed. The seed's figures for comparison: teacher about 4.5 prompts/s sequential vs
@@ -242,6 +245,43 @@ class _Records(logging.Handler):
         self.records.append(record)
 
 
+def check_every_gpu(paths: ProjectPaths, settings: Settings, materials: dict, results: list[Result]) -> None:
+    """`run --workers auto` on every visible GPU, then the same shards by one worker on one GPU: the same bytes."""
+    import json
+    import os
+    import subprocess
+
+    from gguf_assets.lib.telemetry.hardware import visible_gpus
+
+    gpus = visible_gpus() if torch.cuda.is_available() else []
+    if len(gpus) < 2:
+        results.append(Result("every GPU (--workers auto)", "SKIP", f"skipped: {len(gpus)} GPU(s)"))
+        return
+    shutil.rmtree(paths.root / "shards", ignore_errors=True)
+    chosen = replace(settings, precompute={"device": "auto", "teacher_placement": "sequential"})
+    write_project_file(paths.root, chosen)
+    env = {k: v for k, v in os.environ.items() if k not in ("DAGSTER_HOME", "GGUF_ASSETS_PROJECT")}
+    began = time.perf_counter()
+    run = subprocess.run([sys.executable, "-m", "gguf_assets.cli", "run", str(paths.root), "--workers", "auto"],
+                         env=env, capture_output=True, text=True, timeout=3600)
+    seconds = time.perf_counter() - began
+    if run.returncode != 0:
+        results.append(Result("every GPU (--workers auto)", "FAIL", (run.stdout + run.stderr)[-2000:]))
+        return
+    plans = plan_shards(paths, chosen, materials, "train")
+    devices = {p.key: json.loads((p.folder(paths) / "teacher.json").read_text())["device"] for p in plans}
+    parallel = {p.key: (p.folder(paths) / "teacher.safetensors").read_bytes() for p in plans}
+    shutil.rmtree(paths.root / "shards")
+    one = replace(chosen, precompute={"device": "cuda:0"})
+    precompute_split(paths, one, materials, "train", [p.key for p in plans])
+    same = all((p.folder(paths) / "teacher.safetensors").read_bytes() == parallel[p.key] for p in plans)
+    used = sorted(set(devices.values()))
+    ok = same and len(used) == min(len(gpus), len(plans))
+    results.append(Result("every GPU (--workers auto)", "PASS" if ok else "FAIL",
+                          f"{len(gpus)} GPUs, {len(plans)} train shards computed on {', '.join(used)}; whole run "
+                          f"{seconds:.0f} s; shards byte-identical to one worker's on one GPU: {same}"))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tiny", action="store_true", help="tiny sizes (CPU, about a minute)")
@@ -287,7 +327,8 @@ def main(argv: list[str] | None = None) -> int:
                   "out-of-memory auto-lower": lambda: check_oom_lowering(paths, settings, materials, device, results,
                                                                          records.records),
                   "training and export": lambda: check_training_and_export(paths, settings, materials, device,
-                                                                           results)}
+                                                                           results),
+                  "every GPU": lambda: check_every_gpu(paths, settings, materials, results)}
         for name, check in checks.items():
             try:
                 check()

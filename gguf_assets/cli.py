@@ -77,12 +77,15 @@ def _print_status(paths: ProjectPaths, *, ask_hub: bool = False) -> None:
     """Every stage's state, and "will it fit?" while shards are missing. ``ask_hub``: read a hub id's config from
     the hub when the project's .cache lacks it (`status` itself; after a run, the run's own outcome comes first)."""
     from gguf_assets.lib.core.lock import holder
+    from gguf_assets.lib.status.pace import pace_lines
     from gguf_assets.lib.status.states import State, project_status, with_running
 
     settings = load_settings(paths.root)
     stages = with_running(project_status(paths, settings), holder(paths.lock_file))
     for s in stages:
         print(f"  {s.stage:<12} {s.state:<8} {s.detail}")
+    for line in pace_lines(paths, settings, stages):  # measured speed and ETA, from the first shard or log step on
+        print(f"  {line}")
     if any(s.stage.endswith("_shards") and s.state != State.CURRENT for s in stages):  # "will it fit?", before loading
         print(_memory_line(paths, settings, ask_hub=ask_hub))
 
@@ -116,7 +119,16 @@ VERIFY_PROGRESS_S = 2.0  # how often `verify` prints how far it is
 
 
 
-def _run(paths: ProjectPaths, *, workers: int | None = None, cancel_on_stop: bool = False) -> int:
+def _workers(value: str) -> int | str:
+    """`--workers`: a count of at least 1, or auto."""
+    from gguf_assets.lib.telemetry.hardware import AUTO_WORKERS as AUTO
+
+    if value == AUTO or (value.isdigit() and int(value) >= 1):
+        return value if value == AUTO else int(value)
+    raise argparse.ArgumentTypeError(f"{value!r}: give a number of workers (1 or more) or {AUTO}")
+
+
+def _run(paths: ProjectPaths, *, workers: int | str | None = None, cancel_on_stop: bool = False) -> int:
     """Run the pipeline, print the status, then the outcome: the results, or why (and where) it stopped."""
     if os.environ.get(RUN_CHILD_ENV) != "1":
         return run_in_own_process_group(paths, workers, cancel_on_stop)
@@ -314,12 +326,14 @@ def cmd_auto_resume(project: str, *, daemon: bool, ui_port: int | None = None, u
 def cmd_estimate(args: argparse.Namespace) -> int:
     """How much memory the project's pair needs, from the safetensors headers, before anything loads."""
     from gguf_assets.lib.status.estimate import estimate_lines, parse_gpu_sizes
+    from gguf_assets.lib.status.time_estimate import time_lines
 
     paths = ProjectPaths.of(args.project)
     settings = load_settings(paths.root)
     sizes = parse_gpu_sizes(args.gpus) if args.gpus is not None else None
     print(f"memory estimate for {paths.root} (weights and training state; activations come on top):")
     print("\n".join(estimate_lines(paths, settings, gpu_sizes_gib=sizes, token=_hf_token())))
+    print("time estimate:\n" + "\n".join(f"  {line}" for line in time_lines(paths, settings)))
     return 0
 
 
@@ -447,8 +461,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_demo)
     p = sub.add_parser("run", help="materialize everything missing or stale, through Dagster")
     p.add_argument("project")
-    p.add_argument("--workers", type=int, default=None,
-                   help="shard runs in parallel (default: 1 process; on a cluster, as many runs as workers answer)")
+    p.add_argument("--workers", type=_workers, default=None,
+                   help="shard runs in parallel: a number, or auto for one per visible GPU, each pinned to its own "
+                        "(default: 1 process; on a cluster, as many runs as workers answer)")
     p.add_argument("--cancel-on-stop", action="store_true",
                    help="on a cluster: Ctrl-C also cancels the runs on the workers (default: they go on)")
     p.set_defaults(func=cmd_run)

@@ -270,6 +270,7 @@ def test_gpu_check_passes_on_cpu_at_its_tiny_size():
         assert status[name] == "PASS", out
     if "cuda" not in out.splitlines()[0]:
         assert status["precompute balanced"] == status["out-of-memory auto-lower"] == "SKIP", out
+        assert status["every GPU (--workers auto)"] == "SKIP" and "skipped: 0 GPU(s)" in out, out
 
 
 @pytest.mark.slow  # a pipeline, a webserver, 200 synthetic partitions

@@ -8,6 +8,7 @@ shard it finished: the planner goes by the files (lib/precompute/shards.py), and
 """
 
 import math
+import time
 
 import dagster as dg
 
@@ -21,6 +22,10 @@ from gguf_assets.lib.core.markdown import markdown_table
 from gguf_assets.lib.materials.materials import load_manifest
 from gguf_assets.lib.precompute.half_state import HalfState
 from gguf_assets.lib.precompute.shards import ShardReport, plan_shards, precompute_split, shard_status
+from gguf_assets.lib.status.pace import precompute_pace
+from gguf_assets.lib.telemetry.hardware import pin_to_gpu
+from gguf_assets.lib.telemetry.progress import PROGRESS_LOG_INTERVAL_S
+from gguf_assets.orchestration import run_tags
 
 GPU_POOL = "gpu"
 
@@ -39,7 +44,19 @@ def _device_map(placement: dict) -> dg.MetadataValue:
 
 
 def materialize_shards(context: dg.AssetExecutionContext, project: ProjectResource, split: str) -> dg.MaterializeResult:
+    gpu = run_tags.get(context.run.tags, run_tags.GPU_TAG)
+    if gpu is not None:  # a worker of `run --workers auto`: its own GPU only, before anything touches CUDA
+        pin_to_gpu(gpu)
     paths, settings = project.paths(), project.settings()
+    told = {"at": -math.inf}
+
+    def tell_pace() -> None:
+        """The whole precompute's measured speed and ETA on the console: after the first shard, then at most every
+        PROGRESS_LOG_INTERVAL_S (it reads every shard's record)."""
+        if time.monotonic() - told["at"] >= PROGRESS_LOG_INTERVAL_S:
+            told["at"] = time.monotonic()
+            if (now := precompute_pace(paths, settings)) is not None:
+                context.log.info("%s", now.text())
 
     def shard_done(report: ShardReport) -> None:
         key = report.key
@@ -54,6 +71,7 @@ def materialize_shards(context: dg.AssetExecutionContext, project: ProjectResour
         context.add_asset_metadata(figures, partition_key=key)
         # Seen at once in the UI while the run goes on (the materializations come at the step's end).
         context.log_event(dg.AssetObservation(asset_key=context.asset_key, partition=key, metadata=_numbers(figures)))
+        tell_pace()
 
     def live(figures: dict) -> None:  # progress and live hardware, plotted on the asset's page
         context.log_event(dg.AssetObservation(asset_key=context.asset_key, partition=figures.pop("shard"),

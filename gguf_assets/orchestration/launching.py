@@ -21,6 +21,7 @@ from gguf_assets.lib.project import settings_history
 from gguf_assets.lib.project.layout import ProjectPaths
 from gguf_assets.lib.project.settings import Settings, SettingsError, load_settings
 from gguf_assets.lib.status.states import StageState, State, project_status
+from gguf_assets.lib.telemetry.hardware import AUTO_WORKERS
 from gguf_assets.orchestration.cluster import load_cluster
 from gguf_assets.orchestration.instance import create_run, open_workspace, prepare_instance, size_gpu_pool
 from gguf_assets.orchestration.outages import PipelineFailed
@@ -29,20 +30,21 @@ from gguf_assets.orchestration.private_api import execute_run, recon_job_from_or
 from gguf_assets.orchestration.resume import mark_interrupted_runs
 from gguf_assets.orchestration.run_outcomes import failure_message
 from gguf_assets.orchestration.stopping import StopRequest, stop_tags_the_latest_run, was_interrupted
-from gguf_assets.orchestration.workers import run_on_workers, run_workers
+from gguf_assets.orchestration.workers import run_on_workers, run_workers, worker_gpus
 
 MAX_LOST_WORKERS = 3  # cluster runs cut off by a dead worker, planned again before the pipeline gives up
 
 
-def run_pipeline(paths: ProjectPaths, *, echo: Callable[[str], None] = print, workers: int | None = None,
+def run_pipeline(paths: ProjectPaths, *, echo: Callable[[str], None] = print, workers: int | str | None = None,
                  cancel_on_stop: bool = False) -> list[StageState]:
     """Materialize everything missing or stale through the project's Dagster instance; returns the final status.
 
     ``workers`` > 1 runs each split's shards as that many Dagster runs at once, launched by the
     instance's run launcher; they join this pipeline, each holding a lock of its own while it writes
-    (lib/core/lock.py). On a cluster with Celery workers (cluster.yaml) every job is launched to the
-    workers' queues and followed; shards are split into ``workers`` ranges (default: as many as
-    workers answer). A stop (Ctrl-C) there stops following, and the runs go on, unless
+    (lib/core/lock.py). ``"auto"`` starts one per visible GPU, and on a GPU machine each worker is pinned
+    to its own GPU (orchestration/workers.py: worker_gpus). On a cluster with Celery workers (cluster.yaml)
+    every job is launched to the workers' queues and followed; shards are split into ``workers`` ranges
+    (default, and auto: as many as workers answer). A stop (Ctrl-C) there stops following, and the runs go on, unless
     ``cancel_on_stop``.
     """
     cluster = load_cluster(paths.root)
@@ -65,6 +67,10 @@ def run_pipeline(paths: ProjectPaths, *, echo: Callable[[str], None] = print, wo
         # A typo in a prompt file path should fail in seconds, not after a teacher download.
 
         check_prompt_files(paths, settings)
+        gpus = worker_gpus(settings, workers)
+        if workers == AUTO_WORKERS and not on_workers:
+            pinned = f"one per GPU ({', '.join(gpus)})" if gpus[0] is not None else "no GPU to share out here"
+            echo(f"--workers auto: {len(gpus)} shard worker(s), {pinned}")
         done: set[Work] = set()
         lost = 0
         while (work := next_work(paths, settings, instance)) is not None:
@@ -81,8 +87,8 @@ def run_pipeline(paths: ProjectPaths, *, echo: Callable[[str], None] = print, wo
                         raise PipelineFailed(f"workers were lost {lost} times; check them (`celery inspect ping`, "
                                              f"their logs), then `{trainer('run', paths.root)}` continues.")
                     continue  # planned again: the lost runs' shards go back to the queue
-            elif (workers or 1) > 1 and len(work.partitions) > 1:
-                run_workers(paths, instance, work, settings, workers, echo)
+            elif len(gpus) > 1 and len(work.partitions) > 1:
+                run_workers(paths, instance, work, settings, gpus, echo)
             else:
                 echo(f"→ {work.describe()}")
                 run = create_run(workspace, work, work.tags(settings))

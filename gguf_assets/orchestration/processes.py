@@ -41,7 +41,7 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def run_in_own_process_group(paths: ProjectPaths, workers: int | None, cancel_on_stop: bool) -> int:
+def run_in_own_process_group(paths: ProjectPaths, workers: int | str | None, cancel_on_stop: bool) -> int:
     """Execute the pipeline in a child process of its own process group, and forward Ctrl-C and SIGTERM to it.
 
     A Ctrl-C in a terminal reaches the whole foreground process group. Dagster's step helpers (the

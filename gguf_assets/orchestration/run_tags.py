@@ -35,6 +35,8 @@ PIPELINE_TAG = f"{_HIDDEN}pipeline"
 
 # Shown: which worker of `run --workers N` a run is ("1/2").
 WORKER_TAG = f"{_VISIBLE}worker"
+# Shown: the GPU a worker run is pinned to (its CUDA_VISIBLE_DEVICES entry); the shard step pins its process to it.
+GPU_TAG = f"{_VISIBLE}gpu"
 # A run that died with its process (kill -9, OOM, reboot): the resume sensor finishes its work.
 INTERRUPTED_TAG = f"{_VISIBLE}interrupted"
 # A run stopped on purpose (Ctrl-C, SIGTERM, Terminate): resumable, but only when the user asks.

@@ -15,35 +15,53 @@ from gguf_assets.lib.precompute.half_state import HalfState
 from gguf_assets.lib.precompute.shards import plan_shards, shard_status
 from gguf_assets.lib.project.layout import ProjectPaths
 from gguf_assets.lib.project.settings import Settings
+from gguf_assets.lib.telemetry.hardware import AUTO_WORKERS, visible_gpus
 from gguf_assets.orchestration import run_tags
 from gguf_assets.orchestration.cluster import GPU_QUEUE, QUEUE_TAG
 from gguf_assets.orchestration.instance import CODE_LOCATION, create_run, open_workspace
 from gguf_assets.orchestration.outages import PipelineFailed, through_outages
 from gguf_assets.orchestration.plan import Work, split_range
 from gguf_assets.orchestration.run_outcomes import failure_message, wait_for_runs
-from gguf_assets.orchestration.run_tags import ADMITTED_TAG, INTERRUPTED_TAG, LEADER_TAG, WORKER_TAG
+from gguf_assets.orchestration.run_tags import ADMITTED_TAG, GPU_TAG, INTERRUPTED_TAG, LEADER_TAG, WORKER_TAG
 
 
-def run_workers(paths: ProjectPaths, instance, work: Work, settings: Settings, workers: int,
+def worker_gpus(settings: Settings, workers: int | str | None) -> list[str | None]:
+    """The shard workers of this machine: per worker, the GPU it is pinned to (a CUDA_VISIBLE_DEVICES entry), or
+    None when it is not pinned. ``auto`` means one per visible GPU (one on a CPU machine); several workers on a GPU
+    machine take the GPUs in turn. A precompute.device naming one device (cpu, cuda:N) is the user's choice: no pin.
+    """
+    if workers in (None, 1):
+        return [None]
+    gpus = visible_gpus() if settings.precompute.device in ("auto", "cuda") else []
+    count = max(1, len(gpus)) if workers == AUTO_WORKERS else workers
+    if count == 1 or not gpus:
+        return [None] * count
+    return [gpus[index % len(gpus)] for index in range(count)]
+
+
+def run_workers(paths: ProjectPaths, instance, work: Work, settings: Settings, gpus: list[str | None],
                  echo: Callable[[str], None]) -> None:
-    """Launch one Dagster run per contiguous shard range through the instance's run launcher; wait for all.
+    """Launch one Dagster run per contiguous shard range through the instance's run launcher, each pinned to its
+    GPU of ``gpus`` (worker_gpus: one entry per worker); wait for all.
 
     The launcher starts each run in its own process under a code server that this process
     starts, so the runs are this pipeline's descendants and share its lock. Each keeps torch's
     default thread count: CPU matmul results depend on it, and shards must be byte-identical
     whatever the number of workers.
     """
-    ranges = split_range(work.partitions, workers)
+    ranges = split_range(work.partitions, len(gpus))
     with open_workspace(instance, in_process=False) as workspace:
         run_ids = []
         try:
-            for keys in ranges:
+            for keys, gpu in zip(ranges, gpus):
+                pin = {GPU_TAG: gpu} if gpu is not None else {}
                 run = create_run(workspace, work, {**work.tags(settings, keys), LEADER_TAG: str(os.getpid()),
-                                                    WORKER_TAG: f"{len(run_ids) + 1}/{len(ranges)}"})
+                                                    WORKER_TAG: f"{len(run_ids) + 1}/{len(ranges)}", **pin})
                 instance.launch_run(run.run_id, workspace)
                 run_ids.append(run.run_id)
+                on = f", GPU {gpu}" if gpu is not None else ""
                 echo(f"→ {work.job} shards {keys[0]}..{keys[-1]} as run {run.run_id[:8]} "
-                     f"(worker {len(run_ids)}/{len(ranges)})")
+                     f"(worker {len(run_ids)}/{len(ranges)}{on})")
             wait_for_runs(instance, run_ids, echo)
         except KeyboardInterrupt:
             for run_id in run_ids:
@@ -60,14 +78,16 @@ def run_workers(paths: ProjectPaths, instance, work: Work, settings: Settings, w
                              f"`{trainer('ui', paths.root)}`.")
 
 
-def run_on_workers(paths: ProjectPaths, instance, workspace, work: Work, settings: Settings, workers: int | None,
+def run_on_workers(paths: ProjectPaths, instance, workspace, work: Work, settings: Settings, workers: int | str | None,
                     echo: Callable[[str], None], *, cancel_on_stop: bool) -> bool:
     """On a cluster: launch ``work`` as runs to the Celery workers' queue, admitted to this pipeline, and
     follow them. True when all succeeded; False when a worker died under one (its shards are planned
     again); a run that failed on its own ends the pipeline with its reason."""
     location = workspace.get_code_location(CODE_LOCATION)
     queue = next(iter(location.get_repositories().values())).get_full_job(work.job).tags.get(QUEUE_TAG, GPU_QUEUE)
-    parts = workers or max(1, len(through_outages(lambda: instance.run_launcher.live_workers(queue), echo)))
+    # A cluster's Celery workers are one per GPU already (`gguf-trainer worker`): auto asks them how many answer.
+    count = workers if workers != AUTO_WORKERS else None
+    parts = count or max(1, len(through_outages(lambda: instance.run_launcher.live_workers(queue), echo)))
     ranges = split_range(work.partitions, parts) if work.partitions else [None]
     runs = []
     for index, keys in enumerate(ranges, 1):

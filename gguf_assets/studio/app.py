@@ -31,6 +31,7 @@ from gguf_assets.lib.project.layout import ProjectPaths
 from gguf_assets.lib.project.manifests import DamagedRecord, Report
 from gguf_assets.lib.project.presets import PRESETS, preset, set_keys
 from gguf_assets.lib.project.settings import SettingsError, load_settings, settings_from_text
+from gguf_assets.lib.status.pace import pace_lines
 from gguf_assets.lib.status.runs import (
     compare_runs,
     delete_run,
@@ -43,6 +44,7 @@ from gguf_assets.lib.status.runs import (
 from gguf_assets.lib.status.stages import SHARD_STAGES
 from gguf_assets.lib.status.states import State, project_status, with_running
 from gguf_assets.lib.telemetry.curves_log import tensorboard_timeseries_url
+from gguf_assets.lib.telemetry.hardware import AUTO_WORKERS
 from gguf_assets.lib.telemetry.live import merged_history, precompute_progress, training_progress
 from gguf_assets.studio.settings_form import NUMBER_RULES, apply_form, form_sections, form_values
 
@@ -65,7 +67,7 @@ def project_view(paths: ProjectPaths, feed: ObservationFeed | None = None,
         settings = load_settings(paths.root)
     except SettingsError as exc:  # the page stays up and says what to fix
         kept = dict(last_good or {"project": str(paths.root), "stages": [], "running": None, "report": None,
-                                   "training": None, "precompute": [], "last_run": None})
+                                   "training": None, "precompute": [], "pace": [], "last_run": None})
         return {**kept, "settings_error": str(exc), "run_preview": f"Run is refused until project.yaml loads: {exc}",
                 "hardware_now": (hardware or LiveHardware()).read()}
     lock_holder = holder(paths.lock_file)
@@ -88,6 +90,7 @@ def project_view(paths: ProjectPaths, feed: ObservationFeed | None = None,
                                   if any(s.stage == "adapter" and s.state == State.RUNNING for s in stages) else None),
         "precompute": precompute_progress([(asset.removesuffix("_shards"), figures) for asset in SHARD_STAGES
                                            if asset in assets for figures in feed.entries(asset, running.run_id)]),
+        "pace": pace_lines(paths, settings, stages),  # the whole precompute's and training's speed and ETA
         "hardware_now": (hardware or LiveHardware()).read(),
         "report": report and {**report, "outdated": _outdated(stages)},
         "run_command": trainer("run", paths.root),
@@ -410,9 +413,11 @@ def build_app(project: str | Path, *, dagster_url: str = "", tensorboard_url: st
         log_file.parent.mkdir(parents=True, exist_ok=True)
         with open(log_file, "ab") as log:
             # Its own session: stopping the studio does not stop the run (as a run launched in Dagster's UI).
-            started.append(subprocess.Popen([venv_tool("gguf-trainer"), "run", str(paths.root)], stdout=log,
-                                            stderr=subprocess.STDOUT, start_new_session=True, env=os.environ.copy()))
-        return JSONResponse({"started": trainer("run", paths.root), "log": str(log_file)})
+            # Shards on every GPU of the machine, one worker each (one on a CPU machine).
+            command = [venv_tool("gguf-trainer"), "run", str(paths.root), "--workers", AUTO_WORKERS]
+            started.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                            env=os.environ.copy()))
+        return JSONResponse({"started": f"{trainer('run', paths.root)} --workers {AUTO_WORKERS}", "log": str(log_file)})
 
     async def stop(request: Request) -> JSONResponse:
         if (refused := refusal(request)) is not None:

@@ -9,6 +9,7 @@ import pytest
 
 from gguf_assets.orchestration.launching import run_pipeline
 from gguf_assets.orchestration.plan import split_range
+from gguf_assets.orchestration.workers import worker_gpus
 
 
 def test_split_range_is_contiguous_and_complete():
@@ -18,28 +19,63 @@ def test_split_range_is_contiguous_and_complete():
     assert split_range(keys[:1], 4) == [("00000",)]
 
 
+def test_auto_workers_are_one_per_visible_gpu_each_pinned_to_its_own(monkeypatch):
+    from gguf_assets.lib.demo.demo import demo_settings
+    from gguf_assets.lib.project.settings import replace
+    from gguf_assets.lib.telemetry.hardware import CUDA_VISIBLE_DEVICES, GPU_COUNT_ENV
+
+    settings = replace(demo_settings(), precompute={"device": "auto"})  # the demo's own says cpu
+    monkeypatch.delenv(CUDA_VISIBLE_DEVICES, raising=False)
+    monkeypatch.setenv(GPU_COUNT_ENV, "0")
+    assert worker_gpus(settings, "auto") == [None]  # a CPU machine: one worker
+    assert worker_gpus(settings, 2) == [None, None]  # as many as asked, none pinned
+    monkeypatch.setenv(GPU_COUNT_ENV, "2")
+    assert worker_gpus(settings, "auto") == ["0", "1"]
+    assert worker_gpus(settings, 3) == ["0", "1", "0"]  # more workers than GPUs take them in turn
+    assert worker_gpus(settings, None) == worker_gpus(settings, 1) == [None]  # one worker sees every GPU, as before
+    monkeypatch.setenv(CUDA_VISIBLE_DEVICES, "5,7")  # the user's choice of GPUs
+    assert worker_gpus(settings, "auto") == ["5", "7"]
+    # A precompute.device naming one device is the user's choice too: nothing to share out.
+    assert worker_gpus(replace(settings, precompute={"device": "cpu"}), "auto") == [None]
+
+
 @pytest.mark.slow  # a whole pipeline or subprocesses
-def test_two_workers_give_byte_identical_shards(make_project, reference_run):
-    """`run --workers 2`: the train shards as two Dagster runs of their own (each in its own process), and every
-    output byte-identical to the reference pipeline's single run."""
+def test_auto_workers_each_get_their_own_gpu_and_give_byte_identical_shards(make_project, reference_run, monkeypatch):
+    """`run --workers auto` on a machine with 2 GPUs (GGUF_ASSETS_GPU_COUNT stands in for them here): the train
+    shards as two Dagster runs of their own (each in its own process), each pinned to its own GPU, which each shard
+    records, and every output byte-identical to the reference pipeline's single run."""
     from conftest import FAULT_SETTINGS, pipeline_outputs
 
-    parallel = make_project(**FAULT_SETTINGS)
+    from gguf_assets.lib.core import atomic
+    from gguf_assets.lib.telemetry.hardware import CUDA_VISIBLE_DEVICES, GPU_COUNT_ENV
+
+    monkeypatch.delenv(CUDA_VISIBLE_DEVICES, raising=False)
+    monkeypatch.setenv(GPU_COUNT_ENV, "2")
+    parallel = make_project(**FAULT_SETTINGS, precompute={"device": "auto"})  # the demo's own says cpu
     start = time.perf_counter()
-    run_pipeline(parallel, echo=lambda _: None, workers=2)
+    said = []
+    run_pipeline(parallel, echo=said.append, workers="auto")
     print(f"whole pipeline: 2 workers {time.perf_counter() - start:.1f}s, serial {reference_run[1]:.1f}s (a CLI run)")
+    assert "--workers auto: 2 shard worker(s), one per GPU (0, 1)" in said, said
     assert pipeline_outputs(parallel.root) == reference_run[0]
     # Two separate runs covered the train shards, and every partition is recorded.
     instance = dg.DagsterInstance.get()
-    from gguf_assets.orchestration.run_tags import PID_TAG, RANGE_START_TAG, WORKER_TAG
+    from gguf_assets.orchestration.run_tags import GPU_TAG, PID_TAG, RANGE_START_TAG, WORKER_TAG
 
     worker_runs = [r.dagster_run for r in instance.get_run_records() if WORKER_TAG in r.dagster_run.tags]
-    # Two train ranges ran as worker runs of the named job, each in its own process; the single
-    # val shard needs no split.
-    assert sorted(r.tags[RANGE_START_TAG] for r in worker_runs) == ["00000", "00002"]
+    # Two train ranges ran as worker runs of the named job, each in its own process and on its own GPU; the
+    # single val shard needs no split.
+    assert sorted((r.tags[RANGE_START_TAG], r.tags[GPU_TAG]) for r in worker_runs) == [("00000", "0"), ("00002", "1")]
     assert {r.job_name for r in worker_runs} == {"precompute_train_shards"}
     assert len({r.tags[PID_TAG] for r in worker_runs} | {str(os.getpid())}) == 3
     assert len(instance.get_materialized_partitions(dg.AssetKey("train_shards"))) == 4
+    # Each shard half records the environment its worker ran in: the GPU it was pinned to, and its device.
+    seen = {key: {(meta.get(CUDA_VISIBLE_DEVICES.lower()), meta["device"])
+                  for half in ("teacher", "student")
+                  for meta in [atomic.read_json(parallel.root / f"shards/train/{key}/{half}.json")]}
+            for key in ("00000", "00001", "00002", "00003")}
+    assert seen == {"00000": {("0", "cpu")}, "00001": {("0", "cpu")}, "00002": {("1", "cpu")},
+                    "00003": {("1", "cpu")}}
 
 
 @pytest.mark.slow  # a whole pipeline or subprocesses

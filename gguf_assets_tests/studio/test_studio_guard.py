@@ -137,7 +137,8 @@ def test_a_failed_run_shows_at_its_stage_and_a_typo_keeps_the_view_and_refuses_r
     assert view["last_run"] is None and view["run_preview"].startswith("Run starts at Materials (missing)")
     assert "trains from step 0 to 120" in view["run_preview"]
     (paths.root / "materials" / "demo" / "teacher" / "config.json").unlink()
-    assert _post(base + "/api/run", b"{}", headers)[0] == 200
+    started = _post(base + "/api/run", b"{}", headers)
+    assert started[0] == 200 and started[1]["started"].endswith(" --workers auto"), started  # one worker per GPU
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and ((view := _status(base))["last_run"] or {}).get("state") != "failed":
         time.sleep(1)

@@ -2,7 +2,7 @@
 
     shards/<split>/<key>/prompts.jsonl         the shard's prompts (from the corpus)
     shards/<split>/<key>/teacher.safetensors   targets [n, Q, D]
-    shards/<split>/<key>/teacher.json          fingerprint, sha256, bytes, timings
+    shards/<split>/<key>/teacher.json          fingerprint, sha256, bytes, timings, the device that computed it
     shards/<split>/<key>/student.safetensors   hidden [tokens, Ds], offsets [n+1], token_ids [tokens]
     shards/<split>/<key>/student.json
 
@@ -21,6 +21,7 @@ import gc
 import hashlib
 import json
 import logging
+import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -43,6 +44,7 @@ from gguf_assets.lib.project.layout import (
 from gguf_assets.lib.project.manifests import MaterialsManifest
 from gguf_assets.lib.project.settings import Settings
 from gguf_assets.lib.project.teacher_choice import teacher_choice
+from gguf_assets.lib.telemetry.hardware import CUDA_VISIBLE_DEVICES
 from gguf_assets.lib.telemetry.progress import Progress
 
 if TYPE_CHECKING:
@@ -182,7 +184,8 @@ def _write_half(folder: Path, half: str, tensors: dict[str, torch.Tensor], meta:
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp),
                   metadata={"fingerprint": meta["fingerprint"]})
         faults.point("shard-write", tmp)
-    meta = {**meta, **verify.record(data_path)}
+    # finished_at (with started_at): when the half was busy, so the measured rate counts parallel workers once.
+    meta = {**meta, **verify.record(data_path), "finished_at": round(time.time(), 3)}
     # The sidecar goes last: a shard half counts as done only once its sidecar exists.
     atomic.write_json(folder / f"{half}.json", meta)
     if half == "teacher" and "targets" in tensors:  # training's target statistics, ready for its first step
@@ -212,11 +215,16 @@ class ShardBuilder:
     """Computes missing halves; loads each model only when some shard needs it."""
 
     def __init__(self, paths: ProjectPaths, settings: Settings, materials: MaterialsManifest) -> None:
-        from gguf_assets.lib.telemetry.hardware import resolve_device
+        from gguf_assets.lib.telemetry.hardware import device_label, resolve_device
 
         self.paths, self.settings, self.materials = paths, settings, materials
         self._settings_hash = settings_history.remember(paths.root, settings)
         self.device = resolve_device(settings.precompute.device)
+        # Which device computes, recorded in each half it writes: "cuda:1 (NVIDIA H200)" or "cpu", and the GPUs
+        # this process was allowed to see (a worker of `run --workers auto` is pinned to one).
+        self.where = {"device": device_label(self.device),
+                      **({"cuda_visible_devices": os.environ[CUDA_VISIBLE_DEVICES]}
+                         if CUDA_VISIBLE_DEVICES in os.environ else {})}
         self.choice = teacher_choice(settings)
         self._teacher = None
         self._student = None
@@ -299,7 +307,7 @@ class ShardBuilder:
     def _compute_half(self, plan: ShardPlan, half: str, *, on_batch=None) -> tuple[dict[str, torch.Tensor], dict]:
         """The tensors of one half and its sidecar fields (without sizes and checksum)."""
         meta = {"fingerprint": plan.fingerprints[half], "prompts": len(plan.prompts),
-                "settings_hash": self._settings_hash}
+                "settings_hash": self._settings_hash, **self.where}
         if half == "teacher":
             result = self.compute(half, plan.prompts, on_batch=on_batch)
             if not result.peak_abs <= F16_MAX:
@@ -337,9 +345,10 @@ class ShardBuilder:
                 log.warning("shard %s/%s: %s half failed verification; recomputing it", plan.split, plan.key, half)
             # Until the new half is written, nothing may take the old bytes for current.
             (folder / f"{half}.json").unlink(missing_ok=True)
-            start = time.perf_counter()
+            start, started_at = time.perf_counter(), time.time()
             tensors, meta = self._compute_half(plan, half, on_batch=meter.advance if meter else None)
             meta["seconds"] = round(time.perf_counter() - start, 3)
+            meta["started_at"] = round(started_at, 3)
             _write_half(folder, half, tensors, meta)
             del tensors  # one shard's results at most are alive at any time
             if half == "teacher":
@@ -349,7 +358,7 @@ class ShardBuilder:
                 tokens=int(meta.get("text_tokens", meta.get("tokens", 0))),
                 prompts_per_s=round(len(plan.prompts) / meta["seconds"], 3) if meta["seconds"] else 0.0)
         return ShardReport(plan.split, plan.key, len(plan.prompts), halves, placement=placement,
-                           device_map=device_map)
+                           device_map=device_map, device=self.where["device"])
 
 
 @dataclass(frozen=True)
@@ -381,12 +390,14 @@ class ShardReport:
     placement: Mapping[str, float | str] = field(default_factory=dict)  # Placement.metadata(): teacher_* figures
     device_map: Mapping[str, Mapping[str, float]] | None = None  # {device: {layers, gib}} when the teacher ran
     hardware: Mapping[str, float] = field(default_factory=dict)  # HardwareSampler.summary() of this shard
+    device: str = ""  # which device computed its halves: "cuda:1 (NVIDIA H200)" or "cpu"
 
     def figures(self) -> dict[str, float | int | str]:
         """The shard's figures as flat Dagster metadata (the keys every version recorded): split, key, prompts;
         per half <half>_status and, when computed, the teacher's placement, <half>_seconds, _truncated, _tokens,
         _prompts_per_s; then the hardware summary. A half's state goes in as its plain str."""
-        out: dict = {"split": self.split, "key": self.key, "prompts": self.prompts}
+        out: dict = {"split": self.split, "key": self.key, "prompts": self.prompts,
+                     **({"device": self.device} if self.device else {})}
         for half, done in self.halves.items():
             out[f"{half}_status"] = done.status.value  # Dagster's serializer refuses enums it does not know
             if not done.computed:

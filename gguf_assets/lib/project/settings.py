@@ -32,6 +32,7 @@ from pydantic_core import PydanticCustomError
 from gguf_assets.lib.core import atomic
 from gguf_assets.lib.core.errors import UserError
 from gguf_assets.lib.core.markdown import markdown_table
+from gguf_assets.lib.project.seed_reference import SEED_PRECOMPUTE
 
 PROJECT_FILE = "project.yaml"
 # The output folder's report.json would collide with an adapter of this name's sidecar (<name>.json).
@@ -352,10 +353,11 @@ def yaml_value(value: Any) -> str:
 # What the reference run (the seed app's, on an RTX 5090) teaches; `gguf-trainer init` writes these
 # under their section, so they sit beside the settings they are about.
 SECTION_HINTS = {
-    "corpus": "Reference: 60k prompts took about 3.7 h of teacher time (about 4.5 prompts/s, sequential, one "
-              "RTX 5090 plus a 4050). Budget roughly prompts / 4.5 seconds on one large GPU.",
+    "corpus": f"Reference: {SEED_PRECOMPUTE.text()} of teacher time (sequential placement). Budget roughly "
+              f"prompts / {SEED_PRECOMPUTE.per_second:.1f} seconds on one large GPU (`gguf-trainer estimate`).",
     "precompute": "teacher_placement: sequential fills the chosen GPU up to its budget, then the other GPUs, "
-                  "then RAM; it keeps a 30 GB MoE on the GPUs and ran at about 4.5 prompts/s. balanced (the "
+                  "then RAM; it keeps a 30 GB MoE on the GPUs and ran at about "
+                  f"{SEED_PRECOMPUTE.per_second:.1f} prompts/s. balanced (the "
                   "transformers default even split) caps the big card at half the model and runs the rest of "
                   "the experts on the CPU: about 2.4 prompts/s. If sequential runs out of VRAM, lower "
                   "teacher_gpu_memory_gib by 2-3 GiB rather than switching to balanced.",

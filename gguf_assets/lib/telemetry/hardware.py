@@ -7,6 +7,7 @@ simply absent.
 from __future__ import annotations
 
 import logging
+import os
 import platform
 import threading
 import time
@@ -15,6 +16,8 @@ from importlib import metadata
 from typing import TYPE_CHECKING
 
 import psutil
+
+from gguf_assets.lib.core.errors import UserError
 
 if TYPE_CHECKING:
     import torch
@@ -25,6 +28,11 @@ ENVIRONMENT_PACKAGES = ("torch", "transformers", "accelerate", "huggingface_hub"
                         "gguf", "safetensors", "numpy", "tokenizers")
 GIB = 2**30
 SAMPLE_INTERVAL_S = 2.0
+# An advanced knob: pretend this machine has N GPUs (ids 0..N-1) when counting them for `run --workers auto`.
+# The tests use it to check that each worker is pinned to its own GPU on a machine without one.
+GPU_COUNT_ENV = "GGUF_ASSETS_GPU_COUNT"
+CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
+AUTO_WORKERS = "auto"  # `run --workers auto`: one shard worker per visible GPU (orchestration/workers.py)
 
 
 def resolve_device(setting: str) -> torch.device:
@@ -37,6 +45,51 @@ def resolve_device(setting: str) -> torch.device:
         raise RuntimeError(f"device {setting!r} was requested but CUDA is not available here; "
                            "set the device to cpu or auto.")
     return torch.device(setting)
+
+
+def visible_gpus() -> list[str]:
+    """The GPUs this process may use, as CUDA_VISIBLE_DEVICES entries: the user's CUDA_VISIBLE_DEVICES when set
+    (CUDA stops at its first invalid entry, "-1" hides every GPU), else every GPU NVML counts (or GPU_COUNT_ENV)."""
+    chosen = os.environ.get(CUDA_VISIBLE_DEVICES)
+    if chosen is not None:
+        entries = []
+        for entry in (e.strip() for e in chosen.split(",")):
+            if not entry or entry.startswith("-"):
+                break
+            entries.append(entry)
+        return entries
+    override = os.environ.get(GPU_COUNT_ENV, "").strip()
+    if override:
+        if not override.isdigit():
+            raise UserError(f"{GPU_COUNT_ENV}={override!r}: must be a whole number of GPUs; unset it to count "
+                            "this machine's own")
+        return [str(i) for i in range(int(override))]
+    return [str(gpu["index"]) for gpu in gpu_snapshot()]
+
+
+def pin_to_gpu(gpu: str) -> None:
+    """Make ``gpu`` (a CUDA_VISIBLE_DEVICES entry) this process's only GPU; it is then torch's cuda:0.
+
+    CUDA reads the variable once, when torch first touches it, so this must come before that."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized() and os.environ.get(CUDA_VISIBLE_DEVICES) != gpu:
+        raise RuntimeError(f"cannot pin this process to GPU {gpu}: CUDA was initialized before")
+    os.environ[CUDA_VISIBLE_DEVICES] = gpu
+
+
+def device_label(device: torch.device) -> str:
+    """Which device computes, for a shard's record: "cpu", or "cuda:<i> (<name>)" with i the GPU's id on the machine
+    (its CUDA_VISIBLE_DEVICES entry when that variable narrows what this process sees)."""
+    if device.type != "cuda":
+        return str(device)
+    import torch
+
+    index = device.index or 0
+    visible = os.environ.get(CUDA_VISIBLE_DEVICES, "").split(",")
+    machine_id = visible[index].strip() if index < len(visible) and visible[index].strip() else str(index)
+    return f"cuda:{machine_id} ({torch.cuda.get_device_name(index)})"
 
 
 class NvmlReader:

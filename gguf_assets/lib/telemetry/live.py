@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 
+from gguf_assets.lib.telemetry.eta import pace
 from gguf_assets.lib.telemetry.progress import format_seconds
 
 
@@ -23,7 +24,7 @@ def training_progress(latest: dict | None, steps: int, *, saved_step: int = 0, r
     rate = float(latest.get("steps_per_s", 0.0)) if latest else 0.0
     eta_s = latest.get("eta_s") if latest else None
     if eta_s is None and rate > 0:  # a log step recorded before the trainer sent its ETA
-        eta_s = (steps - step) / rate
+        eta_s = pace("training", "steps", step, steps, rate).seconds_left
     eta = format_seconds(float(eta_s)) if eta_s is not None and math.isfinite(float(eta_s)) else "?"
     percent = 100.0 * min(step, steps) / steps if steps else 0.0
     loss = float(latest["loss"]) if latest and "loss" in latest else None

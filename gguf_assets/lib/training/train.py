@@ -28,6 +28,7 @@ from gguf_assets.lib.project.layout import (
 )
 from gguf_assets.lib.project.settings import Settings
 from gguf_assets.lib.telemetry.curves_log import CurvesLog, run_folder
+from gguf_assets.lib.telemetry.eta import Pace, pace
 from gguf_assets.lib.telemetry.hardware import resolve_device
 from gguf_assets.lib.telemetry.progress import format_seconds
 from gguf_assets.lib.telemetry.render import curves_svg
@@ -420,12 +421,15 @@ class _TrainingRun:
         self.window_steps += 1
         return loss.detach(), grad_norm
 
-    def _eta_s(self) -> float:
-        """Seconds left at the rate of this process's steps so far, validations and checkpoints included (a
-        resumed run counts from where it resumed, so the steps it skipped do not make the ETA short)."""
+    def _pace(self) -> Pace:
+        """Steps/s of this process's steps so far, validations and checkpoints included (a resumed run counts
+        from where it resumed, so the steps it skipped do not make the ETA short), and the time left at it."""
         started, first_step = self.clock_from
         rate = (self.step - first_step) / max(time.perf_counter() - started, 1e-9)
-        return (self.t.steps - self.step) / rate if rate > 0 else math.inf
+        return pace("training", "steps", self.step, self.t.steps, rate)
+
+    def _eta_s(self) -> float:
+        return self._pace().seconds_left
 
     def _start_window(self) -> None:
         """Throughput is measured over the steps since the last log line."""
@@ -457,6 +461,9 @@ class _TrainingRun:
                  event.loss, lr, event.grad_norm, event.steps_per_s, event.samples_per_s, format_seconds(eta_s))
         self.curves.scalars(self.step, entry, "train")
         self.curves.scalars(self.step, dict(event.hardware), "hardware")
+        # `status` reads the step and the rate from the session, from the first log step on.
+        write_session(self.run_dir, SESSION_RUNNING, step=self.step, settings_hash=self.settings_hash,
+                      steps_per_s=round(self._pace().rate, 4))
         self.emit(event)
         self._start_window()
 

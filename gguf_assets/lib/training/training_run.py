@@ -128,15 +128,17 @@ def newest_meta(run_dir: Path) -> dict | None:
 SESSION_RUNNING, SESSION_STOPPED, SESSION_FAILED = "running", "stopped", "failed"
 
 
-def write_session(run_dir: Path, state: str, *, step: int, message: str = "", settings_hash: str = "") -> None:
+def write_session(run_dir: Path, state: str, *, step: int, message: str = "", settings_hash: str = "",
+                  steps_per_s: float | None = None) -> None:
     """Record how the run's training session stands: running (by this process, which a kill -9 or a reboot ends
     without a word: ``session_alive`` tells), stopped on purpose, or failed and why. Checkpoints say how far it
-    got; this says how it ended."""
+    got; this says how it ended. While it runs, each log step records its step and this process's steps/s."""
     pid = os.getpid()
     atomic.write_json(run_dir / SESSION_FILE, {
         "state": state, "step": step, "message": message, "at": round(time.time(), 1), "pid": pid,
         "pid_started": liveness.process_started(pid), "boot_id": liveness.boot_id(), "machine": liveness.machine_id(),
-        **({"settings_hash": settings_hash} if settings_hash else {})})
+        **({"settings_hash": settings_hash} if settings_hash else {}),
+        **({"steps_per_s": steps_per_s} if steps_per_s is not None else {})})
 
 
 def read_session(run_dir: Path) -> dict | None:

@@ -95,18 +95,22 @@ def test_build_writes_verified_halves_and_reports_live_figures(project, caplog):
         assert meta["sha256"] == atomic.sha256_file(folder / "teacher.safetensors")
         assert meta["placement"] == {"cpu": {"layers": TEACHER_LAYERS, "gib": meta["placement"]["cpu"]["gib"]}}
         assert meta["truncated"] == 0 and meta["text_tokens"] > 0
+        # Which device computed it, and when it was busy (what the measured rate and ETA are made of).
+        assert meta["device"] == "cpu" and meta["started_at"] <= meta["finished_at"]
     report = run.reports[0]
     assert report.halves["teacher"].status == "missing" and report.halves["teacher"].prompts_per_s > 0
     assert report.device_map == {"cpu": {"layers": TEACHER_LAYERS, "gib": report.device_map["cpu"]["gib"]}}
     # Its flat figures, as the shard's Dagster materialization records them (the keys of every version).
     figures = report.figures()
-    assert list(figures) == ["split", "key", "prompts", "teacher_status", "teacher_placement", "teacher_cpu_layers",
-                             "teacher_cpu_gib", "teacher_seconds", "teacher_truncated", "teacher_tokens",
+    assert list(figures) == ["split", "key", "prompts", "device", "teacher_status", "teacher_placement",
+                             "teacher_cpu_layers", "teacher_cpu_gib", "teacher_seconds", "teacher_truncated",
+                             "teacher_tokens",
                              "teacher_prompts_per_s", "student_status", "student_seconds", "student_truncated",
                              "student_tokens", "student_prompts_per_s", *report.hardware]
     assert list(report.hardware)[0] == "hw_samples"
     assert figures["teacher_status"] == "missing" and type(figures["teacher_status"]) is str
     assert figures["teacher_cpu_layers"] == TEACHER_LAYERS and figures["host_process_rss_gib_max"] > 0
+    assert figures["device"] == "cpu"
     summary = run.metadata()
     assert run.computed("teacher") == 2 and run.halves["student"].computed == 2
     assert summary["teacher_halves_computed"] == 2 and summary["student_halves_computed"] == 2

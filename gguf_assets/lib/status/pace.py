@@ -1,0 +1,97 @@
+"""The measured speed and ETA of the precompute and of training, read from what they record (lib/telemetry/eta.py
+does the arithmetic): `status`, the studio and the shard step's console line show these.
+
+Precompute: each current shard half's sidecar holds when it was computed (started_at, finished_at) and its
+prompts; the halves not current are the work left, over both splits. Training: the running session records the
+step and this process's steps/s at each log step; a stopped run's newest checkpoint holds its last log step.
+"""
+
+from __future__ import annotations
+
+import json
+
+from gguf_assets.lib.core import atomic
+from gguf_assets.lib.core.errors import UserError
+from gguf_assets.lib.materials.materials import load_manifest
+from gguf_assets.lib.precompute.half_state import HalfState
+from gguf_assets.lib.precompute.shards import plan_shards, shard_status
+from gguf_assets.lib.project.layout import SPLITS, ProjectPaths
+from gguf_assets.lib.project.settings import Settings
+from gguf_assets.lib.status.stages import SHARD_STAGES
+from gguf_assets.lib.status.states import StageState, State
+from gguf_assets.lib.telemetry.eta import BusySpan, Pace, pace, work_pace
+from gguf_assets.lib.training.training_run import (
+    SESSION_RUNNING,
+    adapter_fingerprint,
+    last_checkpoint_step,
+    newest_meta,
+    read_session,
+)
+
+_NOT_YET = (OSError, ValueError, KeyError, TypeError, UserError)  # no materials or corpus yet: nothing to measure
+
+
+def precompute_pace(paths: ProjectPaths, settings: Settings) -> Pace | None:
+    """Prompts/s and the ETA of the whole precompute (every split, every half the mode makes), from the first
+    computed shard half on; None before it, or when nothing is left."""
+    try:
+        materials = load_manifest(paths)
+        plans = [plan for split in SPLITS for plan in plan_shards(paths, settings, materials, split)]
+    except _NOT_YET:
+        return None
+    spans, left, done, total = [], {}, 0, 0
+    for plan in plans:
+        prompts = len(plan.prompts)
+        total += prompts
+        states = shard_status(paths, settings, plan)
+        for half, state in states.items():
+            if state != HalfState.CURRENT:
+                left[half] = left.get(half, 0) + prompts
+            elif (span := _busy_span(plan.folder(paths) / f"{half}.json", half)) is not None:
+                spans.append(span)
+        done += prompts if set(states.values()) == {HalfState.CURRENT} else 0
+    if not left:
+        return None
+    return work_pace("precompute", "prompts", spans, left, done=done, total=total)
+
+
+def _busy_span(sidecar, half: str) -> BusySpan | None:
+    """When a half was computed, from its sidecar (halves written before sidecars recorded it have no span)."""
+    try:
+        meta = atomic.read_json(sidecar)
+        return BusySpan(half, int(meta["prompts"]), float(meta["started_at"]), float(meta["finished_at"]))
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError):
+        return None
+
+
+def training_pace(paths: ProjectPaths, settings: Settings) -> Pace | None:
+    """Steps/s and the ETA of the training these settings make, from its first log step on: the running session's
+    last log step, else the last log step its newest checkpoint holds; None before any, or once it finished."""
+    try:
+        run_dir = paths.checkpoints_dir(adapter_fingerprint(paths, settings, load_manifest(paths)))
+    except _NOT_YET:
+        return None
+    steps = settings.training.steps
+    session = read_session(run_dir) or {}
+    if session.get("state") == SESSION_RUNNING and "steps_per_s" in session:
+        return pace("training", "steps", int(session["step"]), steps, float(session["steps_per_s"]))
+    meta = newest_meta(run_dir) or {}
+    if meta.get("finished") is True:
+        return None
+    logged = [e for e in meta.get("history") or [] if "steps_per_s" in e]
+    if not logged:
+        return None
+    return pace("training", "steps", last_checkpoint_step(paths, run_dir.name), steps,
+                float(logged[-1]["steps_per_s"]))
+
+
+def pace_lines(paths: ProjectPaths, settings: Settings, stages: list[StageState]) -> list[str]:
+    """What `status` and the studio show under the stages: the precompute's pace while shards are left to make, and
+    training's while the adapter is trained part way or trains now."""
+    state = {s.stage: s.state for s in stages}
+    paces = []
+    if any(state.get(stage) not in (None, State.CURRENT, State.BLOCKED) for stage in SHARD_STAGES):
+        paces.append(precompute_pace(paths, settings))
+    if state.get("adapter") in (State.PARTIAL, State.RUNNING):
+        paces.append(training_pace(paths, settings))
+    return [p.text() for p in paces if p is not None]
