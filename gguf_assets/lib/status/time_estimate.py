@@ -40,6 +40,7 @@ def _training_line(paths: ProjectPaths, settings: Settings) -> str:
     # Work per step grows with the batch, the depth and the square of the width (the adapter's matmuls).
     scale = (t.batch_size / ref["batch_size"]) * (t.depth / ref["depth"]) * (t.width / ref["width"]) ** 2
     seconds = t.steps / SEED_TRAINING.per_second * scale
-    return (f"training: about {format_seconds(seconds)} for {t.steps:,} steps, scaled from the seed's measurement "
+    about = "under 1s" if seconds < 1 else f"about {format_seconds(seconds)}"  # "about 0s" reads as a fault
+    return (f"training: {about} on a GPU like the seed's for {t.steps:,} steps, scaled from the seed's measurement "
             f"({SEED_TRAINING.text()} at width {ref['width']}, depth {ref['depth']}, batch {ref['batch_size']}) by "
             "steps x batch x depth x width squared")
