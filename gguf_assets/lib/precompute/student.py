@@ -45,7 +45,7 @@ def hidden_state_indexes(layers: list[int], depth: int) -> list[int]:
                                     f"{depth} layers, so use -{depth + 1} … {depth} (0 = the embeddings, -1 = the "
                                     "last)")
         resolved.append(layer % (depth + 1))
-    repeated = sorted({layers[i] for i, r in enumerate(resolved) if resolved.count(r) > 1})
+    repeated = [layer for layer, index in zip(layers, resolved) if resolved.count(index) > 1]
     if repeated:
         raise StudentLayerError(f"materials.student_layer: {', '.join(map(str, repeated))} name the same layer of "
                                 f"this {depth}-layer student; list each layer once")
