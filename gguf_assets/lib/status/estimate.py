@@ -19,7 +19,7 @@ from gguf_assets.lib.core.errors import UserError
 from gguf_assets.lib.core.safetensors_io import safetensors_header
 from gguf_assets.lib.materials.materials import load_manifest
 from gguf_assets.lib.project.layout import ProjectPaths
-from gguf_assets.lib.project.settings import Settings
+from gguf_assets.lib.project.settings import Settings, student_layers
 
 GIB = 2**30
 BYTES = {"bf16": 2, "f16": 2, "f32": 4}
@@ -165,6 +165,8 @@ def estimate(paths: ProjectPaths, settings: Settings) -> list[MemoryLine]:
     if shape is not None:
         student_dim = json.loads((student / "config.json").read_text(encoding="utf-8"))["hidden_size"]
         query_rows, target_dim = shape
+        if t.layer_fusion == "concat":  # several layers side by side: in_norm and in_proj k times as wide
+            student_dim *= len(student_layers(m))
         n = adapter_params(student_dim, query_rows, target_dim, t.width, t.depth)
         per_param = ADAM_BYTES_PER_PARAM + (4 if t.ema_decay else 0)
         lines.append(MemoryLine("adapter training", n * per_param / GIB,
