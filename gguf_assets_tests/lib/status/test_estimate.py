@@ -16,7 +16,8 @@ from gguf_assets.lib.training.adapter import Adapter, AdapterShape
                                    AdapterShape(48, 8, 32, 64, 1, 4, student_layers=3, layer_fusion="concat")])
 def test_adapter_params_match_the_adapters_state_dict(shape):
     # Several layers concatenated: the estimate counts them as one student k times as wide.
-    assert adapter_params(shape.student_dim * shape.student_layers, shape.query_rows, shape.target_dim, shape.width, shape.depth) == sum(
+    width = shape.student_dim * shape.student_layers
+    assert adapter_params(width, shape.query_rows, shape.target_dim, shape.width, shape.depth) == sum(
         tensor.numel() for tensor in Adapter(shape).state_dict().values())
 
 
