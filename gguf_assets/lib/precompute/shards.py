@@ -44,7 +44,7 @@ from gguf_assets.lib.project.layout import (
     shard_key,
 )
 from gguf_assets.lib.project.manifests import MaterialsManifest
-from gguf_assets.lib.project.settings import Settings, student_layers
+from gguf_assets.lib.project.settings import Settings, student_layer_key
 from gguf_assets.lib.project.teacher_choice import teacher_choice
 from gguf_assets.lib.telemetry.progress import Progress
 
@@ -71,10 +71,7 @@ def half_settings(half: str, settings: Settings) -> dict:
     if half == "teacher":
         return {**teacher_choice(settings).targets_settings(settings), "dtype": p.target_dtype,
                 "template": p.prompt_template}
-    layers = student_layers(m)
-    # One layer keeps the integer it always was (old projects stay current; [-1] and -1 are the same shards).
-    return {"layer": layers[0] if len(layers) == 1 else layers, "dtype": p.student_dtype,
-            "template": p.prompt_template}
+    return {"layer": student_layer_key(m), "dtype": p.student_dtype, "template": p.prompt_template}
 
 
 def half_fingerprint(half: str, settings: Settings, materials: MaterialsManifest, shard_prompts_hash: str) -> str:

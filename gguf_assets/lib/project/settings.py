@@ -121,6 +121,13 @@ def student_layers(materials: "Materials") -> list[int]:
     return list(layer) if isinstance(layer, list) else [layer]
 
 
+def student_layer_key(materials: "Materials") -> int | list[int]:
+    """materials.student_layer as fingerprints record it: one layer keeps the integer it always was (old projects
+    stay current, and [-1] is the same shards as -1), several are the list."""
+    layers = student_layers(materials)
+    return layers[0] if len(layers) == 1 else layers
+
+
 def _paths(value: Any) -> list[str]:
     if not isinstance(value, list) or not all(isinstance(v, str) and v.strip() for v in value):
         raise ValueError("must be a list of file paths (strings)")
