@@ -32,12 +32,18 @@ Variants, each at equal CPU time:
                            (as FLUX.2 stacks three of its LLM's layers)
     layers-ln-mean         the layer-normalised mean of every hidden state (arXiv 2506.08210)
     layers-learned-mix     a learned softmax mix of every layer-normed hidden state
+    product-concat         the product's own setting: materials.student_layer = the thirds' layers as a list
+                           ([L/3, 2L/3, -1]), training.layer_fusion: concat, through the real precompute and Adapter
+    product-mix            materials.student_layer = every hidden state ([0, ..., L-1, -1]),
+                           training.layer_fusion: mix
     select-random-N        N of the train prompts chosen at random (the teacher budget is N, not all)
     select-clusters-N      N chosen balanced over k-means clusters of the student's mean states
     select-farthest-N      N chosen by farthest-point sampling of the student's mean states
 
-The multi-layer variants are prototyped here (their shards hold the layers side by side and an
-Adapter subclass combines them); the two training variants are real settings. The selection
+The layers-* variants are the prototypes (their shards hold the layers side by side and an Adapter subclass
+combines them); the product-* variants are what a user gets from the settings (the precompute stores the
+listed layers side by side, lib/training/adapter.py fuses them), the same math, to check the product against
+what the prototypes found. The two training variants are real settings. The selection
 variants train on N = train / 3 prompts picked from the train set (the candidate pool, 3 x N);
 their delta is against select-random-N, at the same teacher budget.
 
@@ -53,6 +59,8 @@ independent families (C and D, each) and loses no more than the seed-to-seed spr
     .venv/bin/python benchmarks/bench_quality.py --pairs C --save c.json   # one family; then
     .venv/bin/python benchmarks/bench_quality.py --merge a.json b.json c.json   # the table and verdict
     .venv/bin/python benchmarks/bench_quality.py --quick         # a smoke run, about a minute
+    .venv/bin/python benchmarks/bench_quality.py --pairs CD \
+        --variants current-seed1,current-seed2,product-concat,product-mix   # some rows ("current" always runs)
 """
 
 from __future__ import annotations
@@ -118,6 +126,7 @@ class Variant:
     layer: str | None = None     # one other student layer: "first", "middle" or "last"
     combine: str | None = None   # several layers: "thirds" (concatenated), "ln-mean" or "learned-mix"
     select: str | None = None    # train on a third of the train prompts: "random", "clusters", "farthest"
+    layers: str | None = None    # the product's materials.student_layer list: "thirds" or "every" (product_layers)
     candidate: bool = True       # False: a reference row that cannot be adopted
     same_cost: bool = False      # the current recipe's model and data: no calibration needed
 
@@ -140,6 +149,8 @@ VARIANTS = (
     Variant("layers-thirds", combine="thirds"),
     Variant("layers-ln-mean", combine="ln-mean"),
     Variant("layers-learned-mix", combine="learned-mix"),
+    Variant("product-concat", {"layer_fusion": "concat"}, layers="thirds"),
+    Variant("product-mix", {"layer_fusion": "mix"}, layers="every"),
     Variant("select-random", select="random", candidate=False, same_cost=True),
     Variant("select-clusters", select="clusters", same_cost=True),
     Variant("select-farthest", select="farthest", same_cost=True),
@@ -150,9 +161,18 @@ def layer_index(pair: Pair, which: str) -> int:
     return {"first": 0, "middle": pair.student_layers // 2, "last": -1}[which]
 
 
-def variants_for(pair: Pair) -> list[Variant]:
-    """Every variant, less the one-layer row that is the current recipe's own layer."""
-    return [v for v in VARIANTS if v.layer is None or layer_index(pair, v.layer) != pair.current_layer]
+def variants_for(pair: Pair, only: set[str] | None = None) -> list[Variant]:
+    """Every variant (or those named in ``only``, and "current", every delta's base and the CPU yardstick), less
+    the one-layer row that is the current recipe's own layer."""
+    return [v for v in VARIANTS if (v.layer is None or layer_index(pair, v.layer) != pair.current_layer)
+            and (only is None or v.name in only | {"current"})]
+
+
+def product_layers(pair: Pair) -> dict[str, list[int]]:
+    """The product variants' materials.student_layer lists, in the student's order (-1: its last layer)."""
+    last = pair.student_layers
+    thirds = sorted({round(last / 3), round(2 * last / 3), last} - {0})
+    return {"thirds": [-1 if i == last else i for i in thirds], "every": [*range(last), -1]}
 
 
 @dataclass(frozen=True)
@@ -229,6 +249,7 @@ class PairData:
     layers: dict[int, dict[str, list[Path]]]   # student layer -> split -> shard folders
     combined: dict[str, tuple[int, dict[str, list[Path]]]] = field(default_factory=dict)  # combine -> (k, shards)
     selected: dict[str, dict[str, list[Path]]] = field(default_factory=dict)              # select -> shards
+    product: dict[str, dict[str, list[Path]]] = field(default_factory=dict)  # product_layers name -> shards
     prepare_cpu_s: float = 0.0
 
     def folders(self, variant: Variant) -> dict[str, list[Path]]:
@@ -236,6 +257,8 @@ class PairData:
             return self.combined[variant.combine][1]
         if variant.select:
             return self.selected[variant.select]
+        if variant.layers:
+            return self.product[variant.layers]
         if variant.layer:
             return self.layers[layer_index(self.pair, variant.layer)]
         return self.layers[self.pair.current_layer]
@@ -258,17 +281,25 @@ def prepare_pair(root: Path, pair: Pair, size: Size) -> PairData:
     materials = resolve_materials(paths, settings)
     build_corpus(paths, settings, materials, fingerprint=corpus_fingerprint(paths, settings, materials))
     data = PairData(pair, settings, {})
-    # hidden_states: the embeddings (0), then each layer's output; -1 is the last after the final norm.
-    for layer in [*range(pair.student_layers), -1]:
-        # A new student layer recomputes only the student halves; the teacher targets are reused.
-        layer_settings = replace(settings, materials={"student_layer": layer})
-        data.layers[layer] = {}
+
+    def shards_of(student_layer: int | list[int], name: str) -> dict[str, list[Path]]:
+        """The shards of this materials.student_layer, copied aside: a new student layer recomputes only the
+        student halves; the teacher targets are reused."""
+        layer_settings = replace(settings, materials={"student_layer": student_layer})
+        folders = {}
         for split in ("train", "val"):
             keys = [p.key for p in plan_shards(paths, layer_settings, materials, split)]
             precompute_split(paths, layer_settings, materials, split, keys)
-            snapshot = root / f"shards-layer{layer}" / split
+            snapshot = root / f"shards-{name}" / split
             shutil.copytree(paths.root / "shards" / split, snapshot)
-            data.layers[layer][split] = sorted(p for p in snapshot.iterdir() if p.is_dir())
+            folders[split] = sorted(p for p in snapshot.iterdir() if p.is_dir())
+        return folders
+
+    # hidden_states: the embeddings (0), then each layer's output; -1 is the last after the final norm.
+    for layer in [*range(pair.student_layers), -1]:
+        data.layers[layer] = shards_of(layer, f"layer{layer}")
+    for name, layers in product_layers(pair).items():
+        data.product[name] = shards_of(layers, f"product-{name}")
     last = pair.student_layers
     thirds = sorted({round(last / 3), round(2 * last / 3), -1} - {last})  # -1 is the last layer's output
     every = [*range(pair.student_layers), -1]
@@ -309,7 +340,7 @@ def concat_layers(folder: Path, sources: list[Path]) -> Path:
     student = {"hidden": torch.cat([h["hidden"] for h in halves], dim=1), "offsets": halves[0]["offsets"],
                "token_ids": halves[0]["token_ids"]}
     student_meta = {**atomic.read_json(sources[0] / "student.json"), "dim": int(student["hidden"].shape[1]),
-                    "layers": len(sources), "fingerprint": atomic.fingerprint(
+                    "combined_layers": len(sources), "fingerprint": atomic.fingerprint(
                         [atomic.read_json(s / "student.json")["fingerprint"] for s in sources])}
     texts = [json.loads(line)["text"] for line in (sources[0] / PROMPTS_FILE).read_text("utf-8").splitlines()]
     return write_shard(folder, {"teacher": read_half(sources[0], "teacher"), "student": student},
@@ -466,7 +497,7 @@ PAIR_KINDS = {(False, False): "the teacher reads a lift of its layer 0", (True, 
               (True, True): "independent of the teacher, both trained as language models"}
 
 
-def measure_pair(root: Path, pair: Pair, size: Size, *, train: bool = True) -> list[dict]:
+def measure_pair(root: Path, pair: Pair, size: Size, *, train: bool = True, only: set[str] | None = None) -> list[dict]:
     data = prepare_pair(root / f"pair-{pair.name}", pair, size)
     train_folders = data.layers[pair.current_layer]["train"]
     dims = atomic.read_json(train_folders[0] / "student.json")["dim"]
@@ -482,7 +513,7 @@ def measure_pair(root: Path, pair: Pair, size: Size, *, train: bool = True) -> l
           f"{shuffled:.4f} (two different prompts: {different:.4f})", flush=True)
     if not train:
         return []
-    variants = variants_for(pair)
+    variants = variants_for(pair, only)
     costs = step_costs(root / "runs", data, variants, size)
     rows = []
     for variant in variants:
@@ -509,7 +540,9 @@ def report(rows: list[dict]) -> None:
         print(f"{r['pair']:<4} {r['variant']:<18} {r['steps']:>6} {r['cpu_s']:>7.2f} {r['cpu_ratio']:>9.2f} "
               f"{r['cosine']:>8.4f} {r['delta']:>+8.4f}  {base}")
     pairs = sorted({r["pair"] for r in rows})
-    spread = {p: max(abs(by[(p, f"current-seed{k}")]["delta"]) for k in (1, 2)) for p in pairs}
+    seeds = {p: [abs(by[(p, f"current-seed{k}")]["delta"]) for k in (1, 2) if (p, f"current-seed{k}") in by]
+             for p in pairs}
+    spread = {p: max(seeds[p], default=float("nan")) for p in pairs}  # unknown when --variants left the seeds out
     print("seed-to-seed spread: " + ", ".join(f"{p} {spread[p]:.4f}" for p in pairs))
     if not {"A", "B", *NEW_FAMILIES} <= set(pairs):
         print(f"the verdict needs families A, B, {', '.join(NEW_FAMILIES)} (--merge the saved rows)")
@@ -539,6 +572,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run, about a minute")
     parser.add_argument("--steps", type=int, help="the current recipe's steps (default: 600, --quick 12)")
     parser.add_argument("--pairs", default="ABCD", help="the families to measure (default ABCD)")
+    parser.add_argument("--variants", help="only these variants, comma-separated (and current, the base)")
     parser.add_argument("--save", type=Path, help="also write the measured rows here (json)")
     parser.add_argument("--merge", type=Path, nargs="+", help="print the table and verdict of saved rows")
     parser.add_argument("--order-only", action="store_true",
@@ -559,7 +593,8 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     try:
         for pair in (p for p in PAIRS if p.name in args.pairs):
-            rows += measure_pair(root, pair, size, train=not args.order_only)
+            rows += measure_pair(root, pair, size, train=not args.order_only,
+                                 only=set(args.variants.split(",")) if args.variants else None)
     finally:
         if args.keep is None:
             shutil.rmtree(root, ignore_errors=True)

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin
+from types import UnionType
+from typing import Any, Literal, Union, get_args, get_origin
 
 import annotated_types
 import yaml
@@ -45,7 +46,8 @@ class FormField:
 
     section: str
     name: str
-    kind: str  # int, float, bool, choice, text, list, mapping (a one-line YAML mapping, e.g. materials.query_rows)
+    kind: str  # int, float, bool, choice, text, list, mapping (a one-line YAML mapping, e.g. materials.query_rows),
+    # value (one of several YAML forms on one line, e.g. materials.student_layer: -1 or [9, 18, 27])
     help: str
     value: Any
     default: Any
@@ -103,6 +105,8 @@ def _kind(annotation) -> str:
         return "list"
     if annotation is dict or get_origin(annotation) is dict:
         return "mapping"
+    if get_origin(annotation) in (Union, UnionType):
+        return "value"
     return "text"
 
 
@@ -127,6 +131,8 @@ def shown(kind: str, value: Any) -> Any:
         return "" if value is None else str(value)
     if kind == "mapping":
         return "" if value in (None, "", {}) else yaml_value(value)
+    if kind == "value":
+        return yaml_value(value)
     return "" if value is None else yaml_value(value)
 
 
@@ -187,6 +193,11 @@ def _typed(kind: str, value: Any) -> Any:
         except yaml.YAMLError:
             return value
         return parsed if isinstance(parsed, dict) else value
+    if kind == "value" and isinstance(value, str):
+        try:  # `[9, 18, 27]` or `-1`; anything else goes to the settings check as is
+            return yaml.safe_load(value)
+        except yaml.YAMLError:
+            return value
     if kind in ("int", "float") and isinstance(value, str):
         if kind == "float" and EXPONENT_FLOAT.match(value.strip()):
             return float(value)  # `2e-3`, which YAML 1.1 would leave a string (settings.py reads it so too)

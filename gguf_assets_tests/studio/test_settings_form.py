@@ -111,3 +111,14 @@ def test_the_query_rows_mapping_is_one_flow_line_set_and_cleared_from_the_form(t
         apply_form(PATH, text, {"materials.query_rows": "{source: org/t2i}"})
     with pytest.raises(SettingsError, match="materials.query_rows = 'org/t2i' must be a mapping"):
         apply_form(PATH, text, {"materials.query_rows": "org/t2i"})
+
+
+def test_the_student_layer_is_one_yaml_value_a_layer_or_a_list(text):
+    field = _fields(text)["materials.student_layer"]
+    assert (field.kind, field.value, field.default) == ("value", "0", "-1")  # the demo reads layer 0
+    saved = apply_form(PATH, text, {"materials.student_layer": "[9, 18, 27]"})
+    assert saved.settings.materials.student_layer == [9, 18, 27] and "student_layer: [9, 18, 27]" in saved.text
+    assert _fields(saved.text)["materials.student_layer"].value == "[9, 18, 27]"
+    assert apply_form(PATH, saved.text, {"materials.student_layer": "-2"}).settings.materials.student_layer == -2
+    with pytest.raises(SettingsError, match=r"materials.student_layer = \[\] is an empty list"):
+        apply_form(PATH, text, {"materials.student_layer": "[]"})

@@ -26,7 +26,7 @@ from gguf_assets.lib.output.vision import vision_gguf_path, write_vision_gguf
 from gguf_assets.lib.project import settings_history
 from gguf_assets.lib.project.layout import ProjectPaths
 from gguf_assets.lib.project.manifests import ExportSidecar, MaterialsManifest
-from gguf_assets.lib.project.settings import Settings, adapter_name_problem
+from gguf_assets.lib.project.settings import Settings, adapter_name_problem, student_layers
 from gguf_assets.lib.project.teacher_choice import teacher_choice
 from gguf_assets.lib.training.adapter import MLP_RATIO, NORM_EPS
 from gguf_assets.lib.training.checkpoints import load_final
@@ -53,9 +53,12 @@ def provenance(settings: Settings, materials: MaterialsManifest, meta: dict) -> 
     """The adapter GGUF's provenance keys (gguf_format.REQUIRED_PROVENANCE and the rest)."""
     student = materials.student
     teacher_repo, teacher_commit = teacher_choice(settings).provenance(materials)
+    layers = student_layers(settings.materials)
+    # One layer: version 1's integer key; several: the list, in the order their states are fed.
+    layer = {"student.layer": layers[0]} if len(layers) == 1 else {"student.layers": layers}
     return {
         "student.repo": student["source"], "student.commit": student["commit"],
-        "student.layer": settings.materials.student_layer, "student.hidden_size": meta["shape"]["student_dim"],
+        **layer, "student.hidden_size": meta["shape"]["student_dim"],
         "teacher.repo": teacher_repo, "teacher.commit": teacher_commit,
         "teacher.layer": settings.materials.teacher_layer,
         "prompt_template": settings.precompute.prompt_template,

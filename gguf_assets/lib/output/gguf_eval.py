@@ -5,15 +5,21 @@ re-implemented from the math in docs/gguf_layout.md (not from adapter.py's code)
 val centred cosine. It deliberately imports neither torch nor adapter.py/train.py, so a
 bug shared by training and export cannot hide here; the tests enforce that.
 
-The forward (per prompt, states s [L, Ds], L may be 0):
+The forward (per prompt, states s [L, k*Ds]: k student layers side by side; L may be 0):
 
-    m   = in_proj(LN_in(s)); m = [null_memory ; m]         [L+1, W]
+    m   = in_proj(fuse(s)); m = [null_memory ; m]          [L+1, W]
     x   = query                                             [Q, W]
     per block: x += MHA(LN_cross(x), m, m)
                x += MHA(LN_self(x), LN_self(x), LN_self(x))
                x += down(gelu_tanh(up(LN_mlp(x))))
     y   = out_proj(LN_out(x))                               [Q, D] standardized
     out = y * target.std + target.mean                      teacher space
+
+fuse(s) = LN_in(s) for one layer (k = 1). For k > 1 each layer's slice s_i = s[:, i*Ds:(i+1)*Ds] is
+normalised alone (N: no weight, no bias), then
+
+    concat: [N(s_1) | ... | N(s_k)] * in_norm.weight + in_norm.bias     (in_norm, in_proj k*Ds wide)
+    mix:    LN_in(sum_i softmax(layer_mix)_i N(s_i))
 
 Score: per prompt, mean over query rows of cos(pred - mean, target - mean) over D; the
 overall score is the mean over prompts.
@@ -111,13 +117,37 @@ class GGUFAdapter:
         p /= p.sum(axis=-1, keepdims=True)
         return (p @ vh).transpose(1, 0, 2).reshape(n, width)
 
+    @property
+    def layers(self) -> int:
+        """k: the student layers fed side by side (1 for a version 1 file)."""
+        return self.hparams.get("student_layers", 1)
+
+    @property
+    def states_width(self) -> int:
+        """The width of a token's row of student states: k layers of student_dim."""
+        return self.layers * self.hparams["student_dim"]
+
+    def _fuse(self, states: np.ndarray) -> np.ndarray:
+        """The normalised input of in_proj (the module docstring's fuse)."""
+        if self.layers == 1:
+            return self._norm(states, "in_norm")
+        ds, eps = self.hparams["student_dim"], self.hparams["layer_norm_epsilon"]
+        one = np.ones(ds, np.float32)
+        zero = np.zeros(ds, np.float32)
+        slices = [_layer_norm(states[:, i * ds:(i + 1) * ds], one, zero, eps) for i in range(self.layers)]
+        if self.hparams["layer_fusion"] == "concat":
+            return np.concatenate(slices, axis=1) * self.weights["in_norm.weight"] + self.weights["in_norm.bias"]
+        logits = self.weights["layer_mix"].astype(np.float64)
+        weights = np.exp(logits - logits.max())
+        weights = (weights / weights.sum()).astype(np.float32)
+        return self._norm(sum(w * part for w, part in zip(weights, slices)), "in_norm")
+
     def memory(self, states: np.ndarray) -> np.ndarray:
-        """in_proj(LN_in(states)) for student states [L, Ds] → [L, W] (no null row)."""
+        """in_proj(fuse(states)) for student states [L, k*Ds] → [L, W] (no null row)."""
         states = np.asarray(states)
-        ds = self.hparams["student_dim"]
-        if states.ndim != 2 or states.shape[1] != ds:
-            raise ValueError(f"states must be [L, {ds}], got {list(states.shape)}")
-        return self._linear(self._norm(states.astype(np.float32, copy=False), "in_norm"), "in_proj")
+        if states.ndim != 2 or states.shape[1] != self.states_width:
+            raise ValueError(f"states must be [L, {self.states_width}], got {list(states.shape)}")
+        return self._linear(self._fuse(states.astype(np.float32, copy=False)), "in_proj")
 
     def memory_kv(self, memory: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
         """Cross-attention keys and values of every block for memory rows [M, W].
@@ -217,8 +247,9 @@ def _score_shard(adapter: GGUFAdapter, shard: Path) -> list[tuple[int, str, floa
     if targets.shape != (n, hp["query_rows"], hp["target_dim"]):
         raise ValueError(f"{shard}: targets shape {list(targets.shape)} != "
                          f"[{n} prompts, Q={hp['query_rows']}, D={hp['target_dim']}]")
-    if hidden.ndim != 2 or hidden.shape[1] != hp["student_dim"]:
-        raise ValueError(f"{shard}: hidden shape {list(hidden.shape)} != [tokens, Ds={hp['student_dim']}]")
+    if hidden.ndim != 2 or hidden.shape[1] != adapter.states_width:
+        raise ValueError(f"{shard}: hidden shape {list(hidden.shape)} != [tokens, {adapter.layers} layer(s) x "
+                         f"Ds={hp['student_dim']}]: the shards' student layers differ from the adapter's")
     if offsets.shape != (n + 1,) or offsets[0] != 0 or offsets[-1] != hidden.shape[0] \
             or np.any(np.diff(offsets) < 0):
         raise ValueError(f"{shard}: offsets must be [n+1] non-decreasing from 0 to {hidden.shape[0]}")

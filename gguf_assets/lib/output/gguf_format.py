@@ -6,7 +6,7 @@ temp file beside the target, re-reads it with ``gguf.GGUFReader``, compares ever
 every tensor's bytes, and only then renames it over the target. docs/gguf_layout.md is
 the human-readable version of this module (keep them in step).
 
-Layout in brief (FORMAT_VERSION 1):
+Layout in brief (FORMAT_VERSION 1; LAYERS_FORMAT_VERSION 2 for an adapter fed several student layers, below):
 
 * metadata: ``general.architecture = "llm_adapter"``, ``general.name``,
   ``llm_adapter.format_version`` and the hyperparameters (``HPARAM_TYPES``) as
@@ -22,6 +22,12 @@ Layout in brief (FORMAT_VERSION 1):
   (GGML lists the fastest-varying dimension first; the bytes are the same row-major
   buffer). So a torch ``nn.Linear(in, out).weight`` of shape ``(out, in)`` has
   ``ne = [in, out]``, which is exactly what ``ggml_mul_mat(w, x)`` expects.
+
+Several student layers (LAYERS_FORMAT_VERSION 2, written only then, so a one-layer file keeps version 1's
+exact bytes and every v1 runtime reads it): two more hyperparameters (``LAYER_HPARAM_TYPES``: the layer count
+and the fusion), the provenance key ``student.layers`` (the layer list, in feed order) in place of
+``student.layer``, and for the fusion ``mix`` the tensor ``layer_mix`` [k] (F32); with ``concat``,
+``in_norm`` and ``in_proj`` are k times as wide.
 
 No torch here: the evaluator (gguf_eval) imports this module and must stay torch-free.
 """
@@ -47,7 +53,10 @@ from gguf_assets.lib.core.f16 import F16_MAX
 logger = logging.getLogger(__name__)
 
 ARCH = "llm_adapter"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1          # one student layer
+LAYERS_FORMAT_VERSION = 2   # several student layers, fused (LAYER_HPARAM_TYPES)
+READ_VERSIONS = (FORMAT_VERSION, LAYERS_FORMAT_VERSION)
+LAYER_FUSIONS = ("concat", "mix")  # as lib/training/adapter.py (a test keeps them equal)
 
 # The general.* keys every GGUF shares, from gguf-py (the adapter and the vision GGUF both use them).
 KEY_ARCHITECTURE = Keys.General.ARCHITECTURE
@@ -70,12 +79,18 @@ HPARAM_TYPES: dict[str, GGUFValueType] = {
     "mlp_ratio": GGUFValueType.UINT32,
     "layer_norm_epsilon": GGUFValueType.FLOAT32,
 }
+# Version 2 only: present exactly when more than one student layer is fed.
+LAYER_HPARAM_TYPES: dict[str, GGUFValueType] = {
+    "student_layers": GGUFValueType.UINT32,
+    "layer_fusion": GGUFValueType.STRING,
+}
 # docs/gguf_layout.md's key tables are generated from the three tables below (`python -m gguf_assets.docs`; a
 # test fails when the committed file differs), so the words a loader's author reads are these.
 GENERAL_HELP: dict[str, tuple[GGUFValueType, str]] = {
     KEY_ARCHITECTURE: (GGUFValueType.STRING, f"always `{ARCH}`"),
     KEY_NAME: (GGUFValueType.STRING, "human-readable model name (never empty)"),
-    KEY_FORMAT_VERSION: (GGUFValueType.UINT32, f"`{FORMAT_VERSION}`; a loader must refuse other values"),
+    KEY_FORMAT_VERSION: (GGUFValueType.UINT32, f"`{FORMAT_VERSION}` (one student layer) or `{LAYERS_FORMAT_VERSION}` "
+                                               "(several, fused); a loader must refuse other values"),
 }
 HPARAM_HELP: dict[str, str] = {
     "student_dim": "Ds: hidden size of the student states fed in",
@@ -86,6 +101,10 @@ HPARAM_HELP: dict[str, str] = {
     "heads": "H: heads of every attention; head dim `W / H` (W % H == 0)",
     "mlp_ratio": "MLP hidden size = `mlp_ratio * W` (currently 4)",
     "layer_norm_epsilon": "eps of every LayerNorm (currently 1e-5, stored as the nearest f32)",
+    "student_layers": f"version {LAYERS_FORMAT_VERSION} only: k, the student layers fed side by side (`student_dim` is "
+                      "one layer's width); absent = 1",
+    "layer_fusion": f"version {LAYERS_FORMAT_VERSION} only: how the k layers are fused, `concat` or `mix` (see Forward "
+                    "math)",
 }
 
 # Provenance a runtime (and a person holding only the file) needs: where the student
@@ -102,12 +121,20 @@ REQUIRED_PROVENANCE: dict[str, GGUFValueType] = {
     "training.seed": GGUFValueType.INT64,
     "training.val_centred_cosine": GGUFValueType.FLOAT64,
 }
+# Version 2 names its layers as a list instead of one integer.
+LAYERS_REQUIRED_PROVENANCE: dict[str, GGUFValueType] = {
+    **{k: v for k, v in REQUIRED_PROVENANCE.items() if k != "student.layer"},
+    "student.layers": GGUFValueType.ARRAY,
+}
 # Known provenance keys (written as llm_adapter.<key>), in the order the exporter lists them, with the type the
 # exporter writes; others are allowed if well formed.
 PROVENANCE_HELP: dict[str, tuple[GGUFValueType, str]] = {
     "student.repo": (GGUFValueType.STRING, "student model repo id or local path"),
     "student.commit": (GGUFValueType.STRING, "student revision (commit hash) or `local:<content hash>`"),
-    "student.layer": (GGUFValueType.INT64, "student hidden-state layer index read (may be negative, Python-style)"),
+    "student.layer": (GGUFValueType.INT64, "student hidden-state layer index read (may be negative, Python-style); "
+                                           f"version {FORMAT_VERSION}"),
+    "student.layers": (GGUFValueType.ARRAY, f"version {LAYERS_FORMAT_VERSION}: the INT64 layer indexes read, in the "
+                                            "order their states are fed side by side"),
     "student.hidden_size": (GGUFValueType.INT64, "student hidden size (= `student_dim`)"),
     "teacher.repo": (GGUFValueType.STRING,
                      "teacher model repo id or local path (`mock-teacher` for the dev smoke test)"),
@@ -126,8 +153,15 @@ def metadata_key_rows() -> tuple[list[tuple[str, str, str]], list[tuple[str, str
     """The key tables of docs/gguf_layout.md: (key, GGUF type, meaning) for the general keys and hyperparameters,
     in file order; (key, type, required, meaning) for the known provenance keys."""
     fixed = [(f"`{key}`", vtype.name, meaning) for key, (vtype, meaning) in GENERAL_HELP.items()]
-    fixed += [(f"`{KEY_PREFIX}{key}`", HPARAM_TYPES[key].name, HPARAM_HELP[key]) for key in HPARAM_TYPES]
-    provenance = [(f"`{KEY_PREFIX}{key}`", vtype.name, "yes" if key in REQUIRED_PROVENANCE else "", meaning)
+    fixed += [(f"`{KEY_PREFIX}{key}`", vtype.name, HPARAM_HELP[key])
+              for key, vtype in {**HPARAM_TYPES, **LAYER_HPARAM_TYPES}.items()]
+
+    def required(key: str) -> str:
+        versions = [str(v) for v, keys in ((FORMAT_VERSION, REQUIRED_PROVENANCE),
+                                           (LAYERS_FORMAT_VERSION, LAYERS_REQUIRED_PROVENANCE)) if key in keys]
+        return "yes" if len(versions) == 2 else (f"version {versions[0]}" if versions else "")
+
+    provenance = [(f"`{KEY_PREFIX}{key}`", vtype.name, required(key), meaning)
                   for key, (vtype, meaning) in PROVENANCE_HELP.items()]
     return fixed, provenance
 
@@ -142,7 +176,7 @@ _UINT32_MAX = 2**32 - 1
 # State-dict key ↔ GGUF tensor name. Top-level names are kept as they are (already short
 # and readable); blocks.N. becomes blk.N. (llama.cpp's convention); the two standardization
 # buffers become target.mean / target.std.
-_TOP_TENSORS = ("query", "null_memory", "in_norm.weight", "in_norm.bias", "in_proj.weight", "in_proj.bias",
+_TOP_TENSORS = ("query", "null_memory", "layer_mix", "in_norm.weight", "in_norm.bias", "in_proj.weight", "in_proj.bias",
                 "out_norm.weight", "out_norm.bias", "out_proj.weight", "out_proj.bias")
 _BLOCK_LEAVES = tuple(
     f"{module}.{param}"
@@ -217,7 +251,17 @@ def is_f16_tensor(state_dict_key: str) -> bool:
 
 
 def validate_hparams(hparams: Mapping[str, Any]) -> dict[str, Any]:
-    """Exactly the HPARAM_TYPES keys, positive ints / positive finite eps; returns a clean dict."""
+    """The HPARAM_TYPES keys, positive ints / positive finite eps, and the LAYER_HPARAM_TYPES keys for more than
+    one student layer; returns a clean dict (a one-layer adapter's holds no layer keys: it is version 1's)."""
+    layers = hparams.get("student_layers", 1)
+    if isinstance(layers, bool) or not isinstance(layers, (int, np.integer)) or not 0 < int(layers) <= _UINT32_MAX:
+        raise ValueError(f"hparams['student_layers'] = {layers!r}: expected a positive integer")
+    fusion = hparams.get("layer_fusion", "concat")
+    if fusion not in LAYER_FUSIONS or (layers == 1 and fusion != "concat"):
+        raise ValueError(f"hparams['layer_fusion'] = {fusion!r}: expected one of {LAYER_FUSIONS} (concat for one "
+                         "layer)")
+    layer_keys = {"student_layers": int(layers), "layer_fusion": fusion} if layers > 1 else {}
+    hparams = {k: v for k, v in hparams.items() if k not in LAYER_HPARAM_TYPES}
     missing = sorted(set(HPARAM_TYPES) - set(hparams))
     extra = sorted(set(hparams) - set(HPARAM_TYPES))
     if missing or extra:
@@ -236,7 +280,12 @@ def validate_hparams(hparams: Mapping[str, Any]) -> dict[str, Any]:
             clean[key] = float(value)
     if clean["width"] % clean["heads"]:
         raise ValueError(f"hparams: heads ({clean['heads']}) must divide width ({clean['width']})")
-    return clean
+    return {**clean, **layer_keys}
+
+
+def file_version(hparams: Mapping[str, Any]) -> int:
+    """The format version a file of these (validated) hparams is written in."""
+    return LAYERS_FORMAT_VERSION if "student_layers" in hparams else FORMAT_VERSION
 
 
 def expected_tensor_shapes(hparams: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
@@ -245,6 +294,11 @@ def expected_tensor_shapes(hparams: Mapping[str, Any]) -> dict[str, tuple[int, .
     ds, q, d, w = hp["student_dim"], hp["query_rows"], hp["target_dim"], hp["width"]
     hidden = hp["mlp_ratio"] * w
     shapes: dict[str, tuple[int, ...]] = {"query": (q, w), "null_memory": (1, w)}
+    layers = hp.get("student_layers", 1)
+    if hp.get("layer_fusion") == "mix":
+        shapes["layer_mix"] = (layers,)
+    else:
+        ds *= layers  # concat: the layers side by side, each normalised, into one wider projection
 
     def norm(prefix: str, n: int) -> None:
         shapes[f"{prefix}.weight"] = (n,)
@@ -277,15 +331,20 @@ def expected_tensor_shapes(hparams: Mapping[str, Any]) -> dict[str, tuple[int, .
 def hparams_from_metadata(metadata: Mapping[str, Any]) -> dict[str, Any]:
     """The hparams dict back from ``read_gguf_metadata``'s result (checks arch and version)."""
     check_header(metadata)
-    missing = [KEY_PREFIX + k for k in HPARAM_TYPES if KEY_PREFIX + k not in metadata]
+    keys = [*HPARAM_TYPES, *(LAYER_HPARAM_TYPES if metadata[KEY_FORMAT_VERSION] == LAYERS_FORMAT_VERSION else ())]
+    missing = [KEY_PREFIX + k for k in keys if KEY_PREFIX + k not in metadata]
     if missing:
         raise ValueError(f"GGUF lacks hyperparameter keys {missing}")
-    return validate_hparams({k: metadata[KEY_PREFIX + k] for k in HPARAM_TYPES})
+    hp = validate_hparams({k: metadata[KEY_PREFIX + k] for k in keys})
+    if file_version(hp) != metadata[KEY_FORMAT_VERSION]:
+        raise ValueError(f"{KEY_FORMAT_VERSION} is {metadata[KEY_FORMAT_VERSION]}, but the file's hyperparameters "
+                         f"are those of version {file_version(hp)}")
+    return hp
 
 
 def provenance_from_metadata(metadata: Mapping[str, Any]) -> dict[str, Any]:
     """The provenance dict back (``llm_adapter.<key>`` minus hparams and format_version)."""
-    reserved = {KEY_FORMAT_VERSION} | {KEY_PREFIX + k for k in HPARAM_TYPES}
+    reserved = {KEY_FORMAT_VERSION} | {KEY_PREFIX + k for k in [*HPARAM_TYPES, *LAYER_HPARAM_TYPES]}
     return {k[len(KEY_PREFIX):]: v for k, v in metadata.items() if k.startswith(KEY_PREFIX) and k not in reserved}
 
 
@@ -295,8 +354,8 @@ def check_header(metadata: Mapping[str, Any]) -> None:
     if arch != ARCH:
         raise ValueError(f"{KEY_ARCHITECTURE} is {arch!r}, expected {ARCH!r}")
     version = metadata.get(KEY_FORMAT_VERSION)
-    if version != FORMAT_VERSION:
-        raise ValueError(f"{KEY_FORMAT_VERSION} is {version!r}; this code reads version {FORMAT_VERSION}")
+    if version not in READ_VERSIONS:
+        raise ValueError(f"{KEY_FORMAT_VERSION} is {version!r}; this code reads versions {READ_VERSIONS}")
 
 
 # --- metadata -------------------------------------------------------------------------
@@ -337,16 +396,23 @@ def _provenance_kv(key: str, value: Any) -> KV:
 
 
 def _check_required_provenance(provenance: Mapping[str, Any], hp: Mapping[str, Any]) -> None:
-    missing = [k for k in REQUIRED_PROVENANCE if k not in provenance]
+    required = LAYERS_REQUIRED_PROVENANCE if file_version(hp) == LAYERS_FORMAT_VERSION else REQUIRED_PROVENANCE
+    missing = [k for k in required if k not in provenance]
     if missing:
         raise ValueError(f"provenance lacks required keys {missing}: every adapter GGUF records the student and "
                          f"teacher (repo, commit), the student layer and hidden size, training steps, seed and val "
-                         f"centred cosine (gguf_format.REQUIRED_PROVENANCE)")
-    for key, vtype in REQUIRED_PROVENANCE.items():
+                         f"centred cosine (gguf_format.REQUIRED_PROVENANCE, LAYERS_REQUIRED_PROVENANCE)")
+    for key, vtype in required.items():
         got = _provenance_kv(KEY_PREFIX + key, provenance[key]).vtype
         if got != vtype:
             raise ValueError(f"provenance key {key!r} = {provenance[key]!r} would be stored as {got.name}; "
                              f"it must be {vtype.name}")
+    if "student.layers" in required:
+        layers = provenance["student.layers"]
+        kv = _provenance_kv(KEY_PREFIX + "student.layers", layers)
+        if kv.sub_type != GGUFValueType.INT64 or len(layers) != hp["student_layers"]:
+            raise ValueError(f"provenance student.layers = {layers!r} must list {hp['student_layers']} layer "
+                             "indexes (integers), one per fed layer")
     if provenance["student.hidden_size"] != hp["student_dim"]:
         raise ValueError(f"provenance student.hidden_size ({provenance['student.hidden_size']}) != hparams "
                          f"student_dim ({hp['student_dim']})")
@@ -362,8 +428,9 @@ def build_metadata(*, hparams: Mapping[str, Any], provenance: Mapping[str, Any],
     hp = validate_hparams(hparams)
     kvs = [KV(KEY_ARCHITECTURE, GGUFValueType.STRING, ARCH),
            KV(KEY_NAME, GGUFValueType.STRING, name),
-           KV(KEY_FORMAT_VERSION, GGUFValueType.UINT32, FORMAT_VERSION)]
-    kvs += [KV(KEY_PREFIX + k, vtype, hp[k]) for k, vtype in HPARAM_TYPES.items()]
+           KV(KEY_FORMAT_VERSION, GGUFValueType.UINT32, file_version(hp))]
+    kvs += [KV(KEY_PREFIX + k, vtype, hp[k]) for k, vtype in {**HPARAM_TYPES, **LAYER_HPARAM_TYPES}.items()
+            if k in hp]
     _check_required_provenance(provenance, hp)
     reserved = {kv.key for kv in kvs}
     for key, value in provenance.items():
@@ -635,7 +702,7 @@ def write_adapter_gguf(path: Path, *, tensors: Mapping[str, np.ndarray], hparams
     f16 = sum(1 for a in prepared.values() if a.dtype == np.float16)
     summary = WrittenGguf(path=str(path), bytes=written.bytes, sha256=written.sha256, tensor_count=len(prepared),
                           f16_count=f16, f32_count=len(prepared) - f16, kept_f32=tuple(kept_f32), name=name,
-                          architecture=ARCH, format_version=FORMAT_VERSION)
+                          architecture=ARCH, format_version=file_version(validate_hparams(hparams)))
     logger.info("wrote %s: %d tensors (%d f16, %d f32), %d bytes, sha256 %s", path, len(prepared), f16,
                 len(prepared) - f16, written.bytes, written.sha256[:12])
     return summary

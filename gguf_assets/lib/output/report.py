@@ -101,7 +101,9 @@ def build_report(paths: ProjectPaths, settings: Settings, materials: MaterialsMa
         # The report lists what a user checks (size, sha256), not the stamps status uses.
         files=[verify.without_stamp(f) for f in files],
         student={"repo": student["source"], "commit": student["commit"], "path": student["path"],
-                 "layer": gguf.provenance.get("student.layer", settings.materials.student_layer)},
+                 # report.json's field keeps its name and form: the integer, or the list of several layers
+                 "layer": gguf.provenance.get("student.layer", gguf.provenance.get("student.layers",
+                                                                                   settings.materials.student_layer))},
         # Paths inside the project are relative to the project folder (run it from there).
         ggk_command=ggk_command(settings.output.ggk_command, student=paths.stored(student["path"]),
                                 adapter_gguf=paths.stored(adapter_file["path"]),
@@ -163,9 +165,11 @@ def render_files(files: list[dict], *, kept_f32: list[str]) -> str:
 def render_use_in_ggk(r: Report) -> str:
     """Which file goes where, and the command line."""
     s, ggk = r.student, r.ggk_files
+    layers = f"layers {s['layer']} (side by side, in this order)" if isinstance(s["layer"], list) \
+        else f"layer {s['layer']}"
     rows = [["the adapter (this project's output)", f"`{ggk['adapter']}`", f"`{ADAPTER_FLAG}`"],
-            [f"the student LLM it was trained on: `{s['repo']}` at `{s['commit']}`, hidden states of layer "
-             f"{s['layer']}", f"`{s['path']}`", f"`{STUDENT_FLAG}`"]]
+            [f"the student LLM it was trained on: `{s['repo']}` at `{s['commit']}`, hidden states of {layers}",
+             f"`{s['path']}`", f"`{STUDENT_FLAG}`"]]
     if ggk["vision_encoder"]:
         rows.append(["the paired vision encoder", f"`{ggk['vision_encoder']}`", f"`{VISION_FLAG}`"])
     lines = [markdown_table(["what", "file", "ggk flag"], rows)]

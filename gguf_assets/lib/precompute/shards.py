@@ -3,8 +3,11 @@
     shards/<split>/<key>/prompts.jsonl         the shard's prompts (from the corpus)
     shards/<split>/<key>/teacher.safetensors   targets [n, Q, D]
     shards/<split>/<key>/teacher.json          fingerprint, sha256, bytes, timings, the device that computed it
-    shards/<split>/<key>/student.safetensors   hidden [tokens, Ds], offsets [n+1], token_ids [tokens]
-    shards/<split>/<key>/student.json
+    shards/<split>/<key>/student.safetensors   hidden [tokens, k*Ds], offsets [n+1], token_ids [tokens]
+    shards/<split>/<key>/student.json          also dim (Ds, one layer's width) and layers (the k indexes)
+
+With several student layers (materials.student_layer: [a, b, ...]) a token's row holds the k layers' states
+side by side, in the order the setting lists them: columns [i*Ds, (i+1)*Ds) are layer i of the list.
 
 A half is reused only if its fingerprint (everything it depends on) matches and its file
 still has the recorded size and sha256; otherwise it is recomputed. The teacher half's
@@ -42,7 +45,7 @@ from gguf_assets.lib.project.layout import (
     shard_key,
 )
 from gguf_assets.lib.project.manifests import MaterialsManifest
-from gguf_assets.lib.project.settings import Settings
+from gguf_assets.lib.project.settings import Settings, student_layer_key
 from gguf_assets.lib.project.teacher_choice import teacher_choice
 from gguf_assets.lib.telemetry.hardware import CUDA_VISIBLE_DEVICES
 from gguf_assets.lib.telemetry.progress import Progress
@@ -70,7 +73,7 @@ def half_settings(half: str, settings: Settings) -> dict:
     if half == "teacher":
         return {**teacher_choice(settings).targets_settings(settings), "dtype": p.target_dtype,
                 "template": p.prompt_template}
-    return {"layer": m.student_layer, "dtype": p.student_dtype, "template": p.prompt_template}
+    return {"layer": student_layer_key(m), "dtype": p.student_dtype, "template": p.prompt_template}
 
 
 def half_fingerprint(half: str, settings: Settings, materials: MaterialsManifest, shard_prompts_hash: str) -> str:
@@ -318,8 +321,8 @@ class ShardBuilder:
                         truncated=result.truncated, placement=self._teacher.placement.summary)
             return {"targets": result.targets}, meta
         states = self.compute(half, plan.prompts, on_batch=on_batch)
-        meta.update(dim=states.hidden.shape[1], tokens=states.tokens, truncated=states.truncated,
-                    dtype=self.settings.precompute.student_dtype)
+        meta.update(dim=states.hidden.shape[1] // len(states.layers), layers=states.layers, tokens=states.tokens,
+                    truncated=states.truncated, dtype=self.settings.precompute.student_dtype)
         return {"hidden": states.hidden, "offsets": states.offsets, "token_ids": states.token_ids}, meta
 
     def build(self, plan: ShardPlan, *, progress: dict[str, Progress] | None = None) -> ShardReport:

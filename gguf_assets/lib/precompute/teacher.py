@@ -415,7 +415,7 @@ class MockTeacher:
         self.student = student
         self.n_query, self.dim = n_query, dim
         g = torch.Generator().manual_seed(MOCK_SEED)
-        width = student.dim
+        width = self.width = student.dim * len(student.indexes)  # the student's layers side by side
         self.a = torch.randn(width, 32, generator=g) / width**0.5 * 3
         self.b = torch.randn(32, dim, generator=g) / 32**0.5
         self.gain = 0.5 + torch.rand(n_query, 1, generator=g)
@@ -429,7 +429,7 @@ class MockTeacher:
         out = torch.empty(len(prompts), self.n_query, self.dim, dtype=dtype)
         for i in range(len(prompts)):
             s = states.of(i).float()
-            f = s.mean(0) / s.std().clamp_min(1e-6) if s.shape[0] > 1 else torch.zeros(self.student.dim)
+            f = s.mean(0) / s.std().clamp_min(1e-6) if s.shape[0] > 1 else torch.zeros(self.width)
             out[i] = (self.gain * (torch.tanh(f @ self.a) @ self.b) + self.base).to(dtype)
         if on_batch:
             on_batch(len(prompts), states.tokens)

@@ -97,6 +97,38 @@ def _query_rows(value: Any) -> dict:
     return out
 
 
+def _student_layer(value: Any) -> Any:
+    """One layer index (the original form, kept as it is so old projects keep their fingerprints) or a non-empty
+    list of distinct ones. Their range is checked once the student's depth is known (lib/precompute/student.py)."""
+    def is_index(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    if is_index(value):
+        return value
+    if not isinstance(value, list) or not all(is_index(v) for v in value):
+        raise ValueError("must be a layer index (e.g. -1) or a list of them (e.g. [9, 18, 27] or [-2]); negatives "
+                         "count from the end")
+    if not value:
+        raise ValueError("is an empty list: name at least one layer, e.g. -1 or [9, 18, 27]")
+    repeated = sorted({v for v in value if value.count(v) > 1})
+    if repeated:
+        raise ValueError(f"lists layer {', '.join(map(str, repeated))} more than once; list each layer once")
+    return list(value)
+
+
+def student_layers(materials: "Materials") -> list[int]:
+    """materials.student_layer as a list, in the order the adapter is fed (one layer: a list of one)."""
+    layer = materials.student_layer
+    return list(layer) if isinstance(layer, list) else [layer]
+
+
+def student_layer_key(materials: "Materials") -> int | list[int]:
+    """materials.student_layer as fingerprints record it: one layer keeps the integer it always was (old projects
+    stay current, and [-1] is the same shards as -1), several are the list."""
+    layers = student_layers(materials)
+    return layers[0] if len(layers) == 1 else layers
+
+
 def _paths(value: Any) -> list[str]:
     if not isinstance(value, list) or not all(isinstance(v, str) and v.strip() for v in value):
         raise ValueError("must be a list of file paths (strings)")
@@ -107,6 +139,7 @@ Device = Annotated[str, AfterValidator(_device)]
 Datasets = Annotated[list, BeforeValidator(_datasets)]
 Paths = Annotated[list[str], BeforeValidator(_paths)]
 QueryRows = Annotated[dict, BeforeValidator(_query_rows)]
+StudentLayer = Annotated[int | list[int], BeforeValidator(_student_layer)]
 # A number in exponent form without a dot (2e-4, 1E+3), which YAML 1.1 (PyYAML) leaves a string.
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # what torch, numpy and the GGUF header can hold
 EXPONENT_FLOAT = re.compile(r"^[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)[eE][-+]?[0-9]+$")
@@ -152,9 +185,10 @@ class Materials(_Section):
         "path of the safetensors file in it, tensor: name}; only that tensor is fetched (by HTTP range), pinned, "
         "checked and kept as materials/query_rows.safetensors. {} = the teacher folder's query_rows_file"))
     teacher_layer: int = Field(-1, description="teacher hidden layer taken at the query positions (-1 = last)")
-    student_layer: int = Field(-1, description=(
+    student_layer: StudentLayer = Field(-1, description=(
         "student hidden layer fed to the adapter (-1 = last, after the final norm; 0 = the token embeddings, "
-        "which show the adapter no word order)"))
+        "which show the adapter no word order), or a list of layers fused by training.layer_fusion (e.g. "
+        "[9, 18, 27]; negatives count from the end)"))
     trust_remote_code: bool = Field(False, description="allow models that need remote code (off: safer)")
 
 
@@ -234,6 +268,10 @@ class Training(_Section):
     relational_weight: float = Field(0.0, ge=0.0, description=(
         "weight of a term matching the batch's prompt-to-prompt centred cosines of the predictions to the "
         "targets' (0 = off)"))
+    layer_fusion: Literal["concat", "mix"] = Field("concat", description=(
+        "how several materials.student_layer are fused: concat (each layer normalised, side by side into the input "
+        "projection, as FLUX.2 stacks its LLM's layers) or mix (a learned softmax mix of the normalised layers); "
+        "no effect with one layer"))
     grad_checkpoint: bool = Field(False, description="recompute activations in backward to save memory")
     device: Device = Field("auto", description="auto, cpu, cuda or cuda:N")
     log_every: int = Field(50, ge=1, description="log loss, lr and throughput every N steps")

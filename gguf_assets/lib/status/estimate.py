@@ -25,7 +25,7 @@ from gguf_assets.lib.materials import hub, hub_shapes
 from gguf_assets.lib.materials import query_rows as qr
 from gguf_assets.lib.materials.materials import load_manifest
 from gguf_assets.lib.project.layout import ProjectPaths
-from gguf_assets.lib.project.settings import Settings
+from gguf_assets.lib.project.settings import Settings, student_layers
 
 GIB = 2**30
 BYTES = {"bf16": 2, "f16": 2, "f32": 4}
@@ -246,6 +246,8 @@ def estimate(paths: ProjectPaths, settings: Settings, *, token: str | None = Non
             missing = f"the query rows' shape: {str(exc).splitlines()[0]}"
     if shape is not None:
         query_rows, target_dim, rows_note = shape
+        if t.layer_fusion == "concat":  # several layers side by side: in_norm and in_proj k times as wide
+            student_dim *= len(student_layers(settings.materials))
         n = adapter_params(student_dim, query_rows, target_dim, t.width, t.depth)
         per_param = ADAM_BYTES_PER_PARAM + (4 if t.ema_decay else 0)
         lines.append(MemoryLine("adapter training", n * per_param / GIB,

@@ -89,7 +89,8 @@ def another_value(value, annotation):
     if isinstance(value, str):
         return value + "-other"
     if isinstance(value, list):
-        return [*value, "other"]
+        numbers = value and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+        return [*value, max(value) + 1 if numbers else "other"]  # a list of layers stays one
     if isinstance(value, dict):
         return {**value, "other": 1}
     return "other"

@@ -3,7 +3,7 @@
 Only plain ops (linear, LayerNorm, softmax attention, tanh-GELU), so a GGML runtime can
 run it. The math, exactly (docs/adapter.md and the GGUF layout repeat it):
 
-    m   = in_proj(LN_in(s))                      s: student states [L, Ds] → [L, W]
+    m   = in_proj(fuse(s))                       s: student states [L, k*Ds] → [L, W]
     m   = [null_memory ; m]                      one learned row, so the empty prompt
                                                  (zero tokens) still has a key to attend to
     x   = query                                  [Q, W]
@@ -16,6 +16,12 @@ run it. The math, exactly (docs/adapter.md and the GGUF layout repeat it):
 
 MHA(a, b, c) = o(concat_h softmax(q_h(a) k_h(b)^T / sqrt(W/H)) v_h(c)); all linears have bias.
 LayerNorm eps is ``NORM_EPS``.
+
+fuse(s) is LN_in(s) for one student layer (k = 1). For k layers side by side, s = [s_1 | ... | s_k],
+each s_i normalised on its own first (N: LayerNorm without weight or bias; the layers' scales differ a lot):
+
+    concat:  fuse(s) = [N(s_1) | ... | N(s_k)] * LN_in.weight + LN_in.bias     LN_in over k*Ds
+    mix:     fuse(s) = LN_in(sum_i softmax(layer_mix)_i * N(s_i))              layer_mix [k], zeros at init
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from torch.utils.checkpoint import checkpoint
 
 NORM_EPS = 1e-5
 MLP_RATIO = 4
+LAYER_FUSIONS = ("concat", "mix")
 
 
 @dataclass(frozen=True)
@@ -40,9 +47,14 @@ class AdapterShape:
     width: int
     depth: int
     heads: int
+    student_layers: int = 1         # k: student layers fed side by side (student_dim is one layer's width)
+    layer_fusion: str = "concat"    # how k > 1 layers are fused (LAYER_FUSIONS); "concat" for one layer
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        shape = asdict(self)
+        if self.student_layers == 1:  # recorded as before several layers existed: old checkpoints still resume
+            del shape["student_layers"], shape["layer_fusion"]
+        return shape
 
 
 class Attention(nn.Module):
@@ -95,8 +107,13 @@ class Adapter(nn.Module):
         w = shape.width
         self.query = nn.Parameter(torch.randn(shape.query_rows, w) * 0.02)
         self.null_memory = nn.Parameter(torch.randn(1, w) * 0.02)
-        self.in_norm = nn.LayerNorm(shape.student_dim, eps=NORM_EPS)
-        self.in_proj = nn.Linear(shape.student_dim, w)
+        if shape.layer_fusion not in LAYER_FUSIONS:
+            raise ValueError(f"layer_fusion {shape.layer_fusion!r} is not one of {LAYER_FUSIONS}")
+        fused = shape.student_dim * (shape.student_layers if shape.layer_fusion == "concat" else 1)
+        if shape.student_layers > 1 and shape.layer_fusion == "mix":
+            self.layer_mix = nn.Parameter(torch.zeros(shape.student_layers))  # equal weights at the start
+        self.in_norm = nn.LayerNorm(fused, eps=NORM_EPS)
+        self.in_proj = nn.Linear(fused, w)
         self.blocks = nn.ModuleList(Block(w, shape.heads) for _ in range(shape.depth))
         self.out_norm = nn.LayerNorm(w, eps=NORM_EPS)
         self.out_proj = nn.Linear(w, shape.target_dim)
@@ -107,7 +124,7 @@ class Adapter(nn.Module):
     def forward(self, states: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """states [B, L, Ds], mask [B, L] bool (True = real token) → standardized [B, Q, D]."""
         b = states.shape[0]
-        memory = self.in_proj(self.in_norm(states))
+        memory = self.in_proj(self.fuse(states))
         memory = torch.cat([self.null_memory.expand(b, 1, -1).to(memory.dtype), memory], dim=1)
         memory_mask = torch.cat([torch.ones(b, 1, dtype=torch.bool, device=mask.device), mask], dim=1)
         x = self.query.expand(b, -1, -1).to(memory.dtype)
@@ -117,6 +134,17 @@ class Adapter(nn.Module):
             else:
                 x = block(x, memory, memory_mask)
         return self.out_proj(self.out_norm(x))
+
+    def fuse(self, states: torch.Tensor) -> torch.Tensor:
+        """[B, L, k*Ds] student states → the normalised input of in_proj (the module docstring's fuse)."""
+        k = self.shape.student_layers
+        if k == 1:
+            return self.in_norm(states)
+        per_layer = F.layer_norm(states.unflatten(-1, (k, self.shape.student_dim)), (self.shape.student_dim,),
+                                 eps=NORM_EPS)
+        if self.shape.layer_fusion == "concat":
+            return per_layer.flatten(-2) * self.in_norm.weight + self.in_norm.bias
+        return self.in_norm((torch.softmax(self.layer_mix, 0)[:, None] * per_layer).sum(-2))
 
     def to_target_space(self, standardized: torch.Tensor) -> torch.Tensor:
         return standardized * self.target_std + self.target_mean

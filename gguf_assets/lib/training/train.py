@@ -158,8 +158,10 @@ def adapter_shape(settings: Settings, folders: list[Path]) -> AdapterShape:
     teacher = atomic.read_json(folders[0] / "teacher.json")
     student = atomic.read_json(folders[0] / "student.json")
     t = settings.training
+    layers = len(student.get("layers", [0]))  # shards made before several layers existed hold one
     return AdapterShape(student_dim=int(student["dim"]), query_rows=int(teacher["query_rows"]),
-                        target_dim=int(teacher["dim"]), width=t.width, depth=t.depth, heads=t.heads)
+                        target_dim=int(teacher["dim"]), width=t.width, depth=t.depth, heads=t.heads,
+                        student_layers=layers, layer_fusion=t.layer_fusion if layers > 1 else "concat")
 
 
 def build_model(shape: AdapterShape, *, seed: int, grad_checkpoint: bool = False) -> Adapter:

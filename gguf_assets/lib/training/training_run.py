@@ -22,7 +22,7 @@ from gguf_assets.lib.project.layout import (
     ProjectPaths,
 )
 from gguf_assets.lib.project.manifests import MaterialsManifest, recorded
-from gguf_assets.lib.project.settings import Settings
+from gguf_assets.lib.project.settings import Settings, student_layers
 
 # Shards shuffled together (lib/training/train_data.py). Part of the data order, hence of the run fingerprint.
 SHUFFLE_WINDOW_SHARDS = 4
@@ -36,10 +36,13 @@ OFF_VALUES = {"ema_decay": 0.0, "target_standardization": "per_row_dim", "relati
 def training_settings(settings: Settings) -> dict:
     """The training settings the result depends on (cadence and device settings change nothing).
 
-    A key of OFF_VALUES at its off value is left out: the result is what it was before the key existed.
+    A key of OFF_VALUES at its off value is left out: the result is what it was before the key existed. So is
+    layer_fusion with one student layer, where it changes nothing.
     """
+    one_layer = len(student_layers(settings.materials)) == 1
     return {k: v for k, v in settings.section_dict("training").items()
-            if k not in NON_RESULT_KEYS and not (k in OFF_VALUES and v == OFF_VALUES[k])}
+            if k not in NON_RESULT_KEYS and not (k in OFF_VALUES and v == OFF_VALUES[k])
+            and not (k == "layer_fusion" and one_layer)}
 
 
 def adapter_stage_settings(settings: Settings) -> dict:

@@ -20,6 +20,7 @@ from gguf_assets.lib.core import atomic, safetensors_io
 from gguf_assets.lib.core.f16 import F16_MAX
 from gguf_assets.lib.output import gguf_eval, gguf_format
 from gguf_assets.lib.training.adapter import (
+    LAYER_FUSIONS,
     MLP_RATIO,
     NORM_EPS,
     Adapter,
@@ -36,9 +37,9 @@ PROVENANCE = {
 }
 
 
-def make_adapter(seed: int = 0) -> Adapter:
+def make_adapter(seed: int = 0, shape: AdapterShape = SHAPE) -> Adapter:
     torch.manual_seed(seed)
-    adapter = Adapter(SHAPE).eval()
+    adapter = Adapter(shape).eval()
     with torch.no_grad():
         # Scales well above the init so attention is far from uniform and every tensor matters.
         for name, p in adapter.named_parameters():
@@ -49,8 +50,8 @@ def make_adapter(seed: int = 0) -> Adapter:
     return adapter
 
 
-def hparams() -> dict:
-    return {**SHAPE.to_dict(), "layer_norm_epsilon": NORM_EPS, "mlp_ratio": MLP_RATIO}
+def hparams(shape: AdapterShape = SHAPE) -> dict:
+    return {**shape.to_dict(), "layer_norm_epsilon": NORM_EPS, "mlp_ratio": MLP_RATIO}
 
 
 def numpy_state(adapter: Adapter) -> dict[str, np.ndarray]:
@@ -59,7 +60,7 @@ def numpy_state(adapter: Adapter) -> dict[str, np.ndarray]:
 
 def f16_rounded(adapter: Adapter) -> Adapter:
     """The adapter with exactly the weights the GGUF holds (matrices through f16)."""
-    clone = Adapter(SHAPE).eval()
+    clone = Adapter(adapter.shape).eval()
     state = {k: (v.half().float() if gguf_format.is_f16_tensor(k) else v.clone())
              for k, v in adapter.state_dict().items()}
     clone.load_state_dict(state)
@@ -75,7 +76,7 @@ def write(path: Path, adapter: Adapter, **overrides) -> gguf_format.WrittenGguf:
 def torch_predict(adapter: Adapter, prompts: list[torch.Tensor]) -> torch.Tensor:
     """Standardized [B, Q, D] for prompts of varying length (padded + masked)."""
     longest = max(1, max(p.shape[0] for p in prompts))
-    states = torch.zeros(len(prompts), longest, SHAPE.student_dim)
+    states = torch.zeros(len(prompts), longest, adapter.shape.student_dim * adapter.shape.student_layers)
     mask = torch.zeros(len(prompts), longest, dtype=torch.bool)
     for i, p in enumerate(prompts):
         states[i, :p.shape[0]] = p
@@ -162,6 +163,61 @@ def test_numpy_forward_matches_torch(tmp_path: Path) -> None:
     # and the f16 rounding is real: the unrounded torch adapter differs measurably
     unrounded = adapter.to_target_space(torch_predict(adapter, prompts)).numpy()
     assert np.abs(unrounded - expected).max() > 1e-6
+
+
+@pytest.mark.parametrize("fusion", ["concat", "mix"])
+def test_several_student_layers_are_format_version_2_and_numpy_fuses_them_as_torch(tmp_path: Path,
+                                                                                    fusion: str) -> None:
+    shape = AdapterShape(**{**SHAPE.to_dict(), "student_layers": 3, "layer_fusion": fusion})
+    adapter = make_adapter(4, shape)
+    if fusion == "mix":
+        with torch.no_grad():
+            adapter.layer_mix.copy_(torch.tensor([1.5, -0.5, 0.25]))  # far from the equal mix it starts as
+    out = tmp_path / "adapter.gguf"
+    provenance = {**{k: v for k, v in PROVENANCE.items() if k != "student.layer"}, "student.layers": [9, 18, -1]}
+    summary = write(out, adapter, hparams=hparams(shape), provenance=provenance)
+    assert summary.format_version == gguf_format.LAYERS_FORMAT_VERSION == 2
+
+    meta = gguf_format.read_gguf_metadata(out)
+    assert meta["llm_adapter.format_version"] == 2
+    assert meta["llm_adapter.student_layers"] == 3 and meta["llm_adapter.layer_fusion"] == fusion
+    assert meta["llm_adapter.student_dim"] == SHAPE.student_dim  # one layer's width
+    assert gguf_format.provenance_from_metadata(meta)["student.layers"] == [9, 18, -1]
+    tensors = gguf_format.read_gguf_tensors(out)
+    fused = SHAPE.student_dim * (3 if fusion == "concat" else 1)
+    assert tensors["in_norm.weight"].shape == (fused,) and tensors["in_proj.weight"].shape == (SHAPE.width, fused)
+    assert ("layer_mix" in tensors) == (fusion == "mix")
+    if fusion == "mix":
+        assert tensors["layer_mix"].dtype == np.float32 and tensors["layer_mix"].shape == (3,)
+
+    loaded = gguf_eval.load_adapter_gguf(out)
+    reference = f16_rounded(adapter)
+    gen = torch.Generator().manual_seed(5)
+    # The layers at very different scales, as a real student's are: each is normalised on its own.
+    scales = torch.tensor([0.5] * SHAPE.student_dim + [4.0] * SHAPE.student_dim + [40.0] * SHAPE.student_dim)
+    prompts = [torch.randn(n, 3 * SHAPE.student_dim, generator=gen) * scales for n in (5, 0, 1, 9)]
+    expected = reference.to_target_space(torch_predict(reference, prompts)).numpy()
+    for i, p in enumerate(prompts):
+        assert np.abs(loaded.forward(p.numpy()) - expected[i]).max() < 1e-4, f"prompt {i} (L={p.shape[0]})"
+    with pytest.raises(ValueError, match=r"states must be \[L, 36\]"):
+        loaded.forward(np.zeros((2, SHAPE.student_dim), np.float32))  # one layer's states for a 3-layer adapter
+
+    # Version 2 names the list: the one-layer integer key alone is refused, as is a list of the wrong length.
+    with pytest.raises(ValueError, match="student.layers"):
+        write(tmp_path / "x.gguf", adapter, hparams=hparams(shape), provenance=PROVENANCE)
+    with pytest.raises(ValueError, match="must list 3 layer"):
+        write(tmp_path / "x.gguf", adapter, hparams=hparams(shape), provenance={**provenance, "student.layers": [1, 2]})
+
+
+def test_one_student_layer_is_format_version_1_whatever_the_fusion_setting() -> None:
+    """A one-layer adapter is the layout every version 1 runtime reads: no layer keys, no layer_mix."""
+    one = AdapterShape(**SHAPE.to_dict())
+    assert one.to_dict() == SHAPE.to_dict() and "student_layers" not in one.to_dict()
+    assert gguf_format.file_version(gguf_format.validate_hparams(hparams())) == gguf_format.FORMAT_VERSION == 1
+    assert "layer_mix" not in Adapter(one).state_dict()
+    with pytest.raises(ValueError, match="layer_fusion"):
+        gguf_format.validate_hparams({**hparams(), "layer_fusion": "mix"})
+    assert LAYER_FUSIONS == gguf_format.LAYER_FUSIONS  # the trainer's and the file's, kept equal
 
 
 def test_f16_overflow_is_kept_f32(tmp_path: Path) -> None:

@@ -203,6 +203,28 @@ def test_wrong_type_names_key_value_file_and_line(tmp_path):
     assert "integer" in msg
 
 
+@pytest.mark.parametrize(("line", "expected"), [("  student_layer: -1", -1),
+                                              ("  student_layer: [9, 18, 27]", [9, 18, 27]),
+                                              ("  student_layer: [-2]", [-2])])
+def test_student_layer_is_one_layer_or_a_list(tmp_path, line, expected):
+    text, _ = _edit_line(render_yaml(_valid()), "materials", "student_layer", line)
+    settings = load_settings(_write(tmp_path / "proj", text).parent)
+    assert settings.materials.student_layer == expected
+    assert S.student_layers(settings.materials) == (expected if isinstance(expected, list) else [expected])
+    assert render_yaml(settings).count(f"student_layer: {S.yaml_value(expected)}") == 1  # written back as read
+
+
+@pytest.mark.parametrize(("line", "fix"), [
+    ("  student_layer: []", "is an empty list: name at least one layer"),
+    ("  student_layer: [9, 18, 9]", "lists layer 9 more than once; list each layer once"),
+    ("  student_layer: [1, two]", "must be a layer index (e.g. -1) or a list of them"),
+    ("  student_layer: 1.5", "must be a layer index"),
+])
+def test_a_bad_student_layer_list_names_the_key_line_and_fix(tmp_path, line, fix):
+    msg, path, line_no = _error_for(tmp_path, "materials", "student_layer", line)
+    assert f"{path}:{line_no}" in msg and "materials.student_layer" in msg and fix in msg
+
+
 def test_float_given_for_int_field_is_rejected(tmp_path):
     msg, path, line = _error_for(tmp_path, "training", "batch_size", "  batch_size: 2.5")
     assert f"{path}:{line}" in msg and "training.batch_size" in msg and "2.5" in msg
