@@ -15,9 +15,14 @@ if __name__ == "__main__" or sys.argv[0].endswith("gguf-trainer"):
     signal.signal(signal.SIGINT, _quiet_exit_while_loading)
     # `gguf-trainer run` says at once that it started: the pipeline's modules (torch, dagster) take seconds to load,
     # in the child that runs it (GGUF_ASSETS_RUN_CHILD, orchestration/processes.py), and Run must not look dead.
+    # This process only waits for that child, so it starts it before loading anything: the child loads (and
+    # checks) it all anyway, and the first training step comes that much sooner.
     if sys.argv[1:2] == ["run"] and not {"-h", "--help"} & set(sys.argv) and \
             __import__("os").environ.get("GGUF_ASSETS_RUN_CHILD") != "1":
         print("starting: loading the pipeline", flush=True)
+        from gguf_assets.orchestration.processes import run_in_own_process_group
+
+        sys.exit(run_in_own_process_group(sys.argv[1:]))
 
 import argparse
 import os
@@ -131,7 +136,8 @@ def _workers(value: str) -> int | str:
 def _run(paths: ProjectPaths, *, workers: int | str | None = None, cancel_on_stop: bool = False) -> int:
     """Run the pipeline, print the status, then the outcome: the results, or why (and where) it stopped."""
     if os.environ.get(RUN_CHILD_ENV) != "1":
-        return run_in_own_process_group(paths, workers, cancel_on_stop)
+        return run_in_own_process_group(["run", str(paths.root), *(["--workers", str(workers)] if workers else []),
+                                         *(["--cancel-on-stop"] if cancel_on_stop else [])])
     from gguf_assets.orchestration.launching import run_pipeline
     from gguf_assets.orchestration.outages import PipelineFailed
 

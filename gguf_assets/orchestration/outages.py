@@ -6,7 +6,6 @@ import time
 from collections.abc import Callable
 
 from gguf_assets.orchestration.cluster import OUTAGE_S  # how long a cluster's Postgres or Redis may be away
-from gguf_assets.orchestration.cluster_workers import broker_errors, connection_lost, reason
 
 
 class PipelineFailed(RuntimeError):
@@ -20,6 +19,10 @@ def through_outages(call: Callable, echo: Callable[[str], None]):
     on meanwhile. Postgres calls ride out a restart inside the storage itself (cluster_workers.py, in every
     process: this one, the workers' runs, the UI), so a lost Postgres connection that reaches here has lasted
     OUTAGE_S already: one line, at once."""
+    # Only a cluster comes here: celery and dagster-postgres (cluster_workers.py) load then, not at every
+    # `gguf-trainer run` (about 0.4 s of CPU before the first training step, #36).
+    from gguf_assets.orchestration.cluster_workers import broker_errors, connection_lost, reason
+
     errors = broker_errors()
     began = None
     while True:

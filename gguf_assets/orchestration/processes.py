@@ -8,8 +8,6 @@ import signal
 import subprocess
 import sys
 
-from gguf_assets.lib.project.layout import ProjectPaths
-
 # Set in the process that executes the pipeline (see run_in_own_process_group).
 RUN_CHILD_ENV = "GGUF_ASSETS_RUN_CHILD"
 _PR_SET_PDEATHSIG = 1
@@ -41,17 +39,19 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def run_in_own_process_group(paths: ProjectPaths, workers: int | str | None, cancel_on_stop: bool) -> int:
-    """Execute the pipeline in a child process of its own process group, and forward Ctrl-C and SIGTERM to it.
+def run_in_own_process_group(argv: list[str]) -> int:
+    """Execute `gguf-trainer <argv>` (a `run`) in a child process of its own process group, and forward Ctrl-C and
+    SIGTERM to it; returns its exit code.
 
     A Ctrl-C in a terminal reaches the whole foreground process group. Dagster's step helpers (the
     compute-log `tail` and its `watch_orphans.py` watcher) are children of the executing process, so
     each printed a KeyboardInterrupt traceback over the clean "stopped" line; in a group of its own
     only the pipeline hears the stop, once, and ends its helpers itself.
+
+    This module imports nothing of gguf_assets: `gguf-trainer run` starts the child before it loads anything else
+    (cli.py), since every module this process would load the child loads again.
     """
-    command = [sys.executable, "-m", "gguf_assets.cli", "run", str(paths.root)]
-    command += ["--workers", str(workers)] if workers else []
-    command += ["--cancel-on-stop"] if cancel_on_stop else []
+    command = [sys.executable, "-m", "gguf_assets.cli", *argv]
     child = subprocess.Popen(command, env={**os.environ, RUN_CHILD_ENV: "1"}, process_group=0,
                              preexec_fn=_die_with_parent)
 

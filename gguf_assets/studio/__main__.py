@@ -23,7 +23,8 @@ def main() -> None:
     from gguf_assets.orchestration.instance import prepare_instance
 
     prepare_instance(ProjectPaths.of(args.project))  # the project's own Dagster instance (as `ui` sets it up)
-    app = guarded(build_app(args.project, dagster_url=args.dagster_url, tensorboard_url=args.tensorboard_url),
+    app = guarded(build_app(args.project, dagster_url=args.dagster_url, tensorboard_url=args.tensorboard_url,
+                            spare_run=True),
                   bind_host=args.host, extra_hosts=args.allow_host, body_limit=STUDIO_BODY_LIMIT,
                   server="the studio")
     # uvicorn's access log would print every 2-second refresh; errors still come through.

@@ -46,8 +46,12 @@ from gguf_assets.lib.status.states import State, project_status, with_running
 from gguf_assets.lib.telemetry.curves_log import tensorboard_timeseries_url
 from gguf_assets.lib.telemetry.hardware import AUTO_WORKERS
 from gguf_assets.lib.telemetry.live import merged_history, precompute_progress, training_progress
+from gguf_assets.orchestration.spare_run import SpareRun
 from gguf_assets.studio.settings_form import NUMBER_RULES, apply_form, form_sections, form_values
 
+# What Run runs after `gguf-trainer run DIR`: the shards on every GPU of the machine, one worker each (one on a CPU
+# machine).
+RUN_ARGS = ["--workers", AUTO_WORKERS]
 TEMPLATES = Jinja2Templates(directory=str(Path(__file__).parent / "templates"))
 RUN_LOG = "studio-run.log"  # in <project>/.dagster: the console output of the runs the studio starts
 STAGE_TITLES = {"materials": "Materials", "corpus": "Corpus", "train_shards": "Train shards",
@@ -373,9 +377,13 @@ def runs_view(paths: ProjectPaths, served: settings_file.SettingsText) -> dict:
     return doc
 
 
-def build_app(project: str | Path, *, dagster_url: str = "", tensorboard_url: str = "") -> Starlette:
+def build_app(project: str | Path, *, dagster_url: str = "", tensorboard_url: str = "",
+              spare_run: bool = False) -> Starlette:
+    """The studio of ``project``. ``spare_run``: keep a run process loaded ahead while nothing runs, so Run shows
+    the first training step seconds sooner (orchestration/spare_run.py; `gguf-trainer ui` turns it on)."""
     paths = ProjectPaths.of(project)
     started: list[subprocess.Popen] = []
+    spare = SpareRun(paths.root, paths.dagster_home / RUN_LOG, RUN_ARGS) if spare_run else None
     feed, hardware = ObservationFeed(), LiveHardware()
     seen = settings_file.SeenTexts()
     last_good: dict = {}  # the last view made under valid settings (project_view)
@@ -392,7 +400,14 @@ def build_app(project: str | Path, *, dagster_url: str = "", tensorboard_url: st
             # "<" escaped: the JSON sits inside a <script> element.
             "presets_json": json.dumps({p.name: p.description for p in PRESETS}).replace("<", "\\u003c")})
 
+    def keep_a_spare() -> None:
+        """A spare run loads while nothing runs (a run it would compete with for the CPU: one just started
+        here, or one holding the project)."""
+        if spare is not None and all(proc.poll() is not None for proc in started) and holder(paths.lock_file) is None:
+            spare.ensure()
+
     async def status(_request: Request) -> JSONResponse:
+        keep_a_spare()  # the page asks every 2 s
         return JSONResponse(project_view(paths, feed, hardware, last_good))
 
     async def run(request: Request) -> JSONResponse:
@@ -411,13 +426,14 @@ def build_app(project: str | Path, *, dagster_url: str = "", tensorboard_url: st
             return JSONResponse({"error": f"Run is refused until project.yaml loads: {exc}"}, status_code=400)
         log_file = paths.dagster_home / RUN_LOG
         log_file.parent.mkdir(parents=True, exist_ok=True)
-        with open(log_file, "ab") as log:
-            # Its own session: stopping the studio does not stop the run (as a run launched in Dagster's UI).
-            # Shards on every GPU of the machine, one worker each (one on a CPU machine).
-            command = [venv_tool("gguf-trainer"), "run", str(paths.root), "--workers", AUTO_WORKERS]
-            started.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                            env=os.environ.copy()))
-        return JSONResponse({"started": f"{trainer('run', paths.root)} --workers {AUTO_WORKERS}", "log": str(log_file)})
+        process = spare.go() if spare is not None else None
+        if process is None:
+            with open(log_file, "ab") as log:
+                # Its own session: stopping the studio does not stop the run (as a run launched in Dagster's UI).
+                process = subprocess.Popen([venv_tool("gguf-trainer"), "run", str(paths.root), *RUN_ARGS], stdout=log,
+                                           stderr=subprocess.STDOUT, start_new_session=True, env=os.environ.copy())
+        started.append(process)
+        return JSONResponse({"started": f"{trainer('run', paths.root)} {' '.join(RUN_ARGS)}", "log": str(log_file)})
 
     async def stop(request: Request) -> JSONResponse:
         if (refused := refusal(request)) is not None:
