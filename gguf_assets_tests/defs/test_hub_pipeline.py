@@ -134,6 +134,13 @@ def test_run_with_query_rows_from_a_tensor_of_a_gated_t2i_repo(tmp_path, demo_ma
     assert {r["auth"] for r in loopback_hub.requests if "org/t2i/resolve/" in r["path"]} == {"granted"}
     report = atomic.read_json(paths.output_dir(load_settings(root)) / REPORT_JSON)
     assert paths.located(report["gguf_path"]).is_file() and report["val_centred_cosine"] is not None
+    # The GGUF names where its query rows came from, pinned (read by the gguf package's reader, not ours).
+    from gguf import GGUFReader
+
+    fields = GGUFReader(paths.located(report["gguf_path"])).fields
+    said = {key: fields[f"llm_adapter.query_rows.{key}"].contents() for key in ("source", "tensor", "commit", "sha256")}
+    assert said == {"source": "org/t2i@main", "tensor": "text_proj.query_tokens", "commit": entry["commit"],
+                    "sha256": entry["tensor_sha256"]}, said
     found = subprocess.run(["grep", "-r", "-l", "-a", "-F", loopback_hub.token, str(tmp_path)],
                            capture_output=True, text=True)
     assert found.returncode == 1, found.stdout

@@ -56,6 +56,10 @@ def provenance(settings: Settings, materials: MaterialsManifest, meta: dict) -> 
     layers = student_layers(settings.materials)
     # One layer: version 1's integer key; several: the list, in the order their states are fed.
     layer = {"student.layer": layers[0]} if len(layers) == 1 else {"student.layers": layers}
+    rows = materials.query_rows  # the query rows as a material of their own (materials.query_rows), when set
+    rows_keys = {} if not rows else {
+        "query_rows.source": rows["source"], "query_rows.file": rows["file"], "query_rows.tensor": rows["tensor"],
+        "query_rows.commit": rows["commit"], "query_rows.sha256": rows["tensor_sha256"]}
     return {
         "student.repo": student["source"], "student.commit": student["commit"],
         **layer, "student.hidden_size": meta["shape"]["student_dim"],
@@ -65,6 +69,7 @@ def provenance(settings: Settings, materials: MaterialsManifest, meta: dict) -> 
         "training.steps": meta["step"], "training.seed": settings.training.seed,
         "training.val_centred_cosine": float(meta["val_centred_cosine"]),
         "training.fingerprint": meta["fingerprint"],
+        **rows_keys,
     }
 
 

@@ -146,6 +146,13 @@ PROVENANCE_HELP: dict[str, tuple[GGUFValueType, str]] = {
     "training.seed": (GGUFValueType.INT64, "training seed"),
     "training.val_centred_cosine": (GGUFValueType.FLOAT64, "val centred cosine of the torch checkpoint at export"),
     "training.fingerprint": (GGUFValueType.STRING, "fingerprint of training settings and inputs"),
+    # Only when materials.query_rows names the rows (a tensor of another file or repo, such as a text-to-image
+    # checkpoint), not the teacher's own query_rows.safetensors:
+    "query_rows.source": (GGUFValueType.STRING, "where the query rows came from: a hub repo id or a local path"),
+    "query_rows.file": (GGUFValueType.STRING, "the safetensors file in it that holds them"),
+    "query_rows.tensor": (GGUFValueType.STRING, "the tensor's name in that file"),
+    "query_rows.commit": (GGUFValueType.STRING, "the repo's commit, or `local:<sha256 of the file>`"),
+    "query_rows.sha256": (GGUFValueType.STRING, "sha256 of the tensor's bytes as stored in the file"),
 }
 
 

@@ -99,12 +99,15 @@ def test_exported_metadata_is_complete_and_typed(tmp_path: Path) -> None:
 # The keys only a file of several student layers (format version 2) holds, and the one it holds no more.
 VERSION_2_ONLY = {f"llm_adapter.{k}" for k in [*gguf_format.LAYER_HPARAM_TYPES, "student.layers"]}
 VERSION_1_ONLY = {"llm_adapter.student.layer"}
+# The keys only a file whose query rows are a material of their own (materials.query_rows) holds.
+QUERY_ROWS_ONLY = {f"llm_adapter.{k}" for k in gguf_format.PROVENANCE_HELP if k.startswith("query_rows.")}
 
 
-def documented_keys(*, version: int) -> list[tuple[str, str]]:
+def documented_keys(*, version: int, query_rows_material: bool = False) -> list[tuple[str, str]]:
     """(key, type) of docs/gguf_layout.md's generated tables that a file of this format version holds, in order."""
     fixed, provenance = gguf_format.metadata_key_rows()
     left_out = VERSION_2_ONLY if version == 1 else VERSION_1_ONLY
+    left_out = left_out if query_rows_material else left_out | QUERY_ROWS_ONLY
     return [(row[0].strip("`"), row[1]) for row in (*fixed, *provenance) if row[0].strip("`") not in left_out]
 
 
