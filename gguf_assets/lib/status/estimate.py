@@ -16,6 +16,8 @@ small share of the teacher's weights; the precompute lowers its own GPU budget o
 
 from __future__ import annotations
 
+import contextlib
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -188,8 +190,22 @@ def teacher_placements(folder: Path, settings: Settings, *, free_gpu_bytes: dict
     model = empty_model(folder, settings, torch.bfloat16)
     natural = {k: max_memory[k] for k in sorted(k for k in max_memory if isinstance(k, int))} | {
         "cpu": max_memory["cpu"]}  # balanced splits over the GPUs in their own order, as transformers does
-    return {"sequential": device_map_summary(model, sequential_device_map(model, max_memory)),
-            "balanced": device_map_summary(model, _get_device_map(model, "balanced", natural, None))}
+    with _quiet_about_absent_gpus():
+        return {"sequential": device_map_summary(model, sequential_device_map(model, max_memory)),
+                "balanced": device_map_summary(model, _get_device_map(model, "balanced", natural, None))}
+
+
+@contextlib.contextmanager
+def _quiet_about_absent_gpus():
+    """GPUs named with --gpus need not be in this machine: accelerate's planner warns "Device 0 is not available"
+    for each, on every plan, which is noise here (the plan is for the machine the user names)."""
+    planner_log = logging.getLogger("accelerate.utils.modeling")
+    level = planner_log.level
+    planner_log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        planner_log.setLevel(level)
 
 
 def adapter_params(student_dim: int, query_rows: int, target_dim: int, width: int, depth: int) -> int:
