@@ -440,9 +440,10 @@ class _TrainingRun:
 
     def _first_step_line(self, loss: torch.Tensor) -> None:
         """A console line for the first step this process trains, so training is seen to have started (the full
-        line, with the rates, comes every log_every steps; this one adds nothing to the history or the curves)."""
-        log.info("step %d/%d loss %.4f (training started; the full line every %d steps), ETA %s", self.step,
-                 self.t.steps, float(loss), self.t.log_every, format_seconds(self._eta_s()))
+        line, with the rates, comes every log_every steps; this one adds nothing to the history or the curves). No
+        ETA yet: one step's time, with its warm-up, gave 38 minutes for the demo's 2."""
+        log.info("step %d/%d loss %.4f (training started; the full line, with the rate and ETA, every %d steps)",
+                 self.step, self.t.steps, float(loss), self.t.log_every)
 
     def _log(self, loss: torch.Tensor, lr: float, grad_norm: torch.Tensor) -> None:
         t, stream = self.t, self.stream
