@@ -42,7 +42,7 @@ from gguf_assets.lib.project.layout import (
 from gguf_assets.lib.project.manifests import recorded_fingerprint
 from gguf_assets.lib.project.presets import set_keys
 from gguf_assets.lib.project.settings import SECTIONS, Settings, SettingsError, replace, settings_from_text
-from gguf_assets.lib.status.stages import expected_fingerprints, stage_settings
+from gguf_assets.lib.status.stages import INPUT_STAGES, expected_fingerprints, stage_settings
 from gguf_assets.lib.status.states import State, project_status
 from gguf_assets.lib.telemetry.curves_log import TENSORBOARD_DIR, run_name
 from gguf_assets.lib.telemetry.render import compare_svg
@@ -59,9 +59,6 @@ from gguf_assets.lib.training.training_run import (
 from gguf_assets.lib.training.verdict import validation_curve
 
 LABEL_MAX_CHARS = 200
-# The stages a run's own result is made of: when "use" would change their settings, the corpus or the materials
-# are made again by the next run first, and only then can it be known whether that reproduces the run.
-UPSTREAM_STAGES = ("materials", "corpus")
 
 
 class RunState(StrEnum):
@@ -487,7 +484,9 @@ def use_run(paths: ProjectPaths, ref: str, *, base_sha256: str | None = None,
         new_text = set_keys(text.text, changes) if changes else text.text
         new = settings_from_text(paths.project_file, new_text)
         now_stages, new_stages = stage_settings(now), stage_settings(new)
-        upstream_changes = [s for s in UPSTREAM_STAGES if now_stages[s] != new_stages[s]]
+        # When "use" would change the inputs' settings, the next run makes the materials or the corpus again first,
+        # and only then can it be known whether that reproduces the run.
+        upstream_changes = [s for s in INPUT_STAGES if now_stages[s] != new_stages[s]]
         expected: dict[str, str] = {}
         if not upstream_changes:
             try:
