@@ -11,7 +11,7 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from gguf_assets.lib.telemetry.progress import format_seconds
+from gguf_assets.lib.telemetry.progress import format_seconds, seconds_left
 
 
 @dataclass(frozen=True)
@@ -34,9 +34,7 @@ class Pace:
 
 def pace(what: str, unit: str, done: int, total: int, rate: float) -> Pace:
     """The work left at ``rate``: inf while nothing is measured (rate 0), 0 once all is done."""
-    left = max(total - done, 0)
-    seconds = 0.0 if left == 0 else (left / rate if rate > 0 else math.inf)
-    return Pace(what, unit, done, total, rate, seconds)
+    return Pace(what, unit, done, total, rate, seconds_left(total - done, rate))
 
 
 @dataclass(frozen=True)

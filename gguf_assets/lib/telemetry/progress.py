@@ -21,6 +21,13 @@ def format_seconds(seconds: float) -> str:
     return f"{hours}h{minutes:02d}m{secs:02d}s" if hours else (f"{minutes}m{secs:02d}s" if minutes else f"{secs}s")
 
 
+def seconds_left(left: float, rate: float) -> float:
+    """The time ``left`` units take at ``rate`` units/s: 0 when none are left, inf while no rate is measured."""
+    if left <= 0:
+        return 0.0
+    return left / rate if rate > 0 else math.inf
+
+
 class Progress:
     """Progress, prompts/s, tokens/s and ETA of a long step, logged at most every `log_every_s`.
 
@@ -50,7 +57,7 @@ class Progress:
             rate, token_rate = (self.computed - self._first[1]) / span, (self.tokens - self._first[2]) / span
         return {"done": self.done, "total": self.total, "seconds": round(elapsed, 3),
                 "prompts_per_s": round(rate, 3), "tokens_per_s": round(token_rate, 1),
-                "eta_s": round(left / rate, 1) if rate > 0 else (0.0 if left <= 0 else math.inf)}
+                "eta_s": round(seconds_left(left, rate), 1)}
 
     def line(self) -> str:
         f = self.figures()
