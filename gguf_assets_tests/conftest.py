@@ -131,11 +131,16 @@ def finished_project(tmp_path_factory, worker_id, demo_materials_root) -> tuple[
 
 
 def copy_project(source: Path, dest: Path) -> ProjectPaths:
-    """A copy of a project folder (its Dagster history too), stamped by one `status`: a copy has new inodes,
-    which the first status settles by content, so later checks are the cheap ones a user's project gets."""
+    """A copy of a project folder (its Dagster history too), stamped by one status question, asked in this process
+    as `gguf-trainer status` asks it: a copy has new inodes, which the first status settles by content, so later
+    checks are the cheap ones a user's project gets."""
+    from gguf_assets.lib.project.settings import load_settings
+    from gguf_assets.lib.status.states import project_status
+
     shutil.copytree(source, dest, symlinks=True)
-    subprocess.run([*CLI, "status", str(dest)], env=cli_env(), check=True, capture_output=True, timeout=120)
-    return ProjectPaths.of(dest)
+    paths = ProjectPaths.of(dest)
+    project_status(paths, load_settings(dest))
+    return paths
 
 
 @pytest.fixture(scope="session")

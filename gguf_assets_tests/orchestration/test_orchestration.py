@@ -16,7 +16,7 @@ from pathlib import Path
 import dagster as dg
 import psutil
 import pytest
-from conftest import CLI, FAULT_SETTINGS, cli_env, pipeline_outputs, project_instance, wait_for
+from conftest import CLI, FAULT_SETTINGS, cli_env, copy_project, pipeline_outputs, project_instance, wait_for
 from test_console import assert_clean_console
 
 from gguf_assets.orchestration.run_tags import PID_TAG
@@ -172,13 +172,10 @@ def test_the_daemon_leaves_work_made_stale_by_a_settings_edit_alone(make_project
     assert isinstance(decision, dg.RunRequest) and decision.job_name == "precompute_val_shards"
 
 
-def test_a_copied_project_is_independent_of_its_original(make_project):
+def test_a_copied_project_is_independent_of_its_original(finished_project, tmp_path):
     """`cp -a` a finished project: nothing in the copy names the original, and running, editing or
     deleting in the copy never reads or writes the original."""
-    from gguf_assets.orchestration.launching import run_pipeline
-
-    original = make_project(steps=5, mock_teacher=True)
-    run_pipeline(original, echo=lambda _: None)
+    original = copy_project(finished_project[0], tmp_path / "original")  # the suite's reference stays untouched
     copy_root = original.root.parent / "copy"
     subprocess.run(["cp", "-a", str(original.root), str(copy_root)], check=True)
     from gguf_assets.lib.project.layout import ProjectPaths
@@ -216,14 +213,13 @@ def test_a_copied_project_is_independent_of_its_original(make_project):
     assert after == before, "the copy wrote into the original"
 
 
-def test_the_documented_dagster_cli_commands_work(make_project):
+def test_the_documented_dagster_cli_commands_work(finished_project, tmp_path, monkeypatch):
     """README's Dagster CLI section: `eval "$(gguf-trainer env DIR)"`, then `dagster asset materialize`
     of one asset and of one shard partition, as named jobs' runs on the project's own instance."""
     from gguf_assets.lib.core import atomic
-    from gguf_assets.orchestration.launching import run_pipeline
 
-    paths = make_project(steps=5, mock_teacher=True)
-    run_pipeline(paths, echo=lambda _: None)
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path))  # restored after the test; _instance re-points it
+    paths = copy_project(finished_project[0], tmp_path / "project")
     shard = paths.root / "shards" / "train" / "00001"
     original = {f.name: f.read_bytes() for f in shard.glob("*.safetensors")}
     shutil.rmtree(shard)
