@@ -42,7 +42,7 @@ from gguf_assets.lib.status.runs import (
     use_run,
 )
 from gguf_assets.lib.status.stages import SHARD_STAGES
-from gguf_assets.lib.status.states import State, project_status, with_running
+from gguf_assets.lib.status.states import ProjectView, State, adapter_fingerprint_of, status_view, with_running
 from gguf_assets.lib.telemetry.curves_log import tensorboard_timeseries_url
 from gguf_assets.lib.telemetry.hardware import AUTO_WORKERS
 from gguf_assets.lib.telemetry.live import merged_history, precompute_progress, training_progress
@@ -75,7 +75,8 @@ def project_view(paths: ProjectPaths, feed: ObservationFeed | None = None,
         return {**kept, "settings_error": str(exc), "run_preview": f"Run is refused until project.yaml loads: {exc}",
                 "hardware_now": (hardware or LiveHardware()).read()}
     lock_holder = holder(paths.lock_file)
-    stages = with_running(project_status(paths, settings), lock_holder)
+    status = status_view(paths, settings)  # every panel below reuses its shard plans: the corpus is read once
+    stages = with_running(status.stages, lock_holder)
     running = lock_holder.running if lock_holder is not None else None
     assets = set(running.assets) if running is not None else set()
     feed = feed or ObservationFeed()
@@ -87,14 +88,15 @@ def project_view(paths: ProjectPaths, feed: ObservationFeed | None = None,
                     "detail": s.detail} for s in stages],
         "busy": lock_holder.what if lock_holder is not None else None,
         "running": {"run_id": running.run_id, "job": running.job} if running is not None else None,
-        "run_preview": run_preview(paths, settings, stages, busy=lock_holder is not None),
-        "last_run": _last_run(paths, settings, feed),
+        "run_preview": run_preview(paths, settings, stages, busy=lock_holder is not None, view=status),
+        "last_run": _last_run(paths, settings, feed, status),
         # Live only once the run works on the adapter (a run that precomputes first would show "starting").
         "training": training_view(paths, settings, feed.entries("adapter", running.run_id)
-                                  if any(s.stage == "adapter" and s.state == State.RUNNING for s in stages) else None),
+                                  if any(s.stage == "adapter" and s.state == State.RUNNING for s in stages) else None,
+                                  view=status),
         "precompute": precompute_progress([(asset.removesuffix("_shards"), figures) for asset in SHARD_STAGES
                                            if asset in assets for figures in feed.entries(asset, running.run_id)]),
-        "pace": pace_lines(paths, settings, stages),  # the whole precompute's and training's speed and ETA
+        "pace": pace_lines(paths, settings, stages, status),  # the whole precompute's and training's speed and ETA
         "hardware_now": (hardware or LiveHardware()).read(),
         "report": report and {**report, "outdated": _outdated(stages)},
         "run_command": trainer("run", paths.root),
@@ -113,9 +115,10 @@ def _outdated(stages: list) -> str | None:
     return None
 
 
-def run_preview(paths: ProjectPaths, settings, stages: list, *, busy: bool) -> str:
+def run_preview(paths: ProjectPaths, settings, stages: list, *, busy: bool, view: ProjectView | None = None) -> str:
     """What Run would do now, in one line: nothing, or where it starts and whether training starts over or
-    resumes (from the newest checkpoint of the training run these settings make)."""
+    resumes (from the newest checkpoint of the training run these settings make). ``view``: the status_view
+    ``stages`` came from (its adapter fingerprint is used)."""
     if busy:
         return "a run works on the project now: Stop ends it, and the next Run continues from where it stopped"
     todo = [s for s in stages if s.state != State.CURRENT]
@@ -126,28 +129,27 @@ def run_preview(paths: ProjectPaths, settings, stages: list, *, busy: bool) -> s
     if adapter is None or adapter.state == State.CURRENT:
         training = "keeps the trained adapter"
     else:
-        step = _checkpoint_step(paths, settings)
+        step = _checkpoint_step(paths, settings, view)
         training = (f"resumes training from step {step} of {settings.training.steps}" if step
                     else f"trains from step 0 to {settings.training.steps}")
     return f"Run starts at {STAGE_TITLES.get(first.stage, first.stage)} ({first.state}) and {training}"
 
 
-def _checkpoint_step(paths: ProjectPaths, settings) -> int:
-    from gguf_assets.lib.materials.materials import load_manifest
-    from gguf_assets.lib.training.training_run import adapter_fingerprint, last_checkpoint_step
+def _checkpoint_step(paths: ProjectPaths, settings, view: ProjectView | None = None) -> int:
+    from gguf_assets.lib.training.training_run import last_checkpoint_step
 
     try:
-        return last_checkpoint_step(paths, adapter_fingerprint(paths, settings, load_manifest(paths)))
+        return last_checkpoint_step(paths, adapter_fingerprint_of(paths, settings, view))
     except (OSError, ValueError, KeyError, TypeError, UserError):
         return 0  # no materials or corpus yet: nothing trained
 
 
-def _last_run(paths: ProjectPaths, settings, feed: ObservationFeed) -> dict | None:
+def _last_run(paths: ProjectPaths, settings, feed: ObservationFeed, view: ProjectView | None = None) -> dict | None:
     from gguf_assets.lib.status.states import where_stopped
     from gguf_assets.studio.last_run import last_run_view
 
     try:
-        return last_run_view(feed.instance(), lambda: where_stopped(paths, settings))
+        return last_run_view(feed.instance(), lambda: where_stopped(paths, settings, view))
     except Exception:  # noqa: BLE001  the page stays up while the storage is busy or away
         return None
 
@@ -202,17 +204,17 @@ def _saved_history(run_dir: Path) -> list[dict]:
     return []
 
 
-def training_view(paths: ProjectPaths, settings, live: list[dict] | None) -> dict | None:
+def training_view(paths: ProjectPaths, settings, live: list[dict] | None, *,
+                  view: ProjectView | None = None) -> dict | None:
     """The Training metrics panel: the progress bar's figures and the loss and val curves against the step, for
     the training run these settings make (``live``: the running run's observations, None when none trains),
-    else for the adapter last trained."""
-    from gguf_assets.lib.materials.materials import load_manifest
+    else for the adapter last trained. ``view``: this question's status_view (its adapter fingerprint is used)."""
     from gguf_assets.lib.project.layout import FINAL_DIR, META_FILE
     from gguf_assets.lib.telemetry.render import curves_svg
-    from gguf_assets.lib.training.training_run import adapter_fingerprint, last_checkpoint_step
+    from gguf_assets.lib.training.training_run import last_checkpoint_step
 
     try:
-        fingerprint = adapter_fingerprint(paths, settings, load_manifest(paths))
+        fingerprint = adapter_fingerprint_of(paths, settings, view)
     except (OSError, ValueError, KeyError, TypeError, UserError):
         return None  # nothing to train on yet (no materials, no corpus)
     run_dir, steps = paths.checkpoints_dir(fingerprint), settings.training.steps
