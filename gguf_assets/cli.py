@@ -83,13 +83,14 @@ def _print_status(paths: ProjectPaths, *, ask_hub: bool = False) -> None:
     the hub when the project's .cache lacks it (`status` itself; after a run, the run's own outcome comes first)."""
     from gguf_assets.lib.core.lock import holder
     from gguf_assets.lib.status.pace import pace_lines
-    from gguf_assets.lib.status.states import State, project_status, with_running
+    from gguf_assets.lib.status.states import State, status_view, with_running
 
     settings = load_settings(paths.root)
-    stages = with_running(project_status(paths, settings), holder(paths.lock_file))
+    view = status_view(paths, settings)  # the pace lines reuse its shard plans: the corpus is read once
+    stages = with_running(view.stages, holder(paths.lock_file))
     for s in stages:
         print(f"  {s.stage:<12} {s.state:<8} {s.detail}")
-    for line in pace_lines(paths, settings, stages):  # measured speed and ETA, from the first shard or log step on
+    for line in pace_lines(paths, settings, stages, view):  # measured speed and ETA, from the first shard/log step on
         print(f"  {line}")
     if any(s.stage.endswith("_shards") and s.state != State.CURRENT for s in stages):  # "will it fit?", before loading
         print(_memory_line(paths, settings, ask_hub=ask_hub))

@@ -22,7 +22,8 @@ from gguf_assets.lib.core.markdown import markdown_table
 from gguf_assets.lib.materials.materials import load_manifest
 from gguf_assets.lib.precompute.half_state import HalfState
 from gguf_assets.lib.precompute.shards import ShardReport, plan_shards, precompute_split, shard_status
-from gguf_assets.lib.status.pace import precompute_pace
+from gguf_assets.lib.status.pace import PACE_NOT_YET, precompute_pace
+from gguf_assets.lib.status.states import planned_view
 from gguf_assets.lib.telemetry.hardware import pin_to_gpu
 from gguf_assets.lib.telemetry.progress import PROGRESS_LOG_INTERVAL_S
 from gguf_assets.orchestration import run_tags
@@ -48,14 +49,20 @@ def materialize_shards(context: dg.AssetExecutionContext, project: ProjectResour
     if gpu is not None:  # a worker of `run --workers auto`: its own GPU only, before anything touches CUDA
         pin_to_gpu(gpu)
     paths, settings = project.paths(), project.settings()
-    told = {"at": -math.inf}
+    told: dict = {"at": -math.inf, "view": None}
 
     def tell_pace() -> None:
         """The whole precompute's measured speed and ETA on the console: after the first shard, then at most every
-        PROGRESS_LOG_INTERVAL_S (it reads every shard's record)."""
+        PROGRESS_LOG_INTERVAL_S (it reads every shard's record). Both splits are planned once: the run holds the
+        project, so the corpus and settings stay as they are; each time only the half states are read again."""
         if time.monotonic() - told["at"] >= PROGRESS_LOG_INTERVAL_S:
             told["at"] = time.monotonic()
-            if (now := precompute_pace(paths, settings)) is not None:
+            try:
+                before = told["view"]
+                view = told["view"] = before.rechecked(paths, settings) if before else planned_view(paths, settings)
+            except PACE_NOT_YET:  # no materials or corpus: nothing to measure
+                return
+            if (now := precompute_pace(paths, settings, view)) is not None:
                 context.log.info("%s", now.text())
 
     def shard_done(report: ShardReport) -> None:

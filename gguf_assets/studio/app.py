@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from starlette.applications import Starlette
@@ -42,7 +43,7 @@ from gguf_assets.lib.status.runs import (
     use_run,
 )
 from gguf_assets.lib.status.stages import SHARD_STAGES
-from gguf_assets.lib.status.states import State, project_status, with_running
+from gguf_assets.lib.status.states import ProjectView, State, adapter_fingerprint_of, status_view, with_running
 from gguf_assets.lib.telemetry.curves_log import tensorboard_timeseries_url
 from gguf_assets.lib.telemetry.hardware import AUTO_WORKERS
 from gguf_assets.lib.telemetry.live import merged_history, precompute_progress, training_progress
@@ -75,7 +76,8 @@ def project_view(paths: ProjectPaths, feed: ObservationFeed | None = None,
         return {**kept, "settings_error": str(exc), "run_preview": f"Run is refused until project.yaml loads: {exc}",
                 "hardware_now": (hardware or LiveHardware()).read()}
     lock_holder = holder(paths.lock_file)
-    stages = with_running(project_status(paths, settings), lock_holder)
+    status = status_view(paths, settings)  # every panel below reuses its shard plans: the corpus is read once
+    stages = with_running(status.stages, lock_holder)
     running = lock_holder.running if lock_holder is not None else None
     assets = set(running.assets) if running is not None else set()
     feed = feed or ObservationFeed()
@@ -87,14 +89,15 @@ def project_view(paths: ProjectPaths, feed: ObservationFeed | None = None,
                     "detail": s.detail} for s in stages],
         "busy": lock_holder.what if lock_holder is not None else None,
         "running": {"run_id": running.run_id, "job": running.job} if running is not None else None,
-        "run_preview": run_preview(paths, settings, stages, busy=lock_holder is not None),
-        "last_run": _last_run(paths, settings, feed),
+        "run_preview": run_preview(paths, settings, stages, busy=lock_holder is not None, view=status),
+        "last_run": _last_run(paths, settings, feed, status),
         # Live only once the run works on the adapter (a run that precomputes first would show "starting").
         "training": training_view(paths, settings, feed.entries("adapter", running.run_id)
-                                  if any(s.stage == "adapter" and s.state == State.RUNNING for s in stages) else None),
+                                  if any(s.stage == "adapter" and s.state == State.RUNNING for s in stages) else None,
+                                  view=status),
         "precompute": precompute_progress([(asset.removesuffix("_shards"), figures) for asset in SHARD_STAGES
                                            if asset in assets for figures in feed.entries(asset, running.run_id)]),
-        "pace": pace_lines(paths, settings, stages),  # the whole precompute's and training's speed and ETA
+        "pace": pace_lines(paths, settings, stages, status),  # the whole precompute's and training's speed and ETA
         "hardware_now": (hardware or LiveHardware()).read(),
         "report": report and {**report, "outdated": _outdated(stages)},
         "run_command": trainer("run", paths.root),
@@ -113,9 +116,10 @@ def _outdated(stages: list) -> str | None:
     return None
 
 
-def run_preview(paths: ProjectPaths, settings, stages: list, *, busy: bool) -> str:
+def run_preview(paths: ProjectPaths, settings, stages: list, *, busy: bool, view: ProjectView | None = None) -> str:
     """What Run would do now, in one line: nothing, or where it starts and whether training starts over or
-    resumes (from the newest checkpoint of the training run these settings make)."""
+    resumes (from the newest checkpoint of the training run these settings make). ``view``: the status_view
+    ``stages`` came from (its adapter fingerprint is used)."""
     if busy:
         return "a run works on the project now: Stop ends it, and the next Run continues from where it stopped"
     todo = [s for s in stages if s.state != State.CURRENT]
@@ -126,28 +130,27 @@ def run_preview(paths: ProjectPaths, settings, stages: list, *, busy: bool) -> s
     if adapter is None or adapter.state == State.CURRENT:
         training = "keeps the trained adapter"
     else:
-        step = _checkpoint_step(paths, settings)
+        step = _checkpoint_step(paths, settings, view)
         training = (f"resumes training from step {step} of {settings.training.steps}" if step
                     else f"trains from step 0 to {settings.training.steps}")
     return f"Run starts at {STAGE_TITLES.get(first.stage, first.stage)} ({first.state}) and {training}"
 
 
-def _checkpoint_step(paths: ProjectPaths, settings) -> int:
-    from gguf_assets.lib.materials.materials import load_manifest
-    from gguf_assets.lib.training.training_run import adapter_fingerprint, last_checkpoint_step
+def _checkpoint_step(paths: ProjectPaths, settings, view: ProjectView | None = None) -> int:
+    from gguf_assets.lib.training.training_run import last_checkpoint_step
 
     try:
-        return last_checkpoint_step(paths, adapter_fingerprint(paths, settings, load_manifest(paths)))
+        return last_checkpoint_step(paths, adapter_fingerprint_of(paths, settings, view))
     except (OSError, ValueError, KeyError, TypeError, UserError):
         return 0  # no materials or corpus yet: nothing trained
 
 
-def _last_run(paths: ProjectPaths, settings, feed: ObservationFeed) -> dict | None:
+def _last_run(paths: ProjectPaths, settings, feed: ObservationFeed, view: ProjectView | None = None) -> dict | None:
     from gguf_assets.lib.status.states import where_stopped
     from gguf_assets.studio.last_run import last_run_view
 
     try:
-        return last_run_view(feed.instance(), lambda: where_stopped(paths, settings))
+        return last_run_view(feed.instance(), lambda: where_stopped(paths, settings, view))
     except Exception:  # noqa: BLE001  the page stays up while the storage is busy or away
         return None
 
@@ -202,17 +205,17 @@ def _saved_history(run_dir: Path) -> list[dict]:
     return []
 
 
-def training_view(paths: ProjectPaths, settings, live: list[dict] | None) -> dict | None:
+def training_view(paths: ProjectPaths, settings, live: list[dict] | None, *,
+                  view: ProjectView | None = None) -> dict | None:
     """The Training metrics panel: the progress bar's figures and the loss and val curves against the step, for
     the training run these settings make (``live``: the running run's observations, None when none trains),
-    else for the adapter last trained."""
-    from gguf_assets.lib.materials.materials import load_manifest
+    else for the adapter last trained. ``view``: this question's status_view (its adapter fingerprint is used)."""
     from gguf_assets.lib.project.layout import FINAL_DIR, META_FILE
     from gguf_assets.lib.telemetry.render import curves_svg
-    from gguf_assets.lib.training.training_run import adapter_fingerprint, last_checkpoint_step
+    from gguf_assets.lib.training.training_run import last_checkpoint_step
 
     try:
-        fingerprint = adapter_fingerprint(paths, settings, load_manifest(paths))
+        fingerprint = adapter_fingerprint_of(paths, settings, view)
     except (OSError, ValueError, KeyError, TypeError, UserError):
         return None  # nothing to train on yet (no materials, no corpus)
     run_dir, steps = paths.checkpoints_dir(fingerprint), settings.training.steps
@@ -377,38 +380,72 @@ def runs_view(paths: ProjectPaths, served: settings_file.SettingsText) -> dict:
     return doc
 
 
+@dataclass
+class Studio:
+    """What one studio app keeps between requests: its project, the runs it started, the spare run loaded ahead,
+    the observations and hardware readings read so far, the project.yaml texts it served, and the last view made
+    under valid settings."""
+
+    paths: ProjectPaths
+    dagster_url: str = ""
+    tensorboard_url: str = ""
+    spare: SpareRun | None = None
+    started: list[subprocess.Popen] = field(default_factory=list)
+    feed: ObservationFeed = field(default_factory=ObservationFeed)
+    hardware: LiveHardware = field(default_factory=LiveHardware)
+    seen: settings_file.SeenTexts = field(default_factory=settings_file.SeenTexts)
+    last_good: dict = field(default_factory=dict)  # the last view made under valid settings (project_view)
+
+    def view(self) -> dict:
+        return project_view(self.paths, self.feed, self.hardware, self.last_good)
+
+    def served(self) -> settings_file.SettingsText:
+        """project.yaml as it is now, remembered as a text the page was served (the base of its next edit)."""
+        return self.seen.remember(settings_file.read(self.paths.project_file))
+
+    def keep_a_spare(self) -> None:
+        """A spare run loads while nothing runs (a run it would compete with for the CPU: one just started
+        here, or one holding the project)."""
+        if (self.spare is not None and all(proc.poll() is not None for proc in self.started)
+                and holder(self.paths.lock_file) is None):
+            self.spare.ensure()
+
+
 def build_app(project: str | Path, *, dagster_url: str = "", tensorboard_url: str = "",
               spare_run: bool = False) -> Starlette:
     """The studio of ``project``. ``spare_run``: keep a run process loaded ahead while nothing runs, so Run shows
     the first training step seconds sooner (orchestration/spare_run.py; `gguf-trainer ui` turns it on)."""
     paths = ProjectPaths.of(project)
-    started: list[subprocess.Popen] = []
-    spare = SpareRun(paths.root, paths.dagster_home / RUN_LOG, RUN_ARGS) if spare_run else None
-    feed, hardware = ObservationFeed(), LiveHardware()
-    seen = settings_file.SeenTexts()
-    last_good: dict = {}  # the last view made under valid settings (project_view)
+    studio = Studio(paths, dagster_url, tensorboard_url,
+                    spare=SpareRun(paths.root, paths.dagster_home / RUN_LOG, RUN_ARGS) if spare_run else None)
+    return Starlette(exception_handlers=_exception_handlers(), routes=[
+        *_page_routes(studio), *_run_routes(studio), *_settings_routes(studio), *_runs_routes(studio)])
 
+
+def _page_routes(studio: Studio) -> list[Route]:
+    """The page, and the live view it polls."""
     async def page(request: Request) -> HTMLResponse:
-        served = seen.remember(settings_file.read(paths.project_file))  # the one source of truth, on every load
+        served = studio.served()  # the one source of truth, on every load
         text = served.text
         return TEMPLATES.TemplateResponse(request, "project.html", {
             "settings_sha256": served.sha256,
-            "view": project_view(paths, feed, hardware, last_good), "dagster_url": dagster_url,
-            "tensorboard_url": tensorboard_timeseries_url(tensorboard_url) if tensorboard_url else "",
+            "view": studio.view(), "dagster_url": studio.dagster_url,
+            "tensorboard_url": tensorboard_timeseries_url(studio.tensorboard_url) if studio.tensorboard_url else "",
             "settings_text": text, "presets": PRESETS, "forms": form_sections(text), "number_rules": NUMBER_RULES,
-            "memory": memory_view(paths), "machine": machine_view(),
+            "memory": memory_view(studio.paths), "machine": machine_view(),
             # "<" escaped: the JSON sits inside a <script> element.
             "presets_json": json.dumps({p.name: p.description for p in PRESETS}).replace("<", "\\u003c")})
 
-    def keep_a_spare() -> None:
-        """A spare run loads while nothing runs (a run it would compete with for the CPU: one just started
-        here, or one holding the project)."""
-        if spare is not None and all(proc.poll() is not None for proc in started) and holder(paths.lock_file) is None:
-            spare.ensure()
-
     async def status(_request: Request) -> JSONResponse:
-        keep_a_spare()  # the page asks every 2 s
-        return JSONResponse(project_view(paths, feed, hardware, last_good))
+        studio.keep_a_spare()  # the page asks every 2 s
+        return JSONResponse(studio.view())
+
+    return [Route("/", page), Route("/api/status", status)]
+
+
+def _run_routes(studio: Studio) -> list[Route]:
+    """Run (`gguf-trainer run DIR`, in its own session) and Stop (Dagster terminates the running run)."""
+    paths, started, spare = studio.paths, studio.started, studio.spare
 
     async def run(request: Request) -> JSONResponse:
         if (refused := refusal(request)) is not None:
@@ -449,26 +486,35 @@ def build_app(project: str | Path, *, dagster_url: str = "", tensorboard_url: st
         instance.run_launcher.terminate(running.run_id)
         return JSONResponse({"stopping": running.run_id, "job": running.job})
 
+    return [Route("/api/run", run, methods=["POST"]), Route("/api/stop", stop, methods=["POST"])]
+
+
+def _write_checked(studio: Studio, new_text: str, new, base: str) -> JSONResponse:
+    """Write a checked project.yaml text atomically if the file is still the text the page edited (409
+    with what changed otherwise); the answer says which keys changed."""
+    paths = studio.paths
+    try:
+        old = load_settings(paths.root)
+    except SettingsError:
+        old = None
+    try:
+        saved = settings_file.save_if_unchanged(paths.project_file, paths.dagster_home, new_text, base, studio.seen)
+    except settings_file.SettingsChanged as exc:
+        return JSONResponse({"error": str(exc), "diff": exc.diff, "sha256": exc.current.sha256},
+                            status_code=409)
+    changed = settings_history.changed_keys(old, new, lambda s: s.to_dict()) if old is not None else []
+    return JSONResponse({"saved": str(paths.project_file), "changed": changed, "text": saved.text,
+                         "sha256": saved.sha256, "values": form_values(saved.text)})
+
+
+def _settings_routes(studio: Studio) -> list[Route]:
+    """project.yaml: read it, save the text editor's or the forms' edit, apply a preset to the editor's text."""
+    paths = studio.paths
+
     async def settings_text(_request: Request) -> JSONResponse:
-        served = seen.remember(settings_file.read(paths.project_file))
+        served = studio.served()
         return JSONResponse({"text": served.text, "sha256": served.sha256, "values": form_values(served.text),
                              "presets": [{"name": p.name, "description": p.description} for p in PRESETS]})
-
-    def write_checked(new_text: str, new, base: str) -> JSONResponse:
-        """Write a checked project.yaml text atomically if the file is still the text the page edited (409
-        with what changed otherwise); the answer says which keys changed."""
-        try:
-            old = load_settings(paths.root)
-        except SettingsError:
-            old = None
-        try:
-            saved = settings_file.save_if_unchanged(paths.project_file, paths.dagster_home, new_text, base, seen)
-        except settings_file.SettingsChanged as exc:
-            return JSONResponse({"error": str(exc), "diff": exc.diff, "sha256": exc.current.sha256},
-                                status_code=409)
-        changed = settings_history.changed_keys(old, new, lambda s: s.to_dict()) if old is not None else []
-        return JSONResponse({"saved": str(paths.project_file), "changed": changed, "text": saved.text,
-                             "sha256": saved.sha256, "values": form_values(saved.text)})
 
     async def save_settings(request: Request) -> JSONResponse:
         """The text editor's Save (a preset applied there is saved this way too)."""
@@ -482,7 +528,7 @@ def build_app(project: str | Path, *, dagster_url: str = "", tensorboard_url: st
             new = settings_from_text(paths.project_file, text)  # the file's own checks: file:line and the fix
         except SettingsError as exc:
             return JSONResponse({"error": str(exc)}, status_code=400)
-        return write_checked(text, new, base_sha256(body))
+        return _write_checked(studio, text, new, base_sha256(body))
 
     async def save_form(request: Request) -> JSONResponse:
         """The settings forms' Save: only the fields the user changed, set in project.yaml as it is now."""
@@ -496,7 +542,7 @@ def build_app(project: str | Path, *, dagster_url: str = "", tensorboard_url: st
             saved = apply_form(paths.project_file, settings_file.read(paths.project_file).text, values)
         except SettingsError as exc:
             return JSONResponse({"error": str(exc)}, status_code=400)
-        return write_checked(saved.text, saved.settings, base_sha256(body))
+        return _write_checked(studio, saved.text, saved.settings, base_sha256(body))
 
     async def apply_preset(request: Request) -> JSONResponse:
         if (refused := refusal(request)) is not None:
@@ -517,10 +563,19 @@ def build_app(project: str | Path, *, dagster_url: str = "", tensorboard_url: st
                              "values": {f"{section}.{key}": shown[f"{section}.{key}"]
                                         for section, keys in chosen.changes.items() for key in keys}})
 
+    return [Route("/api/settings", settings_text), Route("/api/settings", save_settings, methods=["POST"]),
+            Route("/api/settings/form", save_form, methods=["POST"]),
+            Route("/api/preset", apply_preset, methods=["POST"])]
+
+
+def _runs_routes(studio: Studio) -> list[Route]:
+    """The Runs panel: list, compare, use, delete and label training runs (lib/status/runs.py)."""
+    paths = studio.paths
+
     async def runs_list(_request: Request) -> JSONResponse:
         """The Runs panel: every training run (lib/status/runs.py), diffed against the project.yaml text whose
         sha256 comes with it: "use" names that text, so an edit made since is never overwritten."""
-        served = seen.remember(settings_file.read(paths.project_file))
+        served = studio.served()
         return JSONResponse({**(await run_in_threadpool(runs_view, paths, served)), "settings_sha256": served.sha256})
 
     async def runs_use(request: Request) -> JSONResponse:
@@ -529,12 +584,12 @@ def build_app(project: str | Path, *, dagster_url: str = "", tensorboard_url: st
         body = await json_object(request)
         ref, base = run_ref(body), base_sha256(body)
         try:
-            used = await run_in_threadpool(lambda: use_run(paths, ref, base_sha256=base, seen=seen))
+            used = await run_in_threadpool(lambda: use_run(paths, ref, base_sha256=base, seen=studio.seen))
         except settings_file.SettingsChanged as exc:
             return JSONResponse({"error": str(exc), "diff": exc.diff, "sha256": exc.current.sha256}, status_code=409)
         from gguf_assets.orchestration.runs import tell_dagster
 
-        problem = await run_in_threadpool(lambda: tell_dagster(paths, used, feed.instance))
+        problem = await run_in_threadpool(lambda: tell_dagster(paths, used, studio.feed.instance))
         return JSONResponse({**used.to_json(), "dagster": problem})
 
     async def runs_delete(request: Request) -> JSONResponse:
@@ -562,6 +617,14 @@ def build_app(project: str | Path, *, dagster_url: str = "", tensorboard_url: st
         compared, svg = compare_runs(await run_in_threadpool(read_runs, paths), refs)
         return JSONResponse({"runs": [r.name for r in compared], "svg": svg})
 
+    return [Route("/api/runs", runs_list), Route("/api/runs/compare", runs_compare),
+            Route("/api/runs/use", runs_use, methods=["POST"]),
+            Route("/api/runs/delete", runs_delete, methods=["POST"]),
+            Route("/api/runs/label", runs_label, methods=["POST"])]
+
+
+def _exception_handlers() -> dict:
+    """The answers to a request the handlers refuse by raising: a malformed body, or a refusal from lib/."""
     async def bad_request(_request: Request, exc: BadRequest) -> JSONResponse:
         return JSONResponse({"error": str(exc)}, status_code=400)
 
@@ -570,11 +633,4 @@ def build_app(project: str | Path, *, dagster_url: str = "", tensorboard_url: st
         (400); the project held by a pipeline (ProjectLocked, 409)."""
         return JSONResponse({"error": str(exc)}, status_code=409 if isinstance(exc, ProjectLocked) else 400)
 
-    return Starlette(exception_handlers={BadRequest: bad_request, UserError: refused_by_the_library}, routes=[
-        Route("/", page), Route("/api/status", status),
-        Route("/api/run", run, methods=["POST"]), Route("/api/stop", stop, methods=["POST"]),
-        Route("/api/settings", settings_text), Route("/api/settings", save_settings, methods=["POST"]),
-        Route("/api/settings/form", save_form, methods=["POST"]), Route("/api/preset", apply_preset, methods=["POST"]),
-        Route("/api/runs", runs_list), Route("/api/runs/compare", runs_compare),
-        Route("/api/runs/use", runs_use, methods=["POST"]), Route("/api/runs/delete", runs_delete, methods=["POST"]),
-        Route("/api/runs/label", runs_label, methods=["POST"])])
+    return {BadRequest: bad_request, UserError: refused_by_the_library}

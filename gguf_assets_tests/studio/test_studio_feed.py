@@ -1,7 +1,11 @@
 """The studio's live panels read the observations the assets record, each poll only what is new: checked on a
 real (ephemeral) Dagster instance with observations shaped as the shard assets and the adapter record them."""
 
+import shutil
+from collections import Counter
+
 import dagster as dg
+import pytest
 
 from gguf_assets.lib.telemetry.live import precompute_progress
 from gguf_assets.studio.app import ObservationFeed
@@ -56,3 +60,24 @@ def test_every_stage_has_its_title_on_the_page():
     from gguf_assets.studio.app import STAGE_TITLES
 
     assert tuple(STAGE_TITLES) == STAGES
+
+
+@pytest.mark.slow  # the suite's finished project (one pipeline run, shared), copied
+def test_one_poll_of_the_page_reads_each_corpus_split_once(finished_project, tmp_path, monkeypatch):
+    """The page's stages, pace, Run preview and training panel share one status_view (lib/status/states.py):
+    the corpus is read once per split per poll, with shards left to make and the adapter part trained."""
+    from conftest import copy_project
+
+    from gguf_assets.lib.precompute import shards
+    from gguf_assets.studio.app import project_view
+
+    paths = copy_project(finished_project[0], tmp_path / "project")
+    paths.adapter_manifest.unlink()  # trained to its last checkpoint, not recorded: Run would resume it
+    shutil.rmtree(paths.root / "shards/val/00000")
+    reads: Counter = Counter()
+    read_split = shards.read_split
+    monkeypatch.setattr(shards, "read_split", lambda p, split: reads.update([split]) or read_split(p, split))
+    view = project_view(paths, ObservationFeed(dg.DagsterInstance.ephemeral()))
+    assert reads == Counter({"train": 1, "val": 1})
+    assert view["run_preview"].startswith("Run starts at Val shards (missing) and resumes training from step ")
+    assert [line.split(":")[0] for line in view["pace"]] == ["precompute"] and view["training"] is not None

@@ -12,44 +12,55 @@ import json
 
 from gguf_assets.lib.core import atomic
 from gguf_assets.lib.core.errors import UserError
-from gguf_assets.lib.materials.materials import load_manifest
 from gguf_assets.lib.precompute.half_state import HalfState
-from gguf_assets.lib.precompute.shards import plan_shards, shard_status
-from gguf_assets.lib.project.layout import SPLITS, ProjectPaths
+from gguf_assets.lib.project.layout import ProjectPaths
 from gguf_assets.lib.project.settings import Settings
 from gguf_assets.lib.status.stages import SHARD_STAGES
-from gguf_assets.lib.status.states import StageState, State
+from gguf_assets.lib.status.states import ProjectView, StageState, State, planned_view
 from gguf_assets.lib.telemetry.eta import BusySpan, Pace, pace, work_pace
 from gguf_assets.lib.training.training_run import (
     SESSION_RUNNING,
-    adapter_fingerprint,
     last_checkpoint_step,
     newest_meta,
     read_session,
 )
 
-_NOT_YET = (OSError, ValueError, KeyError, TypeError, UserError)  # no materials or corpus yet: nothing to measure
+PACE_NOT_YET = (OSError, ValueError, KeyError, TypeError, UserError)  # no materials or corpus yet: nothing to measure
 
 
-def precompute_pace(paths: ProjectPaths, settings: Settings) -> Pace | None:
-    """Prompts/s and the ETA of the whole precompute (every split, every half the mode makes), from the first
-    computed shard half on; None before it, or when nothing is left."""
+def pace_view(paths: ProjectPaths, settings: Settings, view: ProjectView | None = None) -> ProjectView | None:
+    """What the paces are measured from: ``view`` when it planned the shards (status_view's, or the shard step's),
+    else the shards planned now (a project blocked before them is measured as its corpus is); None without
+    materials or corpus."""
+    if view is not None and view.splits is not None:
+        return view
     try:
-        materials = load_manifest(paths)
-        plans = [plan for split in SPLITS for plan in plan_shards(paths, settings, materials, split)]
-    except _NOT_YET:
+        return planned_view(paths, settings)
+    except PACE_NOT_YET:
         return None
+
+
+def precompute_pace(paths: ProjectPaths, settings: Settings, view: ProjectView | None = None) -> Pace | None:
+    """Prompts/s and the ETA of the whole precompute (every split, every half the mode makes), from the first
+    computed shard half on; None before it, or when nothing is left. ``view``: this question's status_view, whose
+    shard plans and half states are used instead of reading them again."""
+    planned = pace_view(paths, settings, view)
+    return None if planned is None else _precompute_pace(paths, planned)
+
+
+def _precompute_pace(paths: ProjectPaths, view: ProjectView) -> Pace | None:
     spans, left, done, total = [], {}, 0, 0
-    for plan in plans:
-        prompts = len(plan.prompts)
-        total += prompts
-        states = shard_status(paths, settings, plan)
-        for half, state in states.items():
-            if state != HalfState.CURRENT:
-                left[half] = left.get(half, 0) + prompts
-            elif (span := _busy_span(plan.folder(paths) / f"{half}.json", half)) is not None:
-                spans.append(span)
-        done += prompts if set(states.values()) == {HalfState.CURRENT} else 0
+    for split in view.splits.values():
+        for plan in split.plans:
+            prompts = len(plan.prompts)
+            total += prompts
+            states = split.halves[plan.key]
+            for half, state in states.items():
+                if state != HalfState.CURRENT:
+                    left[half] = left.get(half, 0) + prompts
+                elif (span := _busy_span(plan.folder(paths) / f"{half}.json", half)) is not None:
+                    spans.append(span)
+            done += prompts if set(states.values()) == {HalfState.CURRENT} else 0
     if not left:
         return None
     return work_pace("precompute", "prompts", spans, left, done=done, total=total)
@@ -64,13 +75,16 @@ def _busy_span(sidecar, half: str) -> BusySpan | None:
         return None
 
 
-def training_pace(paths: ProjectPaths, settings: Settings) -> Pace | None:
+def training_pace(paths: ProjectPaths, settings: Settings, view: ProjectView | None = None) -> Pace | None:
     """Steps/s and the ETA of the training these settings make, from its first log step on: the running session's
-    last log step, else the last log step its newest checkpoint holds; None before any, or once it finished."""
-    try:
-        run_dir = paths.checkpoints_dir(adapter_fingerprint(paths, settings, load_manifest(paths)))
-    except _NOT_YET:
-        return None
+    last log step, else the last log step its newest checkpoint holds; None before any, or once it finished.
+    ``view``: this question's status_view, whose adapter fingerprint is used instead of planning the shards again."""
+    planned = pace_view(paths, settings, view)
+    return None if planned is None else _training_pace(paths, settings, planned.adapter_fp)
+
+
+def _training_pace(paths: ProjectPaths, settings: Settings, adapter_fp: str) -> Pace | None:
+    run_dir = paths.checkpoints_dir(adapter_fp)
     steps = settings.training.steps
     session = read_session(run_dir) or {}
     if session.get("state") == SESSION_RUNNING and "steps_per_s" in session:
@@ -85,13 +99,17 @@ def training_pace(paths: ProjectPaths, settings: Settings) -> Pace | None:
                 float(logged[-1]["steps_per_s"]))
 
 
-def pace_lines(paths: ProjectPaths, settings: Settings, stages: list[StageState]) -> list[str]:
+def pace_lines(paths: ProjectPaths, settings: Settings, stages: list[StageState],
+               view: ProjectView | None = None) -> list[str]:
     """What `status` and the studio show under the stages: the precompute's pace while shards are left to make, and
-    training's while the adapter is trained part way or trains now."""
+    training's while the adapter is trained part way or trains now. ``view``: the status_view ``stages`` came from
+    (its plans are used; without it, or when it stopped before the shards, they are planned here, once)."""
     state = {s.stage: s.state for s in stages}
-    paces = []
-    if any(state.get(stage) not in (None, State.CURRENT, State.BLOCKED) for stage in SHARD_STAGES):
-        paces.append(precompute_pace(paths, settings))
-    if state.get("adapter") in (State.PARTIAL, State.RUNNING):
-        paces.append(training_pace(paths, settings))
+    wants_precompute = any(state.get(stage) not in (None, State.CURRENT, State.BLOCKED) for stage in SHARD_STAGES)
+    wants_training = state.get("adapter") in (State.PARTIAL, State.RUNNING)
+    planned = pace_view(paths, settings, view) if wants_precompute or wants_training else None
+    if planned is None:
+        return []
+    paces = [_precompute_pace(paths, planned) if wants_precompute else None,
+             _training_pace(paths, settings, planned.adapter_fp) if wants_training else None]
     return [p.text() for p in paces if p is not None]

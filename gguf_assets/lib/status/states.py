@@ -10,6 +10,7 @@ otherwise it is missing or stale and is recomputed, never reused. `gguf-trainer 
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -21,6 +22,7 @@ from gguf_assets.lib.output.export_run import gguf_fingerprint, gguf_is_current,
 from gguf_assets.lib.output.report_run import report_is_current
 from gguf_assets.lib.precompute.half_state import HalfState
 from gguf_assets.lib.precompute.shards import (
+    ShardPlan,
     half_status,
     halves_for_mode,
     plan_shards,
@@ -29,7 +31,13 @@ from gguf_assets.lib.precompute.shards import (
 )
 from gguf_assets.lib.project import settings_history
 from gguf_assets.lib.project.layout import SPLITS, ProjectPaths
-from gguf_assets.lib.project.manifests import DamagedRecord, read_record, recorded, recorded_fingerprint
+from gguf_assets.lib.project.manifests import (
+    DamagedRecord,
+    MaterialsManifest,
+    read_record,
+    recorded,
+    recorded_fingerprint,
+)
 from gguf_assets.lib.project.settings import Settings
 from gguf_assets.lib.status.stages import STAGES, stage_settings
 from gguf_assets.lib.training.training_run import (
@@ -94,8 +102,80 @@ def _recorded_hash(record: Path) -> str | None:
     return recorded(record, "settings_hash")
 
 
+@dataclass(frozen=True)
+class SplitView:
+    """One split's shards as planned from the corpus, each plan's half states (checked once) and the planned
+    fingerprints (what training and the report chain)."""
+
+    plans: list[ShardPlan]
+    halves: Mapping[str, Mapping[str, HalfState]]  # shard key -> half -> state
+    fingerprints: list[str]
+
+
+def split_view(paths: ProjectPaths, settings: Settings, materials: MaterialsManifest, split: str,
+               plans: list[ShardPlan] | None = None) -> SplitView:
+    """``split`` planned now (it reads the corpus split), or ``plans`` made earlier with their halves checked again."""
+    plans = plan_shards(paths, settings, materials, split) if plans is None else plans
+    return SplitView(plans, {p.key: shard_status(paths, settings, p) for p in plans},
+                     planned_fingerprints(settings, plans))
+
+
+@dataclass(frozen=True)
+class ProjectView:
+    """One status question's answer: the stages, and what computing them learned on the way, so the pace lines,
+    the studio and `estimate` reuse it instead of reading the corpus again. A field is None where the stages
+    stopped before it (blocked)."""
+
+    stages: list[StageState]
+    materials: MaterialsManifest | None = None
+    splits: Mapping[str, SplitView] | None = None  # every split, or None
+    # adapter_fingerprint's answer, from the plans above: the training run these settings and shards make.
+    adapter_fp: str | None = None
+
+    def rechecked(self, paths: ProjectPaths, settings: Settings) -> ProjectView:
+        """The same plans with their half states checked again, the corpus not read (the stages are kept as they
+        were): for one who asks again while the corpus and settings stay as they were (the shard step, during its
+        run, holding the project). Planned now when this view has no plans."""
+        if self.splits is None or self.materials is None:
+            return planned_view(paths, settings, self.stages)
+        return planned_view(paths, settings, self.stages, materials=self.materials,
+                            plans={split: v.plans for split, v in self.splits.items()})
+
+
+def planned_view(paths: ProjectPaths, settings: Settings, stages: Sequence[StageState] = (), *,
+                 materials: MaterialsManifest | None = None,
+                 plans: Mapping[str, list[ShardPlan]] | None = None) -> ProjectView:
+    """A view with every split planned as the corpus is now, whatever the stages say (the pace of a project
+    blocked before its shards). Raises as load_manifest and plan_shards do when there are no materials or corpus."""
+    materials = load_manifest(paths) if materials is None else materials
+    splits = {split: split_view(paths, settings, materials, split, (plans or {}).get(split)) for split in SPLITS}
+    return ProjectView(list(stages), materials, splits,
+                       training_fingerprint(settings, splits["train"].fingerprints, splits["val"].fingerprints))
+
+
+def adapter_fingerprint_of(paths: ProjectPaths, settings: Settings, view: ProjectView | None = None) -> str:
+    """The adapter fingerprint: the view's when it planned the shards, else adapter_fingerprint's (which plans
+    them, and raises as it does)."""
+    if view is not None and view.adapter_fp is not None:
+        return view.adapter_fp
+    return adapter_fingerprint(paths, settings, load_manifest(paths))
+
+
 def project_status(paths: ProjectPaths, settings: Settings) -> list[StageState]:
     """The state of every stage, in pipeline order. Later stages are 'blocked' behind unfinished ones."""
+    return status_view(paths, settings).stages
+
+
+def status_view(paths: ProjectPaths, settings: Settings) -> ProjectView:
+    """project_status's stages, with the materials manifest, shard plans and half states and the adapter
+    fingerprint it computed them from (each split's corpus is read once)."""
+    learned: dict = {}
+    stages = _stages(paths, settings, learned)
+    return ProjectView(stages, **learned)
+
+
+def _stages(paths: ProjectPaths, settings: Settings, learned: dict) -> list[StageState]:
+    """The stages; ``learned`` gets ProjectView's other fields as they are computed."""
     out: list[StageState] = []
 
     def blocked_rest(after: str) -> list[StageState]:
@@ -110,7 +190,7 @@ def project_status(paths: ProjectPaths, settings: Settings) -> list[StageState]:
                         "a material changed on disk since it was pinned")
         return [StageState("materials", State.STALE, why)] + blocked_rest("materials")
     out.append(StageState("materials", State.CURRENT))
-    materials = load_manifest(paths)
+    materials = learned["materials"] = load_manifest(paths)
     if not corpus_is_current(paths, settings, materials):
         if not paths.corpus_manifest.is_file():
             return out + [StageState("corpus", State.MISSING)] + blocked_rest("corpus")
@@ -120,11 +200,11 @@ def project_status(paths: ProjectPaths, settings: Settings) -> list[StageState]:
                         "a prompt source changed (a local prompt file, or a dataset's pin) or the corpus files did")
         return out + [StageState("corpus", State.STALE, why)] + blocked_rest("corpus")
     out.append(StageState("corpus", State.CURRENT))
-    unfinished, fingerprints = False, {}
+    unfinished, splits = False, {}
     for split in SPLITS:
-        plans = plan_shards(paths, settings, materials, split)
-        fingerprints[split] = planned_fingerprints(settings, plans)
-        states = {p.key: set(shard_status(paths, settings, p).values()) for p in plans}
+        splits[split] = split_view(paths, settings, materials, split)
+        plans = splits[split].plans
+        states = {key: set(halves.values()) for key, halves in splits[split].halves.items()}
         todo = [key for key, st in states.items() if st != {HalfState.CURRENT}]
         state = _shards_state(states, todo)
         detail = f"{len(plans) - len(todo)}/{len(plans)} shards current"
@@ -132,13 +212,14 @@ def project_status(paths: ProjectPaths, settings: Settings) -> list[StageState]:
             detail += f"; {_why_shards_stale(paths, settings, split, [p for p in plans if p.key in todo])}"
         out.append(StageState(f"{split}_shards", state, detail))
         unfinished |= bool(todo)
+    # From the plans above: the corpus is read once (adapter_fingerprint would plan the shards again).
+    adapter_fp = training_fingerprint(settings, splits["train"].fingerprints, splits["val"].fingerprints)
+    learned.update(splits=splits, adapter_fp=adapter_fp)
     if unfinished:
         return out + blocked_rest("val_shards")
     if settings.precompute.mode != "teacher+student":
         return out + [StageState(s, State.BLOCKED, f"precompute.mode is {settings.precompute.mode!r}; training needs "
                                  "teacher+student") for s in STAGES[STAGES.index("adapter"):]]
-    # From the plans above: the corpus is read once (adapter_fingerprint would plan the shards again).
-    adapter_fp = training_fingerprint(settings, fingerprints["train"], fingerprints["val"])
     if not adapter_is_current(paths, adapter_fp):
         return out + [_adapter_state(paths, settings, adapter_fp)] + blocked_rest("adapter")
     out.append(StageState("adapter", State.CURRENT))
@@ -155,7 +236,7 @@ def project_status(paths: ProjectPaths, settings: Settings) -> list[StageState]:
         return out + [StageState("gguf", State.STALE, why)] + blocked_rest("gguf")
     out.append(StageState("gguf", State.CURRENT))
     report = paths.report_json(settings)
-    if report_is_current(paths, settings, recorded_fingerprint(sidecar), fingerprints["val"]):
+    if report_is_current(paths, settings, recorded_fingerprint(sidecar), splits["val"].fingerprints):
         out.append(StageState("eval_report", State.CURRENT))
     elif not report.is_file():
         out.append(StageState("eval_report", State.MISSING))
@@ -214,16 +295,17 @@ def _why_shards_stale(paths: ProjectPaths, settings: Settings, split: str, todo:
     return "some shards were made under other settings"
 
 
-def where_stopped(paths: ProjectPaths, settings: Settings) -> str:
+def where_stopped(paths: ProjectPaths, settings: Settings, view: ProjectView | None = None) -> str:
     """Where an unfinished pipeline stands, for the "stopped" line: the first unfinished stage, with its
-    shards or the training step its newest checkpoint holds."""
-    unfinished = next((s for s in project_status(paths, settings) if s.state in UNFINISHED), None)
+    shards or the training step its newest checkpoint holds. ``view``: this question's status_view, if made."""
+    view = status_view(paths, settings) if view is None else view
+    unfinished = next((s for s in view.stages if s.state in UNFINISHED), None)
     if unfinished is None:
         return "with every stage finished"
     if unfinished.stage.endswith("_shards"):
         return f"during {unfinished.stage} ({unfinished.detail.split(';')[0]})"
     if unfinished.stage == "adapter":
-        step = last_checkpoint_step(paths, adapter_fingerprint(paths, settings, load_manifest(paths)))
+        step = last_checkpoint_step(paths, adapter_fingerprint_of(paths, settings, view))
         if step:
             return (f"during adapter training, at the checkpoint of step {step} of {settings.training.steps} "
                     "(kept; training resumes from it)")

@@ -8,18 +8,20 @@ from gguf_assets.lib.project.layout import ProjectPaths
 from gguf_assets.lib.project.seed_reference import SEED_PRECOMPUTE, SEED_TRAINING, SEED_TRAINING_SHAPE
 from gguf_assets.lib.project.settings import Settings
 from gguf_assets.lib.project.teacher_choice import teacher_choice
-from gguf_assets.lib.status.pace import precompute_pace, training_pace
+from gguf_assets.lib.status.pace import pace_view, precompute_pace, training_pace
+from gguf_assets.lib.status.states import ProjectView
 from gguf_assets.lib.telemetry.progress import format_seconds
 
 
 def time_lines(paths: ProjectPaths, settings: Settings) -> list[str]:
     """One line for the precompute, one for training: measured here when they were, else predicted from the seed's
     measurement, naming it and what it was scaled by."""
-    return [_precompute_line(paths, settings), _training_line(paths, settings)]
+    view = pace_view(paths, settings)  # one reading of the corpus for both lines; None: nothing to measure yet
+    return [_precompute_line(paths, settings, view), _training_line(paths, settings, view)]
 
 
-def _precompute_line(paths: ProjectPaths, settings: Settings) -> str:
-    if (measured := precompute_pace(paths, settings)) is not None:
+def _precompute_line(paths: ProjectPaths, settings: Settings, view: ProjectView | None) -> str:
+    if view is not None and (measured := precompute_pace(paths, settings, view)) is not None:
         return f"{measured.text()} (on this machine)"
     prompts = settings.corpus.train_prompts + settings.corpus.val_prompts
     if not teacher_choice(settings).loads_teacher_model:
@@ -33,8 +35,8 @@ def _precompute_line(paths: ProjectPaths, settings: Settings) -> str:
             "shows this machine's measured rate and ETA")
 
 
-def _training_line(paths: ProjectPaths, settings: Settings) -> str:
-    if (measured := training_pace(paths, settings)) is not None:
+def _training_line(paths: ProjectPaths, settings: Settings, view: ProjectView | None) -> str:
+    if view is not None and (measured := training_pace(paths, settings, view)) is not None:
         return f"{measured.text()} (on this machine)"
     t, ref = settings.training, SEED_TRAINING_SHAPE
     # Work per step grows with the batch, the depth and the square of the width (the adapter's matmuls).
