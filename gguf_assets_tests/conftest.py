@@ -116,10 +116,7 @@ def cli_env(**extra: str) -> dict:
     return {**{k: v for k, v in os.environ.items() if k not in dropped}, **extra}
 
 
-@pytest.fixture(scope="session")
-def finished_project(tmp_path_factory, worker_id, demo_materials_root) -> tuple[Path, float]:
-    """A project folder after one uninterrupted `gguf-trainer run` under FAULT_SETTINGS, and its seconds; built
-    once for the whole suite. Never changed: a test that changes a project works on ``copy_project`` of it."""
+def _build_finished_project(tmp_path_factory, worker_id, demo_materials_root) -> tuple[Path, float]:
     def build(folder: Path) -> str:
         root = new_demo_project(folder, demo_materials_root, **FAULT_SETTINGS).root
         start = time.perf_counter()
@@ -128,6 +125,13 @@ def finished_project(tmp_path_factory, worker_id, demo_materials_root) -> tuple[
 
     root, seconds = built_once(tmp_path_factory, worker_id, "reference", build)
     return root, float(seconds)
+
+
+@pytest.fixture(scope="session")
+def finished_project(tmp_path_factory, worker_id, demo_materials_root) -> tuple[Path, float]:
+    """A project folder after one uninterrupted `gguf-trainer run` under FAULT_SETTINGS, and its seconds; built
+    once for the whole suite. Never changed: a test that changes a project works on ``copy_project`` of it."""
+    return _build_finished_project(tmp_path_factory, worker_id, demo_materials_root)
 
 
 def copy_project(source: Path, dest: Path) -> ProjectPaths:
@@ -143,13 +147,33 @@ def copy_project(source: Path, dest: Path) -> ProjectPaths:
     return paths
 
 
+class _Reference:
+    """``(outputs, seconds)`` of the reference run, made on first use: a test that compares its outputs only at its
+    end starts at once instead of waiting for the reference to be built (by it or by another worker)."""
+
+    def __init__(self, make) -> None:
+        self._make, self._value = make, None
+
+    def _get(self) -> tuple[dict[str, bytes], float]:
+        if self._value is None:
+            root, seconds = self._make()
+            outputs = pipeline_outputs(root)
+            assert len(outputs) == 5 * 2 + 2  # 5 shards x 2 halves, the final weights, the GGUF
+            self._value = outputs, seconds
+        return self._value
+
+    def __getitem__(self, index):
+        return self._get()[index]
+
+    def __iter__(self):
+        return iter(self._get())
+
+
 @pytest.fixture(scope="session")
-def reference_run(finished_project) -> tuple[dict[str, bytes], float]:
-    """The outputs of one uninterrupted `gguf-trainer run` under FAULT_SETTINGS, and its seconds."""
-    root, seconds = finished_project
-    outputs = pipeline_outputs(root)
-    assert len(outputs) == 5 * 2 + 2  # 5 shards x 2 halves, the final weights, the GGUF
-    return outputs, seconds
+def reference_run(tmp_path_factory, worker_id, demo_materials_root) -> _Reference:
+    """The outputs of one uninterrupted `gguf-trainer run` under FAULT_SETTINGS, and its seconds (the finished
+    project's), unpacked or indexed as ``(outputs, seconds)`` when the test needs them."""
+    return _Reference(lambda: _build_finished_project(tmp_path_factory, worker_id, demo_materials_root))
 
 
 def project_instance(paths: ProjectPaths):

@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
 # Set up, then run the test suite.
-#   bash scripts/test.sh [-q]          the whole suite, as CI runs it: on both cores (pytest-xdist), then the
-#                                      tests marked `serial` (benchmarks whose rules compare timings) alone
-#   bash scripts/test.sh --fast        the fast loop: the tests marked neither slow nor serial, on both cores
+#   bash scripts/test.sh [-q]          the whole suite, as CI runs it: three processes on both cores
+#                                      (pytest-xdist), then the tests marked `serial` (they time a user-facing bound) alone
+#   bash scripts/test.sh --fast        the fast loop: the tests marked neither slow nor serial, as above
 #   bash scripts/test.sh ARGS...       pytest ARGS as given, in one process (e.g. a test path, -k NAME)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+# Three test processes on two cores: many tests wait (on a server to start, a stalled write, a daemon's tick, a
+# browser), and a third process fills those waits. GGUF_ASSETS_TEST_WORKERS changes it.
+WORKERS=${GGUF_ASSETS_TEST_WORKERS:-3}
 if [ "${1:-}" = "--fast" ]; then
   shift
-  OMP_NUM_THREADS=1 exec .venv/bin/python -m pytest -n 2 --dist load --maxschedchunk 1 -m "not slow and not serial" "$@"
+  OMP_NUM_THREADS=1 exec .venv/bin/python -m pytest -n "$WORKERS" --dist load --maxschedchunk 1 -m "not slow and not serial" "$@"
 fi
 whole=1
 for arg in "$@"; do
@@ -17,12 +20,12 @@ for arg in "$@"; do
 done
 if [ "$whole" = 1 ]; then
   # The tests come longest first (conftest.py, durations.json) and each worker takes the next one as it frees up
-  # (--dist load, one at a time): the long ones spread over both workers. (worksteal handed the first half, so all
+  # (--dist load, one at a time): the long ones spread over the workers. (worksteal handed the first half, so all
   # the long tests, to one worker, which then ran them one after another while the other had finished.)
-  # One torch/OpenMP thread per process: two workers, each with its pipelines' subprocesses, already fill both
+  # One torch/OpenMP thread per process: the workers, each with its pipelines' subprocesses, already fill both
   # cores, and oversubscribed OpenMP teams spin against each other (two demo pipelines side by side: 38 s each
   # with the default threads, 22 s with one).
-  OMP_NUM_THREADS=1 .venv/bin/python -m pytest -n 2 --dist load --maxschedchunk 1 -m "not serial" "$@"
+  OMP_NUM_THREADS=1 .venv/bin/python -m pytest -n "$WORKERS" --dist load --maxschedchunk 1 -m "not serial" "$@"
   exec .venv/bin/python -m pytest -m serial "$@"
 fi
 exec .venv/bin/python -m pytest "$@"

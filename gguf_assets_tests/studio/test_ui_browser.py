@@ -15,22 +15,20 @@ import urllib.request
 
 import pytest
 from browser import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS, need_browser
-from conftest import free_port, stop_with_ctrl_c, wait_http
+from conftest import FAULT_SETTINGS, copy_project, free_port, stop_with_ctrl_c, wait_http
 
 from gguf_assets.defs.groups import lineage_path
-from gguf_assets.orchestration.launching import run_pipeline
 
 pytestmark = pytest.mark.slow  # whole pipelines: excluded from the fast loop (-m 'not slow')
 
 ASSETS = ("materials", "corpus", "train_shards", "val_shards", "adapter", "gguf", "eval_report")
 JOBS = ("materials_and_corpus", "precompute_train_shards", "precompute_val_shards", "train_export_evaluate")
 
-def test_ui_shows_graph_report_and_plots_then_stops_on_ctrl_c(make_project):
+def test_ui_shows_graph_report_and_plots_then_stops_on_ctrl_c(finished_project, tmp_path):
     need_browser()
     from playwright.sync_api import sync_playwright
 
-    paths = make_project(steps=40, mock_teacher=True, training={"log_every": 5, "validate_every": 10})
-    run_pipeline(paths, echo=lambda _: None)
+    paths = copy_project(finished_project[0], tmp_path / "project")  # what `gguf-trainer run` left
     port, tb_port = free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("DAGSTER_HOME", "GGUF_ASSETS_PROJECT")}
     ui = subprocess.Popen([sys.executable, "-m", "gguf_assets.cli", "ui", str(paths.root), "--port", str(port),
@@ -45,12 +43,13 @@ def test_ui_shows_graph_report_and_plots_then_stops_on_ctrl_c(make_project):
     ARTIFACTS.mkdir(exist_ok=True)
     try:
         wait_http(f"{base}/server_info", timeout=120, proc=ui)
-        # TensorBoard serves this run's loss against the step (5, 10, ... 40: log_every 5).
+        # TensorBoard serves this run's loss against the step (10, 20, 30, 40: log_every 10).
         wait_http(f"{tensorboard}/data/runs", timeout=120, proc=ui)
         with urllib.request.urlopen(f"{tensorboard}/data/plugin/scalars/scalars?tag=train%2Floss&run={run}",
                                     timeout=30) as answer:
             loss = json.loads(answer.read())
-        assert [step for _, step, _ in loss] == list(range(5, 41, 5)), loss
+        log_every, steps = FAULT_SETTINGS["training"]["log_every"], FAULT_SETTINGS["steps"]
+        assert [step for _, step, _ in loss] == list(range(log_every, steps + 1, log_every)), loss
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
             page = browser.new_page(viewport={"width": 1600, "height": 1000})
