@@ -245,12 +245,24 @@ def create_run_with_status(instance, *, status, tags: dict[str, str]):
     return instance.create_run_for_job(a_run, status=status, tags=tags)
 
 
-# The longest tests first, so the two xdist workers end together instead of one waiting on a long test that
-# started last. Their seconds (setup, call and teardown) are in durations.json, updated by a run with
-# GGUF_ASSETS_RECORD_DURATIONS=1 (`GGUF_ASSETS_RECORD_DURATIONS=1 bash scripts/test.sh`); a test not in it
-# counts as short.
+# The longest tests first, so the xdist workers end together instead of one waiting on a long test that started
+# last. Their seconds (setup, call and teardown) are in durations.json, updated by a run with
+# GGUF_ASSETS_RECORD_DURATIONS=1 (`GGUF_ASSETS_RECORD_DURATIONS=1 bash scripts/test.sh`); a test not in it counts as
+# short. A module whose module-scoped fixture is costly (a `gguf-trainer ui`, a browser, a pipeline) is one
+# xdist_group: scripts/test.sh's --dist loadgroup runs it on one worker, which builds the fixture once, instead of on
+# each worker that takes one of its tests; the group comes at the place of its tests' summed seconds.
 DURATIONS_FILE = Path(__file__).with_name("durations.json")
 _RECORDED: dict[str, float] = {}
+
+
+def _plain_id(nodeid: str) -> str:
+    """A test's id without the "@group" that xdist's loadgroup appends (its own rule for finding it)."""
+    return nodeid.rsplit("@", 1)[0] if nodeid.rfind("@") > nodeid.rfind("]") else nodeid
+
+
+def _group(item) -> str | None:
+    mark = item.get_closest_marker("xdist_group")
+    return str(mark.args[0]) if mark is not None and mark.args else None
 
 
 def pytest_collection_modifyitems(config, items):
@@ -258,12 +270,19 @@ def pytest_collection_modifyitems(config, items):
         seconds = json.loads(DURATIONS_FILE.read_text())
     except (OSError, ValueError):
         return
-    items.sort(key=lambda item: -seconds.get(item.nodeid, 0.0))  # stable: the rest keep their order
+    own = {item.nodeid: seconds.get(_plain_id(item.nodeid), 0.0) for item in items}
+    grouped: dict[str, float] = {}
+    for item in items:
+        if (group := _group(item)) is not None:
+            grouped[group] = grouped.get(group, 0.0) + own[item.nodeid]
+    # Stable: a group's tests stay together, the rest keep their order.
+    items.sort(key=lambda item: -grouped.get(_group(item), own[item.nodeid]))
 
 
 def pytest_runtest_logreport(report):
     if os.environ.get("GGUF_ASSETS_RECORD_DURATIONS") == "1":
-        _RECORDED[report.nodeid] = _RECORDED.get(report.nodeid, 0.0) + report.duration
+        nodeid = _plain_id(report.nodeid)
+        _RECORDED[nodeid] = _RECORDED.get(nodeid, 0.0) + report.duration
 
 
 def pytest_sessionfinish(session, exitstatus):

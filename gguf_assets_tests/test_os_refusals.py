@@ -21,7 +21,8 @@ from conftest import CLI, cli_env, free_port, new_demo_project
 from gguf_assets.lib.core.errors import os_refusal_message
 from gguf_assets.lib.core.lock import ProjectLock
 
-pytestmark = pytest.mark.slow  # every command through the real CLI, in mount namespaces (about 25 s)
+pytestmark = [pytest.mark.slow,  # every command through the real CLI, in mount namespaces (about 25 s)
+              pytest.mark.xdist_group("os_refusals")]  # on one worker: the used project is made once (conftest.py)
 
 # $1: the folder; the rest: the command. 97: no mount here; 98: the folder still took a write.
 READ_ONLY = ('mount --bind "$1" "$1" && mount -o remount,ro,bind "$1" || exit 97; '

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 from conftest import CLI, cli_env, copy_project, free_port, stop_with_ctrl_c, wait_http
 
-pytestmark = pytest.mark.slow  # a `gguf-trainer run` subprocess (about 30 s), then the CLI and a studio
+pytestmark = [pytest.mark.slow,  # a `gguf-trainer run` subprocess (about 30 s), then the CLI and a studio
+              pytest.mark.xdist_group("runs_cli")]  # on one worker: the two runs are made once (conftest.py)
 
 GGUF = "output/demo-adapter.gguf"
 TRAINING_LINE = re.compile(r"step \d+/\d+ loss")  # the trainer's log line at each log step

@@ -12,7 +12,7 @@ bash scripts/setup.sh
 WORKERS=${GGUF_ASSETS_TEST_WORKERS:-3}
 if [ "${1:-}" = "--fast" ]; then
   shift
-  OMP_NUM_THREADS=1 exec .venv/bin/python -m pytest -n "$WORKERS" --dist load --maxschedchunk 1 -m "not slow and not serial" "$@"
+  OMP_NUM_THREADS=1 exec .venv/bin/python -m pytest -n "$WORKERS" --dist loadgroup --no-loadscope-reorder -m "not slow and not serial" "$@"
 fi
 whole=1
 for arg in "$@"; do
@@ -20,12 +20,13 @@ for arg in "$@"; do
 done
 if [ "$whole" = 1 ]; then
   # The tests come longest first (conftest.py, durations.json) and each worker takes the next one as it frees up
-  # (--dist load, one at a time): the long ones spread over the workers. (worksteal handed the first half, so all
-  # the long tests, to one worker, which then ran them one after another while the other had finished.)
+  # (it holds at most three queued), except that a module with a costly module fixture is one xdist_group, which one
+  # worker takes whole (--dist loadgroup; --no-loadscope-reorder keeps conftest.py's order). (worksteal handed the
+  # first half, so all the long tests, to one worker, which then ran them one after another.)
   # One torch/OpenMP thread per process: the workers, each with its pipelines' subprocesses, already fill both
   # cores, and oversubscribed OpenMP teams spin against each other (two demo pipelines side by side: 38 s each
   # with the default threads, 22 s with one).
-  OMP_NUM_THREADS=1 .venv/bin/python -m pytest -n "$WORKERS" --dist load --maxschedchunk 1 -m "not serial" "$@"
+  OMP_NUM_THREADS=1 .venv/bin/python -m pytest -n "$WORKERS" --dist loadgroup --no-loadscope-reorder -m "not serial" "$@"
   exec .venv/bin/python -m pytest -m serial "$@"
 fi
 exec .venv/bin/python -m pytest "$@"

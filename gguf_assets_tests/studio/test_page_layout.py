@@ -24,7 +24,8 @@ from gguf_assets.lib.core import atomic
 from gguf_assets.lib.project.settings import SECTION_CLASSES, SettingsError
 from gguf_assets.studio.settings_form import apply_form
 
-pytestmark = pytest.mark.slow  # a studio and a browser (about 30 s on 2 cores; the demo project is the suite's)
+pytestmark = [pytest.mark.slow,  # a studio and a browser (about 30 s on 2 cores; the demo project is the suite's)
+              pytest.mark.xdist_group("page_layout")]  # on one worker: one studio and browser (conftest.py)
 
 N_SETTINGS = sum(len(section.model_fields) for section in SECTION_CLASSES.values())
 

@@ -29,7 +29,8 @@ from conftest import CLI, cli_env, free_port, new_demo_project, stop_with_ctrl_c
 from gguf_assets.lib.core import atomic
 from gguf_assets.lib.project.settings import load_settings
 
-pytestmark = pytest.mark.slow  # one `gguf-trainer ui` for the module (about 20 s to start on 2 cores)
+pytestmark = [pytest.mark.slow,  # one `gguf-trainer ui` for the module (about 20 s to start on 2 cores)
+              pytest.mark.xdist_group("security")]  # on one worker: the ui is started once (conftest.py)
 
 CANARY = "hf_CANARY-canary-not-a-real-token-0123"  # distinctive, and no real token's shape
 EVIL = "evil.example"

@@ -22,6 +22,9 @@ from gguf_assets.lib.demo.demo import (
     iter_prompts,
 )
 
+# On one worker: the module fixture (three demo builds) is made once, not once per worker (conftest.py).
+pytestmark = pytest.mark.xdist_group("demo_materials")
+
 N_PROMPTS = 2000
 QUERY_ROWS = 256
 # Share of the outputs' mean square that must vary across prompts.

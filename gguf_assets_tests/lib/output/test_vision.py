@@ -27,6 +27,9 @@ from gguf_assets.lib.core import atomic
 from gguf_assets.lib.output import export, gguf_format, vision
 from gguf_assets.lib.output.report import build_report
 
+# On one worker: the tiny vision encoder is built once (conftest.py).
+pytestmark = pytest.mark.xdist_group("vision")
+
 TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=32,
             patch_size=8, layer_norm_eps=1e-6)
 MEAN, STD = [0.5, 0.25, 0.125], [0.5, 0.75, 1.0]
