@@ -284,11 +284,14 @@ def test_studio_edits_settings_in_its_form_runs_stops_resumes_and_shows_the_resu
             wait_for(lambda: (paths.root / "output" / "demo-adapter.gguf").read_bytes() == first_gguf, timeout=30,
                      what="the first run's GGUF in the output folder again")
             assert paths.project_file.read_text() == after.replace("  steps: 60\n", "  steps: 40\n")
+            # The report comes back after the GGUF (the last thing Use writes; a loaded machine showed the gap), and
+            # only then can the preview below not be the one from before the Use, which also read "nothing to do".
+            report_file = paths.root / "output" / "demo-adapter.report.json"
+            wait_for(lambda: atomic.read_json(report_file)["fingerprint"] == report["fingerprint"], timeout=30,
+                     what="the first run's report, current again")
             wait_for(lambda: page.locator("#run-preview").inner_text() == "nothing to do: every stage is current",
                      timeout=60, what="every stage current under the first run's settings")
             assert len(instance.get_runs()) == runs_before  # no run started: nothing retrained
-            used_report = atomic.read_json(paths.root / "output" / "demo-adapter.report.json")
-            assert used_report["fingerprint"] == report["fingerprint"]  # the first run's report, current again
 
             # Delete the second run: the page says what it freed, and its folder is gone.
             page.reload()
