@@ -52,7 +52,8 @@ def test_demo_dag_end_to_end_then_memoized_then_student_change(make_project):
                 asset_key=dg.AssetKey(f"{split}_shards"), asset_partitions=[key]), limit=10).records
             assert len(records) == 1, (split, key, len(records))
             meta = records[0].asset_materialization.metadata
-            assert meta["prompts"].value == (400 if split == "train" else 200), (split, key)
+            shard_size = settings.precompute.shard_size if split == "train" else settings.precompute.val_shard_size
+            assert meta["prompts"].value == shard_size, (split, key)
             assert meta["teacher_tokens"].value > 0 and meta["prompts_per_s"].value > 0
             assert "teacher_device_map" in meta
     # Each stage's page shows the settings it depends on, the project folder and how to change them.

@@ -135,10 +135,10 @@ def test_new_shard_size_re_registers_partitions_and_reruns(make_project):
     paths = make_project(steps=5, mock_teacher=True)
     run_pipeline(paths, echo=lambda _: None)
     instance = dg.DagsterInstance.get()
-    assert len(instance.get_dynamic_partitions("train_shards")) == 4  # 1600 prompts / 400
+    assert len(instance.get_dynamic_partitions("train_shards")) == 4  # 400 prompts / 100
 
     settings = load_settings(paths.root)
-    write_project_file(paths.root, replace(settings, precompute={"shard_size": 300}))
+    write_project_file(paths.root, replace(settings, precompute={"shard_size": 75}))
     status = run_pipeline(paths, echo=lambda _: None)
     assert all(s.state == "current" for s in status)
     assert list(instance.get_dynamic_partitions("train_shards")) == [f"{i:05d}" for i in range(6)]

@@ -84,14 +84,14 @@ def test_ui_shows_graph_report_and_plots_then_stops_on_ctrl_c(finished_project, 
             assert page.get_by_text("val_centred_cosine").count() > 0
             page.screenshot(path=str(ARTIFACTS / "ui-training-plots.png"), full_page=True)
 
-            # A shard partition shows its own figures: 400 prompts (not the run's 1600).
+            # A shard partition shows its own figures: 100 prompts (not the run's 400).
             page.goto(f"{base}/assets/train_shards?view=partitions&partition=00001")
             page.get_by_text("teacher_tokens").first.wait_for(timeout=60_000)
-            run_total = page.get_by_text("1600", exact=True)
-            # (Once, under load, a "1600" was on this page; say where, should it come back.)
+            run_total = page.get_by_text("400", exact=True)
+            # (Once, under load, the run's total was on this page; say where, should it come back.)
             where = [run_total.nth(i).evaluate("e => (e.parentElement.parentElement || e).innerText")
                      for i in range(run_total.count())]
-            assert page.get_by_text("400", exact=True).count() > 0 and not where, where
+            assert page.get_by_text("100", exact=True).count() > 0 and not where, where
             page.screenshot(path=str(ARTIFACTS / "ui-shard-partition.png"), full_page=True)
 
             # The runs, by their job names.
