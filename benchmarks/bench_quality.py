@@ -189,8 +189,8 @@ class Size:
 
 FULL = Size(prompts=3200, train=2700, val=300, shard_size=900, query_rows=256, steps=600, calibration_steps=60,
             pretrain_steps=300)
-QUICK = Size(prompts=200, train=150, val=30, shard_size=50, query_rows=4, steps=10, calibration_steps=8,
-             pretrain_steps=6)
+QUICK = Size(prompts=130, train=96, val=24, shard_size=32, query_rows=4, steps=8, calibration_steps=6,
+             pretrain_steps=4)
 
 
 # -- the multi-layer prototypes -----------------------------------------------------------

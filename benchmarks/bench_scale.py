@@ -426,7 +426,7 @@ def _stop_worker(proc: subprocess.Popen) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="small: 600 prompts, mock teacher, 200 partitions")
+    parser.add_argument("--quick", action="store_true", help="small: 300 prompts, mock teacher, 100 partitions")
     parser.add_argument("--part", nargs="+", choices=("pipeline", "partitions", "cluster", "eta", "all"),
                         default=["all"],
                         help="which parts (several may be named)")
@@ -436,10 +436,10 @@ def main(argv: list[str] | None = None) -> int:
         tmp = Path(tmp)
         os.chmod(tmp, 0o755)  # the Postgres server's own user must reach its folder
         if {"pipeline", "all"} & set(args.part):
-            ok &= part_pipeline(tmp, prompts=600 if args.quick else 60_000, shard_size=200 if args.quick else 1000,
+            ok &= part_pipeline(tmp, prompts=300 if args.quick else 60_000, shard_size=100 if args.quick else 1000,
                                 steps=40 if args.quick else 20_000, mock_teacher=args.quick)
         if {"partitions", "all"} & set(args.part):
-            ok &= part_partitions(tmp, partitions=200 if args.quick else 10_000)
+            ok &= part_partitions(tmp, partitions=100 if args.quick else 10_000)
         if {"eta", "all"} & set(args.part):
             ok &= part_eta(tmp, shards=4 if args.quick else 8, shard_size=100 if args.quick else 400)
         if {"cluster", "all"} & set(args.part):

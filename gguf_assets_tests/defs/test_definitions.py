@@ -317,17 +317,33 @@ def test_processes_opening_a_new_project_instance_at_once_all_get_it(tmp_path):
     load). prepare_instance creates them once, under a lock, before anyone opens the instance."""
     import subprocess
     import sys
+    import time
 
     from gguf_assets.lib.project.layout import ProjectPaths
 
-    opener = ("import sys, dagster as dg; from gguf_assets.lib.project.layout import ProjectPaths; "
-              "from gguf_assets.orchestration.instance import prepare_instance; "
-              "prepare_instance(ProjectPaths.of(sys.argv[1])); dg.DagsterInstance.get().get_runs(); print('ok')")
-    for attempt in range(2):  # the race needs the processes to meet: two fresh projects
-        root = tmp_path / f"project-{attempt}"
-        root.mkdir()
-        procs = [subprocess.Popen([sys.executable, "-c", opener, str(root)], stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, text=True) for _ in range(4)]
-        outs = [p.communicate(timeout=120)[0] for p in procs]
-        assert all(p.returncode == 0 and out.strip().endswith("ok") for p, out in zip(procs, outs)), outs
-        assert (ProjectPaths.of(root).dagster_home / "history").is_dir()
+    # Each process imports first, says so, and waits for the go: they open the instance at the same moment,
+    # which once took two fresh projects of processes started at once to happen by chance.
+    opener = "\n".join([
+        "import pathlib, sys, time",
+        "import dagster as dg",
+        "from gguf_assets.lib.project.layout import ProjectPaths",
+        "from gguf_assets.orchestration.instance import prepare_instance",
+        "gate = pathlib.Path(sys.argv[2])",
+        "(gate / sys.argv[3]).touch()",
+        "while not (gate / 'go').exists():",
+        "    time.sleep(0.001)",
+        "prepare_instance(ProjectPaths.of(sys.argv[1]))",
+        "dg.DagsterInstance.get().get_runs()",
+        "print('ok')"])
+    root, gate = tmp_path / "project", tmp_path / "gate"
+    root.mkdir()
+    gate.mkdir()
+    procs = [subprocess.Popen([sys.executable, "-c", opener, str(root), str(gate), f"ready-{i}"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(4)]
+    deadline = time.monotonic() + 120
+    while len(list(gate.glob("ready-*"))) < 4 and time.monotonic() < deadline and all(p.poll() is None for p in procs):
+        time.sleep(0.01)
+    (gate / "go").touch()
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert all(p.returncode == 0 and out.strip().endswith("ok") for p, out in zip(procs, outs)), outs
+    assert (ProjectPaths.of(root).dagster_home / "history").is_dir()
