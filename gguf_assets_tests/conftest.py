@@ -156,6 +156,17 @@ def copy_project(source: Path, dest: Path) -> ProjectPaths:
     return paths
 
 
+@pytest.fixture
+def shards_done_project(finished_project, tmp_path) -> ProjectPaths:
+    """A copy of the finished project without anything training made (checkpoints, curves, outputs): the folder as
+    `run` leaves it once its shard step is done, for tests whose point comes in training or later. Its Dagster
+    history keeps the finished project's runs, as a user's does after a new training setting."""
+    paths = copy_project(finished_project[0], tmp_path / "shards-done")
+    for made_by_training in ("checkpoints", "tensorboard", "output"):
+        shutil.rmtree(paths.root / made_by_training)
+    return paths
+
+
 class _Reference:
     """``(outputs, seconds)`` of the reference run, made on first use: a test that compares its outputs only at its
     end starts at once instead of waiting for the reference to be built (by it or by another worker)."""

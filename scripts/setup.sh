@@ -15,6 +15,10 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   # torch first and pinned: on the CPU machines this project runs on, 2.13.0 is a local CPU wheel,
   # while an unpinned torch would pull a multi-GB CUDA build.
   .venv/bin/pip install --quiet "torch==2.13.0"
-  .venv/bin/pip install --quiet -e '.[test,cluster]'
+  # The rest through uv (pinned): the same packages as pip resolves (pip freeze compared), in about 7 s instead
+  # of about 60, most of a fresh clone's install. torch stays pip's: uv does not look at the local wheel, so it is
+  # named again, pinned, and uv keeps the installed CPU build (it satisfies every requirement).
+  .venv/bin/pip install --quiet "uv==0.13.9"
+  .venv/bin/python -m uv pip install --quiet --python .venv/bin/python -e '.[test,cluster]' "torch==2.13.0"
   echo "$want" > "$stamp"
 fi

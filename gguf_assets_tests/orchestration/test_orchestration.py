@@ -107,11 +107,12 @@ def test_sigterm_then_kill9_then_a_plain_run_is_byte_identical(make_project, ref
     assert pipeline_outputs(paths.root) == reference_run[0]
 
 
-def test_daemon_alone_resumes_a_killed_pipeline_and_its_runs_are_never_reaped_alive(make_project, reference_run):
+def test_daemon_alone_resumes_a_killed_pipeline_and_its_runs_are_never_reaped_alive(shards_done_project,
+                                                                                      reference_run):
     """Only `dagster-daemon run`, started the documented way, after a kill -9 during training: the
     interrupted-runs sensor (every 2 s here) fails the dead run, the resume sensor launches the
     rest as a multi-step run in its own process, and that live run gets no failure event."""
-    paths = make_project(**FAULT_SETTINGS)
+    paths = shards_done_project
     _kill9_during_training(paths)
     cut_off = _runs(paths, dg.DagsterRunStatus.STARTED)[0].run_id
 
@@ -243,14 +244,14 @@ def test_the_documented_dagster_cli_commands_work(finished_project, tmp_path, mo
     assert json.dumps(runs[0].dagster_run.run_config).find(str(paths.root)) == -1  # no path in run storage
 
 
-def test_an_edit_during_training_affects_only_the_next_run(make_project):
+def test_an_edit_during_training_affects_only_the_next_run(shards_done_project):
     """One settings snapshot per run: `steps 40 → 20` and `adapter_name → edited` written at a
     checkpoint mid-training. The run trains its 40 steps and exports under the name it started with;
     the console says the edit is for the next run, and status names the edit as the reason."""
     from gguf_assets.lib.project.settings import load_settings, replace, write_project_file
     from gguf_assets.lib.status.states import project_status
 
-    paths = make_project(**FAULT_SETTINGS)
+    paths = shards_done_project
     name = load_settings(paths.root).output.adapter_name
     proc = _start_run(paths)
     try:
@@ -283,12 +284,12 @@ def _latest_step(paths) -> int:
                default=0)
 
 
-def test_terminate_in_the_ui_and_ctrl_c_stop_a_cli_run_canceled_and_resumable(make_project, reference_run):
+def test_terminate_in_the_ui_and_ctrl_c_stop_a_cli_run_canceled_and_resumable(shards_done_project, reference_run):
     """Terminate (what the UI's button calls: the run launcher's terminate, which cannot reach an
     in-process run) stops a `gguf-trainer run` within 10 s; so does a Ctrl-C to the terminal's whole
     process group. Each run ends CANCELED, never FAILURE, with no traceback and a "stopped" line that
     says where; the next run finishes byte-identical to an uninterrupted one."""
-    paths = make_project(**FAULT_SETTINGS)
+    paths = shards_done_project
     # Training stalls after step 11 (one step past a checkpoint), so each stop lands mid-training.
     proc = _start_run(paths, GGUF_ASSETS_FAULT="train-step@11:stall:120")
     wait_for(lambda: _latest_step(paths) >= 10, timeout=240, what="the second checkpoint", proc=proc)
