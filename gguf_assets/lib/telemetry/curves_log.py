@@ -49,6 +49,8 @@ class CurvesLog:
         from torch.utils.tensorboard import SummaryWriter
 
         folder.mkdir(parents=True, exist_ok=True)
+        if resumed_at_step:
+            _start_after_earlier_files(folder)
         # The checkpoint at step N was saved after step N's log and validation, so those stay; the
         # events after it, written by the run a kill cut off, are hidden (they are redone).
         self._writer = SummaryWriter(str(folder), purge_step=resumed_at_step + 1 if resumed_at_step else None,
@@ -63,3 +65,20 @@ class CurvesLog:
     def close(self) -> None:
         self._writer.flush()
         self._writer.close()
+
+
+def _start_after_earlier_files(folder: Path) -> None:
+    """Wait, if needed, until the new event file's name sorts after every earlier one's.
+
+    TensorBoard reads a run's event files in name order, and a purge only hides what came before it in that
+    order. A name is "events.out.tfevents.<whole seconds>.<host>.<pid>.<counter>", so a resume within the same
+    second as the stopped session's start (seen in the suite, in one process) could sort first, by its counter
+    ("10" before "9") or pid, and show the stopped session's steps after the resumed ones. Costs at most a second,
+    only then."""
+    import time
+
+    started = [int(part) for name in (p.name for p in folder.glob("events.out.tfevents.*"))
+               if (part := name.split(".")[3]).isdigit()]
+    while started and time.time() < max(started) + 1:
+        time.sleep(0.05)
+
