@@ -9,6 +9,7 @@ curve shows each step once, as in an uninterrupted run.
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 
 TENSORBOARD_DIR = "tensorboard"
@@ -75,8 +76,6 @@ def _start_after_earlier_files(folder: Path) -> None:
     second as the stopped session's start (seen in the suite, in one process) could sort first, by its counter
     ("10" before "9") or pid, and show the stopped session's steps after the resumed ones. Costs at most a second,
     only then."""
-    import time
-
     started = [int(part) for name in (p.name for p in folder.glob("events.out.tfevents.*"))
                if (part := name.split(".")[3]).isdigit()]
     while started and time.time() < max(started) + 1:
