@@ -47,7 +47,7 @@ from pathlib import Path
 
 import psutil
 
-from gguf_assets.lib.demo.demo import build_demo_materials, demo_settings
+from gguf_assets.lib.demo.demo import QUARTER_SIZES, build_demo_materials, demo_settings
 from gguf_assets.lib.project.settings import load_settings, replace, write_project_file
 
 STEP_LINE = re.compile(r"\bstep (\d+)/(\d+)\b")
@@ -68,19 +68,13 @@ def import_torch_s(python: str) -> float:
     return time.perf_counter() - began
 
 
-# --quick: a quarter of the demo's prompts in as many shards. What is timed (the second Run's first line, first
-# step and Stop) reads the same folders and starts the same way; only the untimed first run gets shorter.
-QUICK_CORPUS = {"train_prompts": 400, "val_prompts": 100}
-QUICK_SHARDS = {"shard_size": 100, "val_shard_size": 100}
-
-
 def project(root: Path, materials: Path, steps: int, quick: bool = False) -> Path:
     import shutil
 
     shutil.copytree(materials, root / "materials" / "demo")
     settings = replace(demo_settings(steps=steps, mock_teacher=True),
                        training={"log_every": 10, "checkpoint_every": 20, "validate_every": 20, "batch_size": 8},
-                       **({"corpus": QUICK_CORPUS, "precompute": QUICK_SHARDS} if quick else {}))
+                       **(QUARTER_SIZES if quick else {}))  # --quick: the untimed first run gets shorter
     write_project_file(root, settings)
     return root
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from filelock import FileLock
 
-from gguf_assets.lib.demo.demo import build_demo_materials, demo_settings
+from gguf_assets.lib.demo.demo import QUARTER_SIZES, build_demo_materials, demo_settings
 from gguf_assets.lib.project.layout import ProjectPaths
 from gguf_assets.lib.project.settings import Settings, replace, write_project_file
 
@@ -45,19 +45,12 @@ def demo_materials_root(tmp_path_factory, worker_id) -> Path:
     return built_once(tmp_path_factory, worker_id, "demo-materials", build)[0]
 
 
-# A test project holds a quarter of the demo's prompts in as many shards (4 train, 1 val): the shard, resume and
-# partition logic sees the same counts, while the teacher and student passes and each validation read a quarter
-# of the text (a real-teacher pipeline's precompute was about 10 CPU s of the demo's 1,800 prompts).
-TEST_PROJECT_SIZES = dict(corpus={"train_prompts": 400, "val_prompts": 100},
-                          precompute={"shard_size": 100, "val_shard_size": 100})
-
-
 def new_demo_project(root: Path, demo_materials: Path, *, steps: int = 120, mock_teacher: bool = False,
                      **changes) -> ProjectPaths:
-    """A demo project folder at ``root``: a copy of the demo materials and its project.yaml, at
-    TEST_PROJECT_SIZES unless ``changes`` say otherwise (per key)."""
+    """A demo project folder at ``root``: a copy of the demo materials and its project.yaml, at the demo's
+    QUARTER_SIZES unless ``changes`` say otherwise (per key)."""
     shutil.copytree(demo_materials, root / "materials" / "demo")
-    sized = replace(demo_settings(steps=steps, mock_teacher=mock_teacher), **TEST_PROJECT_SIZES)
+    sized = replace(demo_settings(steps=steps, mock_teacher=mock_teacher), **QUARTER_SIZES)
     settings: Settings = replace(sized, **changes)  # per key: a change to corpus.seed keeps the sizes above
     write_project_file(root, settings)
     return ProjectPaths.of(root)

@@ -49,6 +49,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "DemoMaterials",
+    "QUARTER_SIZES",
     "build_demo_materials",
     "EOS_TOKEN",
     "QUERY_ROWS_FILENAME",
@@ -594,6 +595,11 @@ def iter_prompts(dataset_dir: Path) -> Iterator[str]:
 
 
 DEMO_STEPS = 1500
+# A quarter of the demo's prompts in as many shards (4 train, 1 val), for replace(demo_settings(), **QUARTER_SIZES):
+# the tests' projects and the quick benchmarks', whose shard, resume and partition logic sees the demo's counts
+# while the teacher and student passes and each validation read a quarter of the text.
+QUARTER_SIZES = {"corpus": {"train_prompts": 400, "val_prompts": 100},
+                 "precompute": {"shard_size": 100, "val_shard_size": 100}}
 
 
 def demo_settings(*, steps: int = DEMO_STEPS, mock_teacher: bool = False):

@@ -80,4 +80,3 @@ def _start_after_earlier_files(folder: Path) -> None:
                if (part := name.split(".")[3]).isdigit()]
     while started and time.time() < max(started) + 1:
         time.sleep(0.05)
-
