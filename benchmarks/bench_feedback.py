@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         results = {}
         for label, python in runs:
             results[label] = r = measure(python, Path(tmp), materials, steps, label, studio=args.studio,
-                                                  quick=args.quick)
+                                         quick=args.quick)
             if args.verbose:
                 print("\n".join(f"    | {t}" for t in r["lines"]))
             ok &= report(label, python, r)
