@@ -8,6 +8,7 @@ and a hub download; which occurrence and how much of the file is torn are drawn 
 """
 
 import errno
+import hashlib
 import os
 import random
 import signal
@@ -164,7 +165,8 @@ def _tensor_bits(blob: bytes) -> dict[str, torch.Tensor]:
     return {k: v.contiguous().view(torch.uint8) for k, v in safetensors_load(blob).items()}
 
 
-def test_sigkill_during_a_hub_download_then_auto_resume_continues_the_file(make_project, reference_run, loopback_hub):
+def test_sigkill_during_a_hub_download_then_auto_resume_continues_the_file(make_project, reference_run, loopback_hub,
+                                                                         demo_materials_root):
     """The whole pipeline dies while the student's weights are half downloaded (the mock teacher
     needs no teacher download); the rerun continues that file with a Range request, and the
     results equal those built from local materials."""
@@ -179,8 +181,10 @@ def test_sigkill_during_a_hub_download_then_auto_resume_continues_the_file(make_
     killed = subprocess.run([*CLI, "run", str(project.root)], env=cli_env(**{faults.ENV: "download@1:kill"}),
                             capture_output=True, text=True, timeout=600, start_new_session=True)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
-    partials = list(project.root.rglob("*" + INCOMPLETE_SUFFIX))
-    assert len(partials) == 1 and 0 < partials[0].stat().st_size <= sent, (sent, partials)
+    # huggingface_hub names a partial <name hash>.<etag>.<random>.incomplete; the weights' etag is their sha256.
+    etag = hashlib.sha256((demo_materials_root / "student" / "model.safetensors").read_bytes()).hexdigest()
+    partials = list(project.root.rglob(f"*.{etag}.*{INCOMPLETE_SUFFIX}"))
+    assert len(partials) == 1 and HubOptions.chunk_bytes <= partials[0].stat().st_size <= sent, (sent, partials)
     have = partials[0].stat().st_size
 
     _resume(project.root)

@@ -32,7 +32,7 @@ from gguf_assets.lib.core.errors import UserError
 ENV = "GGUF_ASSETS_FAULT"
 # Where each point sits: the moments a kill or a full disk would otherwise be left to chance.
 POINTS = {
-    "download": "a hub download has bytes on disk and is still running",
+    "download": "a hub download has a whole chunk of a file on disk (mid-file) and is still running",
     "shard-write": "a shard half is written to its temp file, before the rename",
     "train-step": "an optimizer step has been taken",
     "checkpoint-save": "a checkpoint's weights and optimizer state are in its temp folder, before the rename",

@@ -646,10 +646,11 @@ def partial_files(folder: Path) -> list[Path]:
     return list(download_dir.rglob("*" + INCOMPLETE_SUFFIX)) if download_dir.is_dir() else []
 
 
-def _has_partial(folder: Path) -> bool:
+def _has_partial(folder: Path, *, at_least: int) -> bool:
+    """A partial file of ``folder`` holds ``at_least`` bytes: a download is mid-file."""
     for partial in partial_files(folder):
         with contextlib.suppress(FileNotFoundError):  # huggingface_hub renames it when the file is done
-            if partial.stat().st_size:
+            if partial.stat().st_size >= at_least:
                 return True
     return False
 
@@ -911,7 +912,9 @@ def download(ref: RepoRef, listing: Listing, folder: Path, *, token: str | None 
     total = listing.total_bytes
 
     def progress(current: int) -> None:
-        if faults.armed("download") and _has_partial(folder):  # only in fault-injection runs
+        # Only in fault-injection runs. Once a whole chunk is on disk, the kill lands mid-file: a file smaller than a
+        # chunk (config.json, say) is written and renamed at once, and which of them a poll catches is chance.
+        if faults.armed("download") and _has_partial(folder, at_least=options.chunk_bytes):
             faults.point("download")
         if time.monotonic() - last_log[0] > 10:
             last_log[0] = time.monotonic()
