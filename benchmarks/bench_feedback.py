@@ -25,7 +25,8 @@ runs the code at /work/main); ``--before PATH`` also times that one in the same 
 
     .venv/bin/python benchmarks/bench_feedback.py                                    # this checkout
     .venv/bin/python benchmarks/bench_feedback.py --before /work/main/.venv/bin/python   # before/after
-    .venv/bin/python benchmarks/bench_feedback.py --quick                            # what the test runs
+    .venv/bin/python benchmarks/bench_feedback.py --quick                            # a quarter-size first run
+    .venv/bin/python benchmarks/bench_feedback.py --project DIR                      # Run on a copy of DIR (the test)
     .venv/bin/python benchmarks/bench_feedback.py --studio --before /work/main/.venv/bin/python   # from the studio
 """
 
@@ -35,6 +36,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -69,8 +71,6 @@ def import_torch_s(python: str) -> float:
 
 
 def project(root: Path, materials: Path, steps: int, quick: bool = False) -> Path:
-    import shutil
-
     shutil.copytree(materials, root / "materials" / "demo")
     settings = replace(demo_settings(steps=steps, mock_teacher=True),
                        training={"log_every": 10, "checkpoint_every": 20, "validate_every": 20, "batch_size": 8},
@@ -221,12 +221,18 @@ def studio_timed_run(python: str, root: Path, timeout_s: float) -> dict:
     return _timed(lines, stopped_s, code=None)
 
 
-def measure(python: str, tmp: Path, materials: Path, steps: int, label: str, studio: bool = False,
-            quick: bool = False) -> dict:
-    root = project(tmp / f"project-{label}", materials, steps, quick)
-    warm_s = first_run(python, root)
+def measure(python: str, tmp: Path, materials: Path | None, steps: int, label: str, studio: bool = False,
+            quick: bool = False, finished: Path | None = None) -> dict:
+    """Time Run and Stop on a project whose shards are done: a demo project run once first, or a copy of
+    ``finished`` (a project after a `gguf-trainer run`, which is left as it is)."""
+    if finished is not None:
+        root, warm_s = tmp / f"project-{label}", None
+        shutil.copytree(finished, root, symlinks=True)
+    else:
+        root = project(tmp / f"project-{label}", materials, steps, quick)
+        warm_s = first_run(python, root)
     settings = load_settings(root)
-    write_project_file(root, replace(settings, training={"steps": steps + 20}))  # a new run, from step 0
+    write_project_file(root, replace(settings, training={"steps": settings.training.steps + 20}))  # from step 0
     result = studio_timed_run(python, root, timeout_s=600) if studio else timed_run(python, root, timeout_s=600)
     return {**result, "first_run_s": warm_s, "torch_s": import_torch_s(python)}
 
@@ -235,7 +241,8 @@ def report(label: str, python: str, r: dict) -> bool:
     floor = r["torch_s"]
     adapter = "not seen" if r["adapter_s"] is None else f"{r['adapter_s']:.2f} s ({r['adapter_s'] / floor:.1f}x)"
     print(f"{label}: {python}")
-    print(f"  first run (shards + training) {r['first_run_s']:.1f} s; baseline `import torch` {floor:.2f} s")
+    first = "skipped (--project)" if r["first_run_s"] is None else f"{r['first_run_s']:.1f} s"
+    print(f"  first run (shards + training) {first}; baseline `import torch` {floor:.2f} s")
     print(f"  first line {r['first_line_s']:.2f} s ({r['first_line_s'] / floor:.2f}x): {r['first_line'][:70]}")
     print(f"  adapter start {adapter}")
     print(f"  first step {r['first_step_s']:.2f} s ({r['first_step_s'] / floor:.1f}x the baseline): "
@@ -257,19 +264,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--python", default=sys.executable, help="the interpreter (and so the checkout) to time")
     parser.add_argument("--before", help="another interpreter (checkout) timed in the same run, for the ratio")
     parser.add_argument("--steps", type=int, help="training steps of the first run")
+    parser.add_argument("--project", type=Path,
+                        help="time Run on a copy of this finished project (its shards done) instead of building and "
+                             "running a demo project first; the project itself is not changed")
     parser.add_argument("--verbose", action="store_true", help="print the timed run's console lines")
     parser.add_argument("--studio", action="store_true", help="click Run and Stop in the studio, not on the console")
     args = parser.parse_args(argv)
     steps = args.steps or (20 if args.quick else 60)
     ok = True
     with tempfile.TemporaryDirectory(prefix="bench-feedback-") as tmp:
-        materials = Path(tmp) / "demo-materials"
-        build_demo_materials(materials, seed=0, **({"n_prompts": 600} if args.quick else {}))
+        materials = None
+        if args.project is None:
+            materials = Path(tmp) / "demo-materials"
+            build_demo_materials(materials, seed=0, **({"n_prompts": 600} if args.quick else {}))
         runs = [("after", args.python)] + ([("before", args.before)] if args.before else [])
         results = {}
         for label, python in runs:
             results[label] = r = measure(python, Path(tmp), materials, steps, label, studio=args.studio,
-                                         quick=args.quick)
+                                         quick=args.quick, finished=args.project)
             if args.verbose:
                 print("\n".join(f"    | {t}" for t in r["lines"]))
             ok &= report(label, python, r)

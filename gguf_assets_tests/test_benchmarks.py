@@ -328,12 +328,14 @@ def test_the_large_pair_estimate_prints_the_pairs_sizes_and_where_the_teacher_go
     assert all("-> all on one GPU" in line for line in sequential[2:]) and out.count("speed: the seed's") == 1, out
 
 
-@pytest.mark.slow  # about 70 s: a demo pipeline run, then a Run timed to its first step and stopped
-def test_feedback_benchmark_shows_the_first_line_at_once_and_stops_cleanly():
-    """bench_feedback.py --quick: Run prints its first line, shows a training step (step 1), and a Ctrl-C at that
-    step stops it with exit 130, saying so and naming the checkpoint step. How soon is the benchmark's to judge:
-    here its two timed rules must follow from the printed seconds (the suite runs it beside other work)."""
-    out = _run("bench_feedback.py", "--quick", timed_rules=True)
+@pytest.mark.slow  # about 20 s: a Run on a copy of the reference project, timed to its first step and stopped
+def test_feedback_benchmark_shows_the_first_line_at_once_and_stops_cleanly(finished_project):
+    """bench_feedback.py --project (a copy of the suite's finished reference project, instead of the demo project it
+    builds and runs first): Run prints its first line, shows a training step (step 1), and a Ctrl-C at that step
+    stops it with exit 130, saying so and naming the checkpoint step. How soon is the benchmark's to judge: here its
+    two timed rules must follow from the printed seconds (the suite runs it beside other work)."""
+    out = _run("bench_feedback.py", "--project", str(finished_project[0]), timed_rules=True)
+    assert "first run (shards + training) skipped (--project)" in out, out
     assert "first line" in out and "starting: loading the pipeline" in out, out
     first_step = re.search(r"first step ([\d.]+) s .*\bstep (\d+)/(\d+)", out)
     assert first_step and int(first_step.group(2)) == 1, out

@@ -8,7 +8,7 @@ import time
 
 import dagster as dg
 import pytest
-from conftest import CLI, cli_env, free_port, project_instance
+from conftest import CLI, cli_env, copy_project, free_port, project_instance
 
 from gguf_assets.lib.training.verdict import GOOD
 
@@ -24,22 +24,18 @@ def assert_clean_console(out: str) -> None:
     assert not doubled, doubled
 
 
-@pytest.mark.slow  # a whole (small) pipeline first, so that status walks every stage
-def test_status_answers_without_loading_torch_or_dagster(make_project):
+@pytest.mark.slow  # the finished reference project, so that status walks every stage
+def test_status_answers_without_loading_torch_or_dagster(finished_project, tmp_path):
     """`gguf-trainer status` reads records and fingerprints only: no torch, dagster or transformers import
     (they cost seconds before the first line)."""
     import sys
 
-    from gguf_assets.orchestration.launching import run_pipeline
-
-    paths = make_project(steps=10, mock_teacher=True, corpus={"train_prompts": 200, "val_prompts": 50},
-                         precompute={"shard_size": 100, "val_shard_size": 50})
-    run_pipeline(paths, echo=lambda _: None)
+    paths = copy_project(finished_project[0], tmp_path / "copy")
     code = ("import sys; from gguf_assets.cli import main; main(['status', sys.argv[1]]); "
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'dagster', 'transformers'}))")
     out = subprocess.run([sys.executable, "-c", code, str(paths.root)], capture_output=True, text=True,
                          env=cli_env(), timeout=60, check=True).stdout
-    assert "eval_report  current" in out and "2/2 shards current" in out, out
+    assert "eval_report  current" in out and "4/4 shards current" in out, out
     assert out.strip().splitlines()[-1] == "[]", out
 
 

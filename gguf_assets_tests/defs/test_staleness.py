@@ -10,12 +10,14 @@ import shutil
 
 import dagster as dg
 import pytest
+from conftest import copy_project, project_instance
 
 from gguf_assets.definitions import build_definitions
 from gguf_assets.defs.resources import ProjectResource
 from gguf_assets.defs.settings import STALE_BECAUSE, settings_key
 from gguf_assets.lib.project.settings import load_settings, replace, write_project_file
 from gguf_assets.lib.status.states import project_status
+from gguf_assets.orchestration.instance import instance_env
 from gguf_assets.orchestration.launching import run_pipeline
 from gguf_assets.orchestration.private_api import CachingStaleStatusResolver, LoadingContextForTest, StaleStatus
 from gguf_assets.orchestration.resume import resume_decision
@@ -64,8 +66,9 @@ DOWNSTREAM_OF_SHARDS = {"train_shards", "val_shards", "adapter", "gguf", "eval_r
 
 def test_settings_changes_mark_exactly_the_dependent_assets_stale_and_only_those_rerun(make_project):
     """Each change, cumulative: the UI's stale set is exactly what the next run materializes."""
-    paths = make_project(steps=10, corpus={"train_prompts": 200, "val_prompts": 50},
-                         precompute={"shard_size": 100, "val_shard_size": 50})
+    # The real teacher (its layers are a setting), on few prompts: 2 train shards and 1 val shard.
+    paths = make_project(steps=10, corpus={"train_prompts": 100, "val_prompts": 25},
+                         precompute={"shard_size": 50, "val_shard_size": 25})
     shutil.copytree(paths.root / "materials/demo/teacher", paths.root / "materials/demo/teacher-copy")
     run_pipeline(paths, echo=lambda _: None)
     assert _stale(paths) == set()
@@ -131,10 +134,11 @@ def test_settings_changes_mark_exactly_the_dependent_assets_stale_and_only_those
     assert _stale(paths) == set()
 
 
-def test_new_shard_size_re_registers_partitions_and_reruns(make_project):
-    paths = make_project(steps=5, mock_teacher=True)
-    run_pipeline(paths, echo=lambda _: None)
-    instance = dg.DagsterInstance.get()
+def test_new_shard_size_re_registers_partitions_and_reruns(finished_project, tmp_path, monkeypatch):
+    paths = copy_project(finished_project[0], tmp_path / "copy")
+    for name, value in instance_env(paths).items():  # restored after the test
+        monkeypatch.setenv(name, value)
+    instance = project_instance(paths)
     assert len(instance.get_dynamic_partitions("train_shards")) == 4  # 400 prompts / 100
 
     settings = load_settings(paths.root)

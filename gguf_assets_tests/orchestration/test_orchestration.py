@@ -150,19 +150,15 @@ def test_daemon_alone_resumes_a_killed_pipeline_and_its_runs_are_never_reaped_al
     assert pipeline_outputs(paths.root) == reference_run[0]
 
 
-def test_the_daemon_leaves_work_made_stale_by_a_settings_edit_alone(make_project):
+def test_the_daemon_leaves_work_made_stale_by_a_settings_edit_alone(make_project, finished_project, tmp_path):
     """After an edit of project.yaml, the resume sensor says why it waits instead of retraining."""
     from gguf_assets.lib.project.settings import load_settings, replace, write_project_file
-    from gguf_assets.orchestration.instance import prepare_instance
-    from gguf_assets.orchestration.launching import run_pipeline
     from gguf_assets.orchestration.resume import resume_decision
 
-    paths = make_project(steps=5, mock_teacher=True)
-    prepare_instance(paths)
-    instance = dg.DagsterInstance.get()
     # A new project is the user's to start (its first run may download a 30 GB teacher).
-    assert "nothing has run in this project yet" in resume_decision(instance).skip_message
-    run_pipeline(paths, echo=lambda _: None)
+    assert "nothing has run in this project yet" in resume_decision(project_instance(make_project())).skip_message
+    paths = copy_project(finished_project[0], tmp_path / "finished")
+    instance = project_instance(paths)
     assert "everything is current" in resume_decision(instance).skip_message
     write_project_file(paths.root, replace(load_settings(paths.root), training={"learning_rate": 1e-4}))
     decision = resume_decision(instance)

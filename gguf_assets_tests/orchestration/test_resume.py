@@ -72,16 +72,17 @@ def test_sensor_runs_by_default_only_when_auto_resume_is_on(make_project):
 
 
 @pytest.mark.slow  # a whole pipeline or subprocesses
-def test_auto_resume_serves_the_ui_and_its_daemon_fails_runs_cut_off_later(make_project):
-    """`--auto-resume DIR --ui-port P`: the UI answers, the daemon's sensor (on by default) fails
-    a run that dies while it watches, and Ctrl-C stops the webserver and the daemon."""
+def test_auto_resume_serves_the_ui_and_its_daemon_fails_runs_cut_off_later(finished_project, tmp_path):
+    """`--auto-resume DIR --ui-port P` on a finished project: the UI answers, the daemon's sensor (on by default)
+    fails a run that dies while it watches, and Ctrl-C stops the webserver and the daemon. (The kill tests run it
+    on unfinished work.)"""
     import psutil
-    from conftest import create_run_with_status
+    from conftest import copy_project, create_run_with_status
 
     from gguf_assets.lib.core.liveness import boot_id
     from gguf_assets.orchestration.run_tags import BOOT_TAG, PID_TAG
 
-    paths = make_project(steps=5, mock_teacher=True)
+    paths = copy_project(finished_project[0], tmp_path / "copy")
     port = free_port()
     proc = subprocess.Popen([*CLI, "--auto-resume", str(paths.root), "--ui-port", str(port)], env=cli_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -89,7 +90,7 @@ def test_auto_resume_serves_the_ui_and_its_daemon_fails_runs_cut_off_later(make_
         wait_http(f"http://127.0.0.1:{port}/server_info", timeout=120, proc=proc)
         wait_for(lambda: any("dagster-daemon" in " ".join(_cmdline(c))
                               for c in psutil.Process(proc.pid).children(recursive=True)),
-                  timeout=600, what="the daemon (after the pipeline)", proc=proc)
+                  timeout=600, what="the daemon", proc=proc)
         instance = project_instance(paths)
         gone = subprocess.Popen(["true"])
         gone.wait()
