@@ -8,7 +8,6 @@ and a hub download; which occurrence and how much of the file is torn are drawn 
 """
 
 import errno
-import hashlib
 import os
 import random
 import signal
@@ -182,7 +181,7 @@ def test_sigkill_during_a_hub_download_then_auto_resume_continues_the_file(make_
                             capture_output=True, text=True, timeout=600, start_new_session=True)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     # huggingface_hub names a partial <name hash>.<etag>.<random>.incomplete; the weights' etag is their sha256.
-    etag = hashlib.sha256((demo_materials_root / "student" / "model.safetensors").read_bytes()).hexdigest()
+    etag = atomic.sha256_file(demo_materials_root / "student" / "model.safetensors")
     partials = list(project.root.rglob(f"*.{etag}.*{INCOMPLETE_SUFFIX}"))
     assert len(partials) == 1 and HubOptions.chunk_bytes <= partials[0].stat().st_size <= sent, (sent, partials)
     have = partials[0].stat().st_size

@@ -12,6 +12,7 @@ import pytest
 from conftest import (
     CLI,
     cli_env,
+    copy_project,
     free_port,
     project_instance,
     wait_for,
@@ -77,7 +78,7 @@ def test_auto_resume_serves_the_ui_and_its_daemon_fails_runs_cut_off_later(finis
     fails a run that dies while it watches, and Ctrl-C stops the webserver and the daemon. (The kill tests run it
     on unfinished work.)"""
     import psutil
-    from conftest import copy_project, create_run_with_status
+    from conftest import create_run_with_status
 
     from gguf_assets.lib.core.liveness import boot_id
     from gguf_assets.orchestration.run_tags import BOOT_TAG, PID_TAG
@@ -177,7 +178,6 @@ def test_sigterm_to_the_daemon_is_a_clean_stop(finished_project, tmp_path):
     """systemd (or a user) sends SIGTERM to dagster-daemon alone: it stops without a traceback, and
     `--auto-resume` says which service stopped and how, stops the rest and leaves nothing running."""
     import psutil
-    from conftest import copy_project
 
     paths = copy_project(finished_project[0], tmp_path / "copy")
     proc = subprocess.Popen([*CLI, "--auto-resume", str(paths.root)], env=cli_env(), stdout=subprocess.PIPE,
