@@ -136,6 +136,22 @@ def finished_project(tmp_path_factory, worker_id, demo_materials_root) -> tuple[
     return _build_finished_project(tmp_path_factory, worker_id, demo_materials_root)
 
 
+@pytest.fixture(scope="session")
+def demo_run(tmp_path_factory, worker_id) -> tuple[Path, subprocess.CompletedProcess]:
+    """The README's first command, `gguf-trainer demo DIR`, run once for the whole suite (its 1,500 training steps
+    are the suite's longest pipeline): the project folder and what the command printed. Its readers are one
+    xdist_group ("demo"), so one worker runs it while the others go on. Never changed: work on ``copy_project``."""
+
+    def build(folder: Path) -> str:
+        done = subprocess.run([*CLI, "demo", str(folder / "demo-project")], capture_output=True, text=True,
+                              env=cli_env(), timeout=900)
+        return json.dumps([done.returncode, done.stdout, done.stderr])
+
+    folder, printed = built_once(tmp_path_factory, worker_id, "demo", build)
+    returncode, stdout, stderr = json.loads(printed)
+    return folder / "demo-project", subprocess.CompletedProcess(["gguf-trainer", "demo"], returncode, stdout, stderr)
+
+
 def copy_project(source: Path, dest: Path) -> ProjectPaths:
     """A copy of a project folder (its Dagster history too), stamped by one status question, asked in this process
     as `gguf-trainer status` asks it: a copy has new inodes, which the first status settles by content, so later

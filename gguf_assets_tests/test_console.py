@@ -10,6 +10,7 @@ import dagster as dg
 import pytest
 from conftest import CLI, cli_env, copy_project, free_port, project_instance
 
+from gguf_assets.lib.core.commands import trainer
 from gguf_assets.lib.training.verdict import GOOD
 
 ANSI = re.compile(r"\x1b\[")
@@ -87,15 +88,14 @@ def test_an_unreachable_hub_is_one_message_at_the_first_failure(make_project):
 
 
 @pytest.mark.slow
-def test_the_demo_ends_with_a_clean_console_its_score_and_where_to_look(tmp_path):
+@pytest.mark.xdist_group("demo")  # conftest's demo_run: its worker runs the demo once
+def test_the_demo_ends_with_a_clean_console_its_score_and_where_to_look(demo_run):
     """`gguf-trainer demo DIR`, as the README's first command runs it: a quiet console, the score
     of the real (tiny, random-weight) Qwen3-MoE teacher's student, then where to look next.
 
     The demo passes: it scores 0.9224 for its seed, and the verdict line must say "Good" with a
     score at or above the 0.9 threshold (the threshold itself is never lowered for the demo)."""
-    project = tmp_path / "demo-project"
-    env = {k: v for k, v in cli_env().items() if k not in ("DAGSTER_HOME", "GGUF_ASSETS_PROJECT")}
-    done = subprocess.run([*CLI, "demo", str(project)], capture_output=True, text=True, env=env, timeout=900)
+    project, done = demo_run
     out = done.stdout + done.stderr
     print(out)
     assert done.returncode == 0, out
@@ -104,8 +104,6 @@ def test_the_demo_ends_with_a_clean_console_its_score_and_where_to_look(tmp_path
     verdict = next(line for line in lines if line.startswith("val centred cosine:"))
     assert float(verdict.split()[3]) >= GOOD, verdict
     assert "(Good:" in verdict, verdict
-    from gguf_assets.lib.core.commands import trainer
-
     assert f"open the UI (runs, metrics, report): {trainer('ui', project)}" in lines  # works when pasted
     assert lines[-1].startswith("demo wall time:")
 

@@ -15,6 +15,7 @@ from conftest import copy_project, project_instance
 from gguf_assets.definitions import build_definitions
 from gguf_assets.defs.resources import ProjectResource
 from gguf_assets.defs.settings import STALE_BECAUSE, settings_key
+from gguf_assets.lib.core import atomic
 from gguf_assets.lib.project.settings import load_settings, replace, write_project_file
 from gguf_assets.lib.status.states import project_status
 from gguf_assets.orchestration.instance import instance_env
@@ -107,6 +108,8 @@ def test_settings_changes_mark_exactly_the_dependent_assets_stale_and_only_those
         else:
             assert all(s.state == "current" for s in status.values()), status
         teacher_files = {p: p.stat().st_mtime_ns for p in paths.root.glob("shards/*/*/teacher.safetensors")}
+        student_digests = {p: atomic.sha256_file(p) for p in paths.root.glob("shards/*/*/student.safetensors")}
+        gguf_digest = atomic.sha256_file(next(paths.root.glob("output/*.gguf")))
         corpus_mtime = paths.corpus_manifest.stat().st_mtime_ns
         before = _last_storage_id()
         run_pipeline(paths, echo=lambda _: None)
@@ -116,6 +119,9 @@ def test_settings_changes_mark_exactly_the_dependent_assets_stale_and_only_those
         assert _stale(paths) == set(), change
         if "student_layer" in change.get("materials", {}):  # the teacher targets were reused, not redone
             assert {p: p.stat().st_mtime_ns for p in teacher_files} == teacher_files
+            # while every student half and the GGUF are new
+            assert all(atomic.sha256_file(p) != digest for p, digest in student_digests.items()), change
+            assert atomic.sha256_file(next(paths.root.glob("output/*.gguf"))) != gguf_digest, change
 
     # Redo only the adapter: what reads it stays stale, nothing upstream turns stale.
     write_project_file(paths.root, replace(load_settings(paths.root), training={"weight_decay": 0.02}))
