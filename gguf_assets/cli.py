@@ -463,7 +463,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_init)
     p = sub.add_parser("demo", help="build the tiny demo project and run the whole pipeline on it")
     p.add_argument("project", nargs="?", default="demo-project")
-    p.add_argument("--steps", type=int, default=None, help="training steps (default: the demo's DEMO_STEPS, 1500)")
+    p.add_argument("--steps", type=int, default=None, help="training steps (default: the demo's DEMO_STEPS, 1000)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_demo)
     p = sub.add_parser("run", help="materialize everything missing or stale, through Dagster")

@@ -138,7 +138,7 @@ def finished_project(tmp_path_factory, worker_id, demo_materials_root) -> tuple[
 
 @pytest.fixture(scope="session")
 def demo_run(tmp_path_factory, worker_id) -> tuple[Path, subprocess.CompletedProcess]:
-    """The README's first command, `gguf-trainer demo DIR`, run once for the whole suite (its 1,500 training steps
+    """The README's first command, `gguf-trainer demo DIR`, run once for the whole suite (its 1,000 training steps
     are the suite's longest pipeline): the project folder and what the command printed. Its readers are one
     xdist_group ("demo"), so one worker runs it while the others go on. Never changed: work on ``copy_project``."""
 

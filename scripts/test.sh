@@ -27,6 +27,9 @@ if [ "$whole" = 1 ]; then
   # cores, and oversubscribed OpenMP teams spin against each other (two demo pipelines side by side: 38 s each
   # with the default threads, 22 s with one).
   OMP_NUM_THREADS=1 .venv/bin/python -m pytest -n "$WORKERS" --dist loadgroup --no-loadscope-reorder -m "not serial" "$@"
-  exec .venv/bin/python -m pytest -m serial "$@"
+  # Only the modules that mark a test pytest.mark.serial: collecting every module again cost the serial part about
+  # 4 of its 19 s.
+  mapfile -t serial_modules < <(grep -rl --include='test_*.py' 'pytest.mark.serial' gguf_assets_tests | sort)
+  exec .venv/bin/python -m pytest -m serial "${serial_modules[@]}" "$@"
 fi
 exec .venv/bin/python -m pytest "$@"
