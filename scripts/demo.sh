@@ -3,4 +3,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+# Bytecode written on first import, as Python does by default (why: scripts/test.sh).
+unset PYTHONDONTWRITEBYTECODE
 exec .venv/bin/gguf-trainer demo "${1:-demo-project}" "${@:2}"

@@ -13,9 +13,9 @@ want=$(sha256sum pyproject.toml | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/pip install --quiet --upgrade pip
   # Through uv (pinned): the same packages as pip resolves (pip freeze compared), in seconds instead of a minute,
-  # most of a fresh clone's install. --compile-bytecode, as pip does: these machines set PYTHONDONTWRITEBYTECODE,
-  # so a module never compiled at install is compiled again by every process that imports it (the suite took
-  # 906 s without it, 787 s with).
+  # most of a fresh clone's install. No bytecode is compiled here: scripts/demo.sh and scripts/test.sh let Python
+  # write each module's bytecode on its first import (see there). Compiling all of site-packages (torch's and
+  # transformers' thousands of modules, most never imported) took 25 s of a fresh clone's 34 s setup.
   .venv/bin/pip install --quiet "uv==0.13.9"
   # torch pinned: on the CPU machines this project runs on, 2.13.0 is a local CPU wheel in the folder pip's
   # find-links names, while an unpinned torch would pull a multi-GB CUDA build. uv takes that folder when it is
@@ -28,7 +28,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     find_links=()
     .venv/bin/pip install --quiet "torch==2.13.0"
   fi
-  .venv/bin/python -m uv pip install --quiet --compile-bytecode --python .venv/bin/python "${find_links[@]}" \
+  .venv/bin/python -m uv pip install --quiet --python .venv/bin/python "${find_links[@]}" \
     -e '.[test,cluster]' "torch==2.13.0"
   echo "$want" > "$stamp"
 fi

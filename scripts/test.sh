@@ -7,6 +7,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+# Python's default, which some machines' environments turn off (PYTHONDONTWRITEBYTECODE): each module's bytecode is
+# written into .venv (or the checkout) on its first import, so the next process loads it compiled instead of compiling
+# it again (on such a machine the suite took 906 s when every process compiled its imports, 787 s with them compiled).
+unset PYTHONDONTWRITEBYTECODE
 # Three test processes on two cores: many tests wait (on a server to start, a stalled write, a daemon's tick, a
 # browser), and a third process fills those waits. GGUF_ASSETS_TEST_WORKERS changes it.
 WORKERS=${GGUF_ASSETS_TEST_WORKERS:-3}
