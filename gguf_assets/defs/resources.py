@@ -66,11 +66,12 @@ class ProjectResource(dg.ConfigurableResource):
         return self._run.settings if self._run is not None else load_settings(self.paths().root)
 
     def result_written(self, context: dg.AssetExecutionContext) -> None:
-        """After a stage wrote its result, observe the expected fingerprints again (defs/settings.py): the
-        next step of this run records its inputs' versions when it starts, and those it reads changed now."""
+        """After a stage wrote its result, observe the expected fingerprints of the stages after it again
+        (defs/settings.py): the next step of this run records its inputs' versions when it starts, and those it
+        reads changed now."""
         from gguf_assets.defs.settings import observe_settings
 
-        observe_settings(context.instance, self.settings(), self.paths())
+        observe_settings(context.instance, self.settings(), self.paths(), after=context.asset_key.to_user_string())
 
     def stage_metadata(self, stage: str, settings: Settings | None = None) -> dict:
         """The settings table, project folder and how-to-change note for a stage asset's page."""

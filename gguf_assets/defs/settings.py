@@ -49,9 +49,11 @@ def settings_metadata(settings: Settings, stage: str, project_dir: str | None = 
     return metadata
 
 
-def observe_settings(instance: dg.DagsterInstance, settings: Settings, paths: ProjectPaths) -> list[str]:
+def observe_settings(instance: dg.DagsterInstance, settings: Settings, paths: ProjectPaths, *,
+                     after: str | None = None) -> list[str]:
     """Record each stage's expected fingerprint as the data version of settings/<stage> where it changed;
-    returns those stages.
+    returns those stages. ``after`` a stage (whose result was just written): only the stages that come after it,
+    the only ones whose fingerprints its result can change (each lookup is a query of the instance's storage).
 
     The versions are lib/status/stages.py's ``expected_fingerprints``, the very fingerprints `status` compares,
     so Dagster's stale marks follow from them. A stage whose inputs do not exist yet keeps its last
@@ -59,7 +61,10 @@ def observe_settings(instance: dg.DagsterInstance, settings: Settings, paths: Pr
     made, old → new): the same words `gguf-trainer status` prints.
     """
     changed, status = [], None
+    later = STAGES[STAGES.index(after) + 1:] if after is not None else STAGES
     for stage, version in expected_fingerprints(paths, settings).items():
+        if stage not in later:
+            continue
         record = instance.get_latest_data_version_record(settings_key(stage), is_source=True)
         recorded = (record.event_log_entry.tags or {}).get(DATA_VERSION_TAG) if record else None
         if recorded != version:
