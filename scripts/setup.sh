@@ -13,9 +13,7 @@ want=$(sha256sum pyproject.toml | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/pip install --quiet --upgrade pip
   # Through uv (pinned): the same packages as pip resolves (pip freeze compared), in seconds instead of a minute,
-  # most of a fresh clone's install. No bytecode is compiled here: scripts/demo.sh and scripts/test.sh let Python
-  # write each module's bytecode on its first import (see there). Compiling all of site-packages (torch's and
-  # transformers' thousands of modules, most never imported) took 25 s of a fresh clone's 34 s setup.
+  # most of a fresh clone's install. Bytecode: see the end of this block.
   .venv/bin/pip install --quiet "uv==0.13.9"
   # torch pinned: on the CPU machines this project runs on, 2.13.0 is a local CPU wheel in the folder pip's
   # find-links names, while an unpinned torch would pull a multi-GB CUDA build. uv takes that folder when it is
@@ -30,5 +28,17 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   fi
   .venv/bin/python -m uv pip install --quiet --python .venv/bin/python "${find_links[@]}" \
     -e '.[test,cluster]' "torch==2.13.0"
+  # Bytecode for what the pipeline, its servers and the tests import (3.5k of site-packages' 13.8k modules), written
+  # by two processes that import it, one per core, with writing on whatever the environment says
+  # (PYTHONDONTWRITEBYTECODE, set on these machines, would make every process compile its imports again). About 12 s here;
+  # compiling all of site-packages took 25 s, and leaving it to the tests' first imports made the processes that
+  # start together compile the same modules side by side. What is not covered is written on its first import
+  # (scripts/test.sh and scripts/demo.sh).
+  env -u PYTHONDONTWRITEBYTECODE .venv/bin/python -c \
+    "import torch; from transformers.models.qwen3 import modeling_qwen3; from transformers.models.qwen3_moe import modeling_qwen3_moe" &
+  models=$!
+  env -u PYTHONDONTWRITEBYTECODE .venv/bin/python -c \
+    "import gguf_assets.definitions, gguf_assets.orchestration.launching, dagster_webserver, dagster_postgres, dagster_celery, celery, playwright.sync_api, pytest, xdist"
+  wait "$models"
   echo "$want" > "$stamp"
 fi
