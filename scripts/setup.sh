@@ -29,11 +29,9 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/python -m uv pip install --quiet --python .venv/bin/python "${find_links[@]}" \
     -e '.[test,cluster]' "torch==2.13.0"
   # Bytecode for what the pipeline, its servers and the tests import (3.5k of site-packages' 13.8k modules), written
-  # by two processes that import it, one per core, with writing on whatever the environment says
-  # (PYTHONDONTWRITEBYTECODE, set on these machines, would make every process compile its imports again). About 12 s here;
-  # compiling all of site-packages took 25 s, and leaving it to the tests' first imports made the processes that
-  # start together compile the same modules side by side. What is not covered is written on its first import
-  # (scripts/test.sh and scripts/demo.sh).
+  # by two processes that import it, one per core, whatever PYTHONDONTWRITEBYTECODE says (see scripts/test.sh): about
+  # 12 s. Compiling all of site-packages took 25 s; leaving it all to the first imports made the suite's processes
+  # that start together compile the same modules side by side.
   env -u PYTHONDONTWRITEBYTECODE .venv/bin/python -c \
     "import torch; from transformers.models.qwen3 import modeling_qwen3; from transformers.models.qwen3_moe import modeling_qwen3_moe" &
   models=$!
