@@ -48,6 +48,13 @@ def _bar(page) -> float:
     return float(page.locator("#progress-bar").evaluate("bar => bar.style.width").rstrip("%"))
 
 
+def _training_now(page) -> tuple[str, float]:
+    """The training line and its bar's percent, read at once: the page sets both in one update."""
+    text, width = page.evaluate('() => [document.getElementById("training").textContent, '
+                                'document.getElementById("progress-bar").style.width]')
+    return text, float(width.rstrip("%"))
+
+
 def _shot(page, panel: str, name: str) -> None:
     page.locator(panel).screenshot(path=str(ARTIFACTS / f"studio-{name}.png"))
 
@@ -180,13 +187,19 @@ def test_studio_edits_settings_in_its_form_runs_stops_resumes_and_shows_the_resu
             assert running.run_id[:8] in page.locator("#message").inner_text()
             assert page.locator("#run-link").get_attribute("href") == f"http://127.0.0.1:{port}/runs/{running.run_id}"
             # The live training line and bar: the run's latest log step (log_every 10), as on the console. The page
-            # polls every 2 s, so it may skip a log step; the stall holds step 30 on it.
-            wait_for(lambda: page.locator("#training").inner_text().startswith("training: step "), timeout=60,
-                     what="the training line of the new run")
-            first_seen = _bar(page)  # 0 while it starts, or an early log step's share
-            wait_for(lambda: page.locator("#training").inner_text().startswith("training: step 30/60, loss "),
-                     timeout=180, what="the step-30 log step on the page")
-            assert first_seen < 50.0 == _bar(page), first_seen  # the bar moved, to 30 of 60
+            # polls every 2 s, so it may skip log steps (30 tiny steps can take less than a poll); the stall holds
+            # step 30 on it. Each line seen, with the bar beside it, read together from one poll's update.
+            seen: list[tuple[int, float]] = []
+
+            def at_step_30() -> bool:
+                text, percent = _training_now(page)
+                if match := re.match(r"training: step (\d+)/60, loss ", text):
+                    seen.append((int(match[1]), percent))
+                return bool(match) and match[1] == "30"
+
+            wait_for(at_step_30, timeout=180, what="the step-30 log step on the page")
+            assert all(percent == round(100 * step / 60, 2) for step, percent in seen), seen  # the bar is the step's
+            assert [step for step, _ in seen] == sorted(step for step, _ in seen) and seen[-1] == (30, 50.0), seen
             assert re.search(r", [\d.]+ steps/s, ETA \d+(m\d\d)?s$", page.locator("#training").inner_text())
             assert page.locator("#curves svg polyline").count() >= 2  # loss and val curves against the step
             _shot(page, "#panel-training", "training-live")
