@@ -217,9 +217,14 @@ def test_a_second_ui_on_the_same_project_names_the_open_one_and_starts_nothing(m
                 first.wait(timeout=30)
             else:
                 assert "which is gone while its servers still run" in second.stderr, second.stderr
-        daemons = [p for p in psutil.process_iter(["cmdline"])
-                   if "dagster-daemon" in " ".join(p.info["cmdline"] or []) and str(paths.root) in
-                   p.environ().get("DAGSTER_HOME", "")]
+        def this_project_s_daemon(proc) -> bool:
+            try:  # another test's daemon may end between the listing and the read
+                return "dagster-daemon" in " ".join(proc.info["cmdline"] or []) and \
+                    str(paths.root) in proc.environ().get("DAGSTER_HOME", "")
+            except psutil.Error:
+                return False
+
+        daemons = [p for p in psutil.process_iter(["cmdline"]) if this_project_s_daemon(p)]
         assert len(daemons) == 1, daemons
     finally:
         if first.poll() is None:

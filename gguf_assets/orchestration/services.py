@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
+
 from gguf_assets import DEFINITIONS_MODULE
 from gguf_assets.lib.core.commands import venv_tool
 from gguf_assets.lib.core.errors import UserError
@@ -108,6 +110,9 @@ def _how_it_ended(returncode: int) -> str:
 
 
 def stop_services(procs: list[subprocess.Popen], *, grace_s: float = 10.0) -> None:
+    """SIGTERM to each server's process group; returns once every member is gone (SIGKILL after ``grace_s``), not
+    only the leader: the code servers Dagster's webserver and daemon start shut down after them, and a `ui` started
+    right after this one must not find their processes (or ports) still there."""
     for p in procs:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGTERM)
@@ -118,6 +123,27 @@ def stop_services(procs: list[subprocess.Popen], *, grace_s: float = 10.0) -> No
         except subprocess.TimeoutExpired:
             os.killpg(p.pid, signal.SIGKILL)
             p.wait()
+    groups = {p.pid for p in procs}
+    _wait_for_no_members(groups, deadline)
+    for member in _group_members(groups):
+        with contextlib.suppress(psutil.Error):
+            member.kill()
+    _wait_for_no_members(groups, time.monotonic() + 5)  # a SIGKILL lands at once, but not synchronously
+
+
+def _wait_for_no_members(groups: set[int], deadline: float) -> None:
+    while _group_members(groups) and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+def _group_members(groups: set[int]) -> list[psutil.Process]:
+    """The live processes (not zombies, which hold nothing and wait for their parent) in these process groups."""
+    members = []
+    for proc in psutil.process_iter():
+        with contextlib.suppress(psutil.Error, ProcessLookupError):
+            if os.getpgid(proc.pid) in groups and proc.status() != psutil.STATUS_ZOMBIE:
+                members.append(proc)
+    return members
 
 
 class PortTaken(UserError):

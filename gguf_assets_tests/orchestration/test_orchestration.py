@@ -129,6 +129,13 @@ def test_daemon_alone_resumes_a_killed_pipeline_and_its_runs_are_never_reaped_al
     try:
         wait_for(lambda: set(_status(paths).values()) == {"current"}, timeout=400, what="all current", proc=daemon)
         print(f"daemon start to all-current: {time.monotonic() - start:.1f} s")
+
+        def resumed_run_ended() -> bool:  # the files are current before its last events (SUCCESS) are written
+            return any(r.dagster_run.is_finished for r in _instance(paths).get_run_records()
+                       if r.dagster_run.run_id not in {cut_off, *earlier}
+                       and r.dagster_run.job_name == "train_export_evaluate")
+
+        wait_for(resumed_run_ended, timeout=60, what="the resumed run to end", proc=daemon)
         # Let the reaper tick a few more times over the finished instance.
         time.sleep(5)
     finally:

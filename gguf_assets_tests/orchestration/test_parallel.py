@@ -91,10 +91,11 @@ def test_killing_only_the_workers_leader_refuses_a_new_run_until_its_workers_are
     from gguf_assets.lib.core.lock import is_locked
 
     paths = make_project(**FAULT_SETTINGS)
-    # Each worker stalls 15 s at its first shard write, so they are surely still writing after the kill.
+    # Each worker stalls 30 s at its first shard write, so they are surely still writing after the kill, and while the
+    # refused `run` starts (its imports alone take 10 s and more on a loaded 2-core machine).
     proc = subprocess.Popen([*CLI, "run", str(paths.root), "--workers", "2"], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            env=cli_env(GGUF_ASSETS_FAULT="shard-write@1:stall:15"))
+                            env=cli_env(GGUF_ASSETS_FAULT="shard-write@1:stall:30"))
     seen = []
     try:
         for line in proc.stdout:

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.slow  # a UI, a browser and a pipeline run
 
 # The runs the studio starts stall after their 30th optimizer step (faults.py counts per process), so Stop lands
 # at the step-30 checkpoint; the run that resumes from it has 30 steps left and never reaches a 31st.
-STALL_AFTER_30 = "train-step@31:stall:60"
+STALL_AFTER_30 = "train-step@31:stall:300"  # Stop ends it; long enough that nothing else can
 
 
 def _rows(page) -> dict[str, tuple[str, str]]:
@@ -291,7 +291,8 @@ def test_studio_edits_settings_in_its_form_runs_stops_resumes_and_shows_the_resu
             # "Use" the first run: project.yaml back to 40 steps, its GGUF bytes current again, nothing retrained.
             page.on("dialog", lambda dialog: dialog.accept())  # Use and Delete ask first (confirm)
             runs_before = len(instance.get_runs())
-            _run_row(page, first).locator("button", has_text="Use").click()
+            with page.expect_navigation(timeout=60_000):  # the page reloads itself once Use is done
+                _run_row(page, first).locator("button", has_text="Use").click()
             wait_for(lambda: "  steps: 40\n" in paths.project_file.read_text(), timeout=30,
                      what="project.yaml set back")
             wait_for(lambda: (paths.root / "output" / "demo-adapter.gguf").read_bytes() == first_gguf, timeout=30,

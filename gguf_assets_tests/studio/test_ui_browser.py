@@ -15,7 +15,7 @@ import urllib.request
 
 import pytest
 from browser import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS, need_browser
-from conftest import FAULT_SETTINGS, copy_project, free_port, stop_with_ctrl_c, wait_http
+from conftest import FAULT_SETTINGS, copy_project, free_port, stop_with_ctrl_c, wait_for, wait_http
 
 from gguf_assets.defs.groups import lineage_path
 
@@ -87,11 +87,20 @@ def test_ui_shows_graph_report_and_plots_then_stops_on_ctrl_c(finished_project, 
             # A shard partition shows its own figures: 100 prompts (not the run's 400).
             page.goto(f"{base}/assets/train_shards?view=partitions&partition=00001")
             page.get_by_text("teacher_tokens").first.wait_for(timeout=60_000)
-            run_total = page.get_by_text("400", exact=True)
-            # (Once, under load, the run's total was on this page; say where, should it come back.)
-            where = [run_total.nth(i).evaluate("e => (e.parentElement.parentElement || e).innerText")
-                     for i in range(run_total.count())]
-            assert page.get_by_text("100", exact=True).count() > 0 and not where, where
+            page.get_by_text("100", exact=True).first.wait_for(timeout=60_000)
+            # The page renders in steps (once, under load, the run's total was still on it at this point): wait for
+            # it to settle, and say where the total is should it stay.
+            where: list[str] = []
+
+            def no_run_total() -> bool:
+                where[:] = page.get_by_text("400", exact=True).evaluate_all(
+                    "found => found.map(e => (e.parentElement.parentElement || e).innerText)")  # one read
+                return not where
+
+            try:
+                wait_for(no_run_total, timeout=30, what="the partition's page without the run's total")
+            except AssertionError:
+                raise AssertionError(f"the run's total (400) on the partition's page: {where}") from None
             page.screenshot(path=str(ARTIFACTS / "ui-shard-partition.png"), full_page=True)
 
             # The runs, by their job names.

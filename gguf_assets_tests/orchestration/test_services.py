@@ -1,0 +1,60 @@
+"""Stopping the servers `ui` and `--auto-resume` start: every process of their groups is gone when it returns."""
+
+import subprocess
+import sys
+import time
+
+import psutil
+
+from gguf_assets.orchestration.services import stop_services
+
+# A server whose helper (as Dagster's code servers are to its webserver and daemon) outlives it: the leader exits at
+# once on SIGTERM, its child in the same process group takes ``linger`` s, or ignores SIGTERM when ``linger`` < 0.
+SERVER = """
+import signal, subprocess, sys, time
+linger = float(sys.argv[1])
+child = subprocess.Popen([sys.executable, "-c", f'''
+import signal, sys, time
+linger = {linger}
+if linger < 0:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+else:
+    signal.signal(signal.SIGTERM, lambda *_: (time.sleep(linger), sys.exit(0)))
+print("ready", flush=True)
+time.sleep(600)
+'''], stdout=subprocess.PIPE, text=True)
+child.stdout.readline()
+print(child.pid, flush=True)
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+time.sleep(600)
+"""
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _start(linger: float) -> tuple[subprocess.Popen, int]:
+    server = subprocess.Popen([sys.executable, "-c", SERVER, str(linger)], stdout=subprocess.PIPE, text=True,
+                              start_new_session=True)
+    return server, int(server.stdout.readline())
+
+
+def test_stop_returns_after_the_group_s_lingering_members_not_only_its_leader():
+    server, helper = _start(linger=1.5)
+    started = time.monotonic()
+    stop_services([server], grace_s=30)
+    took = time.monotonic() - started
+    assert server.poll() is not None and _gone(helper), psutil.Process(helper).status()
+    assert took >= 1.0, took  # it waited for the helper's own shutdown, which ends it cleanly
+
+
+def test_a_member_that_ignores_sigterm_is_killed_after_the_grace():
+    server, helper = _start(linger=-1)
+    started = time.monotonic()
+    stop_services([server], grace_s=1.0)
+    assert _gone(helper) and server.poll() is not None
+    assert time.monotonic() - started < 20  # the grace, then SIGKILL: not a wait for the helper's 600 s
