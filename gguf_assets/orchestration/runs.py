@@ -8,7 +8,7 @@ import dagster as dg
 from gguf_assets.defs.settings import observe_settings, settings_key
 from gguf_assets.lib.project.layout import ProjectPaths
 from gguf_assets.lib.project.settings import Settings
-from gguf_assets.lib.status.stages import expected_fingerprints
+from gguf_assets.lib.status.stages import TRAINING_STAGES, expected_fingerprints
 from gguf_assets.orchestration.instance import prepare_instance
 from gguf_assets.orchestration.private_api import (
     CODE_VERSION_TAG,
@@ -21,7 +21,7 @@ from gguf_assets.orchestration.private_api import (
 )
 
 # The stages whose results `gguf-trainer runs --use` can put back, in order: each is an input of the next.
-MADE_CURRENT_STAGES = ("adapter", "gguf", "eval_report")
+MADE_CURRENT_STAGES = TRAINING_STAGES
 
 
 def record_made_current(instance: dg.DagsterInstance, settings: Settings, paths: ProjectPaths, stages: list[str],

@@ -42,7 +42,7 @@ from gguf_assets.lib.project.layout import (
 from gguf_assets.lib.project.manifests import recorded_fingerprint
 from gguf_assets.lib.project.presets import set_keys
 from gguf_assets.lib.project.settings import SECTIONS, Settings, SettingsError, replace, settings_from_text
-from gguf_assets.lib.status.stages import INPUT_STAGES, expected_fingerprints, stage_settings
+from gguf_assets.lib.status.stages import INPUT_STAGES, TRAINING_STAGES, expected_fingerprints, stage_settings
 from gguf_assets.lib.status.states import State, project_status
 from gguf_assets.lib.telemetry.curves_log import TENSORBOARD_DIR, run_name
 from gguf_assets.lib.telemetry.render import compare_svg
@@ -538,7 +538,7 @@ def _make_current(paths: ProjectPaths, settings: Settings, run: Run, expected: d
     if recorded_fingerprint(sidecar) == expected["gguf"] and exported_files_unchanged(paths, settings) and \
             recorded_fingerprint(paths.report_json(settings)) == expected.get("eval_report"):
         return [paths.stored(paths.adapter_manifest)], \
-            "nothing: its GGUF and report were in the output folder already", ["adapter", "gguf", "eval_report"]
+            "nothing: its GGUF and report were in the output folder already", list(TRAINING_STAGES)
     try:
         done = restore_kept(paths, settings, run.fingerprint, gguf_fp=expected["gguf"],
                             report_fp=expected.get("eval_report"))
@@ -551,7 +551,7 @@ def _make_current(paths: ProjectPaths, settings: Settings, run: Run, expected: d
         return restored, "its report was not kept: the next `gguf-trainer run` evaluates its GGUF again", \
             ["adapter", "gguf"]
     return [*restored, paths.stored(done.report)], "nothing: its adapter, GGUF and report are current", \
-        ["adapter", "gguf", "eval_report"]
+        list(TRAINING_STAGES)
 
 
 # -- comparing ----------------------------------------------------------------------------
