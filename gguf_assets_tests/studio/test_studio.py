@@ -44,10 +44,6 @@ def _cells(page, selector: str) -> list[list[str]]:
     return [row.locator("td").all_inner_texts() for row in page.locator(f"{selector} tr").all()]
 
 
-def _bar(page) -> float:
-    return float(page.locator("#progress-bar").evaluate("bar => bar.style.width").rstrip("%"))
-
-
 def _training_now(page) -> tuple[str, float]:
     """The training line and its bar's percent, read at once: the page sets both in one update."""
     text, width = page.evaluate('() => [document.getElementById("training").textContent, '
@@ -98,7 +94,7 @@ def test_studio_edits_settings_in_its_form_runs_stops_resumes_and_shows_the_resu
             assert page.locator("#verdict").inner_text() == report["verdict"]
             assert page.locator("#gguf-path").inner_text() == str(paths.located(report["gguf_path"]))
             assert page.locator("#score").inner_text() == f"{report['val_centred_cosine']:.4f}"
-            assert page.locator("#training").inner_text() == "training: finished: 40/40 steps" and _bar(page) == 100
+            assert _training_now(page) == ("training: finished: 40/40 steps", 100.0), _training_now(page)
             _shot(page, "#panel-project", "project")
             # The memory estimate, before anything loads (this project's teacher is the mock one: none loads).
             memory = {row.get_attribute("data-part"): row.locator("td").all_inner_texts()
