@@ -71,6 +71,23 @@ def _answering(redis_url: str) -> set[str]:
     return {name.split("@")[0] for reply in replies for name in reply}
 
 
+def _wait_for_workers(redis_url: str, *workers: Worker, timeout: float = 180) -> None:
+    """Until each worker has answered a ping, not necessarily the same one: on a loaded machine one of two busy
+    workers can miss a ping's 1 s window many times in a row. On a timeout the message holds each worker's log."""
+    seen: set[str] = set()
+
+    def all_seen() -> bool:
+        seen.update(_answering(redis_url))
+        return seen >= {w.name for w in workers}
+
+    try:
+        wait_for(all_seen, timeout=timeout, what="the workers")
+    except AssertionError as exc:
+        logs = "\n".join(f"--- {w.name} (exit {w.proc.poll()}), answered: {w.name in seen}\n"
+                         f"{w.log.read_text()[-3000:]}" for w in workers)
+        raise AssertionError(f"{exc}\n{logs}") from None
+
+
 @pytest.fixture
 def servers(tmp_path):
     with postgres_server(tmp_path / "postgres", free_port()) as pg, \
@@ -122,7 +139,7 @@ def test_two_workers_run_the_pipeline_and_a_killed_worker_s_shards_are_done_agai
     b = Worker(tmp_path / "host-b", paths.root, servers, "gguf-b").start()
     leader = None
     try:
-        wait_for(lambda: _answering(servers[REDIS_ENV]) == {"gguf-a", "gguf-b"}, timeout=120, what="both workers")
+        _wait_for_workers(servers[REDIS_ENV], a, b)
         with open(tmp_path / "run.log", "w") as out:
             leader = subprocess.Popen([*CLI, "run", str(paths.root), "--workers", "2"], stdout=out,
                                       stderr=subprocess.STDOUT, text=True, env=cli_env(**servers))
