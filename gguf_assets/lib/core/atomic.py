@@ -63,13 +63,35 @@ def fsync_file(path: Path) -> None:
         os.fsync(fh.fileno())
 
 
+_RENAME_EXCHANGE = 2  # linux/fs.h
+_AT_FDCWD = -100
+
+
+def exchange(first: Path, second: Path) -> bool:
+    """Swap two paths in one step (Linux renameat2 with RENAME_EXCHANGE): each name then holds the other's file.
+    False, with nothing changed, where the C library, the kernel or the file system cannot."""
+    import ctypes
+
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if renameat2 is None:
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(first), _AT_FDCWD, os.fsencode(second), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(code, os.strerror(code), str(second))
+
+
 @contextlib.contextmanager
-def atomic_path(final: Path, *, before_replace: Callable[[], None] | None = None) -> Iterator[Path]:
+def atomic_path(final: Path, *, before_replace: Callable[[], None] | None = None,
+                replace: Callable[[Path, Path], None] = os.replace) -> Iterator[Path]:
     """Yield a temp path beside ``final``; on success it is fsynced and renamed over it.
 
     The caller (or a library such as safetensors/gguf) writes the temp path however it
     likes. On any exception the temp file is removed and ``final`` is untouched.
-    ``before_replace`` runs at the last moment before the rename, and may still refuse it by raising.
+    ``before_replace`` runs at the last moment before the rename, and may still refuse it by raising;
+    ``replace(tmp, final)`` is the rename (a caller may swap instead, and remove what it got back).
     """
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -83,7 +105,7 @@ def atomic_path(final: Path, *, before_replace: Callable[[], None] | None = None
         fsync_file(tmp)
         if before_replace is not None:
             before_replace()
-        os.replace(tmp, final)
+        replace(tmp, final)
         fsync_dir(final.parent)
     except BaseException as exc:
         with contextlib.suppress(FileNotFoundError):

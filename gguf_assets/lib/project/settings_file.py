@@ -7,7 +7,9 @@ decides, instead of one of the two edits silently vanishing.
 
 The check and the write happen under an flock on <project>/.dagster/settings.lock (one saver at a time across
 the studio's requests and processes), and the file is compared once more at the last moment before the atomic
-rename: an editor knows nothing of our lock, so that last look is what narrows its window to the rename itself.
+rename: an editor knows nothing of our lock. The rename itself is a swap (Linux renameat2 RENAME_EXCHANGE) that
+hands back the file it replaced: when that is not the text the save was built from, an editor saved in between,
+and its file is swapped back, so even a save that lands in the same instant as the editor's loses neither.
 """
 
 from __future__ import annotations
@@ -94,8 +96,20 @@ def save_if_unchanged(project_file: Path, lock_dir: Path, new_text: str, base_sh
                                       _diff(seen.get(base_sha256) if seen else None, current.text, project_file.name))
             return status
 
+        def swap_unless_changed(tmp: Path, final: Path) -> None:
+            if not atomic.exchange(tmp, final):  # no swap on this system: the last look is all there is
+                os.replace(tmp, final)
+                return
+            # tmp now holds what project.yaml was at the swap itself: an editor that saved after the last look
+            # gets its file back, and this save is refused.
+            if _moved(at_read, os.stat(tmp)) or read(tmp).sha256 != base_sha256:
+                atomic.exchange(tmp, final)
+                refuse_if_changed()
+            tmp.unlink()  # the text this save replaced
+
         at_read = refuse_if_changed()
-        with atomic.atomic_path(project_file, before_replace=lambda: refuse_if_changed(at_read)) as tmp:
+        with atomic.atomic_path(project_file, before_replace=lambda: refuse_if_changed(at_read),
+                                replace=swap_unless_changed) as tmp:
             tmp.write_text(new_text, encoding="utf-8")
     saved = SettingsText(new_text, text_sha256(new_text))
     if seen is not None:
