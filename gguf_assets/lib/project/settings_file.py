@@ -104,7 +104,7 @@ def save_if_unchanged(project_file: Path, lock_dir: Path, new_text: str, base_sh
             # gets its file back, and this save is refused.
             if _moved(at_read, os.stat(tmp)) or read(tmp).sha256 != base_sha256:
                 atomic.exchange(tmp, final)
-                refuse_if_changed()
+                refuse_if_changed(at_read)  # raises: the file back in place is the editor's, not the one read
             tmp.unlink()  # the text this save replaced
 
         at_read = refuse_if_changed()

@@ -9,22 +9,26 @@ from gguf_assets.lib.project import settings_file
 from gguf_assets.lib.project.settings_file import SettingsChanged, save_if_unchanged, text_sha256
 
 
-def test_an_editor_save_between_the_last_look_and_the_rename_is_swapped_back(tmp_path: Path, monkeypatch):
+@pytest.mark.parametrize("editor_text", ["seed: 7\nsteps: 40\n", "seed: 0\nsteps: 40\n"])
+def test_an_editor_save_between_the_last_look_and_the_rename_is_swapped_back(tmp_path: Path, monkeypatch,
+                                                                             editor_text):
+    """Also when the editor saved the very same text: its file is back in place, and the save says it was not
+    written (it must not report a save whose text is gone)."""
     project_file = tmp_path / "project.yaml"
     project_file.write_text("seed: 0\nsteps: 40\n")
     base = text_sha256(project_file.read_text())
     real_exchange = atomic.exchange
 
     def editor_saves_first(first: Path, second: Path) -> bool:
-        atomic.write_text(project_file, "seed: 7\nsteps: 40\n")  # after every look, right before the swap
+        atomic.write_text(project_file, editor_text)  # after every look, right before the swap
         monkeypatch.setattr(settings_file.atomic, "exchange", real_exchange)
         return real_exchange(first, second)
 
     monkeypatch.setattr(settings_file.atomic, "exchange", editor_saves_first)
     with pytest.raises(SettingsChanged) as refused:
         save_if_unchanged(project_file, tmp_path / ".dagster", "seed: 0\nsteps: 41\n", base)
-    assert project_file.read_text() == "seed: 7\nsteps: 40\n"  # the editor's edit, kept
-    assert refused.value.current.text == "seed: 7\nsteps: 40\n"
+    assert project_file.read_text() == editor_text  # the editor's file, kept
+    assert refused.value.current.text == editor_text
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(atomic.TEMP_PREFIX)] == []
 
 
