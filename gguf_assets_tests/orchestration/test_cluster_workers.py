@@ -255,7 +255,7 @@ def test_redis_and_postgres_restarts_then_ctrl_c_leave_the_run_going_and_the_nex
         worker = Worker(tmp_path / "host-a", paths.root, servers, "gguf-a",
                         GGUF_ASSETS_FAULT="shard-write@4:stall:30,train-step@11:stall:3,gguf-export:stall:8").start()
         try:
-            wait_for(lambda: _answering(redis.url) == {"gguf-a"}, timeout=120, what="the worker")
+            _wait_for_workers(redis.url, worker, timeout=120)
             for name, url in servers.items():
                 monkeypatch.setenv(name, url)
             instance = project_instance(paths)
