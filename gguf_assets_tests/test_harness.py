@@ -1,7 +1,11 @@
 """The test harness itself: what scripts/test.sh relies on from pytest and pytest-xdist."""
 
+import re
 import subprocess
 import sys
+from pathlib import Path
+
+SUITE_CPU = Path(__file__).parents[1] / "scripts" / "suite_cpu.py"
 
 
 def test_loadgroup_runs_a_group_on_one_worker(tmp_path):
@@ -19,3 +23,51 @@ def test_loadgroup_runs_a_group_on_one_worker(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     workers = {line.split()[0] for line in done.stdout.splitlines() if "PASSED" in line and line.startswith("[gw")}
     assert len(workers) == 1, f"the group ran on {sorted(workers)}: --dist loadgroup is not grouping\n{done.stdout}"
+
+
+def test_suite_cpu_sums_each_kind_of_process_and_returns_the_command_s_status():
+    """scripts/suite_cpu.py (where the suite's CPU goes, #34): a parent and its child, each spinning a known CPU time,
+    are read as two `python -c` processes with about their sum; the machine's own figure covers them; the command's
+    exit status comes back."""
+    spin = "import time\nt = time.process_time()\nwhile time.process_time() - t < {}: pass\n"
+    workload = (spin.format(0.2) + "import subprocess, sys\n"
+                f"child = subprocess.Popen([sys.executable, '-c', {spin.format(0.8)!r}])\n"
+                + spin.format(0.6) + "child.wait()\nsys.exit(3)\n")
+    done = subprocess.run([sys.executable, str(SUITE_CPU), "--every", "0.05", "--", sys.executable, "-c",
+                           workload], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 3, done.stderr
+    rows = {m[5]: (float(m[1]), int(m[3])) for line in done.stderr.splitlines()
+            if (m := re.fullmatch(r" *([\d.]+) +([\d.]+)% +(\d+) +([\d.]+)  (.+)", line))}
+    cpu_s, count = rows[f"{Path(sys.executable).name} -c"]
+    # 1.6 s spun, plus starting Python; a process's last reading may come before its end (by 0.05 s on an idle
+    # machine, more on a busy one, where the reader waits for a core too)
+    assert count == 2 and 1.0 <= cpu_s <= 2.5, done.stderr
+    busy = float(done.stderr.split("the machine busy ")[1].split()[0])
+    assert busy >= cpu_s - 0.5, done.stderr  # the machine's count (to the second) holds what the readings saw
+
+
+def test_suite_cpu_names_the_suites_processes_by_kind():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("suite_cpu", SUITE_CPU)
+    suite_cpu = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = suite_cpu  # where its dataclass looks itself up
+    try:
+        spec.loader.exec_module(suite_cpu)
+    finally:
+        del sys.modules[spec.name]
+    kinds = {
+        "/w/.venv/bin/python -m gguf_assets.cli run /tmp/p --workers 2": "gguf-trainer run",
+        "/w/.venv/bin/python /w/.venv/bin/gguf-trainer status /tmp/p": "gguf-trainer status",
+        "/w/.venv/bin/python /w/.venv/bin/dagster api grpc --lazy-load-user-code --port 0": "Dagster code server",
+        "/w/.venv/bin/python -m gguf_assets.lib.materials.hub": "hub child",
+        "/w/.venv/bin/python -c from multiprocessing.spawn import spawn_main; spawn_main(tracker_fd=5)":
+            "multiprocessing worker",
+        "/w/.venv/bin/python /w/benchmarks/bench_quality.py --quick": "benchmark bench_quality.py",
+        "/usr/lib/chromium/chromium --type=renderer": "chromium",
+        "/usr/lib/postgresql/15/bin/postgres -D /tmp/pg": "postgres",
+        "/w/.venv/bin/python -c import sys;exec(eval(sys.stdin.readline()))": "pytest-xdist worker",
+        "": "(no command line: a kernel thread, or gone before its first reading)",
+        "/usr/bin/bash scripts/test.sh -q": "bash",
+    }
+    assert {command: suite_cpu.process_kind(command) for command in kinds} == kinds

@@ -1,0 +1,147 @@
+"""Where a command's CPU goes, per kind of process: for the suite's time (#34), whose bound is the CPU, not the waits.
+
+    .venv/bin/python scripts/suite_cpu.py -- bash scripts/test.sh -q     # the whole suite, as CI runs it
+    .venv/bin/python scripts/suite_cpu.py --tests 20 -- bash scripts/test.sh -q
+
+It runs the command and reads /proc every --every seconds: every process on the machine, its CPU seconds (user +
+system, the last reading before it ended; one already running counts from the command's start), its command line,
+and the test it ran for (PYTEST_CURRENT_TEST, which a test's subprocesses inherit). The table sums them by kind (a
+`gguf-trainer run`, a Dagster code server, Chromium, ...), beside the whole machine's busy and idle CPU seconds over
+the same time (/proc/stat): what no reading caught (the kernel's threads, a process shorter than one reading, such as
+many a hub child of about 0.2 s) is the difference. Linux only. The exit status is the command's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+GGUF_TRAINER = re.compile(r"(?:-m gguf_assets\.cli|/gguf-trainer|gguf_assets/cli\.py) (\S+)")
+
+
+@dataclass
+class Seen:
+    cpu_s: float       # since the process started, or since the command did for one that was running before it
+    command: str
+    test: str
+    before_s: float = 0.0  # its CPU seconds when the command started (0 for one started since)
+
+
+def process_kind(command: str) -> str:
+    """The kind a command line belongs to, in the words of the suite's processes."""
+    if match := GGUF_TRAINER.search(command):
+        return f"gguf-trainer {match[1]}"
+    if "chrom" in command:
+        return "chromium"
+    named = (("postgres", "postgres"), ("redis-server", "redis"), ("celery", "celery"),
+             ("gguf_assets.lib.materials.hub", "hub child"), ("spare_run", "studio's spare run"),
+             ("api grpc", "Dagster code server"), ("gguf_assets.studio.dagster_ui", "Dagster webserver"),
+             ("dagster-daemon", "dagster-daemon"), ("gguf_assets.studio.tensorboard", "TensorBoard"),
+             ("-m gguf_assets.studio", "studio"), ("multiprocessing", "multiprocessing worker"),
+             ("exec(eval(sys.stdin", "pytest-xdist worker"), ("-m pytest", "pytest"), ("/bin/dagster ", "dagster CLI"))
+    for needle, kind in named:
+        if needle in command:
+            return kind
+    if match := re.search(r"benchmarks/(\S+)", command):
+        return f"benchmark {match[1]}"
+    words = command.split()
+    if not words:
+        return "(no command line: a kernel thread, or gone before its first reading)"
+    program = os.path.basename(words[0])
+    return f"{program} -c" if len(words) > 1 and words[1] == "-c" else program
+
+
+def machine_cpu_s() -> tuple[float, float]:
+    """The machine's busy and idle CPU seconds since boot (/proc/stat's first line)."""
+    with open("/proc/stat") as stat:
+        ticks = [int(t) for t in stat.readline().split()[1:9]]
+    user, nice, system, idle, iowait, irq, softirq, steal = ticks
+    return (user + nice + system + irq + softirq + steal) / CLOCK_TICKS, (idle + iowait) / CLOCK_TICKS
+
+
+def _read(pid: str, name: str) -> bytes:
+    with open(f"/proc/{pid}/{name}", "rb") as f:
+        return f.read()
+
+
+def read_processes(seen: dict[tuple[str, str], Seen], skip: int) -> None:
+    """One reading of every process: its CPU seconds now, and its command line and test when first seen."""
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == skip:
+            continue
+        try:
+            stat = _read(pid, "stat").decode(errors="replace")
+            fields = stat[stat.rindex(")") + 2:].split()
+            cpu_s = (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+            key = (pid, fields[19])  # a pid with its start time: a reused pid is another process
+            if key in seen:
+                seen[key].cpu_s = max(seen[key].cpu_s, cpu_s)
+                continue
+            command = _read(pid, "cmdline").replace(b"\0", b" ").decode(errors="replace").strip()
+            test = "-"
+            for entry in _read(pid, "environ").split(b"\0"):
+                if entry.startswith(b"PYTEST_CURRENT_TEST="):
+                    test = entry.split(b"=", 1)[1].decode(errors="replace").split(" ")[0]
+            seen[key] = Seen(cpu_s, command, test)
+        except (OSError, ValueError, IndexError):
+            continue  # it ended between the listing and the reading
+
+
+def report(seen: dict[tuple[str, str], Seen], wall_s: float, busy_s: float, idle_s: float, tests: int) -> str:
+    by_kind: dict[str, list[float]] = defaultdict(list)
+    by_test: dict[str, float] = defaultdict(float)
+    for process in seen.values():
+        spent = process.cpu_s - process.before_s
+        by_kind[process_kind(process.command)].append(spent)
+        if process.test != "-":
+            by_test[process.test] += spent
+    counted = sum(sum(times) for times in by_kind.values())
+    lines = [f"wall {wall_s:.0f} s; the machine busy {busy_s:.0f} CPU s, idle {idle_s:.0f} CPU s; "
+             f"the processes read: {counted:.0f} CPU s", "",
+             f"{'CPU s':>8} {'share':>6} {'count':>6} {'each':>7}  kind"]
+    for kind, times in sorted(by_kind.items(), key=lambda kv: -sum(kv[1])):
+        total = sum(times)
+        if total >= 0.05:
+            lines.append(f"{total:8.1f} {100 * total / max(counted, 1e-9):5.1f}% {len(times):6d} "
+                         f"{total / len(times):7.2f}  {kind}")
+    if tests and by_test:
+        lines += ["", f"the {tests} tests whose processes (their own included) took the most CPU:"]
+        for test, total in sorted(by_test.items(), key=lambda kv: -kv[1])[:tests]:
+            lines.append(f"{total:8.1f}  {test}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--every", type=float, default=0.25, help="seconds between readings of /proc (default 0.25)")
+    parser.add_argument("--tests", type=int, default=10, help="how many of the costliest tests to list (default 10)")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command to run")
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser.error("give the command after --, e.g. -- bash scripts/test.sh -q")
+    seen: dict[tuple[str, str], Seen] = {}
+    read_processes(seen, skip=os.getpid())  # what ran before the command counts from here on
+    for process in seen.values():
+        process.before_s = process.cpu_s
+    busy0, idle0 = machine_cpu_s()
+    began = time.monotonic()
+    child = subprocess.Popen(command)
+    while child.poll() is None:
+        read_processes(seen, skip=os.getpid())
+        time.sleep(args.every)
+    wall = time.monotonic() - began
+    busy1, idle1 = machine_cpu_s()
+    print(report(seen, wall, busy1 - busy0, idle1 - idle0, args.tests), file=sys.stderr)
+    return child.returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
