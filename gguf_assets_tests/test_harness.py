@@ -25,20 +25,24 @@ def test_loadgroup_runs_a_group_on_one_worker(tmp_path):
     assert len(workers) == 1, f"the group ran on {sorted(workers)}: --dist loadgroup is not grouping\n{done.stdout}"
 
 
-def test_suite_cpu_sums_each_kind_of_process_and_returns_the_command_s_status():
+def test_suite_cpu_sums_each_kind_of_process_and_returns_the_command_s_status(tmp_path):
     """scripts/suite_cpu.py (where the suite's CPU goes, #34): a parent and its child, each spinning a known CPU time,
-    are read as two `python -c` processes with about their sum; the machine's own figure covers them; the command's
-    exit status comes back."""
-    spin = "import time\nt = time.process_time()\nwhile time.process_time() - t < {}: pass\n"
-    workload = (spin.format(0.2) + "import subprocess, sys\n"
-                f"child = subprocess.Popen([sys.executable, '-c', {spin.format(0.8)!r}])\n"
-                + spin.format(0.6) + "child.wait()\nsys.exit(3)\n")
-    done = subprocess.run([sys.executable, str(SUITE_CPU), "--every", "0.05", "--", sys.executable, "-c",
-                           workload], capture_output=True, text=True, timeout=120)
+    are read as two processes of their script's kind with about their sum; the machine's own figure covers them; the
+    command's exit status comes back. (The script has a name of its own: the tool reads every process on the machine,
+    and under the suite other tests start `python -c` processes of their own at the same time.)"""
+    workload = tmp_path / "suite_cpu_spin_workload.py"
+    workload.write_text(
+        "import subprocess, sys, time\n\n\ndef spin(seconds):\n    t = time.process_time()\n"
+        "    while time.process_time() - t < seconds:\n        pass\n\n\n"
+        "if sys.argv[1:] == ['child']:\n    spin(0.8)\n    sys.exit(0)\n"
+        "spin(0.2)\nchild = subprocess.Popen([sys.executable, __file__, 'child'])\nspin(0.6)\n"
+        "child.wait()\nsys.exit(3)\n")
+    done = subprocess.run([sys.executable, str(SUITE_CPU), "--every", "0.05", "--", sys.executable, str(workload)],
+                          capture_output=True, text=True, timeout=120)
     assert done.returncode == 3, done.stderr
     rows = {m[5]: (float(m[1]), int(m[3])) for line in done.stderr.splitlines()
             if (m := re.fullmatch(r" *([\d.]+) +([\d.]+)% +(\d+) +([\d.]+)  (.+)", line))}
-    cpu_s, count = rows[f"{Path(sys.executable).name} -c"]
+    cpu_s, count = rows[f"{Path(sys.executable).name} {workload.name}"]
     # 1.6 s spun, plus starting Python; a process's last reading may come before its end (by 0.05 s on an idle
     # machine, more on a busy one, where the reader waits for a core too)
     assert count == 2 and 1.0 <= cpu_s <= 2.5, done.stderr
@@ -69,5 +73,7 @@ def test_suite_cpu_names_the_suites_processes_by_kind():
         "/w/.venv/bin/python -c import sys;exec(eval(sys.stdin.readline()))": "pytest-xdist worker",
         "": "(no command line: a kernel thread, or gone before its first reading)",
         "/usr/bin/bash scripts/test.sh -q": "bash",
+        "/w/.venv/bin/python /tmp/x/spin.py child": "python spin.py",
+        "/w/.venv/bin/python -m http.server 0": "python -m http.server",
     }
     assert {command: suite_cpu.process_kind(command) for command in kinds} == kinds

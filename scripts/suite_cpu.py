@@ -55,7 +55,13 @@ def process_kind(command: str) -> str:
     if not words:
         return "(no command line: a kernel thread, or gone before its first reading)"
     program = os.path.basename(words[0])
-    return f"{program} -c" if len(words) > 1 and words[1] == "-c" else program
+    if len(words) > 1 and words[1] == "-c":
+        return f"{program} -c"
+    if len(words) > 2 and words[1] == "-m":
+        return f"{program} -m {words[2]}"
+    if len(words) > 1 and words[1].endswith(".py"):  # a script: its name
+        return f"{program} {os.path.basename(words[1])}"
+    return program
 
 
 def machine_cpu_s() -> tuple[float, float]:
