@@ -128,6 +128,8 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--every", type=float, default=0.25, help="seconds between readings of /proc (default 0.25)")
     parser.add_argument("--tests", type=int, default=10, help="how many of the costliest tests to list (default 10)")
+    parser.add_argument("--raw", metavar="FILE", help="also write every process read, one per line (tab-separated: CPU s, "
+                        "kind, test, command line), for a breakdown the table does not give")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command to run")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -146,6 +148,11 @@ def main(argv: list[str]) -> int:
     wall = time.monotonic() - began
     busy1, idle1 = machine_cpu_s()
     print(report(seen, wall, busy1 - busy0, idle1 - idle0, args.tests), file=sys.stderr)
+    if args.raw:
+        with open(args.raw, "w", encoding="utf-8") as raw:
+            for process in sorted(seen.values(), key=lambda p: p.before_s - p.cpu_s):
+                raw.write(f"{process.cpu_s - process.before_s:.2f}\t{process_kind(process.command)}\t{process.test}\t"
+                          f"{process.command[:300]}\n")
     return child.returncode
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up, then run the test suite.
-#   bash scripts/test.sh [-q]          the whole suite, as CI runs it: three processes on both cores
+#   bash scripts/test.sh [-q]          the whole suite, as CI runs it: four processes on both cores
 #                                      (pytest-xdist), then the tests marked `serial` (they time a user-facing bound) alone
 #   bash scripts/test.sh --fast        the fast loop: the tests marked neither slow nor serial, as above
 #   bash scripts/test.sh ARGS...       pytest ARGS as given, in one process (e.g. a test path, -k NAME)
@@ -11,12 +11,15 @@ bash scripts/setup.sh
 # written into .venv (or the checkout) on its first import, so the next process loads it compiled instead of compiling
 # it again (on such a machine the suite took 906 s when every process compiled its imports, 787 s with them compiled).
 unset PYTHONDONTWRITEBYTECODE
-# Three test processes on two cores: many tests wait (on a server to start, a stalled write, a daemon's tick, a
-# browser), and a third process fills those waits. GGUF_ASSETS_TEST_WORKERS changes it.
-WORKERS=${GGUF_ASSETS_TEST_WORKERS:-3}
+# Four test processes on two cores: many tests wait (on a server to start, a stalled write, a daemon's tick, a
+# browser), and the other processes fill those waits. With three, the machine still sat idle 103 and 124 of its
+# about 1,350 CPU seconds (two runs, mostly in the first minutes, when the long waiting tests run side by side);
+# with four, 35 of 1,272 (scripts/suite_cpu.py, 2026-12-03). The fast loop has none of the waiting tests: three
+# processes there (89 s, against 94 and 102 s with four). GGUF_ASSETS_TEST_WORKERS changes either.
+WORKERS=${GGUF_ASSETS_TEST_WORKERS:-4}
 if [ "${1:-}" = "--fast" ]; then
   shift
-  OMP_NUM_THREADS=1 exec .venv/bin/python -m pytest -n "$WORKERS" --dist loadgroup --no-loadscope-reorder -m "not slow and not serial" "$@"
+  OMP_NUM_THREADS=1 exec .venv/bin/python -m pytest -n "${GGUF_ASSETS_TEST_WORKERS:-3}" --dist loadgroup --no-loadscope-reorder -m "not slow and not serial" "$@"
 fi
 whole=1
 for arg in "$@"; do
