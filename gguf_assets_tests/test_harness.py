@@ -37,8 +37,9 @@ def test_suite_cpu_sums_each_kind_of_process_and_returns_the_command_s_status(tm
         "if sys.argv[1:] == ['child']:\n    spin(0.8)\n    sys.exit(0)\n"
         "spin(0.2)\nchild = subprocess.Popen([sys.executable, __file__, 'child'])\nspin(0.6)\n"
         "child.wait()\nsys.exit(3)\n")
-    done = subprocess.run([sys.executable, str(SUITE_CPU), "--every", "0.05", "--", sys.executable, str(workload)],
-                          capture_output=True, text=True, timeout=120)
+    raw = tmp_path / "processes.tsv"
+    done = subprocess.run([sys.executable, str(SUITE_CPU), "--every", "0.05", "--raw", str(raw), "--",
+                           sys.executable, str(workload)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 3, done.stderr
     rows = {m[5]: (float(m[1]), int(m[3])) for line in done.stderr.splitlines()
             if (m := re.fullmatch(r" *([\d.]+) +([\d.]+)% +(\d+) +([\d.]+)  (.+)", line))}
@@ -46,6 +47,10 @@ def test_suite_cpu_sums_each_kind_of_process_and_returns_the_command_s_status(tm
     # 1.6 s spun, plus starting Python; a process's last reading may come before its end (by 0.05 s on an idle
     # machine, more on a busy one, where the reader waits for a core too)
     assert count == 2 and 1.0 <= cpu_s <= 2.5, done.stderr
+    # --raw: one line per process (CPU s, kind, test, command line), the table's rows summed from them
+    ours = [line.split("\t") for line in raw.read_text().splitlines() if workload.name in line.split("\t")[1]]
+    assert sorted(Path(row[3].split()[-1]).name for row in ours) == ["child", workload.name], ours
+    assert abs(sum(float(row[0]) for row in ours) - cpu_s) <= 0.1, (ours, cpu_s)
     busy = float(done.stderr.split("the machine busy ")[1].split()[0])
     assert busy >= cpu_s - 0.5, done.stderr  # the machine's count (to the second) holds what the readings saw
 

@@ -128,8 +128,9 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--every", type=float, default=0.25, help="seconds between readings of /proc (default 0.25)")
     parser.add_argument("--tests", type=int, default=10, help="how many of the costliest tests to list (default 10)")
-    parser.add_argument("--raw", metavar="FILE", help="also write every process read, one per line (tab-separated: CPU s, "
-                        "kind, test, command line), for a breakdown the table does not give")
+    parser.add_argument("--raw", metavar="FILE",
+                        help="also write every process read, one per line (tab-separated: CPU s, kind, test, "
+                             "command line), for a breakdown the table does not give")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command to run")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
