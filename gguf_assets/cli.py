@@ -1,12 +1,23 @@
 """gguf-trainer: create a project, run the demo, run the pipeline, open the UI, auto-resume."""
 # ruff: noqa: E402  (the Ctrl-C handler below is set before the other imports load)
 
+import os
 import signal
 import sys
 
 
 def _quiet_exit_while_loading(_signum, _frame) -> None:
-    sys.exit(130)  # the shell's code for a Ctrl-C
+    """Exit at once with the shell's code for a Ctrl-C. Not sys.exit: a handler's exception is raised in whatever
+    Python code runs when the signal comes, and while modules load that is often one of importlib's weakref
+    callbacks, where an exception is printed as "Exception ignored" and dropped. The command then went on: a
+    `gguf-trainer ui` stopped that way started all its servers (a loaded suite run, 2026-12-03). Nothing has been
+    started or written yet while modules load, so there is nothing to clean up but the output buffers."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, RuntimeError):  # closed, or the signal came in the middle of a write
+            pass
+    os._exit(130)
 
 
 # Run as a program (`gguf-trainer`, `python -m gguf_assets.cli`): a Ctrl-C while the modules below still load ends it
@@ -18,14 +29,13 @@ if __name__ == "__main__" or sys.argv[0].endswith("gguf-trainer"):
     # This process only waits for that child, so it starts it before loading anything: the child loads (and
     # checks) it all anyway, and the first training step comes that much sooner.
     if sys.argv[1:2] == ["run"] and not {"-h", "--help"} & set(sys.argv) and \
-            __import__("os").environ.get("GGUF_ASSETS_RUN_CHILD") != "1":
+            os.environ.get("GGUF_ASSETS_RUN_CHILD") != "1":
         print("starting: loading the pipeline", flush=True)
         from gguf_assets.orchestration.processes import run_in_own_process_group
 
         sys.exit(run_in_own_process_group(sys.argv[1:]))
 
 import argparse
-import os
 import shlex
 import subprocess
 import time
@@ -239,20 +249,27 @@ def cmd_ui(args: argparse.Namespace) -> int:
     base = f"http://{args.host}:{args.port}"
     studio = f"http://{args.host}:{args.studio_port}"
     url = "" if args.no_tensorboard else f"http://{args.host}:{args.tensorboard_port}"
-    # Before any port is probed: a studio already open for this project is named, not refused port by port.
-    services_lock = hold_services(paths.dagster_home / SERVICES_LOCK, {
-        "studio": studio, "Dagster UI": base, **({"TensorBoard": url} if url else {})})
-    keep = (services_lock,)
-    prepare_instance(paths)
-    import dagster as dg
+    # A Ctrl-C is noted, not raised, from here on: Dagster loads below (seconds), and an exception raised by the
+    # signal in one of importlib's weakref callbacks would be dropped, so `ui` would go on to start every server.
+    # From the first start on, a noted Ctrl-C stops what was started.
+    with StopSignals() as stop:
+        # Before any port is probed: a studio already open for this project is named, not refused port by port.
+        services_lock = hold_services(paths.dagster_home / SERVICES_LOCK, {
+            "studio": studio, "Dagster UI": base, **({"TensorBoard": url} if url else {})})
+        keep = (services_lock,)
+        prepare_instance(paths)
+        import dagster as dg
 
-    size_gpu_pool(dg.DagsterInstance.get())  # the run queue holds UI-launched GPU runs to one per GPU
-    check_ports_free(args.host, {"--port": args.port, "--studio-port": args.studio_port,
-                                 **({} if args.no_tensorboard else {"--tensorboard-port": args.tensorboard_port})})
-    if url:
-        os.environ[TENSORBOARD_URL_ENV] = url  # the adapter's page links to it (runs inherit it)
-        (paths.root / TENSORBOARD_DIR).mkdir(exist_ok=True)
-    with StopSignals() as stop:  # from the first start on, a Ctrl-C stops what was started, whenever it comes
+        size_gpu_pool(dg.DagsterInstance.get())  # the run queue holds UI-launched GPU runs to one per GPU
+        check_ports_free(args.host, {"--port": args.port, "--studio-port": args.studio_port,
+                                     **({} if args.no_tensorboard else {"--tensorboard-port": args.tensorboard_port})})
+        if url:
+            os.environ[TENSORBOARD_URL_ENV] = url  # the adapter's page links to it (runs inherit it)
+            (paths.root / TENSORBOARD_DIR).mkdir(exist_ok=True)
+        if stop.signal is not None:  # stopped while Dagster loaded: nothing was started
+            print(f"stopped ({'Ctrl-C' if stop.signal == signal.SIGINT else signal.Signals(stop.signal).name})",
+                  file=sys.stderr)
+            return 128 + stop.signal  # the shell's code for that signal
         services: list[subprocess.Popen] = []
         try:
             # The studio first: the one page for this project (verdict, stages and why, Run and Stop).

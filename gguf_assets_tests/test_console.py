@@ -156,6 +156,36 @@ def _left_running(project) -> list[str]:
     return left
 
 
+def test_a_ctrl_c_while_modules_load_ends_the_command_even_inside_an_import_callback():
+    """The Ctrl-C handler `gguf-trainer` sets while its modules load ends the process, wherever the signal lands.
+    Python runs a handler inside whatever code runs at that moment, and while modules load that is often one of
+    importlib's weakref callbacks, where a raised exception is printed and dropped: a loaded suite run saw a
+    `gguf-trainer ui` stopped 0.5 s after its start go on to start all its servers. Here the signal comes inside
+    a weakref callback, on purpose."""
+    import sys
+    import textwrap
+
+    program = textwrap.dedent("""
+        import os, signal, sys, weakref
+        from gguf_assets.cli import _quiet_exit_while_loading
+        signal.signal(signal.SIGINT, _quiet_exit_while_loading)
+        print("loading", flush=True)
+        class Module: pass
+        module = Module()
+        def callback(_ref):  # as importlib's module-lock callbacks run
+            os.kill(os.getpid(), signal.SIGINT)
+            total = 0
+            for i in range(100000):  # the handler runs between these bytecodes, in this callback
+                total += i
+        ref = weakref.ref(module, callback)
+        del module
+        print("went on after the Ctrl-C", flush=True)
+    """)
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 130, done.stdout + done.stderr
+    assert done.stdout == "loading\n" and "Traceback" not in done.stderr and "ignored" not in done.stderr, done
+
+
 @pytest.mark.slow  # starts the studio, the Dagster UI, its daemon and TensorBoard three times
 def test_ctrl_c_to_ui_stops_every_server_without_a_traceback_whenever_it_comes(make_project, tmp_path):
     """Ctrl-C while Python still imports, just after the first server started, and once everything serves:
