@@ -2,7 +2,7 @@
 # Set up, then run the test suite.
 #   bash scripts/test.sh [-q]          the whole suite, as CI runs it: four processes on both cores
 #                                      (pytest-xdist), then the tests marked `serial` (they time a user-facing bound) alone
-#   bash scripts/test.sh --fast        the fast loop: the tests marked neither slow nor serial, as above
+#   bash scripts/test.sh --fast        the fast loop: the tests marked neither slow nor serial, in three processes
 #   bash scripts/test.sh ARGS...       pytest ARGS as given, in one process (e.g. a test path, -k NAME)
 set -euo pipefail
 cd "$(dirname "$0")/.."
