@@ -29,13 +29,14 @@ def test_suite_cpu_sums_each_kind_of_process_and_returns_the_command_s_status(tm
     """scripts/suite_cpu.py (where the suite's CPU goes, #34): a parent and its child, each spinning a known CPU time,
     are read as two processes of their script's kind with about their sum; the machine's own figure covers them; the
     command's exit status comes back. (The script has a name of its own: the tool reads every process on the machine,
-    and under the suite other tests start `python -c` processes of their own at the same time.)"""
+    and under the suite other tests start `python -c` processes of their own at the same time. The child's command
+    line holds a newline and a tab, as many a test's `python -c` does: --raw keeps one line of four fields each.)"""
     workload = tmp_path / "suite_cpu_spin_workload.py"
     workload.write_text(
         "import subprocess, sys, time\n\n\ndef spin(seconds):\n    t = time.process_time()\n"
         "    while time.process_time() - t < seconds:\n        pass\n\n\n"
-        "if sys.argv[1:] == ['child']:\n    spin(0.8)\n    sys.exit(0)\n"
-        "spin(0.2)\nchild = subprocess.Popen([sys.executable, __file__, 'child'])\nspin(0.6)\n"
+        "if sys.argv[1:2] == ['child']:\n    spin(0.8)\n    sys.exit(0)\n"
+        "spin(0.2)\nchild = subprocess.Popen([sys.executable, __file__, 'child', 'one\\ntwo\\tthree'])\nspin(0.6)\n"
         "child.wait()\nsys.exit(3)\n")
     raw = tmp_path / "processes.tsv"
     done = subprocess.run([sys.executable, str(SUITE_CPU), "--every", "0.05", "--raw", str(raw), "--",
@@ -48,8 +49,10 @@ def test_suite_cpu_sums_each_kind_of_process_and_returns_the_command_s_status(tm
     # machine, more on a busy one, where the reader waits for a core too)
     assert count == 2 and 1.0 <= cpu_s <= 2.5, done.stderr
     # --raw: one line per process (CPU s, kind, test, command line), the table's rows summed from them
-    ours = [line.split("\t") for line in raw.read_text().splitlines() if workload.name in line.split("\t")[1]]
-    assert sorted(Path(row[3].split()[-1]).name for row in ours) == ["child", workload.name], ours
+    lines = [line.split("\t") for line in raw.read_text().splitlines()]
+    assert all(len(fields) == 4 for fields in lines), [fields for fields in lines if len(fields) != 4]
+    ours = [fields for fields in lines if fields[1] == f"{Path(sys.executable).name} {workload.name}"]
+    assert sorted(row[3].split(workload.name)[1] for row in ours) == ["", " child one two three"], ours
     assert abs(sum(float(row[0]) for row in ours) - cpu_s) <= 0.1, (ours, cpu_s)
     busy = float(done.stderr.split("the machine busy ")[1].split()[0])
     assert busy >= cpu_s - 0.5, done.stderr  # the machine's count (to the second) holds what the readings saw

@@ -90,7 +90,8 @@ def read_processes(seen: dict[tuple[str, str], Seen], skip: int) -> None:
             if key in seen:
                 seen[key].cpu_s = max(seen[key].cpu_s, cpu_s)
                 continue
-            command = _read(pid, "cmdline").replace(b"\0", b" ").decode(errors="replace").strip()
+            # arguments may hold newlines and tabs (a `python -c` program): one line of single spaces, for --raw
+            command = " ".join(_read(pid, "cmdline").replace(b"\0", b" ").decode(errors="replace").split())
             test = "-"
             for entry in _read(pid, "environ").split(b"\0"):
                 if entry.startswith(b"PYTEST_CURRENT_TEST="):
