@@ -20,6 +20,7 @@ from gguf_assets.defs.resources import ProjectResource
 from gguf_assets.defs.sensors import interrupted_runs_sensor, resume_sensor
 from gguf_assets.defs.settings import SETTINGS_ASSETS
 from gguf_assets.lib.project.settings import PROJECT_FILE, SettingsError, load_settings
+from gguf_assets.orchestration.private_api import reuse_sqlite_engines
 
 
 def build_definitions(project_dir: str | None) -> dg.Definitions:
@@ -56,4 +57,5 @@ def _project_dir() -> str | None:
         raise SystemExit(f"error: {exc}") from None
 
 
+reuse_sqlite_engines()  # the code servers, Dagster's run processes and the Dagster CLI load this module first
 defs = build_definitions(_project_dir())

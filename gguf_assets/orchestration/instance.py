@@ -28,6 +28,7 @@ from gguf_assets.orchestration.private_api import (
     LoadableTargetOrigin,
     ModuleTarget,
     WorkspaceProcessContext,
+    reuse_sqlite_engines,
 )
 
 DAGSTER_YAML = "dagster.yaml"
@@ -51,6 +52,7 @@ def prepare_instance(paths: ProjectPaths) -> Path:
         atomic.write_text(target, template)
     os.environ.update(instance_env(paths))
     if cluster is None:  # Postgres makes its tables in transactions of its own; SQLite's first open races
+        reuse_sqlite_engines()
         _create_storage_once(home)
     return home
 

@@ -41,7 +41,15 @@ why pyproject.toml pins ``dagster<1.14``.
 - ``CheckRunHealthResult``, ``WorkerStatus``: a run launcher's worker health check (run monitoring's
   own interface), which the cluster's launcher answers (orchestration/cluster_workers.py) and the
   interrupted-runs check asks about a run on another machine (orchestration/resume.py).
+- The ``create_engine`` that Dagster's SQLite storage modules call (``reuse_sqlite_engines``): they make a new
+  SQLAlchemy engine for every connection (and SQLAlchemy sets up a new engine's dialect on its first connect),
+  about a fifth of what a run's events cost; each process keeps one engine per database file instead, as Dagster's
+  own Postgres storage keeps one engine.
 """
+
+import os
+import threading
+from collections import OrderedDict
 
 from dagster._cli.api import _execute_run_command_body
 from dagster._core.definitions.data_version import (
@@ -63,7 +71,10 @@ from dagster._core.loader import LoadingContextForTest
 from dagster._core.log_manager import LOG_RECORD_METADATA_ATTR
 from dagster._core.remote_origin import InProcessCodeLocationOrigin
 from dagster._core.storage.event_log import SqlEventLogStorageTable
+from dagster._core.storage.event_log.sqlite import consolidated_sqlite_event_log, sqlite_event_log
 from dagster._core.storage.runs.schema import RunTagsTable
+from dagster._core.storage.runs.sqlite import sqlite_run_storage
+from dagster._core.storage.schedules.sqlite import sqlite_schedule_storage
 from dagster._core.storage.tags import HIDDEN_TAG_PREFIX, TagType, get_tag_type
 from dagster._core.types.loadable_target_origin import LoadableTargetOrigin
 from dagster._core.workspace.context import WorkspaceProcessContext
@@ -81,5 +92,67 @@ __all__ = [
     "CheckRunHealthResult", "WorkerStatus",
     "InProcessCodeLocationOrigin", "InProcessWorkspaceLoadTarget", "JobSubsetSelector", "LoadableTargetOrigin",
     "LoadingContextForTest", "ModuleTarget", "StaleStatus", "TagType", "WorkspaceProcessContext", "execute_run",
-    "get_tag_type", "recon_job_from_origin",
+    "get_tag_type", "recon_job_from_origin", "reuse_sqlite_engines",
 ]
+
+# Dagster's SQLite storage modules, each of which calls its module's ``create_engine`` for every connection.
+SQLITE_STORAGE_MODULES = (sqlite_event_log, consolidated_sqlite_event_log, sqlite_run_storage, sqlite_schedule_storage)
+ENGINES_KEPT = 64  # per process: the instance's index, runs and schedules files, and the run shards lately read
+
+
+class _EngineCache:
+    """One SQLAlchemy engine per (database URL, options) in this process, the least lately used dropped past
+    ENGINES_KEPT. Only for Dagster's calls with ``poolclass=NullPool``: such an engine holds no connection between
+    uses (each use opens its own, as before), so sharing it between threads, storage objects and a fork's child
+    changes nothing but the cost of making it."""
+
+    def __init__(self, create_engine) -> None:
+        self.create_engine = create_engine  # SQLAlchemy's own
+        self._engines: OrderedDict[tuple, object] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __call__(self, url, **options):
+        from sqlalchemy.pool import NullPool
+
+        if options.get("poolclass") is not NullPool:
+            return self.create_engine(url, **options)
+        key = (str(url), repr(sorted(options.items())))
+        with self._lock:
+            engine = self._engines.get(key)
+            if engine is not None:
+                self._engines.move_to_end(key)
+                return engine
+        engine = self.create_engine(url, **options)
+        with self._lock:
+            engine = self._engines.setdefault(key, engine)  # another thread's, had it made one meanwhile
+            while len(self._engines) > ENGINES_KEPT:
+                self._engines.popitem(last=False)
+        return engine
+
+    def forget_after_fork(self) -> None:
+        """In a forked child: no engines, and a new lock (another thread of the parent may have held the old one)."""
+        self._engines, self._lock = OrderedDict(), threading.Lock()
+
+
+_ENGINE_CACHE: _EngineCache | None = None
+
+
+def _forget_engines() -> None:
+    if _ENGINE_CACHE is not None:
+        _ENGINE_CACHE.forget_after_fork()
+
+
+os.register_at_fork(after_in_child=_forget_engines)  # a forked child makes its own (nothing is shared anyway)
+
+
+def reuse_sqlite_engines() -> None:
+    """Make Dagster's SQLite storage in this process keep its engines (see the module docstring); idempotent. Every
+    process that opens a project's SQLite instance calls it first: gguf-trainer's commands (prepare_instance), the
+    definitions (code servers, Dagster's run processes, the Dagster CLI) and the webserver."""
+    global _ENGINE_CACHE
+    if _ENGINE_CACHE is None:
+        from sqlalchemy import create_engine
+
+        _ENGINE_CACHE = _EngineCache(create_engine)
+    for module in SQLITE_STORAGE_MODULES:
+        module.create_engine = _ENGINE_CACHE

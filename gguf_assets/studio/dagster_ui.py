@@ -27,6 +27,10 @@ def main(argv: list[str] | None = None) -> None:
 
     import dagster_webserver.cli as webserver_cli
 
+    from gguf_assets.orchestration.private_api import reuse_sqlite_engines
+
+    reuse_sqlite_engines()  # the webserver's own storage reads (runs, events) for every page
+
     make_app = webserver_cli.create_app_from_workspace_process_context
 
     def guarded_app(*factory_args, **factory_kwargs):
