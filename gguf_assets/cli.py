@@ -275,7 +275,8 @@ def cmd_ui(args: argparse.Namespace) -> int:
             # The studio first: the one page for this project (verdict, stages and why, Run and Stop).
             print(f"Studio for {paths.root} on {studio}", flush=True)
             services += start_services([studio_command(paths, args.host, args.studio_port, dagster_url=base,
-                                                       tensorboard_url=url, allow_hosts=args.allow_host)],
+                                                       tensorboard_url=url, allow_hosts=args.allow_host,
+                                                       spare_run=not args.no_spare_run)],
                                        keep_fds=keep)
             if url and stop.signal is None:
                 log_file = paths.dagster_home / "tensorboard.log"
@@ -542,6 +543,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the studio page's port (this project: verdict, stages and why, Run and Stop)")
     p.add_argument("--tensorboard-port", type=int, default=6006, help="TensorBoard's port (training curves)")
     p.add_argument("--no-tensorboard", action="store_true", help="do not start TensorBoard")
+    p.add_argument("--no-spare-run", action="store_true",
+                   help="the studio keeps no run process loaded ahead of Run (saves its memory and the CPU of "
+                        "loading it; Run's first step then comes a few seconds later)")
     p.add_argument("--allow-host", action="append", default=[], metavar="NAME",
                    help="another host name the studio and the Dagster UI may be opened under (a LAN name, a "
                         "tunnel); they answer only to 127.0.0.1, localhost, [::1] and --host otherwise")

@@ -140,7 +140,8 @@ def _call(url: str, body: dict | None = None, *, origin: str | None = None) -> t
 def test_the_studio_runs_endpoints(project):
     root, first_gguf = project
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "gguf_assets.studio", str(root), "--port", str(port)],
+    proc = subprocess.Popen([sys.executable, "-m", "gguf_assets.studio", str(root), "--port", str(port),
+                             "--no-spare-run"],  # the runs endpoints start no run: a spare would only take CPU
                             env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
     try:

@@ -24,9 +24,10 @@ SERVICES_LOCK = "services.lock"  # in <project>/.dagster: held while the project
 
 
 def studio_command(paths: ProjectPaths, host: str, port: int, *, dagster_url: str,
-                   tensorboard_url: str, allow_hosts: list[str] = ()) -> list[str]:
+                   tensorboard_url: str, allow_hosts: list[str] = (), spare_run: bool = True) -> list[str]:
     return [sys.executable, "-m", "gguf_assets.studio", str(paths.root), "--host", host, "--port", str(port),
-            "--dagster-url", dagster_url, "--tensorboard-url", tensorboard_url, *_allow_host_args(allow_hosts)]
+            "--dagster-url", dagster_url, "--tensorboard-url", tensorboard_url, *_allow_host_args(allow_hosts),
+            *([] if spare_run else ["--no-spare-run"])]
 
 
 def tensorboard_command(paths: ProjectPaths, host: str, port: int, allow_hosts: list[str] = ()) -> list[str]:

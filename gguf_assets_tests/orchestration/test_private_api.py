@@ -1,4 +1,4 @@
-"""orchestration/private_api.py: what it changes in Dagster's behaviour (its imports are checked in test_definitions)."""
+"""orchestration/private_api.py: what it changes in Dagster's behaviour (test_definitions checks its imports)."""
 
 import os
 import threading

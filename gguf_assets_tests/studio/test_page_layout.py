@@ -63,7 +63,8 @@ def studio(finished_project, tmp_path_factory):
 
     paths = copy_project(finished_project[0], tmp_path_factory.mktemp("layout") / "project")
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "gguf_assets.studio", str(paths.root), "--port", str(port)],
+    proc = subprocess.Popen([sys.executable, "-m", "gguf_assets.studio", str(paths.root), "--port", str(port),
+                             "--no-spare-run"],  # no test here needs a run loaded ahead: it would only take CPU
                             env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_http(f"http://127.0.0.1:{port}/api/status", timeout=60, proc=proc)

@@ -90,7 +90,8 @@ def served(tmp_path_factory, demo_materials_root):
     log = root / "ui.log"
     with open(log, "w") as out:
         ui = subprocess.Popen([*CLI, "ui", str(paths.root), "--port", str(dagster_port), "--studio-port",
-                               str(studio_port), "--tensorboard-port", str(tensorboard_port), "--no-daemon"],
+                               str(studio_port), "--tensorboard-port", str(tensorboard_port), "--no-daemon",
+                               "--no-spare-run"],  # nothing here starts a run: a spare would only take CPU
                               stdout=out, stderr=subprocess.STDOUT, env=cli_env(HF_TOKEN=CANARY),
                               start_new_session=True)
     try:

@@ -10,6 +10,7 @@ import time
 import urllib.error
 import urllib.request
 
+import psutil
 import pytest
 from browser import CHROMIUM, CHROMIUM_ARGS, WIDE, need_browser, shoot_both_widths
 from conftest import cli_env, free_port, stop_with_ctrl_c, wait_for, wait_http
@@ -28,12 +29,16 @@ def _post(url: str, body: bytes, headers: dict) -> tuple[int, dict]:
 def studio(make_project):
     paths = make_project()
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "gguf_assets.studio", str(paths.root), "--port", str(port)],
+    proc = subprocess.Popen([sys.executable, "-m", "gguf_assets.studio", str(paths.root), "--port", str(port),
+                             "--no-spare-run"],  # no test here needs a run loaded ahead: it would only take CPU
                             env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
     try:
         wait_http(base + "/api/status", timeout=60, proc=proc)
         yield paths, base
+        # --no-spare-run: the page's status polls (which load a spare otherwise, test_studio.py) started none
+        spares = [c.cmdline() for c in psutil.Process(proc.pid).children() if "spare_run" in " ".join(c.cmdline())]
+        assert not spares, spares
     finally:
         stop_with_ctrl_c(proc, what="the studio")
 
