@@ -23,6 +23,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+YOUNG_READINGS = 8  # a process's command line is read again at each of its first readings (see read_processes)
 GGUF_TRAINER = re.compile(r"(?:-m gguf_assets\.cli|/gguf-trainer|gguf_assets/cli\.py) (\S+)")
 
 
@@ -32,6 +33,7 @@ class Seen:
     command: str
     test: str
     before_s: float = 0.0  # its CPU seconds when the command started (0 for one started since)
+    readings: int = 1
 
 
 def process_kind(command: str) -> str:
@@ -87,16 +89,24 @@ def read_processes(seen: dict[tuple[str, str], Seen], skip: int) -> None:
             fields = stat[stat.rindex(")") + 2:].split()
             cpu_s = (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
             key = (pid, fields[19])  # a pid with its start time: a reused pid is another process
-            if key in seen:
-                seen[key].cpu_s = max(seen[key].cpu_s, cpu_s)
-                continue
-            # arguments may hold newlines and tabs (a `python -c` program): one line of single spaces, for --raw
+            known = seen.get(key)
+            if known is not None:
+                known.cpu_s = max(known.cpu_s, cpu_s)
+                known.readings += 1
+                if known.readings > YOUNG_READINGS:
+                    continue
+            # Read again while the process is young: one read between its fork and its exec has its parent's
+            # command line and environment. Arguments may hold newlines and tabs (a `python -c` program): one line
+            # of single spaces, for --raw.
             command = " ".join(_read(pid, "cmdline").replace(b"\0", b" ").decode(errors="replace").split())
             test = "-"
             for entry in _read(pid, "environ").split(b"\0"):
                 if entry.startswith(b"PYTEST_CURRENT_TEST="):
                     test = entry.split(b"=", 1)[1].decode(errors="replace").split(" ")[0]
-            seen[key] = Seen(cpu_s, command, test)
+            if known is None:
+                seen[key] = Seen(cpu_s, command, test)
+            elif command:  # (a zombie's is empty)
+                known.command, known.test = command, test
         except (OSError, ValueError, IndexError):
             continue  # it ended between the listing and the reading
 
