@@ -44,6 +44,7 @@ from gguf_assets.lib.project.layout import (
 from gguf_assets.lib.project.settings import Settings, Training
 from gguf_assets.lib.training.adapter import adapter_loss, lr_at, standardize
 from gguf_assets.lib.training.events import LogStep
+from gguf_assets.lib.training.optimizer import adamw
 from gguf_assets.lib.training.train import adapter_shape, build_model, train_adapter
 from gguf_assets.lib.training.train_data import SampleOrder, ShardStream, collate, shard_size, target_stats
 
@@ -98,7 +99,7 @@ def bare_steps_per_s(folders: list[Path], settings: Settings) -> float:
     mean, std, _ = target_stats(folders, sigma_floor=t.sigma_floor)
     model.target_mean.copy_(mean)
     model.target_std.copy_(std)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=t.learning_rate, weight_decay=t.weight_decay)
+    optimizer = adamw(model.parameters(), lr=t.learning_rate, weight_decay=t.weight_decay)
     stream = ShardStream(folders, SampleOrder([shard_size(f) for f in folders], t.seed))
     batches = [collate(stream.samples(s * t.batch_size, t.batch_size), torch.device("cpu")) for s in range(t.steps)]
     stream.close()

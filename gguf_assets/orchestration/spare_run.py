@@ -26,11 +26,10 @@ from pathlib import Path
 from gguf_assets.orchestration.processes import RUN_CHILD_ENV
 
 GO = "run"
-# What a run loads before its first step, and nothing that reads the project: torch.optim's first optimizer
-# loads torch._dynamo (about a second on its own), training's curves TensorBoard's writer; gguf_assets.definitions
-# reads project.yaml, so it loads at the go.
-PRELOAD = ("gguf_assets.orchestration.launching", "gguf_assets.lib.training.train", "torch._dynamo",
-           "torch.utils.tensorboard")
+# What a run loads before its first step, and nothing that reads the project: training's curves TensorBoard's
+# writer; gguf_assets.definitions reads project.yaml, so it loads at the go. (Not torch._dynamo: the trainer's
+# optimizer no longer loads it, lib/training/optimizer.py; a run that precomputes loads it with transformers.)
+PRELOAD = ("gguf_assets.orchestration.launching", "gguf_assets.lib.training.train", "torch.utils.tensorboard")
 
 
 def spare_command(project: Path, log_file: Path, run_args: list[str]) -> list[str]:

@@ -60,6 +60,7 @@ from gguf_assets.lib.training.events import (
     TrainingEvent,
     Validation,
 )
+from gguf_assets.lib.training.optimizer import adamw
 from gguf_assets.lib.training.stops import StopHold, is_stop
 from gguf_assets.lib.training.train_data import (
     Batch,
@@ -287,7 +288,7 @@ class _TrainingRun:
         atomic.remove_stale_temps(self.run_dir)
         shape = adapter_shape(self.settings, self.train_folders)
         self.model = build_model(shape, seed=t.seed, grad_checkpoint=t.grad_checkpoint).to(self.device)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.learning_rate, weight_decay=t.weight_decay)
+        self.optimizer = adamw(self.model.parameters(), lr=t.learning_rate, weight_decay=t.weight_decay)
         self.sizes = [shard_size(f) for f in self.train_folders]
         train_id, val_id = shards_identity(self.train_folders), shards_identity(self.val_folders)
         # The whole settings snapshot too (by its hash): `gguf-trainer runs` diffs a run against project.yaml by it,
