@@ -27,11 +27,19 @@ def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 
 
 def status_of(root: Path) -> dict[str, tuple[str, str]]:
-    """`gguf-trainer status` as {stage: (state, detail)}."""
-    done = cli("status", str(root))
-    assert done.returncode == 0, done.stderr
+    """`gguf-trainer status` as {stage: (state, detail)}, asked in this process (the command's own code: its stage
+    lines are what is read here; the console tests run it as a process)."""
+    import argparse
+    import contextlib
+    import io
+
+    from gguf_assets.cli import cmd_status
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert cmd_status(argparse.Namespace(project=str(root))) == 0
     rows = {}
-    for line in done.stdout.splitlines():
+    for line in printed.getvalue().splitlines():
         parts = line.split(maxsplit=2)
         if len(parts) >= 2 and parts[0] in ("materials", "corpus", "train_shards", "val_shards", "adapter", "gguf",
                                             "eval_report"):
