@@ -82,6 +82,7 @@ from dagster._core.workspace.load_target import InProcessWorkspaceLoadTarget, Mo
 from dagster._grpc.types import ExecuteRunArgs
 from dagster._serdes import pack_value, serialize_value, unpack_value
 from dagster._utils.hosted_user_process import recon_job_from_origin
+from sqlalchemy.pool import NullPool
 
 __all__ = [
     "ASSET_CHECK_EVENTS", "ASSET_EVENTS", "ExecuteRunArgs", "RunTagsTable", "SqlEventLogStorageTable",
@@ -112,8 +113,6 @@ class _EngineCache:
         self._lock = threading.Lock()
 
     def __call__(self, url, **options):
-        from sqlalchemy.pool import NullPool
-
         if options.get("poolclass") is not NullPool:
             return self.create_engine(url, **options)
         key = (str(url), repr(sorted(options.items())))

@@ -6,7 +6,7 @@ decorator (torch/_compile.py), and Adam's step in a grad-mode wrapper that marks
 1 CPU s, the largest part of a training run's start when nothing else needs it (a run that precomputes loads it
 anyway: transformers does). Outside torch.compile, which the trainer never uses, the first only calls the method
 and the second sets the grad mode. So the methods get themselves as their cached "disabled" form (the attribute the
-decorator looks up before importing), and the step runs Adam's own step under ``torch.no_grad()``. Where torch's
+decorator looks up before importing), and the step runs Adam's own step in the grad mode the wrapper sets. Where torch's
 code is not laid out so (another torch), plain torch.optim.AdamW is used. test_optimizer.py compares the weights
 with torch's own AdamW.
 """
@@ -20,25 +20,18 @@ from collections.abc import Iterable
 import torch
 
 
-def _undecorated(name: str, decorator):
-    """Adam's ``name`` method without ``decorator`` (and torch's profiling hook), or None if it is not so wrapped."""
-    method = vars(torch.optim.Adam).get(name) or vars(torch.optim.Optimizer).get(name)
-    wrapper_code = decorator(lambda: None).__code__
-    chain, current = [], method
-    while current is not None:
-        chain.append(current)
-        current = getattr(current, "__wrapped__", None)
-    if not any(getattr(f, "__code__", None) is wrapper_code for f in chain):
-        return None
-    return inspect.unwrap(method)
-
-
 def _adam_step():
+    """Adam's own step, without the grad-mode wrapper (nor torch's profiling hook), or None where it is not so
+    wrapped."""
     try:
         from torch.optim.optimizer import _use_grad_for_differentiable
     except ImportError:
         return None
-    return _undecorated("step", _use_grad_for_differentiable)
+    wrapper_code = _use_grad_for_differentiable(lambda: None).__code__
+    method = current = vars(torch.optim.Adam).get("step")
+    while current is not None and getattr(current, "__code__", None) is not wrapper_code:
+        current = getattr(current, "__wrapped__", None)
+    return inspect.unwrap(method) if current is not None else None
 
 
 _ADAM_STEP = _adam_step()
