@@ -25,6 +25,17 @@ def _post(url: str, body: bytes, headers: dict) -> tuple[int, dict]:
         return error.code, json.load(error)
 
 
+def _command_lines(processes) -> list[str]:
+    """Their command lines, leaving out any that ended meanwhile (a run the test started and the studio reaped)."""
+    lines = []
+    for process in processes:
+        try:
+            lines.append(" ".join(process.cmdline()))
+        except psutil.Error:
+            pass
+    return lines
+
+
 @pytest.fixture
 def studio(make_project):
     paths = make_project()
@@ -37,8 +48,7 @@ def studio(make_project):
         wait_http(base + "/api/status", timeout=60, proc=proc)
         yield paths, base
         # --no-spare-run: the page's status polls (which load a spare otherwise, test_studio.py) started none
-        spares = [c.cmdline() for c in psutil.Process(proc.pid).children() if "spare_run" in " ".join(c.cmdline())]
-        assert not spares, spares
+        assert not [c for c in _command_lines(psutil.Process(proc.pid).children()) if "spare_run" in c]
     finally:
         stop_with_ctrl_c(proc, what="the studio")
 
