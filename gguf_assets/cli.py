@@ -124,10 +124,10 @@ def _memory_line(paths: ProjectPaths, settings, *, ask_hub: bool) -> str:
 
 
 def _hf_token() -> str | None:
-    """The HF token the materials step sends (defs/resources.py reads the same variable); never printed."""
-    from gguf_assets.defs.environment import HF_TOKEN_ENV
+    """The HF token the materials step sends (the same variable, lib/materials/hub.py); never printed."""
+    from gguf_assets.lib.materials.hub import token_from_env
 
-    return os.environ.get(HF_TOKEN_ENV) or None
+    return token_from_env()
 
 
 STOPPED_EXIT = 130  # the shell's code for a Ctrl-C

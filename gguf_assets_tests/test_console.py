@@ -26,18 +26,22 @@ def assert_clean_console(out: str) -> None:
 
 
 @pytest.mark.slow  # the finished reference project, so that status walks every stage
-def test_status_answers_without_loading_torch_or_dagster(finished_project, tmp_path):
+def test_status_answers_without_loading_torch_or_dagster(finished_project, make_project, tmp_path):
     """`gguf-trainer status` reads records and fingerprints only: no torch, dagster or transformers import
-    (they cost seconds before the first line)."""
+    (they cost seconds before the first line), also where it adds the memory line (shards missing), for a
+    mock teacher too (its shape once came with torch), with the HF token read (it once came with dagster)."""
     import sys
 
-    paths = copy_project(finished_project[0], tmp_path / "copy")
+    finished = copy_project(finished_project[0], tmp_path / "copy")
+    fresh = make_project(mock_teacher=True)
     code = ("import sys; from gguf_assets.cli import main; main(['status', sys.argv[1]]); "
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'dagster', 'transformers'}))")
-    out = subprocess.run([sys.executable, "-c", code, str(paths.root)], capture_output=True, text=True,
-                         env=cli_env(), timeout=60, check=True).stdout
-    assert "eval_report  current" in out and "4/4 shards current" in out, out
-    assert out.strip().splitlines()[-1] == "[]", out
+    for paths, expected in ((finished, ("eval_report  current", "4/4 shards current")),
+                            (fresh, ("materials    missing", "memory: peak on one GPU"))):
+        out = subprocess.run([sys.executable, "-c", code, str(paths.root)], capture_output=True, text=True,
+                             env=cli_env(), timeout=60, check=True).stdout
+        assert all(text in out for text in expected), out
+        assert out.strip().splitlines()[-1] == "[]", out
 
 
 @pytest.mark.slow  # a `gguf-trainer run` subprocess (about 10 s)

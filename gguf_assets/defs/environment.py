@@ -8,7 +8,6 @@ from gguf_assets.lib.project.layout import ProjectPaths
 from gguf_assets.lib.project.settings import PROJECT_FILE
 
 PROJECT_ENV = "GGUF_ASSETS_PROJECT"
-HF_TOKEN_ENV = "HF_TOKEN"
 
 
 class EnvironmentMismatch(UserError, RuntimeError):

@@ -1,11 +1,11 @@
 """The per-project config resource (points every asset at its project folder) and the hub credentials."""
 
-import os
 
 import dagster as dg
 from pydantic import Field, PrivateAttr
 
-from gguf_assets.defs.environment import HF_TOKEN_ENV, PROJECT_ENV, project_dir_from_env
+from gguf_assets.defs.environment import PROJECT_ENV, project_dir_from_env
+from gguf_assets.lib.materials.hub import token_from_env
 from gguf_assets.lib.project.layout import ProjectPaths
 from gguf_assets.lib.project.settings import Settings, load_settings
 
@@ -20,7 +20,7 @@ class HubResource(dg.ConfigurableResource):
     # dg.EnvVar when the definitions loaded failed every later run once the variable was unset.)
 
     def read_token(self) -> str | None:
-        return os.environ.get(HF_TOKEN_ENV) or None
+        return token_from_env()
 
 
 class ProjectResource(dg.ConfigurableResource):

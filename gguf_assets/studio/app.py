@@ -281,13 +281,13 @@ def memory_view(paths: ProjectPaths) -> dict:
     """The memory estimate (lib/status/estimate.py), as the page's Memory panel shows it, with where the
     teacher would go on this machine's GPUs and what that costs in speed (`gguf-trainer estimate`'s lines). A hub
     id not downloaded yet is read from the hub once (kept in the project's .cache), within a few seconds."""
-    from gguf_assets.defs.environment import HF_TOKEN_ENV
+    from gguf_assets.lib.materials.hub import token_from_env
     from gguf_assets.lib.materials.hub_shapes import quick_options
     from gguf_assets.lib.status.estimate import estimate, missing_piece, peak_gib, placement_lines, size_text
     from gguf_assets.lib.telemetry.hardware import gpu_snapshot
 
     gpus = gpu_snapshot()
-    hub_access = {"token": os.environ.get(HF_TOKEN_ENV) or None, "options": quick_options()}
+    hub_access = {"token": token_from_env(), "options": quick_options()}
     try:
         settings = load_settings(paths.root)
         lines = estimate(paths, settings, **hub_access)

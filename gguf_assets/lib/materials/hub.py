@@ -53,8 +53,9 @@ DEFAULT_ENDPOINT = "https://huggingface.co"
 REPO_KINDS = ("model", "dataset")
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 COMMIT = re.compile(r"^[0-9a-f]{40}$")
+HF_TOKEN_ENV = "HF_TOKEN"  # the only place the HF token is read from (token_from_env); never stored or shown
 # Variables whose value could make the child send a token other than the one handed to it.
-TOKEN_ENV_VARS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_TOKEN_PATH")
+TOKEN_ENV_VARS = (HF_TOKEN_ENV, "HUGGING_FACE_HUB_TOKEN", "HF_TOKEN_PATH")
 # The pipe on which a child says its imports are done ("r"), then each request it sends ("q") and each answer
 # (response headers) it gets ("a"): the watchdog tells a hub that answers nothing from a slow one.
 READY_FD_ENV = "GGUF_ASSETS_HUB_READY_FD"
@@ -256,6 +257,12 @@ class TransferStats:
     attempts: int = 0
     refetched: int = 0
     seconds: float = 0.0
+
+
+def token_from_env() -> str | None:
+    """The HF token the hub calls send: HF_TOKEN as it is now (read at each call, in the process that calls, so
+    a process that runs several pipelines sees it as it is at each run), or None."""
+    return os.environ.get(HF_TOKEN_ENV) or None
 
 
 def endpoint() -> str:

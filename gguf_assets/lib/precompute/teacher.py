@@ -29,12 +29,10 @@ from gguf_assets.lib.core.errors import UserError
 from gguf_assets.lib.core.quiet import quiet_libraries
 from gguf_assets.lib.precompute.batching import pack_batches, right_padded
 from gguf_assets.lib.project.settings import Settings
-from gguf_assets.lib.project.teacher_choice import TeacherChoice
+from gguf_assets.lib.project.teacher_choice import MOCK_DIM, MOCK_QUERY_ROWS, TeacherChoice
 
 log = logging.getLogger(__name__)
 
-MOCK_QUERY_ROWS = 256
-MOCK_DIM = 64
 MOCK_SEED = 20260101
 GIB = 2**30
 # Share of free memory used when a budget is 0 (auto); transformers' own default is the same.

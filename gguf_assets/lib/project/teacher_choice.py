@@ -18,6 +18,10 @@ from gguf_assets.lib.project.settings import Settings, student_layer_key
 
 MOCK_TEACHER_REPO = "mock-teacher"
 MOCK_TEACHER_COMMIT = "none"
+# The mock teacher's output shape (query rows x width): here, not beside MockTeacher, so that the status's memory
+# line for a mock-teacher project does not load torch (lib/precompute/teacher.py imports it).
+MOCK_QUERY_ROWS = 256
+MOCK_DIM = 64
 
 
 @dataclass(frozen=True)

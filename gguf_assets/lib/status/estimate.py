@@ -28,6 +28,7 @@ from gguf_assets.lib.materials import query_rows as qr
 from gguf_assets.lib.materials.materials import load_manifest
 from gguf_assets.lib.project.layout import ProjectPaths
 from gguf_assets.lib.project.settings import Settings, student_layers
+from gguf_assets.lib.project.teacher_choice import MOCK_DIM, MOCK_QUERY_ROWS
 
 GIB = 2**30
 BYTES = {"bf16": 2, "f16": 2, "f32": 4}
@@ -253,8 +254,6 @@ def estimate(paths: ProjectPaths, settings: Settings, *, token: str | None = Non
         try:
             student_dim = qr.teacher_hidden_size(student.folder)
             if p.mock_teacher:
-                from gguf_assets.lib.precompute.teacher import MOCK_DIM, MOCK_QUERY_ROWS
-
                 shape = MOCK_QUERY_ROWS, MOCK_DIM, ""
             else:
                 shape = _rows_shape(paths, settings, teacher.folder, token=token, options=options, ask_hub=ask_hub)
