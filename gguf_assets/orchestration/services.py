@@ -158,6 +158,9 @@ def check_ports_free(host: str, ports: dict[str, int]) -> None:
 
     for option, port in ports.items():
         with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+            # As the servers bind (uvicorn, werkzeug): the connections a just-stopped `ui` left in TIME_WAIT do not
+            # count, a server listening there does. Without it a `ui` started again within a minute was refused.
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 probe.bind((host, port))
             except OSError as exc:
@@ -166,10 +169,18 @@ def check_ports_free(host: str, ports: dict[str, int]) -> None:
                                 "the other one.") from None
 
 
+# Dagster's servers log every sensor tick and code-server start at INFO, several lines a minute, into the console
+# of `ui` and `auto-resume` (or a boot service's journal), where they buried what the user must read. Warnings and
+# errors still show; each tick, with why it skipped or what it launched, is in the UI (Automation, the sensor's
+# ticks), and each run's events in its page.
+DAGSTER_SERVER_LOG_LEVEL = "warning"
+
+
 def webserver_command(host: str, port: int, allow_hosts: list[str] = ()) -> list[str]:
     """Dagster's own webserver behind the studio's guard (the Host allow-list, the Origin check, the body cap)."""
     return [sys.executable, "-m", "gguf_assets.studio.dagster_ui", "--host", host, "--port", str(port),
-            *_allow_host_args(allow_hosts)]
+            *_allow_host_args(allow_hosts), "--dagster-log-level", DAGSTER_SERVER_LOG_LEVEL,
+            "--code-server-log-level", DAGSTER_SERVER_LOG_LEVEL]
 
 
 def _allow_host_args(allow_hosts: list[str]) -> list[str]:
@@ -177,4 +188,4 @@ def _allow_host_args(allow_hosts: list[str]) -> list[str]:
 
 
 def daemon_command() -> list[str]:
-    return [venv_tool("dagster-daemon"), "run", "-m", DEFINITIONS_MODULE]
+    return [venv_tool("dagster-daemon"), "run", "-m", DEFINITIONS_MODULE, "--log-level", DAGSTER_SERVER_LOG_LEVEL]

@@ -1,12 +1,14 @@
 """Stopping the servers `ui` and `--auto-resume` start: every process of their groups is gone when it returns."""
 
+import socket
 import subprocess
 import sys
 import time
 
 import psutil
+import pytest
 
-from gguf_assets.orchestration.services import stop_services
+from gguf_assets.orchestration.services import PortTaken, check_ports_free, stop_services
 
 # A server whose helper (as Dagster's code servers are to its webserver and daemon) outlives it: the leader exits at
 # once on SIGTERM, its child in the same process group takes ``linger`` s, or ignores SIGTERM when ``linger`` < 0.
@@ -58,3 +60,23 @@ def test_a_member_that_ignores_sigterm_is_killed_after_the_grace():
     stop_services([server], grace_s=1.0)
     assert _gone(helper) and server.poll() is not None
     assert time.monotonic() - started < 20  # the grace, then SIGKILL: not a wait for the helper's 600 s
+
+
+def test_a_port_left_in_time_wait_by_a_stopped_server_is_free_and_a_listening_one_is_taken():
+    """A `ui` stopped and started again at once: the connections its servers closed wait in TIME_WAIT on their ports
+    for a minute, and the servers bind over them (SO_REUSEADDR); the check must not refuse what they would take."""
+    server = socket.socket()
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    port = server.getsockname()[1]
+    with pytest.raises(PortTaken, match=f"127.0.0.1:{port} is already in use.*--port N"):
+        check_ports_free("127.0.0.1", {"--port": port})
+    client = socket.create_connection(("127.0.0.1", port))
+    accepted, _ = server.accept()
+    accepted.close()  # the server closes first, as a stopped server does: its side of the connection is in TIME_WAIT
+    client.close()
+    server.close()
+    states = {c.status for c in psutil.net_connections("tcp4") if c.laddr and c.laddr.port == port}
+    assert psutil.CONN_TIME_WAIT in states, states
+    check_ports_free("127.0.0.1", {"--port": port})
