@@ -108,6 +108,8 @@ def test_auto_resume_serves_the_ui_and_its_daemon_fails_runs_cut_off_later(finis
             proc.kill()
             raise AssertionError("gguf-trainer --auto-resume did not stop within 30 s of Ctrl-C")
     assert "marked 0 interrupted run(s)" in out and "starting dagster-daemon" in out
+    # The sensor ticked (it failed the run), and the webserver and the daemon served: none of their INFO lines.
+    assert "INFO" not in out, out
     assert all(s.state == "current" for s in _status(paths)), out
     _, alive = psutil.wait_procs(children, timeout=10)
     assert not alive, f"left running: {[c.cmdline() for c in alive]}"
