@@ -1,6 +1,5 @@
 """The per-project config resource (points every asset at its project folder) and the hub credentials."""
 
-
 import dagster as dg
 from pydantic import Field, PrivateAttr
 
