@@ -77,6 +77,12 @@ def test_a_port_left_in_time_wait_by_a_stopped_server_is_free_and_a_listening_on
     accepted.close()  # the server closes first, as a stopped server does: its side of the connection is in TIME_WAIT
     client.close()
     server.close()
-    states = {c.status for c in psutil.net_connections("tcp4") if c.laddr and c.laddr.port == port}
-    assert psutil.CONN_TIME_WAIT in states, states
+
+    def states() -> set[str]:
+        return {c.status for c in psutil.net_connections("tcp4") if c.laddr and c.laddr.port == port}
+
+    deadline = time.monotonic() + 10  # the client's FIN reaches the closed side at once, but a loaded machine lags
+    while psutil.CONN_TIME_WAIT not in states() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert psutil.CONN_TIME_WAIT in states(), states()
     check_ports_free("127.0.0.1", {"--port": port})
