@@ -109,11 +109,12 @@ def _print_status(paths: ProjectPaths, *, ask_hub: bool = False) -> None:
 def _memory_line(paths: ProjectPaths, settings, *, ask_hub: bool) -> str:
     """The memory estimate in one status line (`gguf-trainer estimate DIR` has the details); a hub that does not
     answer within a few seconds makes it one line saying so, never a slow or failed status."""
+    from gguf_assets.lib.materials.hub import token_from_env
     from gguf_assets.lib.materials.hub_shapes import quick_options
     from gguf_assets.lib.status.estimate import estimate, missing_piece, peak_gib, size_text
 
-    try:
-        lines = estimate(paths, settings, token=_hf_token(), options=quick_options(), ask_hub=ask_hub)
+    try:  # the HF token the materials step sends; never printed
+        lines = estimate(paths, settings, token=token_from_env(), options=quick_options(), ask_hub=ask_hub)
     except (UserError, OSError, ValueError, KeyError) as exc:
         return f"  memory: not known yet ({str(exc).splitlines()[0]})"
     if missing_piece(lines):
@@ -121,13 +122,6 @@ def _memory_line(paths: ProjectPaths, settings, *, ask_hub: bool) -> str:
     parts = ", ".join(f"{line.part} {size_text(line.gib)}" for line in lines)
     return (f"  memory: peak on one GPU {size_text(peak_gib(lines))} ({parts}); details: "
             f"`{trainer('estimate', paths.root)}`")
-
-
-def _hf_token() -> str | None:
-    """The HF token the materials step sends (the same variable, lib/materials/hub.py); never printed."""
-    from gguf_assets.lib.materials.hub import token_from_env
-
-    return token_from_env()
 
 
 STOPPED_EXIT = 130  # the shell's code for a Ctrl-C
@@ -350,6 +344,7 @@ def cmd_auto_resume(project: str, *, daemon: bool, ui_port: int | None = None, u
 
 def cmd_estimate(args: argparse.Namespace) -> int:
     """How much memory the project's pair needs, from the safetensors headers, before anything loads."""
+    from gguf_assets.lib.materials.hub import token_from_env
     from gguf_assets.lib.status.estimate import estimate_lines, parse_gpu_sizes
     from gguf_assets.lib.status.time_estimate import time_lines
 
@@ -357,7 +352,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     settings = load_settings(paths.root)
     sizes = parse_gpu_sizes(args.gpus) if args.gpus is not None else None
     print(f"memory estimate for {paths.root} (weights and training state; activations come on top):")
-    print("\n".join(estimate_lines(paths, settings, gpu_sizes_gib=sizes, token=_hf_token())))
+    print("\n".join(estimate_lines(paths, settings, gpu_sizes_gib=sizes, token=token_from_env())))
     print("time estimate:\n" + "\n".join(f"  {line}" for line in time_lines(paths, settings)))
     return 0
 
