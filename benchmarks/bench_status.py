@@ -7,6 +7,9 @@ tensors in the real on-disk format, with the records the precompute writes; then
   process's ``rchar`` (/proc/self/io), its time is wall time;
 - baseline: sha256 of every shard file, which is what each status cost before the stamps.
 
+Then project.yaml's load (``load_settings``: every stage's process, `status` and the studio's polls read it, several
+times each) with libyaml's parser, against PyYAML's pure-Python one, which it used before, in the same run.
+
 The teacher half here holds 256 query rows x 128 dims in f16 (64 KiB a prompt); a real
 teacher's rows are 2048 or more wide, so real shards are larger and the ratio smaller still.
 
@@ -105,6 +108,27 @@ def measure(paths: ProjectPaths) -> dict:
             "shard_bytes": sum(f.stat().st_size for f in files)}
 
 
+def settings_load_ms(paths: ProjectPaths, loops: int = 50) -> tuple[float, float]:
+    """Milliseconds per ``load_settings`` of this project: as it reads the file, and with the pure-Python loader."""
+    import yaml
+
+    from gguf_assets.lib.project import settings
+
+    def per_load() -> float:
+        settings.load_settings(paths.root)
+        began = time.perf_counter()
+        for _ in range(loops):
+            settings.load_settings(paths.root)
+        return (time.perf_counter() - began) / loops * 1000
+
+    fast = per_load()
+    chosen, settings._FAST_LOADER = settings._FAST_LOADER, yaml.SafeLoader
+    try:
+        return fast, per_load()
+    finally:
+        settings._FAST_LOADER = chosen
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="20 and 80 shards")
@@ -123,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
             failed |= fraction >= MAX_READ_FRACTION
             rows.append((n, r["shard_bytes"] / 2**20, r["status_bytes"] / 2**10, 100 * fraction, r["status_s"],
                          r["baseline_s"], r["status_s"] / r["baseline_s"]))
+        load_ms, python_loader_ms = settings_load_ms(paths)
     print(f"{'shards':>7} {'shard MiB':>10} {'status read KiB':>16} {'% of shards':>12} {'status s':>9} "
           f"{'hash-all s':>11} {'status/hash-all':>16}")
     for n, mib, kib, pct, status_s, base_s, ratio in rows:
@@ -130,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     per_shard = [r[4] / r[0] for r in rows]
     print(f"status seconds per shard: {', '.join(f'{x * 1000:.2f} ms' for x in per_shard)} "
           f"(hash-all reads every byte: its time grows with the bytes)")
+    print(f"project.yaml load: {load_ms:.2f} ms; with the pure-Python YAML loader {python_loader_ms:.2f} ms; "
+          f"ratio {load_ms / python_loader_ms:.3f}")
     if failed:
         print(f"FAIL: status read {MAX_READ_FRACTION:.0%} or more of the shard bytes", file=sys.stderr)
     return 1 if failed else 0

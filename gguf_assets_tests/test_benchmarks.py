@@ -70,6 +70,8 @@ def test_status_reads_under_one_percent_of_the_shard_bytes():
     rows = [line.split() for line in out.splitlines() if line.split() and line.split()[0].isdigit()]
     assert [int(r[0]) for r in rows] == [20, 80]
     assert all(float(r[3].rstrip("%")) < 1.0 for r in rows), out
+    load_ms, python_ms, ratio = _figures(out, "project.yaml load: # ms; with the pure-Python YAML loader # ms; ratio #")
+    assert load_ms > 0 and _quotient_ok(ratio, load_ms, python_ms, unit_a=0.01, unit_b=0.01, unit_q=0.001), out
 
 
 # Not `serial`: its CPU seconds are this process's own, and the test checks that the verdict follows from the

@@ -20,6 +20,7 @@ from gguf_assets.lib.project.settings import (
     replace,
     section_fields,
     settings_from_dict,
+    settings_from_text,
     settings_reference_markdown,
     write_project_file,
 )
@@ -294,6 +295,19 @@ def test_invalid_yaml_gives_file_and_line(tmp_path):
     m = re.search(re.escape(str(path)) + r":(\d+)", msg)
     assert m, msg
     assert 4 <= int(m.group(1)) <= 6  # the unclosed list on line 4 is reported where the parser gives up
+
+
+def test_a_tab_is_named_in_the_message_and_libyaml_reads_files_as_the_python_loader_does(tmp_path):
+    """The file is read by libyaml (fast); a refusal is worded by the pure-Python loader, which names the
+    character (libyaml's text leaves it out), and a valid file gives the same settings either way."""
+    assert S._FAST_LOADER is yaml.CSafeLoader  # PyYAML's wheels include libyaml; without it the speed-up is gone
+    path = _write(tmp_path, "training:\n\tsteps: 1\n")
+    with pytest.raises(SettingsError) as info:
+        load_settings(tmp_path)
+    assert str(info.value) == f"{path}:2: not valid YAML (found character '\\t' that cannot start any token)"
+    text = render_yaml(replace(Settings(), materials={"teacher": "a/b", "student": "c/d"}, training={"steps": 7}))
+    assert yaml.load(text, Loader=S._FAST_LOADER) == yaml.safe_load(text)
+    assert settings_from_text(path, text).to_dict() == settings_from_dict(yaml.safe_load(text)).to_dict()
 
 
 def test_bool_given_as_string_is_rejected(tmp_path):
