@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from filelock import FileLock
+from warm_runs import trainer_run
 
 from gguf_assets.lib.demo.demo import QUARTER_SIZES, build_demo_materials, demo_settings
 from gguf_assets.lib.project.layout import ProjectPaths
@@ -122,7 +123,7 @@ def _build_finished_project(tmp_path_factory, worker_id, demo_materials_root) ->
     def build(folder: Path) -> str:
         root = new_demo_project(folder, demo_materials_root, **FAULT_SETTINGS).root
         start = time.perf_counter()
-        subprocess.run([*CLI, "run", str(root)], env=cli_env(), check=True, capture_output=True, timeout=600)
+        trainer_run(["run", str(root)], env=cli_env(), check=True, capture_output=True, timeout=600)
         return str(time.perf_counter() - start)
 
     root, seconds = built_once(tmp_path_factory, worker_id, "reference", build)

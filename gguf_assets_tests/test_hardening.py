@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import CLI, cli_env, copy_project, pipeline_outputs, wait_for
+from warm_runs import trainer_popen, trainer_run
 
 from gguf_assets.lib.corpus.prompt_files import CorpusError, read_prompt_file
 from gguf_assets.lib.output.export import ExportError, check_file_name
@@ -23,6 +24,8 @@ GGUF = "output/demo-adapter.gguf"
 
 
 def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    if args[0] == "run":  # a warm run where it can be one (warm_runs.py)
+        return trainer_run(list(args), capture_output=True, text=True, env=cli_env(), timeout=timeout)
     return subprocess.run([*CLI, *args], capture_output=True, text=True, env=cli_env(), timeout=timeout)
 
 
@@ -318,8 +321,8 @@ def test_a_disk_that_fills_during_training_is_one_line_and_the_next_run_finishes
     shutil.rmtree(paths.root / "checkpoints")
     shutil.rmtree(paths.root / "output")
     # Training stalls after step 10, while the disk (project and Dagster storage alike) is filled.
-    proc = subprocess.Popen([*CLI, "run", str(paths.root)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True, env=cli_env(GGUF_ASSETS_FAULT="train-step@11:stall:10"))
+    proc = trainer_popen(["run", str(paths.root)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         start_new_session=True, env=cli_env(GGUF_ASSETS_FAULT="train-step@11:stall:10"))
     seen = []
     for line in proc.stdout:
         seen.append(line)

@@ -1,5 +1,6 @@
 """The test harness itself: what scripts/test.sh relies on from pytest and pytest-xdist."""
 
+import os
 import re
 import subprocess
 import sys
@@ -85,3 +86,38 @@ def test_suite_cpu_names_the_suites_processes_by_kind():
         "/w/.venv/bin/python -m http.server 0": "python -m http.server",
     }
     assert {command: suite_cpu.process_kind(command) for command in kinds} == kinds
+
+
+def test_a_warm_run_says_what_a_cold_run_says_and_dies_as_a_process_of_its_own_group(make_project):
+    """warm_runs.py (#34): a `run` forked by the test process's loader is the run process itself, so its refusal of
+    a bad project.yaml is the cold run's, word for word and with its status; it leads a process group of its own and
+    its kill -9 comes back as the status; and a request whose environment a loaded library would read differently
+    (HF_HOME here) starts the command cold."""
+    import signal
+
+    from conftest import CLI, FAULT_SETTINGS, cli_env
+    from warm_runs import WarmRun, trainer_popen, trainer_run
+
+    paths = make_project(**FAULT_SETTINGS)
+    good = (paths.root / "project.yaml").read_text()
+    (paths.root / "project.yaml").write_text(good.replace("steps: 40", "steps: -5"))
+    warm = trainer_run(["run", str(paths.root)], env=cli_env(), capture_output=True, text=True, timeout=120)
+    cold = subprocess.run([*CLI, "run", str(paths.root)], env=cli_env(), capture_output=True, text=True, timeout=120)
+    assert "steps" in warm.stderr and warm.returncode == cold.returncode == 2, warm.stderr
+    assert warm.stderr == cold.stderr and isinstance(warm.args, list) and warm.args[0] == "run"
+
+    (paths.root / "project.yaml").write_text(good)
+    run = trainer_popen(["run", str(paths.root)], env=cli_env(), stdout=subprocess.PIPE,
+                        stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        assert isinstance(run, WarmRun) and os.getpgid(run.pid) == run.pid and run.poll() is None
+    finally:
+        os.killpg(run.pid, signal.SIGKILL)
+    out, _ = run.communicate(timeout=60)
+    assert run.returncode == -signal.SIGKILL, out
+
+    hf_home = cli_env(HF_HOME=str(paths.root / "hf-home"))
+    refused = trainer_popen(["run", str(paths.root / "no-such-folder")], env=hf_home, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    _, stderr = refused.communicate(timeout=120)
+    assert not isinstance(refused, WarmRun) and refused.args[:3] == CLI and refused.returncode == 2, stderr

@@ -2,11 +2,11 @@
 suite's one full-size real-teacher pipeline) recorded in its project's own Dagster instance, and that a second run
 has nothing to do."""
 
-import subprocess
 
 import dagster as dg
 import pytest
-from conftest import CLI, cli_env, copy_project, project_instance
+from conftest import cli_env, copy_project, project_instance
+from warm_runs import trainer_run
 
 from gguf_assets.lib.core import atomic
 from gguf_assets.lib.project.layout import REPORT_JSON, ProjectPaths
@@ -103,7 +103,7 @@ def test_a_second_run_of_the_finished_demo_launches_nothing(demo_run, tmp_path, 
     paths = copy_project(project, tmp_path / "again")
     monkeypatch.setenv("DAGSTER_HOME", str(paths.dagster_home))
     runs_before = len(project_instance(paths).get_run_records())
-    again = subprocess.run([*CLI, "run", str(paths.root)], capture_output=True, text=True, env=cli_env(), timeout=300)
+    again = trainer_run(["run", str(paths.root)], capture_output=True, text=True, env=cli_env(), timeout=300)
     assert again.returncode == 0, again.stdout + again.stderr
     assert len(project_instance(paths).get_run_records()) == runs_before, again.stdout
     assert "val centred cosine:" in again.stdout  # the result is still shown

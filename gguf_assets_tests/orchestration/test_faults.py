@@ -19,6 +19,7 @@ import pytest
 import torch
 from conftest import CLI, FAULT_SETTINGS, cli_env, pipeline_outputs
 from safetensors.torch import load as safetensors_load
+from warm_runs import trainer_popen, trainer_run
 
 from gguf_assets.lib.core import atomic, faults
 from gguf_assets.lib.materials.hub import INCOMPLETE_SUFFIX, HubOptions
@@ -36,7 +37,8 @@ SEED = int(os.environ.get("GGUF_FAULT_SEED", time.time_ns() % 100_000))
 def _resume(root: Path, *, auto_resume: bool = True) -> None:
     """`gguf-trainer --auto-resume` (as at boot) or a plain `gguf-trainer run` (the first command a user types)."""
     command = ["--auto-resume", str(root), "--no-daemon"] if auto_resume else ["run", str(root)]
-    resumed = subprocess.run([*CLI, *command], env=cli_env(), capture_output=True, text=True, timeout=600)
+    resumed = (subprocess.run([*CLI, *command], env=cli_env(), capture_output=True, text=True, timeout=600)
+               if auto_resume else trainer_run(command, env=cli_env(), capture_output=True, text=True, timeout=600))
     assert resumed.returncode == 0, f"seed {SEED}: {resumed.stdout}\n{resumed.stderr}"
     assert not list(root.rglob(f"{atomic.TEMP_PREFIX}*")), "temp files left after the rerun"
 
@@ -55,8 +57,9 @@ def test_sigkill_at_random_moments_then_auto_resume_gives_identical_outputs(make
     table = []
     for command in (["run", str(project.root)], ["--auto-resume", str(project.root), "--no-daemon"]):
         delay = rng.uniform(0.5, duration * 0.9)
-        proc = subprocess.Popen([*CLI, *command], env=cli_env(), stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL, start_new_session=True)
+        start = trainer_popen if command[0] == "run" else lambda args, **kw: subprocess.Popen([*CLI, *args], **kw)
+        proc = start(command, env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                     start_new_session=True)
         time.sleep(delay)
         finished_first = proc.poll() is not None
         try:
@@ -110,8 +113,8 @@ def test_sigkill_at_each_named_point_in_turn_then_a_plain_run_gives_identical_ou
     for point, torn_glob in NAMED_POINTS:
         fault = faults.Fault(point, nth=rng.randint(1, _visits_left(project.root, point)), action="kill",
                              fraction=round(rng.random(), 3))
-        killed = subprocess.run([*CLI, "run", str(project.root)], env=cli_env(**{faults.ENV: fault.render()}),
-                                capture_output=True, text=True, timeout=600, start_new_session=True)
+        killed = trainer_run(["run", str(project.root)], env=cli_env(**{faults.ENV: fault.render()}),
+                             capture_output=True, text=True, timeout=600, start_new_session=True)
         assert killed.returncode == -signal.SIGKILL, f"{fault.render()} did not kill the run: {killed.stderr[-2000:]}"
         if torn_glob:  # the kill left a torn write where the point sits, cut to the drawn fraction
             torn = list(project.root.glob(torn_glob))

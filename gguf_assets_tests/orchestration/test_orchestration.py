@@ -18,6 +18,7 @@ import psutil
 import pytest
 from conftest import CLI, FAULT_SETTINGS, cli_env, copy_project, pipeline_outputs, project_instance, wait_for
 from test_console import assert_clean_console
+from warm_runs import trainer_run
 
 from gguf_assets.orchestration.run_tags import PID_TAG
 
@@ -43,8 +44,7 @@ def _kill9_during_training(paths, *, refuse_second: bool = False) -> None:
         wait_for(lambda: any(paths.root.glob("checkpoints/*/step-00000010")), timeout=240,
                  what="the second checkpoint", proc=proc)
         if refuse_second:  # one pipeline per folder: a second one is refused and names the holder
-            second = subprocess.run([*CLI, "run", str(paths.root)], capture_output=True, text=True, env=cli_env(),
-                                    timeout=120)
+            second = trainer_run(["run", str(paths.root)], capture_output=True, text=True, env=cli_env(), timeout=120)
             assert second.returncode != 0
             assert "in use by another pipeline" in second.stderr
             # The holder is the process that executes the pipeline: `gguf-trainer run`'s own child.
@@ -93,7 +93,7 @@ def test_sigterm_then_kill9_then_a_plain_run_is_byte_identical(make_project, ref
     assert len(_runs(paths, dg.DagsterRunStatus.STARTED)) == 1, "Dagster leaves a killed run STARTED"
 
     started = time.monotonic()
-    done = subprocess.run([*CLI, "run", str(paths.root)], capture_output=True, text=True, env=cli_env(), timeout=600)
+    done = trainer_run(["run", str(paths.root)], capture_output=True, text=True, env=cli_env(), timeout=600)
     print(f"plain run after the kill: {time.monotonic() - started:.1f} s")
     assert done.returncode == 0, done.stdout + done.stderr
     assert_clean_console(done.stdout + done.stderr)
@@ -214,7 +214,7 @@ def test_a_copied_project_is_independent_of_its_original(finished_project, tmp_p
     # The edit undone (the content settles it again), a run in the copy exports the GGUF again into the copy: the
     # whole pipeline redone from a new student would prove nothing more about where the copy writes.
     student.write_bytes(weights)
-    done = subprocess.run([*CLI, "run", str(copy_root)], capture_output=True, text=True, env=cli_env(), timeout=600)
+    done = trainer_run(["run", str(copy_root)], capture_output=True, text=True, env=cli_env(), timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"GGUF:    {copy_root}/output/demo-adapter.gguf" in done.stdout
     assert (copy_root / "output" / "demo-adapter.gguf").is_file()
@@ -329,6 +329,6 @@ def test_terminate_in_the_ui_and_ctrl_c_stop_a_cli_run_canceled_and_resumable(sh
     statuses = [r.status for r in _runs(paths, dg.DagsterRunStatus.CANCELED, dg.DagsterRunStatus.FAILURE)]
     assert statuses == [dg.DagsterRunStatus.CANCELED] * 2, statuses
 
-    done = subprocess.run([*CLI, "run", str(paths.root)], capture_output=True, text=True, env=cli_env(), timeout=600)
+    done = trainer_run(["run", str(paths.root)], capture_output=True, text=True, env=cli_env(), timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     assert pipeline_outputs(paths.root) == reference_run[0]

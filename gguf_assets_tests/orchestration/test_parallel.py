@@ -87,6 +87,7 @@ def test_killing_only_the_workers_leader_refuses_a_new_run_until_its_workers_are
     import subprocess
 
     from conftest import CLI, FAULT_SETTINGS, cli_env, pipeline_outputs, wait_for
+    from warm_runs import trainer_run
 
     from gguf_assets.lib.core.lock import is_locked
 
@@ -110,13 +111,12 @@ def test_killing_only_the_workers_leader_refuses_a_new_run_until_its_workers_are
     finally:
         os.kill(proc.pid, signal.SIGKILL)  # the leader only: the worker runs are not in its process group
         proc.wait()
-    refused = subprocess.run([*CLI, "run", str(paths.root)], capture_output=True, text=True, env=cli_env(),
-                             timeout=120)
+    refused = trainer_run(["run", str(paths.root)], capture_output=True, text=True, env=cli_env(), timeout=120)
     assert refused.returncode == 2, refused.stdout + refused.stderr
     assert "still written by the worker runs of an earlier pipeline" in refused.stderr, refused.stderr
     assert "Traceback" not in refused.stderr
     wait_for(lambda: not is_locked(paths.lock_file), timeout=240, what="the worker runs to finish")
-    done = subprocess.run([*CLI, "run", str(paths.root)], capture_output=True, text=True, env=cli_env(), timeout=600)
+    done = trainer_run(["run", str(paths.root)], capture_output=True, text=True, env=cli_env(), timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     assert pipeline_outputs(paths.root) == reference_run[0]
 
@@ -129,6 +129,7 @@ def test_a_killed_worker_is_named_with_its_shard_and_the_next_run_continues(make
     import subprocess
 
     from conftest import CLI, FAULT_SETTINGS, cli_env, pipeline_outputs, project_instance, wait_for
+    from warm_runs import trainer_run
 
     from gguf_assets.orchestration import run_tags
 
@@ -158,6 +159,6 @@ def test_a_killed_worker_is_named_with_its_shard_and_the_next_run_continues(make
     assert "worker 1/2 (run " in out and "stopped, at shard train/00000: its process was killed" in out, out
     assert "gguf-trainer run " in out and "continues with the rest" in out, out
     assert "\x1b[" not in out and "code_server" not in out, out  # no library noise on the console
-    done = subprocess.run([*CLI, "run", str(paths.root)], capture_output=True, text=True, env=cli_env(), timeout=600)
+    done = trainer_run(["run", str(paths.root)], capture_output=True, text=True, env=cli_env(), timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     assert pipeline_outputs(paths.root) == reference_run[0]
