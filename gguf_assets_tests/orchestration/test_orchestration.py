@@ -18,7 +18,7 @@ import psutil
 import pytest
 from conftest import CLI, FAULT_SETTINGS, cli_env, copy_project, pipeline_outputs, project_instance, wait_for
 from test_console import assert_clean_console
-from warm_runs import trainer_run
+from warm_runs import trainer_popen, trainer_run
 
 from gguf_assets.orchestration.run_tags import PID_TAG
 
@@ -29,9 +29,12 @@ def _instance(paths) -> dg.DagsterInstance:
     return project_instance(paths)
 
 
-def _start_run(paths, command=("run",), **env) -> subprocess.Popen:
-    return subprocess.Popen([*CLI, *command, str(paths.root)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=cli_env(**env), start_new_session=True)
+def _start_run(paths, command=("run",), *, warm: bool = False, **env) -> subprocess.Popen:
+    """``command`` on the project in a session of its own; ``warm``: a warm `run` (warm_runs.py), for a test that is
+    not about `gguf-trainer run`'s parent process."""
+    start = trainer_popen if warm else lambda args, **kw: subprocess.Popen([*CLI, *args], **kw)
+    return start([*command, str(paths.root)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                 env=cli_env(**env), start_new_session=True)
 
 
 def _kill9_during_training(paths, *, refuse_second: bool = False) -> None:
@@ -39,7 +42,8 @@ def _kill9_during_training(paths, *, refuse_second: bool = False) -> None:
 
     Training stalls after step 11, so the kill lands inside it however slow the machine (a loaded one could
     otherwise finish the 40 steps while the second pipeline is being refused)."""
-    proc = _start_run(paths, GGUF_ASSETS_FAULT="train-step@11:stall:120")
+    # The refusal names the cold run's child as the holder: that one needs the parent.
+    proc = _start_run(paths, warm=not refuse_second, GGUF_ASSETS_FAULT="train-step@11:stall:120")
     try:
         wait_for(lambda: any(paths.root.glob("checkpoints/*/step-00000010")), timeout=240,
                  what="the second checkpoint", proc=proc)
@@ -261,7 +265,7 @@ def test_an_edit_during_training_affects_only_the_next_run(shards_done_project):
 
     paths = shards_done_project
     name = load_settings(paths.root).output.adapter_name
-    proc = _start_run(paths)
+    proc = _start_run(paths, warm=True)
     try:
         wait_for(lambda: any(paths.root.glob("checkpoints/*/step-00000010")), timeout=240,
                  what="the second checkpoint", proc=proc)
@@ -299,7 +303,7 @@ def test_terminate_in_the_ui_and_ctrl_c_stop_a_cli_run_canceled_and_resumable(sh
     says where; the next run finishes byte-identical to an uninterrupted one."""
     paths = shards_done_project
     # Training stalls after step 11 (one step past a checkpoint), so each stop lands mid-training.
-    proc = _start_run(paths, GGUF_ASSETS_FAULT="train-step@11:stall:120")
+    proc = _start_run(paths, warm=True, GGUF_ASSETS_FAULT="train-step@11:stall:120")
     wait_for(lambda: _latest_step(paths) >= 10, timeout=240, what="the second checkpoint", proc=proc)
     instance = _instance(paths)
     (running,) = _runs(paths, dg.DagsterRunStatus.STARTED)
@@ -317,7 +321,8 @@ def test_terminate_in_the_ui_and_ctrl_c_stop_a_cli_run_canceled_and_resumable(sh
     assert instance.get_run_by_id(running.run_id).status == dg.DagsterRunStatus.CANCELED
     assert "stopped during adapter training, at the checkpoint of step 10 of 40" in out, out
 
-    # Resumes training from that checkpoint (step 10), stalls after step 16; Ctrl-C it there.
+    # Resumes training from that checkpoint (step 10), stalls after step 16; Ctrl-C it there (cold: the Ctrl-C
+    # reaches `gguf-trainer run`'s parent process too).
     proc = _start_run(paths, GGUF_ASSETS_FAULT="train-step@6:stall:120")
     reached = _latest_step(paths)
     wait_for(lambda: _latest_step(paths) > reached, timeout=240, what="a later checkpoint", proc=proc)
