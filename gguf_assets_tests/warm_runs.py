@@ -3,9 +3,9 @@ modules again: torch, transformers' model code and Dagster, 3 to 6 CPU seconds a
 
 A test that runs the pipeline many times (killed at a fault point, then resumed, and so on) calls
 ``trainer_run`` or ``trainer_popen`` instead of subprocess.run or Popen of ``[*CLI, "run", ...]``. Each test
-process keeps one loader process, which has loaded what a run loads (the studio's spare run list,
-orchestration/spare_run.py, and the model code), and forks a run per request. The run is a real process of its own
-process group, as the child of `gguf-trainer run` is, and runs the same code from the same entry (``cli.main``
+process keeps one loader process, which has loaded what a run loads (what the studio's spare run loads ahead,
+orchestration/spare_run.py, and the model code), and forks a run per request. The run is a real process of its
+own process group, as the child of `gguf-trainer run` is, and runs the same code from the same entry (``cli.main``
 with GGUF_ASSETS_RUN_CHILD set); signals, kill -9 and the exit status behave as for that child. What it leaves out
 is the thin parent that `gguf-trainer run` puts in front of the work (it prints "starting", forwards Ctrl-C and
 SIGTERM, and dies with its child): the tests of that parent, of Ctrl-C, of the console and of what a cold start
@@ -34,16 +34,18 @@ import sys
 import tempfile
 import threading
 
+from gguf_assets.orchestration import spare_run  # light: it loads the rest when it runs
+
 CLI = [sys.executable, "-m", "gguf_assets.cli"]
-RUN_CHILD_ENV = "GGUF_ASSETS_RUN_CHILD"  # orchestration/processes.py (not imported here: the tests' side stays light)
+RUN_CHILD_ENV = spare_run.RUN_CHILD_ENV
 # Read by torch, transformers, huggingface_hub, tokenizers or Python itself when they load (or when the
 # process starts): a request that differs from the loader in one of them runs cold.
 IMPORT_TIME_PREFIXES = ("HF_", "HUGGINGFACE", "TRANSFORMERS", "TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_",
                         "OPENBLAS", "CUDA", "TOKENIZERS", "PYTHON", "TQDM", "XDG_", "LD_", "GGUF_ASSETS_TEST")
-# The studio's spare run loads these ahead (orchestration/spare_run.py); a run that precomputes loads the model
-# code too. Not gguf_assets.definitions, which reads the project at import.
-PRELOAD = ("gguf_assets.cli", "gguf_assets.orchestration.launching", "gguf_assets.lib.training.train",
-           "torch.utils.tensorboard", "gguf_assets.defs.materials", "gguf_assets.defs.corpus",
+# What a run loads: what the studio's spare run loads ahead (orchestration/spare_run.py), the entry point, the
+# definitions' asset modules and the model code of the demo's families. Not gguf_assets.definitions, which reads the
+# project at import.
+PRELOAD = (*spare_run.PRELOAD, "gguf_assets.cli", "gguf_assets.defs.materials", "gguf_assets.defs.corpus",
            "gguf_assets.defs.precompute", "gguf_assets.defs.training", "gguf_assets.defs.output",
            "gguf_assets.defs.sensors", "gguf_assets.defs.jobs", "gguf_assets.lib.precompute.shards",
            "gguf_assets.lib.output.gguf_eval", "accelerate", "transformers.modeling_utils",

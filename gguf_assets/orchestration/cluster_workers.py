@@ -27,7 +27,6 @@ run's tags are completed rather than left half written.
 from __future__ import annotations
 
 import functools
-import importlib
 import inspect
 import re
 import sys
@@ -46,7 +45,7 @@ from dagster_celery.tags import DAGSTER_CELERY_QUEUE_TAG, DAGSTER_CELERY_TASK_ID
 from dagster_postgres import PostgresEventLogStorage, PostgresRunStorage, PostgresScheduleStorage
 from dagster_postgres.utils import DagsterPostgresException, get_token_provider_from_config, pg_url_from_config
 
-from gguf_assets.orchestration.cluster import GPU_QUEUE, OUTAGE_S, QUEUE_TAG, STORAGE_CLASSES
+from gguf_assets.orchestration.cluster import OUTAGE_S, QUEUE_TAG, STORAGE_CLASSES
 from gguf_assets.orchestration.private_api import (
     ASSET_CHECK_EVENTS,
     ASSET_EVENTS,
@@ -56,7 +55,6 @@ from gguf_assets.orchestration.private_api import (
     WorkerStatus,
     serialize_value,
 )
-from gguf_assets.orchestration.spare_run import MODEL_CODE, PRELOAD
 
 assert QUEUE_TAG == DAGSTER_CELERY_QUEUE_TAG, "dagster-celery renamed its queue tag: update orchestration/cluster.py"
 PING_TIMEOUT_S = 5.0
@@ -142,23 +140,10 @@ def serve_runs(instance, *, queues: list[str], name: str) -> None:
     """Take runs from ``queues`` and execute them, until stopped (Ctrl-C or SIGTERM finishes the current run)."""
     from dagster_celery.tasks import create_resume_job_task
 
-    if GPU_QUEUE in queues:
-        preload_run_modules()
     app = instance.run_launcher.celery
     _execute_job_task(app)
     create_resume_job_task(app)
     app.worker_main(worker_argv(queues=queues, name=name))
-
-
-def preload_run_modules() -> None:
-    """Load what a precompute or training run loads, before Celery's pool forks: each run's process is a fork of
-    this one, so it starts with them loaded, as the studio's spare run does, instead of loading torch, the
-    trainer and transformers' model code itself (3 to 5 CPU seconds a run on 2 cores). Nothing here reads the
-    project, starts a Python thread or touches CUDA, so the forks are clean (torch's OpenMP pool is made again in
-    each). A worker thus runs the code it loaded when it started: restart it after upgrading the code, as any
-    Celery worker."""
-    for name in (*PRELOAD, *MODEL_CODE):
-        importlib.import_module(name)
 
 
 CLAIMS_DIR = "run-claims"  # in the instance's folder (<project>/.dagster, shared): one flock per run being executed

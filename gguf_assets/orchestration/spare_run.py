@@ -30,8 +30,6 @@ GO = "run"
 # writer; gguf_assets.definitions reads project.yaml, so it loads at the go. (Not torch._dynamo: the trainer's
 # optimizer no longer loads it, lib/training/optimizer.py; a run that precomputes loads it with transformers.)
 PRELOAD = ("gguf_assets.orchestration.launching", "gguf_assets.lib.training.train", "torch.utils.tensorboard")
-# What a run that precomputes loads besides (the models' code), which cluster workers load too (cluster_workers.py).
-MODEL_CODE = ("transformers.modeling_utils",)
 
 
 def spare_command(project: Path, log_file: Path, run_args: list[str]) -> list[str]:

@@ -14,7 +14,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -354,33 +353,3 @@ def test_a_run_on_another_machine_is_judged_by_pinging_its_celery_worker(tmp_pat
         finally:
             if worker.poll() is None:
                 os.killpg(worker.pid, signal.SIGKILL)
-
-
-def test_a_gpu_worker_loads_the_run_modules_before_its_pool_forks_and_its_forks_compute():
-    """serve_runs loads what a run loads before Celery forks each run's process (preload_run_modules). The load
-    starts no Python thread (a fork copies only the forking thread: a lock another one held would stay locked in
-    the run) and touches no GPU (CUDA cannot be used in a fork of a process that initialised it), and a fork
-    computes with torch on several threads (torch and OpenMP make their pools again after a fork), as a user's
-    worker does without this suite's OMP_NUM_THREADS=1."""
-    probe = """
-import os, sys, threading
-from gguf_assets.orchestration.cluster_workers import preload_run_modules
-from gguf_assets.orchestration.spare_run import MODEL_CODE, PRELOAD
-before = set(sys.modules)
-preload_run_modules()
-import torch
-print(sorted(set(PRELOAD + MODEL_CODE) - set(sys.modules)), threading.active_count(), torch.cuda.is_initialized(),
-      'torch' in before, flush=True)
-pid = os.fork()
-if pid == 0:
-    torch.set_num_threads(2)
-    a = torch.randn(512, 512)
-    print('fork computed', bool(torch.isfinite(a @ a).all()), flush=True)
-    os._exit(0)
-print('fork status', os.waitpid(pid, 0)[1])
-"""
-    env = {k: v for k, v in cli_env().items() if k != "OMP_NUM_THREADS"}
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=300)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines() == ["[] 1 False False", "fork computed True", "fork status 0"], \
-        done.stdout + done.stderr
