@@ -2,9 +2,10 @@
 modules again: torch, transformers' model code and Dagster, 3 to 6 CPU seconds a run on this machine).
 
 A test that runs the pipeline many times (killed at a fault point, then resumed, and so on) calls
-``trainer_run`` or ``trainer_popen`` instead of subprocess.run or Popen of ``[*CLI, "run", ...]``. Each test
-process keeps one loader process, which has loaded what a run loads (what the studio's spare run loads ahead,
-orchestration/spare_run.py, and the model code), and forks a run per request. The run is a real process of its
+``trainer_run`` or ``trainer_popen`` instead of subprocess.run or Popen of ``[*CLI, "run", ...]`` (and of the
+commands that read a project: `status`, `verify`, `runs`). Each test process keeps one loader process, which has
+loaded what a run loads (what the studio's spare run loads ahead, orchestration/spare_run.py, and the model code),
+and forks a run per request. The run is a real process of its
 own process group, as the child of `gguf-trainer run` is, and runs the same code from the same entry (``cli.main``
 with GGUF_ASSETS_RUN_CHILD set); signals, kill -9 and the exit status behave as for that child. What it leaves out
 is the thin parent that `gguf-trainer run` puts in front of the work (it prints "starting", forwards Ctrl-C and
@@ -249,12 +250,16 @@ class WarmRun(subprocess.Popen):
 _LOADER = WarmRuns(dict(os.environ))
 
 
+# The commands a loader forks: `run` (as the pipeline's own process) and the ones that only read and check a project.
+WARM_COMMANDS = ("run", "status", "verify", "runs")
+
+
 def trainer_popen(args: list[str], *, env: dict[str, str], **kwargs) -> subprocess.Popen:
-    """subprocess.Popen of `gguf-trainer run ARGS` (``args`` without the program): a warm run when it can be
-    one (the module docstring), else the command itself."""
-    assert args and args[0] == "run", f"warm runs are `run`s only: {args}"
+    """subprocess.Popen of `gguf-trainer ARGS` (``args`` without the program; a WARM_COMMANDS command): a warm
+    process when it can be one (the module docstring), else the command itself."""
+    assert args and args[0] in WARM_COMMANDS, f"not a warm command: {args}"
     if _LOADER.suits(env):
-        return WarmRun(_LOADER, args, env={**env, RUN_CHILD_ENV: "1"}, **kwargs)
+        return WarmRun(_LOADER, args, env={**env, RUN_CHILD_ENV: "1"} if args[0] == "run" else env, **kwargs)
     return subprocess.Popen([*CLI, *args], env=env, **kwargs)
 
 
