@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import CLI, cli_env, copy_project, pipeline_outputs, wait_for
-from warm_runs import WARM_COMMANDS, trainer_popen, trainer_run
+from conftest import cli_env, copy_project, pipeline_outputs, wait_for
+from warm_runs import trainer_popen, trainer_run
 
 from gguf_assets.lib.corpus.prompt_files import CorpusError, read_prompt_file
 from gguf_assets.lib.output.export import ExportError, check_file_name
@@ -24,9 +24,8 @@ GGUF = "output/demo-adapter.gguf"
 
 
 def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    if args[0] in WARM_COMMANDS:  # a warm process where it can be one (warm_runs.py)
-        return trainer_run(list(args), capture_output=True, text=True, env=cli_env(), timeout=timeout)
-    return subprocess.run([*CLI, *args], capture_output=True, text=True, env=cli_env(), timeout=timeout)
+    # A warm process where it can be one (warm_runs.py): `run`, `status`, `verify` and `runs`.
+    return trainer_run(list(args), capture_output=True, text=True, env=cli_env(), timeout=timeout)
 
 
 def status_of(root: Path) -> dict[str, tuple[str, str]]:

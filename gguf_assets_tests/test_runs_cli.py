@@ -13,8 +13,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import CLI, cli_env, copy_project, free_port, stop_with_ctrl_c, wait_http
-from warm_runs import WARM_COMMANDS, trainer_run
+from conftest import cli_env, copy_project, free_port, stop_with_ctrl_c, wait_http
+from warm_runs import trainer_run
 
 pytestmark = [pytest.mark.slow,  # a `gguf-trainer run` subprocess (about 30 s), then the CLI and a studio
               pytest.mark.xdist_group("runs_cli")]  # on one worker: the two runs are made once (conftest.py)
@@ -24,9 +24,8 @@ TRAINING_LINE = re.compile(r"step \d+/\d+ loss")  # the trainer's log line at ea
 
 
 def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    if args[0] in WARM_COMMANDS:  # a warm process where it can be one (warm_runs.py)
-        return trainer_run(list(args), capture_output=True, text=True, env=cli_env(), timeout=timeout)
-    return subprocess.run([*CLI, *args], capture_output=True, text=True, env=cli_env(), timeout=timeout)
+    # A warm process where it can be one (warm_runs.py): `run`, `status`, `verify` and `runs`.
+    return trainer_run(list(args), capture_output=True, text=True, env=cli_env(), timeout=timeout)
 
 
 def runs_json(root: Path) -> dict:

@@ -254,11 +254,10 @@ _LOADER = WarmRuns(dict(os.environ))
 WARM_COMMANDS = ("run", "status", "verify", "runs")
 
 
-def trainer_popen(args: list[str], *, env: dict[str, str], **kwargs) -> subprocess.Popen:
-    """subprocess.Popen of `gguf-trainer ARGS` (``args`` without the program; a WARM_COMMANDS command): a warm
-    process when it can be one (the module docstring), else the command itself."""
-    assert args and args[0] in WARM_COMMANDS, f"not a warm command: {args}"
-    if _LOADER.suits(env):
+def trainer_popen(args: list[str], *, env: dict[str, str], warm: bool = True, **kwargs) -> subprocess.Popen:
+    """subprocess.Popen of `gguf-trainer ARGS` (``args`` without the program): a warm process when it can be one
+    (one of WARM_COMMANDS, ``warm``, and the module docstring's rule), else the command itself, cold."""
+    if warm and args[0] in WARM_COMMANDS and _LOADER.suits(env):
         return WarmRun(_LOADER, args, env={**env, RUN_CHILD_ENV: "1"} if args[0] == "run" else env, **kwargs)
     return subprocess.Popen([*CLI, *args], env=env, **kwargs)
 

@@ -2,7 +2,6 @@
 suite's one full-size real-teacher pipeline) recorded in its project's own Dagster instance, and that a second run
 has nothing to do."""
 
-
 import dagster as dg
 import pytest
 from conftest import cli_env, copy_project, project_instance

@@ -37,8 +37,7 @@ SEED = int(os.environ.get("GGUF_FAULT_SEED", time.time_ns() % 100_000))
 def _resume(root: Path, *, auto_resume: bool = True) -> None:
     """`gguf-trainer --auto-resume` (as at boot) or a plain `gguf-trainer run` (the first command a user types)."""
     command = ["--auto-resume", str(root), "--no-daemon"] if auto_resume else ["run", str(root)]
-    resumed = (subprocess.run([*CLI, *command], env=cli_env(), capture_output=True, text=True, timeout=600)
-               if auto_resume else trainer_run(command, env=cli_env(), capture_output=True, text=True, timeout=600))
+    resumed = trainer_run(command, env=cli_env(), capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, f"seed {SEED}: {resumed.stdout}\n{resumed.stderr}"
     assert not list(root.rglob(f"{atomic.TEMP_PREFIX}*")), "temp files left after the rerun"
 
@@ -57,9 +56,8 @@ def test_sigkill_at_random_moments_then_auto_resume_gives_identical_outputs(make
     table = []
     for command in (["run", str(project.root)], ["--auto-resume", str(project.root), "--no-daemon"]):
         delay = rng.uniform(0.5, duration * 0.9)
-        start = trainer_popen if command[0] == "run" else lambda args, **kw: subprocess.Popen([*CLI, *args], **kw)
-        proc = start(command, env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                     start_new_session=True)
+        proc = trainer_popen(command, env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             start_new_session=True)
         time.sleep(delay)
         finished_first = proc.poll() is not None
         try:

@@ -32,9 +32,8 @@ def _instance(paths) -> dg.DagsterInstance:
 def _start_run(paths, command=("run",), *, warm: bool = False, **env) -> subprocess.Popen:
     """``command`` on the project in a session of its own; ``warm``: a warm `run` (warm_runs.py), for a test that is
     not about `gguf-trainer run`'s parent process."""
-    start = trainer_popen if warm else lambda args, **kw: subprocess.Popen([*CLI, *args], **kw)
-    return start([*command, str(paths.root)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                 env=cli_env(**env), start_new_session=True)
+    return trainer_popen([*command, str(paths.root)], warm=warm, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True, env=cli_env(**env), start_new_session=True)
 
 
 def _kill9_during_training(paths, *, refuse_second: bool = False) -> None:
