@@ -113,12 +113,12 @@ def serve(path: str) -> list[str]:
                 except BlockingIOError:
                     break
             while runs:
-                pid, status, usage = os.wait4(-1, os.WNOHANG)
+                pid, status = os.waitpid(-1, os.WNOHANG)
                 if pid == 0:
                     break
                 conn = runs.pop(pid, None)
                 if conn is not None:
-                    _send(conn, {"status": status, "cpu_s": usage.ru_utime + usage.ru_stime})
+                    _send(conn, {"status": status})
                     conn.close()
         if listener in ready:
             conn, _ = listener.accept()
@@ -199,7 +199,6 @@ class WarmRun(subprocess.Popen):
 
     def __init__(self, loader: WarmRuns, args: list[str], **kwargs) -> None:
         self._loader, self._socket = loader, None
-        self.cpu_s: float | None = None
         super().__init__(args, **kwargs)
 
     def _execute_child(self, args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo,
@@ -226,10 +225,8 @@ class WarmRun(subprocess.Popen):
         answer = self._socket.recv(4096)
         if not answer:  # the loader died: the run cannot be waited for any more
             raise ChildProcessError(f"the warm-run loader ended before run {self.pid}")
-        ended = json.loads(answer)
-        self.cpu_s = ended["cpu_s"]
         self._socket.close()
-        return self.pid, ended["status"]
+        return self.pid, json.loads(answer)["status"]
 
     def _internal_poll(self, _deadstate=None, **_ignored):
         if self.returncode is None and self._waitpid_lock.acquire(False):
