@@ -6,14 +6,13 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 from filelock import FileLock
-from warm_runs import trainer_run
+from warm_runs import CLI, trainer_run
 
 from gguf_assets.lib.demo.demo import QUARTER_SIZES, build_demo_materials, demo_settings
 from gguf_assets.lib.project.layout import ProjectPaths
@@ -98,7 +97,6 @@ def loopback_hub(tmp_path, demo_materials_root, monkeypatch):
         yield hub
 
 
-CLI = [sys.executable, "-m", "gguf_assets.cli"]
 # A short mock-teacher pipeline for the kill and resume tests: 5 shards, 40 small steps, 8
 # checkpoints. The small batch keeps the training part a few seconds; kills still land mid-way.
 FAULT_SETTINGS = dict(steps=40, mock_teacher=True,

@@ -5,9 +5,9 @@ A test that runs the pipeline many times (killed at a fault point, then resumed,
 ``trainer_run`` or ``trainer_popen`` instead of subprocess.run or Popen of ``[*CLI, "run", ...]`` (and of the
 commands that read a project: `status`, `verify`, `runs`). Each test process keeps one loader process, which has
 loaded what a run loads (what the studio's spare run loads ahead, orchestration/spare_run.py, and the model code),
-and forks a run per request. The run is a real process of its
-own process group, as the child of `gguf-trainer run` is, and runs the same code from the same entry (``cli.main``
-with GGUF_ASSETS_RUN_CHILD set); signals, kill -9 and the exit status behave as for that child. What it leaves out
+and forks a run per request. The run is a real process of its own process group, as the child of `gguf-trainer run`
+is, and runs the same code from the same entry (``cli.main`` with GGUF_ASSETS_RUN_CHILD set); signals, kill -9 and
+the exit status behave as for that child. What it leaves out
 is the thin parent that `gguf-trainer run` puts in front of the work (it prints "starting", forwards Ctrl-C and
 SIGTERM, and dies with its child): the tests of that parent, of Ctrl-C, of the console and of what a cold start
 prints keep starting `gguf-trainer run` cold.
@@ -36,6 +36,7 @@ import tempfile
 import threading
 
 from gguf_assets.orchestration import spare_run  # light: it loads the rest when it runs
+from gguf_assets.orchestration.processes import _die_with_parent
 
 CLI = [sys.executable, "-m", "gguf_assets.cli"]
 RUN_CHILD_ENV = spare_run.RUN_CHILD_ENV
@@ -52,7 +53,6 @@ PRELOAD = (*spare_run.PRELOAD, "gguf_assets.cli", "gguf_assets.defs.materials", 
            "gguf_assets.lib.output.gguf_eval", "accelerate", "transformers.modeling_utils",
            "transformers.models.qwen3.modeling_qwen3", "transformers.models.qwen3_moe.modeling_qwen3_moe")
 _REQUEST_BYTES = 1 << 20
-_PR_SET_PDEATHSIG = 1  # cleared in each forked run, as in any fork
 
 
 # Set by torch itself in a process that loaded its compiler (some tests do), not read by what the loader loads.
@@ -87,9 +87,7 @@ def _become_run(request: dict, fds: list[int]) -> None:
 
 def serve(path: str) -> list[str]:
     """Load, then fork a run per request on the socket at ``path``; returns only in a forked run, its argv."""
-    import ctypes
-
-    ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # ends with the test process, however that ends
+    _die_with_parent()  # ends with the test process, however that ends (cleared in each forked run, as in any fork)
     for name in PRELOAD:
         importlib.import_module(name)
     gc.freeze()  # the loaded objects stay out of the runs' collections, so their pages stay shared
