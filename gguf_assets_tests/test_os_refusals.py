@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from conftest import CLI, cli_env, free_port, new_demo_project
+from warm_runs import trainer_run
 
 from gguf_assets.lib.core.errors import os_refusal_message
 from gguf_assets.lib.core.lock import ProjectLock
@@ -73,7 +74,7 @@ def used_project(tmp_path_factory, demo_materials_root) -> Path:
 
     paths = new_demo_project(tmp_path_factory.mktemp("read-only") / "project", demo_materials_root, steps=5,
                              mock_teacher=True)
-    subprocess.run([*CLI, "env", str(paths.root)], env=cli_env(), check=True, capture_output=True, timeout=120)
+    trainer_run(["env", str(paths.root)], env=cli_env(), check=True, capture_output=True, timeout=120)
     with ProjectLock(paths.lock_file, describe="the test"):
         pass
     resolve_materials(paths, load_settings(paths.root))

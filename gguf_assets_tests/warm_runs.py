@@ -3,12 +3,12 @@ modules again: torch, transformers' model code and Dagster, 3 to 6 CPU seconds a
 
 A test that runs the pipeline many times (killed at a fault point, then resumed, and so on) calls
 ``trainer_run`` or ``trainer_popen`` instead of subprocess.run or Popen of ``[*CLI, "run", ...]`` (and of the
-commands that read a project: `status`, `verify`, `runs`). Each test process keeps one loader process, which has
-loaded what a run loads (what the studio's spare run loads ahead, orchestration/spare_run.py, and the model code),
-and forks a run per request. The run is a real process of its own process group, as the child of `gguf-trainer run`
-is, and runs the same code from the same entry (``cli.main`` with GGUF_ASSETS_RUN_CHILD set); signals, kill -9 and
-the exit status behave as for that child. What it leaves out
-is the thin parent that `gguf-trainer run` puts in front of the work (it prints "starting", forwards Ctrl-C and
+commands that read or describe a project: `status`, `verify`, `runs`, `estimate`, `env`). Each test process keeps
+one loader process, which has loaded what a run loads (what the studio's spare run loads ahead,
+orchestration/spare_run.py, and the model code), and forks a run per request. The run is a real process of its own
+process group, as the child of `gguf-trainer run` is, and runs the same code from the same entry (``cli.main`` with
+GGUF_ASSETS_RUN_CHILD set); signals, kill -9 and the exit status behave as for that child. What it leaves out is the
+thin parent that `gguf-trainer run` puts in front of the work (it prints "starting", forwards Ctrl-C and
 SIGTERM, and dies with its child): the tests of that parent, of Ctrl-C, of the console and of what a cold start
 prints keep starting `gguf-trainer run` cold.
 
@@ -245,8 +245,9 @@ class WarmRun(subprocess.Popen):
 _LOADER = WarmRuns(dict(os.environ))
 
 
-# The commands a loader forks: `run` (as the pipeline's own process) and the ones that only read and check a project.
-WARM_COMMANDS = ("run", "status", "verify", "runs")
+# The commands a loader forks: `run` (as the pipeline's own process) and the ones that read, check or describe a
+# project (`env` prints its exports, after creating its Dagster storage as `run` does).
+WARM_COMMANDS = ("run", "status", "verify", "runs", "estimate", "env")
 
 
 def trainer_popen(args: list[str], *, env: dict[str, str], warm: bool = True, **kwargs) -> subprocess.Popen:

@@ -6,28 +6,33 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -c 'import sys; assert sys.version_info >= (3, 11), "Python 3.11+ is needed"'
-  "$PYTHON" -m venv .venv
+  # Without venv's own copy of pip (ensurepip: 3.5 of a fresh clone's 25 s of setup) where this Python's pip can
+  # install into the venv (--python, pip 22.3 and newer); uv installs pip into .venv below.
+  "$PYTHON" -m venv --without-pip .venv
+  if ! "$PYTHON" -m pip --python .venv/bin/python --version >/dev/null 2>&1; then
+    .venv/bin/python -m ensurepip --default-pip >/dev/null
+  fi
 fi
+if [ -x .venv/bin/pip ]; then pip=(.venv/bin/pip); else pip=("$PYTHON" -m pip --python .venv/bin/python); fi
 stamp=.venv/.gguf_assets-installed
 want=$(sha256sum pyproject.toml | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  .venv/bin/pip install --quiet --upgrade pip
   # Through uv (pinned): the same packages as pip resolves (pip freeze compared), in seconds instead of a minute,
   # most of a fresh clone's install. Bytecode: see the end of this block.
-  .venv/bin/pip install --quiet "uv==0.13.9"
+  "${pip[@]}" install --quiet "uv==0.13.9"
   # torch pinned: on the CPU machines this project runs on, 2.13.0 is a local CPU wheel in the folder pip's
   # find-links names, while an unpinned torch would pull a multi-GB CUDA build. uv takes that folder when it is
   # given (3 s against pip's 19 s for torch alone); without one, pip installs torch first, as it always did, and
   # uv keeps the build it finds (it satisfies every requirement).
-  links=$(.venv/bin/pip config get global.find-links 2>/dev/null || echo "${PIP_FIND_LINKS:-}")
+  links=$("${pip[@]}" config get global.find-links 2>/dev/null || echo "${PIP_FIND_LINKS:-}")
   if [ -n "$links" ] && [ -d "$links" ]; then
     find_links=(--find-links "$links")
   else
     find_links=()
-    .venv/bin/pip install --quiet "torch==2.13.0"
+    "${pip[@]}" install --quiet "torch==2.13.0"
   fi
   .venv/bin/python -m uv pip install --quiet --python .venv/bin/python "${find_links[@]}" \
-    -e '.[test,cluster]' "torch==2.13.0"
+    -e '.[test,cluster]' "torch==2.13.0" pip
   # Bytecode for what the pipeline, its servers and the tests import (3.5k of site-packages' 13.8k modules), written
   # by two processes that import it, one per core, whatever PYTHONDONTWRITEBYTECODE says (see scripts/test.sh): about
   # 12 s. Compiling all of site-packages took 25 s; leaving it all to the first imports made the suite's processes

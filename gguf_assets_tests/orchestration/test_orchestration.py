@@ -120,7 +120,7 @@ def test_daemon_alone_resumes_a_killed_pipeline_and_its_runs_are_never_reaped_al
     _kill9_during_training(paths)
     cut_off = _runs(paths, dg.DagsterRunStatus.STARTED)[0].run_id
 
-    exports = subprocess.run([*CLI, "env", str(paths.root)], capture_output=True, text=True, env=cli_env(), check=True)
+    exports = trainer_run(["env", str(paths.root)], capture_output=True, text=True, env=cli_env(), check=True)
     env = cli_env(GGUF_ASSETS_SENSOR_INTERVAL_S="2")
     for line in exports.stdout.splitlines():  # export NAME=VALUE (shell-quoted; no spaces in test paths)
         name, value = line.removeprefix("export ").split("=", 1)

@@ -2,11 +2,11 @@
 adapter's real state dict."""
 
 import json
-import subprocess
 
 import pytest
-from conftest import CLI, cli_env
+from conftest import cli_env
 from safetensors import safe_open
+from warm_runs import trainer_run
 
 from gguf_assets.lib.project.settings import load_settings, replace, write_project_file
 from gguf_assets.lib.status.estimate import GIB, adapter_params, estimate, peak_gib
@@ -47,13 +47,11 @@ def test_the_estimate_counts_the_demo_pairs_weights_and_the_training_state(make_
     assert training.gib > 0 and "weight average" in training.how and "20 bytes" in training.how
     assert peak_gib(list(lines.values())) == max(lines["teacher"].gib + lines["student"].gib, training.gib)
 
-    done = subprocess.run([*CLI, "estimate", str(paths.root)], capture_output=True, text=True, env=cli_env(),
-                          timeout=120)
+    done = trainer_run(["estimate", str(paths.root)], capture_output=True, text=True, env=cli_env(), timeout=120)
     assert done.returncode == 0 and "peak on one GPU" in done.stdout and "Traceback" not in done.stderr, done.stderr
     assert [line.split()[0] for line in done.stdout.splitlines()[1:4]] == ["teacher", "student", "adapter"]
     # `status` shows the same peak before the shards are computed ("will it fit?", before anything loads).
-    status = subprocess.run([*CLI, "status", str(paths.root)], capture_output=True, text=True, env=cli_env(),
-                            timeout=120)
+    status = trainer_run(["status", str(paths.root)], capture_output=True, text=True, env=cli_env(), timeout=120)
     (memory,) = [line for line in status.stdout.splitlines() if line.strip().startswith("memory:")]
     peak = next(line for line in done.stdout.splitlines() if "peak on one GPU" in line).split()[4:6]
     assert f"peak on one GPU {' '.join(peak)} (teacher " in memory and "estimate" in memory, status.stdout
@@ -268,16 +266,15 @@ def test_a_config_only_folder_without_query_rows_gets_a_one_line_answer(make_pro
     (paths.root / "models" / "teacher" / "config.json").write_bytes(
         (demo_materials_root / "teacher" / "config.json").read_bytes())
 
-    done = subprocess.run([*CLI, "estimate", str(paths.root), "--gpus", "24"], capture_output=True, text=True,
-                          env=cli_env(), timeout=120)
+    done = trainer_run(["estimate", str(paths.root), "--gpus", "24"], capture_output=True, text=True,
+                       env=cli_env(), timeout=120)
     assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
     assert done.stderr == "", done.stderr  # no library noise (accelerate warned of each GPU named but not here)
     teacher, student, training = done.stdout.splitlines()[1:4]
     assert "from config.json on the meta device: no weights here yet" in teacher and "?" not in teacher.split()[1]
     assert "Q = 256 assumed (the usual): add query_rows.safetensors to the teacher folder or set " \
            "materials.query_rows" in training
-    status = subprocess.run([*CLI, "status", str(paths.root)], capture_output=True, text=True, env=cli_env(),
-                            timeout=120)
+    status = trainer_run(["status", str(paths.root)], capture_output=True, text=True, env=cli_env(), timeout=120)
     assert "Traceback" not in status.stderr, status.stderr
     (memory,) = [line for line in status.stdout.splitlines() if line.strip().startswith("memory:")]
     assert memory.strip().startswith("memory: peak on one GPU "), status.stdout
@@ -300,8 +297,7 @@ def test_an_unreachable_hub_is_one_line_quickly(make_project, monkeypatch):
     monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{free_port()}")
     paths = make_project(materials={"teacher": "org/big-teacher"}, precompute={"mock_teacher": False})
     started = time.monotonic()
-    status = subprocess.run([*CLI, "status", str(paths.root)], capture_output=True, text=True, env=cli_env(),
-                            timeout=120)
+    status = trainer_run(["status", str(paths.root)], capture_output=True, text=True, env=cli_env(), timeout=120)
     assert status.returncode == 0 and "Traceback" not in status.stderr, status.stderr
     (memory,) = [line for line in status.stdout.splitlines() if line.strip().startswith("memory:")]
     assert memory.strip().startswith("memory: not known yet: the estimate needs the hub for org/big-teacher: ")
