@@ -23,6 +23,7 @@ from gguf_assets.lib.training.training_run import (
     last_checkpoint_step,
     newest_meta,
     read_session,
+    session_alive,
 )
 
 PACE_NOT_YET = (OSError, ValueError, KeyError, TypeError, UserError)  # no materials or corpus yet: nothing to measure
@@ -77,7 +78,8 @@ def _busy_span(sidecar, half: str) -> BusySpan | None:
 
 def training_pace(paths: ProjectPaths, settings: Settings, view: ProjectView | None = None) -> Pace | None:
     """Steps/s and the ETA of the training these settings make, from its first log step on: the running session's
-    last log step, else the last log step its newest checkpoint holds; None before any, or once it finished.
+    last log step while its process trains, else the newest checkpoint's step at the rate of the last log step it
+    holds; None before any, or once it finished.
     ``view``: this question's status_view, whose adapter fingerprint is used instead of planning the shards again."""
     planned = pace_view(paths, settings, view)
     return None if planned is None else _training_pace(paths, settings, planned.adapter_fp)
@@ -87,7 +89,9 @@ def _training_pace(paths: ProjectPaths, settings: Settings, adapter_fp: str) -> 
     run_dir = paths.checkpoints_dir(adapter_fp)
     steps = settings.training.steps
     session = read_session(run_dir) or {}
-    if session.get("state") == SESSION_RUNNING and "steps_per_s" in session:
+    # A session whose process is gone (a kill -9, a reboot) still reads "running": the next run resumes from its
+    # checkpoint, which is what is told then, not the step the dead process had reached.
+    if session.get("state") == SESSION_RUNNING and "steps_per_s" in session and session_alive(session) is not False:
         return pace("training", "steps", int(session["step"]), steps, float(session["steps_per_s"]))
     meta = newest_meta(run_dir) or {}
     if meta.get("finished") is True:

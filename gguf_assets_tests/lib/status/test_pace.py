@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from gguf_assets.lib.core import atomic
+from gguf_assets.lib.core import atomic, liveness
 from gguf_assets.lib.materials.materials import load_manifest
 from gguf_assets.lib.project.layout import SESSION_FILE
 from gguf_assets.lib.project.settings import load_settings
@@ -40,3 +40,20 @@ def test_status_of_a_project_part_done_shows_the_measured_rate_and_eta(finished_
     measured = training_pace(paths, settings)
     assert (measured.done, measured.total, measured.seconds_left) == (12, 40, 14.0)
     assert measured.text() == "training: 12/40 steps, 2.00 steps/s measured, ETA 14s"
+
+    # A kill -9 leaves the session saying "running". Once its process is gone, the next run resumes from the newest
+    # checkpoint: that step is told, at the rate of the last log step it holds, not the step the dead process had
+    # reached (`status` said "trained to step 250" above "training: 450/1100 steps, ETA 29s").
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    atomic.write_json(run_dir / SESSION_FILE, {
+        "state": SESSION_RUNNING, "step": 12, "steps_per_s": 2.0, "pid": gone.pid, "pid_started": "gone",
+        "boot_id": liveness.boot_id(), "machine": liveness.machine_id()})
+    assert training_pace(paths, settings) is None  # the run had finished before: nothing is left to train
+    shutil.rmtree(run_dir / "final")  # as if cut off after its first checkpoint
+    checkpoints = sorted(d.name for d in run_dir.glob("step-*"))
+    for name in checkpoints[1:]:
+        shutil.rmtree(run_dir / name)
+    measured = training_pace(paths, settings)
+    assert measured is not None and measured.done == int(checkpoints[0].removeprefix("step-")) < 40, checkpoints
+    assert measured.rate > 0 and measured.rate != 2.0
