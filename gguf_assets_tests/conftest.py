@@ -117,6 +117,12 @@ def cli_env(**extra: str) -> dict:
     return {**{k: v for k, v in os.environ.items() if k not in dropped}, **extra}
 
 
+def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`gguf-trainer ARGS` to its end, its output captured: a warm process where it can be one (warm_runs.py's
+    WARM_COMMANDS), else a cold one."""
+    return trainer_run(list(args), capture_output=True, text=True, env=cli_env(), timeout=timeout)
+
+
 def _build_finished_project(tmp_path_factory, worker_id, demo_materials_root) -> tuple[Path, float]:
     def build(folder: Path) -> str:
         root = new_demo_project(folder, demo_materials_root, **FAULT_SETTINGS).root

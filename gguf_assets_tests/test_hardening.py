@@ -13,19 +13,14 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import cli_env, copy_project, pipeline_outputs, wait_for
-from warm_runs import trainer_popen, trainer_run
+from conftest import cli, cli_env, copy_project, pipeline_outputs, wait_for
+from warm_runs import trainer_popen
 
 from gguf_assets.lib.corpus.prompt_files import CorpusError, read_prompt_file
 from gguf_assets.lib.output.export import ExportError, check_file_name
 from gguf_assets.lib.project.settings import adapter_name_problem
 
 GGUF = "output/demo-adapter.gguf"
-
-
-def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    # A warm process where it can be one (warm_runs.py): `run`, `status`, `verify` and `runs`.
-    return trainer_run(list(args), capture_output=True, text=True, env=cli_env(), timeout=timeout)
 
 
 def status_of(root: Path) -> dict[str, tuple[str, str]]:

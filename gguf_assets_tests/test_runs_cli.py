@@ -13,19 +13,13 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import cli_env, copy_project, free_port, stop_with_ctrl_c, wait_http
-from warm_runs import trainer_run
+from conftest import cli, cli_env, copy_project, free_port, stop_with_ctrl_c, wait_http
 
 pytestmark = [pytest.mark.slow,  # a `gguf-trainer run` subprocess (about 30 s), then the CLI and a studio
               pytest.mark.xdist_group("runs_cli")]  # on one worker: the two runs are made once (conftest.py)
 
 GGUF = "output/demo-adapter.gguf"
 TRAINING_LINE = re.compile(r"step \d+/\d+ loss")  # the trainer's log line at each log step
-
-
-def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    # A warm process where it can be one (warm_runs.py): `run`, `status`, `verify` and `runs`.
-    return trainer_run(list(args), capture_output=True, text=True, env=cli_env(), timeout=timeout)
 
 
 def runs_json(root: Path) -> dict:

@@ -1,5 +1,6 @@
-"""Warm `gguf-trainer run` processes for the tests (#34: the suite's CPU goes mostly to processes loading the same
-modules again: torch, transformers' model code and Dagster, 3 to 6 CPU seconds a run on this machine).
+"""Warm `gguf-trainer` processes for the tests: `run`, and the commands that read a project (#34: the suite's CPU
+goes mostly to processes loading the same modules again: torch, transformers' model code and Dagster, 3 to 6 CPU
+seconds a run on this machine).
 
 A test that runs the pipeline many times (killed at a fault point, then resumed, and so on) calls
 ``trainer_run`` or ``trainer_popen`` instead of subprocess.run or Popen of ``[*CLI, "run", ...]`` (and of the
