@@ -100,7 +100,8 @@ def _check_result(files: list[dict], problems: list[str]) -> dg.AssetCheckResult
           "val shards by an independent numpy reader, with the verdict, advice and how to use it in ggk.")
 def eval_report(context: dg.AssetExecutionContext, project: ProjectResource) -> dg.MaterializeResult:
     from gguf_assets.lib.output.export import ExportError  # torch comes with these: imported where they run
-    from gguf_assets.lib.output.gguf_eval import evaluate_gguf
+    from gguf_assets.lib.output.gguf_eval import evaluate_gguf, training_centre
+    from gguf_assets.lib.training.training_run import final_weights
 
     paths, settings = project.paths(), project.settings()
     materials_manifest = load_manifest(paths)
@@ -112,7 +113,8 @@ def eval_report(context: dg.AssetExecutionContext, project: ProjectResource) -> 
         raise ExportError(f"{target} changed since it was exported (its sha256 differs from the one in "
                           f"{target.with_suffix('.json')}). `gguf-trainer run` exports it again; `gguf-trainer "
                           "verify` checks every file.")
-    evaluation = evaluate_gguf(target, folders) if settings.output.evaluate else None
+    evaluation = evaluate_gguf(target, folders, training_centre(final_weights(paths))) \
+        if settings.output.evaluate else None
     fingerprint = report_fingerprint(settings, sidecar.fingerprint,
                                      shard_fingerprints(paths, settings, materials_manifest, "val"))
     report = build_report(paths, settings, materials_manifest, sidecar, evaluation, fingerprint=fingerprint)

@@ -1,12 +1,14 @@
 """Offline, seeded builder for the tiny materials of the demo project.
 
-``build_demo_materials(root)`` writes three folders under ``root``:
+``build_demo_materials(root)`` writes four folders under ``root``:
 
 * ``teacher/`` -- a random-weight ``Qwen3MoeForCausalLM`` (safetensors), the shared
   tokenizer, and ``query_rows.safetensors``: the learned query rows that the pipeline
   appends after the prompt embeddings before reading the teacher's last hidden states.
 * ``student/`` -- a random-weight ``Qwen3ForCausalLM`` with a different hidden size and
   the same tokenizer.
+* ``sigvq/`` -- a tiny random SigVQ vision encoder (``build_demo_sigvq``), exported as the GGUF ggk's
+  ``--llm_vision`` loads.
 * ``dataset/`` -- ``prompts.jsonl`` (``{"text": ...}`` per line, with a few deliberate
   exact duplicates) and a ``README.md`` dataset card.
 
@@ -31,7 +33,9 @@ from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
+from gguf_assets.lib.core.ggk_contract import STUDENT_HEAD_DIM, STUDENT_RMS_NORM_EPS, STUDENT_ROPE_THETA
 from gguf_assets.lib.core.quiet import quiet_libraries
+from gguf_assets.lib.materials.ggk_tokenizer import byte_symbols, qwen2_pre_tokenizer, tokenizer_from_merges
 from gguf_assets.lib.project.settings import Corpus, Materials, Output, Precompute, Settings, Training
 
 if TYPE_CHECKING:
@@ -62,6 +66,7 @@ __all__ = [
     "INITIALIZER_RANGE",
     "QUERY_ROW_SCALE",
     "iter_prompts",
+    "build_demo_sigvq",
 ]
 
 EOS_TOKEN = "<|endoftext|>"
@@ -100,11 +105,12 @@ _DUPLICATE_FRACTION = 0.005
 
 @dataclass(frozen=True)
 class DemoMaterials:
-    """Where ``build_demo_materials`` put the three demo folders."""
+    """Where ``build_demo_materials`` put the demo folders."""
 
     teacher_dir: Path
     student_dir: Path
     dataset_dir: Path
+    sigvq_dir: Path
 
 
 # --------------------------------------------------------------------------- prompts
@@ -298,16 +304,19 @@ def _with_duplicates(rng: random.Random, n_prompts: int, generate) -> list[str]:
 
 
 def _train_tokenizer(prompts: list[str]) -> PreTrainedTokenizerFast:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    """A byte-level BPE as ggk's Qwen2 tokenizer rebuilds one from its merges alone (ggk_contract): Qwen2's
+    pre-tokenizer, the 256 byte symbols in bytes_to_unicode order, then one id per merge, then EOS. So the
+    tokenizer pack written beside the adapter gives ggk the same ids."""
+    from tokenizers import Tokenizer, decoders, models, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE(unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.pre_tokenizer = qwen2_pre_tokenizer()
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=TOKENIZER_VOCAB_SIZE,
         special_tokens=[EOS_TOKEN],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        initial_alphabet=byte_symbols(),
         show_progress=False,
     )
     # BPE training proved deterministic across processes and thread counts, but run it
@@ -323,8 +332,10 @@ def _train_tokenizer(prompts: list[str]) -> PreTrainedTokenizerFast:
             os.environ.pop("TOKENIZERS_PARALLELISM", None)
         else:
             os.environ["TOKENIZERS_PARALLELISM"] = previous
+    merges = [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m)
+              for m in json.loads(tok.to_str())["model"]["merges"]]
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
+        tokenizer_object=tokenizer_from_merges(merges, specials=[EOS_TOKEN]),
         eos_token=EOS_TOKEN,
         pad_token=EOS_TOKEN,
         model_max_length=MAX_POSITION_EMBEDDINGS,
@@ -403,9 +414,13 @@ def _build_student(tokenizer: PreTrainedTokenizerFast, seed: int, *, hidden_size
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
         num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=12,
+        # ggk fixes the head dim, the RMSNorm eps and the rope theta (ggk_contract), so the demo's student
+        # has ggk's: two heads of 128 over a 48-wide stream.
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=STUDENT_HEAD_DIM,
+        rms_norm_eps=STUDENT_RMS_NORM_EPS,
+        rope_parameters={"rope_type": "default", "rope_theta": STUDENT_ROPE_THETA},
         intermediate_size=2 * hidden_size,
         max_position_embeddings=MAX_POSITION_EMBEDDINGS,
         initializer_range=initializer_range,
@@ -572,17 +587,19 @@ def build_demo_materials(
         )
         _save_model(student, tokenizer, staged / "student")
         _write_dataset(staged / "dataset", prompts, seed=seed)
+        build_demo_sigvq(staged / "sigvq", seed)
 
         trash = tmp / "trash"
         trash.mkdir()
-        for name in ("teacher", "student", "dataset"):
+        for name in ("teacher", "student", "dataset", "sigvq"):
             _install(staged / name, root / name, trash)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
     logger.info("demo materials written under %s (seed %d)", root, seed)
     return DemoMaterials(
-        teacher_dir=root / "teacher", student_dir=root / "student", dataset_dir=root / "dataset"
+        teacher_dir=root / "teacher", student_dir=root / "student", dataset_dir=root / "dataset",
+        sigvq_dir=root / "sigvq",
     )
 
 
@@ -609,19 +626,69 @@ def demo_settings(*, steps: int = DEMO_STEPS, mock_teacher: bool = False):
     """The demo project's settings: the trainer8 recipe scaled down to minutes on 2 CPU cores.
 
     Material paths are relative to the project folder, so the project can be moved. The
-    student is read at layer 0 (its token embeddings, of which the teacher's are a linear
-    lift), and the adapter is small (64 wide, 1 block) so that many short steps fit the
-    time: a 1-block 64-wide adapter runs ~4x as many steps per second as 128 x 2 and,
-    at equal time, learns this teacher better.
+    student is read as ggk reads it (its final-norm states over ggk's LLaDA-Image template),
+    and the adapter is small (64 wide, one head of ggk's 64, 1 block) so that many short steps
+    fit the time.
     """
     return Settings(
         materials=Materials(teacher="materials/demo/teacher", student="materials/demo/student",
-                            datasets=["materials/demo/dataset"], student_layer=0),
+                            datasets=["materials/demo/dataset"], vision_encoder="materials/demo/sigvq"),
         corpus=Corpus(train_prompts=1600, val_prompts=200, seed=0),
         precompute=Precompute(device="cpu", shard_size=400, val_shard_size=200, student_dtype="bf16",
                               teacher_batch=32, token_budget=16384, student_batch=64, mock_teacher=mock_teacher),
-        training=Training(width=64, depth=1, heads=4, steps=steps, batch_size=16, learning_rate=4e-3,
+        training=Training(width=64, depth=1, steps=steps, batch_size=16, learning_rate=4e-3,
                           warmup_steps=max(1, steps // 10), device="cpu", log_every=max(1, steps // 20),
                           validate_every=max(1, steps // 4), checkpoint_every=max(1, steps // 4)),
         output=Output(adapter_name="demo-adapter"),
     )
+
+
+def build_demo_sigvq(folder: Path, seed: int, *, semantic_dim: int = 64) -> Path:
+    """A tiny random LLaDA-Image SigVQ checkpoint in ``folder``: ``model.safetensors`` (F32, exactly the
+    tensors ggk's SigVQ encoder reads, under their checkpoint names) and a small ``config.json``.
+
+    Sized like ggk's tiny test encoder: hidden 32 (two of ggk's fixed 16 heads), MLP 64, 1 block, patch 16,
+    a 4x4 position grid, a 16 x 16 codebook. ``semantic_dim`` must equal the DiT's semantic_feat_dim. No
+    torch; the same seed gives byte-identical files. Returns ``folder``.
+    """
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    hidden, mlp, blocks, patch, grid, codebook_size, codebook_dim = 32, 64, 1, 16, 4, 16, 16
+    rng = np.random.default_rng(_derived_seed(seed, "sigvq"))
+    t: dict[str, np.ndarray] = {}
+
+    def normal(name: str, shape: tuple[int, ...], scale: float, offset: float = 0.0) -> None:
+        t[name] = (offset + rng.standard_normal(shape) * scale).astype(np.float32)
+
+    def linear(name: str, out_f: int, in_f: int) -> None:
+        normal(f"{name}.weight", (out_f, in_f), 1 / np.sqrt(in_f))
+        normal(f"{name}.bias", (out_f,), 0.02)
+
+    normal("visual.patch_embed.proj.weight", (hidden, 3, patch, patch), 1 / np.sqrt(3 * patch * patch))
+    normal("visual.patch_embed.proj.bias", (hidden,), 0.02)
+    normal("visual.embeddings.position_embedding.weight", (grid * grid, hidden), 0.02)
+    for i in range(blocks):
+        b = f"visual.blocks.{i}"
+        for norm in ("norm1", "norm2"):
+            normal(f"{b}.{norm}.weight", (hidden,), 0.1, offset=1.0)
+            normal(f"{b}.{norm}.bias", (hidden,), 0.1)
+        linear(f"{b}.attn.qkv", 3 * hidden, hidden)
+        linear(f"{b}.attn.proj", hidden, hidden)
+        linear(f"{b}.mlp.fc1", mlp, hidden)
+        linear(f"{b}.mlp.fc2", hidden, mlp)
+    normal("vqmodel.quant_conv.weight", (codebook_dim, hidden, 1, 1), 1 / np.sqrt(hidden))
+    normal("vqmodel.quant_conv.bias", (codebook_dim,), 0.02)
+    normal("vqmodel.quantize.embedding.weight", (codebook_size, codebook_dim), 1.0)
+    normal("prior_token_embedding.weight", (codebook_size, semantic_dim), 1.0)
+    linear("prior_projector.net.0.proj", semantic_dim, semantic_dim)
+    linear("prior_projector.net.2", semantic_dim, semantic_dim)
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(t, str(folder / "model.safetensors"))
+    config = {"_class_name": "LLaDAImageSigVQModel", "hidden_size": hidden, "intermediate_size": mlp,
+              "num_layers": blocks, "patch_size": patch, "image_size": grid * patch, "codebook_size": codebook_size,
+              "codebook_dim": codebook_dim, "semantic_dim": semantic_dim}
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    return folder

@@ -24,6 +24,8 @@ from gguf_assets.lib.core import atomic, verify
 from gguf_assets.lib.core.errors import UserError
 from gguf_assets.lib.core.safetensors_io import safetensors_header
 from gguf_assets.lib.materials import hub, query_rows
+from gguf_assets.lib.materials.ggk_tokenizer import ggk_tokenizer_problem
+from gguf_assets.lib.materials.student_contract import student_contract_problem
 from gguf_assets.lib.project import settings_history
 from gguf_assets.lib.project.formats import PROMPT_FILE_SUFFIXES
 from gguf_assets.lib.project.layout import DATASET_METADATA_FILES, ProjectPaths
@@ -111,6 +113,10 @@ def _check_model_folder(role: str, source: str, folder: Path, settings: Settings
             raise MaterialsError(f"materials.{role} = {source!r}: {exc}. Copy or download that file again "
                                  "(a hub download is checked and fetched again by `gguf-trainer run`).") from None
     _check_tokenizer_fits(role, source, folder, config)
+    if role == "student":  # ggk runs it: refused now, before any precompute, if ggk would run it otherwise
+        problem = student_contract_problem(folder) or ggk_tokenizer_problem(folder)
+        if problem:
+            raise MaterialsError(f"materials.student = {source!r}: {problem}")
 
 
 def _check_tokenizer_fits(role: str, source: str, folder: Path, config: dict) -> None:

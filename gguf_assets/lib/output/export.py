@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+from importlib.metadata import version as package_version
 from pathlib import Path
 from typing import Any
 
@@ -19,26 +20,37 @@ import torch
 from gguf_assets.lib.core import atomic, verify
 from gguf_assets.lib.core.errors import UserError
 from gguf_assets.lib.core.f16 import F16_MAX
+from gguf_assets.lib.core.ggk_contract import TOKENIZER_PACK_MERGES
+from gguf_assets.lib.materials.ggk_tokenizer import write_tokenizer_pack
 from gguf_assets.lib.output.export_run import export_sidecar, gguf_fingerprint, gguf_path
-from gguf_assets.lib.output.gguf_format import is_f16_tensor, tensor_name, write_adapter_gguf
+from gguf_assets.lib.output.gguf_format import TRAINING_ONLY, hparams_of, is_f16_tensor, tensor_name, write_adapter_gguf
 from gguf_assets.lib.output.kept import copy_verified, keep_export
+from gguf_assets.lib.output.student_gguf import student_gguf_path, write_student_gguf
 from gguf_assets.lib.output.vision import vision_gguf_path, write_vision_gguf
 from gguf_assets.lib.project import settings_history
 from gguf_assets.lib.project.layout import ProjectPaths
 from gguf_assets.lib.project.manifests import ExportSidecar, MaterialsManifest
-from gguf_assets.lib.project.settings import Settings, adapter_name_problem, student_layers
+from gguf_assets.lib.project.settings import Settings, adapter_name_problem
 from gguf_assets.lib.project.teacher_choice import teacher_choice
-from gguf_assets.lib.training.adapter import MLP_RATIO, NORM_EPS
+from gguf_assets.lib.training.adapter import MLP_RATIO
 from gguf_assets.lib.training.checkpoints import load_final
 
 log = logging.getLogger(__name__)
 
+TRAINER = f"gguf_assets {package_version('gguf_assets')}"
 ROLE_ADAPTER = "adapter"
+ROLE_STUDENT = "student"
+ROLE_TOKENIZER_PACK = "tokenizer_pack"
 ROLE_VISION = "vision_encoder"
 
 
 class ExportError(UserError, ValueError):
     """The export cannot proceed; the message names the setting or file and the fix."""
+
+
+def tokenizer_pack_dir(output_dir: Path, adapter_name: str) -> Path:
+    """The folder ggk's --tokenizer-pack takes: it holds qwen2/merges.txt."""
+    return output_dir / f"{adapter_name}-tokenizer"
 
 
 def check_file_name(name: str, *, setting: str = "output.adapter_name") -> str:
@@ -49,26 +61,27 @@ def check_file_name(name: str, *, setting: str = "output.adapter_name") -> str:
     return name
 
 
-def provenance(settings: Settings, materials: MaterialsManifest, meta: dict) -> dict[str, Any]:
+def provenance(settings: Settings, materials: MaterialsManifest, meta: dict, *,
+               checkpoint: str = "final") -> dict[str, Any]:
     """The adapter GGUF's provenance keys (gguf_format.REQUIRED_PROVENANCE and the rest)."""
     student = materials.student
     teacher_repo, teacher_commit = teacher_choice(settings).provenance(materials)
-    layers = student_layers(settings.materials)
-    # One layer: version 1's integer key; several: the list, in the order their states are fed.
-    layer = {"student.layer": layers[0]} if len(layers) == 1 else {"student.layers": layers}
     rows = materials.query_rows  # the query rows as a material of their own (materials.query_rows), when set
     rows_keys = {} if not rows else {
         "query_rows.source": rows["source"], "query_rows.file": rows["file"], "query_rows.tensor": rows["tensor"],
         "query_rows.commit": rows["commit"], "query_rows.sha256": rows["tensor_sha256"]}
     return {
+        "conditioning": settings.precompute.conditioning,
         "student.repo": student["source"], "student.commit": student["commit"],
-        **layer, "student.hidden_size": meta["shape"]["student_dim"],
+        "student.hidden_size": meta["shape"]["student_dim"],
+        "student.gguf": student_gguf_path(Path("."), settings.output.adapter_name).name,
         "teacher.repo": teacher_repo, "teacher.commit": teacher_commit,
         "teacher.layer": settings.materials.teacher_layer,
-        "prompt_template": settings.precompute.prompt_template,
-        "training.steps": meta["step"], "training.seed": settings.training.seed,
+        "training.steps": meta["step"], "training.planned_steps": settings.training.steps,
+        "training.checkpoint": checkpoint, "training.seed": settings.training.seed,
         "training.val_centred_cosine": float(meta["val_centred_cosine"]),
         "training.fingerprint": meta["fingerprint"],
+        "trainer": TRAINER,
         **rows_keys,
     }
 
@@ -79,6 +92,14 @@ def _file_entry(role: str, path: Path | str, sha256: str, *, copy_of: str | None
     if copy_of:
         entry["copy_of"] = copy_of
     return entry
+
+
+def ggk_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The adapter's tensors as ggk reads them: the state dict without the training statistics, with the
+    standardization folded into out_proj (ggk has no tensor for it), so the file computes targets directly."""
+    tensors = {k: v for k, v in model.state_dict().items() if k not in TRAINING_ONLY}
+    tensors["out_proj.weight"], tensors["out_proj.bias"] = model.folded_out_proj()
+    return tensors
 
 
 def _cast_once(state_dict: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
@@ -168,16 +189,22 @@ def export_adapter(paths: ProjectPaths, settings: Settings, materials: Materials
     name = check_file_name(settings.output.adapter_name)
     run_dir = paths.root / adapter_manifest["run_dir"]
     model, meta = load_final(run_dir)
-    tensors = _cast_once(model.state_dict())
+    tensors = _cast_once(ggk_tensors(model))
     keep_f32 = activation_rule(input_peaks(model, val_batches(list(val_folders))))
     if keep_f32:
         log.warning("kept in f32 because their inputs exceed %.0f on the val prompts (a runtime rounds a f16 "
                     "product's inputs to f16): %s", F16_MAX / ACTIVATION_HEADROOM, keep_f32)
-    hparams = {**meta["shape"], "layer_norm_epsilon": NORM_EPS, "mlp_ratio": MLP_RATIO}
+    shape = meta["shape"]
+    hparams = hparams_of(student_dim=shape["student_dim"], query_rows=shape["query_rows"],
+                         target_dim=shape["target_dim"], width=shape["width"], depth=shape["depth"],
+                         mlp_ratio=MLP_RATIO)
     target = gguf_path(paths, settings)
     previous_files = _previous_files(paths, settings)
     # A killed export leaves its temp files; only ours go, as the folder may be shared.
-    ours = [target.name, vision_gguf_path(target.parent, name).name, target.with_suffix(".json").name]
+    student_target = student_gguf_path(target.parent, name)
+    pack_merges = tokenizer_pack_dir(target.parent, name) / TOKENIZER_PACK_MERGES
+    ours = [target.name, vision_gguf_path(target.parent, name).name, target.with_suffix(".json").name,
+            student_target.name]
     atomic.remove_stale_temps(target.parent, of=ours)
     summary = write_adapter_gguf(target, tensors=tensors, hparams=hparams,
                                  provenance=provenance(settings, materials, meta), name=name, keep_f32=keep_f32)
@@ -185,6 +212,14 @@ def export_adapter(paths: ProjectPaths, settings: Settings, materials: Materials
     if by_values:
         log.warning("kept in f32 because values exceed the f16 range: %s", by_values)
     files = [_file_entry(ROLE_ADAPTER, target, summary.sha256)]
+    # The exact student the adapter was trained against, as ggk runs it (--llm), and its tokenizer as ggk reads it
+    # (--tokenizer-pack): the user always holds the pair.
+    student = materials.student
+    student_file = write_student_gguf(Path(student["path"]), student_target, name=f"{name}-student",
+                                      source=student["source"], commit=student["commit"])
+    files.append(_file_entry(ROLE_STUDENT, student_file["path"], student_file["sha256"]))
+    write_tokenizer_pack(Path(student["path"]), pack_merges.parent.parent)
+    files.append(_file_entry(ROLE_TOKENIZER_PACK, pack_merges, atomic.sha256_file(pack_merges)))
 
     vision = None
     encoder = materials.vision_encoder
@@ -200,8 +235,11 @@ def export_adapter(paths: ProjectPaths, settings: Settings, materials: Materials
         folder = paths.resolve_local(settings.output.also_copy_to)
         atomic.remove_stale_temps(folder, of=ours)
         for entry in list(files):
-            _warn_if_not_ours(folder / Path(entry["path"]).name, previous_files)
-            copy = copy_verified(Path(entry["path"]), folder, sha256=entry["sha256"])
+            # Each file keeps its place under the output folder (the tokenizer pack's qwen2/merges.txt).
+            into = folder / Path(entry["path"]).parent.relative_to(target.parent)
+            into.mkdir(parents=True, exist_ok=True)
+            _warn_if_not_ours(into / Path(entry["path"]).name, previous_files)
+            copy = copy_verified(Path(entry["path"]), into, sha256=entry["sha256"])
             copies.append(str(copy))
             files.append(_file_entry(entry["role"], copy, entry["sha256"], copy_of=entry["path"]))
 

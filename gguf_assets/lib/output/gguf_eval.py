@@ -1,28 +1,24 @@
 """Score an exported adapter GGUF on precomputed shards, independently of the training code.
 
-Everything here is numpy: a minimal safetensors reader, the adapter forward pass
-re-implemented from the math in docs/gguf_layout.md (not from adapter.py's code), and the
-val centred cosine. It deliberately imports neither torch nor adapter.py/train.py, so a
-bug shared by training and export cannot hide here; the tests enforce that.
+Everything here is numpy: a minimal safetensors reader, the adapter forward pass re-implemented from ggk's
+math (docs/gguf_layout.md, llm_adapter.hpp), not from adapter.py's code, and the val centred cosine. It
+deliberately imports neither torch nor adapter.py/train.py, so a bug shared by training and export cannot hide
+here; the tests enforce that, and the ggk tests hold this forward to ggk's own `adapter_out.bin`.
 
-The forward (per prompt, states s [L, k*Ds]: k student layers side by side; L may be 0):
+The forward (per prompt, the student's final-norm states s [L, Ds]):
 
-    m   = in_proj(fuse(s)); m = [null_memory ; m]          [L+1, W]
-    x   = query                                             [Q, W]
-    per block: x += MHA(LN_cross(x), m, m)
-               x += MHA(LN_self(x), LN_self(x), LN_self(x))
-               x += down(gelu_tanh(up(LN_mlp(x))))
-    y   = out_proj(LN_out(x))                               [Q, D] standardized
-    out = y * target.std + target.mean                      teacher space
+    kv  = in_proj(s)                                        [L, W]
+    q   = query                                             [Q, W]
+    per block: q += attn_self(LN_self(q), LN_self(q))
+               q += attn_cross(LN_q(q), LN_kv(kv))
+               q += mlp.2(gelu_erf(mlp.0(LN_mlp(q))))
+    out = out_proj(LN_out(q))                               [Q, D] teacher space (standardization folded in)
 
-fuse(s) = LN_in(s) for one layer (k = 1). For k > 1 each layer's slice s_i = s[:, i*Ds:(i+1)*Ds] is
-normalised alone (N: no weight, no bias), then
+attn: heads of 64, softmax(q k^T / 8) v, separate biased q/k/v/o; LayerNorm eps from the file.
 
-    concat: [N(s_1) | ... | N(s_k)] * in_norm.weight + in_norm.bias     (in_norm, in_proj k*Ds wide)
-    mix:    LN_in(sum_i softmax(layer_mix)_i N(s_i))
-
-Score: per prompt, mean over query rows of cos(pred - mean, target - mean) over D; the
-overall score is the mean over prompts.
+Score: per prompt, mean over query rows of cos(pred - centre, target - centre) over D, the centre being each
+row's train mean (the caller passes it: it is the training's, and never part of the file); the overall score is
+the mean over prompts.
 """
 
 from __future__ import annotations
@@ -47,6 +43,7 @@ TARGETS_TENSOR = "targets"
 HIDDEN_TENSOR = "hidden"
 OFFSETS_TENSOR = "offsets"
 TOKEN_IDS_TENSOR = "token_ids"
+CENTRE_TENSOR = "target_centre"  # in a checkpoint's weights (lib/training/adapter.py's buffer)
 
 COSINE_EPS = 1e-8  # as torch.nn.functional.cosine_similarity
 WORST_COUNT = 10
@@ -63,15 +60,24 @@ def _layer_norm(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: float)
     return centred / np.sqrt(var + np.float32(eps)) * weight + bias
 
 
-def _gelu_tanh(x: np.ndarray) -> np.ndarray:
-    c = np.float32(math.sqrt(2.0 / math.pi))
-    return np.float32(0.5) * x * (np.float32(1.0) + np.tanh(c * (x + np.float32(0.044715) * x * x * x)))
+def _erf(x: np.ndarray) -> np.ndarray:
+    """erf in float64 from Numerical Recipes' erfc approximation (fractional error < 1.2e-7 everywhere), so the
+    exact GELU needs no scipy."""
+    t = np.abs(x.astype(np.float64))
+    z = 1.0 / (1.0 + 0.5 * t)
+    erfc = z * np.exp(-t * t - 1.26551223 + z * (1.00002368 + z * (0.37409196 + z * (0.09678418 + z * (
+        -0.18628806 + z * (0.27886807 + z * (-1.13520398 + z * (1.48851587 + z * (-0.82215223 + z * 0.17087277)))))))))
+    return np.where(x >= 0, 1.0 - erfc, erfc - 1.0).astype(np.float32)
+
+
+def _gelu_erf(x: np.ndarray) -> np.ndarray:
+    return np.float32(0.5) * x * (np.float32(1.0) + _erf(x * np.float32(1.0 / math.sqrt(2.0))))
 
 
 @dataclass(frozen=True)
 class GGUFAdapter:
-    """An adapter loaded from GGUF: hparams, metadata and float32 weights (GGUF names,
-    numpy orientation: a linear weight is [out, in])."""
+    """An adapter loaded from GGUF: hparams, metadata and float32 weights (by torch state-dict key, numpy
+    orientation: a linear weight is [out, in])."""
 
     path: Path
     hparams: dict[str, Any]
@@ -86,14 +92,6 @@ class GGUFAdapter:
     def provenance(self) -> dict[str, Any]:
         return fmt.provenance_from_metadata(self.metadata)
 
-    @property
-    def target_mean(self) -> np.ndarray:
-        return self.weights["target.mean"]
-
-    @property
-    def target_std(self) -> np.ndarray:
-        return self.weights["target.std"]
-
     # -- building blocks --
 
     def _linear(self, x: np.ndarray, prefix: str) -> np.ndarray:
@@ -104,10 +102,9 @@ class GGUFAdapter:
                            self.hparams["layer_norm_epsilon"])
 
     def _attend(self, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
-        """softmax(q_h k_h^T / sqrt(W/H)) v_h per head, heads concatenated: [n, W]."""
-        heads = self.hparams["heads"]
+        """softmax(q_h k_h^T / sqrt(head_dim)) v_h per head, heads concatenated: [n, W]."""
+        heads, dh = self.hparams["heads"], self.hparams["head_dim"]
         n, width = q.shape
-        dh = width // heads
         qh = q.reshape(n, heads, dh).transpose(1, 0, 2)
         kh = k.reshape(-1, heads, dh).transpose(1, 0, 2)
         vh = v.reshape(-1, heads, dh).transpose(1, 0, 2)
@@ -118,73 +115,46 @@ class GGUFAdapter:
         return (p @ vh).transpose(1, 0, 2).reshape(n, width)
 
     @property
-    def layers(self) -> int:
-        """k: the student layers fed side by side (1 for a version 1 file)."""
-        return self.hparams.get("student_layers", 1)
-
-    @property
     def states_width(self) -> int:
-        """The width of a token's row of student states: k layers of student_dim."""
-        return self.layers * self.hparams["student_dim"]
+        """The width of a token's row of student states."""
+        return self.hparams["in_dim"]
 
-    def _fuse(self, states: np.ndarray) -> np.ndarray:
-        """The normalised input of in_proj (the module docstring's fuse)."""
-        if self.layers == 1:
-            return self._norm(states, "in_norm")
-        ds, eps = self.hparams["student_dim"], self.hparams["layer_norm_epsilon"]
-        one = np.ones(ds, np.float32)
-        zero = np.zeros(ds, np.float32)
-        slices = [_layer_norm(states[:, i * ds:(i + 1) * ds], one, zero, eps) for i in range(self.layers)]
-        if self.hparams["layer_fusion"] == "concat":
-            return np.concatenate(slices, axis=1) * self.weights["in_norm.weight"] + self.weights["in_norm.bias"]
-        logits = self.weights["layer_mix"].astype(np.float64)
-        weights = np.exp(logits - logits.max())
-        weights = (weights / weights.sum()).astype(np.float32)
-        return self._norm(sum(w * part for w, part in zip(weights, slices)), "in_norm")
+    def memory_kv(self, states: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Cross-attention keys and values of every block for student states [M, Ds].
 
-    def memory(self, states: np.ndarray) -> np.ndarray:
-        """in_proj(fuse(states)) for student states [L, k*Ds] → [L, W] (no null row)."""
+        Rows are independent (in_proj and LN_kv act per row), so the evaluator projects many prompts' rows at once.
+        """
         states = np.asarray(states)
         if states.ndim != 2 or states.shape[1] != self.states_width:
             raise ValueError(f"states must be [L, {self.states_width}], got {list(states.shape)}")
-        return self._linear(self._fuse(states.astype(np.float32, copy=False)), "in_proj")
-
-    def memory_kv(self, memory: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Cross-attention keys and values of every block for memory rows [M, W].
-
-        Rows are independent, so the evaluator projects many prompts' rows at once.
-        """
-        return [(self._linear(memory, f"blk.{i}.cross_attn.k"), self._linear(memory, f"blk.{i}.cross_attn.v"))
-                for i in range(self.hparams["depth"])]
-
-    def null_kv(self) -> list[tuple[np.ndarray, np.ndarray]]:
-        return self.memory_kv(self.weights["null_memory"])
+        kv = self._linear(states.astype(np.float32, copy=False), "in_proj")
+        out = []
+        for i in range(self.hparams["depth"]):
+            normed = self._norm(kv, f"blocks.{i}.ln_kv")
+            out.append((self._linear(normed, f"blocks.{i}.cross_attn.k"),
+                        self._linear(normed, f"blocks.{i}.cross_attn.v")))
+        return out
 
     def run_queries(self, kv: list[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
-        """The query path given each block's cross K/V (null row included) → standardized [Q, D]."""
-        x = self.weights["query"]
+        """The query path given each block's cross K/V -> the conditioning [Q, D]."""
+        q = self.weights["query"]
         for i, (k, v) in enumerate(kv):
-            p = f"blk.{i}."
-            q = self._linear(self._norm(x, p + "cross_norm"), p + "cross_attn.q")
-            x = x + self._linear(self._attend(q, k, v), p + "cross_attn.o")
-            y = self._norm(x, p + "self_norm")
-            a = self._attend(self._linear(y, p + "self_attn.q"), self._linear(y, p + "self_attn.k"),
-                             self._linear(y, p + "self_attn.v"))
-            x = x + self._linear(a, p + "self_attn.o")
-            h = _gelu_tanh(self._linear(self._norm(x, p + "mlp_norm"), p + "mlp_up"))
-            x = x + self._linear(h, p + "mlp_down")
-        return self._linear(self._norm(x, "out_norm"), "out_proj")
+            p = f"blocks.{i}."
+            x = self._norm(q, p + "ln_self")
+            a = self._attend(self._linear(x, p + "self_attn.q"), self._linear(x, p + "self_attn.k"),
+                             self._linear(x, p + "self_attn.v"))
+            q = q + self._linear(a, p + "self_attn.o")
+            a = self._attend(self._linear(self._norm(q, p + "ln_q"), p + "cross_attn.q"), k, v)
+            q = q + self._linear(a, p + "cross_attn.o")
+            h = _gelu_erf(self._linear(self._norm(q, p + "ln_mlp"), p + "mlp.0"))
+            q = q + self._linear(h, p + "mlp.2")
+        return self._linear(self._norm(q, "ln_out"), "out_proj")
 
     # -- public forward --
 
-    def forward_standardized(self, states: np.ndarray) -> np.ndarray:
-        """Student states [L, Ds] (L may be 0) → standardized prediction y [Q, D]."""
-        m = np.concatenate([self.weights["null_memory"], self.memory(states)], axis=0)
-        return self.run_queries(self.memory_kv(m))
-
     def forward(self, states: np.ndarray) -> np.ndarray:
-        """Student states [L, Ds] (L may be 0) → prediction [Q, D] in teacher space."""
-        return self.forward_standardized(states) * self.target_std + self.target_mean
+        """Student final-norm states [L, Ds] -> the conditioning [Q, D] (what ggk's adapter_out.bin holds)."""
+        return self.run_queries(self.memory_kv(states))
 
 
 def load_adapter_gguf(path: Path) -> GGUFAdapter:
@@ -193,20 +163,26 @@ def load_adapter_gguf(path: Path) -> GGUFAdapter:
     metadata = fmt.read_gguf_metadata(path)
     hparams = fmt.hparams_from_metadata(metadata)
     raw = fmt.read_gguf_tensors(path)
-    expected = {fmt.tensor_name(k): shape for k, shape in fmt.expected_tensor_shapes(hparams).items()}
+    expected = {fmt.tensor_name(k): (k, shape) for k, shape in fmt.expected_tensor_shapes(hparams).items()}
     missing = sorted(set(expected) - set(raw))
     extra = sorted(set(raw) - set(expected))
     if missing or extra:
         raise ValueError(f"{path}: tensors missing {missing}, unexpected {extra}")
     weights: dict[str, np.ndarray] = {}
-    for name, shape in expected.items():
+    for name, (key, shape) in expected.items():
         if raw[name].shape != shape:
             raise ValueError(f"{path}: tensor {name} has numpy shape {raw[name].shape}, expected {shape}")
-        weights[name] = raw[name].astype(np.float32)
+        weights[key] = raw[name].astype(np.float32)
     return GGUFAdapter(path=path, hparams=hparams, metadata=metadata, weights=weights)
 
 
 # --- evaluation -----------------------------------------------------------------------
+
+
+def training_centre(weights_file: Path) -> np.ndarray:
+    """The rows' train mean [Q, D] (``target_centre``) from a checkpoint's weights file, read without torch."""
+    weights = SafetensorsFile(Path(weights_file))
+    return to_float32(weights.raw(CENTRE_TENSOR), weights.dtype(CENTRE_TENSOR))
 
 
 def centred_cosine(pred_centred: np.ndarray, target_centred: np.ndarray) -> float:
@@ -232,7 +208,7 @@ def _read_prompts(path: Path) -> list[str]:
     return texts
 
 
-def _score_shard(adapter: GGUFAdapter, shard: Path) -> list[tuple[int, str, float]]:
+def _score_shard(adapter: GGUFAdapter, shard: Path, centre: np.ndarray) -> list[tuple[int, str, float]]:
     """(index, text, centred cosine) for every prompt of one shard folder."""
     hp = adapter.hparams
     teacher = SafetensorsFile(shard / TEACHER_FILE)
@@ -244,20 +220,20 @@ def _score_shard(adapter: GGUFAdapter, shard: Path) -> list[tuple[int, str, floa
     n = len(texts)
     if t_dtype not in ("F32", "F16", "BF16", "F64") or h_dtype not in ("F32", "F16", "BF16", "F64"):
         raise ValueError(f"{shard}: targets ({t_dtype}) and hidden ({h_dtype}) must be floating point")
-    if targets.shape != (n, hp["query_rows"], hp["target_dim"]):
+    if targets.shape != (n, hp["query_count"], hp["out_dim"]):
         raise ValueError(f"{shard}: targets shape {list(targets.shape)} != "
-                         f"[{n} prompts, Q={hp['query_rows']}, D={hp['target_dim']}]")
+                         f"[{n} prompts, Q={hp['query_count']}, D={hp['out_dim']}]")
+    if centre.shape != (hp["query_count"], hp["out_dim"]):
+        raise ValueError(f"the centre has shape {list(centre.shape)}, expected [{hp['query_count']}, {hp['out_dim']}]")
     if hidden.ndim != 2 or hidden.shape[1] != adapter.states_width:
-        raise ValueError(f"{shard}: hidden shape {list(hidden.shape)} != [tokens, {adapter.layers} layer(s) x "
-                         f"Ds={hp['student_dim']}]: the shards' student layers differ from the adapter's")
+        raise ValueError(f"{shard}: hidden shape {list(hidden.shape)} != [tokens, Ds={hp['in_dim']}]: the shards' "
+                         "student differs from the adapter's")
     if offsets.shape != (n + 1,) or offsets[0] != 0 or offsets[-1] != hidden.shape[0] \
             or np.any(np.diff(offsets) < 0):
         raise ValueError(f"{shard}: offsets must be [n+1] non-decreasing from 0 to {hidden.shape[0]}")
     if TOKEN_IDS_TENSOR in student and student.shape(TOKEN_IDS_TENSOR) != (hidden.shape[0],):
         raise ValueError(f"{shard}: token_ids shape {list(student.shape(TOKEN_IDS_TENSOR))} != [{hidden.shape[0]}]")
 
-    null_kv = adapter.null_kv()
-    mean, std = adapter.target_mean, adapter.target_std
     results: list[tuple[int, str, float]] = []
     start = 0
     while start < n:
@@ -266,16 +242,11 @@ def _score_shard(adapter: GGUFAdapter, shard: Path) -> list[tuple[int, str, floa
         while end < n and offsets[end + 1] - offsets[start] <= GROUP_TOKENS:
             end += 1
         base = int(offsets[start])
-        rows = to_float32(hidden[base:int(offsets[end])], h_dtype)
-        group_kv = adapter.memory_kv(adapter.memory(rows))
+        group_kv = adapter.memory_kv(to_float32(hidden[base:int(offsets[end])], h_dtype))
         for i in range(start, end):
             a, b = int(offsets[i]) - base, int(offsets[i + 1]) - base
-            kv = [(np.concatenate([nk, k[a:b]]), np.concatenate([nv, v[a:b]]))
-                  for (nk, nv), (k, v) in zip(null_kv, group_kv)]
-            y = adapter.run_queries(kv)
-            target = to_float32(targets[i], t_dtype)
-            # pred - mean = y * std exactly; skip the add-then-subtract rounding.
-            cos = centred_cosine(y * std, target - mean)
+            pred = adapter.run_queries([(k[a:b], v[a:b]) for k, v in group_kv])
+            cos = centred_cosine(pred - centre, to_float32(targets[i], t_dtype) - centre)
             if not math.isfinite(cos):
                 raise ValueError(f"{shard}: prompt {i} ({texts[i][:60]!r}) scores {cos} (non-finite inputs?)")
             results.append((i, texts[i], cos))
@@ -283,8 +254,9 @@ def _score_shard(adapter: GGUFAdapter, shard: Path) -> list[tuple[int, str, floa
     return results
 
 
-def evaluate_gguf(gguf_path: Path, shards: list[Path]) -> dict[str, Any]:
-    """Val centred cosine of a GGUF adapter over shard folders (see the module docstring).
+def evaluate_gguf(gguf_path: Path, shards: list[Path], centre: np.ndarray) -> dict[str, Any]:
+    """Val centred cosine of a GGUF adapter over shard folders (see the module docstring); ``centre`` [Q, D] is
+    the rows' train mean the scores are centred on (``training_centre`` reads it from the checkpoint).
 
     Returns ``{val_centred_cosine, empty_prompt_cosine (None without empty prompts),
     per_shard: [{shard, n, val_centred_cosine}], worst: [{text, cosine, shard, index}]
@@ -297,7 +269,7 @@ def evaluate_gguf(gguf_path: Path, shards: list[Path]) -> dict[str, Any]:
     empty: list[float] = []
     for shard in shards:
         shard = Path(shard)
-        results = _score_shard(adapter, shard)
+        results = _score_shard(adapter, shard, np.asarray(centre, dtype=np.float32))
         cosines = [c for _, _, c in results]
         per_shard.append({"shard": str(shard), "n": len(results),
                           "val_centred_cosine": float(np.mean(cosines)) if cosines else None})

@@ -1,33 +1,25 @@
-"""The adapter's GGUF file format: every key string, tensor name and dtype rule, in one place.
+"""The adapter's GGUF file: ggk's `--llm-adapter` layout, every key string, tensor name and dtype rule, in one place.
 
-``write_adapter_gguf`` turns the ``Adapter`` state dict (as float32 numpy arrays) plus its
-hyperparameters and provenance into one GGUF file, atomically and verified: it writes a
-temp file beside the target, re-reads it with ``gguf.GGUFReader``, compares every key and
-every tensor's bytes, and only then renames it over the target. docs/gguf_layout.md is
-the human-readable version of this module (keep them in step).
+``write_adapter_gguf`` turns the ``Adapter`` state dict (as float32 numpy arrays, the standardization already
+folded into ``out_proj`` by the export) plus its hyperparameters and provenance into one GGUF file, atomically
+and verified: it writes a temp file beside the target, re-reads it with ``gguf.GGUFReader``, compares every
+key and every tensor's bytes, and only then renames it over the target. docs/gguf_layout.md is generated
+from this module and lib/core/ggk_contract.py (`python -m gguf_assets.docs`).
 
-Layout in brief (FORMAT_VERSION 1; LAYERS_FORMAT_VERSION 2 for an adapter fed several student layers, below):
+Layout (FORMAT_VERSION 3, ggk's seedless resampler; versions 1 and 2 were the product's own and ggk refused them):
 
-* metadata: ``general.architecture = "llm_adapter"``, ``general.name``,
-  ``llm_adapter.format_version`` and the hyperparameters (``HPARAM_TYPES``) as
-  ``llm_adapter.<field>``; provenance as ``llm_adapter.<key>`` (e.g.
-  ``llm_adapter.student.repo``), of which ``REQUIRED_PROVENANCE`` must be present with
-  exactly those types.
-* tensors: state-dict names mapped by ``tensor_name`` (``blocks.3.x`` → ``blk.3.x``,
-  ``target_mean`` → ``target.mean``, ``target_std`` → ``target.std``, the rest unchanged).
-  Matrices (2-D linear weights, ``query``, ``null_memory``) are F16; norms, biases and
-  ``target.mean``/``target.std`` are F32. A would-be-F16 tensor holding a value beyond the
-  F16 range stays F32 (never inf) and is listed in the summary's ``kept_f32``.
-* shapes: gguf stores a numpy array of shape ``(rows, cols)`` with ``ne = [cols, rows]``
-  (GGML lists the fastest-varying dimension first; the bytes are the same row-major
-  buffer). So a torch ``nn.Linear(in, out).weight`` of shape ``(out, in)`` has
-  ``ne = [in, out]``, which is exactly what ``ggml_mul_mat(w, x)`` expects.
-
-Several student layers (LAYERS_FORMAT_VERSION 2, written only then, so a one-layer file keeps version 1's
-exact bytes and every v1 runtime reads it): two more hyperparameters (``LAYER_HPARAM_TYPES``: the layer count
-and the fusion), the provenance key ``student.layers`` (the layer list, in feed order) in place of
-``student.layer``, and for the fusion ``mix`` the tensor ``layer_mix`` [k] (F32); with ``concat``,
-``in_norm`` and ``in_proj`` are k times as wide.
+* tensors: the torch state-dict names under ``adapter.`` (``adapter.query``, ``adapter.in_proj.weight``,
+  ``adapter.blocks.0.self_attn.q.weight``, ``adapter.blocks.0.mlp.0.weight``, ``adapter.ln_out.bias``, ...),
+  which ggk loads under ``text_encoders.llm_adapter.`` and reads the variant and sizes from. 2-D linear weights
+  are F16; norms, biases and ``query`` F32 (llm_adapter.hpp makes ``query`` an F32 parameter), and so is a
+  weight whose values, or whose inputs on the val prompts, would overflow f16.
+* shapes: gguf stores a numpy array of shape ``(rows, cols)`` with ``ne = [cols, rows]`` (GGML lists the
+  fastest-varying dimension first; the bytes are the same row-major buffer). So a torch
+  ``nn.Linear(in, out).weight`` of shape ``(out, in)`` has ``ne = [in, out]``, which is what ggk's Linear reads.
+* metadata: ``general.architecture = "llm_adapter"``, ``general.name``, ``adapter.format_version``,
+  ``adapter.variant``, the hyperparameters (``HPARAM_TYPES``) as ``adapter.<field>``, and the provenance as
+  ``adapter.<key>`` (e.g. ``adapter.student.repo``), of which ``REQUIRED_PROVENANCE`` must be present with
+  exactly those types. ggk reads none of the keys: they are for people and tools holding only the file.
 
 No torch here: the evaluator (gguf_eval) imports this module and must stay torch-free.
 """
@@ -49,103 +41,101 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, Ke
 
 from gguf_assets.lib.core import atomic, faults
 from gguf_assets.lib.core.f16 import F16_MAX
+from gguf_assets.lib.core.ggk_contract import (
+    ADAPTER_HEAD_DIM,
+    ADAPTER_LAYER_NORM_EPS,
+    ADAPTER_PREFIX,
+    ADAPTER_VARIANTS,
+)
 
 logger = logging.getLogger(__name__)
 
 ARCH = "llm_adapter"
-FORMAT_VERSION = 1          # one student layer
-LAYERS_FORMAT_VERSION = 2   # several student layers, fused (LAYER_HPARAM_TYPES)
-READ_VERSIONS = (FORMAT_VERSION, LAYERS_FORMAT_VERSION)
-LAYER_FUSIONS = ("concat", "mix")  # as lib/training/adapter.py (a test keeps them equal)
+FORMAT_VERSION = 3          # ggk's resampler (1 and 2, the product's own layouts, are never written nor read)
+READ_VERSIONS = (FORMAT_VERSION,)
 
 # The general.* keys every GGUF shares, from gguf-py (the adapter and the vision GGUF both use them).
 KEY_ARCHITECTURE = Keys.General.ARCHITECTURE
 KEY_NAME = Keys.General.NAME
 KEY_TYPE = Keys.General.TYPE
 KEY_FILE_TYPE = Keys.General.FILE_TYPE
-KEY_FORMAT_VERSION = f"{ARCH}.format_version"
-# Provenance and hyperparameters share this namespace: llm_adapter.<key>.
-KEY_PREFIX = f"{ARCH}."
+# Metadata, hyperparameters and provenance share the tensors' namespace: adapter.<key>.
+KEY_PREFIX = ADAPTER_PREFIX
+KEY_FORMAT_VERSION = f"{KEY_PREFIX}format_version"
+KEY_VARIANT = f"{KEY_PREFIX}variant"
 
-# Hyperparameters: AdapterShape fields plus the two module constants of adapter.py.
-# Integer hparams are UINT32 and the epsilon FLOAT32, as llama.cpp does for its own.
+# Hyperparameters, as ggk derives them from the tensors (llm_adapter.hpp, detect_from_weights): integers are
+# UINT32 and the epsilon FLOAT32, as llama.cpp does for its own.
 HPARAM_TYPES: dict[str, GGUFValueType] = {
-    "student_dim": GGUFValueType.UINT32,
-    "query_rows": GGUFValueType.UINT32,
-    "target_dim": GGUFValueType.UINT32,
+    "in_dim": GGUFValueType.UINT32,
+    "out_dim": GGUFValueType.UINT32,
     "width": GGUFValueType.UINT32,
     "depth": GGUFValueType.UINT32,
     "heads": GGUFValueType.UINT32,
-    "mlp_ratio": GGUFValueType.UINT32,
+    "head_dim": GGUFValueType.UINT32,
+    "query_count": GGUFValueType.UINT32,
+    "mlp_hidden": GGUFValueType.UINT32,
     "layer_norm_epsilon": GGUFValueType.FLOAT32,
-}
-# Version 2 only: present exactly when more than one student layer is fed.
-LAYER_HPARAM_TYPES: dict[str, GGUFValueType] = {
-    "student_layers": GGUFValueType.UINT32,
-    "layer_fusion": GGUFValueType.STRING,
 }
 # docs/gguf_layout.md's key tables are generated from the three tables below (`python -m gguf_assets.docs`; a
 # test fails when the committed file differs), so the words a loader's author reads are these.
 GENERAL_HELP: dict[str, tuple[GGUFValueType, str]] = {
     KEY_ARCHITECTURE: (GGUFValueType.STRING, f"always `{ARCH}`"),
     KEY_NAME: (GGUFValueType.STRING, "human-readable model name (never empty)"),
-    KEY_FORMAT_VERSION: (GGUFValueType.UINT32, f"`{FORMAT_VERSION}` (one student layer) or `{LAYERS_FORMAT_VERSION}` "
-                                               "(several, fused); a loader must refuse other values"),
+    KEY_FORMAT_VERSION: (GGUFValueType.UINT32, f"`{FORMAT_VERSION}`; a loader must refuse other values"),
+    KEY_VARIANT: (GGUFValueType.STRING, "`resampler`: ggk's seedless resampler (it tells so by `adapter.query` "
+                                        "and no `adapter.t5_embed*`)"),
 }
 HPARAM_HELP: dict[str, str] = {
-    "student_dim": "Ds: hidden size of the student states fed in",
-    "query_rows": "Q: number of learned query rows = rows of the output",
-    "target_dim": "D: hidden size of the teacher states imitated",
-    "width": "W: internal width",
-    "depth": "number of blocks (`blk.0` … `blk.{depth-1}`)",
-    "heads": "H: heads of every attention; head dim `W / H` (W % H == 0)",
-    "mlp_ratio": "MLP hidden size = `mlp_ratio * W` (currently 4)",
-    "layer_norm_epsilon": "eps of every LayerNorm (currently 1e-5, stored as the nearest f32)",
-    "student_layers": f"version {LAYERS_FORMAT_VERSION} only: k, the student layers fed side by side (`student_dim` is "
-                      "one layer's width); absent = 1",
-    "layer_fusion": f"version {LAYERS_FORMAT_VERSION} only: how the k layers are fused, `concat` or `mix` (see Forward "
-                    "math)",
+    "in_dim": "Ds: hidden size of the student's final-norm states fed in (`in_proj`'s input)",
+    "out_dim": "D: width of each conditioning row (`out_proj`'s output)",
+    "width": "W: internal width (a multiple of 64)",
+    "depth": "number of blocks (`adapter.blocks.0` ... `adapter.blocks.{depth-1}`)",
+    "heads": f"heads of every attention: `W / {ADAPTER_HEAD_DIM}` (ggk fixes the head dim)",
+    "head_dim": f"`{ADAPTER_HEAD_DIM}`",
+    "query_count": "Q: learned query rows = rows of the output",
+    "mlp_hidden": "MLP hidden size (`4 * W`; ggk reads it from `adapter.blocks.0.mlp.0.weight`)",
+    "layer_norm_epsilon": f"eps of every LayerNorm (`{ADAPTER_LAYER_NORM_EPS:g}`, fixed in ggk; the nearest f32)",
 }
 
-# Provenance a runtime (and a person holding only the file) needs: where the student
-# states come from, what the output imitates, and how good it was. Every export carries
-# these with exactly these types; build_metadata refuses a file without them.
+# Provenance a person holding only the file needs: where the student states come from, what the output
+# imitates, what it was trained for and how good it was. Every export carries these with exactly these types;
+# build_metadata refuses a file without them.
 REQUIRED_PROVENANCE: dict[str, GGUFValueType] = {
+    "conditioning": GGUFValueType.STRING,
     "student.repo": GGUFValueType.STRING,
     "student.commit": GGUFValueType.STRING,
     "student.hidden_size": GGUFValueType.INT64,
-    "student.layer": GGUFValueType.INT64,
     "teacher.repo": GGUFValueType.STRING,
     "teacher.commit": GGUFValueType.STRING,
     "training.steps": GGUFValueType.INT64,
+    "training.planned_steps": GGUFValueType.INT64,
+    "training.checkpoint": GGUFValueType.STRING,
     "training.seed": GGUFValueType.INT64,
     "training.val_centred_cosine": GGUFValueType.FLOAT64,
+    "trainer": GGUFValueType.STRING,
 }
-# Version 2 names its layers as a list instead of one integer.
-LAYERS_REQUIRED_PROVENANCE: dict[str, GGUFValueType] = {
-    **{k: v for k, v in REQUIRED_PROVENANCE.items() if k != "student.layer"},
-    "student.layers": GGUFValueType.ARRAY,
-}
-# Known provenance keys (written as llm_adapter.<key>), in the order the exporter lists them, with the type the
+# Known provenance keys (written as adapter.<key>), in the order the exporter lists them, with the type the
 # exporter writes; others are allowed if well formed.
 PROVENANCE_HELP: dict[str, tuple[GGUFValueType, str]] = {
+    "conditioning": (GGUFValueType.STRING, "the runtime's conditioning contract the student was fed by "
+                                           "(`llada-image`: ggk's LLaDA-Image template and pieces)"),
     "student.repo": (GGUFValueType.STRING, "student model repo id or local path"),
     "student.commit": (GGUFValueType.STRING, "student revision (commit hash) or `local:<content hash>`"),
-    "student.layer": (GGUFValueType.INT64, "student hidden-state layer index read (may be negative, Python-style); "
-                                           f"version {FORMAT_VERSION}"),
-    "student.layers": (GGUFValueType.ARRAY, f"version {LAYERS_FORMAT_VERSION}: the INT64 layer indexes read, in the "
-                                            "order their states are fed side by side"),
-    "student.hidden_size": (GGUFValueType.INT64, "student hidden size (= `student_dim`)"),
+    "student.hidden_size": (GGUFValueType.INT64, "student hidden size (= `in_dim`)"),
+    "student.gguf": (GGUFValueType.STRING, "file name of the student GGUF exported beside the adapter (`--llm`)"),
     "teacher.repo": (GGUFValueType.STRING,
                      "teacher model repo id or local path (`mock-teacher` for the dev smoke test)"),
     "teacher.commit": (GGUFValueType.STRING,
                        "teacher revision (commit hash) or content hash (`none` for the mock teacher)"),
     "teacher.layer": (GGUFValueType.INT64, "teacher hidden-state layer index imitated"),
-    "prompt_template": (GGUFValueType.STRING, "template the prompts were wrapped in before tokenizing"),
     "training.steps": (GGUFValueType.INT64, "optimizer steps of the exported weights"),
+    "training.planned_steps": (GGUFValueType.INT64, "`training.steps` of the run they come from"),
+    "training.checkpoint": (GGUFValueType.STRING, "the checkpoint exported (`final`, `best` or `step-N`)"),
     "training.seed": (GGUFValueType.INT64, "training seed"),
     "training.val_centred_cosine": (GGUFValueType.FLOAT64, "val centred cosine of the torch checkpoint at export"),
     "training.fingerprint": (GGUFValueType.STRING, "fingerprint of training settings and inputs"),
+    "trainer": (GGUFValueType.STRING, "the program that trained it: `gguf_assets <version>`"),
     # Only when materials.query_rows names the rows (a tensor of another file or repo, such as a text-to-image
     # checkpoint), not the teacher's own query_rows.safetensors:
     "query_rows.source": (GGUFValueType.STRING, "where the query rows came from: a hub repo id or a local path"),
@@ -160,15 +150,8 @@ def metadata_key_rows() -> tuple[list[tuple[str, str, str]], list[tuple[str, str
     """The key tables of docs/gguf_layout.md: (key, GGUF type, meaning) for the general keys and hyperparameters,
     in file order; (key, type, required, meaning) for the known provenance keys."""
     fixed = [(f"`{key}`", vtype.name, meaning) for key, (vtype, meaning) in GENERAL_HELP.items()]
-    fixed += [(f"`{KEY_PREFIX}{key}`", vtype.name, HPARAM_HELP[key])
-              for key, vtype in {**HPARAM_TYPES, **LAYER_HPARAM_TYPES}.items()]
-
-    def required(key: str) -> str:
-        versions = [str(v) for v, keys in ((FORMAT_VERSION, REQUIRED_PROVENANCE),
-                                           (LAYERS_FORMAT_VERSION, LAYERS_REQUIRED_PROVENANCE)) if key in keys]
-        return "yes" if len(versions) == 2 else (f"version {versions[0]}" if versions else "")
-
-    provenance = [(f"`{KEY_PREFIX}{key}`", vtype.name, required(key), meaning)
+    fixed += [(f"`{KEY_PREFIX}{key}`", vtype.name, HPARAM_HELP[key]) for key, vtype in HPARAM_TYPES.items()]
+    provenance = [(f"`{KEY_PREFIX}{key}`", vtype.name, "yes" if key in REQUIRED_PROVENANCE else "", meaning)
                   for key, (vtype, meaning) in PROVENANCE_HELP.items()]
     return fixed, provenance
 
@@ -180,21 +163,17 @@ _KEY_RE = re.compile(r"[a-z0-9_]+(\.[a-z0-9_]+)*")
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 _UINT32_MAX = 2**32 - 1
 
-# State-dict key ↔ GGUF tensor name. Top-level names are kept as they are (already short
-# and readable); blocks.N. becomes blk.N. (llama.cpp's convention); the two standardization
-# buffers become target.mean / target.std.
-_TOP_TENSORS = ("query", "null_memory", "layer_mix", "in_norm.weight", "in_norm.bias", "in_proj.weight", "in_proj.bias",
-                "out_norm.weight", "out_norm.bias", "out_proj.weight", "out_proj.bias")
-_BLOCK_LEAVES = tuple(
-    f"{module}.{param}"
-    for module in ("cross_norm", "cross_attn.q", "cross_attn.k", "cross_attn.v", "cross_attn.o",
-                   "self_norm", "self_attn.q", "self_attn.k", "self_attn.v", "self_attn.o",
-                   "mlp_norm", "mlp_up", "mlp_down")
-    for param in ("weight", "bias"))
-_STATS = {"target_mean": "target.mean", "target_std": "target.std"}
-_STATS_INV = {v: k for k, v in _STATS.items()}
+# The resampler's state-dict keys (lib/training/adapter.py names its modules as ggk's tensors): top level, and
+# per block. The training statistics (target_centre, target_std) never reach the file.
+_TOP_TENSORS = ("query", "in_proj.weight", "in_proj.bias", "ln_out.weight", "ln_out.bias", "out_proj.weight",
+                "out_proj.bias")
+_BLOCK_NORMS = ("ln_self", "ln_q", "ln_kv", "ln_mlp")
+_BLOCK_LINEARS = ("self_attn.q", "self_attn.k", "self_attn.v", "self_attn.o", "cross_attn.q", "cross_attn.k",
+                  "cross_attn.v", "cross_attn.o", "mlp.0", "mlp.2")
+_BLOCK_LEAVES = tuple(f"{module}.{param}" for module in (*_BLOCK_NORMS, *_BLOCK_LINEARS)
+                      for param in ("weight", "bias"))
 _BLOCK_KEY_RE = re.compile(r"blocks\.(0|[1-9][0-9]*)\.(.+)")
-_BLOCK_NAME_RE = re.compile(r"blk\.(0|[1-9][0-9]*)\.(.+)")
+TRAINING_ONLY = ("target_centre", "target_std")
 
 
 class GGUFVerifyError(ValueError):
@@ -213,62 +192,55 @@ class KV(NamedTuple):
 # --- tensor names ---------------------------------------------------------------------
 
 
+def _is_adapter_key(key: str) -> bool:
+    if key in _TOP_TENSORS:
+        return True
+    match = _BLOCK_KEY_RE.fullmatch(key)
+    return bool(match and match.group(2) in _BLOCK_LEAVES)
+
+
 def tensor_name(state_dict_key: str) -> str:
-    """GGUF tensor name of an ``Adapter`` state-dict key; ValueError for an unknown key."""
-    if state_dict_key in _STATS:
-        return _STATS[state_dict_key]
-    if state_dict_key in _TOP_TENSORS:
-        return state_dict_key
-    match = _BLOCK_KEY_RE.fullmatch(state_dict_key)
-    if match and match.group(2) in _BLOCK_LEAVES:
-        name = f"blk.{match.group(1)}.{match.group(2)}"
-        if len(name) > MAX_TENSOR_NAME:
-            raise ValueError(f"tensor name {name!r} is longer than GGML's {MAX_TENSOR_NAME} characters")
-        return name
-    raise ValueError(f"unknown adapter state-dict key {state_dict_key!r}: gguf_format.tensor_name has no "
-                     f"mapping for it (did adapter.py gain a parameter? then bump FORMAT_VERSION)")
+    """GGUF tensor name of an ``Adapter`` state-dict key (ggk's: the key under ``adapter.``); ValueError for an
+    unknown key."""
+    if not _is_adapter_key(state_dict_key):
+        raise ValueError(f"unknown adapter state-dict key {state_dict_key!r}: ggk's resampler has no such tensor "
+                         "(did adapter.py gain a parameter? then ggk must read it first)")
+    name = KEY_PREFIX + state_dict_key
+    if len(name) > MAX_TENSOR_NAME:
+        raise ValueError(f"tensor name {name!r} is longer than GGML's {MAX_TENSOR_NAME} characters")
+    return name
 
 
 def state_dict_key(gguf_name: str) -> str:
     """Inverse of ``tensor_name``."""
-    if gguf_name in _STATS_INV:
-        return _STATS_INV[gguf_name]
-    if gguf_name in _TOP_TENSORS:
-        return gguf_name
-    match = _BLOCK_NAME_RE.fullmatch(gguf_name)
-    if match and match.group(2) in _BLOCK_LEAVES:
-        return f"blocks.{match.group(1)}.{match.group(2)}"
-    raise ValueError(f"unknown adapter GGUF tensor name {gguf_name!r}")
+    key = gguf_name[len(KEY_PREFIX):] if gguf_name.startswith(KEY_PREFIX) else ""
+    if not _is_adapter_key(key):
+        raise ValueError(f"unknown adapter GGUF tensor name {gguf_name!r}")
+    return key
 
 
 def is_f16_tensor(state_dict_key: str) -> bool:
-    """Whether the tensor is stored F16 (unless out of F16 range): the matrices.
-
-    Matrices are the 2-D linear weights plus ``query`` and ``null_memory``; norms,
-    biases and the target statistics stay F32 (tiny, and precision-sensitive).
-    """
-    if state_dict_key in ("query", "null_memory"):
-        return True
-    leaf = _BLOCK_KEY_RE.fullmatch(state_dict_key)
-    module = (leaf.group(2) if leaf else state_dict_key).rsplit(".", 1)
-    return len(module) == 2 and module[1] == "weight" and not module[0].endswith("_norm")
+    """Whether the tensor is stored F16 (unless out of F16 range): the 2-D linear weights. ``query`` is an F32
+    parameter in ggk; norms and biases stay F32 (tiny, and precision-sensitive)."""
+    match = _BLOCK_KEY_RE.fullmatch(state_dict_key)
+    leaf = match.group(2) if match else state_dict_key
+    module, _, param = leaf.rpartition(".")
+    return param == "weight" and module in (*_BLOCK_LINEARS, "in_proj", "out_proj")
 
 
 # --- hyperparameters ------------------------------------------------------------------
 
 
+def hparams_of(*, student_dim: int, query_rows: int, target_dim: int, width: int, depth: int,
+               mlp_ratio: int = 4) -> dict[str, Any]:
+    """The file's hyperparameters for an adapter of this shape (lib/training/adapter.py's AdapterShape fields)."""
+    return {"in_dim": student_dim, "out_dim": target_dim, "width": width, "depth": depth,
+            "heads": width // ADAPTER_HEAD_DIM, "head_dim": ADAPTER_HEAD_DIM, "query_count": query_rows,
+            "mlp_hidden": mlp_ratio * width, "layer_norm_epsilon": ADAPTER_LAYER_NORM_EPS}
+
+
 def validate_hparams(hparams: Mapping[str, Any]) -> dict[str, Any]:
-    """The HPARAM_TYPES keys, positive ints / positive finite eps, and the LAYER_HPARAM_TYPES keys for more than
-    one student layer; returns a clean dict (a one-layer adapter's holds no layer keys: it is version 1's)."""
-    layers = hparams.get("student_layers", 1)
-    if isinstance(layers, bool) or not isinstance(layers, (int, np.integer)) or not 0 < int(layers) <= _UINT32_MAX:
-        raise ValueError(f"hparams['student_layers'] = {layers!r}: expected a positive integer")
-    fusion = hparams.get("layer_fusion", "concat")
-    if fusion not in LAYER_FUSIONS or (layers == 1 and fusion != "concat"):
-        raise ValueError(f"hparams['layer_fusion'] = {fusion!r}: expected one of {LAYER_FUSIONS} (concat for one "
-                         "layer)")
-    layer_keys = {"student_layers": int(layers), "layer_fusion": fusion} if layers > 1 else {}
-    hparams = {k: v for k, v in hparams.items() if k not in LAYER_HPARAM_TYPES}
+    """Exactly the HPARAM_TYPES keys, positive ints / positive finite eps, heads of ggk's head dim; a clean dict."""
     missing = sorted(set(HPARAM_TYPES) - set(hparams))
     extra = sorted(set(hparams) - set(HPARAM_TYPES))
     if missing or extra:
@@ -285,27 +257,17 @@ def validate_hparams(hparams: Mapping[str, Any]) -> dict[str, Any]:
                     or not math.isfinite(float(value)) or float(value) <= 0:
                 raise ValueError(f"hparams[{key!r}] = {value!r}: expected a positive finite number")
             clean[key] = float(value)
-    if clean["width"] % clean["heads"]:
-        raise ValueError(f"hparams: heads ({clean['heads']}) must divide width ({clean['width']})")
-    return {**clean, **layer_keys}
-
-
-def file_version(hparams: Mapping[str, Any]) -> int:
-    """The format version a file of these (validated) hparams is written in."""
-    return LAYERS_FORMAT_VERSION if "student_layers" in hparams else FORMAT_VERSION
+    if clean["head_dim"] != ADAPTER_HEAD_DIM or clean["heads"] * ADAPTER_HEAD_DIM != clean["width"]:
+        raise ValueError(f"hparams: heads ({clean['heads']}) x head_dim ({clean['head_dim']}) must be width "
+                         f"({clean['width']}) with ggk's head dim {ADAPTER_HEAD_DIM}")
+    return clean
 
 
 def expected_tensor_shapes(hparams: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
-    """State-dict key → numpy/torch shape for these hparams, in the file's tensor order."""
+    """State-dict key -> numpy/torch shape for these hparams, in the file's tensor order."""
     hp = validate_hparams(hparams)
-    ds, q, d, w = hp["student_dim"], hp["query_rows"], hp["target_dim"], hp["width"]
-    hidden = hp["mlp_ratio"] * w
-    shapes: dict[str, tuple[int, ...]] = {"query": (q, w), "null_memory": (1, w)}
-    layers = hp.get("student_layers", 1)
-    if hp.get("layer_fusion") == "mix":
-        shapes["layer_mix"] = (layers,)
-    else:
-        ds *= layers  # concat: the layers side by side, each normalised, into one wider projection
+    ds, q, d, w, hidden = hp["in_dim"], hp["query_count"], hp["out_dim"], hp["width"], hp["mlp_hidden"]
+    shapes: dict[str, tuple[int, ...]] = {"query": (q, w)}
 
     def norm(prefix: str, n: int) -> None:
         shapes[f"{prefix}.weight"] = (n,)
@@ -315,43 +277,36 @@ def expected_tensor_shapes(hparams: Mapping[str, Any]) -> dict[str, tuple[int, .
         shapes[f"{prefix}.weight"] = (n_out, n_in)
         shapes[f"{prefix}.bias"] = (n_out,)
 
-    norm("in_norm", ds)
     linear("in_proj", ds, w)
     for i in range(hp["depth"]):
         p = f"blocks.{i}."
-        norm(p + "cross_norm", w)
-        for proj in "qkvo":
-            linear(f"{p}cross_attn.{proj}", w, w)
-        norm(p + "self_norm", w)
+        norm(p + "ln_self", w)
         for proj in "qkvo":
             linear(f"{p}self_attn.{proj}", w, w)
-        norm(p + "mlp_norm", w)
-        linear(p + "mlp_up", w, hidden)
-        linear(p + "mlp_down", hidden, w)
-    norm("out_norm", w)
+        norm(p + "ln_q", w)
+        norm(p + "ln_kv", w)
+        for proj in "qkvo":
+            linear(f"{p}cross_attn.{proj}", w, w)
+        norm(p + "ln_mlp", w)
+        linear(p + "mlp.0", w, hidden)
+        linear(p + "mlp.2", hidden, w)
+    norm("ln_out", w)
     linear("out_proj", w, d)
-    shapes["target_mean"] = (q, d)
-    shapes["target_std"] = (q, d)
     return shapes
 
 
 def hparams_from_metadata(metadata: Mapping[str, Any]) -> dict[str, Any]:
     """The hparams dict back from ``read_gguf_metadata``'s result (checks arch and version)."""
     check_header(metadata)
-    keys = [*HPARAM_TYPES, *(LAYER_HPARAM_TYPES if metadata[KEY_FORMAT_VERSION] == LAYERS_FORMAT_VERSION else ())]
-    missing = [KEY_PREFIX + k for k in keys if KEY_PREFIX + k not in metadata]
+    missing = [KEY_PREFIX + k for k in HPARAM_TYPES if KEY_PREFIX + k not in metadata]
     if missing:
         raise ValueError(f"GGUF lacks hyperparameter keys {missing}")
-    hp = validate_hparams({k: metadata[KEY_PREFIX + k] for k in keys})
-    if file_version(hp) != metadata[KEY_FORMAT_VERSION]:
-        raise ValueError(f"{KEY_FORMAT_VERSION} is {metadata[KEY_FORMAT_VERSION]}, but the file's hyperparameters "
-                         f"are those of version {file_version(hp)}")
-    return hp
+    return validate_hparams({k: metadata[KEY_PREFIX + k] for k in HPARAM_TYPES})
 
 
 def provenance_from_metadata(metadata: Mapping[str, Any]) -> dict[str, Any]:
-    """The provenance dict back (``llm_adapter.<key>`` minus hparams and format_version)."""
-    reserved = {KEY_FORMAT_VERSION} | {KEY_PREFIX + k for k in [*HPARAM_TYPES, *LAYER_HPARAM_TYPES]}
+    """The provenance dict back (``adapter.<key>`` minus hparams, format_version and variant)."""
+    reserved = {KEY_FORMAT_VERSION, KEY_VARIANT} | {KEY_PREFIX + k for k in HPARAM_TYPES}
     return {k[len(KEY_PREFIX):]: v for k, v in metadata.items() if k.startswith(KEY_PREFIX) and k not in reserved}
 
 
@@ -362,7 +317,10 @@ def check_header(metadata: Mapping[str, Any]) -> None:
         raise ValueError(f"{KEY_ARCHITECTURE} is {arch!r}, expected {ARCH!r}")
     version = metadata.get(KEY_FORMAT_VERSION)
     if version not in READ_VERSIONS:
-        raise ValueError(f"{KEY_FORMAT_VERSION} is {version!r}; this code reads versions {READ_VERSIONS}")
+        raise ValueError(f"{KEY_FORMAT_VERSION} is {version!r}; this code reads versions {READ_VERSIONS} (an "
+                         "older file is the product's own layout, which ggk refuses: export again)")
+    if metadata.get(KEY_VARIANT) not in ADAPTER_VARIANTS:
+        raise ValueError(f"{KEY_VARIANT} is {metadata.get(KEY_VARIANT)!r}; this code reads {ADAPTER_VARIANTS}")
 
 
 # --- metadata -------------------------------------------------------------------------
@@ -403,26 +361,20 @@ def _provenance_kv(key: str, value: Any) -> KV:
 
 
 def _check_required_provenance(provenance: Mapping[str, Any], hp: Mapping[str, Any]) -> None:
-    required = LAYERS_REQUIRED_PROVENANCE if file_version(hp) == LAYERS_FORMAT_VERSION else REQUIRED_PROVENANCE
-    missing = [k for k in required if k not in provenance]
+    missing = [k for k in REQUIRED_PROVENANCE if k not in provenance]
     if missing:
-        raise ValueError(f"provenance lacks required keys {missing}: every adapter GGUF records the student and "
-                         f"teacher (repo, commit), the student layer and hidden size, training steps, seed and val "
-                         f"centred cosine (gguf_format.REQUIRED_PROVENANCE, LAYERS_REQUIRED_PROVENANCE)")
-    for key, vtype in required.items():
+        raise ValueError(f"provenance lacks required keys {missing}: every adapter GGUF records its conditioning, the "
+                         f"student and teacher (repo, commit), the student's hidden size, the trained and planned "
+                         f"steps, the checkpoint, seed, val centred cosine and trainer "
+                         f"(gguf_format.REQUIRED_PROVENANCE)")
+    for key, vtype in REQUIRED_PROVENANCE.items():
         got = _provenance_kv(KEY_PREFIX + key, provenance[key]).vtype
         if got != vtype:
             raise ValueError(f"provenance key {key!r} = {provenance[key]!r} would be stored as {got.name}; "
                              f"it must be {vtype.name}")
-    if "student.layers" in required:
-        layers = provenance["student.layers"]
-        kv = _provenance_kv(KEY_PREFIX + "student.layers", layers)
-        if kv.sub_type != GGUFValueType.INT64 or len(layers) != hp["student_layers"]:
-            raise ValueError(f"provenance student.layers = {layers!r} must list {hp['student_layers']} layer "
-                             "indexes (integers), one per fed layer")
-    if provenance["student.hidden_size"] != hp["student_dim"]:
+    if provenance["student.hidden_size"] != hp["in_dim"]:
         raise ValueError(f"provenance student.hidden_size ({provenance['student.hidden_size']}) != hparams "
-                         f"student_dim ({hp['student_dim']})")
+                         f"in_dim ({hp['in_dim']})")
     if not -1.0 <= float(provenance["training.val_centred_cosine"]) <= 1.0:
         raise ValueError(f"provenance training.val_centred_cosine = {provenance['training.val_centred_cosine']!r} "
                          "is not a cosine (outside [-1, 1])")
@@ -435,9 +387,9 @@ def build_metadata(*, hparams: Mapping[str, Any], provenance: Mapping[str, Any],
     hp = validate_hparams(hparams)
     kvs = [KV(KEY_ARCHITECTURE, GGUFValueType.STRING, ARCH),
            KV(KEY_NAME, GGUFValueType.STRING, name),
-           KV(KEY_FORMAT_VERSION, GGUFValueType.UINT32, file_version(hp))]
-    kvs += [KV(KEY_PREFIX + k, vtype, hp[k]) for k, vtype in {**HPARAM_TYPES, **LAYER_HPARAM_TYPES}.items()
-            if k in hp]
+           KV(KEY_FORMAT_VERSION, GGUFValueType.UINT32, FORMAT_VERSION),
+           KV(KEY_VARIANT, GGUFValueType.STRING, ADAPTER_VARIANTS[0])]
+    kvs += [KV(KEY_PREFIX + k, vtype, hp[k]) for k, vtype in HPARAM_TYPES.items()]
     _check_required_provenance(provenance, hp)
     reserved = {kv.key for kv in kvs}
     for key, value in provenance.items():
@@ -709,7 +661,7 @@ def write_adapter_gguf(path: Path, *, tensors: Mapping[str, np.ndarray], hparams
     f16 = sum(1 for a in prepared.values() if a.dtype == np.float16)
     summary = WrittenGguf(path=str(path), bytes=written.bytes, sha256=written.sha256, tensor_count=len(prepared),
                           f16_count=f16, f32_count=len(prepared) - f16, kept_f32=tuple(kept_f32), name=name,
-                          architecture=ARCH, format_version=file_version(validate_hparams(hparams)))
+                          architecture=ARCH, format_version=FORMAT_VERSION)
     logger.info("wrote %s: %d tensors (%d f16, %d f32), %d bytes, sha256 %s", path, len(prepared), f16,
                 len(prepared) - f16, written.bytes, written.sha256[:12])
     return summary

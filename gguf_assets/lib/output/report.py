@@ -13,6 +13,7 @@ import shlex
 from pathlib import Path
 
 from gguf_assets.lib.core import atomic, verify
+from gguf_assets.lib.core.ggk_contract import ESCAPE_HINT, USER_FILES
 from gguf_assets.lib.core.markdown import markdown_table, user_text
 from gguf_assets.lib.output.kept import keep_report
 from gguf_assets.lib.project import settings_history
@@ -21,23 +22,32 @@ from gguf_assets.lib.project.manifests import ExportSidecar, MaterialsManifest, 
 from gguf_assets.lib.project.settings import Settings
 from gguf_assets.lib.training.verdict import validation_curve, verdict
 
-# ggk's flag for the vision encoder GGUF; used when the command template has no
-# {vision_gguf} placeholder but a vision GGUF was exported.
+# ggk's flags (gk-diffuser.cpp), for the "use it in ggk" table.
 VISION_FLAG = "--llm_vision"
-ADAPTER_FLAG = "--llm_adapter"
+ADAPTER_FLAG = "--llm-adapter"
 STUDENT_FLAG = "--llm"
-PLACEHOLDERS = ("{student}", "{adapter_gguf}", "{vision_gguf}")
-# "--flag {vision_gguf}" or "--flag={vision_gguf}": dropped whole when there is no vision GGUF.
-_VISION_ARG = re.compile(r"\s*(?:--?[A-Za-z0-9_-]+(?:=|\s+))?\{vision_gguf\}")
+TOKENIZER_PACK_FLAG = "--tokenizer-pack"
+# output.ggk_command's placeholders; {student} is the name earlier versions used for the student.
+PLACEHOLDERS = ("{dit_gguf}", "{vae_gguf}", "{student_gguf}", "{student}", "{adapter_gguf}", "{vision_gguf}",
+                "{tokenizer_pack}")
 
 
-def ggk_command(template: str, *, student: str, adapter_gguf: str, vision_gguf: str | None) -> str:
-    """The command line: placeholders filled with shell-quoted paths."""
-    if vision_gguf is None:
-        template = _VISION_ARG.sub("", template)
-    elif "{vision_gguf}" not in template:
-        template = f"{template} {VISION_FLAG} {{vision_gguf}}"
-    values = {"{student}": student, "{adapter_gguf}": adapter_gguf, "{vision_gguf}": vision_gguf or ""}
+def _optional_arg(placeholder: str) -> re.Pattern:
+    """"--flag {x}" or "--flag={x}": dropped whole when the project made no such file."""
+    return re.compile(r"\s*(?:--?[A-Za-z0-9_-]+(?:=|\s+))?" + re.escape(placeholder))
+
+
+def ggk_command(template: str, *, student_gguf: str, adapter_gguf: str, vision_gguf: str | None,
+                tokenizer_pack: str | None) -> str:
+    """The command line: the project's files filled in as shell-quoted paths, the image model's files (the DiT and
+    the VAE, which the user brings) as ``<your ...>`` placeholders to replace."""
+    optional = {"{vision_gguf}": vision_gguf, "{tokenizer_pack}": tokenizer_pack}
+    for placeholder, value in optional.items():
+        if value is None:
+            template = _optional_arg(placeholder).sub("", template)
+    values = {"{dit_gguf}": USER_FILES["dit_gguf"], "{vae_gguf}": USER_FILES["vae_gguf"],
+              "{student_gguf}": student_gguf, "{student}": student_gguf, "{adapter_gguf}": adapter_gguf,
+              **{k: v or "" for k, v in optional.items()}}
     # One pass, so a path that happens to contain "{adapter_gguf}" is not substituted again.
     return re.sub("|".join(re.escape(p) for p in PLACEHOLDERS), lambda m: shlex.quote(values[m.group(0)]), template)
 
@@ -76,6 +86,9 @@ def build_report(paths: ProjectPaths, settings: Settings, materials: MaterialsMa
     """
     files = gguf.written_files()
     adapter_file, vision_file = _for_ggk(files, "adapter"), _for_ggk(files, "vision_encoder")
+    student_file, pack_file = _for_ggk(files, "student"), _for_ggk(files, "tokenizer_pack")
+    # The pack is the folder that holds qwen2/merges.txt: --tokenizer-pack takes the folder.
+    pack_dir = str(Path(pack_file["path"]).parent.parent) if pack_file else None
     torch_score = gguf.val_centred_cosine_torch
     score = evaluation["val_centred_cosine"] if evaluation else torch_score
     text, advice = verdict(score, _validation_curve(paths), width=settings.training.width,
@@ -92,7 +105,8 @@ def build_report(paths: ProjectPaths, settings: Settings, materials: MaterialsMa
         score_source="gguf" if evaluation else "torch",
         gguf_path=gguf.path, gguf_sha256=gguf.sha256, gguf_bytes=gguf.bytes,
         vision_gguf=next((f["path"] for f in files if f["role"] == "vision_encoder" and not f.get("copy_of")), None),
-        ggk_files={"adapter": adapter_file["path"], "vision_encoder": vision_file["path"] if vision_file else None},
+        ggk_files={"adapter": adapter_file["path"], "vision_encoder": vision_file["path"] if vision_file else None,
+                   "student": student_file["path"] if student_file else None, "tokenizer_pack": pack_dir},
         n_prompts=evaluation["n_prompts"] if evaluation else None,
         eval_seconds=evaluation["seconds"] if evaluation else None,
         per_shard=_per_shard(evaluation, gguf.per_shard_torch),
@@ -101,13 +115,13 @@ def build_report(paths: ProjectPaths, settings: Settings, materials: MaterialsMa
         # The report lists what a user checks (size, sha256), not the stamps status uses.
         files=[verify.without_stamp(f) for f in files],
         student={"repo": student["source"], "commit": student["commit"], "path": student["path"],
-                 # report.json's field keeps its name and form: the integer, or the list of several layers
-                 "layer": gguf.provenance.get("student.layer", gguf.provenance.get("student.layers",
-                                                                                   settings.materials.student_layer))},
+                 "layer": settings.materials.student_layer},  # report.json's field: always -1, the final norm
         # Paths inside the project are relative to the project folder (run it from there).
-        ggk_command=ggk_command(settings.output.ggk_command, student=paths.stored(student["path"]),
+        ggk_command=ggk_command(settings.output.ggk_command,
+                                student_gguf=paths.stored(student_file["path"] if student_file else student["path"]),
                                 adapter_gguf=paths.stored(adapter_file["path"]),
-                                vision_gguf=paths.stored(vision_file["path"]) if vision_file else None),
+                                vision_gguf=paths.stored(vision_file["path"]) if vision_file else None,
+                                tokenizer_pack=paths.stored(pack_dir) if pack_dir else None),
         kept_f32=gguf.kept_f32,
         settings_hash=settings_history.remember(paths.root, settings),
     )
@@ -165,13 +179,17 @@ def render_files(files: list[dict], *, kept_f32: list[str]) -> str:
 def render_use_in_ggk(r: Report) -> str:
     """Which file goes where, and the command line."""
     s, ggk = r.student, r.ggk_files
-    layers = f"layers {s['layer']} (side by side, in this order)" if isinstance(s["layer"], list) \
-        else f"layer {s['layer']}"
-    rows = [["the adapter (this project's output)", f"`{ggk['adapter']}`", f"`{ADAPTER_FLAG}`"],
-            [f"the student LLM it was trained on: `{s['repo']}` at `{s['commit']}`, hidden states of {layers}",
-             f"`{s['path']}`", f"`{STUDENT_FLAG}`"]]
+    rows = [["the adapter (this project's output)", f"`{ggk['adapter']}`", f"`{ADAPTER_FLAG}`"]]
+    if ggk.get("student"):
+        rows.append([f"the student LLM it was trained on (`{s['repo']}` at `{s['commit']}`), as ggk runs it",
+                     f"`{ggk['student']}`", f"`{STUDENT_FLAG}`"])
+    if ggk.get("tokenizer_pack"):
+        rows.append(["the student's tokenizer, as ggk reads it", f"`{ggk['tokenizer_pack']}`",
+                     f"`{TOKENIZER_PACK_FLAG}`"])
     if ggk["vision_encoder"]:
-        rows.append(["the paired vision encoder", f"`{ggk['vision_encoder']}`", f"`{VISION_FLAG}`"])
+        rows.append(["the paired SigVQ vision encoder", f"`{ggk['vision_encoder']}`", f"`{VISION_FLAG}`"])
+    rows.append(["the image model's DiT and VAE (yours: the adapter replaces its text stack only)",
+                 f"{USER_FILES['dit_gguf']}, {USER_FILES['vae_gguf']}", "`--diffusion-model`, `--vae`"])
     lines = [markdown_table(["what", "file", "ggk flag"], rows)]
     copies = [f["path"] for f in r.files if f.get("copy_of")]
     lines += [""]
@@ -179,13 +197,12 @@ def render_use_in_ggk(r: Report) -> str:
         lines += ["Verified copies are already in the `output.also_copy_to` folder: "
                   + ", ".join(f"`{c}`" for c in copies) + "."]
     else:
-        lines += [f"Copy `{Path(ggk['adapter']).name}`"
-                  + (f" and `{Path(ggk['vision_encoder']).name}`" if ggk["vision_encoder"] else "")
-                  + " into your ggk model folder, or set `output.also_copy_to` to that folder to have it done "
-                    "(atomically, checked by sha256) on every export."]
-    lines += ["", "The adapter only works with that exact student model and layer; another student (or another "
-              "layer) needs its own adapter.", "", "Command line (template: `output.ggk_command`; relative paths "
-              "are inside the project folder, so run it from there):", "",
+        lines += ["Copy these files into your ggk model folder, or set `output.also_copy_to` to that folder to have "
+                  "it done (atomically, checked by sha256) on every export."]
+    lines += ["", "The adapter only works with that exact student file; another student needs its own adapter.",
+              "", f"Prompts: {ESCAPE_HINT}.", "",
+              "Command line (template: `output.ggk_command`; relative paths are inside the project folder, so run "
+              "it from there, with your DiT and VAE in place of the `<your ...>` placeholders):", "",
               "```", r.ggk_command, "```", ""]
     return "\n".join(lines)
 

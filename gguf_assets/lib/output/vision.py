@@ -1,22 +1,30 @@
-"""The paired vision encoder as an f16 GGUF, following llama.cpp's mmproj conventions.
+"""The paired vision encoder as the SigVQ GGUF that ggk loads with ``--llm_vision``.
 
-A SigLIP-style vision tower (a transformers folder: config.json + *.safetensors, optional
-preprocessor_config.json) becomes one GGUF with ``general.architecture = clip``, the
-``clip.vision.*`` hyper-parameters from its config, and llama.cpp's ``v.*`` tensor names
-(``gguf-py``'s ``TensorNameMap`` for ``MODEL_ARCH.MMPROJ``; a test holds ``VISION_TENSOR_MAP``
-to it). Tensors without a known mapping (SigLIP's attention-pooling ``head.*``, anything
-model specific) keep their original safetensors names. docs/vision_gguf.md is the
+LLaDA-Image's reference-image encoder, SigVQ (a ViT, a 1x1 conv into a VQ codebook, the prior
+token embedding and its projector), is read by ggk 0.9.7's ``model/te/sigvq.hpp``: the file's
+tensors keep the checkpoint's own names (ggk loads them under ``sigvq.``), every size comes from
+the tensor shapes, and no metadata key is read. So the export takes a SigVQ checkpoint folder (a
+diffusers pipeline's ``sigvq/`` folder: ``*.safetensors`` and an optional ``config.json``, which
+is not read), keeps exactly the tensors ggk reads (``sigvq_tensor_shapes``; anything else, a
+decoder for example, is skipped and listed in the summary), checks that they are all there with
+shapes that agree, and writes them unrenamed. The metadata (architecture ``sigvq``, provenance,
+the sizes ggk derives) is for people and tools; ggk ignores it. docs/vision_gguf.md is the
 human-readable version of this module.
 
-Only the vision tower is exported: in a composite checkpoint (SigLIP with a text tower,
-a VLM) the tensors outside the vision prefix are skipped and listed in the summary.
-Writing goes through ``gguf_format.write_verified_gguf`` (temp file, re-read, compare,
-rename), and the f16 rule and overflow fallback are the adapter's.
+dtypes follow what ggk holds each tensor in (its loader converts any float type on load):
+Linear weights take the file's type, so they are F16 (F32 if a value passes the f16 range,
+listed in ``kept_f32``); the conv kernels and ``prior_token_embedding`` are held in f16 whatever
+the file has, so they are F16 and a value beyond the f16 range is refused (ggk would make it
+inf); the position table and the codebook are held in f32 (the codebook feeds a cosine argmax),
+so they stay F32, as do all 1-D tensors (norms, biases). Writing goes through
+``gguf_format.write_verified_gguf`` (temp file, re-read, compare, rename).
+
+This replaces the llama.cpp ``clip``/mmproj export (``v.*`` tensor names) that this module wrote
+before: ggk cannot load that form and nothing relied on it, so it is gone.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import re
@@ -24,67 +32,42 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGUFValueType, Keys, LlamaFileType
+from gguf import GGUFValueType
 
 from gguf_assets.lib.core.errors import UserError
+from gguf_assets.lib.core.f16 import F16_MAX
 from gguf_assets.lib.core.safetensors_io import SafetensorsFile, to_float32
 from gguf_assets.lib.output import gguf_format as fmt
 
 logger = logging.getLogger(__name__)
 
-ARCH = "clip"
-GGUF_TYPE = "mmproj"  # general.type of llama.cpp's multimodal projector files
-FILE_TYPE_MOSTLY_F16 = int(LlamaFileType.MOSTLY_F16)  # 1-D tensors stay f32
+ARCH = "sigvq"
 VISION_SUFFIX = "-vision.gguf"
-CONFIG_FILE = "config.json"
-PREPROCESSOR_FILE = "preprocessor_config.json"
+HEADS = 16  # fixed in ggk's SigVQ, as are LayerNorm eps 1e-6 and the erf GELU
+KEY_SOURCE = f"{ARCH}.source"
+KEY_COMMIT = f"{ARCH}.commit"
+HPARAMS = ("hidden", "patch", "pos_grid", "codebook_size", "codebook_dim", "semantic_dim", "blocks", "heads")
 
-# llama.cpp's clip keys, from gguf-py's constants.
-KEY_HAS_VISION = Keys.Clip.HAS_VISION_ENCODER
-KEY_USE_GELU = Keys.ClipVision.USE_GELU
-# Our own provenance, outside llama.cpp's namespaces.
-KEY_SOURCE = "gguf_assets.vision.source"
-KEY_COMMIT = "gguf_assets.vision.commit"
-KEY_HIDDEN_ACT = "gguf_assets.vision.hidden_act"
-
-# clip.vision.<key> ← config field (all required; a config without one is refused by name).
-VISION_HPARAMS: dict[str, tuple[str, GGUFValueType]] = {
-    Keys.ClipVision.IMAGE_SIZE: ("image_size", GGUFValueType.UINT32),
-    Keys.ClipVision.PATCH_SIZE: ("patch_size", GGUFValueType.UINT32),
-    Keys.ClipVision.EMBEDDING_LENGTH: ("hidden_size", GGUFValueType.UINT32),
-    Keys.ClipVision.FEED_FORWARD_LENGTH: ("intermediate_size", GGUFValueType.UINT32),
-    Keys.ClipVision.BLOCK_COUNT: ("num_hidden_layers", GGUFValueType.UINT32),
-    Keys.ClipVision.Attention.HEAD_COUNT: ("num_attention_heads", GGUFValueType.UINT32),
-    Keys.ClipVision.Attention.LAYERNORM_EPS: ("layer_norm_eps", GGUFValueType.FLOAT32),
-}
-KEY_IMAGE_MEAN = Keys.ClipVision.IMAGE_MEAN
-KEY_IMAGE_STD = Keys.ClipVision.IMAGE_STD
-
-# Prefixes under which checkpoints keep the vision tower (longest first). transformers 5
-# saves a bare SiglipVisionModel with no prefix at all.
-VISION_PREFIXES = ("model.vision_tower.vision_model.", "vision_tower.vision_model.", "model.vision_model.",
-                   "vision_model.")
-
-# SigLIP name (relative to the vision model) → llama.cpp name; {bid} is the block index.
-VISION_TENSOR_MAP: dict[str, str] = {
-    "embeddings.patch_embedding": "v.patch_embd",
-    "embeddings.position_embedding": "v.position_embd",
-    "encoder.layers.{bid}.layer_norm1": "v.blk.{bid}.ln1",
-    "encoder.layers.{bid}.self_attn.q_proj": "v.blk.{bid}.attn_q",
-    "encoder.layers.{bid}.self_attn.k_proj": "v.blk.{bid}.attn_k",
-    "encoder.layers.{bid}.self_attn.v_proj": "v.blk.{bid}.attn_v",
-    "encoder.layers.{bid}.self_attn.out_proj": "v.blk.{bid}.attn_out",
-    "encoder.layers.{bid}.layer_norm2": "v.blk.{bid}.ln2",
-    "encoder.layers.{bid}.mlp.fc1": "v.blk.{bid}.ffn_up",
-    "encoder.layers.{bid}.mlp.fc2": "v.blk.{bid}.ffn_down",
-    "post_layernorm": "v.post_ln",
-}
-_SUFFIXES = ("weight", "bias")
-_BLOCK_RE = re.compile(r"encoder\.layers\.(0|[1-9][0-9]*)\.(.+)")
+PATCH = "visual.patch_embed.proj.weight"
+POS = "visual.embeddings.position_embedding.weight"
+QUANT_CONV = "vqmodel.quant_conv.weight"
+CODEBOOK = "vqmodel.quantize.embedding.weight"
+PRIOR = "prior_token_embedding.weight"
+FC1 = "visual.blocks.0.mlp.fc1.weight"
+ENGINE_F16 = frozenset({PATCH, QUANT_CONV, PRIOR})  # ggk holds these in f16 whatever the file's type
+ENGINE_F32 = frozenset({POS, CODEBOOK})  # and these in f32
+# Where ggk reads each size (sigvq.hpp, detect_from_weights): tensor, its dimensions, numpy axis.
+SIZE_SOURCES = {"hidden": (PATCH, 4, 0), "patch": (PATCH, 4, 3), "pos_rows": (POS, 2, 0),
+                "codebook_dim": (QUANT_CONV, 4, 0), "codebook_size": (PRIOR, 2, 0), "semantic_dim": (PRIOR, 2, 1),
+                "intermediate": (FC1, 2, 0)}
+_BLOCK_RE = re.compile(r"visual\.blocks\.(\d+)\.")
+_FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
+_FIX = ("point materials.vision_encoder at LLaDA-Image's SigVQ checkpoint (the pipeline's sigvq/ folder), "
+        "unconverted, with its tensors under their own names")
 
 
 class VisionExportError(UserError, ValueError):
-    """The vision encoder folder cannot be converted; the message names the file and key."""
+    """The vision encoder folder cannot be converted; the message names the file, the tensor and the fix."""
 
 
 def vision_gguf_path(output_dir: Path, adapter_name: str) -> Path:
@@ -92,178 +75,129 @@ def vision_gguf_path(output_dir: Path, adapter_name: str) -> Path:
     return Path(output_dir) / f"{adapter_name}{VISION_SUFFIX}"
 
 
-def vision_tensor_name(relative: str) -> str | None:
-    """llama.cpp name of a SigLIP tensor name (relative to the vision model), or None."""
-    stem, _, suffix = relative.rpartition(".")
-    if suffix not in _SUFFIXES:
-        return None
-    block = _BLOCK_RE.fullmatch(stem)
-    pattern = f"encoder.layers.{{bid}}.{block.group(2)}" if block else stem
-    target = VISION_TENSOR_MAP.get(pattern)
-    if target is None:
-        return None
-    return f"{target.format(bid=block.group(1)) if block else target}.{suffix}"
+def sigvq_tensor_shapes(*, hidden: int, intermediate: int, patch: int, pos_grid: int, codebook_size: int,
+                        codebook_dim: int, semantic_dim: int, blocks: int) -> dict[str, tuple[int, ...]]:
+    """Every tensor ggk's SigVQ reads → its numpy shape (ggml's ne reversed), in file order."""
+    h, i, s = hidden, intermediate, semantic_dim
+    shapes: dict[str, tuple[int, ...]] = {PATCH: (h, 3, patch, patch), "visual.patch_embed.proj.bias": (h,),
+                                          POS: (pos_grid * pos_grid, h)}
+    for n in range(blocks):
+        b = f"visual.blocks.{n}."
+        shapes.update({b + "norm1.weight": (h,), b + "norm1.bias": (h,), b + "norm2.weight": (h,),
+                       b + "norm2.bias": (h,), b + "attn.qkv.weight": (3 * h, h), b + "attn.qkv.bias": (3 * h,),
+                       b + "attn.proj.weight": (h, h), b + "attn.proj.bias": (h,), b + "mlp.fc1.weight": (i, h),
+                       b + "mlp.fc1.bias": (i,), b + "mlp.fc2.weight": (h, i), b + "mlp.fc2.bias": (h,)})
+    shapes.update({QUANT_CONV: (codebook_dim, h, 1, 1), "vqmodel.quant_conv.bias": (codebook_dim,),
+                   CODEBOOK: (codebook_size, codebook_dim), PRIOR: (codebook_size, s),
+                   "prior_projector.net.0.proj.weight": (s, s), "prior_projector.net.0.proj.bias": (s,),
+                   "prior_projector.net.2.weight": (s, s), "prior_projector.net.2.bias": (s,)})
+    return shapes
 
 
-def _vision_config(folder: Path) -> dict[str, Any]:
-    path = folder / CONFIG_FILE
-    if not path.is_file():
-        raise VisionExportError(f"materials.vision_encoder: {path} is missing; point it at a transformers vision "
-                                "model folder (config.json + *.safetensors)")
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except ValueError as exc:
-        raise VisionExportError(f"{path}: not valid JSON ({exc})") from exc
-    # A composite checkpoint (SiglipModel, a VLM) nests the tower's config.
-    nested = config.get("vision_config")
-    return nested if isinstance(nested, dict) else config
-
-
-def _image_stats(folder: Path) -> dict[str, list[float]]:
-    path = folder / PREPROCESSOR_FILE
-    if not path.is_file():
-        return {}
-    pre = json.loads(path.read_text(encoding="utf-8"))
-    out = {}
-    for key, field in ((KEY_IMAGE_MEAN, "image_mean"), (KEY_IMAGE_STD, "image_std")):
-        value = pre.get(field)
-        if value is None:
-            continue
-        if not isinstance(value, list) or not value or not all(
-                isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in value):
-            raise VisionExportError(f"{path}: {field} = {value!r}; expected a non-empty list of numbers")
-        out[key] = [float(v) for v in value]
-    return out
-
-
-def vision_metadata(folder: Path, *, name: str, source: str, commit: str) -> list[fmt.KV]:
-    """Every metadata entry of the vision GGUF, typed, in file order."""
-    config = _vision_config(folder)
-    kvs = [fmt.KV(fmt.KEY_ARCHITECTURE, GGUFValueType.STRING, ARCH),
-           fmt.KV(fmt.KEY_TYPE, GGUFValueType.STRING, GGUF_TYPE),
-           fmt.KV(fmt.KEY_NAME, GGUFValueType.STRING, name),
-           fmt.KV(fmt.KEY_FILE_TYPE, GGUFValueType.UINT32, FILE_TYPE_MOSTLY_F16),
-           fmt.KV(KEY_HAS_VISION, GGUFValueType.BOOL, True)]
-    hidden_act = config.get("hidden_act")
-    if isinstance(hidden_act, str) and hidden_act:
-        # llama.cpp's clip picks exact GELU with use_gelu, else quick_gelu.
-        kvs.append(fmt.KV(KEY_USE_GELU, GGUFValueType.BOOL, hidden_act.startswith("gelu")))
-    for key, (field, vtype) in VISION_HPARAMS.items():
-        value = config.get(field)
-        if vtype == GGUFValueType.UINT32:
-            if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 2**32:
-                raise VisionExportError(f"{folder / CONFIG_FILE}: {field} = {value!r}; expected a positive integer "
-                                        f"(needed for {key})")
-        elif isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-            raise VisionExportError(f"{folder / CONFIG_FILE}: {field} = {value!r}; expected a positive number "
-                                    f"(needed for {key})")
-        kvs.append(fmt.KV(key, vtype, value if vtype == GGUFValueType.UINT32 else float(value)))
-    for key, values in _image_stats(folder).items():
-        kvs.append(fmt.KV(key, GGUFValueType.ARRAY, values, GGUFValueType.FLOAT32))
-    for key, value in ((KEY_SOURCE, source), (KEY_COMMIT, commit), (KEY_HIDDEN_ACT, hidden_act)):
-        if isinstance(value, str) and value:  # gguf drops empty strings silently
-            kvs.append(fmt.KV(key, GGUFValueType.STRING, value))
-    return kvs
-
-
-def _read_weights(folder: Path) -> dict[str, tuple[SafetensorsFile, str]]:
-    """Tensor name → (file, name) over every *.safetensors file of the folder."""
+def _read_weights(folder: Path) -> dict[str, SafetensorsFile]:
+    """Tensor name → its file, over every *.safetensors file of the folder."""
     files = sorted(folder.glob("*.safetensors"))
     if not files:
-        raise VisionExportError(f"materials.vision_encoder: no *.safetensors weights in {folder}")
-    where: dict[str, tuple[SafetensorsFile, str]] = {}
+        raise VisionExportError(f"materials.vision_encoder: no *.safetensors weights in {folder}; {_FIX}")
+    where: dict[str, SafetensorsFile] = {}
     for file in files:
         st = SafetensorsFile(file)
         for key in st.keys():
             if key in where:
-                raise VisionExportError(f"{file}: tensor {key!r} is also in {where[key][0].path}")
-            where[key] = (st, key)
+                raise VisionExportError(f"{file}: tensor {key!r} is also in {where[key].path}")
+            where[key] = st
     return where
 
 
-def _select_vision(keys: list[str]) -> tuple[dict[str, str], list[str]]:
-    """(original key → name relative to the vision model, skipped keys)."""
-    prefixed = [k for k in keys if k.startswith(VISION_PREFIXES)]
-    if not prefixed:
-        return {k: k for k in keys}, []  # a bare vision model
-    selected = {}
-    for key in prefixed:
-        prefix = next(p for p in VISION_PREFIXES if key.startswith(p))
-        selected[key] = key[len(prefix):]
-    return selected, sorted(set(keys) - set(selected))
+def _sizes(folder: Path, where: dict[str, SafetensorsFile]) -> dict[str, int]:
+    """The sizes ggk derives, from the shapes it reads them from; every tensor checked against them."""
+    indices = {int(m.group(1)) for key in where if (m := _BLOCK_RE.match(key))}
+    blocks = max(indices, default=0) + 1  # ggk: the highest block index + 1
+    needed = set(sigvq_tensor_shapes(hidden=1, intermediate=1, patch=1, pos_grid=1, codebook_size=1, codebook_dim=1,
+                                     semantic_dim=1, blocks=blocks))
+    missing = sorted(needed - set(where))
+    if missing:
+        files = ", ".join(sorted({st.path.name for st in where.values()}))
+        raise VisionExportError(f"{folder} ({files}): missing tensor{'s' if len(missing) > 1 else ''} "
+                                f"{', '.join(missing[:6])}{' …' if len(missing) > 6 else ''} "
+                                f"({len(missing)} of the {len(needed)} that ggk's SigVQ encoder with {blocks} "
+                                f"block{'s' if blocks > 1 else ''} needs); {_FIX}")
+    sizes = {}
+    for size, (name, ndim, axis) in SIZE_SOURCES.items():
+        shape = where[name].shape(name)
+        if len(shape) != ndim:
+            raise VisionExportError(f"{where[name].path}: tensor {name!r} has shape {list(shape)}; ggk reads "
+                                    f"{size} from it as a {ndim}-D tensor; {_FIX}")
+        sizes[size] = shape[axis]
+    rows = sizes.pop("pos_rows")
+    grid = round(math.sqrt(rows))
+    if grid * grid != rows:
+        raise VisionExportError(f"{where[POS].path}: tensor {POS!r} has {rows} rows, not a square grid: ggk takes "
+                                f"the grid side as round(sqrt(rows)) = {grid} and needs {grid}x{grid} = {grid * grid}"
+                                f" rows. Use the checkpoint's full square position table; {_FIX}")
+    sizes.update(pos_grid=grid, blocks=blocks)
+    expected = sigvq_tensor_shapes(**sizes)
+    for name, want in expected.items():
+        got = where[name].shape(name)
+        if got != want:
+            raise VisionExportError(f"{where[name].path}: tensor {name!r} has shape {list(got)}, expected "
+                                    f"{list(want)} from the other tensors ({_describe(sizes)}); {_FIX}")
+    if sizes["hidden"] % HEADS:
+        raise VisionExportError(f"{where[PATCH].path}: hidden size {sizes['hidden']} (tensor {PATCH!r}) is not a "
+                                f"multiple of ggk's fixed {HEADS} SigVQ attention heads; {_FIX}")
+    return sizes
+
+
+def _describe(sizes: dict[str, int]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in sizes.items())
+
+
+def _stored(st: SafetensorsFile, name: str, kept_f32: list[str]) -> np.ndarray:
+    """The tensor in the dtype it is written in (see the module docstring)."""
+    if st.dtype(name) not in _FLOAT_DTYPES:
+        raise VisionExportError(f"{st.path}: tensor {name!r} has dtype {st.dtype(name)}; expected floating point; "
+                                f"{_FIX}")
+    f32 = np.ascontiguousarray(to_float32(st.raw(name), st.dtype(name)), dtype=np.float32)
+    if not np.isfinite(f32).all():
+        raise VisionExportError(f"{st.path}: tensor {name!r} contains NaN or inf; the checkpoint is damaged: "
+                                "download it again")
+    if f32.ndim < 2 or name in ENGINE_F32:
+        return f32
+    peak = float(np.abs(f32).max()) if f32.size else 0.0
+    if name in ENGINE_F16 and peak > F16_MAX:
+        raise VisionExportError(f"{st.path}: tensor {name!r} has |value| {peak:.6g} beyond the f16 range "
+                                f"({F16_MAX:g}); ggk holds it in f16, where it would be inf. This checkpoint "
+                                "cannot run in ggk as it is")
+    stored = fmt.f16_unless_overflow(name, f32)
+    if stored.dtype != np.float16:
+        kept_f32.append(name)
+    return stored
 
 
 def write_vision_gguf(folder: Path, out: Path, *, name: str, source: str, commit: str) -> dict[str, Any]:
-    """Convert the vision encoder in ``folder`` to an f16 GGUF at ``out`` (atomic, verified).
+    """Convert the SigVQ checkpoint in ``folder`` to the GGUF ggk loads, at ``out`` (atomic, verified).
 
-    Matrices and other tensors of 2+ dimensions are F16 (F32 if a value exceeds the f16
-    range, listed in ``kept_f32``); 1-D tensors (norms, biases) are F32. Returns
-    ``{path, bytes, sha256, architecture, tensor_count, f16_count, f32_count, kept_f32,
-    mapped, unmapped, skipped}``; ``unmapped`` lists tensors written under their original
-    names, ``skipped`` those outside the vision tower.
+    Returns ``{path, bytes, sha256, architecture, name, tensor_count, f16_count, f32_count, kept_f32,
+    skipped, unmapped, hparams, source, commit}``: ``skipped`` lists the checkpoint's tensors ggk does
+    not read; ``unmapped`` is always empty (every tensor keeps its name) and stays for the summary's
+    readers; ``hparams`` holds the sizes also written as ``sigvq.<size>``.
     """
     folder, out = Path(folder), Path(out)
-    kvs = vision_metadata(folder, name=name, source=source, commit=commit)
-    hp = {kv.key: kv.value for kv in kvs}
     where = _read_weights(folder)
-    selected, skipped = _select_vision(list(where))
-    tensors: dict[str, np.ndarray] = {}
-    origin: dict[str, str] = {}
-    unmapped: list[str] = []
+    sizes = _sizes(folder, where)
+    hparams = {k: (HEADS if k == "heads" else sizes[k]) for k in HPARAMS}
     kept_f32: list[str] = []
-    for key, relative in selected.items():
-        st, st_key = where[key]
-        if st.dtype(st_key) not in ("F32", "F16", "BF16", "F64"):
-            raise VisionExportError(f"{st.path}: tensor {key!r} has dtype {st.dtype(st_key)}; expected floating point")
-        target = vision_tensor_name(relative)
-        if target is None:
-            target = key
-            unmapped.append(key)
-        if target in origin:
-            raise VisionExportError(f"{st.path}: tensors {origin[target]!r} and {key!r} both map to {target!r}")
-        if len(target) > fmt.MAX_TENSOR_NAME:
-            raise VisionExportError(f"{st.path}: tensor {key!r} has no llama.cpp mapping and its name is longer "
-                                    f"than GGML's {fmt.MAX_TENSOR_NAME} characters")
-        f32 = np.ascontiguousarray(to_float32(st.raw(st_key), st.dtype(st_key)), dtype=np.float32)
-        if not np.isfinite(f32).all():
-            raise VisionExportError(f"{st.path}: tensor {key!r} contains NaN or inf")
-        if f32.ndim >= 2:
-            stored = fmt.f16_unless_overflow(target, f32)
-            if stored.dtype != np.float16:
-                kept_f32.append(target)
-        else:
-            stored = f32
-        tensors[target] = stored
-        origin[target] = key
-    _check_blocks(folder, tensors, hp)
+    tensors = {t: _stored(where[t], t, kept_f32) for t in sigvq_tensor_shapes(**sizes)}
+    skipped = sorted(set(where) - set(tensors))
+    kvs = [fmt.KV(fmt.KEY_ARCHITECTURE, GGUFValueType.STRING, ARCH),
+           fmt.KV(fmt.KEY_NAME, GGUFValueType.STRING, name),
+           fmt.KV(KEY_SOURCE, GGUFValueType.STRING, source),
+           fmt.KV(KEY_COMMIT, GGUFValueType.STRING, commit),
+           *(fmt.KV(f"{ARCH}.{k}", GGUFValueType.UINT32, v) for k, v in hparams.items())]
     written = fmt.write_verified_gguf(out, kvs, tensors)
     f16 = sum(1 for a in tensors.values() if a.dtype == np.float16)
-    summary = {"path": str(out), "bytes": written.bytes, "sha256": written.sha256, "architecture": ARCH,
-               "name": name, "tensor_count": len(tensors), "f16_count": f16, "f32_count": len(tensors) - f16,
-               "kept_f32": kept_f32, "mapped": len(tensors) - len(unmapped), "unmapped": unmapped, "skipped": skipped,
-               "source": source, "commit": commit}
-    logger.info("wrote vision encoder %s: %d tensors (%d under original names, %d skipped), %d bytes", out,
-                len(tensors), len(unmapped), len(skipped), written.bytes)
-    return summary
-
-
-def _check_blocks(folder: Path, tensors: dict[str, np.ndarray], hp: dict[str, Any]) -> None:
-    """The config and the weights must describe the same tower."""
-    width, blocks = hp[Keys.ClipVision.EMBEDDING_LENGTH], hp[Keys.ClipVision.BLOCK_COUNT]
-    needed = ["v.patch_embd.weight", "v.position_embd.weight"]
-    for i in range(blocks):
-        needed += [f"v.blk.{i}.{t}.weight" for t in ("attn_q", "attn_k", "attn_v", "attn_out", "ffn_up", "ffn_down")]
-    missing = [n for n in needed if n not in tensors]
-    if missing:
-        raise VisionExportError(f"{folder}: weights lack {missing[:6]}{' …' if len(missing) > 6 else ''} for the "
-                                f"{blocks}-block SigLIP tower its config.json describes")
-    extra = sorted({int(m.group(1)) for n in tensors if (m := re.match(r"v\.blk\.(\d+)\.", n))}
-                   - set(range(blocks)))
-    if extra:
-        raise VisionExportError(f"{folder}: weights have blocks {extra} beyond config.json's num_hidden_layers "
-                                f"({blocks})")
-    patch = tensors["v.patch_embd.weight"].shape
-    p = hp[Keys.ClipVision.PATCH_SIZE]
-    if patch[0] != width or tuple(patch[-2:]) != (p, p):
-        raise VisionExportError(f"{folder}: patch embedding shape {list(patch)} does not match hidden_size {width} "
-                                f"and patch_size {p} in config.json")
+    logger.info("wrote SigVQ encoder %s: %d tensors (%d f16), %d skipped, %d bytes", out, len(tensors), f16,
+                len(skipped), written.bytes)
+    return {"path": str(out), "bytes": written.bytes, "sha256": written.sha256, "architecture": ARCH, "name": name,
+            "tensor_count": len(tensors), "f16_count": f16, "f32_count": len(tensors) - f16, "kept_f32": kept_f32,
+            "skipped": skipped, "unmapped": [], "hparams": hparams, "source": source, "commit": commit}

@@ -45,7 +45,7 @@ from gguf_assets.lib.project.layout import (
     shard_key,
 )
 from gguf_assets.lib.project.manifests import MaterialsManifest
-from gguf_assets.lib.project.settings import Settings, student_layer_key
+from gguf_assets.lib.project.settings import Settings
 from gguf_assets.lib.project.teacher_choice import teacher_choice
 from gguf_assets.lib.telemetry.hardware import CUDA_VISIBLE_DEVICES
 from gguf_assets.lib.telemetry.progress import Progress
@@ -69,11 +69,11 @@ def prompts_hash(prompts: list[str]) -> str:
 def half_settings(half: str, settings: Settings) -> dict:
     """The settings a shard half is computed from. Batch sizes and devices are left out: they
     change speed, not results. Part of the half's fingerprint, and what Dagster observes."""
-    m, p = settings.materials, settings.precompute
+    p = settings.precompute
     if half == "teacher":
         return {**teacher_choice(settings).targets_settings(settings), "dtype": p.target_dtype,
                 "template": p.prompt_template}
-    return {"layer": student_layer_key(m), "dtype": p.student_dtype, "template": p.prompt_template}
+    return {"conditioning": p.conditioning, "dtype": p.student_dtype}
 
 
 def half_fingerprint(half: str, settings: Settings, materials: MaterialsManifest, shard_prompts_hash: str) -> str:
@@ -321,7 +321,7 @@ class ShardBuilder:
                         truncated=result.truncated, placement=self._teacher.placement.summary)
             return {"targets": result.targets}, meta
         states = self.compute(half, plan.prompts, on_batch=on_batch)
-        meta.update(dim=states.hidden.shape[1] // len(states.layers), layers=states.layers, tokens=states.tokens,
+        meta.update(dim=states.hidden.shape[1], tokens=states.tokens,
                     truncated=states.truncated, dtype=self.settings.precompute.student_dtype)
         return {"hidden": states.hidden, "offsets": states.offsets, "token_ids": states.token_ids}, meta
 

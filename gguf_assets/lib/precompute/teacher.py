@@ -413,7 +413,7 @@ class MockTeacher:
         self.student = student
         self.n_query, self.dim = n_query, dim
         g = torch.Generator().manual_seed(MOCK_SEED)
-        width = self.width = student.dim * len(student.indexes)  # the student's layers side by side
+        width = self.width = student.dim
         self.a = torch.randn(width, 32, generator=g) / width**0.5 * 3
         self.b = torch.randn(32, dim, generator=g) / 32**0.5
         self.gain = 0.5 + torch.rand(n_query, 1, generator=g)

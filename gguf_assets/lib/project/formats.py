@@ -11,10 +11,10 @@ materials step downloads of a hub dataset (lib/materials/materials.py).
 """
 
 CORPUS = 2  # 2: streaming readers (.csv, .gz) and a numpy split: the same seed orders prompts otherwise
-SHARD_HALF = 1
-TRAINING_RUN = 2
-GGUF_EXPORT = 2
-EVAL_REPORT = 3  # 3: keyed by the export's fingerprint alone (known before the export runs), not its sha256
+SHARD_HALF = 2  # 2: the student reads ggk's LLaDA-Image template in ggk's pieces, final-norm states only
+TRAINING_RUN = 3  # 3: the adapter is ggk's seedless resampler (lib/training/adapter.py)
+GGUF_EXPORT = 3  # 3: ggk's adapter file (adapter.* tensors, the standardization folded into out_proj)
+EVAL_REPORT = 4  # 4: ggk's adapter, scored centred on the rows' train mean (3: keyed by the export's fingerprint)
 
 # Prompt files: the text formats, each also read gzip-compressed (GZIP_SUFFIX after its suffix), and parquet
 # (compressed inside the format).

@@ -31,6 +31,14 @@ from pydantic_core import PydanticCustomError
 
 from gguf_assets.lib.core import atomic
 from gguf_assets.lib.core.errors import UserError
+from gguf_assets.lib.core.ggk_contract import (
+    ADAPTER_HEAD_DIM,
+    CONDITIONINGS,
+    GGK_COMMAND,
+    GGK_VERSION,
+    LLADA_IMAGE,
+    STUDENT_LAYER,
+)
 from gguf_assets.lib.core.markdown import markdown_table
 from gguf_assets.lib.project.seed_reference import SEED_PRECOMPUTE
 
@@ -98,35 +106,14 @@ def _query_rows(value: Any) -> dict:
 
 
 def _student_layer(value: Any) -> Any:
-    """One layer index (the original form, kept as it is so old projects keep their fingerprints) or a non-empty
-    list of distinct ones. Their range is checked once the student's depth is known (lib/precompute/student.py)."""
-    def is_index(v: Any) -> bool:
-        return isinstance(v, int) and not isinstance(v, bool)
-
-    if is_index(value):
-        return value
-    if not isinstance(value, list) or not all(is_index(v) for v in value):
-        raise ValueError("must be a layer index (e.g. -1) or a list of them (e.g. [9, 18, 27] or [-2]); negatives "
-                         "count from the end")
-    if not value:
-        raise ValueError("is an empty list: name at least one layer, e.g. -1 or [9, 18, 27]")
-    repeated = sorted({v for v in value if value.count(v) > 1})
-    if repeated:
-        raise ValueError(f"lists layer {', '.join(map(str, repeated))} more than once; list each layer once")
-    return list(value)
-
-
-def student_layers(materials: "Materials") -> list[int]:
-    """materials.student_layer as a list, in the order the adapter is fed (one layer: a list of one)."""
-    layer = materials.student_layer
-    return list(layer) if isinstance(layer, list) else [layer]
-
-
-def student_layer_key(materials: "Materials") -> int | list[int]:
-    """materials.student_layer as fingerprints record it: one layer keeps the integer it always was (old projects
-    stay current, and [-1] is the same shards as -1), several are the list."""
-    layers = student_layers(materials)
-    return layers[0] if len(layers) == 1 else layers
+    """-1 (or [-1]): the student's final-norm states, the only ones ggk feeds the adapter. The key stays so old
+    project files load; any other layer is refused with the reason, before any work starts."""
+    if value in (STUDENT_LAYER, [STUDENT_LAYER]) and not isinstance(value, bool):
+        return STUDENT_LAYER
+    raise ValueError(f"is {value!r}, but ggk feeds the adapter the student's final-norm hidden states (layer "
+                     f"{STUDENT_LAYER}) and nothing else (conditioner.hpp, ggk {GGK_VERSION}), so an adapter "
+                     f"trained on another layer, or on several, computes something else in ggk. Set it to "
+                     f"{STUDENT_LAYER} or remove the key")
 
 
 def _paths(value: Any) -> list[str]:
@@ -139,7 +126,7 @@ Device = Annotated[str, AfterValidator(_device)]
 Datasets = Annotated[list, BeforeValidator(_datasets)]
 Paths = Annotated[list[str], BeforeValidator(_paths)]
 QueryRows = Annotated[dict, BeforeValidator(_query_rows)]
-StudentLayer = Annotated[int | list[int], BeforeValidator(_student_layer)]
+StudentLayer = Annotated[int, BeforeValidator(_student_layer)]
 # A number in exponent form without a dot (2e-4, 1E+3), which YAML 1.1 (PyYAML) leaves a string.
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # what torch, numpy and the GGUF header can hold
 EXPONENT_FLOAT = re.compile(r"^[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)[eE][-+]?[0-9]+$")
@@ -185,10 +172,8 @@ class Materials(_Section):
         "path of the safetensors file in it, tensor: name}; only that tensor is fetched (by HTTP range), pinned, "
         "checked and kept as materials/query_rows.safetensors. {} = the teacher folder's query_rows_file"))
     teacher_layer: int = Field(-1, description="teacher hidden layer taken at the query positions (-1 = last)")
-    student_layer: StudentLayer = Field(-1, description=(
-        "student hidden layer fed to the adapter (-1 = last, after the final norm; 0 = the token embeddings, "
-        "which show the adapter no word order), or a list of layers fused by training.layer_fusion (e.g. "
-        "[9, 18, 27]; negatives count from the end)"))
+    student_layer: StudentLayer = Field(STUDENT_LAYER, description=(
+        "student hidden layer fed to the adapter: -1 (after the final norm), the only one ggk feeds it"))
     trust_remote_code: bool = Field(False, description="allow models that need remote code (off: safer)")
 
 
@@ -236,20 +221,29 @@ class Precompute(_Section):
     teacher_cpu_memory_gib: float = Field(0.0, ge=0.0, description=(
         "CPU RAM budget for offloaded teacher layers in GiB (0 = auto)"))
     mock_teacher: bool = Field(False, description="dev smoke test: synthetic learnable targets, no teacher load")
+    conditioning: Literal[CONDITIONINGS] = Field(LLADA_IMAGE, description=(
+        "the runtime's conditioning contract the student is fed by: llada-image (ggk's LLaDA-Image template, "
+        "tokenized in ggk's pieces after its emphasis parser; the teacher keeps the literal prompt)"))
     prompt_template: str = Field("{prompt}", description=(
-        "text fed to the teacher and student; {prompt} is replaced by the prompt"))
+        "text fed to the teacher; {prompt} is replaced by the prompt. The student's template is ggk's "
+        "(precompute.conditioning), so only {prompt} itself is accepted"))
 
     @model_validator(mode="after")
     def _template(self) -> "Precompute":
-        if "{prompt}" not in self.prompt_template:
-            raise _cross_check("precompute.prompt_template", "must contain {prompt}")
+        if self.prompt_template != "{prompt}":
+            raise _cross_check("precompute.prompt_template", (
+                f"is {self.prompt_template!r}, but ggk renders the student's prompt itself "
+                f"(precompute.conditioning: {self.conditioning}), and the teacher reads the literal prompt; "
+                "remove the key"))
         return self
 
 
 class Training(_Section):
-    width: int = Field(1024, ge=8, description="adapter width")
+    width: int = Field(1024, ge=ADAPTER_HEAD_DIM, description=f"adapter width (a multiple of {ADAPTER_HEAD_DIM})")
     depth: int = Field(6, ge=1, description="adapter blocks")
-    heads: int = Field(16, ge=1, description="attention heads (must divide width)")
+    heads: int = Field(0, ge=0, description=(
+        f"attention heads: ggk fixes the head dim at {ADAPTER_HEAD_DIM}, so heads = width / {ADAPTER_HEAD_DIM} "
+        "(0 = that; another number is refused)"))
     steps: int = Field(20000, ge=1, description="optimizer steps")
     batch_size: int = Field(32, ge=1, description="prompts per step")
     learning_rate: float = Field(2e-4, ge=0.0, description="peak learning rate")
@@ -262,16 +256,15 @@ class Training(_Section):
         "exponential moving average of the weights, used for validation, best/ and final/ (0 = off; e.g. 0.999)"))
     sigma_floor: float = Field(0.01, ge=1e-12, description=(
         "floor of the per-dimension target std used to standardize"))
-    target_standardization: Literal["per_row_dim", "isotropic"] = Field("per_row_dim", description=(
-        "how the loss scales targets: per_row_dim (each query row and dim to unit std, trainer8) or isotropic "
+    target_standardization: Literal["per_dim", "isotropic"] = Field("per_dim", description=(
+        "how the loss scales targets: per_dim (each dim to unit within-row std, a scale shared by the query rows, "
+        "which folds into the exported out_proj; trainer8's per-row scale has no tensor in ggk) or isotropic "
         "(one std for all, as PHI-S: the loss then weighs dims as the centred cosine does)"))
     relational_weight: float = Field(0.0, ge=0.0, description=(
         "weight of a term matching the batch's prompt-to-prompt centred cosines of the predictions to the "
         "targets' (0 = off)"))
     layer_fusion: Literal["concat", "mix"] = Field("concat", description=(
-        "how several materials.student_layer are fused: concat (each layer normalised, side by side into the input "
-        "projection, as FLUX.2 stacks its LLM's layers) or mix (a learned softmax mix of the normalised layers); "
-        "no effect with one layer"))
+        "no effect: it fused several student layers, which ggk cannot feed (kept so old project files load)"))
     grad_checkpoint: bool = Field(False, description="recompute activations in backward to save memory")
     device: Device = Field("auto", description="auto, cpu, cuda or cuda:N")
     log_every: int = Field(50, ge=1, description="log loss, lr and throughput every N steps")
@@ -282,8 +275,16 @@ class Training(_Section):
 
     @model_validator(mode="after")
     def _heads(self) -> "Training":
-        if self.width % self.heads:
-            raise _cross_check("training.heads", f"heads ({self.heads}) must divide width ({self.width})")
+        if self.width % ADAPTER_HEAD_DIM:
+            down = self.width // ADAPTER_HEAD_DIM * ADAPTER_HEAD_DIM
+            raise _cross_check("training.width", (
+                f"is {self.width}, not a multiple of {ADAPTER_HEAD_DIM}: ggk's adapter runs heads of "
+                f"{ADAPTER_HEAD_DIM} (llm_adapter.hpp); use {max(down, ADAPTER_HEAD_DIM)} or "
+                f"{down + ADAPTER_HEAD_DIM}"))
+        if self.heads and self.heads * ADAPTER_HEAD_DIM != self.width:
+            raise _cross_check("training.heads", (
+                f"is {self.heads}, but ggk runs heads of {ADAPTER_HEAD_DIM}, so width {self.width} has "
+                f"{self.width // ADAPTER_HEAD_DIM}; remove the key (or set 0)"))
         return self
 
 
@@ -297,10 +298,10 @@ class Output(_Section):
     auto_resume: bool = Field(True, description=(
         "resume after a crash or reboot: gguf-trainer --auto-resume continues the pipeline, and the daemon's "
         "sensors (fail cut-off runs, finish what is left) are on by default"))
-    ggk_command: str = Field(
-        "ggk --llm {student} --llm_adapter {adapter_gguf} --llm_vision {vision_gguf} -p \"a cat\"", description=(
-            "command line shown in the report; {student}, {adapter_gguf}, {vision_gguf} are filled in (a flag "
-            "whose {vision_gguf} is empty is dropped)"))
+    ggk_command: str = Field(GGK_COMMAND, description=(
+        "command line shown in the report; {student_gguf} (or {student}), {adapter_gguf}, {vision_gguf} and "
+        "{tokenizer_pack} are filled with the files the export made (a flag whose file was not made is dropped), "
+        "{dit_gguf} and {vae_gguf} with placeholders for the image model's files you bring"))
 
     @model_validator(mode="after")
     def _plain_name(self) -> "Output":

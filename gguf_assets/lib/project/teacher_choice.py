@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gguf_assets.lib.project.manifests import MaterialsManifest
-from gguf_assets.lib.project.settings import Settings, student_layer_key
+from gguf_assets.lib.project.settings import Settings
 
 MOCK_TEACHER_REPO = "mock-teacher"
 MOCK_TEACHER_COMMIT = "none"
@@ -48,7 +48,7 @@ class TeacherChoice:
         """The settings the targets are computed from, besides dtype and template (a fingerprint part)."""
         m, p = settings.materials, settings.precompute
         if self.mock:
-            return {"mock": True, "student_layer": student_layer_key(m), "student_dtype": p.student_dtype}
+            return {"mock": True, "conditioning": p.conditioning, "student_dtype": p.student_dtype}
         if m.query_rows:  # a material of their own: the setting names them (their sha256 joins the pins)
             return {"query_rows": dict(m.query_rows), "layer": m.teacher_layer}
         return {"query_rows": [m.query_rows_file, m.query_rows_tensor], "layer": m.teacher_layer}

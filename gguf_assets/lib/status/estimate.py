@@ -27,7 +27,7 @@ from gguf_assets.lib.materials import hub, hub_shapes
 from gguf_assets.lib.materials import query_rows as qr
 from gguf_assets.lib.materials.materials import load_manifest
 from gguf_assets.lib.project.layout import ProjectPaths
-from gguf_assets.lib.project.settings import Settings, student_layers
+from gguf_assets.lib.project.settings import Settings
 from gguf_assets.lib.project.teacher_choice import MOCK_DIM, MOCK_QUERY_ROWS
 
 GIB = 2**30
@@ -212,8 +212,8 @@ def _quiet_about_absent_gpus():
 def adapter_params(student_dim: int, query_rows: int, target_dim: int, width: int, depth: int) -> int:
     """The adapter's parameter count (lib/training/adapter.py's layout: docs/gguf_layout.md's tensor table)."""
     mlp = 4 * width
-    block = 3 * 2 * width + 8 * (width * width + width) + (width * mlp + mlp) + (mlp * width + width)
-    return (query_rows * width + width + 2 * student_dim + student_dim * width + width + depth * block
+    block = 4 * 2 * width + 8 * (width * width + width) + (width * mlp + mlp) + (mlp * width + width)
+    return (query_rows * width + student_dim * width + width + depth * block
             + 2 * width + width * target_dim + target_dim + 2 * query_rows * target_dim)
 
 
@@ -261,8 +261,6 @@ def estimate(paths: ProjectPaths, settings: Settings, *, token: str | None = Non
             missing = f"the query rows' shape: {str(exc).splitlines()[0]}"
     if shape is not None:
         query_rows, target_dim, rows_note = shape
-        if t.layer_fusion == "concat":  # several layers side by side: in_norm and in_proj k times as wide
-            student_dim *= len(student_layers(settings.materials))
         n = adapter_params(student_dim, query_rows, target_dim, t.width, t.depth)
         per_param = ADAM_BYTES_PER_PARAM + (4 if t.ema_decay else 0)
         lines.append(MemoryLine("adapter training", n * per_param / GIB,

@@ -79,7 +79,8 @@ def each_key_changed(settings: Settings):
 def another_value(value, annotation):
     """Some other value of a setting's type (another choice for a Literal)."""
     if get_origin(annotation) is Literal:
-        return next(choice for choice in get_args(annotation) if choice != value)
+        # A one-choice Literal (precompute.conditioning until ggk's next contract) still names what it feeds.
+        return next((choice for choice in get_args(annotation) if choice != value), f"{value}-other")
     if isinstance(value, bool):
         return not value
     if isinstance(value, int):

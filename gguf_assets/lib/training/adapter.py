@@ -1,27 +1,27 @@
-"""The adapter: Q learned query rows attend to the student's hidden states → Q x D target.
+"""The adapter: ggk's seedless resampler (llm_adapter.hpp, trainer8 / LLaDA-Image), module for module, so the
+checkpoint and the exported file are the same function. Q learned query rows read the student's final-norm
+states [L, Ds] and give the Q x D conditioning:
 
-Only plain ops (linear, LayerNorm, softmax attention, tanh-GELU), so a GGML runtime can
-run it. The math, exactly (docs/adapter.md and the GGUF layout repeat it):
-
-    m   = in_proj(fuse(s))                       s: student states [L, k*Ds] → [L, W]
-    m   = [null_memory ; m]                      one learned row, so the empty prompt
-                                                 (zero tokens) still has a key to attend to
-    x   = query                                  [Q, W]
+    kv  = in_proj(s)                                       [L, W]
+    q   = query                                            [Q, W]
     for each block:
-        x = x + MHA(LN_cross(x), m, m)           cross-attention, padded tokens masked
-        x = x + MHA(LN_self(x), x', x')          self-attention over the Q rows (x' = LN_self(x))
-        x = x + down(gelu_tanh(up(LN_mlp(x))))   up: W → 4W
-    y   = out_proj(LN_out(x))                    [Q, D], in standardized target space
-    target ≈ y * target_std + target_mean
+        q = q + self_attn(ln_self(q))                      self-attention over the Q rows
+        q = q + cross_attn(ln_q(q), ln_kv(kv))             cross-attention to the student's tokens
+        q = q + mlp.2(gelu_erf(mlp.0(ln_mlp(q))))         mlp.0: W -> 4W
+    y   = out_proj(ln_out(q))                              [Q, D], in standardized target space
+    target ~ y * target_std + target_mean                  per dim, [D]: the export folds it into out_proj
 
-MHA(a, b, c) = o(concat_h softmax(q_h(a) k_h(b)^T / sqrt(W/H)) v_h(c)); all linears have bias.
-LayerNorm eps is ``NORM_EPS``.
+The standardization is one scale and offset per dim, shared by the query rows, because ggk has no tensor for
+it and only a row-shared affine map folds into out_proj. ``target_centre`` [Q, D] (each row's own train mean)
+centres the scores and the loss's cosine term; it never reaches the file.
 
-fuse(s) is LN_in(s) for one student layer (k = 1). For k layers side by side, s = [s_1 | ... | s_k],
-each s_i normalised on its own first (N: LayerNorm without weight or bias; the layers' scales differ a lot):
+attn(a, b) = o(concat_h softmax(q_h(a) k_h(b)^T / 8) v_h(b)): heads of 64 (heads = W / 64), every linear biased,
+LayerNorm eps 1e-5 (lib/core/ggk_contract.py). ggk runs one prompt with no key mask; a padded training batch
+masks its padding keys, which is the same function for each prompt.
 
-    concat:  fuse(s) = [N(s_1) | ... | N(s_k)] * LN_in.weight + LN_in.bias     LN_in over k*Ds
-    mix:     fuse(s) = LN_in(sum_i softmax(layer_mix)_i * N(s_i))              layer_mix [k], zeros at init
+The module names are ggk's tensor names (minus the file's ``adapter.`` prefix), so the state dict exports
+without a renaming table. ``AdapterShape.variant`` names the variant; ggk's token-aligned, seeded and layerwise
+variants would be added beside the resampler as modules of their own.
 """
 
 from __future__ import annotations
@@ -34,9 +34,16 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-NORM_EPS = 1e-5
-MLP_RATIO = 4
-LAYER_FUSIONS = ("concat", "mix")
+from gguf_assets.lib.core.ggk_contract import (
+    ADAPTER_HEAD_DIM,
+    ADAPTER_LAYER_NORM_EPS,
+    ADAPTER_MLP_RATIO,
+    ADAPTER_VARIANTS,
+)
+
+NORM_EPS = ADAPTER_LAYER_NORM_EPS
+MLP_RATIO = ADAPTER_MLP_RATIO
+HEAD_DIM = ADAPTER_HEAD_DIM
 
 
 @dataclass(frozen=True)
@@ -46,21 +53,22 @@ class AdapterShape:
     target_dim: int
     width: int
     depth: int
-    heads: int
-    student_layers: int = 1         # k: student layers fed side by side (student_dim is one layer's width)
-    layer_fusion: str = "concat"    # how k > 1 layers are fused (LAYER_FUSIONS); "concat" for one layer
+    variant: str = "resampler"
+
+    @property
+    def heads(self) -> int:
+        return self.width // HEAD_DIM
 
     def to_dict(self) -> dict:
-        shape = asdict(self)
-        if self.student_layers == 1:  # recorded as before several layers existed: old checkpoints still resume
-            del shape["student_layers"], shape["layer_fusion"]
-        return shape
+        return asdict(self)
 
 
 class Attention(nn.Module):
-    def __init__(self, width: int, heads: int) -> None:
+    """Separate biased q/k/v/o projections over heads of HEAD_DIM (llm_adapter.hpp, Attention)."""
+
+    def __init__(self, width: int) -> None:
         super().__init__()
-        self.heads = heads
+        self.heads = width // HEAD_DIM
         self.q = nn.Linear(width, width)
         self.k = nn.Linear(width, width)
         self.v = nn.Linear(width, width)
@@ -71,7 +79,7 @@ class Attention(nn.Module):
         h = self.heads
 
         def split(t: torch.Tensor) -> torch.Tensor:
-            return t.view(b, -1, h, w // h).transpose(1, 2)
+            return t.view(b, -1, h, HEAD_DIM).transpose(1, 2)
 
         mask = None if key_mask is None else key_mask[:, None, None, :]
         out = F.scaled_dot_product_attention(split(self.q(x)), split(self.k(memory)), split(self.v(memory)),
@@ -79,75 +87,76 @@ class Attention(nn.Module):
         return self.o(out.transpose(1, 2).reshape(b, n, w))
 
 
-class Block(nn.Module):
-    def __init__(self, width: int, heads: int) -> None:
-        super().__init__()
-        self.cross_norm = nn.LayerNorm(width, eps=NORM_EPS)
-        self.cross_attn = Attention(width, heads)
-        self.self_norm = nn.LayerNorm(width, eps=NORM_EPS)
-        self.self_attn = Attention(width, heads)
-        self.mlp_norm = nn.LayerNorm(width, eps=NORM_EPS)
-        self.mlp_up = nn.Linear(width, MLP_RATIO * width)
-        self.mlp_down = nn.Linear(MLP_RATIO * width, width)
+class ResamplerBlock(nn.Module):
+    """llm_adapter.hpp, Block: self-attention, then cross-attention, then the MLP, each pre-LN and residual."""
 
-    def forward(self, x: torch.Tensor, memory: torch.Tensor, memory_mask: torch.Tensor) -> torch.Tensor:
-        x = x + self.cross_attn(self.cross_norm(x), memory, memory_mask)
-        y = self.self_norm(x)
-        x = x + self.self_attn(y, y, None)
-        return x + self.mlp_down(F.gelu(self.mlp_up(self.mlp_norm(x)), approximate="tanh"))
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.ln_self = nn.LayerNorm(width, eps=NORM_EPS)
+        self.self_attn = Attention(width)
+        self.ln_q = nn.LayerNorm(width, eps=NORM_EPS)
+        self.ln_kv = nn.LayerNorm(width, eps=NORM_EPS)
+        self.cross_attn = Attention(width)
+        self.ln_mlp = nn.LayerNorm(width, eps=NORM_EPS)
+        # Named mlp.0 / mlp.2 as ggk loads them (torch's Sequential(Linear, GELU, Linear)); exact GELU.
+        self.mlp = nn.Sequential(nn.Linear(width, MLP_RATIO * width), nn.GELU(), nn.Linear(MLP_RATIO * width, width))
+
+    def forward(self, q: torch.Tensor, kv: torch.Tensor, kv_mask: torch.Tensor | None) -> torch.Tensor:
+        x = self.ln_self(q)
+        q = q + self.self_attn(x, x, None)
+        q = q + self.cross_attn(self.ln_q(q), self.ln_kv(kv), kv_mask)
+        return q + self.mlp(self.ln_mlp(q))
 
 
 class Adapter(nn.Module):
     def __init__(self, shape: AdapterShape, *, grad_checkpoint: bool = False) -> None:
         super().__init__()
-        if shape.width % shape.heads:
-            raise ValueError(f"heads ({shape.heads}) must divide width ({shape.width})")
+        if shape.variant not in ADAPTER_VARIANTS:
+            raise ValueError(f"adapter variant {shape.variant!r} is not one of {ADAPTER_VARIANTS}")
+        if shape.width % HEAD_DIM or shape.width <= 0:
+            raise ValueError(f"width ({shape.width}) must be a positive multiple of ggk's head dim {HEAD_DIM}")
         self.shape = shape
         self.grad_checkpoint = grad_checkpoint
         w = shape.width
         self.query = nn.Parameter(torch.randn(shape.query_rows, w) * 0.02)
-        self.null_memory = nn.Parameter(torch.randn(1, w) * 0.02)
-        if shape.layer_fusion not in LAYER_FUSIONS:
-            raise ValueError(f"layer_fusion {shape.layer_fusion!r} is not one of {LAYER_FUSIONS}")
-        fused = shape.student_dim * (shape.student_layers if shape.layer_fusion == "concat" else 1)
-        if shape.student_layers > 1 and shape.layer_fusion == "mix":
-            self.layer_mix = nn.Parameter(torch.zeros(shape.student_layers))  # equal weights at the start
-        self.in_norm = nn.LayerNorm(fused, eps=NORM_EPS)
-        self.in_proj = nn.Linear(fused, w)
-        self.blocks = nn.ModuleList(Block(w, shape.heads) for _ in range(shape.depth))
-        self.out_norm = nn.LayerNorm(w, eps=NORM_EPS)
+        self.in_proj = nn.Linear(shape.student_dim, w)
+        self.blocks = nn.ModuleList(ResamplerBlock(w) for _ in range(shape.depth))
+        self.ln_out = nn.LayerNorm(w, eps=NORM_EPS)
         self.out_proj = nn.Linear(w, shape.target_dim)
-        # Standardization statistics travel with the weights (checkpoint and GGUF).
-        self.register_buffer("target_mean", torch.zeros(shape.query_rows, shape.target_dim))
-        self.register_buffer("target_std", torch.ones(shape.query_rows, shape.target_dim))
+        # Statistics travel with the weights in the checkpoint: the per-dim standardization, which the export
+        # folds into out_proj, and the per-row centre of the scores.
+        self.register_buffer("target_centre", torch.zeros(shape.query_rows, shape.target_dim))
+        self.register_buffer("target_std", torch.ones(shape.target_dim))
 
     def forward(self, states: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """states [B, L, Ds], mask [B, L] bool (True = real token) → standardized [B, Q, D]."""
+        """states [B, L, Ds], mask [B, L] bool (True = real token) -> standardized [B, Q, D]."""
         b = states.shape[0]
-        memory = self.in_proj(self.fuse(states))
-        memory = torch.cat([self.null_memory.expand(b, 1, -1).to(memory.dtype), memory], dim=1)
-        memory_mask = torch.cat([torch.ones(b, 1, dtype=torch.bool, device=mask.device), mask], dim=1)
-        x = self.query.expand(b, -1, -1).to(memory.dtype)
+        kv = self.in_proj(states)
+        q = self.query.expand(b, -1, -1).to(kv.dtype)
         for block in self.blocks:
             if self.grad_checkpoint and self.training:
-                x = checkpoint(block, x, memory, memory_mask, use_reentrant=False)
+                q = checkpoint(block, q, kv, mask, use_reentrant=False)
             else:
-                x = block(x, memory, memory_mask)
-        return self.out_proj(self.out_norm(x))
+                q = block(q, kv, mask)
+        return self.out_proj(self.ln_out(q))
 
-    def fuse(self, states: torch.Tensor) -> torch.Tensor:
-        """[B, L, k*Ds] student states → the normalised input of in_proj (the module docstring's fuse)."""
-        k = self.shape.student_layers
-        if k == 1:
-            return self.in_norm(states)
-        per_layer = F.layer_norm(states.unflatten(-1, (k, self.shape.student_dim)), (self.shape.student_dim,),
-                                 eps=NORM_EPS)
-        if self.shape.layer_fusion == "concat":
-            return per_layer.flatten(-2) * self.in_norm.weight + self.in_norm.bias
-        return self.in_norm((torch.softmax(self.layer_mix, 0)[:, None] * per_layer).sum(-2))
+    @property
+    def target_mean(self) -> torch.Tensor:
+        """[D]: the train targets' mean per dim, over prompts and rows (every row has each prompt once)."""
+        return self.target_centre.mean(0)
 
     def to_target_space(self, standardized: torch.Tensor) -> torch.Tensor:
         return standardized * self.target_std + self.target_mean
+
+    def standardized_centre(self) -> torch.Tensor:
+        """target_centre in the standardized space [Q, D]: what the loss's cosine term is centred on."""
+        return (self.target_centre - self.target_mean) / self.target_std
+
+    def folded_out_proj(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """out_proj with the standardization folded in: (weight [D, W], bias [D]) giving targets directly."""
+        std = self.target_std.float()
+        weight, bias = self.out_proj.weight.float(), self.out_proj.bias.float()
+        return weight * std[:, None], bias * std + self.target_mean.float()
 
 
 def standardize(targets: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
@@ -155,10 +164,14 @@ def standardize(targets: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) ->
 
 
 def adapter_loss(pred: torch.Tensor, standardized_targets: torch.Tensor, *, cosine_weight: float,
-                 relational_weight: float = 0.0) -> torch.Tensor:
+                 relational_weight: float = 0.0, centre: torch.Tensor | None = None) -> torch.Tensor:
     """Whitened MSE + cosine_weight * (1 - cos) per query row, both in standardized space, plus
-    relational_weight * ``relational_loss`` when it is on."""
+    relational_weight * ``relational_loss`` when it is on. ``centre``: the rows' standardized centre
+    (Adapter.standardized_centre), subtracted from both sides before the cosine, so that the cosine reads what
+    varies across prompts and not each row's constant part."""
     mse = F.mse_loss(pred, standardized_targets)
+    if centre is not None:
+        pred, standardized_targets = pred - centre, standardized_targets - centre
     cos = F.cosine_similarity(pred, standardized_targets, dim=-1, eps=1e-8)
     loss = mse + cosine_weight * (1.0 - cos).mean()
     if relational_weight:
@@ -168,7 +181,7 @@ def adapter_loss(pred: torch.Tensor, standardized_targets: torch.Tensor, *, cosi
 
 def relational_loss(pred: torch.Tensor, standardized_targets: torch.Tensor) -> torch.Tensor:
     """How far the batch's prompt-to-prompt similarities are from the targets': the mean squared difference
-    of the two [B, B] cosine matrices, each prompt's Q x D output flattened (the targets are centred, so
+    of the two [B, B] cosine matrices, each prompt's Q x D output flattened (centred by the caller, so
     these are centred cosines). Gives each prompt's place among the others a gradient of its own, as
     relational distillation does (CLIP-KD); 0 for a batch of one."""
     def similarities(x: torch.Tensor) -> torch.Tensor:
@@ -178,13 +191,12 @@ def relational_loss(pred: torch.Tensor, standardized_targets: torch.Tensor) -> t
     return F.mse_loss(similarities(pred), similarities(standardized_targets))
 
 
-def centred_cosine_rows(pred_std: torch.Tensor, targets: torch.Tensor, mean: torch.Tensor,
-                        std: torch.Tensor) -> torch.Tensor:
-    """Per prompt: mean over query rows of cos(prediction - mean, target - mean) in teacher space.
-
-    prediction - mean = pred_std * std, so the mean cancels exactly. Returns [B].
-    """
-    cos = F.cosine_similarity(pred_std.float() * std, targets.float() - mean, dim=-1, eps=1e-8)
+def centred_cosine_rows(pred_std: torch.Tensor, targets: torch.Tensor, model: "Adapter") -> torch.Tensor:
+    """Per prompt: mean over query rows of cos(prediction - centre, target - centre) in teacher space, the
+    centre being each row's train mean (model.target_centre). Returns [B]."""
+    centre = model.target_centre.float()
+    cos = F.cosine_similarity(model.to_target_space(pred_std.float()) - centre, targets.float() - centre, dim=-1,
+                              eps=1e-8)
     return cos.mean(dim=-1)
 
 

@@ -101,9 +101,9 @@ def evaluate(model: Adapter, folders: list[Path], *, device: torch.device, cosin
         for shard, rows, states, mask, targets in shard_batches(folder, device=device, batch_size=batch_size):
             pred = model(states, mask)
             z = standardize(targets, model.target_mean, model.target_std)
-            losses.append(float(adapter_loss(pred, z, cosine_weight=cosine_weight,
-                                             relational_weight=relational_weight)) * len(rows))
-            cos = centred_cosine_rows(pred, targets, model.target_mean, model.target_std).cpu()
+            losses.append(float(adapter_loss(pred, z, cosine_weight=cosine_weight, relational_weight=relational_weight,
+                                             centre=model.standardized_centre())) * len(rows))
+            cos = centred_cosine_rows(pred, targets, model).cpu()
             shard_cos += cos.tolist()
             empty += [c for c, i in zip(cos.tolist(), rows) if shard.texts[i] == ""]
         cosines += shard_cos
@@ -159,10 +159,8 @@ def adapter_shape(settings: Settings, folders: list[Path]) -> AdapterShape:
     teacher = atomic.read_json(folders[0] / "teacher.json")
     student = atomic.read_json(folders[0] / "student.json")
     t = settings.training
-    layers = len(student.get("layers", [0]))  # shards made before several layers existed hold one
     return AdapterShape(student_dim=int(student["dim"]), query_rows=int(teacher["query_rows"]),
-                        target_dim=int(teacher["dim"]), width=t.width, depth=t.depth, heads=t.heads,
-                        student_layers=layers, layer_fusion=t.layer_fusion if layers > 1 else "concat")
+                        target_dim=int(teacher["dim"]), width=t.width, depth=t.depth)
 
 
 def build_model(shape: AdapterShape, *, seed: int, grad_checkpoint: bool = False) -> Adapter:
@@ -307,9 +305,9 @@ class _TrainingRun:
             resumed.started = why_new_run(self.paths, self.fingerprint, self.base_meta["training"], train_id, val_id)
             self.note(resumed.started["message"], warning=bool(resumed.started.get("previous_run")))
             # Statistics travel in every checkpoint's weights, so a resume never rereads the whole train set.
-            mean, std, _ = target_stats(self.train_folders, sigma_floor=t.sigma_floor,
-                                        isotropic=t.target_standardization == "isotropic")
-            self.model.target_mean.copy_(mean)
+            centre, std, _ = target_stats(self.train_folders, sigma_floor=t.sigma_floor,
+                                          isotropic=t.target_standardization == "isotropic")
+            self.model.target_centre.copy_(centre)
             self.model.target_std.copy_(std)
             untrained = self._evaluate(self.model)
             resumed.untrained = untrained["val_centred_cosine"]
@@ -406,7 +404,8 @@ class _TrainingRun:
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
             pred = model(states, mask)
         z = standardize(targets, model.target_mean, model.target_std)
-        loss = adapter_loss(pred.float(), z, cosine_weight=t.cosine_weight, relational_weight=t.relational_weight)
+        loss = adapter_loss(pred.float(), z, cosine_weight=t.cosine_weight, relational_weight=t.relational_weight,
+                            centre=model.standardized_centre())
         self.optimizer.zero_grad(set_to_none=True)
         if torch.isfinite(loss):
             loss.backward()

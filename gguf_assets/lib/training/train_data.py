@@ -267,13 +267,15 @@ def shard_target_sums(folder: Path) -> tuple[torch.Tensor, torch.Tensor, int]:
 
 def target_stats(folders: list[Path], *, sigma_floor: float,
                  isotropic: bool = False) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Per-(query row, dim) mean and floored std over all train targets, from each shard's chunk sums.
+    """The train targets' per-(query row, dim) mean [Q, D] (the rows' centres) and a floored std per dim [D]:
+    the root of the rows' mean within-row variance, a scale shared by the rows so that it folds into the
+    adapter's out_proj (ggk has no tensor for it). From each shard's chunk sums.
 
     The chunk sums are added in shard order, chunk by chunk: the same float64 additions, in the same order, as
     streaming every target (test_train_data checks the two agree bit for bit).
 
-    ``isotropic``: one std for every (row, dim), the root of their mean variance (as PHI-S scales its
-    targets), still [Q, D] so checkpoints and the GGUF keep their layout."""
+    ``isotropic``: one std for every dim, the root of the mean variance over rows and dims (as PHI-S scales its
+    targets), still [D]."""
     total, s1, s2 = 0, None, None
     for folder in folders:
         c1, c2, prompts = shard_target_sums(folder)
@@ -285,5 +287,5 @@ def target_stats(folders: list[Path], *, sigma_floor: float,
         raise TrainingError("no training prompts in the train shards")
     mean = s1 / total
     var = (s2 / total - mean * mean).clamp_min(0)
-    std = var.mean().sqrt().expand_as(var).contiguous() if isotropic else var.sqrt()
+    std = var.mean().sqrt().expand(var.shape[1]).contiguous() if isotropic else var.mean(0).sqrt()
     return mean.float(), std.clamp_min(sigma_floor).float(), total

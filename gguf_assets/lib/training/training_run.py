@@ -22,27 +22,26 @@ from gguf_assets.lib.project.layout import (
     ProjectPaths,
 )
 from gguf_assets.lib.project.manifests import MaterialsManifest, recorded
-from gguf_assets.lib.project.settings import Settings, student_layers
+from gguf_assets.lib.project.settings import Settings
 
 # Shards shuffled together (lib/training/train_data.py). Part of the data order, hence of the run fingerprint.
 SHUFFLE_WINDOW_SHARDS = 4
 # Settings that change speed or bookkeeping, not the trained weights.
-NON_RESULT_KEYS = ("device", "grad_checkpoint", "log_every", "validate_every", "checkpoint_every", "keep_checkpoints")
+NON_RESULT_KEYS = ("device", "grad_checkpoint", "log_every", "validate_every", "checkpoint_every", "keep_checkpoints",
+                   # heads follow from width (ggk's head dim); layer_fusion has no effect since one layer is fed
+                   "heads", "layer_fusion")
 # Result settings added after runs existed, with the value that means "as before": they enter the
 # fingerprint only when set otherwise, so a new key never retrains an existing project.
-OFF_VALUES = {"ema_decay": 0.0, "target_standardization": "per_row_dim", "relational_weight": 0.0}
+OFF_VALUES = {"ema_decay": 0.0, "target_standardization": "per_dim", "relational_weight": 0.0}
 
 
 def training_settings(settings: Settings) -> dict:
     """The training settings the result depends on (cadence and device settings change nothing).
 
-    A key of OFF_VALUES at its off value is left out: the result is what it was before the key existed. So is
-    layer_fusion with one student layer, where it changes nothing.
+    A key of OFF_VALUES at its off value is left out: the result is what it was before the key existed.
     """
-    one_layer = len(student_layers(settings.materials)) == 1
     return {k: v for k, v in settings.section_dict("training").items()
-            if k not in NON_RESULT_KEYS and not (k in OFF_VALUES and v == OFF_VALUES[k])
-            and not (k == "layer_fusion" and one_layer)}
+            if k not in NON_RESULT_KEYS and not (k in OFF_VALUES and v == OFF_VALUES[k])}
 
 
 def adapter_stage_settings(settings: Settings) -> dict:
@@ -74,6 +73,11 @@ def adapter_is_current(paths: ProjectPaths, adapter_fp: str) -> bool:
     weights = paths.root / manifest["run_dir"] / FINAL_DIR / WEIGHTS_FILE
     recorded_weights = manifest.get("final_weights")
     return verify.unchanged(weights, recorded_weights) if recorded_weights else weights.is_file()
+
+
+def final_weights(paths: ProjectPaths) -> Path:
+    """The finished adapter's weights file, as the adapter manifest names its run."""
+    return paths.root / atomic.read_json(paths.adapter_manifest)["run_dir"] / FINAL_DIR / WEIGHTS_FILE
 
 
 def last_checkpoint_step(paths: ProjectPaths, adapter_fp: str) -> int:

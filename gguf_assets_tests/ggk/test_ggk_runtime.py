@@ -1,0 +1,138 @@
+"""ggk is the judge: its engine, built from the PyPI sdist, loads the files the demo project exported and computes,
+for each prompt, the token ids, the student states and the conditioning the product computes in torch.
+
+SD_DUMP_COND makes the engine write what it computed (ggk_run.py); the product's side is its own code: the
+student's tokenizer and forward (lib/precompute/student.py), the trained checkpoint (lib/training) and the
+torch-free evaluator (lib/output/gguf_eval.py). The command is the report's, with the image model's files (the
+user's part) filled by tiny fixtures (ggk_fixture.py).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from ggk_build import GGK_VERSION, ggk_binary, source_dir
+from ggk_fixture import write_llada_dit, write_vae
+from ggk_run import ADAPTER_LINE, engine_args, run_engine, with_prompt
+
+from gguf_assets.lib.core import ggk_contract
+from gguf_assets.lib.core.ggk_contract import emphasis_problem
+from gguf_assets.lib.materials.ggk_letters import LETTER_RANGES
+from gguf_assets.lib.output import gguf_eval
+from gguf_assets.lib.precompute.student import Student
+from gguf_assets.lib.project.layout import ProjectPaths
+from gguf_assets.lib.project.settings import load_settings
+from gguf_assets.lib.training.checkpoints import load_final
+
+pytestmark = pytest.mark.xdist_group("demo")  # the demo project's readers: one worker takes them (conftest)
+
+# The empty (CFG) prompt, escaped emphasis, a closing period (a piece of its own in ggk), and two ordinary ones.
+PROMPTS = ["", r"a \(red\) cat", "a lighthouse on a cliff at dusk.", "an old man reading a book",
+           "a golden fox sleeping in a misty forest, watercolor, soft light"]
+
+
+@pytest.fixture(scope="module")
+def ggk() -> Path:
+    return ggk_binary()
+
+
+def centred_cosines(a: np.ndarray, b: np.ndarray, centre: np.ndarray) -> np.ndarray:
+    """Per query row: cos(a - centre, b - centre)."""
+    a, b = (a - centre).astype(np.float64), (b - centre).astype(np.float64)
+    return (a * b).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))
+
+
+@pytest.fixture(scope="module")
+def demo_in_ggk(demo_run, ggk, tmp_path_factory):
+    """The demo project, its report's ggk command with fixture DiT and VAE, and the product's own pieces."""
+    root, done = demo_run
+    assert done.returncode == 0, done.stderr[-2000:]
+    paths = ProjectPaths.of(root)
+    settings = load_settings(root)
+    report = json.loads(paths.report_json(settings).read_text())
+    adapter = gguf_eval.load_adapter_gguf(root / report["ggk_files"]["adapter"])
+    model, _ = load_final(root / json.loads(paths.adapter_manifest.read_text())["run_dir"])
+    work = tmp_path_factory.mktemp("ggk")
+    vision = report["ggk_files"]["vision_encoder"]
+    semantic = 64
+    if vision:
+        import gguf
+
+        semantic = next(int(t.shape[0]) for t in gguf.GGUFReader(root / vision).tensors
+                        if t.name == "prior_token_embedding.weight")
+    dit = write_llada_dit(work / "dit.gguf", cap_feat_dim=adapter.hparams["out_dim"], semantic_feat_dim=semantic)
+    vae = write_vae(work / "tae.gguf")
+    args = engine_args(report["ggk_command"], diffusion_model=str(dit), vae=str(vae))
+    args[args.index("--vae")] = "--taesd"  # the fixture is a tiny autoencoder, which ggk takes by this flag
+    student = Student(root / "materials" / "demo" / "student", settings, torch.device("cpu"))
+    return {"root": root, "args": args, "adapter": adapter, "model": model, "student": student, "work": work,
+            "report": report}
+
+
+def test_the_reports_command_names_every_file_the_project_made(demo_in_ggk):
+    args, files = demo_in_ggk["args"], demo_in_ggk["report"]["ggk_files"]
+    for flag, role in (("--llm-adapter", "adapter"), ("--llm", "student"), ("--tokenizer-pack", "tokenizer_pack")):
+        assert args[args.index(flag) + 1] == files[role]
+    if files["vision_encoder"]:
+        assert args[args.index("--llm_vision") + 1] == files["vision_encoder"]
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_ggk_computes_what_the_product_computes(demo_in_ggk, ggk, prompt):
+    d = demo_in_ggk
+    dump = run_engine(ggk, with_prompt(d["args"], prompt), d["work"] / "dump", cwd=d["root"])
+    assert dump.returncode == 0, dump.log[-3000:]
+    assert "[X]" not in dump.log, dump.log[-3000:]  # no missing or misshapen tensor in any file, vision included
+    line = ADAPTER_LINE.search(dump.log)
+    hp = d["adapter"].hparams
+    assert line and line["kind"] == ggk_contract.RESAMPLER_SEEDLESS
+    assert (int(line["width"]), int(line["depth"]), int(line["queries"]), int(line["in_dim"]), int(line["out_dim"])) \
+        == (hp["width"], hp["depth"], hp["query_count"], hp["in_dim"], hp["out_dim"])
+
+    # The token ids: exactly the product's.
+    ids, _ = d["student"].tokenize([prompt])
+    assert dump.tokens == ids[0]
+
+    # The student's states: the product's torch forward, within the f16 rounding of the GGUF's weights.
+    with torch.inference_mode():
+        ours = d["student"].model(input_ids=torch.tensor([ids[0]]), use_cache=False).last_hidden_state[0].numpy()
+    scale = float(np.abs(ours).max())
+    assert np.abs(dump.hidden - ours).max() <= 2e-2 * scale, np.abs(dump.hidden - ours).max()
+
+    # The conditioning from those states: the torch checkpoint (per row, centred as the scores are) and the
+    # torch-free evaluator that scores the report.
+    model = d["model"]
+    with torch.inference_mode():
+        states = torch.from_numpy(dump.hidden)[None]
+        torch_out = model.to_target_space(model(states, torch.ones(states.shape[:2], dtype=torch.bool)))[0].numpy()
+    centre = model.target_centre.numpy()
+    assert centred_cosines(dump.adapter_out, torch_out, centre).min() >= 0.9999
+    assert np.abs(d["adapter"].forward(dump.hidden) - dump.adapter_out).max() <= 1e-3
+
+
+def test_a_prompt_with_emphasis_aborts_ggk_and_the_product_says_so_first(demo_in_ggk, ggk):
+    d = demo_in_ggk
+    assert emphasis_problem("a (red) cat") and emphasis_problem(r"a \(red\) cat") is None
+    dump = run_engine(ggk, with_prompt(d["args"], "a (red) cat"), d["work"] / "dump-emphasis", cwd=d["root"])
+    assert dump.returncode != 0 and "GGML_ASSERT" in dump.log
+
+
+def test_the_contract_module_holds_what_the_engine_source_says():
+    """ggk_contract.py and the letter table against the sdist the binary was built from."""
+    assert ggk_contract.GGK_VERSION == GGK_VERSION
+    src = source_dir() / "vendor" / "engine" / "diffusion" / "src"
+    conditioner = (src / "conditioning" / "conditioner.hpp").read_text()
+    for text in (ggk_contract.LLADA_PREFIX, ggk_contract.LLADA_EMPTY_PREFIX):
+        assert f'"{text}"' in conditioner
+    assert '"\\n<role>ASSISTANT</role>\\n<IMAGE1>"' in conditioner
+    adapter = (src / "model" / "te" / "llm_adapter.hpp").read_text()
+    assert f"HEAD_DIM = {ggk_contract.ADAPTER_HEAD_DIM};" in adapter
+    table = (src / "tokenizers" / "tokenize_util.cpp").read_text()
+    body = table[table.index("bool is_letter"):table.index("bool is_space")]
+    ranges = tuple((int(a, 16), int(b, 16)) for a, b in re.findall(r"\{0x([0-9A-Fa-f]+),\s*0x([0-9A-Fa-f]+)\}", body))
+    assert ranges == LETTER_RANGES
