@@ -28,9 +28,10 @@ from gguf_assets.lib.training.verdict import GOOD
 
 
 @dg.asset(group_name=groups.OUTPUT, deps=[adapter, materials, settings_key("gguf")],
-          description="The adapter as an f16 GGUF: "
-          "matrices f16; norms, biases and target statistics f32; self-describing metadata (docs/gguf_layout.md). "
-          "Plus the paired vision encoder as a clip/mmproj GGUF when one was downloaded (docs/vision_gguf.md).")
+          description="The files ggk loads: the adapter GGUF (--llm-adapter, ggk's resampler: matrices f16; query, "
+          "norms and biases f32; docs/gguf_layout.md), the student GGUF (--llm) with its tokenizer pack "
+          "(--tokenizer-pack), and the paired SigVQ vision encoder GGUF (--llm_vision) when one was downloaded "
+          "(docs/vision_gguf.md).")
 def gguf(context: dg.AssetExecutionContext, project: ProjectResource) -> dg.MaterializeResult:
     # numpy and torch come with it: imported by the run that exports, not by every process that loads definitions
     from gguf_assets.lib.output.export import export_adapter
@@ -50,7 +51,7 @@ def gguf(context: dg.AssetExecutionContext, project: ProjectResource) -> dg.Mate
         vision = summary.vision
         metadata["vision_gguf"] = dg.MetadataValue.path(vision["path"])
         metadata["vision_bytes"] = vision["bytes"]
-        metadata["vision_unmapped_tensors"] = ", ".join(vision["unmapped"]) or "none"
+        metadata["vision_skipped_tensors"] = ", ".join(vision["skipped"]) or "none"
     metadata.update(project.stage_metadata("gguf", settings))
     project.result_written(context)
     return dg.MaterializeResult(data_version=dg.DataVersion(summary.fingerprint), metadata=metadata)

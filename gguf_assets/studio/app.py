@@ -26,6 +26,7 @@ from starlette.templating import Jinja2Templates
 from gguf_assets.lib.core import atomic
 from gguf_assets.lib.core.commands import trainer, venv_tool
 from gguf_assets.lib.core.errors import UserError
+from gguf_assets.lib.core.ggk_contract import ESCAPE_HINT
 from gguf_assets.lib.core.lock import ProjectLocked, holder
 from gguf_assets.lib.project import settings_file, settings_history
 from gguf_assets.lib.project.layout import ProjectPaths
@@ -432,7 +433,7 @@ def _page_routes(studio: Studio) -> list[Route]:
             "view": studio.view(), "dagster_url": studio.dagster_url,
             "tensorboard_url": tensorboard_timeseries_url(studio.tensorboard_url) if studio.tensorboard_url else "",
             "settings_text": text, "presets": PRESETS, "forms": form_sections(text), "number_rules": NUMBER_RULES,
-            "memory": memory_view(studio.paths), "machine": machine_view(),
+            "memory": memory_view(studio.paths), "machine": machine_view(), "escape_hint": ESCAPE_HINT,
             # "<" escaped: the JSON sits inside a <script> element.
             "presets_json": json.dumps({p.name: p.description for p in PRESETS}).replace("<", "\\u003c")})
 

@@ -52,14 +52,27 @@ def rendered_prompt(text: str) -> str:
 
 
 # core/util.cpp, parse_prompt_attention (AUTOMATIC1111's prompt parser), reproduced token for token, quirks
-# included: of the escapes only `\(` loses its backslash (`\)`, `\[`, `\]` and `\\` stay as typed), a character no
-# alternative matches (a `B` inside a word) is skipped, and BREAK becomes a piece of weight -1. std::regex's
-# ECMAScript grammar on bytes sees non-ASCII as non-word characters, as re.ASCII does.
+# included: of the escapes only `\(` loses its backslash (`\)`, `\[`, `\]` and `\\` stay as typed), and BREAK becomes
+# a piece of weight -1. ggk searches the text left after each match as a string of its own, so `\b` holds at its
+# start: a `B` inside a word is kept (`\bB`), and "xBREAK y" breaks after the x. The weight is read by std::stof,
+# which takes the longest number at the start ("1.2.3" is 1.2). std::regex's ECMAScript grammar on bytes sees
+# non-ASCII as non-word characters, as re.ASCII does.
 _ATTENTION = re.compile(r"\\\(|\\\)|\\\[|\\\]|\\\\|\\|\(|\[|:([+-]?[.\d]+)\)|\)|\]|\bBREAK\b|[^\\()\[\]:B]+|:|\bB",
                         re.ASCII)
 _BREAK = re.compile(r"\s*\bBREAK\b\s*", re.ASCII)
 ROUND_MULTIPLIER = 1.1
 BREAK_WEIGHT = -1.0
+
+
+_STOF_PREFIX = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)", re.ASCII)
+
+
+def _stof(text: str) -> float:
+    """std::stof: the longest number at the start of ``text``; none (".") is ggk's uncaught invalid_argument."""
+    number = _STOF_PREFIX.match(text)
+    if number is None:
+        raise ValueError(f"ggk {GGK_VERSION} cannot read the emphasis weight {text!r} (std::stof) and aborts")
+    return _f32(float(number.group(0)))
 
 
 def _f32(x: float) -> float:
@@ -80,15 +93,17 @@ def parse_prompt_attention(text: str) -> list[Piece]:
         for piece in pieces[start:]:
             piece[1] = _f32(piece[1] * factor)
 
-    for match in _ATTENTION.finditer(text):
+    remaining = text
+    while match := _ATTENTION.search(remaining):  # std::regex_search on what is left, as a string of its own
         token, weight = match.group(0), match.group(1)
+        remaining = remaining[match.end():]
         if token == "(":
             round_open.append(len(pieces))
         elif token == "[":
             square_open.append(len(pieces))
         elif weight:
             if round_open:
-                multiply(round_open.pop(), _f32(float(weight)))
+                multiply(round_open.pop(), _stof(weight))
         elif token == ")" and round_open:
             multiply(round_open.pop(), _f32(ROUND_MULTIPLIER))
         elif token == "]" and square_open:

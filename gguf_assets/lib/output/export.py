@@ -170,7 +170,7 @@ def _previous_files(paths: ProjectPaths, settings: Settings) -> dict[str, dict]:
         return {}
 
 
-def _warn_if_not_ours(target: Path, previous_files: dict[str, dict]) -> None:
+def _warn_if_not_ours(target: Path, previous_files: dict[str, dict], adapter_name: str) -> None:
     """Say so when a copy replaces a file this project did not write there (a folder shared by projects)."""
     if not target.is_file():
         return
@@ -178,7 +178,7 @@ def _warn_if_not_ours(target: Path, previous_files: dict[str, dict]) -> None:
     if ours is None or not verify.unchanged(target, ours):
         log.warning("output.also_copy_to: replacing %s, which this project's last export did not write (another "
                     "project with output.adapter_name %r copies there too?). Give each project its own "
-                    "adapter_name or also_copy_to, or they overwrite each other.", target, target.stem)
+                    "adapter_name or also_copy_to, or they overwrite each other.", target, adapter_name)
 
 
 def export_adapter(paths: ProjectPaths, settings: Settings, materials: MaterialsManifest,
@@ -206,6 +206,7 @@ def export_adapter(paths: ProjectPaths, settings: Settings, materials: Materials
     ours = [target.name, vision_gguf_path(target.parent, name).name, target.with_suffix(".json").name,
             student_target.name]
     atomic.remove_stale_temps(target.parent, of=ours)
+    atomic.remove_stale_temps(pack_merges.parent, of=[pack_merges.name])  # the pack's own folder
     summary = write_adapter_gguf(target, tensors=tensors, hparams=hparams,
                                  provenance=provenance(settings, materials, meta), name=name, keep_f32=keep_f32)
     by_values = [n for n in summary.kept_f32 if n not in {tensor_name(k) for k in keep_f32}]
@@ -238,7 +239,8 @@ def export_adapter(paths: ProjectPaths, settings: Settings, materials: Materials
             # Each file keeps its place under the output folder (the tokenizer pack's qwen2/merges.txt).
             into = folder / Path(entry["path"]).parent.relative_to(target.parent)
             into.mkdir(parents=True, exist_ok=True)
-            _warn_if_not_ours(into / Path(entry["path"]).name, previous_files)
+            atomic.remove_stale_temps(into, of=[Path(entry["path"]).name])  # a subfolder's too (the pack's)
+            _warn_if_not_ours(into / Path(entry["path"]).name, previous_files, name)
             copy = copy_verified(Path(entry["path"]), into, sha256=entry["sha256"])
             copies.append(str(copy))
             files.append(_file_entry(entry["role"], copy, entry["sha256"], copy_of=entry["path"]))

@@ -173,7 +173,7 @@ _BLOCK_LINEARS = ("self_attn.q", "self_attn.k", "self_attn.v", "self_attn.o", "c
 _BLOCK_LEAVES = tuple(f"{module}.{param}" for module in (*_BLOCK_NORMS, *_BLOCK_LINEARS)
                       for param in ("weight", "bias"))
 _BLOCK_KEY_RE = re.compile(r"blocks\.(0|[1-9][0-9]*)\.(.+)")
-TRAINING_ONLY = ("target_centre", "target_std")
+TRAINING_ONLY = ("target_centre", "target_std", "loss_std")
 
 
 class GGUFVerifyError(ValueError):

@@ -309,7 +309,7 @@ class ShardBuilder:
 
     def _compute_half(self, plan: ShardPlan, half: str, *, on_batch=None) -> tuple[dict[str, torch.Tensor], dict]:
         """The tensors of one half and its sidecar fields (without sizes and checksum)."""
-        meta = {"fingerprint": plan.fingerprints[half], "prompts": len(plan.prompts),
+        meta = {"fingerprint": plan.fingerprints[half], "prompts": len(plan.prompts), "format": formats.SHARD_HALF,
                 "settings_hash": self._settings_hash, **self.where}
         if half == "teacher":
             result = self.compute(half, plan.prompts, on_batch=on_batch)

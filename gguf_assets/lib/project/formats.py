@@ -14,6 +14,22 @@ CORPUS = 2  # 2: streaming readers (.csv, .gz) and a numpy split: the same seed 
 SHARD_HALF = 2  # 2: the student reads ggk's LLaDA-Image template in ggk's pieces, final-norm states only
 TRAINING_RUN = 3  # 3: the adapter is ggk's seedless resampler (lib/training/adapter.py)
 GGUF_EXPORT = 3  # 3: ggk's adapter file (adapter.* tensors, the standardization folded into out_proj)
+
+# Why a result of an older format is made again, for `status` (lib/status/states.py): the record's "format" (absent
+# in records older than the key) against the current one.
+WHY_NEWER = {
+    "shard": (SHARD_HALF, "made before the student read what ggk feeds it (ggk's LLaDA-Image template, its token "
+                          "ids, the final-norm states); computed again"),
+    "adapter": (TRAINING_RUN, "trained as the product's own adapter, which ggk cannot load; it must be trained again "
+                              "as ggk's resampler"),
+}
+
+
+def older_format(kind: str, record: dict) -> str | None:
+    """Why ``record`` (a shard half's sidecar or the adapter manifest) is of an older format, or None."""
+    current, why = WHY_NEWER[kind]
+    recorded = record.get("format", 1)
+    return f"{why} (format {recorded}, now {current})" if recorded != current else None
 EVAL_REPORT = 4  # 4: ggk's adapter, scored centred on the rows' train mean (3: keyed by the export's fingerprint)
 
 # Prompt files: the text formats, each also read gzip-compressed (GZIP_SUFFIX after its suffix), and parquet

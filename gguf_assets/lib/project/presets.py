@@ -33,7 +33,7 @@ PRESETS = (
     Preset("seed reference (trainer8)", "the seed's reference recipe: 1024 x 6, 20,000 steps, 60k train prompts, "
            "both models read at their last layer (0.965 on an RTX 5090 in about 55 min)", _trainer8()),
     Preset("CPU scale", "a small adapter for a CPU: 64 wide, 1 block, batch 16, lr 4e-3 (the demo's recipe)",
-           {"training": {"width": 64, "depth": 1, "heads": 4, "batch_size": 16, "learning_rate": 4e-3,
+           {"training": {"width": 64, "depth": 1, "batch_size": 16, "learning_rate": 4e-3,
                          "device": "cpu"}}),
 )
 

@@ -256,9 +256,8 @@ class Training(_Section):
         "exponential moving average of the weights, used for validation, best/ and final/ (0 = off; e.g. 0.999)"))
     sigma_floor: float = Field(0.01, ge=1e-12, description=(
         "floor of the per-dimension target std used to standardize"))
-    target_standardization: Literal["per_dim", "isotropic"] = Field("per_dim", description=(
-        "how the loss scales targets: per_dim (each dim to unit within-row std, a scale shared by the query rows, "
-        "which folds into the exported out_proj; trainer8's per-row scale has no tensor in ggk) or isotropic "
+    target_standardization: Literal["per_row_dim", "isotropic"] = Field("per_row_dim", description=(
+        "how the loss scales targets: per_row_dim (each query row and dim to unit std, trainer8) or isotropic "
         "(one std for all, as PHI-S: the loss then weighs dims as the centred cosine does)"))
     relational_weight: float = Field(0.0, ge=0.0, description=(
         "weight of a term matching the batch's prompt-to-prompt centred cosines of the predictions to the "

@@ -210,11 +210,12 @@ def _quiet_about_absent_gpus():
 
 
 def adapter_params(student_dim: int, query_rows: int, target_dim: int, width: int, depth: int) -> int:
-    """The adapter's parameter count (lib/training/adapter.py's layout: docs/gguf_layout.md's tensor table)."""
+    """The adapter's parameter count (lib/training/adapter.py's layout: docs/gguf_layout.md's tensor table), with
+    its statistics buffers (target_centre and loss_std [Q, D], target_std [D]): the checkpoint's state dict."""
     mlp = 4 * width
     block = 4 * 2 * width + 8 * (width * width + width) + (width * mlp + mlp) + (mlp * width + width)
     return (query_rows * width + student_dim * width + width + depth * block
-            + 2 * width + width * target_dim + target_dim + 2 * query_rows * target_dim)
+            + 2 * width + width * target_dim + target_dim + 2 * query_rows * target_dim + target_dim)
 
 
 def _weights_line(role: str, config: ModelConfig, settings: Settings, dtype: str, how: str,

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
+from gguf_assets.lib.core import atomic
 from gguf_assets.lib.core.lock import HolderRecord
 from gguf_assets.lib.corpus.corpus_run import corpus_is_current
 from gguf_assets.lib.materials.materials import load_manifest, manifest_is_current
@@ -29,7 +30,7 @@ from gguf_assets.lib.precompute.shards import (
     planned_fingerprints,
     shard_status,
 )
-from gguf_assets.lib.project import settings_history
+from gguf_assets.lib.project import formats, settings_history
 from gguf_assets.lib.project.layout import SPLITS, ProjectPaths
 from gguf_assets.lib.project.manifests import (
     DamagedRecord,
@@ -96,6 +97,13 @@ def why_stale(paths: ProjectPaths, settings: Settings, stage: str, recorded_hash
         if keys:
             return ", ".join(keys)
     return otherwise
+
+
+def _older_format(record: Path, kind: str) -> str | None:
+    try:
+        return formats.older_format(kind, atomic.read_json(record))
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def _recorded_hash(record: Path) -> str | None:
@@ -276,6 +284,8 @@ def _adapter_state(paths: ProjectPaths, settings: Settings, adapter_fp: str) -> 
     if recorded_fingerprint(paths.adapter_manifest) == adapter_fp:
         return StageState("adapter", State.DAMAGED, f"{final_weights_stored(paths)} changed on disk since training "
                           "wrote it (`gguf-trainer run` trains again)")
+    if older := _older_format(paths.adapter_manifest, "adapter"):
+        return partial or StageState("adapter", State.STALE, f"the finished adapter was {older}")
     return partial or StageState("adapter", State.STALE, why_stale(
         paths, settings, "adapter", _recorded_hash(paths.adapter_manifest),
         "its train or val shards changed since it was trained"))
@@ -290,6 +300,8 @@ def _why_shards_stale(paths: ProjectPaths, settings: Settings, split: str, todo:
             if state == HalfState.CORRUPT:
                 return f"shard {split}/{plan.key}: its {half} half changed on disk"
             if state == HalfState.STALE:
+                if older := _older_format(folder / f"{half}.json", "shard"):
+                    return f"shard {split}/{plan.key}: its {half} half was {older}"
                 return why_stale(paths, settings, f"{split}_shards", _recorded_hash(folder / f"{half}.json"),
                                  f"shard {split}/{plan.key}: its {half} half was made from other prompts or models")
     return "some shards were made under other settings"

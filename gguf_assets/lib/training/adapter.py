@@ -11,9 +11,10 @@ states [L, Ds] and give the Q x D conditioning:
     y   = out_proj(ln_out(q))                              [Q, D], in standardized target space
     target ~ y * target_std + target_mean                  per dim, [D]: the export folds it into out_proj
 
-The standardization is one scale and offset per dim, shared by the query rows, because ggk has no tensor for
-it and only a row-shared affine map folds into out_proj. ``target_centre`` [Q, D] (each row's own train mean)
-centres the scores and the loss's cosine term; it never reaches the file.
+The output's standardization is one scale and offset per dim, shared by the query rows, because ggk has no
+tensor for it and only a row-shared affine map folds into out_proj. The loss is trainer8's all the same: it
+compares ``loss_space`` values, each (row, dim) centred on its train mean (``target_centre`` [Q, D]) and scaled
+by its own std (``loss_std`` [Q, D]); neither reaches the file.
 
 attn(a, b) = o(concat_h softmax(q_h(a) k_h(b)^T / 8) v_h(b)): heads of 64 (heads = W / 64), every linear biased,
 LayerNorm eps 1e-5 (lib/core/ggk_contract.py). ggk runs one prompt with no key mask; a padded training batch
@@ -123,10 +124,11 @@ class Adapter(nn.Module):
         self.blocks = nn.ModuleList(ResamplerBlock(w) for _ in range(shape.depth))
         self.ln_out = nn.LayerNorm(w, eps=NORM_EPS)
         self.out_proj = nn.Linear(w, shape.target_dim)
-        # Statistics travel with the weights in the checkpoint: the per-dim standardization, which the export
-        # folds into out_proj, and the per-row centre of the scores.
+        # Statistics travel with the weights in the checkpoint: the output's per-dim scale, which the export folds
+        # into out_proj with the mean, and the loss's per-(row, dim) centre and scale.
         self.register_buffer("target_centre", torch.zeros(shape.query_rows, shape.target_dim))
         self.register_buffer("target_std", torch.ones(shape.target_dim))
+        self.register_buffer("loss_std", torch.ones(shape.query_rows, shape.target_dim))
 
     def forward(self, states: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """states [B, L, Ds], mask [B, L] bool (True = real token) -> standardized [B, Q, D]."""
@@ -148,9 +150,13 @@ class Adapter(nn.Module):
     def to_target_space(self, standardized: torch.Tensor) -> torch.Tensor:
         return standardized * self.target_std + self.target_mean
 
-    def standardized_centre(self) -> torch.Tensor:
-        """target_centre in the standardized space [Q, D]: what the loss's cosine term is centred on."""
-        return (self.target_centre - self.target_mean) / self.target_std
+    def loss_space(self, standardized: torch.Tensor) -> torch.Tensor:
+        """The output, [B, Q, D] in standardized space, as the loss reads it: centred and scaled per (row, dim)."""
+        return (self.to_target_space(standardized) - self.target_centre) / self.loss_std
+
+    def loss_targets(self, targets: torch.Tensor) -> torch.Tensor:
+        """Teacher targets as the loss reads them (``loss_space``'s counterpart)."""
+        return (targets.float() - self.target_centre) / self.loss_std
 
     def folded_out_proj(self) -> tuple[torch.Tensor, torch.Tensor]:
         """out_proj with the standardization folded in: (weight [D, W], bias [D]) giving targets directly."""
@@ -159,19 +165,12 @@ class Adapter(nn.Module):
         return weight * std[:, None], bias * std + self.target_mean.float()
 
 
-def standardize(targets: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
-    return (targets - mean) / std
-
-
 def adapter_loss(pred: torch.Tensor, standardized_targets: torch.Tensor, *, cosine_weight: float,
-                 relational_weight: float = 0.0, centre: torch.Tensor | None = None) -> torch.Tensor:
-    """Whitened MSE + cosine_weight * (1 - cos) per query row, both in standardized space, plus
-    relational_weight * ``relational_loss`` when it is on. ``centre``: the rows' standardized centre
-    (Adapter.standardized_centre), subtracted from both sides before the cosine, so that the cosine reads what
-    varies across prompts and not each row's constant part."""
+                 relational_weight: float = 0.0) -> torch.Tensor:
+    """Whitened MSE + cosine_weight * (1 - cos) per query row, both in the loss's space (Adapter.loss_space and
+    loss_targets: centred and scaled per row and dim, as trainer8), plus relational_weight * ``relational_loss``
+    when it is on."""
     mse = F.mse_loss(pred, standardized_targets)
-    if centre is not None:
-        pred, standardized_targets = pred - centre, standardized_targets - centre
     cos = F.cosine_similarity(pred, standardized_targets, dim=-1, eps=1e-8)
     loss = mse + cosine_weight * (1.0 - cos).mean()
     if relational_weight:

@@ -38,7 +38,6 @@ from gguf_assets.lib.training.adapter import (
     adapter_loss,
     centred_cosine_rows,
     lr_at,
-    standardize,
 )
 from gguf_assets.lib.training.checkpoints import (
     Resumed,
@@ -100,9 +99,9 @@ def evaluate(model: Adapter, folders: list[Path], *, device: torch.device, cosin
         shard_cos = []
         for shard, rows, states, mask, targets in shard_batches(folder, device=device, batch_size=batch_size):
             pred = model(states, mask)
-            z = standardize(targets, model.target_mean, model.target_std)
-            losses.append(float(adapter_loss(pred, z, cosine_weight=cosine_weight, relational_weight=relational_weight,
-                                             centre=model.standardized_centre())) * len(rows))
+            losses.append(float(adapter_loss(model.loss_space(pred.float()), model.loss_targets(targets),
+                                             cosine_weight=cosine_weight, relational_weight=relational_weight))
+                          * len(rows))
             cos = centred_cosine_rows(pred, targets, model).cpu()
             shard_cos += cos.tolist()
             empty += [c for c, i in zip(cos.tolist(), rows) if shard.texts[i] == ""]
@@ -305,10 +304,11 @@ class _TrainingRun:
             resumed.started = why_new_run(self.paths, self.fingerprint, self.base_meta["training"], train_id, val_id)
             self.note(resumed.started["message"], warning=bool(resumed.started.get("previous_run")))
             # Statistics travel in every checkpoint's weights, so a resume never rereads the whole train set.
-            centre, std, _ = target_stats(self.train_folders, sigma_floor=t.sigma_floor,
-                                          isotropic=t.target_standardization == "isotropic")
-            self.model.target_centre.copy_(centre)
-            self.model.target_std.copy_(std)
+            stats = target_stats(self.train_folders, sigma_floor=t.sigma_floor,
+                                 isotropic=t.target_standardization == "isotropic")
+            self.model.target_centre.copy_(stats.centre)
+            self.model.target_std.copy_(stats.output_std)
+            self.model.loss_std.copy_(stats.loss_std)
             untrained = self._evaluate(self.model)
             resumed.untrained = untrained["val_centred_cosine"]
             self.note(f"untrained adapter: val centred cosine {resumed.untrained:.4f}")
@@ -403,9 +403,8 @@ class _TrainingRun:
         targets = batch.targets.to(self.device)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
             pred = model(states, mask)
-        z = standardize(targets, model.target_mean, model.target_std)
-        loss = adapter_loss(pred.float(), z, cosine_weight=t.cosine_weight, relational_weight=t.relational_weight,
-                            centre=model.standardized_centre())
+        loss = adapter_loss(model.loss_space(pred.float()), model.loss_targets(targets),
+                            cosine_weight=t.cosine_weight, relational_weight=t.relational_weight)
         self.optimizer.zero_grad(set_to_none=True)
         if torch.isfinite(loss):
             loss.backward()

@@ -265,17 +265,25 @@ def shard_target_sums(folder: Path) -> tuple[torch.Tensor, torch.Tensor, int]:
     return sums
 
 
-def target_stats(folders: list[Path], *, sigma_floor: float,
-                 isotropic: bool = False) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """The train targets' per-(query row, dim) mean [Q, D] (the rows' centres) and a floored std per dim [D]:
-    the root of the rows' mean within-row variance, a scale shared by the rows so that it folds into the
-    adapter's out_proj (ggk has no tensor for it). From each shard's chunk sums.
+@dataclass(frozen=True)
+class TargetStats:
+    """The train targets' statistics (lib/training/adapter.py says where each goes)."""
+
+    centre: torch.Tensor      # [Q, D]: each (row, dim)'s mean
+    output_std: torch.Tensor  # [D]: the output's scale, shared by the rows (it folds into out_proj)
+    loss_std: torch.Tensor    # [Q, D]: the loss's scale per (row, dim), as trainer8 standardizes
+    prompts: int
+
+
+def target_stats(folders: list[Path], *, sigma_floor: float, isotropic: bool = False) -> TargetStats:
+    """The train targets' per-(query row, dim) mean and std, and the per-dim std the output is scaled by (the root
+    of the rows' mean variance), each floored at ``sigma_floor``; from each shard's chunk sums.
 
     The chunk sums are added in shard order, chunk by chunk: the same float64 additions, in the same order, as
     streaming every target (test_train_data checks the two agree bit for bit).
 
-    ``isotropic``: one std for every dim, the root of the mean variance over rows and dims (as PHI-S scales its
-    targets), still [D]."""
+    ``isotropic``: one std for every (row, dim), the root of their mean variance (as PHI-S scales its targets),
+    for the loss and the output alike."""
     total, s1, s2 = 0, None, None
     for folder in folders:
         c1, c2, prompts = shard_target_sums(folder)
@@ -287,5 +295,8 @@ def target_stats(folders: list[Path], *, sigma_floor: float,
         raise TrainingError("no training prompts in the train shards")
     mean = s1 / total
     var = (s2 / total - mean * mean).clamp_min(0)
-    std = var.mean().sqrt().expand(var.shape[1]).contiguous() if isotropic else var.mean(0).sqrt()
-    return mean.float(), std.clamp_min(sigma_floor).float(), total
+    if isotropic:
+        one = var.mean().sqrt().clamp_min(sigma_floor).float()
+        return TargetStats(mean.float(), one.expand(var.shape[1]).contiguous(), one.expand_as(var).contiguous(), total)
+    return TargetStats(mean.float(), var.mean(0).sqrt().clamp_min(sigma_floor).float(),
+                       var.sqrt().clamp_min(sigma_floor).float(), total)

@@ -32,7 +32,7 @@ NON_RESULT_KEYS = ("device", "grad_checkpoint", "log_every", "validate_every", "
                    "heads", "layer_fusion")
 # Result settings added after runs existed, with the value that means "as before": they enter the
 # fingerprint only when set otherwise, so a new key never retrains an existing project.
-OFF_VALUES = {"ema_decay": 0.0, "target_standardization": "per_dim", "relational_weight": 0.0}
+OFF_VALUES = {"ema_decay": 0.0, "target_standardization": "per_row_dim", "relational_weight": 0.0}
 
 
 def training_settings(settings: Settings) -> dict:
@@ -105,7 +105,7 @@ def record_finished_run(paths: ProjectPaths, fingerprint: str, *, settings_hash:
                                                "run_dir": str(run_dir.relative_to(paths.root)),
                                                "final_weights": verify.record(weights, recorded_sha256),
                                                "val_centred_cosine": val_centred_cosine,
-                                               "settings_hash": settings_hash})
+                                               "format": formats.TRAINING_RUN, "settings_hash": settings_hash})
 
 
 def final_weights_intact(run_dir: Path) -> bool:

@@ -68,15 +68,24 @@ def test_layout(built: dict[str, object]) -> None:
     a = built["a"]
     root_a = built["roots"][0]
     assert isinstance(a, DemoMaterials)
-    assert a == DemoMaterials(root_a / "teacher", root_a / "student", root_a / "dataset")
-    # Only the three folders remain: the staging dir is gone.
-    assert sorted(p.name for p in root_a.iterdir()) == ["dataset", "student", "teacher"]
+    assert a == DemoMaterials(root_a / "teacher", root_a / "student", root_a / "dataset", root_a / "sigvq")
+    # Only the four folders remain: the staging dir is gone.
+    assert sorted(p.name for p in root_a.iterdir()) == ["dataset", "sigvq", "student", "teacher"]
     for model_dir in (a.teacher_dir, a.student_dir):
         names = {p.name for p in model_dir.iterdir()}
         assert {"config.json", "model.safetensors", "tokenizer.json"} <= names
         assert not any(n.endswith((".bin", ".pt", ".pth")) for n in names)  # safetensors only
     assert QUERY_ROWS_FILENAME in {p.name for p in a.teacher_dir.iterdir()}
     assert (a.dataset_dir / "README.md").read_text(encoding="utf-8").strip()
+    # The tiny SigVQ encoder: its checkpoint (f32, safetensors) and config, nothing else.
+    assert sorted(p.name for p in a.sigvq_dir.iterdir()) == ["config.json", "model.safetensors"]
+    sigvq = load_file(a.sigvq_dir / "model.safetensors")
+    assert all(t.dtype == torch.float32 for t in sigvq.values())
+    config = json.loads((a.sigvq_dir / "config.json").read_text(encoding="utf-8"))
+    assert config["hidden_size"] % 16 == 0 and config["semantic_dim"] == 64
+    assert sigvq["prior_token_embedding.weight"].shape == (config["codebook_size"], config["semantic_dim"])
+    assert sigvq["visual.patch_embed.proj.weight"].shape == (config["hidden_size"], 3, config["patch_size"],
+                                                              config["patch_size"])
 
 
 def test_same_seed_is_byte_identical(built: dict[str, object]) -> None:
@@ -102,6 +111,9 @@ def test_different_seed_differs(built: dict[str, object]) -> None:
         assert w_a.keys() == w_c.keys()
         name = "model.layers.0.self_attn.q_proj.weight"
         assert not torch.equal(w_a[name], w_c[name])
+    sigvq_a, sigvq_c = (load_file(m.sigvq_dir / "model.safetensors") for m in (a, c))
+    assert sigvq_a.keys() == sigvq_c.keys()
+    assert not torch.equal(sigvq_a["vqmodel.quantize.embedding.weight"], sigvq_c["vqmodel.quantize.embedding.weight"])
     q_a = load_file(a.teacher_dir / QUERY_ROWS_FILENAME)[QUERY_ROWS_TENSOR]
     q_c = load_file(c.teacher_dir / QUERY_ROWS_FILENAME)[QUERY_ROWS_TENSOR]
     assert not torch.equal(q_a, q_c)
@@ -123,8 +135,17 @@ def test_loads_with_auto_classes(built: dict[str, object]) -> None:
     assert (tc.num_key_value_heads, tc.num_experts, tc.num_experts_per_tok) == (2, 4, 2)
     assert (tc.moe_intermediate_size, tc.intermediate_size) == (64, 128)
     assert tc.max_position_embeddings == 2048
-    assert (sc.hidden_size, sc.num_hidden_layers, sc.num_attention_heads) == (48, 2, 4)
-    assert (sc.num_key_value_heads, sc.head_dim, sc.intermediate_size) == (2, 12, 96)
+    # ggk fixes the student's head dim, RMSNorm eps and rope theta: the demo's student has ggk's.
+    assert (sc.hidden_size, sc.num_hidden_layers, sc.num_attention_heads) == (48, 2, 2)
+    assert (sc.num_key_value_heads, sc.head_dim, sc.intermediate_size) == (1, 128, 96)
+    assert sc.rms_norm_eps == 1e-6
+    rope = getattr(sc, "rope_parameters", None) or {"rope_theta": sc.rope_theta}
+    assert rope["rope_theta"] == 1_000_000.0
+    # So ggk runs it as transformers does, and numbers its tokens as its tokenizer.json does.
+    from gguf_assets.lib.materials.ggk_tokenizer import ggk_tokenizer_problem
+    from gguf_assets.lib.materials.student_contract import student_contract_problem
+
+    assert student_contract_problem(a.student_dir) is None and ggk_tokenizer_problem(a.student_dir) is None
 
     for model_dir, model in ((a.teacher_dir, teacher), (a.student_dir, student)):
         tok = AutoTokenizer.from_pretrained(model_dir)
@@ -204,7 +225,7 @@ def test_options_and_rebuild_in_place(tmp_path: Path) -> None:
     first = build_demo_materials(tmp_path, seed=3, n_prompts=200, query_rows=8)
     second = build_demo_materials(tmp_path, seed=3, n_prompts=300, query_rows=16)
     assert first == second
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["dataset", "student", "teacher"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dataset", "sigvq", "student", "teacher"]
     rows = load_file(second.teacher_dir / QUERY_ROWS_FILENAME)[QUERY_ROWS_TENSOR]
     assert tuple(rows.shape) == (16, 64)
     assert sum(1 for _ in iter_prompts(second.dataset_dir)) == 300
@@ -239,6 +260,10 @@ def test_the_independent_pair_is_not_shaped_by_the_builder(tmp_path: Path) -> No
     assert len(scene_words & demo_words) < 0.3 * len(scene_words), scene_words & demo_words
     student = AutoModelForCausalLM.from_pretrained(first.student_dir)
     assert student.config.num_hidden_layers == 6 and student.config.hidden_size == 96
+    from gguf_assets.lib.materials.ggk_tokenizer import ggk_tokenizer_problem
+    from gguf_assets.lib.materials.student_contract import student_contract_problem
+
+    assert student_contract_problem(first.student_dir) is None and ggk_tokenizer_problem(first.student_dir) is None
     teacher = AutoModelForCausalLM.from_pretrained(first.teacher_dir).eval()
     tok = AutoTokenizer.from_pretrained(first.teacher_dir)
     query = load_file(first.teacher_dir / QUERY_ROWS_FILENAME)[QUERY_ROWS_TENSOR]

@@ -4,6 +4,7 @@ memoization per half, corruption and staleness, modes, live figures and hardware
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,18 +20,15 @@ from gguf_assets.lib.precompute.shards import (
     ShardBuilder,
     ShardError,
     build_shards,
-    half_fingerprint,
     plan_shards,
     precompute_split,
     require_current,
     shard_status,
 )
-from gguf_assets.lib.precompute.student import StudentLayerError
 from gguf_assets.lib.precompute.teacher import PrecomputeOutOfMemory
 from gguf_assets.lib.project.settings import load_settings, replace, write_project_file
 from gguf_assets.lib.telemetry.hardware import HardwareSampler, NvmlReader
 from gguf_assets.lib.telemetry.progress import Progress, format_seconds
-from gguf_assets.lib.training.training_run import adapter_fingerprint, training_settings
 
 SHARD = 6
 TRAIN = 2 * SHARD
@@ -135,7 +133,7 @@ def test_student_change_leaves_teacher_targets_byte_for_byte(project):
     build_shards(paths, settings, materials, "train", keys)
     teacher_before, student_before = _digests(paths, "teacher"), _digests(paths, "student")
 
-    settings, materials = _with(paths, settings, materials={"student_layer": 1}, precompute={"student_dtype": "f16"})
+    settings, materials = _with(paths, settings, precompute={"student_dtype": "f16"})
     plans = plan_shards(paths, settings, materials, "train")
     assert {h: s for p in plans for h, s in shard_status(paths, settings, p).items()} == {
         "teacher": "current", "student": "stale"}
@@ -147,53 +145,41 @@ def test_student_change_leaves_teacher_targets_byte_for_byte(project):
     assert all(load_file(str(p.folder(paths) / "student.safetensors"))["hidden"].dtype == torch.float16 for p in plans)
 
 
-def test_a_layer_list_recomputes_only_the_student_halves_and_stores_the_layers_side_by_side(project):
+def test_the_student_half_holds_the_final_norm_states_of_ggks_token_ids(project):
+    """Each prompt's rows are the student's final-norm states over the ids ggk feeds it: ggk's LLaDA-Image
+    template, each piece tokenized on its own by the port of ggk's tokenizer (not the prompt alone, not the HF
+    tokenizer's split of the whole string)."""
+    from transformers import AutoModel
+
+    from gguf_assets.lib.core.ggk_contract import llada_image_pieces, rendered_prompt
+    from gguf_assets.lib.materials.ggk_tokenizer import GgkTokenizer
+    from gguf_assets.lib.precompute.shards import half_settings
+    from gguf_assets.lib.precompute.student import ggk_token_ids
+
     paths, settings, materials = project
-    settings, materials = _with(paths, settings, materials={"student_layer": 1})
-    keys = _keys(paths, settings, materials)
-    build_shards(paths, settings, materials, "train", keys)
-    teacher_files = sorted((paths.root / "shards" / "train").glob("*/teacher.safetensors"))
-    teacher_before = {f: (f.read_bytes(), f.stat().st_ino, f.stat().st_mtime_ns) for f in teacher_files}
-    layer_1 = {p.key: load_file(str(p.folder(paths) / "student.safetensors"))["hidden"]
-               for p in plan_shards(paths, settings, materials, "train")}
-    train_fp = adapter_fingerprint(paths, settings, materials)
-
-    settings, materials = _with(paths, settings, materials={"student_layer": [1, -1]})
-    plans = plan_shards(paths, settings, materials, "train")
-    assert {h: s for p in plans for h, s in shard_status(paths, settings, p).items()} == {
-        "teacher": "current", "student": "stale"}
-    assert adapter_fingerprint(paths, settings, materials) != train_fp  # the adapter trains again
-    build_shards(paths, settings, materials, "train", keys)
-    # The teacher halves were never touched: same bytes, same file (inode), never rewritten (mtime).
-    assert {f: (f.read_bytes(), f.stat().st_ino, f.stat().st_mtime_ns) for f in teacher_files} == teacher_before
-    ds = layer_1[keys[0]].shape[1]
-    for plan in plans:
-        folder = plan.folder(paths)
-        hidden = load_file(str(folder / "student.safetensors"))["hidden"]
-        meta = atomic.read_json(folder / "student.json")
-        assert meta["layers"] == [1, -1] and meta["dim"] == ds and hidden.shape[1] == 2 * ds
-        assert torch.equal(hidden[:, :ds], layer_1[plan.key])  # the list's order: layer 1 first, then -1
-        assert not torch.equal(hidden[:, ds:], layer_1[plan.key])
-
-    # One layer as a list of one is the same shards (and old projects' integer keeps its fingerprints).
-    one = replace(settings, materials={"student_layer": [1]})
-    assert half_fingerprint("student", one, materials, "p") == half_fingerprint(
-        "student", replace(settings, materials={"student_layer": 1}), materials, "p")
-    # layer_fusion enters the run's fingerprint only with several layers, where it changes the result.
-    assert training_settings(replace(one, training={"layer_fusion": "mix"})) == training_settings(one)
-    assert training_settings(replace(settings, training={"layer_fusion": "mix"}))["layer_fusion"] == "mix"
-
-
-@pytest.mark.parametrize(("layers", "message"), [
-    ([1, 3], r"materials.student_layer: layer 3 is out of range; the student has 2 layers, so use -3 … 2"),
-    ([-4], r"layer -4 is out of range"),
-    ([2, -1], r"materials.student_layer: 2, -1 name the same layer of this 2-layer student"),
-])
-def test_layers_the_student_lacks_stop_with_the_key_and_the_range(project, layers, message):
-    paths, settings, materials = project
-    settings, materials = _with(paths, settings, materials={"student_layer": layers})
-    with pytest.raises(StudentLayerError, match=message):
-        build_shards(paths, settings, materials, "train", _keys(paths, settings, materials)[:1])
+    build_shards(paths, settings, materials, "train", _keys(paths, settings, materials))
+    folder = Path(materials.student["path"])
+    tokenizer = GgkTokenizer.of_folder(folder)
+    model = AutoModel.from_pretrained(folder, dtype=torch.float32).eval()
+    for plan in plan_shards(paths, settings, materials, "train"):
+        shard = plan.folder(paths)
+        student = load_file(str(shard / "student.safetensors"))
+        meta = atomic.read_json(shard / "student.json")
+        assert meta["dim"] == model.config.hidden_size == student["hidden"].shape[1] and "layers" not in meta
+        offsets = student["offsets"].tolist()
+        for i, text in enumerate(plan.prompts):
+            ids = ggk_token_ids(tokenizer, text)
+            assert ids == [t for p in llada_image_pieces(text) for t in tokenizer.encode(p.text)]
+            assert len(ids) > len(tokenizer.encode(text))  # the template's tokens are there, before and after
+            assert student["token_ids"][offsets[i]:offsets[i + 1]].tolist() == ids, text
+            with torch.no_grad():
+                expected = model(input_ids=torch.tensor([ids])).last_hidden_state[0]  # after the final norm
+            got = student["hidden"][offsets[i]:offsets[i + 1]].float()
+            assert torch.allclose(got, expected.bfloat16().float(), atol=0.05, rtol=0.02), text
+    # The empty prompt is the template's own tokens: the adapter always has keys to attend to.
+    assert ggk_token_ids(tokenizer, "") == tokenizer.encode(rendered_prompt(""))
+    # The student half is made from ggk's conditioning and the dtype: no layer, no template of the product's.
+    assert half_settings("student", settings) == {"conditioning": "llada-image", "dtype": "bf16"}
 
 
 def test_corrupted_halves_are_detected_never_used_and_recomputed(project, caplog):

@@ -144,7 +144,10 @@ def test_trainer8_defaults():
     assert s.corpus.empty_fraction == pytest.approx(0.01)
     assert s.precompute.teacher_placement == "sequential"
     assert s.precompute.mode == "teacher+student"
-    assert s.training.width % s.training.heads == 0
+    # ggk's adapter: heads of 64, so heads follow from the width (0 = that); the student's final norm; ggk's template.
+    assert s.training.width % 64 == 0 and s.training.heads == 0
+    assert s.materials.student_layer == -1
+    assert (s.precompute.conditioning, s.precompute.prompt_template) == ("llada-image", "{prompt}")
 
 
 def test_replace_changes_only_the_named_fields():
@@ -204,26 +207,23 @@ def test_wrong_type_names_key_value_file_and_line(tmp_path):
     assert "integer" in msg
 
 
-@pytest.mark.parametrize(("line", "expected"), [("  student_layer: -1", -1),
-                                              ("  student_layer: [9, 18, 27]", [9, 18, 27]),
-                                              ("  student_layer: [-2]", [-2])])
-def test_student_layer_is_one_layer_or_a_list(tmp_path, line, expected):
+@pytest.mark.parametrize("line", ["  student_layer: -1", "  student_layer: [-1]"])
+def test_student_layer_is_the_final_norm(tmp_path, line):
+    """-1 and the list [-1] (old projects' forms) load, as -1: the final-norm states ggk feeds the adapter."""
     text, _ = _edit_line(render_yaml(_valid()), "materials", "student_layer", line)
     settings = load_settings(_write(tmp_path / "proj", text).parent)
-    assert settings.materials.student_layer == expected
-    assert S.student_layers(settings.materials) == (expected if isinstance(expected, list) else [expected])
-    assert render_yaml(settings).count(f"student_layer: {S.yaml_value(expected)}") == 1  # written back as read
+    assert settings.materials.student_layer == -1
+    assert render_yaml(settings).count("student_layer: -1") == 1  # written back as the one value
 
 
-@pytest.mark.parametrize(("line", "fix"), [
-    ("  student_layer: []", "is an empty list: name at least one layer"),
-    ("  student_layer: [9, 18, 9]", "lists layer 9 more than once; list each layer once"),
-    ("  student_layer: [1, two]", "must be a layer index (e.g. -1) or a list of them"),
-    ("  student_layer: 1.5", "must be a layer index"),
-])
-def test_a_bad_student_layer_list_names_the_key_line_and_fix(tmp_path, line, fix):
+@pytest.mark.parametrize("line", ["  student_layer: 0", "  student_layer: 5", "  student_layer: [1, -1]",
+                                  "  student_layer: [-2]", "  student_layer: []", "  student_layer: [1, two]",
+                                  "  student_layer: 1.5", "  student_layer: true"])
+def test_any_other_student_layer_names_the_key_line_and_why(tmp_path, line):
     msg, path, line_no = _error_for(tmp_path, "materials", "student_layer", line)
-    assert f"{path}:{line_no}" in msg and "materials.student_layer" in msg and fix in msg
+    assert f"{path}:{line_no}: materials.student_layer" in msg
+    assert "ggk feeds the adapter the student's final-norm hidden states (layer -1) and nothing else" in msg
+    assert "Set it to -1 or remove the key" in msg
 
 
 def test_float_given_for_int_field_is_rejected(tmp_path):
@@ -316,14 +316,70 @@ def test_bool_given_as_string_is_rejected(tmp_path):
     assert "precompute.mock_teacher" in msg and "'true'" in msg and "true or false" in msg
 
 
-def test_heads_must_divide_width(tmp_path):
-    text, _ = _edit_line(render_yaml(_valid()), "training", "width", "  width: 1000")
-    text, line = _edit_line(text, "training", "heads", "  heads: 16")
+def test_width_must_be_a_multiple_of_ggks_head_dim(tmp_path):
+    msg, path, line = _error_for(tmp_path, "training", "width", "  width: 100")
+    assert f"{path}:{line}: training.width" in msg and "is 100, not a multiple of 64" in msg
+    assert "use 64 or 128" in msg
+    msg, path, line = _error_for(tmp_path, "training", "width", "  width: 32")
+    assert f"{path}:{line}: training.width" in msg and ">= 64" in msg
+
+
+@pytest.mark.parametrize(("width", "heads"), [(64, 4), (1024, 8), (128, 1)])
+def test_heads_other_than_width_over_64_are_refused(tmp_path, width, heads):
+    text, _ = _edit_line(render_yaml(_valid()), "training", "width", f"  width: {width}")
+    text, line = _edit_line(text, "training", "heads", f"  heads: {heads}")
     path = _write(tmp_path, text)
     with pytest.raises(SettingsError) as info:
         load_settings(tmp_path)
     msg = str(info.value)
-    assert f"{path}:{line}" in msg and "training.heads" in msg and "(16)" in msg and "(1000)" in msg
+    assert f"{path}:{line}: training.heads" in msg and f"is {heads}, but ggk runs heads of 64" in msg
+    assert f"width {width} has {width // 64}" in msg and "remove the key" in msg
+
+
+@pytest.mark.parametrize(("width", "heads"), [(64, 0), (64, 1), (1024, 16), (1024, 0), (192, 3)])
+def test_heads_of_width_over_64_or_zero_load(tmp_path, width, heads):
+    text, _ = _edit_line(render_yaml(_valid()), "training", "width", f"  width: {width}")
+    text, _ = _edit_line(text, "training", "heads", f"  heads: {heads}")
+    _write(tmp_path, text)
+    assert load_settings(tmp_path).training.heads == heads
+
+
+def test_heads_and_layer_fusion_change_no_training_run():
+    """heads follow from the width and layer_fusion has one layer to fuse: old project files that set them load,
+    and keep their adapter."""
+    from gguf_assets.lib.training.training_run import training_fingerprint
+
+    base = replace(_valid(), training={"width": 1024})
+    same = [replace(base, training={"heads": 16}), replace(base, training={"layer_fusion": "mix"})]
+    assert {training_fingerprint(s, ["t"], ["v"]) for s in same} == {training_fingerprint(base, ["t"], ["v"])}
+    assert training_fingerprint(replace(base, training={"width": 512}), ["t"], ["v"]) != training_fingerprint(
+        base, ["t"], ["v"])
+
+
+@pytest.mark.parametrize("template", ["a photo of {prompt}", "{prompt}, high quality", "{prompt} ", "plain"])
+def test_a_prompt_template_other_than_the_prompt_is_refused(tmp_path, template):
+    msg, path, line = _error_for(tmp_path, "precompute", "prompt_template", f"  prompt_template: '{template}'")
+    assert f"{path}:{line}: precompute.prompt_template" in msg and repr(template) in msg
+    assert "ggk renders the student's prompt itself" in msg and "remove the key" in msg
+
+
+def test_conditioning_is_ggks_llada_image_only(tmp_path):
+    msg, path, line = _error_for(tmp_path, "precompute", "conditioning", "  conditioning: sd3")
+    assert f"{path}:{line}: precompute.conditioning" in msg and "'sd3'" in msg and "llada-image" in msg
+    text, _ = _edit_line(render_yaml(_valid()), "precompute", "conditioning", "  conditioning: llada-image")
+    _write(tmp_path / "ok", text)
+    assert load_settings(tmp_path / "ok").precompute.conditioning == "llada-image"
+
+
+def test_target_standardization_offers_its_choices_and_isotropic_loads(tmp_path):
+    field = next(f for f in section_fields("training") if f.name == "target_standardization")
+    assert "isotropic" in field.choices and Settings().training.target_standardization == field.choices[0]
+    msg, path, line = _error_for(tmp_path, "training", "target_standardization", "  target_standardization: rows")
+    assert f"{path}:{line}: training.target_standardization" in msg and ", ".join(field.choices) in msg
+    text, _ = _edit_line(render_yaml(_valid()), "training", "target_standardization",
+                         "  target_standardization: isotropic")
+    _write(tmp_path / "ok", text)
+    assert load_settings(tmp_path / "ok").training.target_standardization == "isotropic"
 
 
 def test_min_chars_above_max_chars(tmp_path):

@@ -14,7 +14,11 @@ def test_stage_keys_are_the_project_yaml_keys_each_stage_reads():
     assert "training.steps" in adapter and "training.width" in adapter
     assert "training.log_every" not in adapter and "training.device" not in adapter  # cadence, not result
     shards = stage_keys(settings, "train_shards")
-    assert {"precompute.shard_size", "materials.student_layer", "precompute.target_dtype"} <= set(shards)
+    assert {"precompute.shard_size", "precompute.conditioning", "precompute.target_dtype"} <= set(shards)
+    # One value only (ggk feeds the final norm), so it changes nothing a stage makes; heads follow from the width
+    # and layer_fusion has nothing left to fuse.
+    assert "materials.student_layer" not in shards
+    assert "training.heads" not in adapter and "training.layer_fusion" not in adapter
     assert "precompute.val_shard_size" not in shards and not any(k.startswith("training.") for k in shards)
     assert set(stage_keys(settings, "gguf")) >= {"output.adapter_name", "output.output_dir", "output.also_copy_to"}
     assert "output.evaluate" in stage_keys(settings, "eval_report")

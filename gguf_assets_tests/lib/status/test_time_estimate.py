@@ -17,10 +17,10 @@ def test_before_any_work_the_seeds_measurement_is_scaled_and_named(make_project)
     assert training.startswith("training: about 55m00s on a GPU like the seed's for 20,000 steps, scaled from the "
                                f"seed's measurement ({SEED_TRAINING.text()} at width 1024"), training
     # Twice the width is four times the work per step.
-    wider = replace(settings, training={"width": 2048, "heads": 16})
+    wider = replace(settings, training={"width": 2048})
     assert time_lines(paths, wider)[1].startswith("training: about 3h40m00s on a GPU like the seed's for 20,000 steps")
     # No teacher model to run: the seed's teacher figure is not scaled to it.
     mock = time_lines(paths, replace(settings, precompute={"mock_teacher": True}))[0]
     assert "no teacher model to run" in mock and "about" not in mock
-    tiny = time_lines(paths, replace(settings, training={"width": 64, "depth": 1, "heads": 4, "steps": 40}))[1]
+    tiny = time_lines(paths, replace(settings, training={"width": 64, "depth": 1, "steps": 40}))[1]
     assert tiny.startswith("training: under 1s on a GPU like the seed's for 40 steps"), tiny

@@ -45,7 +45,7 @@ from gguf_assets.lib.training.train_data import SampleOrder, ShardStream, Traini
 from gguf_assets.lib.training.training_run import TrainedAdapter, shards_identity, training_fingerprint
 
 STUDENT_DIM, QUERY_ROWS, TARGET_DIM = 24, 8, 16
-SETTINGS = Settings(training=Training(width=32, depth=1, heads=2, steps=40, batch_size=8, learning_rate=1e-2,
+SETTINGS = Settings(training=Training(width=64, depth=1, steps=40, batch_size=8, learning_rate=3e-3,
                                       warmup_steps=4, device="cpu", log_every=5, validate_every=10,
                                       checkpoint_every=5, keep_checkpoints=2, seed=3))
 
@@ -226,13 +226,13 @@ def test_settings_change_starts_a_new_run_and_says_why(shard_sets, reference, tm
     train(tmp_path, shard_sets)
     old = fingerprint_for(SETTINGS, shard_sets)
     old_final = (ProjectPaths.of(tmp_path).checkpoints_dir(old) / FINAL_DIR / WEIGHTS_FILE).read_bytes()
-    changed = replace(SETTINGS, training={"learning_rate": 3e-3})
+    changed = replace(SETTINGS, training={"learning_rate": 1e-3})
     new = fingerprint_for(changed, shard_sets)
     assert new != old
     train(tmp_path, shard_sets, changed, stop_after=5,
           on_event=lambda e: notes.append(e) if isinstance(e, Note) else None)
     message = notes[0].message
-    assert f"since run {old}" in message and "learning_rate: 0.01 → 0.003" in message and notes[0].warning
+    assert f"since run {old}" in message and "learning_rate: 0.003 → 0.001" in message and notes[0].warning
     meta = atomic.read_json(list_checkpoints(ProjectPaths.of(tmp_path).checkpoints_dir(new))[-1] / META_FILE)
     assert meta["started"]["previous_run"] == old and meta["step"] == 5
     # The old run is untouched and is reused as is when the settings go back.
@@ -465,9 +465,12 @@ EMA_SETTINGS = replace(SETTINGS, training={"ema_decay": 0.9})
 def test_ema_off_leaves_the_fingerprint_and_the_weights_as_before(shard_sets, reference):
     """ema_decay 0 (the default) is the trainer as it was before the setting existed."""
     assert SETTINGS.training.ema_decay == 0.0
-    # Computed by the trainer before ema_decay existed: a new key must not start new runs.
-    assert fingerprint_for(SETTINGS, shard_sets) == reference["summary"].fingerprint == "4b3d5960ecb7cb7f"
-    assert training_fingerprint(Settings(), ["t0"], ["v0"]) == "c4bbb245f1136fba"
+    # Pinned at training-run format 3 (ggk's resampler): a new key at its off value must not start new runs, and
+    # neither do heads (which follow from the width) nor layer_fusion (one layer left to fuse).
+    assert fingerprint_for(SETTINGS, shard_sets) == reference["summary"].fingerprint == "a35b6748e40f9c05"
+    assert training_fingerprint(Settings(), ["t0"], ["v0"]) == "0db1004ed8810a5a"
+    assert fingerprint_for(replace(SETTINGS, training={"heads": 1, "layer_fusion": "mix"}), shard_sets) == \
+        reference["summary"].fingerprint
     assert fingerprint_for(EMA_SETTINGS, shard_sets) != reference["summary"].fingerprint
     # Off, nothing is averaged: final/ holds the last step's raw weights, and checkpoints carry no average.
     run_dir = reference["run_dir"]
@@ -491,12 +494,19 @@ def test_isotropic_standardization_scales_every_row_and_dim_by_one_std(shard_set
     summary = train(tmp_path, shard_sets, settings)
     model, _ = load_final(ProjectPaths.of(tmp_path).checkpoints_dir(summary.fingerprint))
     targets = torch.cat([load_file(f / TEACHER_FILE)["targets"].double() for f in shard_sets["train"]])
-    # PHI-S's single scale: the root of the mean per-(row, dim) variance; the mean stays per (row, dim).
+    # PHI-S's single scale: the root of the mean per-(row, dim) variance, for the loss and the output alike; the
+    # centre stays per (row, dim).
     expected = targets.var(0, unbiased=False).mean().sqrt().float()
-    assert torch.allclose(model.target_std, expected.expand(QUERY_ROWS, TARGET_DIM), rtol=1e-4)
-    assert torch.allclose(model.target_mean, targets.mean(0).float(), atol=1e-4)
-    per_dim, _ = load_final(reference["run_dir"])
-    assert per_dim.target_std.std() > 0.1 * per_dim.target_std.mean()  # the default really is per (row, dim)
+    assert torch.allclose(model.target_std, expected.expand(TARGET_DIM), rtol=1e-4)
+    assert torch.allclose(model.loss_std, expected.expand(QUERY_ROWS, TARGET_DIM), rtol=1e-4)
+    assert torch.allclose(model.target_centre, targets.mean(0).float(), atol=1e-4)
+    # The default: trainer8's loss scale per (row, dim), and the output's per dim (the rows' mean variance), the
+    # one scale a row-shared out_proj can fold.
+    default, _ = load_final(reference["run_dir"])
+    variance = targets.var(0, unbiased=False)
+    assert torch.allclose(default.loss_std, variance.sqrt().float(), rtol=1e-4)
+    assert torch.allclose(default.target_std, variance.mean(0).sqrt().float(), rtol=1e-4)
+    assert default.loss_std.std() > 0.1 * default.loss_std.mean()  # it really is per (row, dim)
     assert summary.val_centred_cosine > summary.untrained_val_centred_cosine + 0.15, summary
 
 
@@ -522,13 +532,13 @@ def test_relational_loss_measures_the_batchs_similarity_structure():
 
 
 def test_the_adapter_reads_the_prompt_as_a_set_of_states():
-    """Why docs/recipe.md keeps materials.student_layer at -1: the adapter adds no positions, so states that
-    carry none (the token embeddings, layer 0) give the same output in any order."""
+    """The adapter adds no positions: word order reaches it only through the student's states, which is why it
+    reads the student's final norm (after the student's own attention), as ggk feeds it."""
     from gguf_assets.lib.training.adapter import Adapter, AdapterShape
 
     torch.manual_seed(0)
-    model = Adapter(AdapterShape(student_dim=STUDENT_DIM, query_rows=QUERY_ROWS, target_dim=TARGET_DIM, width=32,
-                                 depth=2, heads=2)).eval()
+    model = Adapter(AdapterShape(student_dim=STUDENT_DIM, query_rows=QUERY_ROWS, target_dim=TARGET_DIM, width=64,
+                                 depth=2)).eval()
     states, mask = torch.randn(1, 7, STUDENT_DIM), torch.ones(1, 7, dtype=torch.bool)
     with torch.no_grad():
         out = model(states, mask)
@@ -564,7 +574,9 @@ def test_ema_final_holds_the_average_not_the_raw_weights(shard_sets, ema_referen
     assert all(torch.equal(final[k], average[k]) for k in final)
     changed = [k for k in final if not torch.equal(final[k], raw[k])]
     assert "query" in changed and "out_proj.weight" in changed
-    assert all(torch.equal(final[k], raw[k]) for k in ("target_mean", "target_std"))  # statistics are not averaged
+    statistics = [name for name, _ in load_final(run_dir)[0].named_buffers()]
+    assert statistics == ["target_centre", "target_std", "loss_std"]
+    assert all(torch.equal(final[k], raw[k]) for k in statistics)  # statistics are not averaged
     # The raw weights train exactly as without the average; only what is kept differs.
     assert (last / WEIGHTS_FILE).read_bytes() == reference["weights"]
     # What was reported is the average's score, and the export reads the average.
@@ -620,12 +632,12 @@ def test_tensorboard_names_a_run_by_its_shape_and_keeps_an_unnamed_runs_curves(t
     from gguf_assets.lib.telemetry.curves_log import run_name
 
     fingerprint = "0123456789abcdef"
-    assert run_name(SETTINGS.training, fingerprint) == "32x1-40steps-lr0.01-01234567"
+    assert run_name(SETTINGS.training, fingerprint) == "64x1-40steps-lr0.003-01234567"
     old = tmp_path / "tensorboard" / fingerprint
     old.mkdir(parents=True)
     (old / "events.out.tfevents.1").write_bytes(b"kept")
     folder = run_folder(tmp_path, SETTINGS.training, fingerprint)
-    assert folder.name == "32x1-40steps-lr0.01-01234567" and not old.exists()
+    assert folder.name == "64x1-40steps-lr0.003-01234567" and not old.exists()
     assert (folder / "events.out.tfevents.1").read_bytes() == b"kept"
 
 
@@ -660,7 +672,8 @@ def test_a_stop_between_checkpoints_keeps_its_steps_and_resumes_bit_identical(sh
 
 
 def _streamed_target_stats(folders: list[Path], *, sigma_floor: float, isotropic: bool = False):
-    """target_stats as it was before the per-shard sums: every target streamed in chunks, in shard order."""
+    """target_stats as it was before the per-shard sums: every target streamed in chunks, in shard order.
+    Returns (centre [Q, D], output std [D], loss std [Q, D], prompts)."""
     from gguf_assets.lib.precompute.target_sums import STATS_CHUNK_PROMPTS
 
     total, s1, s2 = 0, None, None
@@ -673,8 +686,19 @@ def _streamed_target_stats(folders: list[Path], *, sigma_floor: float, isotropic
             total += chunk.shape[0]
     mean = s1 / total
     var = (s2 / total - mean * mean).clamp_min(0)
-    std = var.mean().sqrt().expand_as(var).contiguous() if isotropic else var.sqrt()
-    return mean.float(), std.clamp_min(sigma_floor).float(), total
+    if isotropic:
+        one = var.mean().sqrt().clamp_min(sigma_floor).float()
+        return mean.float(), one.expand(var.shape[1]).contiguous(), one.expand_as(var).contiguous(), total
+    return (mean.float(), var.mean(0).sqrt().clamp_min(sigma_floor).float(), var.sqrt().clamp_min(sigma_floor).float(),
+            total)
+
+
+def _fields(stats) -> tuple:
+    return stats.centre, stats.output_std, stats.loss_std, stats.prompts
+
+
+def _same_stats(got, want) -> bool:
+    return got[3] == want[3] and all(torch.equal(a, b) for a, b in zip(got[:3], want[:3]))
 
 
 def test_cached_shard_sums_give_the_streamed_statistics_bit_for_bit(tmp_path, monkeypatch):
@@ -693,10 +717,10 @@ def test_cached_shard_sums_give_the_streamed_statistics_bit_for_bit(tmp_path, mo
         atomic.write_json(folder / "teacher.json", {**record, **verify.record(folder / TEACHER_FILE)})
 
     def same(isotropic: bool) -> None:
-        got = train_data.target_stats(folders, sigma_floor=0.05, isotropic=isotropic)
+        got = _fields(train_data.target_stats(folders, sigma_floor=0.05, isotropic=isotropic))
         want = _streamed_target_stats(folders, sigma_floor=0.05, isotropic=isotropic)
-        assert got[2] == want[2] == 3 * 70 + 2 * 33
-        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        assert got[3] == want[3] == 3 * 70 + 2 * 33
+        assert _same_stats(got, want)
 
     same(False)
     assert all((f / target_sums.STATS_FILE).is_file() and (f / target_sums.STATS_RECORD).is_file() for f in folders)
@@ -749,9 +773,9 @@ def test_sums_stored_by_the_precompute_are_the_sums_of_the_written_half(tmp_path
         assert (out / target_sums.STATS_RECORD).is_file()
         folders.append(out)
     monkeypatch.setattr(train_data, "read_half", lambda folder, half, **kw: pytest.fail(f"read {folder} {half}"))
-    got = train_data.target_stats(folders, sigma_floor=0.05)
+    got = _fields(train_data.target_stats(folders, sigma_floor=0.05))
     want = _streamed_target_stats(source, sigma_floor=0.05)
-    assert got[2] == want[2] == 90 and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert got[3] == want[3] == 90 and _same_stats(got, want)
 
     bad = tmp_path / "bad"
     bad.mkdir()
@@ -759,3 +783,94 @@ def test_sums_stored_by_the_precompute_are_the_sums_of_the_written_half(tmp_path
     targets[1, 0, 0] = float("nan")
     _write_half(bad, "teacher", {"targets": targets}, {"fingerprint": "t-bad", "prompts": 3})
     assert not (bad / target_sums.STATS_RECORD).exists()
+
+
+# -- the adapter is ggk's seedless resampler ------------------------------------------------
+
+def _random_adapter(**shape) -> "torch.nn.Module":
+    from gguf_assets.lib.training.adapter import Adapter, AdapterShape
+
+    torch.manual_seed(1)
+    model = Adapter(AdapterShape(**{"student_dim": STUDENT_DIM, "query_rows": QUERY_ROWS, "target_dim": TARGET_DIM,
+                                    "width": 128, "depth": 2, **shape})).eval()
+    with torch.no_grad():
+        model.target_centre.normal_().mul_(3)
+        model.target_std.uniform_(0.5, 2.0)
+        model.loss_std.uniform_(0.5, 2.0)
+    return model
+
+
+def test_the_adapter_is_ggks_resampler_tensor_for_tensor():
+    """Its state dict is ggk's tensor list (gguf_format's, the file's ``adapter.`` prefix aside) plus the training
+    statistics; heads are width / 64, never set; another width or variant is refused."""
+    from gguf_assets.lib.output.gguf_format import TRAINING_ONLY, expected_tensor_shapes, hparams_of
+    from gguf_assets.lib.training.adapter import Adapter, AdapterShape
+
+    model = _random_adapter()
+    shape = model.shape
+    assert shape.heads == 2 and model.blocks[0].self_attn.heads == model.blocks[0].cross_attn.heads == 2
+    assert list(shape.to_dict()) == ["student_dim", "query_rows", "target_dim", "width", "depth", "variant"]
+    assert shape.variant == "resampler"
+    expected = expected_tensor_shapes(hparams_of(student_dim=STUDENT_DIM, query_rows=QUERY_ROWS,
+                                                 target_dim=TARGET_DIM, width=128, depth=2))
+    state = model.state_dict()
+    assert {k: tuple(v.shape) for k, v in state.items() if k not in TRAINING_ONLY} == expected
+    assert [k for k in state if k in TRAINING_ONLY] == ["target_centre", "target_std", "loss_std"]
+    assert isinstance(model.blocks[0].mlp[1], torch.nn.GELU) and model.blocks[0].mlp[1].approximate == "none"
+    assert all(m.eps == 1e-5 for m in model.modules() if isinstance(m, torch.nn.LayerNorm))
+    for bad in (dict(width=100), dict(width=32), dict(variant="seeded")):
+        with pytest.raises(ValueError, match="multiple of ggk's head dim 64|variant"):
+            Adapter(AdapterShape(**{**shape.to_dict(), **bad}))
+
+
+def test_the_folded_out_proj_gives_the_targets_the_checkpoint_predicts():
+    """What the export writes (the per-dim scale and mean folded into out_proj) computes to_target_space of the
+    standardized output: ggk's file needs no statistics of its own."""
+    model = _random_adapter()
+    states, mask = torch.randn(3, 9, STUDENT_DIM), torch.ones(3, 9, dtype=torch.bool)
+    weight, bias = model.folded_out_proj()
+    with torch.no_grad():
+        want = model.to_target_space(model(states, mask))
+        q = model.query.expand(3, -1, -1)
+        kv = model.in_proj(states)
+        for block in model.blocks:
+            q = block(q, kv, mask)
+        got = model.ln_out(q) @ weight.T + bias
+    assert torch.allclose(got, want, atol=1e-4, rtol=1e-5)
+    assert torch.allclose(model.target_mean, model.target_centre.mean(0))
+
+
+def test_a_padded_batch_is_each_prompt_alone_as_ggk_runs_it():
+    """ggk runs one prompt with no key mask; a training batch masks its padding keys, the same function."""
+    model = _random_adapter()
+    lengths = [9, 4, 1]
+    states = torch.randn(len(lengths), max(lengths), STUDENT_DIM)
+    mask = torch.arange(max(lengths))[None] < torch.tensor(lengths)[:, None]
+    with torch.no_grad():
+        batched = model(states, mask)
+        for i, n in enumerate(lengths):
+            alone = model(states[i:i + 1, :n], torch.ones(1, n, dtype=torch.bool))
+            assert torch.allclose(batched[i], alone[0], atol=1e-5), n
+
+
+def test_the_loss_and_the_score_are_centred_on_each_rows_train_mean():
+    """The loss reads trainer8's space (each (row, dim) centred on its train mean, scaled by its own std); the
+    score is the centred cosine on the same centre, in teacher space."""
+    import torch.nn.functional as F
+
+    from gguf_assets.lib.training.adapter import adapter_loss, centred_cosine_rows
+
+    model = _random_adapter()
+    g = torch.Generator().manual_seed(2)
+    pred = torch.randn(4, QUERY_ROWS, TARGET_DIM, generator=g)
+    in_target_space = model.to_target_space(pred)
+    assert torch.allclose(model.loss_space(pred), (in_target_space - model.target_centre) / model.loss_std)
+    assert torch.allclose(model.loss_targets(in_target_space), model.loss_space(pred), atol=1e-5)
+    # A perfect prediction costs nothing; the cosine term reads each row's variation, not its constant part.
+    perfect = adapter_loss(model.loss_space(pred), model.loss_targets(in_target_space), cosine_weight=0.5)
+    assert float(perfect) == pytest.approx(0.0, abs=1e-6)
+    targets = in_target_space + torch.randn(4, QUERY_ROWS, TARGET_DIM, generator=g)
+    score = centred_cosine_rows(pred, targets, model)
+    want = F.cosine_similarity(in_target_space - model.target_centre, targets - model.target_centre, dim=-1).mean(-1)
+    assert score.shape == (4,) and torch.allclose(score, want, atol=1e-6)
+    assert torch.allclose(centred_cosine_rows(pred, in_target_space, model), torch.ones(4), atol=1e-5)
