@@ -1,12 +1,14 @@
 """Export and evaluation speed, as ratios against baselines measured in the same run.
 
-1. Export: the export's cast (torch, once) and ``gguf_format.write_adapter_gguf`` (write while
+1. Export: the export's fold and cast (torch, once: ``export.ggk_tensors``, the standardization folded into
+   out_proj as ggk's file holds it) and ``gguf_format.write_adapter_gguf`` (write while
    hashing from memory, fsync while re-reading and comparing every byte, rename) vs a raw
    atomic write of the same number of bytes (temp file, write, fsync, rename), alternated.
-   Always the full-size adapter (W=768, depth 4, Q=256, D=1024: 81 MB, a fraction of a second):
+   Always the full-size adapter (W=768, depth 4, Q=256, D=1024: 80 MB, a fraction of a second):
    a small file would measure the fixed costs (the GGUF header, the re-read's parse) instead.
 2. Evaluation: the numpy GGUF evaluator (``gguf_eval.evaluate_gguf``) vs the torch
-   checkpoint's ``train.evaluate`` on the same val shards, and how far their scores differ.
+   checkpoint's ``train.evaluate`` on the same val shards (both centred on the checkpoint's rows' train mean),
+   and how far their scores differ.
 
 Both run on one thread (torch: --threads; numpy's BLAS: OPENBLAS_NUM_THREADS, unless set).
 
@@ -42,10 +44,11 @@ from safetensors.numpy import save_file  # noqa: E402
 from gguf_assets.lib.core import atomic  # noqa: E402
 from gguf_assets.lib.output import export, gguf_eval, gguf_format  # noqa: E402
 from gguf_assets.lib.training import train  # noqa: E402
-from gguf_assets.lib.training.adapter import MLP_RATIO, NORM_EPS, Adapter, AdapterShape  # noqa: E402
+from gguf_assets.lib.training.adapter import MLP_RATIO, Adapter, AdapterShape  # noqa: E402
 
-FULL_SHAPE = AdapterShape(student_dim=1024, query_rows=256, target_dim=1024, width=768, depth=4, heads=12)
-QUICK_SHAPE = AdapterShape(student_dim=256, query_rows=64, target_dim=256, width=256, depth=2, heads=4)
+# ggk's resampler: heads of 64, so 12 and 4 heads.
+FULL_SHAPE = AdapterShape(student_dim=1024, query_rows=256, target_dim=1024, width=768, depth=4)
+QUICK_SHAPE = AdapterShape(student_dim=256, query_rows=64, target_dim=256, width=256, depth=2)
 MAX_EXPORT_RATIO = 10.0  # export / raw atomic write, median of the rounds
 MAX_EVAL_RATIO = 5.0     # numpy GGUF evaluation / torch checkpoint evaluation
 AGREEMENT = 1e-3         # |numpy - torch| val centred cosine (the eval_report check's bound)
@@ -64,8 +67,9 @@ def make_adapter(shape: AdapterShape) -> Adapter:
     torch.manual_seed(0)
     adapter = Adapter(shape).eval()
     with torch.no_grad():
-        adapter.target_mean.normal_()
+        adapter.target_centre.normal_()
         adapter.target_std.uniform_(0.5, 1.5)
+        adapter.loss_std.uniform_(0.5, 1.5)
     return adapter
 
 
@@ -75,8 +79,9 @@ def write_shards(folder: Path, shape: AdapterShape, *, shards: int, prompts: int
     for s in range(shards):
         shard = folder / f"{s:05d}"
         shard.mkdir(parents=True)
+        # ggk's template gives every prompt tokens, the empty one (prompt 0) too: about 20 of them.
         lengths = rng.integers(4, 48, prompts)
-        lengths[0] = 0  # the empty prompt
+        lengths[0] = 20
         offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
         save_file({gguf_eval.TARGETS_TENSOR: rng.standard_normal((prompts, shape.query_rows, shape.target_dim))
                    .astype(np.float16)}, str(shard / gguf_eval.TEACHER_FILE))
@@ -89,16 +94,19 @@ def write_shards(folder: Path, shape: AdapterShape, *, shards: int, prompts: int
 
 
 def provenance_of(shape: AdapterShape) -> dict:
-    return {"student.repo": "bench/student", "student.commit": "0" * 40, "student.layer": -1,
+    return {"conditioning": "llada-image", "student.repo": "bench/student", "student.commit": "0" * 40,
             "student.hidden_size": shape.student_dim, "teacher.repo": "bench/teacher",
-            "teacher.commit": "1" * 40, "training.steps": 1, "training.seed": 0,
-            "training.val_centred_cosine": 0.0}
+            "teacher.commit": "1" * 40, "training.steps": 1, "training.planned_steps": 1,
+            "training.checkpoint": "final", "training.seed": 0, "training.val_centred_cosine": 0.0,
+            "trainer": export.TRAINER}
 
 
 def export_gguf(adapter: Adapter, shape: AdapterShape, path: Path) -> None:
-    """What export_adapter does with the trained weights: cast once (torch), then write verified."""
-    hparams = {**shape.to_dict(), "layer_norm_epsilon": NORM_EPS, "mlp_ratio": MLP_RATIO}
-    gguf_format.write_adapter_gguf(path, tensors=export._cast_once(adapter.state_dict()), hparams=hparams,
+    """What export_adapter does with the trained weights: fold and cast once (torch), then write verified."""
+    hparams = gguf_format.hparams_of(student_dim=shape.student_dim, query_rows=shape.query_rows,
+                                     target_dim=shape.target_dim, width=shape.width, depth=shape.depth,
+                                     mlp_ratio=MLP_RATIO)
+    gguf_format.write_adapter_gguf(path, tensors=export._cast_once(export.ggk_tensors(adapter)), hparams=hparams,
                                    provenance=provenance_of(shape), name="bench")
 
 
@@ -155,7 +163,9 @@ def main(argv: list[str] | None = None) -> int:
             shards = write_shards(root / "val", eval_shape, shards=n_shards, prompts=n_prompts)
             numpy_result: dict = {}
             torch_result: dict = {}
-            numpy_s = best_of(args.repeats, lambda: numpy_result.update(gguf_eval.evaluate_gguf(gguf_file, shards)))
+            centre = adapter.target_centre.numpy()  # what the report reads from the checkpoint (training_centre)
+            numpy_s = best_of(args.repeats, lambda: numpy_result.update(gguf_eval.evaluate_gguf(gguf_file, shards,
+                                                                                               centre)))
             torch_s = best_of(args.repeats, lambda: torch_result.update(train.evaluate(
                 adapter, shards, device=torch.device("cpu"), cosine_weight=0.5)))
             n = numpy_result["n_prompts"]

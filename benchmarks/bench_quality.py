@@ -1,10 +1,10 @@
 """Training quality: val centred cosine against CPU seconds, the current recipe vs variants.
 
-Three teacher/student families, each built locally by `lib/demo/demo.py: build_demo_materials`
+Four teacher/student families, each built locally by `lib/demo/demo.py: build_demo_materials`
 (a random-weight three-layer Qwen3-MoE teacher, 64 wide, with 256 query rows; a Qwen3 student):
 
     A   the demo's pair: a 48-wide, 2-layer student; the teacher reads a linear lift of the
-        student's token embeddings, so the student's layer 0 is the ideal feature by construction
+        student's token embeddings (the student's layer 0, which ggk does not feed the adapter)
     B   the same with a 96-wide student
     C   an independent pair (``independent=True``): a 96-wide, 6-layer student and a teacher whose
         weights are drawn separately (its own token table), with prompts from a scene grammar of
@@ -14,36 +14,24 @@ Three teacher/student families, each built locally by `lib/demo/demo.py: build_d
         the grammar teaches, as real models' do and random ones' cannot.
 
 The corpus, the teacher targets and the student states come from the project's own code
-(`build_corpus`, `precompute_split`), the student states once per student layer. Every variant is
+(`build_corpus`, `precompute_split`): the student's final-norm states over ggk's LLaDA-Image template, the
+only states ggk feeds the adapter (materials.student_layer: -1, the one value it takes). Every variant is
 trained by the real trainer (`train.train_adapter`) on one torch thread, and its CPU time
 (`time.process_time`) is measured around that call.
 
-"Current" is the trainer8 recipe at the demo's CPU scale (`demo_settings`: 64 wide, 1 block, 4 heads,
-lr 4e-3, warmup 10 %, cosine to 10 %, AdamW wd 0.01, clip 1.0, whitened MSE + 0.5 (1 - cos), batch 16),
-reading the student at layer 0 on A and B (the demo's setting) and at its last layer (-1, the
-product's default) on C and D. ``current-seed1`` and ``-seed2`` are the same with other seeds (of the
-adapter's initialization and the data order): the chance spread.
+"Current" is the trainer8 recipe at the demo's CPU scale (`demo_settings`: ggk's resampler, 64 wide (one head
+of ggk's 64), 1 block, lr 4e-3, warmup 10 %, cosine to 10 %, AdamW wd 0.01, clip 1.0, whitened MSE + 0.5 (1 - cos),
+batch 16). ``current-seed1`` and ``-seed2`` are the same with other seeds (of the adapter's initialization and
+the data order): the chance spread.
 Variants, each at equal CPU time:
 
     isotropic              training.target_standardization: isotropic (one std, as PHI-S)
     relational-0.1, -0.3   training.relational_weight (the batch's prompt-to-prompt cosines)
-    layer-first/-middle/-last   one other student layer (hidden_states[0], [L // 2], -1)
-    layers-thirds          the layers at 1/3, 2/3 and the last, each layer-normed, concatenated
-                           (as FLUX.2 stacks three of its LLM's layers)
-    layers-ln-mean         the layer-normalised mean of every hidden state (arXiv 2506.08210)
-    layers-learned-mix     a learned softmax mix of every layer-normed hidden state
-    product-concat         the product's own setting: materials.student_layer = the thirds' layers as a list
-                           ([L/3, 2L/3, -1]), training.layer_fusion: concat, through the real precompute and Adapter
-    product-mix            materials.student_layer = every hidden state ([0, ..., L-1, -1]),
-                           training.layer_fusion: mix
     select-random-N        N of the train prompts chosen at random (the teacher budget is N, not all)
     select-clusters-N      N chosen balanced over k-means clusters of the student's mean states
     select-farthest-N      N chosen by farthest-point sampling of the student's mean states
 
-The layers-* variants are the prototypes (their shards hold the layers side by side and an Adapter subclass
-combines them); the product-* variants are what a user gets from the settings (the precompute stores the
-listed layers side by side, lib/training/adapter.py fuses them), the same math, to check the product against
-what the prototypes found. The two training variants are real settings. The selection
+The two training variants are real settings. The selection
 variants train on N = train / 3 prompts picked from the train set (the candidate pool, 3 x N);
 their delta is against select-random-N, at the same teacher budget.
 
@@ -55,18 +43,20 @@ The rule (#27): a variant becomes a default when it gains >= 0.01 val centred co
 independent families (C and D, each) and loses no more than the seed-to-seed spread (the larger
 |delta| of current-seed1 and -seed2) on A and on B, at most 10 % over the current recipe's CPU seconds.
 
-    .venv/bin/python benchmarks/bench_quality.py                 # about 35 CPU minutes, all four families
+    .venv/bin/python benchmarks/bench_quality.py                 # all four families (under the 35 CPU minutes it was)
     .venv/bin/python benchmarks/bench_quality.py --pairs C --save c.json   # one family; then
     .venv/bin/python benchmarks/bench_quality.py --merge a.json b.json c.json   # the table and verdict
     .venv/bin/python benchmarks/bench_quality.py --quick         # a smoke run, about a minute
     .venv/bin/python benchmarks/bench_quality.py --pairs CD \
-        --variants current-seed1,current-seed2,product-concat,product-mix   # some rows ("current" always runs)
+        --variants current-seed1,current-seed2,isotropic   # some rows ("current" always runs)
+
+The student-layer variants (one other layer, several fused, the product's layer lists) are gone with the
+feature: ggk feeds the adapter the student's final norm and nothing else, so no other layer can be adopted.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
 import random
@@ -80,7 +70,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
-from torch import nn
 
 from gguf_assets.lib.core import atomic, verify
 from gguf_assets.lib.core.quiet import quiet_libraries
@@ -91,8 +80,6 @@ from gguf_assets.lib.materials.materials import resolve_materials
 from gguf_assets.lib.precompute.shards import ShardBuilder, data_file, plan_shards, precompute_split
 from gguf_assets.lib.project.layout import PROMPTS_FILE, ProjectPaths
 from gguf_assets.lib.project.settings import Settings, replace, write_project_file
-from gguf_assets.lib.training import train as train_module
-from gguf_assets.lib.training.adapter import Adapter, AdapterShape
 from gguf_assets.lib.training.events import LogStep, TrainingEvent
 from gguf_assets.lib.training.train import train_adapter
 from gguf_assets.lib.training.train_data import load_shard, read_half, shard_size, target_stats
@@ -111,11 +98,10 @@ class Pair:
     student_layers: int = 2
     independent: bool = False
     pretrained: bool = False  # both models trained as language models on the prompts (Size.pretrain_steps)
-    current_layer: int = 0  # the student layer the current recipe reads (-1: the last, after the final norm)
 
 
-PAIRS = (Pair("A", 48), Pair("B", 96), Pair("C", 96, student_layers=6, independent=True, current_layer=-1),
-         Pair("D", 96, student_layers=6, independent=True, pretrained=True, current_layer=-1))
+PAIRS = (Pair("A", 48), Pair("B", 96), Pair("C", 96, student_layers=6, independent=True),
+         Pair("D", 96, student_layers=6, independent=True, pretrained=True))
 NEW_FAMILIES = ("C", "D")  # the rule's: a default must win on each of them
 
 
@@ -123,10 +109,7 @@ NEW_FAMILIES = ("C", "D")  # the rule's: a default must win on each of them
 class Variant:
     name: str
     training: dict = field(default_factory=dict)  # changes to the current recipe's training settings
-    layer: str | None = None     # one other student layer: "first", "middle" or "last"
-    combine: str | None = None   # several layers: "thirds" (concatenated), "ln-mean" or "learned-mix"
     select: str | None = None    # train on a third of the train prompts: "random", "clusters", "farthest"
-    layers: str | None = None    # the product's materials.student_layer list: "thirds" or "every" (product_layers)
     candidate: bool = True       # False: a reference row that cannot be adopted
     same_cost: bool = False      # the current recipe's model and data: no calibration needed
 
@@ -143,36 +126,15 @@ VARIANTS = (
     Variant("isotropic", {"target_standardization": "isotropic"}, same_cost=True),
     Variant("relational-0.1", {"relational_weight": 0.1}),
     Variant("relational-0.3", {"relational_weight": 0.3}),
-    Variant("layer-first", layer="first", same_cost=True),
-    Variant("layer-middle", layer="middle", same_cost=True),
-    Variant("layer-last", layer="last", same_cost=True),
-    Variant("layers-thirds", combine="thirds"),
-    Variant("layers-ln-mean", combine="ln-mean"),
-    Variant("layers-learned-mix", combine="learned-mix"),
-    Variant("product-concat", {"layer_fusion": "concat"}, layers="thirds"),
-    Variant("product-mix", {"layer_fusion": "mix"}, layers="every"),
     Variant("select-random", select="random", candidate=False, same_cost=True),
     Variant("select-clusters", select="clusters", same_cost=True),
     Variant("select-farthest", select="farthest", same_cost=True),
 )
 
 
-def layer_index(pair: Pair, which: str) -> int:
-    return {"first": 0, "middle": pair.student_layers // 2, "last": -1}[which]
-
-
 def variants_for(pair: Pair, only: set[str] | None = None) -> list[Variant]:
-    """Every variant (or those named in ``only``, and "current", every delta's base and the CPU yardstick), less
-    the one-layer row that is the current recipe's own layer."""
-    return [v for v in VARIANTS if (v.layer is None or layer_index(pair, v.layer) != pair.current_layer)
-            and (only is None or v.name in only | {"current"})]
-
-
-def product_layers(pair: Pair) -> dict[str, list[int]]:
-    """The product variants' materials.student_layer lists, in the student's order (-1: its last layer)."""
-    last = pair.student_layers
-    thirds = sorted({round(last / 3), round(2 * last / 3), last} - {0})
-    return {"thirds": [-1 if i == last else i for i in thirds], "every": [*range(last), -1]}
+    """Every variant, or those named in ``only`` and "current" (every delta's base and the CPU yardstick)."""
+    return [v for v in VARIANTS if only is None or v.name in only | {"current"}]
 
 
 @dataclass(frozen=True)
@@ -193,80 +155,22 @@ QUICK = Size(prompts=130, train=96, val=24, shard_size=32, query_rows=4, steps=8
              pretrain_steps=4)
 
 
-# -- the multi-layer prototypes -----------------------------------------------------------
-
-class LayersAdapter(Adapter):
-    """The adapter over k student layers whose states arrive side by side ([B, L, k*Ds]).
-
-    Each layer is layer-normed without parameters first (the layers' scales differ a lot). Then
-    "thirds" keeps them side by side (LN_in and in_proj see k*Ds), "ln-mean" averages them, and
-    "learned-mix" mixes them with softmax weights (equal at the start); the usual LN_in and in_proj follow.
-    """
-
-    def __init__(self, shape: AdapterShape, layers: int, combine: str, *, grad_checkpoint: bool = False) -> None:
-        dim = shape.student_dim if combine == "thirds" else shape.student_dim // layers
-        super().__init__(AdapterShape(**{**shape.to_dict(), "student_dim": dim}), grad_checkpoint=grad_checkpoint)
-        self.layers, self.combine = layers, combine
-        if combine == "learned-mix":
-            self.layer_mix = nn.Parameter(torch.zeros(layers))
-
-    def forward(self, states: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        b, n, _ = states.shape
-        per_layer = states.view(b, n, self.layers, -1)
-        per_layer = F.layer_norm(per_layer, per_layer.shape[-1:], eps=1e-5)
-        if self.combine == "thirds":
-            combined = per_layer.reshape(b, n, -1)
-        elif self.combine == "ln-mean":
-            combined = per_layer.mean(2)
-        else:
-            combined = (torch.softmax(self.layer_mix, 0)[:, None] * per_layer).sum(2)
-        return super().forward(combined, mask)
-
-
-@contextlib.contextmanager
-def layers_model(layers: int, combine: str):
-    """The trainer builds a LayersAdapter (same seeding) while this is active."""
-    original = train_module.build_model
-
-    def build(shape: AdapterShape, *, seed: int, grad_checkpoint: bool = False) -> Adapter:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            return LayersAdapter(shape, layers, combine, grad_checkpoint=grad_checkpoint)
-
-    train_module.build_model = build
-    try:
-        yield
-    finally:
-        train_module.build_model = original
-
-
 # -- materials and shards -----------------------------------------------------------------
 
 @dataclass
 class PairData:
     pair: Pair
     settings: Settings
-    layers: dict[int, dict[str, list[Path]]]   # student layer -> split -> shard folders
-    combined: dict[str, tuple[int, dict[str, list[Path]]]] = field(default_factory=dict)  # combine -> (k, shards)
-    selected: dict[str, dict[str, list[Path]]] = field(default_factory=dict)              # select -> shards
-    product: dict[str, dict[str, list[Path]]] = field(default_factory=dict)  # product_layers name -> shards
+    shards: dict[str, list[Path]]                                             # split -> shard folders
+    selected: dict[str, dict[str, list[Path]]] = field(default_factory=dict)  # select -> shards
     prepare_cpu_s: float = 0.0
 
     def folders(self, variant: Variant) -> dict[str, list[Path]]:
-        if variant.combine:
-            return self.combined[variant.combine][1]
-        if variant.select:
-            return self.selected[variant.select]
-        if variant.layers:
-            return self.product[variant.layers]
-        if variant.layer:
-            return self.layers[layer_index(self.pair, variant.layer)]
-        return self.layers[self.pair.current_layer]
+        return self.selected[variant.select] if variant.select else self.shards
 
 
 def prepare_pair(root: Path, pair: Pair, size: Size) -> PairData:
-    """Materials of this family, the corpus, shards of every student layer (real precompute), the
-    multi-layer shards and the three selections."""
+    """Materials of this family, the corpus, its shards (real precompute) and the three selections."""
     began = time.process_time()
     build_demo_materials(root / "materials" / "demo", seed=0, n_prompts=size.prompts, query_rows=size.query_rows,
                          student_hidden_size=pair.student_hidden_size, student_layers=pair.student_layers,
@@ -274,41 +178,18 @@ def prepare_pair(root: Path, pair: Pair, size: Size) -> PairData:
                          pretrain_steps=size.pretrain_steps if pair.pretrained else 0)
     settings = replace(demo_settings(steps=size.steps),
                        corpus={"train_prompts": size.train, "val_prompts": size.val},
-                       precompute={"shard_size": size.shard_size, "val_shard_size": size.val},
-                       materials={"student_layer": pair.current_layer})
+                       precompute={"shard_size": size.shard_size, "val_shard_size": size.val})
     write_project_file(root, settings)
     paths = ProjectPaths.of(root)
     materials = resolve_materials(paths, settings)
     build_corpus(paths, settings, materials, fingerprint=corpus_fingerprint(paths, settings, materials))
-    data = PairData(pair, settings, {})
-
-    def shards_of(student_layer: int | list[int], name: str) -> dict[str, list[Path]]:
-        """The shards of this materials.student_layer, copied aside: a new student layer recomputes only the
-        student halves; the teacher targets are reused."""
-        layer_settings = replace(settings, materials={"student_layer": student_layer})
-        folders = {}
-        for split in ("train", "val"):
-            keys = [p.key for p in plan_shards(paths, layer_settings, materials, split)]
-            precompute_split(paths, layer_settings, materials, split, keys)
-            snapshot = root / f"shards-{name}" / split
-            shutil.copytree(paths.root / "shards" / split, snapshot)
-            folders[split] = sorted(p for p in snapshot.iterdir() if p.is_dir())
-        return folders
-
-    # hidden_states: the embeddings (0), then each layer's output; -1 is the last after the final norm.
-    for layer in [*range(pair.student_layers), -1]:
-        data.layers[layer] = shards_of(layer, f"layer{layer}")
-    for name, layers in product_layers(pair).items():
-        data.product[name] = shards_of(layers, f"product-{name}")
-    last = pair.student_layers
-    thirds = sorted({round(last / 3), round(2 * last / 3), -1} - {last})  # -1 is the last layer's output
-    every = [*range(pair.student_layers), -1]
-    for combine, layers in (("thirds", thirds), ("ln-mean", every), ("learned-mix", every)):
-        data.combined[combine] = (len(layers), {
-            split: [concat_layers(root / f"shards-{combine}" / split / f.name,
-                                  [data.layers[k][split][i] for k in layers])
-                    for i, f in enumerate(data.layers[every[0]][split])] for split in ("train", "val")})
-    pool = data.layers[pair.current_layer]
+    shards = {}
+    for split in ("train", "val"):
+        keys = [p.key for p in plan_shards(paths, settings, materials, split)]
+        precompute_split(paths, settings, materials, split, keys)
+        shards[split] = [paths.shard_dir(split, key) for key in keys]
+    data = PairData(pair, settings, shards)
+    pool = data.shards
     for select in ("random", "clusters", "farthest"):
         rows = select_prompts(pool["train"], size.train // 3, select)
         data.selected[select] = {"train": write_selection(root / f"shards-select-{select}" / "train", pool["train"],
@@ -330,21 +211,6 @@ def write_shard(folder: Path, halves: dict[str, dict[str, torch.Tensor]], metas:
             save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
         atomic.write_json(folder / f"{half}.json", {**metas[half], **verify.record(path)})
     return folder
-
-
-def concat_layers(folder: Path, sources: list[Path]) -> Path:
-    """A shard folder whose student half holds the given layers' states side by side ([tokens, k*Ds])."""
-    halves = [read_half(src, "student") for src in sources]
-    for half in halves[1:]:
-        assert torch.equal(half["offsets"], halves[0]["offsets"]), "the layers' shards hold different prompts"
-    student = {"hidden": torch.cat([h["hidden"] for h in halves], dim=1), "offsets": halves[0]["offsets"],
-               "token_ids": halves[0]["token_ids"]}
-    student_meta = {**atomic.read_json(sources[0] / "student.json"), "dim": int(student["hidden"].shape[1]),
-                    "combined_layers": len(sources), "fingerprint": atomic.fingerprint(
-                        [atomic.read_json(s / "student.json")["fingerprint"] for s in sources])}
-    texts = [json.loads(line)["text"] for line in (sources[0] / PROMPTS_FILE).read_text("utf-8").splitlines()]
-    return write_shard(folder, {"teacher": read_half(sources[0], "teacher"), "student": student},
-                       {"teacher": atomic.read_json(sources[0] / "teacher.json"), "student": student_meta}, texts)
 
 
 def select_prompts(pool: list[Path], n: int, how: str) -> list[tuple[int, int]]:
@@ -422,9 +288,9 @@ def write_selection(folder: Path, pool: list[Path], rows: list[tuple[int, int]],
 
 
 def teacher_order(root: Path, data: PairData, n: int = 100) -> tuple[float, float]:
-    """How much the teacher's targets depend on word order, which a student's layer 0 cannot show the adapter
-    (token embeddings carry no position, and the adapter adds none): the centred cosine between a val
-    prompt's targets and those of its words shuffled, and between two different val prompts (the floor)."""
+    """How much the teacher's targets depend on word order, which the adapter sees only through the student's
+    states (it adds no positions of its own): the centred cosine between a val prompt's targets and those of
+    its words shuffled, and between two different val prompts (the floor)."""
     paths = ProjectPaths.of(root)
     texts = [t for t in read_split(paths, "val") if len(t.split()) >= 4][:n]
     rng, shuffled = random.Random(0), []
@@ -435,7 +301,7 @@ def teacher_order(root: Path, data: PairData, n: int = 100) -> tuple[float, floa
         shuffled.append(" ".join(words))
     builder = ShardBuilder(paths, data.settings, resolve_materials(paths, data.settings))
     original, reordered = (builder.targets(batch).targets.float() for batch in (texts, shuffled))
-    mean, _, _ = target_stats(data.layers[data.pair.current_layer]["train"], sigma_floor=1e-6)
+    mean = target_stats(data.shards["train"], sigma_floor=1e-6).centre
 
     def centred_cosine(a: torch.Tensor, b: torch.Tensor) -> float:
         return float(F.cosine_similarity(a - mean, b - mean, dim=-1).mean())
@@ -460,13 +326,10 @@ def train_once(work: Path, data: PairData, variant: Variant, steps: int, *, log_
             marks.append((event.step, time.process_time()))
 
     run_root = work / f"run-{time.monotonic_ns()}"
-    model = layers_model(data.combined[variant.combine][0], variant.combine) if variant.combine \
-        else contextlib.nullcontext()
-    with model:
-        began = time.process_time()
-        summary = train_adapter(ProjectPaths.of(run_root), settings, train_folders=folders["train"],
-                                val_folders=folders["val"], fingerprint=fingerprint, on_event=on_event)
-        cpu = time.process_time() - began
+    began = time.process_time()
+    summary = train_adapter(ProjectPaths.of(run_root), settings, train_folders=folders["train"],
+                            val_folders=folders["val"], fingerprint=fingerprint, on_event=on_event)
+    cpu = time.process_time() - began
     shutil.rmtree(run_root, ignore_errors=True)
     # The fastest log window after the first (warm-up) one: a neighbour's burst on a shared machine
     # only ever adds CPU time (caches, memory bandwidth), so the minimum is the steadiest estimate.
@@ -499,13 +362,13 @@ PAIR_KINDS = {(False, False): "the teacher reads a lift of its layer 0", (True, 
 
 def measure_pair(root: Path, pair: Pair, size: Size, *, train: bool = True, only: set[str] | None = None) -> list[dict]:
     data = prepare_pair(root / f"pair-{pair.name}", pair, size)
-    train_folders = data.layers[pair.current_layer]["train"]
+    train_folders = data.shards["train"]
     dims = atomic.read_json(train_folders[0] / "student.json")["dim"]
     print(f"pair {pair.name}: student {dims} wide, {pair.student_layers} layers "
           f"({PAIR_KINDS[(pair.independent, pair.pretrained)]}), "
-          f"current reads layer {pair.current_layer}; teacher {TEACHER_HIDDEN_SIZE} wide x {size.query_rows} "
+          f"read at its final norm; teacher {TEACHER_HIDDEN_SIZE} wide x {size.query_rows} "
           f"query rows; {sum(shard_size(f) for f in train_folders)} train / "
-          f"{sum(shard_size(f) for f in data.layers[pair.current_layer]['val'])} val prompts, selections of "
+          f"{sum(shard_size(f) for f in data.shards['val'])} val prompts, selections of "
           f"{sum(shard_size(f) for f in data.selected['random']['train'])}; materials + corpus + shards "
           f"{data.prepare_cpu_s:.0f} CPU s", file=sys.stderr, flush=True)
     shuffled, different = teacher_order(root / f"pair-{pair.name}", data)
@@ -550,18 +413,15 @@ def report(rows: list[dict]) -> None:
     winners = []
     for name, variant in variants.items():
         if not variant.candidate or any((p, name) not in by for p in NEW_FAMILIES):
-            continue  # a reference row, or a one-layer row that is the new families' current recipe
+            continue  # a reference row, or a row --variants left out
         new = [by[(p, name)] for p in NEW_FAMILIES]
-        others = [by[(p, name)] for p in ("A", "B") if (p, name) in by]  # a one-layer row may be current there
+        others = [by[(p, name)] for p in ("A", "B") if (p, name) in by]
         if (all(r["delta"] >= MARGIN for r in new) and all(r["delta"] >= -spread[r["pair"]] for r in others)
                 and all(r["cpu_ratio"] <= CPU_TOLERANCE for r in [*new, *others])):
             winners.append((min(r["delta"] for r in new), name))
     for gain, name in sorted(winners, reverse=True):
         print(f"winner: {name} (+{gain:.4f} or more on {' and '.join(NEW_FAMILIES)} against "
               f"{variants[name].base()}, within the seed spread or better on A and B, at equal CPU time)")
-        if variants[name].layer:
-            print("  (one student layer: read docs/recipe.md, 'The student layer', before changing "
-                  "materials.student_layer: layer 0 shows the adapter no word order)")
     if not winners:
         print(f"no variant gains >= {MARGIN} on {' and '.join(NEW_FAMILIES)} without losing beyond the seed spread "
               "on A or B; defaults unchanged")

@@ -42,7 +42,7 @@ from gguf_assets.lib.project.layout import (
     ProjectPaths,
 )
 from gguf_assets.lib.project.settings import Settings, Training
-from gguf_assets.lib.training.adapter import adapter_loss, lr_at, standardize
+from gguf_assets.lib.training.adapter import adapter_loss, lr_at
 from gguf_assets.lib.training.events import LogStep
 from gguf_assets.lib.training.optimizer import adamw
 from gguf_assets.lib.training.train import adapter_shape, build_model, train_adapter
@@ -96,9 +96,10 @@ def bare_steps_per_s(folders: list[Path], settings: Settings) -> float:
     """The same batches, collated up front, through the same model, optimizer and loss code."""
     t = settings.training
     model = build_model(adapter_shape(settings, folders), seed=t.seed)
-    mean, std, _ = target_stats(folders, sigma_floor=t.sigma_floor)
-    model.target_mean.copy_(mean)
-    model.target_std.copy_(std)
+    stats = target_stats(folders, sigma_floor=t.sigma_floor)
+    model.target_centre.copy_(stats.centre)
+    model.target_std.copy_(stats.output_std)
+    model.loss_std.copy_(stats.loss_std)
     optimizer = adamw(model.parameters(), lr=t.learning_rate, weight_decay=t.weight_decay)
     stream = ShardStream(folders, SampleOrder([shard_size(f) for f in folders], t.seed))
     batches = [collate(stream.samples(s * t.batch_size, t.batch_size), torch.device("cpu")) for s in range(t.steps)]
@@ -109,7 +110,7 @@ def bare_steps_per_s(folders: list[Path], settings: Settings) -> float:
     for step, (states, mask, targets) in enumerate(batches):
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, peak=t.learning_rate, warmup=t.warmup_steps, total=t.steps)
-        loss = adapter_loss(model(states, mask).float(), standardize(targets, model.target_mean, model.target_std),
+        loss = adapter_loss(model.loss_space(model(states, mask).float()), model.loss_targets(targets),
                             cosine_weight=t.cosine_weight)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -205,12 +206,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         dims = dict(query_rows=64, target_dim=128, student_dim=64)
         prompts, base_shards = 50, 2
-        training = Training(width=64, depth=1, heads=4, steps=60, batch_size=16, warmup_steps=5, device="cpu",
+        training = Training(width=64, depth=1, steps=60, batch_size=16, warmup_steps=5, device="cpu",
                             log_every=10, validate_every=10_000, checkpoint_every=10_000)
     else:
         dims = dict(query_rows=256, target_dim=512, student_dim=256)
         prompts, base_shards = 100, 4
-        training = Training(width=256, depth=2, heads=8, steps=40, batch_size=16, warmup_steps=10, device="cpu",
+        training = Training(width=256, depth=2, steps=40, batch_size=16, warmup_steps=10, device="cpu",
                             log_every=10, validate_every=10_000, checkpoint_every=10_000)
     with tempfile.TemporaryDirectory(prefix="bench-train-") as tmp:
         work = Path(tmp)

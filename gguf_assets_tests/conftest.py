@@ -77,7 +77,7 @@ def loopback_hub(tmp_path, demo_materials_root, monkeypatch):
 
     HF_ENDPOINT points at it, HF_HOME is a temp folder holding a stored token that must never be
     sent (implicit tokens are left enabled here, so the code under test must be what stops it),
-    Xet and telemetry are off and HF_TOKEN is unset. Repos: demo/teacher, demo/student (models)
+    Xet and telemetry are off and HF_TOKEN is unset. Repos: demo/teacher, demo/student, demo/sigvq (models)
     and demo/prompts (dataset).
     """
     from hub_server import STORED_HF_TOKEN, LoopbackHub
@@ -93,6 +93,7 @@ def loopback_hub(tmp_path, demo_materials_root, monkeypatch):
         monkeypatch.setenv("HF_ENDPOINT", hub.url)
         hub.add_repo("demo/teacher", demo_materials_root / "teacher")
         hub.add_repo("demo/student", demo_materials_root / "student")
+        hub.add_repo("demo/sigvq", demo_materials_root / "sigvq")
         hub.add_repo("demo/prompts", demo_materials_root / "dataset", kind="dataset")
         yield hub
 

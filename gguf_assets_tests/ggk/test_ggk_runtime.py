@@ -30,9 +30,11 @@ from gguf_assets.lib.training.checkpoints import load_final
 # The README demo's project is their input (a whole pipeline: slow); its readers are one xdist group (conftest).
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("demo")]
 
-# The empty (CFG) prompt, escaped emphasis, a closing period (a piece of its own in ggk), and two ordinary ones.
+# The empty (CFG) prompt, escaped emphasis, a closing period (a piece of its own in ggk), two ordinary ones, and
+# one where ggk's emphasis parser (a B inside a word) and its splitter ('S, 'd) differ from the obvious reading.
 PROMPTS = ["", r"a \(red\) cat", "a lighthouse on a cliff at dusk.", "an old man reading a book",
-           "a golden fox sleeping in a misty forest, watercolor, soft light"]
+           "a golden fox sleeping in a misty forest, watercolor, soft light",
+           "an RGB eBay lamp by DnB, 4B; IT'S what I'd buy"]  # ggk's parser and splitter quirks
 
 
 @pytest.fixture(scope="module")

@@ -67,7 +67,7 @@ def test_a_save_sets_only_the_changed_keys_in_place_and_keeps_every_comment(text
 @pytest.mark.parametrize("key, value, said", [
     ("training.steps", "abc", "training.steps = 'abc' must be an integer. (optimizer steps)"),
     ("training.steps", "0", "training.steps = 0 must be >= 1. (optimizer steps)"),
-    ("training.heads", "7", "training.heads heads (7) must divide width (64)"),
+    ("training.heads", "7", "training.heads is 7, but ggk runs heads of 64, so width 64 has 1"),
     ("corpus.empty_fraction", "0.9", "corpus.empty_fraction = 0.9 must be <= 0.5."),
     ("precompute.mode", "both", "precompute.mode = 'both' must be one of: teacher+student, teacher, student."),
 ])
@@ -113,12 +113,11 @@ def test_the_query_rows_mapping_is_one_flow_line_set_and_cleared_from_the_form(t
         apply_form(PATH, text, {"materials.query_rows": "org/t2i"})
 
 
-def test_the_student_layer_is_one_yaml_value_a_layer_or_a_list(text):
+def test_the_student_layer_is_one_yaml_value_and_only_the_final_norm_is_taken(text):
     field = _fields(text)["materials.student_layer"]
-    assert (field.kind, field.value, field.default) == ("value", "0", "-1")  # the demo reads layer 0
-    saved = apply_form(PATH, text, {"materials.student_layer": "[9, 18, 27]"})
-    assert saved.settings.materials.student_layer == [9, 18, 27] and "student_layer: [9, 18, 27]" in saved.text
-    assert _fields(saved.text)["materials.student_layer"].value == "[9, 18, 27]"
-    assert apply_form(PATH, saved.text, {"materials.student_layer": "-2"}).settings.materials.student_layer == -2
-    with pytest.raises(SettingsError, match=r"materials.student_layer = \[\] is an empty list"):
-        apply_form(PATH, text, {"materials.student_layer": "[]"})
+    assert (field.kind, field.value, field.default) == ("int", "-1", "-1")  # ggk feeds the final norm only
+    assert apply_form(PATH, text, {"materials.student_layer": "-1"}).changes == {}
+    for other in ("0", "[9, 18, 27]"):
+        with pytest.raises(SettingsError, match=r"materials.student_layer .*ggk feeds the adapter the student's "
+                                                r"final-norm hidden states"):
+            apply_form(PATH, text, {"materials.student_layer": other})

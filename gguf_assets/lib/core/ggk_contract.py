@@ -11,6 +11,7 @@ No torch and no numpy here: `status`, the settings and the torch-free evaluator 
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -68,11 +69,11 @@ _STOF_PREFIX = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)", re.ASCII)
 
 
 def _stof(text: str) -> float:
-    """std::stof: the longest number at the start of ``text``; none (".") is ggk's uncaught invalid_argument."""
+    """std::stof: the longest number at the start of ``text``. None (".") is ggk's uncaught invalid_argument: it
+    aborts on such a prompt, so the weight is NaN here, which emphasis_problem reports like any other weight (the
+    student still reads the text)."""
     number = _STOF_PREFIX.match(text)
-    if number is None:
-        raise ValueError(f"ggk {GGK_VERSION} cannot read the emphasis weight {text!r} (std::stof) and aborts")
-    return _f32(float(number.group(0)))
+    return _f32(float(number.group(0))) if number else math.nan
 
 
 def _f32(x: float) -> float:

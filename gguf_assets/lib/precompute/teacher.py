@@ -26,6 +26,7 @@ import torch
 from safetensors import safe_open
 
 from gguf_assets.lib.core.errors import UserError
+from gguf_assets.lib.core.ggk_contract import LLADA_IMAGE, rendered_prompt
 from gguf_assets.lib.core.quiet import quiet_libraries
 from gguf_assets.lib.precompute.batching import pack_batches, right_padded
 from gguf_assets.lib.project.settings import Settings
@@ -55,6 +56,10 @@ class PrecomputeOutOfMemory(RuntimeError):
 
 
 def apply_template(template: str, prompt: str) -> str:
+    """The teacher's text for ``prompt``: ``template`` with {prompt} replaced, or, for the template named
+    ``llada-image``, the prompt rendered as ggk renders it for LLaDA-Image (the literal text: no emphasis parsing)."""
+    if template == LLADA_IMAGE:
+        return rendered_prompt(prompt)
     return template.replace("{prompt}", prompt)
 
 

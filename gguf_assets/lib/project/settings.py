@@ -225,16 +225,14 @@ class Precompute(_Section):
         "the runtime's conditioning contract the student is fed by: llada-image (ggk's LLaDA-Image template, "
         "tokenized in ggk's pieces after its emphasis parser; the teacher keeps the literal prompt)"))
     prompt_template: str = Field("{prompt}", description=(
-        "text fed to the teacher; {prompt} is replaced by the prompt. The student's template is ggk's "
-        "(precompute.conditioning), so only {prompt} itself is accepted"))
+        "text fed to the teacher: {prompt} is replaced by the prompt, or llada-image renders it as ggk renders "
+        "LLaDA-Image's (the literal text, no emphasis parsing). The student's text is always ggk's "
+        "(precompute.conditioning)"))
 
     @model_validator(mode="after")
     def _template(self) -> "Precompute":
-        if self.prompt_template != "{prompt}":
-            raise _cross_check("precompute.prompt_template", (
-                f"is {self.prompt_template!r}, but ggk renders the student's prompt itself "
-                f"(precompute.conditioning: {self.conditioning}), and the teacher reads the literal prompt; "
-                "remove the key"))
+        if "{prompt}" not in self.prompt_template and self.prompt_template != LLADA_IMAGE:
+            raise _cross_check("precompute.prompt_template", f"must contain {{prompt}} or be {LLADA_IMAGE}")
         return self
 
 

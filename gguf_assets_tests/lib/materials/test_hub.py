@@ -26,7 +26,8 @@ from gguf_assets.lib.materials.materials import (
 from gguf_assets.lib.project.layout import ProjectPaths
 from gguf_assets.lib.project.settings import load_settings
 
-HUB_SOURCES = {"teacher": "demo/teacher", "student": "demo/student", "datasets": ["demo/prompts"]}
+HUB_SOURCES = {"teacher": "demo/teacher", "student": "demo/student", "datasets": ["demo/prompts"],
+               "vision_encoder": "demo/sigvq"}
 STALLING = hub.HubOptions(api_timeout_s=1, stall_timeout_s=1, attempts=2, retry_wait_s=0.05, disk_reserve_bytes=0,
                           chunk_bytes=64 << 10)
 FAST = hub.HubOptions(api_timeout_s=2, stall_timeout_s=2, attempts=3, retry_wait_s=0.05, disk_reserve_bytes=0,

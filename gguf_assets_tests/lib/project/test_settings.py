@@ -356,11 +356,22 @@ def test_heads_and_layer_fusion_change_no_training_run():
         base, ["t"], ["v"])
 
 
-@pytest.mark.parametrize("template", ["a photo of {prompt}", "{prompt}, high quality", "{prompt} ", "plain"])
-def test_a_prompt_template_other_than_the_prompt_is_refused(tmp_path, template):
+@pytest.mark.parametrize("template", ["plain", "{text}", "llada image", ""])
+def test_a_prompt_template_without_the_prompt_is_refused(tmp_path, template):
     msg, path, line = _error_for(tmp_path, "precompute", "prompt_template", f"  prompt_template: '{template}'")
-    assert f"{path}:{line}: precompute.prompt_template" in msg and repr(template) in msg
-    assert "ggk renders the student's prompt itself" in msg and "remove the key" in msg
+    assert f"{path}:{line}: precompute.prompt_template" in msg and "must contain {prompt} or be llada-image" in msg
+
+
+@pytest.mark.parametrize("template", ["{prompt}", "a photo of {prompt}", "llada-image"])
+def test_the_teachers_template_holds_the_prompt_or_is_ggks(tmp_path, template):
+    """The template is the teacher's alone (the student's text is always ggk's template, whatever it says)."""
+    from gguf_assets.lib.precompute.shards import half_settings
+
+    text, _ = _edit_line(render_yaml(_valid()), "precompute", "prompt_template", f"  prompt_template: '{template}'")
+    _write(tmp_path, text)
+    settings = load_settings(tmp_path)
+    assert settings.precompute.prompt_template == template
+    assert half_settings("student", settings) == half_settings("student", _valid())
 
 
 def test_conditioning_is_ggks_llada_image_only(tmp_path):

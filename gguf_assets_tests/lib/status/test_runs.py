@@ -50,7 +50,8 @@ def test_a_finished_run_is_named_scored_kept_and_current(project):
     final = atomic.read_json(project.checkpoints_dir(run.fingerprint) / FINAL_DIR / META_FILE)
     assert run.name == run_name(settings.training, run.fingerprint) == f"64x1-40steps-lr0.004-{run.fingerprint[:8]}"
     assert (run.state, run.step, run.steps, run.detail) == (RunState.FINISHED, 40, 40, "")
-    assert run.final_val_centred_cosine == final["val_centred_cosine"] > 0.2
+    # 40 steps of ggk's resampler on the demo pair: well above where it started, not yet good.
+    assert run.final_val_centred_cosine == final["val_centred_cosine"] > final["untrained_val_centred_cosine"] + 0.05
     assert (run.best_step, run.best_val_centred_cosine) == (final["best"]["step"], final["best"]["val_centred_cosine"])
     report = atomic.read_json(project.report_json(settings))
     assert run.gguf_val_centred_cosine == report["val_centred_cosine"]
