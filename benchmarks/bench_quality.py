@@ -23,6 +23,12 @@ trained by the real trainer (`train.train_adapter`) on one torch thread, and its
 of ggk's 64), 1 block, lr 4e-3, warmup 10 %, cosine to 10 %, AdamW wd 0.01, clip 1.0, whitened MSE + 0.5 (1 - cos),
 batch 16). ``current-seed1`` and ``-seed2`` are the same with other seeds (of the adapter's initialization and
 the data order): the chance spread.
+
+``pre-ggk-adapter`` is the adapter as it was before #55 (benchmarks/pre_ggk_adapter.py: LN_in, a null memory row,
+blocks of cross-attention then self-attention then a tanh-GELU MLP, heads of 16, so 4 at width 64), trained by the
+same trainer on the same data with the same recipe, steps, batch and width, its loss and scores computed by the
+same code. ggk cannot load it: it is the pre-#55 baseline, printed to say what the switch to ggk's resampler cost or
+gained, never a candidate default.
 Variants, each at equal CPU time:
 
     isotropic              training.target_standardization: isotropic (one std, as PHI-S)
@@ -39,7 +45,7 @@ Equal CPU time: a short calibration run of each variant measures its CPU seconds
 (between log events, so fixed costs are left out), and the variant trains
 steps = current steps * current s/step / its s/step (the same steps when within 3 %).
 
-The rule (#27): a variant becomes a default when it gains >= 0.01 val centred cosine on the
+The rule (#27): a candidate variant becomes a default when it gains >= 0.01 val centred cosine on the
 independent families (C and D, each) and loses no more than the seed-to-seed spread (the larger
 |delta| of current-seed1 and -seed2) on A and on B, at most 10 % over the current recipe's CPU seconds.
 
@@ -49,6 +55,8 @@ independent families (C and D, each) and loses no more than the seed-to-seed spr
     .venv/bin/python benchmarks/bench_quality.py --quick         # a smoke run, about a minute
     .venv/bin/python benchmarks/bench_quality.py --pairs CD \
         --variants current-seed1,current-seed2,isotropic   # some rows ("current" always runs)
+    .venv/bin/python benchmarks/bench_quality.py --variants current-seed1,current-seed2,pre-ggk-adapter
+                                                 # the new adapter against the old one, with the seed spread
 
 The student-layer variants (one other layer, several fused, the product's layer lists) are gone with the
 feature: ggk feeds the adapter the student's final norm and nothing else, so no other layer can be adopted.
@@ -57,6 +65,7 @@ feature: ggk feeds the adapter the student's final norm and nothing else, so no 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import random
@@ -64,12 +73,15 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from pre_ggk_adapter import PreGgkAdapter  # benchmarks/, beside this script
 from safetensors.torch import save_file
+from torch import nn
 
 from gguf_assets.lib.core import atomic, verify
 from gguf_assets.lib.core.quiet import quiet_libraries
@@ -80,6 +92,8 @@ from gguf_assets.lib.materials.materials import resolve_materials
 from gguf_assets.lib.precompute.shards import ShardBuilder, data_file, plan_shards, precompute_split
 from gguf_assets.lib.project.layout import PROMPTS_FILE, ProjectPaths
 from gguf_assets.lib.project.settings import Settings, replace, write_project_file
+from gguf_assets.lib.training import train as train_module
+from gguf_assets.lib.training.adapter import AdapterShape
 from gguf_assets.lib.training.events import LogStep, TrainingEvent
 from gguf_assets.lib.training.train import train_adapter
 from gguf_assets.lib.training.train_data import load_shard, read_half, shard_size, target_stats
@@ -111,18 +125,28 @@ class Variant:
     training: dict = field(default_factory=dict)  # changes to the current recipe's training settings
     select: str | None = None    # train on a third of the train prompts: "random", "clusters", "farthest"
     candidate: bool = True       # False: a reference row that cannot be adopted
-    same_cost: bool = False      # the current recipe's model and data: no calibration needed
+    same_cost: bool = False      # the current recipe's steps (its model and data, or a baseline's): no calibration
+    build: Callable[..., nn.Module] | None = None  # (shape, *, grad_checkpoint) -> another model class
 
     def base(self) -> str:
         """The row its delta is read against."""
         return "select-random" if self.select and self.select != "random" else "current"
 
 
+def pre_ggk_model(shape: AdapterShape, *, grad_checkpoint: bool = False) -> nn.Module:
+    """The pre-#55 adapter at the recipe's width, heads of 16 (the old default: 4 heads at the demo's 64)."""
+    return PreGgkAdapter(shape, grad_checkpoint=grad_checkpoint, heads=max(1, shape.width // 16))
+
+
+PRE_GGK = "pre-ggk-adapter"
+
 VARIANTS = (
     Variant("current", candidate=False, same_cost=True),
     # The same recipe with another seed: how much the cosine moves by chance, to read the deltas against.
     Variant("current-seed1", {"seed": 1}, candidate=False, same_cost=True),
     Variant("current-seed2", {"seed": 2}, candidate=False, same_cost=True),
+    # The adapter before #55 (not ggk's; the file ggk loads cannot hold it): the same steps, batch, data and width.
+    Variant(PRE_GGK, candidate=False, same_cost=True, build=pre_ggk_model),
     Variant("isotropic", {"target_standardization": "isotropic"}, same_cost=True),
     Variant("relational-0.1", {"relational_weight": 0.1}),
     Variant("relational-0.3", {"relational_weight": 0.3}),
@@ -311,6 +335,26 @@ def teacher_order(root: Path, data: PairData, n: int = 100) -> tuple[float, floa
 
 # -- training -----------------------------------------------------------------------------
 
+@contextlib.contextmanager
+def variant_model(variant: Variant):
+    """The trainer builds the variant's model class (seeded as its own build_model seeds) while this is active."""
+    if variant.build is None:
+        yield
+        return
+    original = train_module.build_model
+
+    def build(shape: AdapterShape, *, seed: int, grad_checkpoint: bool = False) -> nn.Module:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return variant.build(shape, grad_checkpoint=grad_checkpoint)
+
+    train_module.build_model = build
+    try:
+        yield
+    finally:
+        train_module.build_model = original
+
+
 def train_once(work: Path, data: PairData, variant: Variant, steps: int, *, log_every: int) -> dict:
     """One real training run; returns its summary, CPU seconds and CPU seconds per step between logs."""
     warmup = variant.training.get("warmup_steps", max(1, steps // 10))
@@ -327,8 +371,9 @@ def train_once(work: Path, data: PairData, variant: Variant, steps: int, *, log_
 
     run_root = work / f"run-{time.monotonic_ns()}"
     began = time.process_time()
-    summary = train_adapter(ProjectPaths.of(run_root), settings, train_folders=folders["train"],
-                            val_folders=folders["val"], fingerprint=fingerprint, on_event=on_event)
+    with variant_model(variant):
+        summary = train_adapter(ProjectPaths.of(run_root), settings, train_folders=folders["train"],
+                                val_folders=folders["val"], fingerprint=fingerprint, on_event=on_event)
     cpu = time.process_time() - began
     shutil.rmtree(run_root, ignore_errors=True)
     # The fastest log window after the first (warm-up) one: a neighbour's burst on a shared machine
@@ -407,13 +452,20 @@ def report(rows: list[dict]) -> None:
              for p in pairs}
     spread = {p: max(seeds[p], default=float("nan")) for p in pairs}  # unknown when --variants left the seeds out
     print("seed-to-seed spread: " + ", ".join(f"{p} {spread[p]:.4f}" for p in pairs))
+    for p in pairs:
+        if (p, PRE_GGK) in by:
+            old, new = by[(p, PRE_GGK)], by[(p, "current")]
+            print(f"pre-ggk baseline, pair {p}: val centred cosine current {new['cosine']:.4f}, {PRE_GGK} "
+                  f"{old['cosine']:.4f}, current - pre-ggk {new['cosine'] - old['cosine']:+.4f} (seed spread "
+                  f"{spread[p]:.4f}); CPU s current {new['cpu_s']:.2f}, {PRE_GGK} {old['cpu_s']:.2f} at "
+                  f"{old['steps']} steps each")
     if not {"A", "B", *NEW_FAMILIES} <= set(pairs):
         print(f"the verdict needs families A, B, {', '.join(NEW_FAMILIES)} (--merge the saved rows)")
         return
     winners = []
     for name, variant in variants.items():
         if not variant.candidate or any((p, name) not in by for p in NEW_FAMILIES):
-            continue  # a reference row, or a row --variants left out
+            continue  # a reference row (the seeds, select-random, the pre-#55 adapter), or one --variants left out
         new = [by[(p, name)] for p in NEW_FAMILIES]
         others = [by[(p, name)] for p in ("A", "B") if (p, name) in by]
         if (all(r["delta"] >= MARGIN for r in new) and all(r["delta"] >= -spread[r["pair"]] for r in others)

@@ -93,8 +93,8 @@ def test_quality_benchmark_prints_its_table_and_applies_its_own_rule():
         rows.append({"pair": pair, "variant": variant, "steps": int(steps), "cpu": float(cpu), "ratio": float(ratio),
                      "cosine": float(cosine), "delta": float(delta), "base": base})
     # Every family reads the student's final norm, the only states ggk feeds the adapter: no student-layer rows.
-    expected = [(p, v) for p in "ABCD" for v in ["current", "current-seed1", "current-seed2", "isotropic",
-                                                "relational-0.1", "relational-0.3", "select-random",
+    expected = [(p, v) for p in "ABCD" for v in ["current", "current-seed1", "current-seed2", "pre-ggk-adapter",
+                                                "isotropic", "relational-0.1", "relational-0.3", "select-random",
                                                 "select-clusters", "select-farthest"]]
     assert [(r["pair"], r["variant"]) for r in rows] == expected, out
     by = {(r["pair"], r["variant"]): r for r in rows}
@@ -108,12 +108,20 @@ def test_quality_benchmark_prints_its_table_and_applies_its_own_rule():
     spread = {p: max(abs(by[(p, f"current-seed{k}")]["delta"]) for k in (1, 2)) for p in "ABCD"}
     assert _figures(out, "seed-to-seed spread: A #, B #, C #, D #") == pytest.approx([spread[p] for p in "ABCD"],
                                                                                  abs=1e-4)
+    for p in "ABCD":  # the pre-#55 adapter (a reference row, never adopted) against current, at the same steps
+        new, old = by[(p, "current")], by[(p, "pre-ggk-adapter")]
+        assert old["steps"] == new["steps"], old
+        figures = _figures(out, f"pre-ggk baseline, pair {p}: val centred cosine current #, pre-ggk-adapter #, "
+                                "current - pre-ggk # (seed spread #); CPU s current #, pre-ggk-adapter # at "
+                                "# steps each")
+        assert figures == pytest.approx([new["cosine"], old["cosine"], -old["delta"], spread[p], new["cpu"],
+                                         old["cpu"], new["steps"]], abs=2e-4), (p, figures)
 
     def winners(slack: float) -> set[str]:
         """The rule with every threshold moved by ``slack`` (> 0: easier): printing precision either way."""
         found = set()
         for (pair, name) in by:
-            if pair != "C" or name in ("current", "current-seed1", "current-seed2", "select-random"):
+            if pair != "C" or name in ("current", "current-seed1", "current-seed2", "pre-ggk-adapter", "select-random"):
                 continue
             new, others = [by[(p, name)] for p in "CD"], [by[(p, name)] for p in "AB" if (p, name) in by]
             if (all(r["delta"] >= 0.01 - slack for r in new)

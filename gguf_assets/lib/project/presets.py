@@ -32,8 +32,9 @@ PRESETS = (
            "Nothing else changes.", {"training": {"steps": 2000, "validate_every": 250}}),
     Preset("seed reference (trainer8)", "the seed's reference recipe: 1024 x 6, 20,000 steps, 60k train prompts, "
            "both models read at their last layer (0.965 on an RTX 5090 in about 55 min)", _trainer8()),
-    Preset("CPU scale", "a small adapter for a CPU: 64 wide, 1 block, batch 16, lr 4e-3 (the demo's recipe)",
-           {"training": {"width": 64, "depth": 1, "batch_size": 16, "learning_rate": 4e-3,
+    Preset("CPU scale", "a small adapter for a CPU: 128 wide (two of ggk's 64-wide heads), 1 block, batch 16, "
+           "lr 6e-3 (the demo's recipe)",
+           {"training": {"width": 128, "depth": 1, "batch_size": 16, "learning_rate": 6e-3,
                          "device": "cpu"}}),
 )
 

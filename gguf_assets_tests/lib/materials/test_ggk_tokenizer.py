@@ -4,6 +4,8 @@ tokenizer of the same merges: equal on the demo's prompts, different exactly whe
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from gguf_assets.lib.core.ggk_contract import (
@@ -60,12 +62,14 @@ def test_a_capital_b_inside_a_word_is_kept_as_ggk_keeps_it():
 
 
 def test_the_weight_is_read_as_std_stof_reads_it():
-    """std::stof takes the longest number at the start; nothing to read is an abort in ggk, a ValueError here."""
+    """std::stof takes the longest number at the start; nothing to read aborts ggk, so here the piece's weight is
+    NaN: emphasis_problem reports the prompt like any weighted one, and the student still reads its text."""
     assert pieces("a (b:1.2.3) c") == [("a ", 1.0), ("b", pytest.approx(1.2)), (" c", 1.0)]
     assert pieces("x (y:+0.5) z") == [("x ", 1.0), ("y", 0.5), (" z", 1.0)]
     assert pieces("(x:1.) y") == [("x y", 1.0)]  # a weight of 1 merges with its neighbours
-    with pytest.raises(ValueError, match="std::stof"):
-        parse_prompt_attention("(x:.)")
+    (_, weight), = [p for p in pieces("(x:.) y") if p[0] == "x"]
+    assert math.isnan(weight) and emphasis_problem("(x:.) y")
+    assert [p.text for p in parse_prompt_attention("(x:.) y")] == ["x", " y"]
 
 
 # -- the LLaDA-Image template's pieces (conditioner.hpp) -----------------------------------------------------
