@@ -79,8 +79,8 @@ def test_settings_changes_mark_exactly_the_dependent_assets_stale_and_only_those
     # that reads it; what comes after is marked once that stage is redone (`status` calls it blocked).
     changes = [
         ({"training": {"log_every": 7}}, set(), set(), None),  # cadence settings change nothing computed
-        ({"materials": {"student_layer": 1}}, DOWNSTREAM_OF_SHARDS, DOWNSTREAM_OF_SHARDS,
-         ("train_shards", "materials.student_layer 0 → 1")),
+        ({"precompute": {"student_dtype": "f32"}}, DOWNSTREAM_OF_SHARDS, DOWNSTREAM_OF_SHARDS,
+         ("train_shards", "precompute.student_dtype bf16 → f32")),
         ({"materials": {"teacher_layer": 1}}, DOWNSTREAM_OF_SHARDS, DOWNSTREAM_OF_SHARDS,
          ("train_shards", "materials.teacher_layer -1 → 1")),
         ({"materials": {"teacher": "materials/demo/teacher-copy"}}, {"materials"}, {"materials"} | DOWNSTREAM_OF_SHARDS,
@@ -89,7 +89,7 @@ def test_settings_changes_mark_exactly_the_dependent_assets_stale_and_only_those
         ({"output": {"ggk_command": "ggk --adapter {adapter_gguf}"}}, {"eval_report"}, {"eval_report"},
          ("eval_report", "output.ggk_command ")),
         ({"training": {"learning_rate": 5e-4}}, {"adapter", "gguf", "eval_report"}, {"adapter", "gguf", "eval_report"},
-         ("adapter", "training.learning_rate 0.004 → 0.0005")),
+         ("adapter", "training.learning_rate 0.006 → 0.0005")),
     ]
     for change, stale_now, dependent, (stage, why) in ((c, n, d, w or (None, None)) for c, n, d, w in changes):
         before_edit = load_settings(paths.root)
@@ -108,7 +108,7 @@ def test_settings_changes_mark_exactly_the_dependent_assets_stale_and_only_those
         else:
             assert all(s.state == "current" for s in status.values()), status
         teacher_files = {p: p.stat().st_mtime_ns for p in paths.root.glob("shards/*/*/teacher.safetensors")}
-        new_student = "student_layer" in change.get("materials", {})
+        new_student = "student_dtype" in change.get("precompute", {})
         if new_student:  # hashed only for the change that needs it
             student_digests = {p: atomic.sha256_file(p) for p in paths.root.glob("shards/*/*/student.safetensors")}
             gguf_digest = atomic.sha256_file(next(paths.root.glob("output/*.gguf")))

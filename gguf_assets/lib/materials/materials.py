@@ -24,6 +24,7 @@ from gguf_assets.lib.core import atomic, verify
 from gguf_assets.lib.core.errors import UserError
 from gguf_assets.lib.core.safetensors_io import safetensors_header
 from gguf_assets.lib.materials import hub, query_rows
+from gguf_assets.lib.materials import student_from_gguf as gguf_student
 from gguf_assets.lib.materials.ggk_tokenizer import ggk_tokenizer_problem
 from gguf_assets.lib.materials.student_contract import student_contract_problem
 from gguf_assets.lib.project import settings_history
@@ -42,6 +43,7 @@ WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 REMOTE_CODE_SUFFIX = ".py"
+TOKENIZER_ROLE = "student_tokenizer"  # materials.student_tokenizer: the tokenizer of a GGUF student
 
 
 class MaterialsError(UserError, RuntimeError):
@@ -203,6 +205,17 @@ def _select_dataset_files(source: str, listing: hub.Listing) -> list[str]:
     return files
 
 
+def _select_tokenizer_files(source: str, listing: hub.Listing) -> list[str]:
+    """The tokenizer files of a repo (its top level), for a GGUF student: no weights are fetched."""
+    files = sorted(p for p in listing.files if p in gguf_student.TOKENIZER_FILES)
+    if gguf_student.TOKENIZER_FILE not in files:
+        raise MaterialsError(f"materials.{TOKENIZER_ROLE} = {source!r}: the repo has no "
+                             f"{gguf_student.TOKENIZER_FILE} at its top level at {listing.commit[:12]} (files: "
+                             f"{', '.join(sorted(listing.files)[:8]) or 'none'}); point it at the repo of the "
+                             "model the GGUF student was exported from.")
+    return files
+
+
 def _resolve_hub(role: str, source: str, paths: ProjectPaths, settings: Settings, cache: dict, *,
                  pinned: str | None, text_field: str | None, token: str | None,
                  options: hub.HubOptions) -> tuple[Material, dict, dict]:
@@ -236,6 +249,8 @@ def _resolve_hub(role: str, source: str, paths: ProjectPaths, settings: Settings
                                 and not settings.materials.query_rows)  # else they are a material of their own
             if role == "datasets":
                 meta, weights = [], _select_dataset_files(source, full)
+            elif role == TOKENIZER_ROLE:
+                meta, weights = _select_tokenizer_files(source, full), []
             else:
                 meta, weights = _select_model_files(role, source, full, settings, needs_query_rows=needs_query_rows)
             if removed := hub.remove_orphans(folder, full.subset(meta + weights)):
@@ -254,7 +269,7 @@ def _resolve_hub(role: str, source: str, paths: ProjectPaths, settings: Settings
                     total.refetched += stats.refetched
 
             fetch(meta)  # small files first: remote code and the weight index are known before the big ones
-            if role != "datasets":
+            if role not in ("datasets", TOKENIZER_ROLE):
                 extra, weights = _refine_model_files(role, source, folder, full, settings, weights)
                 fetch(extra)
                 meta += extra
@@ -285,6 +300,69 @@ def _resolve(role: str, source: str, paths: ProjectPaths, settings: Settings, ca
                             token=token, options=options or hub.HubOptions())
     raise MaterialsError(f"materials.{role} = {source!r}: no such folder ({local}) and not a hub repo id "
                          "(owner/name, optionally @revision).")
+
+
+def _resolve_gguf_student(source: str, paths: ProjectPaths, settings: Settings, cache: dict, old: dict | None, *,
+                          token: str | None, options: hub.HubOptions | None) -> tuple[Material, dict, list, dict]:
+    """A GGUF student (materials.student = a local .gguf file): converted once per content (and tokenizer) into the
+    transformers Qwen3 folder materials/student-gguf/<sha256 prefix>-<key>/, which everything downstream reads.
+
+    Returns the student's Material (its path the converted folder, its commit ``local:`` + the fingerprint of the
+    GGUF's sha256 and the tokenizer's pin), the hash cache of the tokenizer and the converted folder, the tokenizer's
+    download report (a hub tokenizer) and the ``gguf`` record the manifest keeps beside the entry (the file's stamp
+    and sha256, the tokenizer's Material), by which a rerun knows the file without reading it again."""
+    label = f"materials.student = {source!r}"
+    local = paths.resolve_local(source)
+    if not local.is_file():
+        raise MaterialsError(f"{label}: no such file ({local}). A GGUF student is read from a local file; a hub-hosted "
+                             "GGUF is not fetched: download it and point materials.student at the file.")
+    tok_source = settings.materials.student_tokenizer
+    if not tok_source:
+        raise MaterialsError(f"{label} is a GGUF file, which carries no tokenizer the product reads: set "
+                             f"materials.{TOKENIZER_ROLE} to the folder or hub repo holding its tokenizer.json.")
+    old_gguf = (old or {}).get("gguf") if (old or {}).get("source") == source else None
+    old_tok = (old_gguf or {}).get("tokenizer") or {}
+    pinned = old_tok.get("commit") if old_tok.get("source") == tok_source and old_tok.get("origin") == "hub" else None
+    tok, tok_cache, report = _resolve(TOKENIZER_ROLE, tok_source, paths, settings, cache, pinned=pinned, token=token,
+                                      options=options)
+    tok_folder = Path(tok.path)
+    problem = gguf_student.tokenizer_folder_problem(tok_folder)
+    if problem:
+        raise MaterialsError(f"materials.{TOKENIZER_ROLE} = {tok_source!r}: {problem}")
+    # The GGUF's sha256: read again only when its stamp (size, mtime, inode) differs from the last run's.
+    previous = (old_gguf or {}).get("file")
+    record = verify.confirmed(local, previous) if previous and old_gguf.get("path") == str(local) else None
+    if record is None:
+        log.info("%s: hashing %s (%.1f MiB)", label, local, local.stat().st_size / 2**20)
+        record = verify.record(local)
+    folder = gguf_student.converted_folder(paths.materials_dir, record["sha256"], tok.commit)
+    folder_cache = cache.get(str(folder), {})
+    reuse = gguf_student.is_converted(folder, record["sha256"], tok.commit) and bool(folder_cache) \
+        and _unchanged_folder(folder, folder_cache)
+    if not reuse:
+        try:
+            gguf_student.convert_student_gguf(local, tok_folder, folder, gguf_sha256=record["sha256"],
+                                              tokenizer_commit=tok.commit)
+        except gguf_student.StudentGgufError as exc:
+            raise MaterialsError(f"{label}: {exc}") from None
+        folder_cache = {}
+    for stale in gguf_student.remove_other_conversions(paths.materials_dir, folder):
+        log.info("removed %s (the conversion of another GGUF student or tokenizer)", stale)
+    _check_model_folder("student", source, folder, settings)
+    _, files, size, new_folder_cache = _hash_local_folder(folder, folder_cache)
+    commit = "local:" + atomic.fingerprint([record["sha256"], tok.commit, gguf_student.CONVERTER_VERSION])
+    material = Material("student", source, str(folder), commit, files, size)
+    extra = {"path": str(local), "file": record, "tokenizer": asdict(tok)}
+    reports = [{"role": TOKENIZER_ROLE, **report}] if report else []
+    return material, {**tok_cache, str(folder): new_folder_cache}, reports, extra
+
+
+def _unchanged_folder(folder: Path, files: dict) -> bool:
+    """Whether ``folder`` holds exactly the files ``files`` recorded, with that content (by stamp, else sha256)."""
+    current = {p.relative_to(folder).as_posix(): p for p in folder.rglob("*")
+               if p.is_file() and not p.name.startswith(atomic.TEMP_PREFIX)}
+    return set(current) == set(files) and all(verify.confirmed(current[rel], entry) is not None
+                                              for rel, entry in files.items())
 
 
 def _pinned_commit(old: MaterialsManifest, role: str, source: str) -> str | None:
@@ -322,6 +400,13 @@ def resolve_materials(paths: ProjectPaths, settings: Settings, *, token: str | N
         wanted.append((role, source, None))
     wanted += [("datasets", ds.source, ds.text_field) for ds in settings.dataset_sources()]
     for role, source, text_field in wanted:
+        if role == "student" and gguf_student.is_gguf_source(source):
+            material, c, reports, extra = _resolve_gguf_student(source, paths, settings, cache, old.student,
+                                                                token=token, options=hub_options)
+            manifest.student = {**asdict(material), "gguf": extra}
+            new_cache.update(c)
+            downloads += reports
+            continue
         material, c, report = _resolve(role, source, paths, settings, cache, text_field=text_field,
                                        pinned=_pinned_commit(old, role, source), token=token, options=hub_options)
         if role == "datasets":
@@ -361,9 +446,10 @@ def _stored_form(paths: ProjectPaths, manifest: MaterialsManifest) -> dict:
 def materials_settings_key(settings: Settings) -> dict:
     """The settings a materials manifest was resolved under (the layers are read later, by the shards).
 
-    ``query_rows`` enters only when set: a project resolved before the key existed stays current."""
+    ``query_rows`` and ``student_tokenizer`` enter only when set: a project resolved before the key existed stays
+    current."""
     m = {k: v for k, v in settings.section_dict("materials").items()
-         if k not in ("teacher_layer", "student_layer") and not (k == "query_rows" and not v)}
+         if k not in ("teacher_layer", "student_layer") and not (k in ("query_rows", TOKENIZER_ROLE) and not v)}
     choice = teacher_choice(settings)
     return {**m, "mode": choice.mode, "mock_teacher": choice.mock}
 
@@ -389,6 +475,12 @@ def manifest_is_current(paths: ProjectPaths, settings: Settings) -> bool:
                 or not Path(entry["path"]).is_file() or verify.confirmed(Path(entry["path"]), entry["stored"]) is None:
             return False
     stored = copy.deepcopy(manifest)
+    gguf = (manifest.student or {}).get("gguf")
+    if gguf:  # a GGUF student: the user's file, by stamp, else by content (its converted folder is in the cache)
+        now = verify.confirmed(Path(gguf["path"]), gguf["file"]) if Path(gguf["path"]).is_file() else None
+        if now is None:
+            return False
+        gguf["file"] = now
     for folder, files in manifest.hash_cache.items():
         root = Path(folder)
         current = {p.relative_to(root).as_posix(): p for p in root.rglob("*")

@@ -3,11 +3,11 @@
     shards/<split>/<key>/prompts.jsonl         the shard's prompts (from the corpus)
     shards/<split>/<key>/teacher.safetensors   targets [n, Q, D]
     shards/<split>/<key>/teacher.json          fingerprint, sha256, bytes, timings, the device that computed it
-    shards/<split>/<key>/student.safetensors   hidden [tokens, k*Ds], offsets [n+1], token_ids [tokens]
-    shards/<split>/<key>/student.json          also dim (Ds, one layer's width) and layers (the k indexes)
+    shards/<split>/<key>/student.safetensors   hidden [tokens, Ds], offsets [n+1], token_ids [tokens]
+    shards/<split>/<key>/student.json          also dim (Ds) and the shard format
 
-With several student layers (materials.student_layer: [a, b, ...]) a token's row holds the k layers' states
-side by side, in the order the setting lists them: columns [i*Ds, (i+1)*Ds) are layer i of the list.
+The student's rows are its final-norm states at every position of the prompt as ggk renders it, and token_ids
+ggk's ids for it (lib/precompute/student.py).
 
 A half is reused only if its fingerprint (everything it depends on) matches and its file
 still has the recorded size and sha256; otherwise it is recomputed. The teacher half's

@@ -159,7 +159,14 @@ def _cross_check(key: str, message: str) -> PydanticCustomError:
 
 class Materials(_Section):
     teacher: str = Field("", description="teacher LLM: hub repo id (optionally @revision) or local folder")
-    student: str = Field("", description="student LLM: hub repo id (optionally @revision) or local folder")
+    student: str = Field("", description=(
+        "student LLM: hub repo id (optionally @revision), local folder, or a local .gguf file as ggk runs it "
+        "(`--llm`: a Qwen3 under its Hugging Face tensor names, f32/f16/bf16 or quantized, e.g. q8_0), converted "
+        "once into materials/student-gguf/"))
+    student_tokenizer: str = Field("", description=(
+        "the tokenizer of a .gguf student: a local folder or hub repo id (optionally @revision) holding its "
+        "tokenizer.json (only its tokenizer files are fetched); required when materials.student is a .gguf file, "
+        "refused otherwise (a model folder or repo brings its own)"))
     datasets: Datasets = Field(default_factory=list, description="prompt datasets: repo id/folder strings, or "
                                                                  "{source: ..., text_field: text}")
     vision_encoder: str = Field("", description="optional paired vision encoder (SigVQ): repo id or folder; "
@@ -175,6 +182,20 @@ class Materials(_Section):
     student_layer: StudentLayer = Field(STUDENT_LAYER, description=(
         "student hidden layer fed to the adapter: -1 (after the final norm), the only one ggk feeds it"))
     trust_remote_code: bool = Field(False, description="allow models that need remote code (off: safer)")
+
+    @model_validator(mode="after")
+    def _student_tokenizer(self) -> "Materials":
+        gguf = self.student.strip().lower().endswith(".gguf")
+        if gguf and not self.student_tokenizer.strip():
+            raise _cross_check("materials.student", (
+                f"= {self.student!r} is a GGUF file, which carries no tokenizer the product reads: set "
+                "materials.student_tokenizer to the folder or hub repo id holding the student's tokenizer.json "
+                "(the model the GGUF was exported from)"))
+        if self.student_tokenizer.strip() and not gguf:
+            raise _cross_check("materials.student_tokenizer", (
+                f"= {self.student_tokenizer!r} is only read when materials.student is a .gguf file; "
+                f"materials.student = {self.student!r} brings its own tokenizer. Remove the key"))
+        return self
 
 
 class Corpus(_Section):
