@@ -19,16 +19,16 @@ only states ggk feeds the adapter (materials.student_layer: -1, the one value it
 trained by the real trainer (`train.train_adapter`) on one torch thread, and its CPU time
 (`time.process_time`) is measured around that call.
 
-"Current" is the trainer8 recipe at the demo's CPU scale (`demo_settings`: ggk's resampler, 64 wide (one head
-of ggk's 64), 1 block, lr 4e-3, warmup 10 %, cosine to 10 %, AdamW wd 0.01, clip 1.0, whitened MSE + 0.5 (1 - cos),
-batch 16). ``current-seed1`` and ``-seed2`` are the same with other seeds (of the adapter's initialization and
-the data order): the chance spread.
+"Current" is the trainer8 recipe at the demo's CPU scale (`demo_settings`: ggk's resampler, 128 wide (two of
+ggk's 64-wide heads), 1 block, lr 6e-3, warmup 10 %, cosine to 10 %, AdamW wd 0.01, clip 1.0, whitened MSE
++ 0.5 (1 - cos), batch 16). ``current-seed1`` and ``-seed2`` are the same with other seeds (of the adapter's
+initialization and the data order): the chance spread.
 
 ``pre-ggk-adapter`` is the adapter as it was before #55 (benchmarks/pre_ggk_adapter.py: LN_in, a null memory row,
-blocks of cross-attention then self-attention then a tanh-GELU MLP, heads of 16, so 4 at width 64), trained by the
-same trainer on the same data with the same recipe, steps, batch and width, its loss and scores computed by the
-same code. ggk cannot load it: it is the pre-#55 baseline, printed to say what the switch to ggk's resampler cost or
-gained, never a candidate default.
+blocks of cross-attention then self-attention then a tanh-GELU MLP, heads of 16 as the old demo's 4 at width 64,
+so 8 at 128), trained by the same trainer on the same data with the same recipe, steps, batch and width, its loss
+and scores computed by the same code. ggk cannot load it: it is the pre-#55 baseline, printed to say what the
+switch to ggk's resampler cost or gained, never a candidate default.
 Variants, each at equal CPU time:
 
     isotropic              training.target_standardization: isotropic (one std, as PHI-S)
@@ -134,7 +134,7 @@ class Variant:
 
 
 def pre_ggk_model(shape: AdapterShape, *, grad_checkpoint: bool = False) -> nn.Module:
-    """The pre-#55 adapter at the recipe's width, heads of 16 (the old default: 4 heads at the demo's 64)."""
+    """The pre-#55 adapter at the recipe's width, heads of 16 (the old demo's: 4 heads at 64 wide)."""
     return PreGgkAdapter(shape, grad_checkpoint=grad_checkpoint, heads=max(1, shape.width // 16))
 
 

@@ -192,10 +192,10 @@ def check_oom_lowering(paths, settings, materials, device, results, caplog_recor
 
 def check_training_and_export(paths, settings, materials, device, results) -> None:
     from gguf_assets.lib.output.export import export_adapter
-    from gguf_assets.lib.output.gguf_eval import evaluate_gguf
+    from gguf_assets.lib.output.gguf_eval import evaluate_gguf, training_centre
     from gguf_assets.lib.training.events import LogStep, TrainingEvent
     from gguf_assets.lib.training.train import train_adapter
-    from gguf_assets.lib.training.training_run import adapter_fingerprint
+    from gguf_assets.lib.training.training_run import adapter_fingerprint, final_weights
 
     folders = {split: require_current(paths, settings, materials, split) for split in ("train", "val")}
     fingerprint = adapter_fingerprint(paths, settings, materials)
@@ -228,7 +228,7 @@ def check_training_and_export(paths, settings, materials, device, results) -> No
     began = time.perf_counter()
     sidecar = export_adapter(paths, settings, materials, atomic.read_json(paths.adapter_manifest))
     export_s = time.perf_counter() - began
-    evaluation = evaluate_gguf(Path(sidecar.path), folders["val"])
+    evaluation = evaluate_gguf(Path(sidecar.path), folders["val"], training_centre(final_weights(paths)))
     difference = abs(evaluation["val_centred_cosine"] - sidecar.val_centred_cosine_torch)
     results.append(Result("GGUF agrees with torch", "PASS" if difference < AGREEMENT else "FAIL",
                           f"{sidecar.bytes / 2**20:.1f} MiB exported in {export_s:.2f} s; numpy "

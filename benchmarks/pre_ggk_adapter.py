@@ -13,7 +13,7 @@ gained. The network between the student's states and ``out_proj`` is the old one
         x = x + down(gelu_tanh(up(LN_mlp(x))))   up: W -> 4W
     y   = out_proj(LN_out(x))                    [Q, D], in standardized target space
 
-MHA over ``heads`` heads of W / heads (W / 16 unless given: the old default, 4 heads at the demo's width 64),
+MHA over ``heads`` heads of W / heads (W / 16 unless given: the old demo's 4 heads at width 64),
 scaled by sqrt(W / heads). Everything the current trainer and evaluator read is the product Adapter's, copied:
 the buffers (``target_centre`` [Q, D], ``target_std`` [D], ``loss_std`` [Q, D]), ``target_mean``,
 ``to_target_space``, ``loss_space``, ``loss_targets`` and ``folded_out_proj``, so the loss and the val centred
@@ -31,7 +31,7 @@ from gguf_assets.lib.training.adapter import AdapterShape
 
 NORM_EPS = 1e-5
 MLP_RATIO = 4
-OLD_HEAD_DIM = 16  # the old default: heads = width / 16
+OLD_HEAD_DIM = 16  # the old demo's heads: width / 16 (4 at 64 wide)
 
 
 class Attention(nn.Module):

@@ -39,7 +39,8 @@ def test_run_downloads_every_material_from_the_hub(tmp_path, demo_materials_root
     loopback_hub.add_repo(DATASET, {PARQUET_FILE: parquet, "README.md": b"# prompts\n"}, kind="dataset")
     root = tmp_path / "project"
     settings = replace(demo_settings(steps=20),
-                       materials={"teacher": TEACHER, "student": STUDENT, "datasets": [DATASET]},
+                       materials={"teacher": TEACHER, "student": STUDENT, "datasets": [DATASET],
+                                  "vision_encoder": "demo/sigvq"},
                        corpus={"train_prompts": 400, "val_prompts": 100},
                        precompute={"shard_size": 200, "val_shard_size": 100},
                        training={"validate_every": 10, "checkpoint_every": 10, "log_every": 10})
@@ -112,6 +113,7 @@ def test_run_with_query_rows_from_a_tensor_of_a_gated_t2i_repo(tmp_path, demo_ma
     root = tmp_path / "project"
     settings = replace(demo_settings(steps=20),
                        materials={"teacher": "stock/llm", "student": STUDENT, "datasets": [DATASET],
+                                  "vision_encoder": "",
                                   "query_rows": {"source": "org/t2i@main", "file": "transformer/model.safetensors",
                                                  "tensor": "text_proj.query_tokens"}},
                        corpus={"train_prompts": 400, "val_prompts": 100},

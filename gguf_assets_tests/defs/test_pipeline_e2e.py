@@ -115,4 +115,5 @@ def test_mock_teacher_smoke_learns(finished_project):
     report = atomic.read_json(paths.output_dir(settings) / REPORT_JSON)
     meta = atomic.read_json(paths.root / atomic.read_json(paths.adapter_manifest)["run_dir"] / "final" / "meta.json")
     assert meta["shape"]["target_dim"] == 64 and meta["shape"]["query_rows"] == 256
-    assert report["val_centred_cosine"] > meta["untrained_val_centred_cosine"] + 0.3
+    # 40 steps of batch 8 with one head of ggk's 64: about +0.12 (the 4-head adapter before #55 made +0.3).
+    assert report["val_centred_cosine"] > meta["untrained_val_centred_cosine"] + 0.08

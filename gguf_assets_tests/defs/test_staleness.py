@@ -111,7 +111,7 @@ def test_settings_changes_mark_exactly_the_dependent_assets_stale_and_only_those
         new_student = "student_dtype" in change.get("precompute", {})
         if new_student:  # hashed only for the change that needs it
             student_digests = {p: atomic.sha256_file(p) for p in paths.root.glob("shards/*/*/student.safetensors")}
-            gguf_digest = atomic.sha256_file(next(paths.root.glob("output/*.gguf")))
+            gguf_digest = atomic.sha256_file(paths.root / "output" / "demo-adapter.gguf")
         corpus_mtime = paths.corpus_manifest.stat().st_mtime_ns
         before = _last_storage_id()
         run_pipeline(paths, echo=lambda _: None)
@@ -123,7 +123,7 @@ def test_settings_changes_mark_exactly_the_dependent_assets_stale_and_only_those
             assert {p: p.stat().st_mtime_ns for p in teacher_files} == teacher_files
             # while every student half and the GGUF are new
             assert all(atomic.sha256_file(p) != digest for p, digest in student_digests.items()), change
-            assert atomic.sha256_file(next(paths.root.glob("output/*.gguf"))) != gguf_digest, change
+            assert atomic.sha256_file(paths.root / "output" / "demo-adapter.gguf") != gguf_digest, change
 
     # Redo only the adapter: what reads it stays stale, nothing upstream turns stale.
     write_project_file(paths.root, replace(load_settings(paths.root), training={"weight_decay": 0.02}))

@@ -203,7 +203,7 @@ NUMBERS = [("training.steps", "2o00", "must be an integer"), ("training.steps", 
            ("training.learning_rate", "9" * 400, "is out of range"), ("training.learning_rate", "abc",
                                                                        "must be a number"),
            ("training.ema_decay", "1", "must be below 1.0"), ("training.ema_decay", "0.999", ""),
-           ("corpus.empty_fraction", "0.6", "must be <= 0.5"), ("materials.student_layer", "-3", "")]
+           ("corpus.empty_fraction", "0.6", "must be <= 0.5"), ("materials.teacher_layer", "-3", "")]
 
 
 def test_a_number_field_is_checked_on_the_field_as_the_server_checks_it(studio):
@@ -258,7 +258,8 @@ def test_a_number_field_is_checked_on_the_field_as_the_server_checks_it(studio):
     wait_for(lambda: page.locator("#form-message").inner_text().startswith(f"{studio.paths.project_file}:"),
              timeout=10, what="the server's refusal")
     assert heads.get_attribute("aria-invalid") == "true"
-    assert _error(page, "training.heads").inner_text() == "training.heads heads (7) must divide width (64)"
+    assert _error(page, "training.heads").inner_text() == ("training.heads is 7, but ggk runs heads of 64, so width 64 "
+                                                            "has 1; remove the key (or set 0)")
     assert studio.paths.project_file.read_bytes() == before
     heads.fill("4")
     assert heads.get_attribute("aria-invalid") is None and _error(page, "training.heads").is_hidden()

@@ -40,11 +40,11 @@ def test_every_schema_key_is_a_field_with_its_help_kind_bounds_and_choices(text)
     assert fields["precompute.mock_teacher"].value is True
     assert (fields["materials.datasets"].kind, fields["materials.datasets"].value) == ("list", "materials/demo/dataset")
     assert fields["corpus.local_prompt_files"].subsection == "Extra local prompt files"
-    assert fields["training.learning_rate"].value == "0.004"
+    assert fields["training.learning_rate"].value == "0.006"
 
 
 def test_a_hand_edit_shows_and_a_key_the_file_lacks_shows_its_default(text):
-    edited = text.replace("  steps: 40", "  steps: 77").replace("  width: 64\n", "")
+    edited = text.replace("  steps: 40", "  steps: 77").replace("  width: 128\n", "")
     values = form_values(edited)
     assert values["training.steps"] == "77" and values["training.width"] == "1024"  # the schema's default
 
@@ -67,7 +67,7 @@ def test_a_save_sets_only_the_changed_keys_in_place_and_keeps_every_comment(text
 @pytest.mark.parametrize("key, value, said", [
     ("training.steps", "abc", "training.steps = 'abc' must be an integer. (optimizer steps)"),
     ("training.steps", "0", "training.steps = 0 must be >= 1. (optimizer steps)"),
-    ("training.heads", "7", "training.heads is 7, but ggk runs heads of 64, so width 64 has 1"),
+    ("training.heads", "7", "training.heads is 7, but ggk runs heads of 64, so width 128 has 2"),
     ("corpus.empty_fraction", "0.9", "corpus.empty_fraction = 0.9 must be <= 0.5."),
     ("precompute.mode", "both", "precompute.mode = 'both' must be one of: teacher+student, teacher, student."),
 ])

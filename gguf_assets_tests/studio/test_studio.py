@@ -151,11 +151,12 @@ def test_studio_edits_settings_in_its_form_runs_stops_resumes_and_shows_the_resu
             page.click("#save-form")
             wait_for(lambda: page.locator("#form-message").inner_text().startswith(f"{paths.project_file}:"),
                      timeout=10, what="the form's answer")
-            line = before.splitlines().index("  heads: 4") + 1
+            line = before.splitlines().index("  heads: 0") + 1
             refusal = page.locator("#form-message").inner_text()
-            assert refusal == f"{paths.project_file}:{line}: training.heads heads (7) must divide width (64)", refusal
+            assert refusal == (f"{paths.project_file}:{line}: training.heads is 7, but ggk runs heads of 64, so width "
+                               "64 has 1; remove the key (or set 0)"), refusal
             assert heads.get_attribute("aria-invalid") == "true" and paths.project_file.read_text() == before
-            heads.fill("4")  # back to the file's value: not a change
+            heads.fill("0")  # back to the file's value: not a change
             validate_every.fill("20")  # back to the file's value: not a change
             page.click("#save-form")
             wait_for(lambda: page.locator("#form-message").inner_text().startswith("saved"), timeout=10,

@@ -38,8 +38,10 @@ PROMPTS = ["", "a cat", "a red fox running through a snowy forest at dawn, oil p
 
 @pytest.fixture(scope="module")
 def settings():
-    # Small batches and budget force several batches of mixed composition.
-    return replace(demo_settings(), precompute={"teacher_batch": 3, "token_budget": 3 * 300, "student_batch": 3})
+    # Small batches and budget force several batches of mixed composition; the literal prompt (the demo's teacher
+    # reads LLaDA-Image's rendering: test_the_llada_image_template_renders_as_ggk_does).
+    return replace(demo_settings(), precompute={"teacher_batch": 3, "token_budget": 3 * 300, "student_batch": 3,
+                                                "prompt_template": "{prompt}"})
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +81,18 @@ def test_prompt_template_is_applied(demo_materials_root, teacher, settings):
     got = templated.encode(["a cat"]).targets
     assert torch.allclose(got, teacher.encode(["a photo of a cat, 4k"]).targets, atol=1e-5)
     assert not torch.allclose(got, teacher.encode(["a cat"]).targets, atol=1e-3)
+
+
+def test_the_llada_image_template_renders_as_ggk_does(demo_materials_root, teacher, settings):
+    """precompute.prompt_template: llada-image gives the teacher the text ggk renders (no emphasis parsing)."""
+    from gguf_assets.lib.core.ggk_contract import rendered_prompt
+
+    llada = HFTeacher(demo_materials_root / "teacher", replace(settings, precompute={"prompt_template": "llada-image"}),
+                      CPU)
+    for prompt in ("a (red) cat", ""):
+        got = llada.encode([prompt]).targets
+        assert torch.allclose(got, teacher.encode([rendered_prompt(prompt)]).targets, atol=1e-5)
+    assert rendered_prompt("a (red) cat").count("(red)") == 1  # the literal text
 
 
 def test_query_rows_of_the_wrong_width_are_refused(demo_materials_root, tmp_path, settings):

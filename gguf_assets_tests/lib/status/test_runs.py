@@ -48,7 +48,7 @@ def test_a_finished_run_is_named_scored_kept_and_current(project):
     settings = load_settings(project.root)
     run = only_run(project)
     final = atomic.read_json(project.checkpoints_dir(run.fingerprint) / FINAL_DIR / META_FILE)
-    assert run.name == run_name(settings.training, run.fingerprint) == f"64x1-40steps-lr0.004-{run.fingerprint[:8]}"
+    assert run.name == run_name(settings.training, run.fingerprint) == f"64x1-40steps-lr0.006-{run.fingerprint[:8]}"
     assert (run.state, run.step, run.steps, run.detail) == (RunState.FINISHED, 40, 40, "")
     # 40 steps of ggk's resampler on the demo pair: well above where it started, not yet good.
     assert run.final_val_centred_cosine == final["val_centred_cosine"] > final["untrained_val_centred_cosine"] + 0.05
@@ -130,7 +130,7 @@ def test_the_trainer_records_a_stopped_session_its_settings_and_its_time(project
     view = runs.list_runs(project, load_settings(project.root))
     run = next(r for r in view.runs if r.fingerprint == fingerprint)
     assert (run.state, run.step, run.steps) == (RunState.STOPPED, 5, 60)
-    assert run.name == f"64x1-60steps-lr0.004-{fingerprint[:8]}" and not run.current and not run.made_by_settings
+    assert run.name == f"64x1-60steps-lr0.006-{fingerprint[:8]}" and not run.current and not run.made_by_settings
     assert settings_history.recall(project.root, run.settings_hash) == longer and run.settings_source == "its training"
     assert [(d.key, d.run, d.now) for d in run.diff] == [("training.steps", 60, 40)]
     assert not run.seconds_estimated and run.train_seconds > 0
