@@ -140,7 +140,7 @@ def test_run_with_query_rows_from_a_tensor_of_a_gated_t2i_repo(tmp_path, demo_ma
     from gguf import GGUFReader
 
     fields = GGUFReader(paths.located(report["gguf_path"])).fields
-    said = {key: fields[f"llm_adapter.query_rows.{key}"].contents() for key in ("source", "tensor", "commit", "sha256")}
+    said = {key: fields[f"adapter.query_rows.{key}"].contents() for key in ("source", "tensor", "commit", "sha256")}
     assert said == {"source": "org/t2i@main", "tensor": "text_proj.query_tokens", "commit": entry["commit"],
                     "sha256": entry["tensor_sha256"]}, said
     found = subprocess.run(["grep", "-r", "-l", "-a", "-F", loopback_hub.token, str(tmp_path)],
