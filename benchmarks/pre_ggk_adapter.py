@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from gguf_assets.lib.training.adapter import AdapterShape
+from gguf_assets.lib.training.adapter import AdapterShape, TargetStatistics
 
 NORM_EPS = 1e-5
 MLP_RATIO = 4
@@ -76,7 +76,7 @@ class Block(nn.Module):
         return x + self.mlp_down(F.gelu(self.mlp_up(self.mlp_norm(x)), approximate="tanh"))
 
 
-class PreGgkAdapter(nn.Module):
+class PreGgkAdapter(TargetStatistics):
     def __init__(self, shape: AdapterShape, *, grad_checkpoint: bool = False, heads: int | None = None) -> None:
         super().__init__()
         heads = heads or max(1, shape.width // OLD_HEAD_DIM)
@@ -94,10 +94,8 @@ class PreGgkAdapter(nn.Module):
         self.blocks = nn.ModuleList(Block(w, heads) for _ in range(shape.depth))
         self.out_norm = nn.LayerNorm(w, eps=NORM_EPS)
         self.out_proj = nn.Linear(w, shape.target_dim)
-        # The product Adapter's statistics, as the trainer fills them.
-        self.register_buffer("target_centre", torch.zeros(shape.query_rows, shape.target_dim))
-        self.register_buffer("target_std", torch.ones(shape.target_dim))
-        self.register_buffer("loss_std", torch.ones(shape.query_rows, shape.target_dim))
+        # The product Adapter's statistics, as the trainer fills them, and the maps the loss and the scores read.
+        self._register_statistics(shape.query_rows, shape.target_dim)
 
     def forward(self, states: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """states [B, L, Ds], mask [B, L] bool (True = real token) -> standardized [B, Q, D]."""
@@ -112,27 +110,3 @@ class PreGgkAdapter(nn.Module):
             else:
                 x = block(x, memory, memory_mask)
         return self.out_proj(self.out_norm(x))
-
-    # -- copied from the product's Adapter (lib/training/adapter.py): the loss and the scores read these -------
-
-    @property
-    def target_mean(self) -> torch.Tensor:
-        """[D]: the train targets' mean per dim, over prompts and rows (every row has each prompt once)."""
-        return self.target_centre.mean(0)
-
-    def to_target_space(self, standardized: torch.Tensor) -> torch.Tensor:
-        return standardized * self.target_std + self.target_mean
-
-    def loss_space(self, standardized: torch.Tensor) -> torch.Tensor:
-        """The output, [B, Q, D] in standardized space, as the loss reads it: centred and scaled per (row, dim)."""
-        return (self.to_target_space(standardized) - self.target_centre) / self.loss_std
-
-    def loss_targets(self, targets: torch.Tensor) -> torch.Tensor:
-        """Teacher targets as the loss reads them (``loss_space``'s counterpart)."""
-        return (targets.float() - self.target_centre) / self.loss_std
-
-    def folded_out_proj(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """out_proj with the standardization folded in: (weight [D, W], bias [D]) giving targets directly."""
-        std = self.target_std.float()
-        weight, bias = self.out_proj.weight.float(), self.out_proj.bias.float()
-        return weight * std[:, None], bias * std + self.target_mean.float()

@@ -109,38 +109,17 @@ class ResamplerBlock(nn.Module):
         return q + self.mlp(self.ln_mlp(q))
 
 
-class Adapter(nn.Module):
-    def __init__(self, shape: AdapterShape, *, grad_checkpoint: bool = False) -> None:
-        super().__init__()
-        if shape.variant not in ADAPTER_VARIANTS:
-            raise ValueError(f"adapter variant {shape.variant!r} is not one of {ADAPTER_VARIANTS}")
-        if shape.width % HEAD_DIM or shape.width <= 0:
-            raise ValueError(f"width ({shape.width}) must be a positive multiple of ggk's head dim {HEAD_DIM}")
-        self.shape = shape
-        self.grad_checkpoint = grad_checkpoint
-        w = shape.width
-        self.query = nn.Parameter(torch.randn(shape.query_rows, w) * 0.02)
-        self.in_proj = nn.Linear(shape.student_dim, w)
-        self.blocks = nn.ModuleList(ResamplerBlock(w) for _ in range(shape.depth))
-        self.ln_out = nn.LayerNorm(w, eps=NORM_EPS)
-        self.out_proj = nn.Linear(w, shape.target_dim)
-        # Statistics travel with the weights in the checkpoint: the output's per-dim scale, which the export folds
-        # into out_proj with the mean, and the loss's per-(row, dim) centre and scale.
-        self.register_buffer("target_centre", torch.zeros(shape.query_rows, shape.target_dim))
-        self.register_buffer("target_std", torch.ones(shape.target_dim))
-        self.register_buffer("loss_std", torch.ones(shape.query_rows, shape.target_dim))
+class TargetStatistics(nn.Module):
+    """The train targets' statistics an adapter carries (buffers, so they travel in every checkpoint) and the maps
+    the loss, the scores and the export read them by. A subclass calls ``_register_statistics`` where its own
+    modules end (the buffers' place in the state dict)."""
 
-    def forward(self, states: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """states [B, L, Ds], mask [B, L] bool (True = real token) -> standardized [B, Q, D]."""
-        b = states.shape[0]
-        kv = self.in_proj(states)
-        q = self.query.expand(b, -1, -1).to(kv.dtype)
-        for block in self.blocks:
-            if self.grad_checkpoint and self.training:
-                q = checkpoint(block, q, kv, mask, use_reentrant=False)
-            else:
-                q = block(q, kv, mask)
-        return self.out_proj(self.ln_out(q))
+    def _register_statistics(self, query_rows: int, target_dim: int) -> None:
+        # The output's per-dim scale, which the export folds into out_proj with the mean, and the loss's
+        # per-(row, dim) centre and scale.
+        self.register_buffer("target_centre", torch.zeros(query_rows, target_dim))
+        self.register_buffer("target_std", torch.ones(target_dim))
+        self.register_buffer("loss_std", torch.ones(query_rows, target_dim))
 
     @property
     def target_mean(self) -> torch.Tensor:
@@ -164,6 +143,35 @@ class Adapter(nn.Module):
         weight, bias = self.out_proj.weight.float(), self.out_proj.bias.float()
         return weight * std[:, None], bias * std + self.target_mean.float()
 
+
+class Adapter(TargetStatistics):
+    def __init__(self, shape: AdapterShape, *, grad_checkpoint: bool = False) -> None:
+        super().__init__()
+        if shape.variant not in ADAPTER_VARIANTS:
+            raise ValueError(f"adapter variant {shape.variant!r} is not one of {ADAPTER_VARIANTS}")
+        if shape.width % HEAD_DIM or shape.width <= 0:
+            raise ValueError(f"width ({shape.width}) must be a positive multiple of ggk's head dim {HEAD_DIM}")
+        self.shape = shape
+        self.grad_checkpoint = grad_checkpoint
+        w = shape.width
+        self.query = nn.Parameter(torch.randn(shape.query_rows, w) * 0.02)
+        self.in_proj = nn.Linear(shape.student_dim, w)
+        self.blocks = nn.ModuleList(ResamplerBlock(w) for _ in range(shape.depth))
+        self.ln_out = nn.LayerNorm(w, eps=NORM_EPS)
+        self.out_proj = nn.Linear(w, shape.target_dim)
+        self._register_statistics(shape.query_rows, shape.target_dim)
+
+    def forward(self, states: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """states [B, L, Ds], mask [B, L] bool (True = real token) -> standardized [B, Q, D]."""
+        b = states.shape[0]
+        kv = self.in_proj(states)
+        q = self.query.expand(b, -1, -1).to(kv.dtype)
+        for block in self.blocks:
+            if self.grad_checkpoint and self.training:
+                q = checkpoint(block, q, kv, mask, use_reentrant=False)
+            else:
+                q = block(q, kv, mask)
+        return self.out_proj(self.ln_out(q))
 
 def adapter_loss(pred: torch.Tensor, standardized_targets: torch.Tensor, *, cosine_weight: float,
                  relational_weight: float = 0.0) -> torch.Tensor:
