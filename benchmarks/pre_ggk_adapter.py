@@ -28,32 +28,19 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from gguf_assets.lib.training.adapter import AdapterShape, TargetStatistics
+from gguf_assets.lib.training.adapter import Attention as ProductAttention
 
 NORM_EPS = 1e-5
 MLP_RATIO = 4
 OLD_HEAD_DIM = 16  # the old demo's heads: width / 16 (4 at 64 wide)
 
 
-class Attention(nn.Module):
+class Attention(ProductAttention):
+    """The product's attention (the same q/k/v/o, created in the same order) over the old head count."""
+
     def __init__(self, width: int, heads: int) -> None:
-        super().__init__()
+        super().__init__(width)
         self.heads = heads
-        self.q = nn.Linear(width, width)
-        self.k = nn.Linear(width, width)
-        self.v = nn.Linear(width, width)
-        self.o = nn.Linear(width, width)
-
-    def forward(self, x: torch.Tensor, memory: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
-        b, n, w = x.shape
-        h = self.heads
-
-        def split(t: torch.Tensor) -> torch.Tensor:
-            return t.view(b, -1, h, w // h).transpose(1, 2)
-
-        mask = None if key_mask is None else key_mask[:, None, None, :]
-        out = F.scaled_dot_product_attention(split(self.q(x)), split(self.k(memory)), split(self.v(memory)),
-                                             attn_mask=mask)
-        return self.o(out.transpose(1, 2).reshape(b, n, w))
 
 
 class Block(nn.Module):

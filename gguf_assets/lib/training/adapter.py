@@ -80,7 +80,7 @@ class Attention(nn.Module):
         h = self.heads
 
         def split(t: torch.Tensor) -> torch.Tensor:
-            return t.view(b, -1, h, HEAD_DIM).transpose(1, 2)
+            return t.view(b, -1, h, w // h).transpose(1, 2)  # w // h is HEAD_DIM here
 
         mask = None if key_mask is None else key_mask[:, None, None, :]
         out = F.scaled_dot_product_attention(split(self.q(x)), split(self.k(memory)), split(self.v(memory)),
