@@ -24,8 +24,10 @@ from gguf_assets.lib.project.settings import (
     INT64_MIN,
     SECTION_CLASSES,
     SECTIONS,
+    LongNumber,
     Settings,
     SettingsError,
+    load_yaml,
     settings_from_text,
     yaml_value,
 )
@@ -139,7 +141,7 @@ def shown(kind: str, value: Any) -> Any:
 def _file_values(text: str) -> dict:
     """The sections as the file holds them (also when they do not validate: the form shows what is there)."""
     try:
-        raw = yaml.safe_load(text)
+        raw = load_yaml(text)
     except yaml.YAMLError:
         return {}
     return {name: section for name, section in raw.items() if isinstance(section, dict)} \
@@ -170,6 +172,15 @@ def form_values(text: str) -> dict[str, Any]:
     return {f.key: f.value for s in form_sections(text) for f in s.fields}
 
 
+def _flow_mapping(line: str) -> Any:
+    """A list line written as a YAML mapping (`{source: org/ds, text_field: body}`), or the line as is when it
+    is no YAML: the settings check says what an item must be."""
+    try:
+        return load_yaml(line)
+    except yaml.YAMLError:
+        return line
+
+
 def _typed(kind: str, value: Any) -> Any:
     """A submitted field as the YAML value to write. A number field's text is read as YAML reads the file, and
     kept as text when it is no number, so the check that follows says what a hand edit would get
@@ -183,28 +194,30 @@ def _typed(kind: str, value: Any) -> Any:
         items = []
         for line in (str(item).strip() for item in lines):
             if line:
-                items.append(yaml.safe_load(line) if line.startswith("{") else line)
+                items.append(_flow_mapping(line) if line.startswith("{") else line)
         return items
     if kind == "mapping" and isinstance(value, str):
         if not value.strip():
             return {}
         try:  # `{source: org/t2i, file: f.safetensors, tensor: t}`; anything else goes to the settings check as is
-            parsed = yaml.safe_load(value)
+            parsed = load_yaml(value)
         except yaml.YAMLError:
             return value
         return parsed if isinstance(parsed, dict) else value
     if kind == "value" and isinstance(value, str):
         try:  # `[9, 18, 27]` or `-1`; anything else goes to the settings check as is
-            return yaml.safe_load(value)
+            return load_yaml(value)
         except yaml.YAMLError:
             return value
     if kind in ("int", "float") and isinstance(value, str):
         if kind == "float" and EXPONENT_FLOAT.match(value.strip()):
             return float(value)  # `2e-3`, which YAML 1.1 would leave a string (settings.py reads it so too)
         try:
-            parsed = yaml.safe_load(value)
+            parsed = load_yaml(value)
         except yaml.YAMLError:
             return value
+        if isinstance(parsed, LongNumber):
+            return parsed  # a 5,000-digit number: the settings check says it is out of range (not a 500)
         if isinstance(parsed, (int, float)) and not isinstance(parsed, bool):
             if kind == "float" and isinstance(parsed, int):
                 return parsed  # as the file would hold it; the settings check bounds it (no float overflow here)

@@ -121,3 +121,19 @@ def test_the_student_layer_is_one_yaml_value_and_only_the_final_norm_is_taken(te
         with pytest.raises(SettingsError, match=r"materials.student_layer .*ggk feeds the adapter the student's "
                                                 r"final-norm hidden states"):
             apply_form(PATH, text, {"materials.student_layer": other})
+
+
+@pytest.mark.parametrize("key", ["training.steps", "training.learning_rate", "materials.student_layer",
+                                 "materials.query_rows", "materials.datasets"])
+def test_a_number_too_long_for_python_is_a_settings_error_naming_the_key_not_a_crash(text, key):
+    """Python reads no int of over 4,300 digits (ValueError): the form's Save says the key (the studio's 400),
+    and a project.yaml holding such a number still shows in the form, as its text (the page, not a 500)."""
+    long = "9" * 5000
+    value = {"materials.query_rows": f"{{source: org/t2i, file: f, tensor: {long}}}",
+             "materials.datasets": f"{{source: {long}}}"}.get(key, long)
+    with pytest.raises(SettingsError) as refused:
+        apply_form(PATH, text, {key: value})
+    assert str(refused.value).startswith(f"{PATH}:") and key in str(refused.value) and len(str(refused.value)) < 600
+    held = text.replace("  steps: 40\n", f"  steps: {long}\n")
+    assert _fields(held)["training.steps"].value == long
+    assert "training.steps = 999" in str(pytest.raises(SettingsError, apply_form, PATH, held, {}).value)

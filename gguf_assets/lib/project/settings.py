@@ -75,7 +75,8 @@ def _datasets(value: Any) -> list:
                 raise ValueError(f"item {i}: text_field must be a non-empty string")
             out.append({"source": item["source"].strip(), "text_field": text_field})
         else:
-            raise ValueError(f"item {i} ({item!r}) must be a repo id/folder string or {{source: ..., text_field: ...}}")
+            raise ValueError(f"item {i} ({_shown(item)}) must be a repo id/folder string or "
+                             "{source: ..., text_field: ...}")
     return out
 
 
@@ -98,7 +99,7 @@ def _query_rows(value: Any) -> dict:
         if item is None:
             item = ""
         if not isinstance(item, str):
-            raise ValueError(f"{key} must be a string, not {item!r}")
+            raise ValueError(f"{key} must be a string, not {_shown(item)}")
         if key != "file" and not item.strip():
             raise ValueError(f"needs a non-empty {key}")
         out[key] = item.strip()
@@ -110,7 +111,7 @@ def _student_layer(value: Any) -> Any:
     project files load; any other layer is refused with the reason, before any work starts."""
     if value in (STUDENT_LAYER, [STUDENT_LAYER]) and not isinstance(value, bool):
         return STUDENT_LAYER
-    raise ValueError(f"is {value!r}, but ggk feeds the adapter the student's final-norm hidden states (layer "
+    raise ValueError(f"is {_shown(value)}, but ggk feeds the adapter the student's final-norm hidden states (layer "
                      f"{STUDENT_LAYER}) and nothing else (conditioner.hpp, ggk {GGK_VERSION}), so an adapter "
                      f"trained on another layer, or on several, computes something else in ggk. Set it to "
                      f"{STUDENT_LAYER} or remove the key")
@@ -132,6 +133,38 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # what torch, numpy and the GGUF hea
 EXPONENT_FLOAT = re.compile(r"^[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)[eE][-+]?[0-9]+$")
 
 
+class LongNumber:
+    """A YAML integer too long for Python to read or print back (over its 4,300-digit limit on int/str
+    conversions: ``int("9" * 5000)`` raises ValueError, and so does ``str()`` of a 0x-spelled one as long). The
+    settings loader reads such a number as this, its text kept, so a settings check says the key is out of range
+    (file:line) and the studio's form shows the text, instead of a traceback or an HTTP 500."""
+
+    __slots__ = ("text",)
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, LongNumber) and other.text == self.text
+
+    def __hash__(self) -> int:
+        return hash(self.text)
+
+
+_LONG_NUMBER_BITS = 14_000  # about 4,200 decimal digits: Python prints no int of more than 4,300 by default
+
+
+def _construct_int(loader: yaml.constructor.SafeConstructor, node: yaml.ScalarNode) -> Any:
+    try:
+        value = yaml.constructor.SafeConstructor.construct_yaml_int(loader, node)
+    except ValueError:  # Python's int-string conversion limit
+        return LongNumber(str(loader.construct_scalar(node)))
+    return LongNumber(str(loader.construct_scalar(node))) if value.bit_length() > _LONG_NUMBER_BITS else value
+
+
 class _Section(BaseModel):
     """A form section: unknown keys refused, types strict (no "true" for true, no 2.5 for an int)."""
 
@@ -145,6 +178,8 @@ class _Section(BaseModel):
             return float(value)  # `2e-4` is plainly a number
         if annotation is str and value is None:
             return ""  # `key:` with nothing after it
+        if annotation in (int, float) and isinstance(value, LongNumber):
+            value = INT64_MAX + 1  # refused just below, as any number out of range is
         if annotation in (int, float) and isinstance(value, int) and not isinstance(value, bool) \
                 and not INT64_MIN <= value <= INT64_MAX:
             raise ValueError(f"is out of range: a number here lies between {INT64_MIN} and {INT64_MAX} at most, "
@@ -403,8 +438,17 @@ class DatasetSource:
 
 # -- rendering ---------------------------------------------------------------------------
 
+class _Dumper(yaml.SafeDumper):
+    """safe_dump, plus a LongNumber written back as the number text it was read from."""
+
+
+_Dumper.add_representer(LongNumber, lambda dumper, number: dumper.represent_scalar("tag:yaml.org,2002:int",
+                                                                                   number.text))
+
+
 def yaml_value(value: Any) -> str:
-    return yaml.safe_dump(value, default_flow_style=True, width=10_000).strip().removesuffix("...").strip()
+    return yaml.dump(value, Dumper=_Dumper, default_flow_style=True,
+                     width=10_000).strip().removesuffix("...").strip()
 
 
 # What the reference run (the seed app's, on an RTX 5090) teaches; `gguf-trainer init` writes these
@@ -455,7 +499,23 @@ def write_project_file(folder: Path, settings: Settings, *, header: str = "",
 # one, and every process that runs a stage loads the file several times, as do `status` and the studio's polls. Its
 # error texts are terser ("found character that cannot start any token", without the character), so a text it
 # refuses is parsed again by the pure-Python loader for the message the user reads.
-_FAST_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+class _FastLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # type: ignore[misc]
+    """The C safe loader, reading an integer too long for Python as a LongNumber."""
+
+
+class _PyLoader(yaml.SafeLoader):
+    """The pure-Python safe loader, likewise."""
+
+
+for _loader in (_FastLoader, _PyLoader):
+    _loader.add_constructor("tag:yaml.org,2002:int", _construct_int)
+_FAST_LOADER = _FastLoader
+
+
+def load_yaml(text: str) -> Any:
+    """YAML as project.yaml is read (yaml.safe_load, but a too-long integer is a LongNumber, not a ValueError):
+    for the studio's form fields. Raises yaml.YAMLError."""
+    return yaml.load(text, Loader=_FAST_LOADER)
 
 
 def _key_lines(text: str) -> dict[str, int]:
@@ -529,7 +589,10 @@ def _explain(error: dict, source: Path, lines: dict[str, int], given: dict) -> s
 
 def _shown(value: Any) -> str:
     """A value as an error message quotes it: a pasted novel or a 400-digit number is cut short."""
-    text = repr(value)
+    try:
+        text = repr(value)
+    except ValueError:  # an int over Python's 4,300-digit limit on printing one (given in code, not read)
+        return f"(a number of {value.bit_length()} bits)"
     return text if len(text) <= 80 else f"{text[:60]}... ({len(text)} characters)"
 
 
@@ -577,7 +640,7 @@ def _parse_yaml(path: Path, text: str) -> Any:
     except yaml.YAMLError:
         pass
     try:
-        return yaml.safe_load(text)  # the same refusal, in the pure-Python loader's fuller words
+        return yaml.load(text, Loader=_PyLoader)  # the same refusal, in the pure-Python loader's fuller words
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark else str(path)

@@ -238,6 +238,27 @@ def test_out_of_range_names_key_value_line_and_limit(tmp_path):
     assert "2" in msg and "<= 0.5" in msg
 
 
+@pytest.mark.parametrize(("section", "key", "number"), [
+    ("training", "steps", "9" * 5000), ("training", "steps", "-" + "9" * 5000),
+    ("training", "steps", "0x" + "f" * 5000),
+    ("training", "learning_rate", "9" * 5000), ("materials", "student_layer", "9" * 5000)],
+    ids=["steps", "negative", "hex", "float-key", "student-layer"])
+def test_a_number_too_long_for_python_names_the_file_line_and_key(tmp_path, section, key, number):
+    """Python reads no int of over 4,300 digits (a ValueError from YAML's int constructor) and prints no longer
+    one: the file's line, the key and the range instead of a traceback, the number cut short."""
+    msg, path, line = _error_for(tmp_path, section, key, f"  {key}: {number}")
+    assert msg.startswith(f"{path}:{line}: {section}.{key} = {number[:20]}") and "is out of range" in msg, msg
+    assert f"({len(number)} characters)" in msg and len(msg) < 600 and "\n" not in msg, msg
+
+
+def test_a_number_too_long_is_an_error_of_the_cli_not_a_traceback(tmp_path, capsys):
+    text, line = _edit_line(render_yaml(_valid()), "training", "steps", "  steps: " + "9" * 5000)
+    path = _write(tmp_path / "proj", text)
+    assert cli_main(["status", str(path.parent)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and f"{path}:{line}: training.steps" in err and "Traceback" not in err, err
+
+
 def test_below_minimum_is_rejected(tmp_path):
     msg, path, line = _error_for(tmp_path, "training", "steps", "  steps: 0")
     assert f"{path}:{line}" in msg and "training.steps" in msg and ">= 1" in msg
@@ -300,7 +321,8 @@ def test_invalid_yaml_gives_file_and_line(tmp_path):
 def test_a_tab_is_named_in_the_message_and_libyaml_reads_files_as_the_python_loader_does(tmp_path):
     """The file is read by libyaml (fast); a refusal is worded by the pure-Python loader, which names the
     character (libyaml's text leaves it out), and a valid file gives the same settings either way."""
-    assert S._FAST_LOADER is yaml.CSafeLoader  # PyYAML's wheels include libyaml; without it the speed-up is gone
+    # PyYAML's wheels include libyaml; without it the speed-up is gone
+    assert issubclass(S._FAST_LOADER, yaml.CSafeLoader)
     path = _write(tmp_path, "training:\n\tsteps: 1\n")
     with pytest.raises(SettingsError) as info:
         load_settings(tmp_path)
