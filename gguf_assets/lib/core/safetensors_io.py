@@ -10,8 +10,9 @@ offsets are relative to the first data byte.
   (what keeps a spinning or network disk near its streaming rate) and checks the content
   against a recorded sha256 as the bytes arrive. torch is imported only inside it.
 
-Every file's header is checked the same way (``parse_header``): a header that does not fit the
-file, or a tensor whose offsets do not fit its shape or the file, is named with the path.
+Every file's header is checked the same way (``parse_header``, through ``check_layout``, which the query rows'
+ranged reader shares): a header that does not fit the file, or a tensor whose offsets do not fit its shape or the
+file, or overlap another tensor's bytes, is named with the path, as safetensors itself refuses such a file.
 """
 
 from __future__ import annotations
@@ -36,6 +37,13 @@ NUMPY_DTYPES: dict[str, np.dtype] = {
     "I64": np.dtype("<i8"), "I32": np.dtype("<i4"), "I16": np.dtype("<i2"), "I8": np.dtype("i1"),
     "U8": np.dtype("u1"), "BOOL": np.dtype("?"),
 }
+# Bits per element of every safetensors dtype (safetensors' Dtype::bitsize): a checkpoint may hold fp8 or fp4
+# tensors beside what this project reads, and their bytes must be sized all the same.
+DTYPE_BITS: dict[str, int] = {
+    "BOOL": 8, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8,
+    "I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32, "C64": 64, "F64": 64,
+    "I64": 64, "U64": 64,
+}
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit on the JSON header
 READ_CHUNK_BYTES = 32 << 20
 
@@ -47,11 +55,68 @@ def to_float32(raw: np.ndarray, st_dtype: str) -> np.ndarray:
     return np.asarray(raw, dtype=np.float32).copy()
 
 
+def _cut(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 120 else f"{text[:100]}... ({len(text)} characters)"
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def check_layout(where: Path | str, entries: dict[str, Any], data_start: int, file_size: int | None) -> None:
+    """Check a safetensors header's tensor entries (``__metadata__`` taken out) as safetensors does, before any
+    tensor is read: each entry a {dtype, shape, data_offsets} of a known dtype, its bytes exactly dtype x shape,
+    and the tensors, in offset order, covering the file's bytes from ``data_start`` (8 + the header's length)
+    contiguously: no overlap (a tensor read from another's bytes), no gap, nothing past the file and nothing after
+    the last tensor. ``file_size`` None (not known) checks all but the end. Raises ValueError naming ``where`` and
+    the tensor."""
+    spans = []
+    for name, entry in entries.items():
+        if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= set(entry):
+            raise ValueError(f"{where}: tensor {name!r} has an unreadable header entry {_cut(entry)} (it needs "
+                             "dtype, shape and data_offsets)")
+        dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+        if dtype not in DTYPE_BITS:
+            raise ValueError(f"{where}: tensor {name!r} has unknown dtype {_cut(dtype)} (safetensors' dtypes: "
+                             f"{', '.join(DTYPE_BITS)})")
+        if not isinstance(shape, list) or not all(_count(d) for d in shape):
+            raise ValueError(f"{where}: tensor {name!r} has shape {_cut(shape)}, not a list of sizes")
+        if not isinstance(offsets, list) or len(offsets) != 2 or not all(_count(o) for o in offsets) \
+                or offsets[0] > offsets[1]:
+            raise ValueError(f"{where}: tensor {name!r} has data_offsets {_cut(offsets)}, not [begin, end] with "
+                             "0 <= begin <= end")
+        bits = math.prod(shape) * DTYPE_BITS[dtype]
+        if bits % 8 or offsets[1] - offsets[0] != bits // 8:
+            raise ValueError(f"{where}: tensor {name!r} data_offsets {offsets} do not fit its shape {shape} and "
+                             f"dtype {dtype} ({bits / 8:g} bytes)")
+        spans.append((offsets[0], offsets[1], name))
+    spans.sort()
+    end, last = 0, None
+    for begin, stop, name in spans:
+        if begin < end:
+            raise ValueError(f"{where}: tensor {name!r} data_offsets [{begin}, {stop}] overlap tensor {last[2]!r}'s "
+                             f"[{last[0]}, {last[1]}]: it would be read from another tensor's bytes (safetensors "
+                             "refuses such a file: it is damaged or was not written by a safetensors writer)")
+        if begin > end:
+            raise ValueError(f"{where}: tensor {name!r} data_offsets [{begin}, {stop}] leave bytes {end} to {begin} "
+                             "of no tensor before it (safetensors refuses such a file, its tensors must cover the data "
+                             "contiguously: it is damaged or was not written by a safetensors writer)")
+        end, last = stop, (begin, stop, name)
+    if file_size is not None and data_start + end > file_size:
+        raise ValueError(f"{where}: truncated: its tensors need {data_start + end} bytes, the file has {file_size} "
+                         f"(tensor {last[2]!r} ends past it)")
+    if file_size is not None and data_start + end < file_size:
+        after = f"the last tensor ({last[2]!r})" if last else "a header that names no tensor"
+        raise ValueError(f"{where}: {file_size - data_start - end} bytes follow {after} (safetensors refuses such "
+                         "a file: it is damaged, or something was appended to it)")
+
+
 def parse_header(path: Path, prefix: bytes, read, size: int) -> tuple[dict[str, Any], dict[str, str], int]:
     """(tensor entries, __metadata__, first data byte) from the 8-byte ``prefix``; ``read(n)`` reads on.
 
     Raises ValueError, naming ``path``, when the header or a tensor's offsets do not fit the file
-    (a truncated download or copy) or a dtype is unknown.
+    (a truncated download or copy) or each other (``check_layout``), or a dtype is not one this reader reads.
     """
     if len(prefix) != 8:
         raise ValueError(f"{path}: too short for a safetensors file ({size} bytes)")
@@ -65,18 +130,11 @@ def parse_header(path: Path, prefix: bytes, read, size: int) -> tuple[dict[str, 
     if not isinstance(header, dict):
         raise ValueError(f"{path}: the header is not a JSON object")
     metadata = header.pop("__metadata__", None) or {}
-    need = max((entry["data_offsets"][1] for entry in header.values()), default=0)
-    if 8 + n + need > size:
-        raise ValueError(f"{path}: truncated: its tensors need {8 + n + need} bytes, the file has {size}")
+    check_layout(path, header, 8 + n, size)
     for name, entry in header.items():
-        dtype = entry.get("dtype")
-        if dtype not in NUMPY_DTYPES:
-            raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {dtype!r} "
+        if entry["dtype"] not in NUMPY_DTYPES:
+            raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {entry['dtype']!r} "
                              f"(supported: {sorted(NUMPY_DTYPES)})")
-        begin, end = entry["data_offsets"]
-        if end - begin != math.prod(entry["shape"]) * NUMPY_DTYPES[dtype].itemsize or not 0 <= begin <= end:
-            raise ValueError(f"{path}: tensor {name!r} data_offsets {entry['data_offsets']} do not fit its shape "
-                             f"{entry['shape']} / the file")
     return header, metadata, 8 + n
 
 

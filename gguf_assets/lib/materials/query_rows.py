@@ -27,7 +27,7 @@ import numpy as np
 
 from gguf_assets.lib.core import atomic, verify
 from gguf_assets.lib.core.errors import UserError
-from gguf_assets.lib.core.safetensors_io import MAX_HEADER_BYTES, to_float32
+from gguf_assets.lib.core.safetensors_io import MAX_HEADER_BYTES, check_layout, to_float32
 
 ROWS_FILE = "query_rows.safetensors"
 STORED_TENSOR = "query_rows"  # the name the rows have in the stored file
@@ -57,8 +57,10 @@ def header_length(prefix: bytes, *, file_size: int | None = None, where: str = "
     return n
 
 
-def parse_header(raw: bytes, *, where: str = "the file") -> dict[str, dict]:
-    """The tensor entries of a safetensors JSON header (``__metadata__`` dropped)."""
+def parse_header(raw: bytes, *, where: str = "the file", file_size: int | None = None) -> dict[str, dict]:
+    """The tensor entries of a safetensors JSON header (``__metadata__`` dropped), checked as safetensors checks
+    them (safetensors_io.check_layout: every tensor's bytes its own, dtype x shape, within the file of
+    ``file_size`` bytes), so rows are never taken from another tensor's bytes."""
     try:
         header = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -66,7 +68,12 @@ def parse_header(raw: bytes, *, where: str = "the file") -> dict[str, dict]:
     if not isinstance(header, dict):
         raise QueryRowsError(f"{where}: the safetensors header is not a JSON object")
     header.pop("__metadata__", None)
-    return {k: v for k, v in header.items() if isinstance(v, dict)}
+    try:
+        check_layout(where, header, 8 + len(raw), file_size)
+    except ValueError as exc:
+        raise QueryRowsError(f"{SETTING}: {str(exc).rstrip('.')}. Nothing was stored: point {SETTING} at an intact "
+                             "safetensors file.") from None
+    return header
 
 
 def tensor_span(entries: dict[str, dict], name: str, header_len: int, *, file_size: int | None = None,
@@ -189,7 +196,7 @@ def resolve_local(qr: dict, local: Path, stored: Path, hidden: int, old: dict | 
     size = path.stat().st_size
     with open(path, "rb") as fh:
         n = header_length(fh.read(8), file_size=size, where=where)
-        entries = parse_header(fh.read(n), where=where)
+        entries = parse_header(fh.read(n), where=where, file_size=size)
         entry = check_choice(entries, qr["tensor"], hidden, where)
         start, end = tensor_span(entries, qr["tensor"], n, file_size=size, where=where)
         fh.seek(start)
@@ -237,7 +244,7 @@ def resolve_hub(qr: dict, materials_dir: Path, stored: Path, hidden: int, *, pin
 
     try:
         n = header_length(fetch(0, 8, "prefix"), file_size=remote.size, where=where)
-        entries = parse_header(fetch(8, 8 + n, "header"), where=where)
+        entries = parse_header(fetch(8, 8 + n, "header"), where=where, file_size=remote.size)
         entry = check_choice(entries, qr["tensor"], hidden, where)
         start, end = tensor_span(entries, qr["tensor"], n, file_size=remote.size, where=where)
         data = fetch(start, end, f"{start}-{end}")

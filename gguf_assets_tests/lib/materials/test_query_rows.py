@@ -251,6 +251,41 @@ def test_rows_from_a_local_file(make_project, demo_materials_root, tmp_path):
     assert load_file(paths.materials_dir / "query_rows.safetensors")["query_rows"].shape == (8, rows.shape[1])
 
 
+def _rows_inside_another_tensor(rows: torch.Tensor) -> bytes:
+    """A checkpoint whose header points the rows into the middle of another tensor's bytes (safetensors refuses
+    it: InvalidOffset); the bytes it would give are a real tensor's, of the right size and all finite."""
+    size = rows.numel() * 4
+    entries = {"blocks.0.attn.weight": {"dtype": "F32", "shape": [2 * rows.shape[0], rows.shape[1]],
+                                        "data_offsets": [0, 2 * size]},
+               ROWS_NAME: {"dtype": "F32", "shape": list(rows.shape), "data_offsets": [size, 2 * size]}}
+    raw = json.dumps(entries).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw + torch.randn(2 * rows.shape[0], rows.shape[1]).numpy().tobytes()
+
+
+def test_rows_that_overlap_another_tensor_are_refused_naming_both_and_nothing_is_stored(make_project, tmp_path,
+                                                                                         demo_materials_root):
+    rows = _demo_rows(demo_materials_root).float()
+    data = _rows_inside_another_tensor(rows)
+    n = qr.header_length(data[:8], file_size=len(data))
+    with pytest.raises(qr.QueryRowsError) as refused:  # the header check the hub's ranged read makes too
+        qr.parse_header(data[8:8 + n], where="org/t2i:model.safetensors at abc", file_size=len(data))
+    assert str(refused.value).startswith(f"materials.query_rows: org/t2i:model.safetensors at abc: tensor "
+                                         f"{ROWS_NAME!r} data_offsets") and "overlap tensor 'blocks.0.attn.weight'" \
+        in str(refused.value), str(refused.value)
+
+    checkpoint = tmp_path / "t2i.safetensors"
+    checkpoint.write_bytes(data)
+    paths = make_project(materials={"query_rows": {"source": str(checkpoint), "file": "", "tensor": ROWS_NAME}})
+    with pytest.raises(qr.QueryRowsError) as refused:
+        resolve_materials(paths, load_settings(paths.root))
+    message = str(refused.value)
+    assert f"{checkpoint}: tensor {ROWS_NAME!r}" in message and "'blocks.0.attn.weight'" in message, message
+    assert "Nothing was stored" in message and "\n" not in message
+    assert not (paths.materials_dir / qr.ROWS_FILE).exists()
+    assert not paths.materials_manifest.exists()  # no manifest records rows for the setting
+
+
 def test_a_dropped_connection_resumes_the_tensor_from_what_arrived(make_project, loopback_hub, demo_materials_root):
     rows = _demo_rows(demo_materials_root)
     checkpoint = _t2i_checkpoint(rows)
