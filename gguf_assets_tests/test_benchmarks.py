@@ -143,10 +143,11 @@ def test_quality_benchmark_prints_its_table_and_applies_its_own_rule():
         assert not winners(-2e-4), out
 
 
-@pytest.mark.slow  # about 3 s: writes 200,000 prompts, reads them three times and builds the corpus twice
+@pytest.mark.slow  # about 3 s: 200,000 prompts written, read 3 times, built twice; 20,000 read as .json and .jsonl
 def test_corpus_benchmark_prints_its_ratios_and_applies_its_own_rule():
-    """bench_corpus.py --quick: the build against plain line reading, time and peak RSS, and a rule line
-    (time ratio and RSS over the baseline bounded) that follows from the printed figures."""
+    """bench_corpus.py --quick: the build against plain line reading, time and peak RSS, a .json list read
+    against the same prompts as .jsonl, and a rule line (time ratio, RSS over the baseline and the .json / .jsonl
+    ratio bounded) that follows from the printed figures."""
     out = _run("bench_corpus.py", "--quick", timed_rules=True)
     prompts, files, _, _ = _figures(out, "sources: # prompts in # files, # MiB on disk (written in # s)")
     lines, base_s, base_rate, base_rss = _figures(
@@ -165,12 +166,19 @@ def test_corpus_benchmark_prints_its_ratios_and_applies_its_own_rule():
     assert _quotient_ok(throughput, base_s, build_s, unit_a=1e-3, unit_b=1e-3, unit_q=1e-3), out
     assert _quotient_ok(rss_ratio, build_rss, base_rss, unit_a=0.1, unit_b=0.1, unit_q=0.01), out
     assert abs(extra - (build_rss - base_rss)) <= 0.15, out
+    json_prompts, json_s, jsonl_s, json_ratio = _figures(
+        out, "prompt file reading: # prompts as a .json list in # s, as .jsonl in # s (best of 3 each); "
+             "ratio .json / .jsonl #x")
+    assert json_prompts == prompts // 10 and min(json_s, jsonl_s) > 0, out
+    assert _quotient_ok(json_ratio, json_s, jsonl_s, unit_a=1e-3, unit_b=1e-3, unit_q=0.01), out
 
-    (rule_ratio, max_ratio, rule_extra, allowed, floor, per_prompt, rule_read), verdict = _verdict(
-        out, "rule: time ratio #x <= #x and peak RSS over the baseline # MiB <= # MiB (# MiB + # B x # prompts read)")
-    assert (rule_ratio, rule_extra, rule_read) == (time_ratio, extra, read), out
+    (rule_ratio, max_ratio, rule_extra, allowed, floor, per_prompt, rule_read, rule_json, max_json), verdict = \
+        _verdict(out, "rule: time ratio #x <= #x and peak RSS over the baseline # MiB <= # MiB (# MiB + # B x # "
+                      "prompts read) and .json / .jsonl reading #x <= #x")
+    assert (rule_ratio, rule_extra, rule_read, rule_json) == (time_ratio, extra, read, json_ratio), out
     assert abs(allowed - (floor + per_prompt * read / 2**20)) <= 0.05, out
-    _follows(verdict, (rule_ratio, "<=", max_ratio, 0.1), (rule_extra, "<=", allowed, 0.1))
+    _follows(verdict, (rule_ratio, "<=", max_ratio, 0.1), (rule_extra, "<=", allowed, 0.1),
+             (rule_json, "<=", max_json, 0.01))
     assert rule_extra <= allowed, out  # memory, unlike time, does not depend on the neighbours
 
 
