@@ -24,18 +24,21 @@ needs ``ROPE_INIT_FUNCTIONS["default"]``, which transformers 5 no longer has.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import random
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import save_file
 
 __all__ = ["TINY_LLADA", "TinyLLaDASizes", "build_tiny_llada_repo", "remote_code_files", "REMOTE_CODE_DIR",
-           "SPECIAL_TOKENS", "EOS_TOKEN"]
+           "SPECIAL_TOKENS", "EOS_TOKEN", "isolated_remote_code"]
 
 REMOTE_CODE_DIR = Path(__file__).resolve().parent / "llada_remote_code"
 _REMOTE_CODE = ("configuration_tiny_llada2.py", "modeling_tiny_llada2.py")
@@ -387,3 +390,23 @@ def build_tiny_llada_repo(root: Path, *, seed: int = 0, with_sigvq: bool = True,
         "_class_name": "FlowMatchEulerDiscreteScheduler", "_diffusers_version": _DIFFUSERS_VERSION,
         "num_train_timesteps": 1000, "shift": 3.0, "use_dynamic_shifting": False})
     return root
+
+
+@contextlib.contextmanager
+def isolated_remote_code(cache: Path):
+    """Remote code loaded in this process goes to ``cache``, not ~/.cache/huggingface/modules (transformers reads
+    HF_MODULES_CACHE at import, so its module constant is re-pointed too); sys.path and the loaded
+    transformers_modules are restored after, so another test's copy of the code is loaded afresh."""
+    from transformers import dynamic_module_utils
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HF_MODULES_CACHE", str(cache))
+        patch.setattr(dynamic_module_utils, "HF_MODULES_CACHE", str(cache))
+        patch.setattr(sys, "path", list(sys.path))
+        before = set(sys.modules)
+        try:
+            yield
+        finally:
+            for name in set(sys.modules) - before:
+                if name.startswith("transformers_modules"):
+                    del sys.modules[name]

@@ -15,7 +15,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 if [ -x .venv/bin/pip ]; then pip=(.venv/bin/pip); else pip=("$PYTHON" -m pip --python .venv/bin/python); fi
 stamp=.venv/.gguf_assets-installed
-want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   # Through uv (pinned): the same packages as pip resolves (pip freeze compared), in seconds instead of a minute,
   # most of a fresh clone's install. Bytecode: see the end of this block.
@@ -33,6 +33,10 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   fi
   .venv/bin/python -m uv pip install --quiet --python .venv/bin/python "${find_links[@]}" \
     -e '.[test,cluster]' "torch==2.13.0" pip
+  # The peer app, an outside oracle for the LLaDA-Image teacher's QueryFormer and text projection
+  # (gguf_assets_tests/lib/test_llada_teacher.py): only its torch modules are used, so none of its dependencies
+  # (datasets, pyarrow, gguf-connector, ...) are installed.
+  .venv/bin/python -m uv pip install --quiet --python .venv/bin/python --no-deps "gguf-trainer==0.0.14"
   # Bytecode for what the pipeline, its servers and the tests import (3.5k of site-packages' 13.8k modules), written
   # by two processes that import it, one per core, whatever PYTHONDONTWRITEBYTECODE says (see scripts/test.sh): about
   # 12 s. Compiling all of site-packages took 25 s; leaving it all to the first imports made the suite's processes

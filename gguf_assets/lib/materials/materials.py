@@ -25,6 +25,7 @@ from gguf_assets.lib.core.errors import UserError
 from gguf_assets.lib.core.safetensors_io import safetensors_header
 from gguf_assets.lib.materials import hub, query_rows
 from gguf_assets.lib.materials import student_from_gguf as gguf_student
+from gguf_assets.lib.materials import teacher_layout as layout
 from gguf_assets.lib.materials.ggk_tokenizer import ggk_tokenizer_problem
 from gguf_assets.lib.materials.student_contract import student_contract_problem
 from gguf_assets.lib.project import settings_history
@@ -60,12 +61,26 @@ class Material:
     bytes: int
     text_field: str | None = None
     origin: str = "local"  # local | hub
+    kind: str | None = None  # a teacher's kind (lib/materials/teacher_layout.py)
+    remote_code: dict | None = None  # an LLaDA-Image teacher's modeling files: {path: sha256}
+
+    def entry(self) -> dict:
+        """The manifest's entry; the teacher-only fields only where set (an older manifest compares equal)."""
+        return {k: v for k, v in asdict(self).items() if v is not None or k not in ("kind", "remote_code")}
 
 
-def _hash_local_folder(folder: Path, cache: dict) -> tuple[str, int, int, dict]:
-    """Content hash of a folder; a file's sha256 is reused while its stamp (size, mtime, inode) matches."""
+def _folder_files(folder: Path, read=None) -> dict[str, Path]:
+    """{relative path: path} of a folder's files (``read``: the relative paths that count, default all)."""
+    files = {p.relative_to(folder).as_posix(): p for p in folder.rglob("*")
+             if p.is_file() and not p.name.startswith(atomic.TEMP_PREFIX)} if folder.is_dir() else {}
+    return {rel: p for rel, p in files.items() if read is None or read(rel)}
+
+
+def _hash_local_folder(folder: Path, cache: dict, read=None) -> tuple[str, int, int, dict]:
+    """Content hash of a folder (``read``: the relative paths that count, default all); a file's sha256 is reused
+    while its stamp (size, mtime, inode) matches."""
     entries, new_cache, total = [], {}, 0
-    files = sorted(p for p in folder.rglob("*") if p.is_file() and not p.name.startswith(atomic.TEMP_PREFIX))
+    files = [p for _, p in sorted(_folder_files(folder, read).items())]
     for file in files:
         rel = file.relative_to(folder).as_posix()
         cached = cache.get(rel)
@@ -138,17 +153,77 @@ def _check_tokenizer_fits(role: str, source: str, folder: Path, config: dict) ->
 
 def _resolve_local(role: str, source: str, local: Path, settings: Settings, cache: dict,
                    text_field: str | None) -> tuple[Material, dict]:
-    if role in MODEL_ROLES:
-        _check_model_folder(role, source, local, settings)
+    kind, remote_code = _check_folder(role, source, local, settings, where=f"in {local}")
+    # A pipeline folder is pinned by the parts the teacher reads: its DiT and VAE are neither hashed nor watched.
+    read = _pipeline_reads(settings) if kind == layout.LLADA_IMAGE_PIPELINE else None
     commit, files, size, new_cache = _hash_local_folder(local if local.is_dir() else local.parent,
-                                                        cache.get(str(local), {}))
-    return Material(role, source, str(local), commit, files, size, text_field), {str(local): new_cache}
+                                                        cache.get(str(local), {}), read)
+    return (Material(role, source, str(local), commit, files, size, text_field, kind=kind, remote_code=remote_code),
+            {str(local): new_cache})
+
+
+def _check_folder(role: str, source: str, folder: Path, settings: Settings, *,
+                  where: str) -> tuple[str | None, dict | None]:
+    """Check a resolved model folder before anything loads it; (the teacher's kind, its remote code hashes)."""
+    if role not in MODEL_ROLES:
+        return None, None
+    if role != "teacher" or not folder.is_dir():
+        _check_model_folder(role, source, folder, settings)
+        return None, None
+    kind = layout.teacher_kind(settings.materials.teacher_kind, layout.folder_files(folder))
+    if kind == layout.QUERY_ROWS:
+        _check_model_folder(role, source, folder, settings)
+        return kind, None
+    return kind, _check_pipeline_folder(source, folder, settings, where=where)
+
+
+def _pipeline_reads(settings: Settings):
+    vision = pipeline_vision(settings)
+    return lambda rel: layout.is_read(rel, vision=vision)
+
+
+def pipeline_vision(settings: Settings) -> bool:
+    """Whether an LLaDA-Image teacher's sigvq/ is fetched: the vision export is on and no other encoder is set."""
+    return settings.output.export_vision_encoder and not settings.materials.vision_encoder
+
+
+def _check_pipeline_folder(source: str, folder: Path, settings: Settings, *, where: str) -> dict:
+    """An LLaDA-Image pipeline's text stack, refused before any load when a part is missing or its code is not
+    allowed; returns its modeling files' sha256 (a part of the targets' fingerprint)."""
+    problem = layout.pipeline_folder_problem(folder, vision=pipeline_vision(settings))
+    if problem:
+        raise MaterialsError(f"materials.teacher = {source!r}: {problem}. Point it at an LLaDA-Image pipeline "
+                             "(model_index.json, text_encoder/, queryformer/, text_projection/, tokenizer/).")
+    try:
+        code = layout.remote_code_files(layout.encoder_config(folder))
+    except layout.LayoutError as exc:
+        raise MaterialsError(f"materials.teacher = {source!r}: {exc}") from None
+    missing = [f for f in code if not (folder / f).is_file()]
+    if not code or missing:
+        raise MaterialsError(f"materials.teacher = {source!r}: {folder / layout.TEXT_ENCODER_DIR}/config.json "
+                             + (f"names modeling files that are missing: {', '.join(missing)}" if missing else
+                                "has no auto_map naming the backbone's modeling code")
+                             + ". Restore the pipeline's text_encoder/ folder as published.")
+    hashes = layout.remote_code_hashes(folder, code)
+    if not settings.materials.trust_remote_code:
+        raise MaterialsError(layout.remote_code_refusal(source, where, hashes))
+    for file in sorted(folder.glob("*/*" + WEIGHTS_SUFFIX)):  # headers only: a truncated file fails here
+        try:
+            safetensors_header(file)
+        except ValueError as exc:
+            raise MaterialsError(f"materials.teacher = {source!r}: {exc}. Copy or download that file again "
+                                 "(a hub download is checked and fetched again by `gguf-trainer run`).") from None
+    return hashes
 
 
 def _selection_key(role: str, settings: Settings) -> str:
-    """What decides which files of a repo are fetched; a snapshot made under another key is topped up."""
+    """What decides which files of a repo are fetched; a snapshot made under another key is topped up.
+    (The teacher's kind and vision part enter only when they differ from the default: older snapshots stay.)"""
     m = settings.materials
-    return atomic.fingerprint([role, m.query_rows_file if role == "teacher" else None, m.trust_remote_code])
+    key = [role, m.query_rows_file if role == "teacher" else None, m.trust_remote_code]
+    if role == "teacher" and (m.teacher_kind != layout.AUTO or not pipeline_vision(settings)):
+        key.append([m.teacher_kind, pipeline_vision(settings)])
+    return atomic.fingerprint(key)
 
 
 def _select_model_files(role: str, source: str, listing: hub.Listing, settings: Settings,
@@ -245,9 +320,17 @@ def _resolve_hub(role: str, source: str, paths: ProjectPaths, settings: Settings
             report["network"] = True
             full = hub.list_repo(ref, revision=pinned, token=token, options=options)
             folder = hub.snapshot_dir(root, ref, full.commit)
-            needs_query_rows = (role == "teacher" and teacher_choice(settings).loads_teacher_model
+            pipeline = role == "teacher" and layout.teacher_kind(
+                settings.materials.teacher_kind, full.files) == layout.LLADA_IMAGE_PIPELINE
+            needs_query_rows = (role == "teacher" and teacher_choice(settings).loads_teacher_model and not pipeline
                                 and not settings.materials.query_rows)  # else they are a material of their own
-            if role == "datasets":
+            if pipeline:
+                try:
+                    meta, weights = layout.pipeline_selection(full.files, vision=pipeline_vision(settings))
+                except layout.LayoutError as exc:
+                    raise MaterialsError(f"{label}: {exc} at {full.commit[:12]}. Point it at an LLaDA-Image "
+                                         "pipeline repo, or set materials.teacher_kind.") from None
+            elif role == "datasets":
                 meta, weights = [], _select_dataset_files(source, full)
             elif role == TOKENIZER_ROLE:
                 meta, weights = _select_tokenizer_files(source, full), []
@@ -269,7 +352,14 @@ def _resolve_hub(role: str, source: str, paths: ProjectPaths, settings: Settings
                     total.refetched += stats.refetched
 
             fetch(meta)  # small files first: remote code and the weight index are known before the big ones
-            if role not in ("datasets", TOKENIZER_ROLE):
+            if pipeline:  # its modeling code is fetched and shown (with sha256) before any weight, or refused
+                extra, weights = _refine_pipeline_files(source, folder, full, weights)
+                fetch(extra)
+                meta += extra
+                if not settings.materials.trust_remote_code:
+                    raise MaterialsError(layout.remote_code_refusal(source, f"at commit {full.commit}",
+                                                                    layout.remote_code_hashes(folder, extra)))
+            elif role not in ("datasets", TOKENIZER_ROLE):
                 extra, weights = _refine_model_files(role, source, folder, full, settings, weights)
                 fetch(extra)
                 meta += extra
@@ -282,11 +372,35 @@ def _resolve_hub(role: str, source: str, paths: ProjectPaths, settings: Settings
                      len(listing.files), total.downloaded_bytes / 2**20)
     except hub.HubError as exc:
         raise MaterialsError(f"{label}: {exc}") from None
-    if role in MODEL_ROLES:
-        _check_model_folder(role, source, folder, settings)
+    kind, remote_code = _check_folder(role, source, folder, settings, where=f"at commit {listing.commit}")
     material = Material(role, source, str(folder), listing.commit, len(listing.files), listing.total_bytes,
-                        text_field, origin="hub")
+                        text_field, origin="hub", kind=kind, remote_code=remote_code)
     return material, {str(folder): verified}, report
+
+
+def _refine_pipeline_files(source: str, folder: Path, listing: hub.Listing,
+                           weights: list[str]) -> tuple[list[str], list[str]]:
+    """After a pipeline's small files are in: its modeling files (the caller fetches them and refuses them unless
+    allowed, before any weight is fetched), and only the text encoder's shards that its index names."""
+    label = f"materials.teacher = {source!r}"
+    try:
+        code = layout.remote_code_files(layout.encoder_config(folder))
+    except layout.LayoutError as exc:
+        raise MaterialsError(f"{label}: {exc}") from None
+    missing = [f for f in code if f not in listing.files]
+    if missing:
+        raise MaterialsError(f"{label}: text_encoder/config.json names modeling files the repo does not have at "
+                             f"{listing.commit[:12]}: {', '.join(missing)}.")
+    index = folder / layout.TEXT_ENCODER_DIR / WEIGHTS_INDEX
+    if index.is_file():
+        named = sorted({f"{layout.TEXT_ENCODER_DIR}/{name}" for name in
+                        json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()})
+        absent = [p for p in named if p not in listing.files]
+        if absent:
+            raise MaterialsError(f"{label}: text_encoder/{WEIGHTS_INDEX} names shards the repo does not have "
+                                 f"({', '.join(absent[:4])}). Pin a revision whose upload is complete.")
+        weights = [w for w in weights if not w.startswith(layout.TEXT_ENCODER_DIR + "/")] + named
+    return code, weights
 
 
 def _resolve(role: str, source: str, paths: ProjectPaths, settings: Settings, cache: dict, *,
@@ -352,7 +466,7 @@ def _resolve_gguf_student(source: str, paths: ProjectPaths, settings: Settings, 
     _, files, size, new_folder_cache = _hash_local_folder(folder, folder_cache)
     commit = "local:" + atomic.fingerprint([record["sha256"], tok.commit, gguf_student.CONVERTER_VERSION])
     material = Material("student", source, str(folder), commit, files, size)
-    extra = {"path": str(local), "file": record, "tokenizer": asdict(tok)}
+    extra = {"path": str(local), "file": record, "tokenizer": tok.entry()}
     reports = [{"role": TOKENIZER_ROLE, **report}] if report else []
     return material, {**tok_cache, str(folder): new_folder_cache}, reports, extra
 
@@ -403,20 +517,25 @@ def resolve_materials(paths: ProjectPaths, settings: Settings, *, token: str | N
         if role == "student" and gguf_student.is_gguf_source(source):
             material, c, reports, extra = _resolve_gguf_student(source, paths, settings, cache, old.student,
                                                                 token=token, options=hub_options)
-            manifest.student = {**asdict(material), "gguf": extra}
+            manifest.student = {**material.entry(), "gguf": extra}
             new_cache.update(c)
             downloads += reports
             continue
         material, c, report = _resolve(role, source, paths, settings, cache, text_field=text_field,
                                        pinned=_pinned_commit(old, role, source), token=token, options=hub_options)
         if role == "datasets":
-            manifest.datasets.append(asdict(material))
+            manifest.datasets.append(material.entry())
         else:
-            setattr(manifest, role, asdict(material))
+            setattr(manifest, role, material.entry())
         new_cache.update(c)
         if report:
             downloads.append({"role": role, **report})
-    if manifest.teacher and needs_teacher and m.query_rows:
+    pipeline = (manifest.teacher or {}).get("kind") == layout.LLADA_IMAGE_PIPELINE
+    if pipeline and needs_teacher and pipeline_vision(settings):
+        manifest.vision_encoder = _pipeline_vision_encoder(manifest.teacher)
+    if pipeline:  # its conditioning rows come from its QueryFormer, not from query rows
+        pass
+    elif manifest.teacher and needs_teacher and m.query_rows:
         manifest.query_rows = _resolve_query_rows(paths, settings, Path(manifest.teacher["path"]), old.query_rows,
                                                   token=token, options=hub_options)
     elif manifest.teacher and needs_teacher:
@@ -429,6 +548,14 @@ def resolve_materials(paths: ProjectPaths, settings: Settings, *, token: str | N
     manifest.settings_hash = settings_history.remember(paths.root, settings)
     write_manifest(paths, manifest)
     return manifest
+
+
+def _pipeline_vision_encoder(teacher: dict) -> dict:
+    """The vision encoder an LLaDA-Image teacher brings: its sigvq/ folder, pinned with the teacher."""
+    folder = Path(teacher["path"]) / layout.VISION_DIR
+    files = [p for p in folder.rglob("*") if p.is_file()]
+    return Material("vision_encoder", f"{teacher['source']} ({layout.VISION_DIR}/)", str(folder), teacher["commit"],
+                    len(files), sum(p.stat().st_size for p in files), origin=teacher.get("origin", "local")).entry()
 
 
 def write_manifest(paths: ProjectPaths, manifest: MaterialsManifest) -> None:
@@ -446,12 +573,16 @@ def _stored_form(paths: ProjectPaths, manifest: MaterialsManifest) -> dict:
 def materials_settings_key(settings: Settings) -> dict:
     """The settings a materials manifest was resolved under (the layers are read later, by the shards).
 
-    ``query_rows`` and ``student_tokenizer`` enter only when set: a project resolved before the key existed stays
-    current."""
+    ``query_rows``, ``student_tokenizer`` and ``teacher_kind`` enter only when set: a project resolved before the
+    key existed stays current."""
     m = {k: v for k, v in settings.section_dict("materials").items()
-         if k not in ("teacher_layer", "student_layer") and not (k in ("query_rows", TOKENIZER_ROLE) and not v)}
+         if k not in ("teacher_layer", "student_layer")
+         and not (k in ("query_rows", TOKENIZER_ROLE) and not v) and not (k == "teacher_kind" and v == layout.AUTO)}
     choice = teacher_choice(settings)
-    return {**m, "mode": choice.mode, "mock_teacher": choice.mock}
+    key = {**m, "mode": choice.mode, "mock_teacher": choice.mock}
+    if pipeline_vision(settings):  # an LLaDA-Image teacher's sigvq/ is fetched
+        key["teacher_vision"] = True
+    return key
 
 
 def materials_fingerprint(settings: Settings) -> str:
@@ -481,10 +612,11 @@ def manifest_is_current(paths: ProjectPaths, settings: Settings) -> bool:
         if now is None:
             return False
         gguf["file"] = now
+    teacher = manifest.teacher or {}
+    pipeline = teacher.get("kind") == layout.LLADA_IMAGE_PIPELINE and teacher.get("origin") == "local"
     for folder, files in manifest.hash_cache.items():
         root = Path(folder)
-        current = {p.relative_to(root).as_posix(): p for p in root.rglob("*")
-                   if p.is_file() and not p.name.startswith(atomic.TEMP_PREFIX)} if root.is_dir() else {}
+        current = _folder_files(root, _pipeline_reads(settings) if pipeline and folder == teacher["path"] else None)
         if set(current) != set(files):
             return False
         for rel, entry in files.items():

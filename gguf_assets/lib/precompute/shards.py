@@ -35,6 +35,7 @@ from gguf_assets.lib.core import atomic, faults, verify
 from gguf_assets.lib.core.errors import UserError
 from gguf_assets.lib.core.f16 import F16_MAX
 from gguf_assets.lib.corpus.corpus import read_split, shard_prompts
+from gguf_assets.lib.materials.teacher_layout import LLADA_IMAGE_PIPELINE, TEACHER_FORWARDS
 from gguf_assets.lib.precompute.half_state import HalfState
 from gguf_assets.lib.project import formats, settings_history
 from gguf_assets.lib.project.layout import (
@@ -80,6 +81,14 @@ def half_fingerprint(half: str, settings: Settings, materials: MaterialsManifest
     """Everything a half depends on: its settings, the pinned models it runs, and its prompts."""
     model = "student" if half == "student" else teacher_choice(settings).targets_model
     extra = {}
+    kind = (materials.teacher or {}).get("kind") if half == "teacher" and model == "teacher" else None
+    if kind == LLADA_IMAGE_PIPELINE:
+        # The pipeline's own forward: its version, and the modeling code it ran (a changed file recomputes).
+        # Query rows, their layer and the template are the kind's own, so those settings do not enter.
+        p = settings.precompute
+        return atomic.fingerprint({"half": half, "prompts": shard_prompts_hash, "kind": kind,
+                                   "forward": TEACHER_FORWARDS[kind], "remote_code": materials.teacher["remote_code"],
+                                   "dtype": p.target_dtype, model: materials.pin(model), "format": formats.SHARD_HALF})
     if half == "teacher" and model == "teacher" and settings.materials.query_rows:
         # The rows' content (the tensor's sha256): a moved branch of their repo makes the targets stale.
         extra["query_rows_sha256"] = (materials.query_rows or {}).get("tensor_sha256")
@@ -244,7 +253,7 @@ class ShardBuilder:
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-        from gguf_assets.lib.precompute.teacher import load_teacher
+        from gguf_assets.lib.precompute.teacher_loader import load_teacher
 
         folder = Path(self.materials.teacher["path"]) if self.choice.loads_teacher_model else None
         rows = None
@@ -253,7 +262,8 @@ class ShardBuilder:
 
             rows = rows_location(self.settings, self.materials, folder)
         self._teacher = load_teacher(self.choice, self.settings, teacher_folder=folder, student=self.student,
-                                     device=self.device, gpu_budget_gib=gpu_budget_gib, rows=rows)
+                                     device=self.device, gpu_budget_gib=gpu_budget_gib, rows=rows,
+                                     kind=(self.materials.teacher or {}).get("kind"))
         self.gpu_budget_gib = gpu_budget_gib if gpu_budget_gib is not None else self._teacher.placement.gpu_budget_gib
         return self._teacher
 

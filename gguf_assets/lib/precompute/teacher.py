@@ -30,7 +30,7 @@ from gguf_assets.lib.core.ggk_contract import LLADA_IMAGE, rendered_prompt
 from gguf_assets.lib.core.quiet import quiet_libraries
 from gguf_assets.lib.precompute.batching import pack_batches, right_padded
 from gguf_assets.lib.project.settings import Settings
-from gguf_assets.lib.project.teacher_choice import MOCK_DIM, MOCK_QUERY_ROWS, TeacherChoice
+from gguf_assets.lib.project.teacher_choice import MOCK_DIM, MOCK_QUERY_ROWS
 
 log = logging.getLogger(__name__)
 
@@ -442,12 +442,3 @@ class MockTeacher:
 
 def summarize_placement(summary: dict[str, dict[str, float]]) -> str:
     return ", ".join(f"{d}: {v['layers']} layers, {v['gib']:.2f} GiB" for d, v in summary.items())
-
-
-def load_teacher(choice: TeacherChoice, settings: Settings, *, teacher_folder: Path | None, student, device,
-                 gpu_budget_gib: float | None = None, rows: tuple[Path, str, str] | None = None):
-    """The teacher implementation ``choice`` names (lib/project/teacher_choice.py); ``student`` is a callable
-    returning the loaded student."""
-    if choice.mock:
-        return MockTeacher(student())
-    return HFTeacher(Path(teacher_folder), settings, device, gpu_budget_gib=gpu_budget_gib, rows=rows)

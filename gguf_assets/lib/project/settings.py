@@ -192,8 +192,18 @@ def _cross_check(key: str, message: str) -> PydanticCustomError:
     return PydanticCustomError("cross_check", "{message}", {"key": key, "message": message})
 
 
+# materials.teacher_kind: told by what the teacher holds, or one of the kinds (lib/materials/teacher_layout.py).
+TEACHER_KINDS = ("auto", "query-rows", "llada-image")
+
+
 class Materials(_Section):
-    teacher: str = Field("", description="teacher LLM: hub repo id (optionally @revision) or local folder")
+    teacher: str = Field("", description=(
+        "the teacher: hub repo id (optionally @revision) or local folder; a transformers LLM with query rows, or an "
+        "LLaDA-Image pipeline (e.g. inclusionAI/LLaDA-Image-Turbo: only its text stack is fetched)"))
+    teacher_kind: Literal[TEACHER_KINDS] = Field("auto", description=(
+        "auto: told by what materials.teacher holds (a model_index.json with queryformer/ is an LLaDA-Image "
+        "pipeline); query-rows: an LLM read at fixed query rows; llada-image: the pipeline's text stack "
+        "(QueryFormer, LLaDA2-MoE backbone, text projection)"))
     student: str = Field("", description=(
         "student LLM: hub repo id (optionally @revision), local folder, or a local .gguf file as ggk runs it "
         "(`--llm`: a Qwen3 under its Hugging Face tensor names, f32/f16/bf16 or quantized, e.g. q8_0), converted "
@@ -216,7 +226,9 @@ class Materials(_Section):
     teacher_layer: int = Field(-1, description="teacher hidden layer taken at the query positions (-1 = last)")
     student_layer: StudentLayer = Field(STUDENT_LAYER, description=(
         "student hidden layer fed to the adapter: -1 (after the final norm), the only one ggk feeds it"))
-    trust_remote_code: bool = Field(False, description="allow models that need remote code (off: safer)")
+    trust_remote_code: bool = Field(False, description=(
+        "allow models that need remote code, such as an LLaDA-Image pipeline's LLaDA2-MoE text encoder (off: "
+        "safer; a refusal names the files and their sha256)"))
 
     @model_validator(mode="after")
     def _student_tokenizer(self) -> "Materials":

@@ -4,7 +4,7 @@
 states, no teacher download) stays the user-facing switch; only this module reads it. Every
 stage asks the choice instead: what to download and pin, what the targets' fingerprint
 depends on, what the GGUF names as its teacher, and which implementation the precompute loads
-(lib/precompute/teacher.py ``load_teacher``: HFTeacher or MockTeacher, both with
+(lib/precompute/teacher_loader.py ``load_teacher``: HFTeacher, LLaDAImageTeacher or MockTeacher, all with
 ``encode(prompts, dtype=, on_batch=)``). It lives with the settings because every stage from the
 materials on reads it. No torch import here: the status and the CLI read it.
 """
