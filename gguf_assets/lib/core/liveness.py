@@ -6,7 +6,6 @@ run launcher; these facts let us tell such a run from a live one.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 BOOT_ID_FILE = Path("/proc/sys/kernel/random/boot_id")
@@ -36,17 +35,17 @@ def machine_id() -> str:
 
 
 def process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+    """True while process ``pid`` runs (also one owned by another user); a zombie (killed, not yet reaped by its
+    parent) counts as gone."""
+    import psutil
+
+    if not psutil.pid_exists(pid):
         return False
-    except PermissionError:  # exists, owned by someone else
-        return True
-    # A zombie (killed, not yet reaped) is not alive for our purposes.
     try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        return state != "Z"
-    except (OSError, IndexError):
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:  # ended since (psutil.ZombieProcess is one too)
+        return False
+    except psutil.Error:  # AccessDenied: it exists, and we may not look
         return True
 
 
