@@ -41,7 +41,7 @@ import subprocess
 import time
 
 from gguf_assets.lib.core.commands import trainer, venv_tool
-from gguf_assets.lib.core.errors import UserError, os_refusal_message
+from gguf_assets.lib.core.errors import ProjectNotWritable, UserError, os_refusal_message, write_refusal
 from gguf_assets.lib.core.lock import hold_services
 from gguf_assets.lib.project.layout import ProjectPaths
 from gguf_assets.lib.project.settings import (
@@ -192,6 +192,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     from gguf_assets.lib.project.layout import check_output_folders
 
     paths = ProjectPaths.of(args.project)
+    # A read-only project (a copy on read-only media, another user's folder) is refused before anything loads or
+    # starts, with the one line that says so; `status`, `runs` and `verify` read it as usual.
+    refused = write_refusal(paths.root, [paths.dagster_home, paths.root], command="run")
+    if refused:
+        raise ProjectNotWritable(refused)
     check_output_folders(paths, load_settings(paths.root))  # fail fast on a bad project.yaml or output folder
     return _run(paths, workers=getattr(args, "workers", None), cancel_on_stop=getattr(args, "cancel_on_stop", False))
 

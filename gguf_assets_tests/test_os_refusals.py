@@ -83,8 +83,7 @@ def used_project(tmp_path_factory, demo_materials_root) -> Path:
 
 
 READ_ONLY_REFUSALS = {
-    # command: what it needs to write first
-    "status": ".pipeline.workers.lock (the project's lock)",
+    # command: what it needs to write first (`status`, `runs`, `verify` and `estimate` only read: see below)
     "run": ".dagster (Dagster's record of the runs)",
     "ui": ".dagster/services.lock (the lock that keeps one studio and one Dagster daemon per project)",
     "auto-resume": ".dagster (Dagster's record of the runs)",
@@ -95,7 +94,7 @@ READ_ONLY_REFUSALS = {
 @pytest.mark.parametrize("command", READ_ONLY_REFUSALS)
 def test_a_read_only_project_is_one_line_for_every_command_that_writes(used_project, command):
     root = used_project
-    args = {"status": ["status", str(root)], "run": ["run", str(root)],
+    args = {"run": ["run", str(root)],
             "ui": ["ui", str(root), "--no-tensorboard", "--no-daemon", "--port", str(free_port()),
                    "--studio-port", str(free_port())],
             "auto-resume": ["auto-resume", str(root), "--no-daemon"],
@@ -109,8 +108,14 @@ def test_a_read_only_project_is_one_line_for_every_command_that_writes(used_proj
 
 
 def test_reading_commands_work_on_a_read_only_project_and_a_repair_is_one_line(used_project, tmp_path):
-    """`estimate` and `verify` only read: they answer as usual. `verify --repair` must write its marks."""
+    """`status`, `runs`, `estimate` and `verify` only read: they answer as usual. `verify --repair` must write its
+    marks."""
     root = used_project
+    done = in_namespace(READ_ONLY, root, "status", str(root))  # asks who holds the lock without writing its files
+    assert done.returncode == 0 and done.stdout.startswith("  materials ") and not done.stderr, done.stdout + \
+        done.stderr
+    done = in_namespace(READ_ONLY, root, "runs", str(root))
+    assert done.returncode == 0 and "has no training runs yet" in done.stdout, done.stdout + done.stderr
     done = in_namespace(READ_ONLY, root, "estimate", str(root))
     assert done.returncode == 0 and "peak on one GPU" in done.stdout, done.stdout + done.stderr
     done = in_namespace(READ_ONLY, root, "verify", str(root))
@@ -126,6 +131,26 @@ def test_reading_commands_work_on_a_read_only_project_and_a_repair_is_one_line(u
     assert "damaged" in done.stdout, done.stdout
     one_line(done, f"{copy} is read-only", f"`gguf-trainer verify` needs to write {copy}/materials/manifest.json",
              f"cp -a {copy} NEW")
+
+
+def test_a_finished_project_copied_to_read_only_media_reads_and_run_is_refused_at_once(finished_project, tmp_path):
+    """A copy (new inodes: its first status checks the files by content, and cannot keep the new stamps) on a
+    file system mounted read-only: status, runs and verify answer as on the original; run is one line, at once."""
+    copy = tmp_path / "copy"
+    shutil.copytree(finished_project[0], copy, symlinks=True)
+    done = in_namespace(READ_ONLY, copy, "status", str(copy))
+    states = {line.split()[0]: line.split()[1] for line in done.stdout.splitlines() if line.startswith("  ")}
+    assert done.returncode == 0 and not done.stderr, done.stdout + done.stderr
+    assert states == dict.fromkeys(("materials", "corpus", "train_shards", "val_shards", "adapter", "gguf",
+                                    "eval_report"), "current"), done.stdout
+    done = in_namespace(READ_ONLY, copy, "runs", str(copy))
+    assert done.returncode == 0 and "finished" in done.stdout and "current" in done.stdout, done.stdout + done.stderr
+    done = in_namespace(READ_ONLY, copy, "verify", str(copy))
+    assert done.returncode == 0 and "0 damaged, 0 missing" in done.stdout, done.stdout + done.stderr
+    done = in_namespace(READ_ONLY, copy, "run", str(copy))
+    one_line(done, f"{copy} is read-only (its file system is mounted read-only at {copy})",
+             f"`gguf-trainer run` needs to write {copy}/.dagster", f"cp -a {copy} NEW")
+    assert done.stdout.strip() in ("", "starting: loading the pipeline"), done.stdout  # refused before anything ran
 
 
 def test_init_into_a_read_only_folder_or_a_full_disk_is_one_line(used_project, tmp_path):

@@ -202,3 +202,18 @@ def os_refusal_message(exc: BaseException, *, project: str | Path | None, comman
     return (f"Permission denied: {there} ({stat.filemode(st.st_mode)}, owner {_name_of(st.st_uid)}) may not be "
             f"written by {user}, and {what}. Make it writable for {user} (`chmod -R u+w {folder}` as its owner, or "
             f"`chown -R {user} {folder}` as root){elsewhere}.")
+
+
+class ProjectNotWritable(UserError):
+    """A command that writes the project (`run`), refused before it starts: the folder is read-only."""
+
+
+def write_refusal(project: str | Path, needs: list[Path], *, command: str) -> str | None:
+    """``os_refusal_message``'s line when the first of ``needs`` (what ``command`` writes first, in the project
+    folder ``project``) may not be written: its file system is mounted read-only, or this user lacks the
+    permission. None when it may (a full disk is left to the write that meets it)."""
+    probed = _probe(needs)
+    if probed is None or probed[0] not in (errno.EROFS, errno.EACCES):
+        return None
+    code, path = probed
+    return os_refusal_message(OSError(code, os.strerror(code), str(path)), project=project, command=command)

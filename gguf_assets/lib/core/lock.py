@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import errno
 import fcntl
 import json
 import os
@@ -269,6 +270,8 @@ def _workers_still_write(lock_file: Path, *, new_pipeline: bool = False) -> bool
     the earlier one in that moment (see the module docstring)."""
     if not new_pipeline and not workers_file(lock_file).is_file():  # a new pipeline creates it: no race
         return False
+    if not new_pipeline:  # a question only (`status`, the studio): asked on a read-only project folder too
+        return _held_by_another(workers_file(lock_file))
     workers = _flock(workers_file(lock_file), fcntl.LOCK_EX)
     if workers is None:
         return True
@@ -277,6 +280,40 @@ def _workers_still_write(lock_file: Path, *, new_pipeline: bool = False) -> bool
     fcntl.flock(workers, fcntl.LOCK_UN)
     os.close(workers)
     return False
+
+
+def _open_to_look(path: Path, *, exclusive: bool = False) -> int | None:
+    """``path`` opened to take an flock on it for a moment, without creating it: for writing where that is allowed
+    (an exclusive flock over NFS needs it), else read-only (flock itself needs no write access), so the questions
+    below work on a project folder mounted read-only or of another user too, where they only read. None when the
+    file is not there, or may not be opened at all (another user's 0600 lock): then nobody is known to hold it."""
+    for mode in ((os.O_RDWR, os.O_RDONLY) if exclusive else (os.O_RDONLY,)):
+        try:
+            return os.open(path, mode)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            if exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+                raise
+    return None
+
+
+def _held_by_another(path: Path) -> bool:
+    """Whether another open file holds an flock (shared or exclusive) on ``path`` now; takes it for a moment only.
+    False when that cannot be told (the file may not be opened, or not locked so over a network file system)."""
+    fd = _open_to_look(path, exclusive=True)
+    if fd is None:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    except BlockingIOError:
+        return True
+    except OSError:  # EBADF: an NFS flock (a byte-range lock there) of a read-only file cannot be exclusive
+        return False
+    finally:
+        os.close(fd)
 
 
 def _now() -> str:
@@ -300,9 +337,8 @@ def is_locked(lock_file: Path) -> bool:
         return True
     if _workers_still_write(lock_file):
         return True
-    try:
-        fd = os.open(lock_file, os.O_RDONLY)
-    except FileNotFoundError:
+    fd = _open_to_look(lock_file)
+    if fd is None:
         return False
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
@@ -318,9 +354,8 @@ def holder(lock_file: Path) -> HolderRecord | None:
     """Who holds the lock now (pid, started, what[, running]), or None when nobody does."""
     if not is_locked(lock_file):
         return None
-    try:
-        fd = os.open(Path(lock_file).resolve(), os.O_RDONLY)
-    except FileNotFoundError:
+    fd = _open_to_look(Path(lock_file).resolve())
+    if fd is None:
         return None
     try:
         return _read_holder(fd)

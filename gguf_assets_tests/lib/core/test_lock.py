@@ -314,3 +314,51 @@ def test_cluster_runs_join_only_when_admitted_and_survive_their_leader_until_a_n
         said = late.stdout.readline()
         late.wait(timeout=30)
         assert said.startswith("refused: run run-late is not admitted") and "an earlier one" in said, said
+
+
+def test_who_holds_the_lock_is_asked_without_writing_so_a_read_only_project_answers(lock_file, monkeypatch):
+    """`status` asks who holds the lock: on a folder mounted read-only no lock file opens for writing (EROFS, which
+    refuses root too), yet a holder and a worker still writing are told; a lock file this user may not open at
+    all (another user's 0600 one) is no holder known, not an error."""
+    import errno
+    import fcntl
+
+    from gguf_assets.lib.core import lock
+
+    lock_file.parent.mkdir(parents=True)
+    real_open, refused = os.open, {}
+
+    def mounted_read_only(path, flags, *args, **kw):
+        if Path(path).parent == lock_file.parent.resolve() and flags & (os.O_RDWR | os.O_WRONLY | os.O_CREAT):
+            refused[Path(path).name] = True
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+        return real_open(path, flags, *args, **kw)
+
+    holder_proc = _start_holder(lock_file)
+    try:
+        monkeypatch.setattr(lock.os, "open", mounted_read_only)
+        record = lock.holder(lock_file)
+        assert record is not None and record.pid == holder_proc.pid
+    finally:
+        monkeypatch.undo()
+        holder_proc.stdin.write("\n")
+        holder_proc.stdin.flush()
+        holder_proc.wait(timeout=30)
+    workers = real_open(lock.workers_file(lock_file), os.O_RDWR | os.O_CREAT, 0o600)  # a worker still writing
+    fcntl.flock(workers, fcntl.LOCK_SH)
+    try:
+        monkeypatch.setattr(lock.os, "open", mounted_read_only)
+        assert lock.is_locked(lock_file)  # told through a read-only open of the workers file
+        assert refused == {lock.workers_file(lock_file).name: True}  # it tried to write, and was refused
+    finally:
+        monkeypatch.undo()
+        os.close(workers)
+    assert not lock.is_locked(lock_file)
+
+    def not_ours(path, flags, *args, **kw):
+        if Path(path).parent == lock_file.parent.resolve():
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real_open(path, flags, *args, **kw)
+
+    monkeypatch.setattr(lock.os, "open", not_ours)
+    assert lock.holder(lock_file) is None and not lock.is_locked(lock_file)
