@@ -19,6 +19,7 @@ from pathlib import Path
 from gguf_assets.lib.core import atomic
 from gguf_assets.lib.core.errors import UserError
 from gguf_assets.lib.materials import hub, query_rows
+from gguf_assets.lib.materials import teacher_layout as layout
 
 CACHE_SUBDIR = "hub"
 CONFIG_FILE = "config.json"
@@ -83,18 +84,41 @@ def hub_model(cache_dir: Path, source: str, *, skip: str = "", token: str | None
                                            "why": str(exc).splitlines()[0].split("): ", 1)[-1]})
         raise
     unanswered.unlink(missing_ok=True)
-    if CONFIG_FILE not in listing.files:
-        raise UserError(f"{source}: the repo has no config.json at {listing.commit[:12]}; point it at a transformers "
-                        "model repo (config, tokenizer and *.safetensors).")
-    small = [p for p in (CONFIG_FILE, WEIGHTS_INDEX) if p in listing.files]
     folder = _cache_root(cache_dir) / ref.folder / listing.commit
-    hub.download(ref, listing.subset(small), folder, token=token, options=options)
+    if CONFIG_FILE in listing.files:
+        small = [p for p in (CONFIG_FILE, WEIGHTS_INDEX) if p in listing.files]
+        hub.download(ref, listing.subset(small), folder, token=token, options=options)
+        weights = [f for p, f in listing.files.items() if "/" not in p and p.endswith(WEIGHTS_SUFFIX) and p != skip]
+    elif layout.is_pipeline(listing.files):
+        small, weights = _pipeline_configs(ref, listing, folder, token=token, options=options)
+    else:
+        raise UserError(f"{source}: the repo has no config.json at {listing.commit[:12]}; point it at a transformers "
+                        "model repo (config, tokenizer and *.safetensors) or an LLaDA-Image pipeline.")
     shutil.rmtree(folder / hub.HF_CACHE_DIR, ignore_errors=True)
-    weights = [f for p, f in listing.files.items() if "/" not in p and p.endswith(WEIGHTS_SUFFIX) and p != skip]
     model = HubModel(source, listing.commit, folder, sum(f.size for f in weights), len(weights),
                      sum(listing.files[p].size for p in small))
     atomic.write_json(pointer, {**asdict(model), "folder": str(folder)})
     return model
+
+
+def _pipeline_configs(ref: hub.RepoRef, listing: hub.Listing, folder: Path, *, token: str | None,
+                      options: hub.HubOptions) -> tuple[list[str], list]:
+    """An LLaDA-Image pipeline's sizes without its weights: the index, the parts' configs, the text encoder's weights
+    index and its modeling files (kept, never run here: the estimate builds the encoder with them only under
+    materials.trust_remote_code). Returns (files read, the text stack's weight files)."""
+    encoder = layout.TEXT_ENCODER_DIR
+    wanted = [layout.MODEL_INDEX, f"{encoder}/{CONFIG_FILE}", f"{encoder}/{WEIGHTS_INDEX}",
+              *(f"{part}/{CONFIG_FILE}" for part in (layout.QUERYFORMER_DIR, layout.PROJECTION_DIR))]
+    small = [p for p in wanted if p in listing.files]
+    hub.download(ref, listing.subset(small), folder, token=token, options=options)
+    try:
+        code = [p for p in layout.remote_code_files(layout.encoder_config(folder)) if p in listing.files]
+    except layout.LayoutError as exc:
+        raise UserError(f"{ref}: {exc}") from None
+    hub.download(ref, listing.subset(code), folder, token=token, options=options)
+    weights = [f for p, f in listing.files.items() if p.endswith(WEIGHTS_SUFFIX)
+               and p.split("/", 1)[0] in (layout.TEXT_ENCODER_DIR, layout.QUERYFORMER_DIR, layout.PROJECTION_DIR)]
+    return small + code, weights
 
 
 def hub_rows_shape(cache_dir: Path, source: str, file: str, tensor: str, hidden: int, *, token: str | None = None,

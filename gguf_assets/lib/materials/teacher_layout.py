@@ -125,3 +125,43 @@ def pipeline_folder_problem(folder: Path, *, vision: bool) -> str | None:
         if f"{part}/config.json" not in small:
             return f"{folder}: {part}/config.json is missing"
     return None
+
+
+def is_pipeline_folder(folder: Path) -> bool:
+    """A pipeline folder the estimate can read: its index and its text encoder's config (weights may come later)."""
+    return (folder / MODEL_INDEX).is_file() and (folder / TEXT_ENCODER_DIR / "config.json").is_file()
+
+
+def part_config(folder: Path, part: str) -> dict:
+    return json.loads((folder / part / "config.json").read_text(encoding="utf-8"))
+
+
+def conditioning_shape(folder: Path) -> tuple[int, int]:
+    """(Q, D) of the targets: the QueryFormer's queries and the text projection's width, from their configs."""
+    try:
+        return (int(part_config(folder, QUERYFORMER_DIR)["num_queries"]),
+                int(part_config(folder, PROJECTION_DIR)["projection_dim"]))
+    except (OSError, KeyError, ValueError, TypeError) as exc:
+        raise LayoutError(f"{folder}: the QueryFormer's num_queries and the text projection's projection_dim are not "
+                          f"readable from their config.json ({type(exc).__name__}: {exc})") from None
+
+
+def parts_params(folder: Path) -> int:
+    """Parameters of the QueryFormer and the text projection, from their configs (lib/precompute/llada_teacher.py
+    builds exactly these modules)."""
+    qf, tp = part_config(folder, QUERYFORMER_DIR), part_config(folder, PROJECTION_DIR)
+    d, inter = qf["hidden_size"], qf["intermediate_size"]
+    block = 3 * d * d + 3 * d + d * d + d + d * inter + inter + inter * d + d
+    queryformer = qf["num_queries"] * d + qf.get("num_hidden_layers", 1) * block
+    d, inter = tp["hidden_size"], tp["intermediate_size"]
+    layer = 4 * (d * d + d) + d * inter + inter + inter * d + d
+    return queryformer + tp.get("num_hidden_layers", 6) * layer + d * tp["projection_dim"] + tp["projection_dim"]
+
+
+def index_bytes(folder: Path) -> int | None:
+    """The text encoder's weights in bytes, from its safetensors index (metadata.total_size), when it has one."""
+    index = folder / TEXT_ENCODER_DIR / "model.safetensors.index.json"
+    if not index.is_file():
+        return None
+    total = json.loads(index.read_text(encoding="utf-8")).get("metadata", {}).get("total_size")
+    return int(total) if isinstance(total, int | float) else None

@@ -53,6 +53,7 @@ from gguf_assets.lib.precompute.teacher import (
     TeacherTargets,
     _execution_device,
     device_map_summary,
+    empty_model,
     pad_token_id,
     plan_placement,
     summarize_placement,
@@ -370,6 +371,12 @@ def backbone_mask(keep: torch.Tensor, text_positions: int, dtype: torch.dtype) -
     blocked = ~keep[:, None, None, :].expand(-1, 1, keep.shape[1], -1).clone()
     blocked[:, :, :text_positions, text_positions:] = True
     return torch.zeros(blocked.shape, dtype=dtype).masked_fill(blocked, torch.finfo(dtype).min)
+
+
+def empty_backbone(folder: Path, settings: Settings, dtype: torch.dtype):
+    """A pipeline's text encoder on the meta device, by its own code (for the estimate's sizes and placements)."""
+    with _written_for_transformers_4():
+        return empty_model(folder / TEXT_ENCODER_DIR, settings, dtype)
 
 
 @contextlib.contextmanager

@@ -25,6 +25,7 @@ from gguf_assets.lib.core.errors import UserError
 from gguf_assets.lib.core.safetensors_io import safetensors_header
 from gguf_assets.lib.materials import hub, hub_shapes
 from gguf_assets.lib.materials import query_rows as qr
+from gguf_assets.lib.materials import teacher_layout as layout
 from gguf_assets.lib.materials.materials import load_manifest
 from gguf_assets.lib.project.layout import ProjectPaths
 from gguf_assets.lib.project.settings import Settings
@@ -46,15 +47,20 @@ class MemoryLine:
 def _folder(paths: ProjectPaths, role: str, value: str) -> Path | None:
     """A model's folder: a local one as configured, or a hub repo where the materials step downloaded it."""
     folder = paths.resolve_local(value) if value else None
-    if folder is not None and (folder / "config.json").is_file():
+    if folder is not None and _readable(folder):
         return folder
     try:
         entry = getattr(load_manifest(paths), role)
     except (OSError, ValueError, TypeError, UserError):
         return None
-    if entry and entry.get("source") == value and (Path(entry["path"]) / "config.json").is_file():
+    if entry and entry.get("source") == value and _readable(Path(entry["path"])):
         return Path(entry["path"])
     return None
+
+
+def _readable(folder: Path) -> bool:
+    """A model folder with its config.json, or an LLaDA-Image pipeline with its text encoder's."""
+    return (folder / "config.json").is_file() or layout.is_pipeline_folder(folder)
 
 
 @dataclass(frozen=True)
@@ -92,10 +98,12 @@ def model_config(paths: ProjectPaths, settings: Settings, role: str, *, token: s
     except OSError as exc:  # a read-only project folder: nowhere to keep what the hub said
         return ModelConfig(None, f"{value}: cannot keep the hub's answer in {paths.cache_dir} ({exc}); make the "
                                  "project folder writable")
+    weights = f"the weights, {size_text(remote.weights_bytes / GIB)} in {remote.weight_files} file(s), not downloaded"
+    if layout.is_pipeline_folder(remote.folder):  # how its text encoder was sized follows (pipeline_params)
+        return ModelConfig(remote.folder, f" (the configs from the hub at {remote.commit[:12]}, "
+                                          f"{remote.read_bytes / 1024:.1f} KiB read; {weights})")
     return ModelConfig(remote.folder, f" (config.json from the hub at {remote.commit[:12]}, "
-                                      f"{remote.read_bytes / 1024:.1f} KiB read, built on the meta device; the "
-                                      f"weights, {size_text(remote.weights_bytes / GIB)} in {remote.weight_files} "
-                                      "file(s), not downloaded)")
+                                      f"{remote.read_bytes / 1024:.1f} KiB read, built on the meta device; {weights})")
 
 
 def _rows_shape(paths: ProjectPaths, settings: Settings, teacher: Path, *, token: str | None,
@@ -104,6 +112,8 @@ def _rows_shape(paths: ProjectPaths, settings: Settings, teacher: Path, *, token
     fetched material, the file or hub repo materials.query_rows names, the teacher folder's query_rows_file;
     else the usual Q, said so with what to add."""
     m = settings.materials
+    if layout.is_pipeline_folder(teacher):  # the rows are the QueryFormer's, the width the projection's
+        return (*layout.conditioning_shape(teacher), "")
     hidden = qr.teacher_hidden_size(teacher)
     if m.query_rows:
         entry = None
@@ -158,8 +168,34 @@ def config_params(folder: Path, settings: Settings) -> int:
     return sum(p.numel() for p in empty_model(folder, settings, torch.bfloat16).parameters())
 
 
+def pipeline_params(folder: Path, settings: Settings) -> tuple[int, str]:
+    """(parameters, from where) of an LLaDA-Image pipeline's text stack: the text encoder, QueryFormer and text
+    projection, from their safetensors headers; without weights, the parts from their configs and the text encoder
+    from its config on the meta device (by the repo's code: only with materials.trust_remote_code), else from its
+    weights index."""
+    parts = sum(weight_params(folder / p) for p in (layout.QUERYFORMER_DIR, layout.PROJECTION_DIR)) \
+        or layout.parts_params(folder)
+    backbone, how = weight_params(folder / layout.TEXT_ENCODER_DIR), ""
+    if not backbone and settings.materials.trust_remote_code:
+        import torch
+
+        from gguf_assets.lib.precompute.llada_teacher import empty_backbone
+
+        backbone = sum(p.numel() for p in empty_backbone(folder, settings, torch.bfloat16).parameters())
+        how = "; the text encoder from its config.json on the meta device, by the repo's code"
+    elif not backbone:
+        size = layout.index_bytes(folder)
+        if size is None:
+            raise UserError(f"{folder / layout.TEXT_ENCODER_DIR}: its size needs its weights, its safetensors index, "
+                            "or materials.trust_remote_code (its config is built by the repo's code)")
+        backbone, how = size // BYTES["bf16"], "; the text encoder from its weights index (bf16)"
+    return backbone + parts, f" (text encoder, QueryFormer and text projection{how})"
+
+
 def model_params(folder: Path, settings: Settings, *, skip: str = "") -> tuple[int, str]:
     """(parameters, from where): the safetensors headers when the weights are there, else config.json alone."""
+    if layout.is_pipeline_folder(folder):
+        return pipeline_params(folder, settings)
     n = weight_params(folder, skip=skip)
     if n:
         return n, ""
@@ -188,12 +224,27 @@ def teacher_placements(folder: Path, settings: Settings, *, free_gpu_bytes: dict
     device = torch.device(setting if setting.startswith("cuda:") else "cuda:0")
     max_memory = memory_budgets(settings, device, free_gpu_bytes=free_gpu_bytes,
                                 available_cpu_bytes=available_cpu_bytes)
-    model = empty_model(folder, settings, torch.bfloat16)
+    parts_gib = 0.0
+    if layout.is_pipeline_folder(folder):  # the backbone is placed; its small parts stay on the chosen GPU
+        from gguf_assets.lib.precompute.llada_teacher import empty_backbone
+
+        if not settings.materials.trust_remote_code:
+            raise UserError("the text encoder's layers are known from the repo's own code: set "
+                            "materials.trust_remote_code: true to plan where they go")
+        model = empty_backbone(folder, settings, torch.bfloat16)
+        parts_gib = layout.parts_params(folder) * BYTES["bf16"] / GIB
+    else:
+        model = empty_model(folder, settings, torch.bfloat16)
     natural = {k: max_memory[k] for k in sorted(k for k in max_memory if isinstance(k, int))} | {
         "cpu": max_memory["cpu"]}  # balanced splits over the GPUs in their own order, as transformers does
     with _quiet_about_absent_gpus():
-        return {"sequential": device_map_summary(model, sequential_device_map(model, max_memory)),
-                "balanced": device_map_summary(model, _get_device_map(model, "balanced", natural, None))}
+        plans = {"sequential": device_map_summary(model, sequential_device_map(model, max_memory)),
+                 "balanced": device_map_summary(model, _get_device_map(model, "balanced", natural, None))}
+    for summary in plans.values():
+        if parts_gib:
+            chosen = summary.setdefault(str(device), {"layers": 0, "gib": 0.0})
+            chosen["gib"] = round(chosen["gib"] + parts_gib, 4)
+    return plans
 
 
 @contextlib.contextmanager
@@ -229,8 +280,8 @@ def _weights_line(role: str, config: ModelConfig, settings: Settings, dtype: str
     except (ValueError, KeyError, OSError, ImportError) as exc:  # an unknown model_type, a config missing a key
         return MemoryLine(role, None, f"{config.folder / 'config.json'} cannot be built on the meta device "
                                       f"({str(exc).splitlines()[0][:200]}); check materials.{role}")
-    return MemoryLine(role, n * BYTES[dtype] / GIB, f"{_count(n)} parameters in {dtype} {how}"
-                      + (config.why or source) + after)
+    where = config.why + source if layout.is_pipeline_folder(config.folder) else config.why or source
+    return MemoryLine(role, n * BYTES[dtype] / GIB, f"{_count(n)} parameters in {dtype} {how}{where}{after}")
 
 
 def estimate(paths: ProjectPaths, settings: Settings, *, token: str | None = None,
