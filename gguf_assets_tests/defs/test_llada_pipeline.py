@@ -83,9 +83,9 @@ def test_remote_code_is_refused_before_any_weight_then_allowed_runs_to_a_gguf_wi
     settings = load_settings(paths.root)
     report = atomic.read_json(paths.output_dir(settings) / REPORT_JSON)
     assert report["val_centred_cosine"] is not None
-    shapes = atomic.read_json(next(paths.root.glob("shards/val/*/teacher.json")))
-    assert shapes.get("shape", [None, TINY_LLADA.num_queries, TINY_LLADA.projection_dim])[1:] == \
-        [TINY_LLADA.num_queries, TINY_LLADA.projection_dim]
+    half = atomic.read_json(next(paths.root.glob("shards/val/*/teacher.json")))
+    assert (half["query_rows"], half["dim"]) == (TINY_LLADA.num_queries, TINY_LLADA.projection_dim)
+    assert (half["teacher_kind"], half["teacher_forward"]) == ("llada-image", 1)
     assert report["ggk_files"]["vision_encoder"] and paths.located(report["ggk_files"]["vision_encoder"]).is_file()
 
 
@@ -113,6 +113,12 @@ def test_a_changed_modeling_file_makes_the_teacher_halves_stale_and_nothing_else
     after_manifest, after = fingerprints()
     assert after_manifest.teacher["remote_code"] != before_manifest.teacher["remote_code"]
     assert after["teacher"] != before["teacher"] and after["student"] == before["student"]
+
+    # A setting of the query-rows kind that a pipeline would ignore is refused, naming it.
+    write_project_file(paths.root, replace(_settings(str(teacher), trust_remote_code=True),
+                                           materials={"teacher_layer": 1}))
+    with pytest.raises(MaterialsError, match="materials.teacher_layer = 1 would be ignored"):
+        resolve_materials(paths, load_settings(paths.root))
 
     write_project_file(paths.root, _settings(str(teacher)))  # the setting off again: refused, naming the file
     with pytest.raises(MaterialsError) as refused:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from gguf_assets.lib.core import atomic, verify
 from gguf_assets.lib.core.errors import UserError
+from gguf_assets.lib.core.ggk_contract import LLADA_IMAGE
 from gguf_assets.lib.core.safetensors_io import safetensors_header
 from gguf_assets.lib.materials import hub, query_rows
 from gguf_assets.lib.materials import student_from_gguf as gguf_student
@@ -174,7 +175,24 @@ def _check_folder(role: str, source: str, folder: Path, settings: Settings, *,
     if kind == layout.QUERY_ROWS:
         _check_model_folder(role, source, folder, settings)
         return kind, None
+    unused = _unused_by_a_pipeline(settings)
+    if unused:
+        raise MaterialsError(f"materials.teacher = {source!r} is an LLaDA-Image pipeline, which {unused}")
     return kind, _check_pipeline_folder(source, folder, settings, where=where)
+
+
+def _unused_by_a_pipeline(settings: Settings) -> str | None:
+    """A setting of the query-rows kind that a pipeline would silently ignore, said with the fix; None if none."""
+    m, p = settings.materials, settings.precompute
+    if p.prompt_template not in ("{prompt}", LLADA_IMAGE):
+        return (f"renders the prompt with its own template: precompute.prompt_template = {p.prompt_template!r} would "
+                "be ignored. Remove the key (or set it to llada-image)")
+    if m.teacher_layer != -1:
+        return (f"conditions on its text projection's output, not a backbone layer: materials.teacher_layer = "
+                f"{m.teacher_layer} would be ignored. Remove the key")
+    if m.query_rows:
+        return "makes its rows with its QueryFormer: materials.query_rows would be ignored. Remove the key"
+    return None
 
 
 def _pipeline_reads(settings: Settings):

@@ -35,7 +35,7 @@ from gguf_assets.lib.core import atomic, faults, verify
 from gguf_assets.lib.core.errors import UserError
 from gguf_assets.lib.core.f16 import F16_MAX
 from gguf_assets.lib.corpus.corpus import read_split, shard_prompts
-from gguf_assets.lib.materials.teacher_layout import LLADA_IMAGE_PIPELINE, TEACHER_FORWARDS
+from gguf_assets.lib.materials.teacher_layout import LLADA_IMAGE_PIPELINE, QUERY_ROWS, TEACHER_FORWARDS
 from gguf_assets.lib.precompute.half_state import HalfState
 from gguf_assets.lib.project import formats, settings_history
 from gguf_assets.lib.project.layout import (
@@ -326,9 +326,13 @@ class ShardBuilder:
             if not result.peak_abs <= F16_MAX:
                 raise ShardError(f"shard {plan.split}/{plan.key}: teacher targets are non-finite or exceed the f16 "
                                  f"range (max |x| = {result.peak_abs:.3g}); check materials.teacher_layer.")
+            kind = (self.materials.teacher or {}).get("kind") if self.choice.loads_teacher_model else None
             meta.update(query_rows=result.targets.shape[1], dim=result.targets.shape[2],
                         dtype=self.settings.precompute.target_dtype, text_tokens=result.text_tokens,
-                        truncated=result.truncated, placement=self._teacher.placement.summary)
+                        truncated=result.truncated, placement=self._teacher.placement.summary,
+                        # what made them (the fingerprint holds both; here for people reading the shard)
+                        teacher_kind=kind or ("mock" if self.choice.mock else QUERY_ROWS),
+                        teacher_forward=TEACHER_FORWARDS.get(kind or QUERY_ROWS) if not self.choice.mock else None)
             return {"targets": result.targets}, meta
         states = self.compute(half, plan.prompts, on_batch=on_batch)
         meta.update(dim=states.hidden.shape[1], tokens=states.tokens,
