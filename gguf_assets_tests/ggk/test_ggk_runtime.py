@@ -121,3 +121,24 @@ def test_a_prompt_with_emphasis_aborts_ggk_and_the_product_says_so_first(demo_in
     assert emphasis_problem("a (red) cat") and emphasis_problem(r"a \(red\) cat") is None
     dump = run_engine(ggk, with_prompt(d["args"], "a (red) cat"), d["work"] / "dump-emphasis", cwd=d["root"])
     assert dump.returncode != 0 and "GGML_ASSERT" in dump.log
+
+
+def test_ggk_loads_the_sigvq_of_an_llada_image_pipeline_repo(demo_in_ggk, ggk, tmp_path):
+    """The vision GGUF the product writes from a pipeline's sigvq/ folder (an LLaDA-Image teacher's: the tiny
+    replica of llada_repo.py) loads in ggk's --llm_vision with no missing or misshapen tensor."""
+    from llada_repo import build_tiny_llada_repo
+
+    from gguf_assets.lib.output.vision import write_vision_gguf
+
+    repo = build_tiny_llada_repo(tmp_path / "LLaDA-Image-Turbo")
+    vision = write_vision_gguf(repo / "sigvq", tmp_path / "llada-vision.gguf", name="llada",
+                               source="inclusionAI/LLaDA-Image-Turbo (sigvq/)", commit="0" * 40)
+    d = demo_in_ggk
+    args = list(d["args"])
+    if "--llm_vision" in args:
+        args[args.index("--llm_vision") + 1] = str(vision["path"])
+    else:
+        args += ["--llm_vision", str(vision["path"])]
+    dump = run_engine(ggk, with_prompt(args, "a cat"), tmp_path / "dump", cwd=d["root"])
+    assert dump.returncode == 0, dump.log[-3000:]
+    assert "[X]" not in dump.log and "sigvq" in dump.log.lower(), dump.log[-3000:]
