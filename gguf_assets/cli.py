@@ -40,6 +40,7 @@ import shlex
 import subprocess
 import time
 
+from gguf_assets.lib.core import faults
 from gguf_assets.lib.core.commands import trainer, venv_tool
 from gguf_assets.lib.core.errors import ProjectNotWritable, UserError, os_refusal_message, write_refusal
 from gguf_assets.lib.core.lock import hold_services
@@ -56,11 +57,13 @@ from gguf_assets.orchestration.diagnosis import dagster_storage_problem
 from gguf_assets.orchestration.processes import DAGSTER_NOISE, RUN_CHILD_ENV, WithoutLines, run_in_own_process_group
 from gguf_assets.orchestration.services import (
     SERVICES_LOCK,
+    SERVICES_LOG,
+    ServiceOutput,
     StopSignals,
     check_ports_free,
     daemon_command,
     start_services,
-    stop_services,
+    stop_all,
     studio_command,
     supervise,
     tensorboard_command,
@@ -138,11 +141,14 @@ def _workers(value: str) -> int | str:
     raise argparse.ArgumentTypeError(f"{value!r}: give a number of workers (1 or more) or {AUTO}")
 
 
-def _run(paths: ProjectPaths, *, workers: int | str | None = None, cancel_on_stop: bool = False) -> int:
-    """Run the pipeline, print the status, then the outcome: the results, or why (and where) it stopped."""
+def _run(paths: ProjectPaths, *, workers: int | str | None = None, cancel_on_stop: bool = False,
+         stop: StopSignals | None = None) -> int:
+    """Run the pipeline, print the status, then the outcome: the results, or why (and where) it stopped. ``stop``:
+    the caller's, which notes the stops forwarded to the pipeline (run_in_own_process_group)."""
     if os.environ.get(RUN_CHILD_ENV) != "1":
         return run_in_own_process_group(["run", str(paths.root), *(["--workers", str(workers)] if workers else []),
-                                         *(["--cancel-on-stop"] if cancel_on_stop else [])])
+                                         *(["--cancel-on-stop"] if cancel_on_stop else [])], stop=stop)
+    faults.point("pipeline-load")  # before any stop handler of this process: a stop here kills it
     from gguf_assets.orchestration.launching import run_pipeline
     from gguf_assets.orchestration.outages import PipelineFailed
 
@@ -198,7 +204,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     if refused:
         raise ProjectNotWritable(refused)
     check_output_folders(paths, load_settings(paths.root))  # fail fast on a bad project.yaml or output folder
-    return _run(paths, workers=getattr(args, "workers", None), cancel_on_stop=getattr(args, "cancel_on_stop", False))
+    return _run(paths, workers=getattr(args, "workers", None), cancel_on_stop=getattr(args, "cancel_on_stop", False),
+                stop=getattr(args, "stop", None))
 
 
 def cmd_env(args: argparse.Namespace) -> int:
@@ -266,17 +273,17 @@ def cmd_ui(args: argparse.Namespace) -> int:
             os.environ[TENSORBOARD_URL_ENV] = url  # the adapter's page links to it (runs inherit it)
             (paths.root / TENSORBOARD_DIR).mkdir(exist_ok=True)
         if stop.signal is not None:  # stopped while Dagster loaded: nothing was started
-            print(f"stopped ({'Ctrl-C' if stop.signal == signal.SIGINT else signal.Signals(stop.signal).name})",
-                  file=sys.stderr)
-            return 128 + stop.signal  # the shell's code for that signal
+            return _stopped_before_start(stop.signal)
         services: list[subprocess.Popen] = []
+        # Their output reaches this console through .dagster/services.log, and only until they are told to stop.
+        output = ServiceOutput(paths.dagster_home / SERVICES_LOG)
         try:
             # The studio first: the one page for this project (verdict, stages and why, Run and Stop).
             print(f"Studio for {paths.root} on {studio}", flush=True)
             services += start_services([studio_command(paths, args.host, args.studio_port, dagster_url=base,
                                                        tensorboard_url=url, allow_hosts=args.allow_host,
                                                        spare_run=not args.no_spare_run)],
-                                       keep_fds=keep)
+                                       log_file=output.file, keep_fds=keep)
             if url and stop.signal is None:
                 log_file = paths.dagster_home / "tensorboard.log"
                 services += start_services([tensorboard_command(paths, args.host, args.tensorboard_port,
@@ -288,11 +295,18 @@ def cmd_ui(args: argparse.Namespace) -> int:
                 print(f"Dagster UI for {paths.root} on {base} (Ctrl-C to stop); the whole pipeline: "
                       f"{base}{lineage_path()}", flush=True)
                 services += start_services([webserver_command(args.host, args.port, args.allow_host),
-                                            *([] if args.no_daemon else [daemon_command()])], keep_fds=keep)
+                                            *([] if args.no_daemon else [daemon_command()])],
+                                           log_file=output.file, keep_fds=keep)
         except BaseException:  # a service that cannot start: the others stop too
-            stop_services(services)
+            stop_all(services, output)
             raise
-        return supervise(services, stop=stop)
+        return supervise(services, stop=stop, output=output)
+
+
+def _stopped_before_start(signum: int) -> int:
+    """Say that a stop came before the servers (or the pipeline) started; the shell's code for that signal."""
+    print(f"stopped ({'Ctrl-C' if signum == signal.SIGINT else signal.Signals(signum).name})", file=sys.stderr)
+    return 128 + signum
 
 
 def cmd_auto_resume(project: str, *, daemon: bool, ui_port: int | None = None, ui_host: str = "127.0.0.1") -> int:
@@ -320,31 +334,45 @@ def cmd_auto_resume(project: str, *, daemon: bool, ui_port: int | None = None, u
               f"`{venv_tool('gguf-trainer')} run {paths.root}` continues it")
         return 0
     size_gpu_pool(instance)
-    services = []
-    keep: tuple[int, ...] = ()
-    if daemon or ui_port is not None:  # its servers are the project's one set, as `ui`'s are
-        keep = (hold_services(paths.dagster_home / SERVICES_LOCK, {
-            "Dagster UI": f"http://{ui_host}:{ui_port}"} if ui_port is not None else {}),)
-    if ui_port is not None:
-        print(f"Dagster UI for {paths.root} on http://{ui_host}:{ui_port}", flush=True)
-        services = start_services([webserver_command(ui_host, ui_port)], keep_fds=keep)
-    try:
-        marked = mark_interrupted_runs(instance)
-        print(f"project {paths.root}: marked {len(marked)} interrupted run(s) as failed {marked if marked else ''}")
-        _print_status(paths)
-        code = cmd_run(argparse.Namespace(project=project))
-    except BaseException:
-        stop_services(services)
-        raise
-    if code == STOPPED_EXIT:  # Ctrl-C during the pipeline stops everything, the daemon is not started
-        stop_services(services)
+    # From here on a stop (Ctrl-C; SIGTERM from systemd, or to the whole process group) is noted, never acted on
+    # where it lands: one that came while the pipeline's process loaded (it dies of the signal, before its own
+    # handlers, without its "stopped" line or code) was once taken for a finished pipeline, and the daemon started
+    # and ran on; one between two steps here would kill this process and leave the servers it started running.
+    with StopSignals() as stop:
+        services: list[subprocess.Popen] = []
+        output = None
+        keep: tuple[int, ...] = ()
+        if daemon or ui_port is not None:  # its servers are the project's one set, as `ui`'s are
+            keep = (hold_services(paths.dagster_home / SERVICES_LOCK, {
+                "Dagster UI": f"http://{ui_host}:{ui_port}"} if ui_port is not None else {}),)
+            output = ServiceOutput(paths.dagster_home / SERVICES_LOG)
+        code = None
+        try:
+            if ui_port is not None and stop.signal is None:
+                print(f"Dagster UI for {paths.root} on http://{ui_host}:{ui_port}", flush=True)
+                services = start_services([webserver_command(ui_host, ui_port)], log_file=output.file,
+                                          keep_fds=keep)
+            if stop.signal is None:
+                marked = mark_interrupted_runs(instance)
+                print(f"project {paths.root}: marked {len(marked)} interrupted run(s) as failed "
+                      f"{marked if marked else ''}")
+                _print_status(paths)
+                code = cmd_run(argparse.Namespace(project=project, stop=stop))
+            # A stop before or during the pipeline stops everything; the daemon is not started.
+            if code == STOPPED_EXIT or stop.signal is not None:
+                stop_all(services, output)
+                return code if code == STOPPED_EXIT else _stopped_before_start(stop.signal)
+            if daemon:
+                print("starting dagster-daemon for the project (sensors, schedules); Ctrl-C to stop", flush=True)
+                services += start_services([daemon_command()], log_file=output.file, keep_fds=keep)
+        except BaseException:
+            stop_all(services, output)
+            raise
+        if services:
+            return supervise(services, stop=stop, output=output)
+        if output is not None:
+            output.close()
         return code
-    if daemon:
-        print("starting dagster-daemon for the project (sensors, schedules); Ctrl-C to stop", flush=True)
-        services += start_services([daemon_command()], keep_fds=keep)
-    if services:
-        return supervise(services)
-    return code
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
@@ -465,6 +493,48 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 1
 
 
+def cmd_snapshot(args: argparse.Namespace) -> int:
+    """A GGUF of the adapter as it is now (or at its best, or a kept step), while training runs or after."""
+    from gguf_assets.lib.materials.materials import load_manifest
+    from gguf_assets.lib.output import snapshots
+    from gguf_assets.lib.precompute.shards import require_current
+    from gguf_assets.lib.training.kept_steps import kept_steps
+    from gguf_assets.lib.training.training_run import planned_adapter_run
+
+    paths = ProjectPaths.of(args.project)
+    settings = load_settings(paths.root)
+    materials = load_manifest(paths)
+    run_dir = paths.checkpoints_dir(planned_adapter_run(paths, settings, materials).fingerprint)
+    if args.list or args.delete is not None:
+        if args.delete is not None:
+            for removed in snapshots.delete_snapshot(paths, run_dir, args.delete):
+                print(f"deleted {removed}")
+        entries = snapshots.read_snapshots(run_dir)
+        print(f"snapshots of training run {run_dir.name}: {len(entries) or 'none'}")
+        for e in entries:
+            score = e.get("val_centred_cosine")
+            evaluated = (e.get("eval") or {}).get("val_centred_cosine")
+            print(f"  step {e['step']:>7} of {e['planned_steps']} ({e['weights']})  val centred cosine "
+                  f"{'n/a' if score is None else f'{score:.4f}'}"
+                  + (f", GGUF eval {evaluated:.4f}" if evaluated is not None else "")
+                  + f"  {e['bytes'] / 2**20:.1f} MiB  {e['file']}")
+        print(f"kept steps: {', '.join(map(str, kept_steps(run_dir))) or 'none'} "
+              f"(any of them: `{venv_tool('gguf-trainer')} snapshot {paths.root} --step N`)")
+        return 0
+    if not run_dir.is_dir():
+        raise snapshots.SnapshotError(f"no training run of these settings has started in {paths.root} yet: "
+                                      f"`{venv_tool('gguf-trainer')} run {paths.root}` starts it")
+    val_folders = require_current(paths, settings, materials, "val")
+    entry = snapshots.take_snapshot(paths, settings, materials, run_dir, val_folders=val_folders, step=args.step,
+                                    best=args.best, evaluate=args.eval, say=print)
+    score = entry.get("val_centred_cosine")
+    print(f"snapshot of step {entry['step']} of {entry['planned_steps']} ({entry['weights']}): "
+          f"{paths.located(entry['file'])}")
+    print(f"  val centred cosine at that step: {'n/a' if score is None else f'{score:.4f}'}"
+          + (f"; this GGUF on the val shards: {entry['eval']['val_centred_cosine']:.4f}" if "eval" in entry else ""))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gguf-trainer", description=__doc__)
     parser.add_argument("--auto-resume", metavar="PROJECT",
@@ -498,6 +568,16 @@ def build_parser() -> argparse.ArgumentParser:
     from gguf_assets import runs_cli
 
     runs_cli.add_parser(sub)
+    p = sub.add_parser("snapshot", help="a GGUF of the adapter now (or --best, or a kept --step N), also while it "
+                                        "trains")
+    p.add_argument("project")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--step", type=int, metavar="N", help="a kept step (training.keep_steps_*) or a checkpoint")
+    which.add_argument("--best", action="store_true", help="the best validated weights so far")
+    which.add_argument("--list", action="store_true", help="list the run's snapshots and kept steps")
+    which.add_argument("--delete", type=int, metavar="N", help="delete the snapshot GGUF of step N")
+    p.add_argument("--eval", action="store_true", help="also score the GGUF on the val shards (on the CPU)")
+    p.set_defaults(func=cmd_snapshot)
     p = sub.add_parser("estimate", help="how much GPU memory the teacher, student and training need, before a run")
     p.add_argument("project")
     p.add_argument("--gpus", metavar="GIB,GIB", default=None,

@@ -18,7 +18,7 @@ from gguf_assets.lib.telemetry.curves_log import TENSORBOARD_URL_ENV, run_folder
 from gguf_assets.lib.telemetry.hardware import HardwareSampler
 from gguf_assets.lib.telemetry.render import curves_markdown, curves_svg
 from gguf_assets.lib.training.events import LogStep, TrainingEvent, Validation
-from gguf_assets.lib.training.training_run import adapter_fingerprint
+from gguf_assets.lib.training.training_run import planned_adapter_run
 from gguf_assets.lib.training.verdict import verdict
 
 # Rows of the metrics table in the Markdown metadata; the full history is in final/meta.json.
@@ -61,7 +61,8 @@ def adapter(context: dg.AssetExecutionContext, project: ProjectResource) -> dg.M
     # Checked first (stamps), then each half's sha256 as training reads it: nothing changed is trained on.
     folders = {split: require_current(paths, settings, materials, split)
                for split in ("train", "val")}
-    fingerprint = adapter_fingerprint(paths, settings, materials)
+    planned = planned_adapter_run(paths, settings, materials)  # a continuation or a run ended early included
+    fingerprint = planned.fingerprint
 
     hardware = HardwareSampler()
 
@@ -75,7 +76,8 @@ def adapter(context: dg.AssetExecutionContext, project: ProjectResource) -> dg.M
 
     with hardware:  # samples GPU/CPU/RAM in the background for the run's summary
         summary = train_adapter(paths, settings, train_folders=folders["train"], val_folders=folders["val"],
-                                fingerprint=fingerprint, on_event=on_event, sample_hardware=hardware.sample)
+                                fingerprint=fingerprint, on_event=on_event, sample_hardware=hardware.sample,
+                                planned=planned)
     run_dir = paths.checkpoints_dir(fingerprint)
     # What training said, from its validation curve (a run finished by an earlier version may lack it).
     text, advice = (summary.verdict, summary.advice) if summary.verdict else verdict(summary.val_centred_cosine)

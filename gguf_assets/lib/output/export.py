@@ -63,7 +63,8 @@ def check_file_name(name: str, *, setting: str = "output.adapter_name") -> str:
 
 def provenance(settings: Settings, materials: MaterialsManifest, meta: dict, *,
                checkpoint: str = "final") -> dict[str, Any]:
-    """The adapter GGUF's provenance keys (gguf_format.REQUIRED_PROVENANCE and the rest)."""
+    """The adapter GGUF's provenance keys (gguf_format.REQUIRED_PROVENANCE and the rest). The planned steps are
+    the count in force when the weights were made (a snapshot's, a run ended early's), else the settings'."""
     student = materials.student
     teacher_repo, teacher_commit = teacher_choice(settings).provenance(materials)
     rows = materials.query_rows  # the query rows as a material of their own (materials.query_rows), when set
@@ -77,7 +78,7 @@ def provenance(settings: Settings, materials: MaterialsManifest, meta: dict, *,
         "student.gguf": student_gguf_path(Path("."), settings.output.adapter_name).name,
         "teacher.repo": teacher_repo, "teacher.commit": teacher_commit,
         "teacher.layer": settings.materials.teacher_layer,
-        "training.steps": meta["step"], "training.planned_steps": settings.training.steps,
+        "training.steps": meta["step"], "training.planned_steps": meta.get("planned_steps", settings.training.steps),
         "training.checkpoint": checkpoint, "training.seed": settings.training.seed,
         "training.val_centred_cosine": float(meta["val_centred_cosine"]),
         "training.fingerprint": meta["fingerprint"],
@@ -181,14 +182,10 @@ def _warn_if_not_ours(target: Path, previous_files: dict[str, dict], adapter_nam
                     "adapter_name or also_copy_to, or they overwrite each other.", target, adapter_name)
 
 
-def export_adapter(paths: ProjectPaths, settings: Settings, materials: MaterialsManifest,
-                   adapter_manifest: dict, *, val_folders: list[Path] = ()) -> ExportSidecar:
-    """Write <output_dir>/<adapter_name>.gguf (+ vision GGUF, + copies) and the sidecar; return the sidecar.
-
-    ``val_folders``: the val shards, whose student states the activation rule is checked on."""
-    name = check_file_name(settings.output.adapter_name)
-    run_dir = paths.root / adapter_manifest["run_dir"]
-    model, meta = load_final(run_dir)
+def write_adapter_file(target: Path, model: torch.nn.Module, meta: dict, *, provenance: dict[str, Any], name: str,
+                       val_folders: list[Path]):
+    """The adapter ``model`` (of a run whose ``meta`` gives its shape) as ggk's GGUF at ``target``: deterministic
+    for the same weights, provenance and val shards (a snapshot and a kept step's export are byte-identical)."""
     tensors = _cast_once(ggk_tensors(model))
     keep_f32 = activation_rule(input_peaks(model, val_batches(list(val_folders))))
     if keep_f32:
@@ -198,6 +195,22 @@ def export_adapter(paths: ProjectPaths, settings: Settings, materials: Materials
     hparams = hparams_of(student_dim=shape["student_dim"], query_rows=shape["query_rows"],
                          target_dim=shape["target_dim"], width=shape["width"], depth=shape["depth"],
                          mlp_ratio=MLP_RATIO)
+    summary = write_adapter_gguf(target, tensors=tensors, hparams=hparams, provenance=provenance, name=name,
+                                 keep_f32=keep_f32)
+    by_values = [n for n in summary.kept_f32 if n not in {tensor_name(k) for k in keep_f32}]
+    if by_values:
+        log.warning("kept in f32 because values exceed the f16 range: %s", by_values)
+    return summary
+
+
+def export_adapter(paths: ProjectPaths, settings: Settings, materials: MaterialsManifest,
+                   adapter_manifest: dict, *, val_folders: list[Path] = ()) -> ExportSidecar:
+    """Write <output_dir>/<adapter_name>.gguf (+ vision GGUF, + copies) and the sidecar; return the sidecar.
+
+    ``val_folders``: the val shards, whose student states the activation rule is checked on."""
+    name = check_file_name(settings.output.adapter_name)
+    run_dir = paths.root / adapter_manifest["run_dir"]
+    model, meta = load_final(run_dir)
     target = gguf_path(paths, settings)
     previous_files = _previous_files(paths, settings)
     # A killed export leaves its temp files; only ours go, as the folder may be shared.
@@ -207,11 +220,8 @@ def export_adapter(paths: ProjectPaths, settings: Settings, materials: Materials
             student_target.name]
     atomic.remove_stale_temps(target.parent, of=ours)
     atomic.remove_stale_temps(pack_merges.parent, of=[pack_merges.name])  # the pack's own folder
-    summary = write_adapter_gguf(target, tensors=tensors, hparams=hparams,
-                                 provenance=provenance(settings, materials, meta), name=name, keep_f32=keep_f32)
-    by_values = [n for n in summary.kept_f32 if n not in {tensor_name(k) for k in keep_f32}]
-    if by_values:
-        log.warning("kept in f32 because values exceed the f16 range: %s", by_values)
+    summary = write_adapter_file(target, model, meta, provenance=provenance(settings, materials, meta), name=name,
+                                 val_folders=val_folders)
     files = [_file_entry(ROLE_ADAPTER, target, summary.sha256)]
     # The exact student the adapter was trained against, as ggk runs it (--llm), and its tokenizer as ggk reads it
     # (--tokenizer-pack): the user always holds the pair.

@@ -336,6 +336,12 @@ class Training(_Section):
     validate_every: int = Field(1000, ge=1, description="validate every N steps")
     checkpoint_every: int = Field(1000, ge=1, description="write a checkpoint every N steps")
     keep_checkpoints: int = Field(3, ge=1, description="keep the last N checkpoints (and the best)")
+    keep_steps_every: int = Field(0, ge=0, description=(
+        "kept steps: a weights-only copy of the adapter (validated) every N steps, for `gguf-trainer snapshot "
+        "--step N` later; 0 = off (each costs disk: about the adapter's f32 size)"))
+    keep_steps_from: int = Field(0, ge=0, description="kept steps: only from this step on (0 = the start)")
+    keep_steps_to: int = Field(0, ge=0, description="kept steps: only up to this step (0 = the run's end)")
+    keep_steps_last: int = Field(0, ge=0, description="kept steps: hold only the newest N on disk (0 = all)")
     seed: int = Field(0, description="seed of initialization and data order")
 
     @model_validator(mode="after")
@@ -346,6 +352,10 @@ class Training(_Section):
                 f"is {self.width}, not a multiple of {ADAPTER_HEAD_DIM}: ggk's adapter runs heads of "
                 f"{ADAPTER_HEAD_DIM} (llm_adapter.hpp); use {max(down, ADAPTER_HEAD_DIM)} or "
                 f"{down + ADAPTER_HEAD_DIM}"))
+        if self.keep_steps_to and self.keep_steps_to < self.keep_steps_from:
+            raise _cross_check("training.keep_steps_to", (
+                f"is {self.keep_steps_to}, before training.keep_steps_from ({self.keep_steps_from}): the window "
+                "would keep nothing; raise it, or set 0 for the run's end"))
         if self.heads and self.heads * ADAPTER_HEAD_DIM != self.width:
             raise _cross_check("training.heads", (
                 f"is {self.heads}, but ggk runs heads of {ADAPTER_HEAD_DIM}, so width {self.width} has "

@@ -21,7 +21,7 @@ from gguf_assets.lib.output.report_run import report_fingerprint, report_setting
 from gguf_assets.lib.precompute.shards import shard_fingerprints, shards_stage_settings
 from gguf_assets.lib.project.layout import SPLITS, ProjectPaths
 from gguf_assets.lib.project.settings import SECTIONS, Settings
-from gguf_assets.lib.training.training_run import adapter_stage_settings, training_fingerprint
+from gguf_assets.lib.training.training_run import adapter_stage_settings, run_fingerprint
 
 # The stages in pipeline order, the one list of them; each group is what one named job runs (defs/jobs.py,
 # orchestration/plan.py): the inputs (on CPU), the shards of each split, then training, export and evaluation.
@@ -120,7 +120,7 @@ def expected_fingerprints(paths: ProjectPaths, settings: Settings) -> dict[str, 
     shard_fps = {split: shard_fingerprints(paths, settings, materials, split) for split in SPLITS}
     for split in SPLITS:
         out[f"{split}_shards"] = atomic.fingerprint(shard_fps[split])
-    out["adapter"] = training_fingerprint(settings, shard_fps["train"], shard_fps["val"])
+    out["adapter"] = run_fingerprint(paths, settings, shard_fps["train"], shard_fps["val"])
     out["gguf"] = gguf_fingerprint(settings, materials, out["adapter"])
     out["eval_report"] = report_fingerprint(settings, out["gguf"], shard_fps["val"])
     return out

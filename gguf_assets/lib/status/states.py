@@ -46,7 +46,7 @@ from gguf_assets.lib.training.training_run import (
     adapter_is_current,
     final_weights_stored,
     last_checkpoint_step,
-    training_fingerprint,
+    run_fingerprint,
 )
 
 
@@ -158,7 +158,7 @@ def planned_view(paths: ProjectPaths, settings: Settings, stages: Sequence[Stage
     materials = load_manifest(paths) if materials is None else materials
     splits = {split: split_view(paths, settings, materials, split, (plans or {}).get(split)) for split in SPLITS}
     return ProjectView(list(stages), materials, splits,
-                       training_fingerprint(settings, splits["train"].fingerprints, splits["val"].fingerprints))
+                       run_fingerprint(paths, settings, splits["train"].fingerprints, splits["val"].fingerprints))
 
 
 def adapter_fingerprint_of(paths: ProjectPaths, settings: Settings, view: ProjectView | None = None) -> str:
@@ -221,7 +221,7 @@ def _stages(paths: ProjectPaths, settings: Settings, learned: dict) -> list[Stag
         out.append(StageState(f"{split}_shards", state, detail))
         unfinished |= bool(todo)
     # From the plans above: the corpus is read once (adapter_fingerprint would plan the shards again).
-    adapter_fp = training_fingerprint(settings, splits["train"].fingerprints, splits["val"].fingerprints)
+    adapter_fp = run_fingerprint(paths, settings, splits["train"].fingerprints, splits["val"].fingerprints)
     learned.update(splits=splits, adapter_fp=adapter_fp)
     if unfinished:
         return out + blocked_rest("val_shards")

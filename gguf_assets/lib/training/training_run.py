@@ -28,6 +28,7 @@ from gguf_assets.lib.project.settings import Settings
 SHUFFLE_WINDOW_SHARDS = 4
 # Settings that change speed or bookkeeping, not the trained weights.
 NON_RESULT_KEYS = ("device", "grad_checkpoint", "log_every", "validate_every", "checkpoint_every", "keep_checkpoints",
+                   "keep_steps_every", "keep_steps_from", "keep_steps_to", "keep_steps_last",
                    # heads follow from width (ggk's head dim); layer_fusion has no effect since one layer is fed
                    "heads", "layer_fusion")
 # Result settings added after runs existed, with the value that means "as before": they enter the
@@ -57,9 +58,117 @@ def training_fingerprint(settings: Settings, train_fps: list[str], val_fps: list
 
 def adapter_fingerprint(paths: ProjectPaths, settings: Settings, materials: MaterialsManifest) -> str:
     """The fingerprint of the training run these settings and the shards as planned now make (the shards are
-    planned from the corpus: callers that planned them already call training_fingerprint)."""
-    return training_fingerprint(settings, shard_fingerprints(paths, settings, materials, "train"),
-                                shard_fingerprints(paths, settings, materials, "val"))
+    planned from the corpus: callers that planned them already call run_fingerprint)."""
+    return planned_adapter_run(paths, settings, materials).fingerprint
+
+
+def planned_adapter_run(paths: ProjectPaths, settings: Settings, materials: MaterialsManifest) -> "PlannedRun":
+    return planned_run(paths, settings, shard_fingerprints(paths, settings, materials, "train"),
+                       shard_fingerprints(paths, settings, materials, "val"))
+
+
+def run_fingerprint(paths: ProjectPaths, settings: Settings, train_fps: list[str], val_fps: list[str]) -> str:
+    return planned_run(paths, settings, train_fps, val_fps).fingerprint
+
+
+# -- lineage: a run continued to more steps, or ended early when its steps were lowered ------------------------
+#
+# checkpoints/lineage.json lists the runs in the order they started, each with its lineage key (the training
+# settings but the step count, and the shards), its planned steps, its parent (a continued run) and the count it
+# was lowered to (a run ended early). Which run the settings stand for (planned_run):
+#   1. a run planned at this count from the start (the fresh fingerprint) that exists;
+#   2. else a run of this lineage ended early because training.steps was lowered to this count;
+#   3. else a run of this lineage planned at this count (a continuation made before: reused, not trained again);
+#   4. else, when the newest run of this lineage reached fewer steps than this count, its continuation: a run of
+#      its own, whose fingerprint names the parent and the count, that starts from the parent's newest checkpoint;
+#   5. else a fresh run.
+
+LINEAGE_FILE = "lineage.json"
+
+
+@dataclass(frozen=True)
+class PlannedRun:
+    fingerprint: str
+    lineage: str  # the training settings but the step count, and the shards
+    planned_steps: int
+    parent: str | None = None  # the run a continuation starts from
+    lowered: bool = False  # a run ended early for this count
+
+
+def lineage_key(settings: Settings, train_fps: list[str], val_fps: list[str]) -> str:
+    kept = {k: v for k, v in training_settings(settings).items() if k != "steps"}
+    return atomic.fingerprint({"training": kept, "train": train_fps, "val": val_fps,
+                               "shuffle_window_shards": SHUFFLE_WINDOW_SHARDS, "format": formats.TRAINING_RUN})
+
+
+def continuation_fingerprint(parent: str, steps: int) -> str:
+    return atomic.fingerprint({"parent": parent, "steps": steps, "format": formats.TRAINING_RUN})
+
+
+def read_lineage(paths: ProjectPaths) -> list[dict]:
+    try:
+        doc = atomic.read_json(paths.root / "checkpoints" / LINEAGE_FILE)
+    except (OSError, ValueError):
+        return []
+    return [r for r in doc.get("runs", []) if isinstance(r, dict) and "run" in r] if isinstance(doc, dict) else []
+
+
+def _write_lineage(paths: ProjectPaths, runs: list[dict]) -> None:
+    folder = paths.root / "checkpoints"
+    folder.mkdir(parents=True, exist_ok=True)
+    atomic.write_json(folder / LINEAGE_FILE, {"runs": runs})
+
+
+def remember_run(paths: ProjectPaths, planned: PlannedRun) -> None:
+    """Put a starting run in the lineage (once)."""
+    runs = read_lineage(paths)
+    if not any(r["run"] == planned.fingerprint for r in runs):
+        runs.append({"run": planned.fingerprint, "lineage": planned.lineage, "planned_steps": planned.planned_steps,
+                     **({"parent": planned.parent} if planned.parent else {})})
+        _write_lineage(paths, runs)
+
+
+def remember_lowered(paths: ProjectPaths, run: str, lowered_to: int) -> None:
+    """The run ``run`` ended early because training.steps was lowered to ``lowered_to``."""
+    runs = read_lineage(paths)
+    for entry in runs:
+        if entry["run"] == run:
+            entry["lowered_to"] = lowered_to
+    _write_lineage(paths, runs)
+
+
+def reached_step(run_dir: Path) -> int:
+    """How far a run got: its final step, else its newest checkpoint's."""
+    try:
+        return int(atomic.read_json(run_dir / FINAL_DIR / META_FILE)["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    steps = [int(m.group(1)) for d in (run_dir.iterdir() if run_dir.is_dir() else []) if (m := STEP_DIR.match(d.name))]
+    return max(steps, default=0)
+
+
+def _has_work(run_dir: Path) -> bool:
+    return (run_dir / FINAL_DIR / META_FILE).is_file() or reached_step(run_dir) > 0
+
+
+def planned_run(paths: ProjectPaths, settings: Settings, train_fps: list[str], val_fps: list[str]) -> PlannedRun:
+    """Which training run these settings and shards stand for (the rules above)."""
+    steps = settings.training.steps
+    fresh = training_fingerprint(settings, train_fps, val_fps)
+    key = lineage_key(settings, train_fps, val_fps)
+    if _has_work(paths.checkpoints_dir(fresh)):
+        return PlannedRun(fresh, key, steps)
+    family = [r for r in read_lineage(paths) if r.get("lineage") == key and _has_work(paths.checkpoints_dir(r["run"]))]
+    for entry in reversed(family):
+        if entry.get("lowered_to") == steps:
+            return PlannedRun(entry["run"], key, int(entry["planned_steps"]), lowered=True)
+    for entry in reversed(family):
+        if entry.get("planned_steps") == steps:
+            return PlannedRun(entry["run"], key, steps, parent=entry.get("parent"))
+    if family and reached_step(paths.checkpoints_dir(family[-1]["run"])) < steps:
+        parent = family[-1]["run"]
+        return PlannedRun(continuation_fingerprint(parent, steps), key, steps, parent=parent)
+    return PlannedRun(fresh, key, steps)
 
 
 def adapter_is_current(paths: ProjectPaths, adapter_fp: str) -> bool:

@@ -1,0 +1,120 @@
+"""Kept steps, snapshots, finishing now and going on (#57), on the trainer's own test shards (test_train.py): in
+process, a few seconds each."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from test_train import SETTINGS, write_shards
+
+from gguf_assets.lib.core import atomic
+from gguf_assets.lib.output import snapshots
+from gguf_assets.lib.project.layout import FINAL_DIR, META_FILE, WEIGHTS_FILE, ProjectPaths
+from gguf_assets.lib.project.manifests import MaterialsManifest
+from gguf_assets.lib.project.settings import replace, write_project_file
+from gguf_assets.lib.training import kept_steps as kept
+from gguf_assets.lib.training.events import LogStep, Note
+from gguf_assets.lib.training.train import train_adapter
+from gguf_assets.lib.training.training_run import planned_run, shards_identity, training_fingerprint
+
+MATERIALS = MaterialsManifest(student={"source": "demo/student", "commit": "c0ffee", "path": "."},
+                              teacher={"source": "demo/teacher", "commit": "beef", "path": "."})
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    root = tmp_path_factory.mktemp("shards")
+    return {"train": write_shards(root / "train", shards=5, prompts=40, seed=1),
+            "val": write_shards(root / "val", shards=1, prompts=30, seed=2)}
+
+
+def _write_yaml(root: Path, settings) -> None:
+    """project.yaml of these training settings (the mock teacher makes the rest of the file a valid project)."""
+    write_project_file(root, replace(settings, precompute={"mock_teacher": True},
+                                     materials={"student": "student", "datasets": ["prompts"]}))
+
+
+def _train(root: Path, shards, settings, **kwargs):
+    paths = ProjectPaths.of(root)
+    root.mkdir(parents=True, exist_ok=True)
+    _write_yaml(root, settings)
+    planned = planned_run(paths, settings, [shards_identity(shards["train"])], [shards_identity(shards["val"])])
+    result = train_adapter(paths, settings, train_folders=shards["train"], val_folders=shards["val"],
+                           fingerprint=planned.fingerprint, planned=planned, **kwargs)
+    return result, paths.checkpoints_dir(result.fingerprint)
+
+
+def _final_bytes(run_dir: Path) -> bytes:
+    return (run_dir / FINAL_DIR / WEIGHTS_FILE).read_bytes()
+
+
+def test_kept_steps_and_a_snapshot_request_leave_the_result_as_it_was_and_export_the_same_bytes(tmp_path, shards):
+    plain, plain_dir = _train(tmp_path / "plain", shards, SETTINGS)
+    schedule = replace(SETTINGS, training={"keep_steps_every": 10, "keep_steps_from": 10, "keep_steps_to": 30,
+                                           "keep_steps_last": 2})
+    _, scheduled_dir = _train(tmp_path / "scheduled", shards, schedule)
+    assert kept.kept_steps(scheduled_dir) == [20, 30]  # 10 was kept, then pruned: the newest 2 stay
+
+    def ask_at_20(event):  # the request lands while step 20's bookkeeping runs, as a CLI's would between steps
+        if isinstance(event, LogStep) and event.step == 20:
+            kept.ask(asked_dir)
+
+    asked_dir = ProjectPaths.of(tmp_path / "asked").checkpoints_dir(plain.fingerprint)
+    _, asked_dir = _train(tmp_path / "asked", shards, SETTINGS, on_event=ask_at_20)
+    assert kept.kept_steps(asked_dir) == [20]
+    assert atomic.read_json(asked_dir / kept.ANSWER_FILE)["step"] == 20
+    assert not (asked_dir / kept.REQUEST_FILE).exists()
+    # Keeping steps, and a snapshot mid-run, change nothing of the run's result.
+    assert _final_bytes(scheduled_dir) == _final_bytes(asked_dir) == _final_bytes(plain_dir)
+
+    gguf = {}
+    for name, run_dir in (("scheduled", scheduled_dir), ("asked", asked_dir)):
+        paths = ProjectPaths.of(tmp_path / name)
+        entry = snapshots.take_snapshot(paths, SETTINGS, MATERIALS, run_dir, val_folders=shards["val"], step=20)
+        assert entry["weights"] == "step20" and entry["planned_steps"] == SETTINGS.training.steps
+        gguf[name] = paths.located(entry["file"]).read_bytes()
+        assert snapshots.read_snapshots(run_dir) == [entry]
+    assert gguf["scheduled"] == gguf["asked"]
+
+    with pytest.raises(snapshots.SnapshotError, match=r"step 7 is not kept: the steps a snapshot can take are 20, 30"):
+        snapshots.take_snapshot(ProjectPaths.of(tmp_path / "scheduled"), SETTINGS, MATERIALS, scheduled_dir,
+                                val_folders=shards["val"], step=7)
+
+
+def test_lowering_the_steps_mid_run_finishes_now_and_raising_them_after_goes_on_from_the_checkpoint(tmp_path, shards):
+    root = tmp_path / "project"
+
+    def lower_at_15(event):
+        if isinstance(event, LogStep) and event.step == 15:
+            _write_yaml(root, replace(SETTINGS, training={"steps": 12}))
+
+    early, run_dir = _train(root, shards, SETTINGS, on_event=lower_at_15)
+    assert early.finished and early.step == 15
+    meta = atomic.read_json(run_dir / FINAL_DIR / META_FILE)
+    assert (meta["planned_steps"], meta["lowered_to"]) == (40, 12)
+    # The lowered count now stands for that run: nothing is trained again.
+    lowered = replace(SETTINGS, training={"steps": 12})
+    fps = [shards_identity(shards["train"])], [shards_identity(shards["val"])]
+    assert planned_run(ProjectPaths.of(root), lowered, *fps).fingerprint == early.fingerprint
+
+    longer = replace(SETTINGS, training={"steps": 25})
+    events = []
+    went_on, went_on_dir = _train(root, shards, longer, on_event=events.append)
+    notes = [e.message for e in events if isinstance(e, Note)]
+    steps = [e.step for e in events if isinstance(e, LogStep)]
+    assert went_on.finished and went_on.step == 25 and went_on.fingerprint != early.fingerprint
+    assert min(steps) > 15, steps  # continued from the checkpoint at step 15, never from step 0
+    assert any(f"continuing run {early.fingerprint} from step 15" in n for n in notes), notes
+    assert atomic.read_json(went_on_dir / FINAL_DIR / META_FILE)["parent"] == early.fingerprint
+    assert went_on.fingerprint != training_fingerprint(longer, *fps)  # a fresh run to 25 stays another run
+
+    # The same continuation again, on a copy of the project: reused, not trained again.
+    copy = tmp_path / "copy"
+    shutil.copytree(root, copy)
+    events = []
+    again, _ = _train(copy, shards, longer, on_event=events.append)
+    assert again.fingerprint == went_on.fingerprint and again.step == 25
+    assert not [e for e in events if isinstance(e, LogStep)]
+    assert any("already finished" in e.message for e in events if isinstance(e, Note))
