@@ -1,0 +1,87 @@
+"""`gguf-trainer snapshot` against a real run: taken while training runs (the trainer keeps its step and goes on),
+the run's outputs byte-identical to an uninterrupted run's, and a kill -9 in the middle of a snapshot's export
+leaving no GGUF behind and the project resumable."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+
+import gguf
+import pytest
+from conftest import CLI, FAULT_SETTINGS, cli_env, pipeline_outputs
+from warm_runs import trainer_popen, trainer_run
+
+from gguf_assets.cli import main as trainer_main
+from gguf_assets.lib.core import atomic, faults
+from gguf_assets.lib.output.snapshots import read_snapshots
+
+pytestmark = pytest.mark.slow  # a whole pipeline
+
+STALL_AT, STALL_S = 20, 12  # the trainer waits at this step, so the snapshot lands mid-run whatever the machine's pace
+
+
+def _metadata(path: Path) -> dict:
+    reader = gguf.GGUFReader(path)
+    return {field.name: field.contents() for field in reader.fields.values() if field.name.startswith("adapter.")}
+
+
+def test_a_snapshot_mid_run_changes_nothing_and_a_kill_during_one_leaves_no_gguf(make_project, reference_run,
+                                                                                 tmp_path, capsys):
+    project = make_project(**FAULT_SETTINGS)
+    reached = tmp_path / "reached"
+    reached.mkdir()
+    env = cli_env(**{faults.ENV: f"train-step@{STALL_AT}:stall:{STALL_S}", faults.REACHED_ENV: str(reached)})
+    run = trainer_popen(["run", str(project.root)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                        text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not list(reached.glob("train-step.*")):
+            assert run.poll() is None, run.stdout.read()
+            assert time.monotonic() < deadline, "training never reached the stall"
+            time.sleep(0.1)
+        # In this process (torch already imported): the request is written within the stall.
+        capsys.readouterr()
+        assert trainer_main(["snapshot", str(project.root)]) == 0
+        said = capsys.readouterr().out
+        output, _ = run.communicate(timeout=300)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert run.returncode == 0, output
+    assert f"snapshot of step {STALL_AT} of {FAULT_SETTINGS['steps']} (step{STALL_AT})" in said, said
+    snapshot = project.root / "output" / f"demo-adapter-step{STALL_AT}.gguf"
+    meta = _metadata(snapshot)
+    assert (meta["adapter.training.steps"], meta["adapter.training.planned_steps"],
+            meta["adapter.training.checkpoint"]) == (STALL_AT, FAULT_SETTINGS["steps"], f"step{STALL_AT}")
+    assert f"snapshot: step {STALL_AT} kept" in output  # the trainer said so in the run's console, and went on
+
+    # The run's outputs are byte-identical to an uninterrupted run's; the snapshot is the only file more.
+    expected, _ = reference_run
+    outputs = pipeline_outputs(project.root)
+    assert {k: outputs[k] for k in expected} == expected
+    assert sorted(set(outputs) - set(expected)) == [f"output/demo-adapter-step{STALL_AT}.gguf"]
+
+    # kill -9 while a snapshot's GGUF is written: no GGUF of it is left, and the next one, and `run`, go on.
+    run_dir = next(p.parent.parent for p in project.root.glob("checkpoints/*/final/meta.json"))
+    killed = subprocess.run([*CLI, "snapshot", str(project.root), "--best", "--eval"], capture_output=True,
+                            text=True, timeout=300, start_new_session=True,
+                            env=cli_env(**{faults.ENV: "gguf-export:kill"}))
+    assert killed.returncode < 0, killed.stderr
+    best_step = atomic.read_json(run_dir / "best" / "meta.json")["step"]
+    assert [e["step"] for e in read_snapshots(run_dir)] == [STALL_AT]
+    if best_step != STALL_AT:
+        assert not (project.root / "output" / f"demo-adapter-step{best_step}.gguf").exists()
+    again = trainer_run(["snapshot", str(project.root), "--best", "--eval"], capture_output=True, text=True,
+                        env=cli_env(), timeout=300)
+    assert again.returncode == 0 and "Traceback" not in again.stderr, again.stderr
+    entry = next(e for e in read_snapshots(run_dir) if e["weights"] == "best")
+    assert entry["eval"]["val_centred_cosine"] == pytest.approx(entry["val_centred_cosine"], abs=0.02)
+    assert not [p for p in (project.root / "output").iterdir() if p.name.startswith(atomic.TEMP_PREFIX)]
+    status = trainer_run(["status", str(project.root)], capture_output=True, text=True, env=cli_env(), timeout=120)
+    assert status.returncode == 0 and "stale" not in status.stdout and "missing" not in status.stdout, status.stdout
+
+    refused = trainer_run(["snapshot", str(project.root), "--step", "7"], capture_output=True, text=True,
+                          env=cli_env(), timeout=120)
+    assert refused.returncode == 2 and "step 7 is not kept" in refused.stderr and "Traceback" not in refused.stderr
