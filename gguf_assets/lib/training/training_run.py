@@ -151,6 +151,17 @@ def _has_work(run_dir: Path) -> bool:
     return (run_dir / FINAL_DIR / META_FILE).is_file() or reached_step(run_dir) > 0
 
 
+# Continuations planned in this process, by fingerprint: the parent of one that has not started yet (so not in the
+# lineage file) is known to whoever asks next, e.g. `status` saying where training will start.
+_PLANNED_PARENTS: dict[str, str] = {}
+
+
+def _parent_of(paths: ProjectPaths, run: str) -> str | None:
+    if run in _PLANNED_PARENTS:
+        return _PLANNED_PARENTS[run]
+    return next((r.get("parent") for r in read_lineage(paths) if r["run"] == run), None)
+
+
 def planned_run(paths: ProjectPaths, settings: Settings, train_fps: list[str], val_fps: list[str]) -> PlannedRun:
     """Which training run these settings and shards stand for (the rules above)."""
     steps = settings.training.steps
@@ -167,7 +178,9 @@ def planned_run(paths: ProjectPaths, settings: Settings, train_fps: list[str], v
             return PlannedRun(entry["run"], key, steps, parent=entry.get("parent"))
     if family and reached_step(paths.checkpoints_dir(family[-1]["run"])) < steps:
         parent = family[-1]["run"]
-        return PlannedRun(continuation_fingerprint(parent, steps), key, steps, parent=parent)
+        planned = PlannedRun(continuation_fingerprint(parent, steps), key, steps, parent=parent)
+        _PLANNED_PARENTS[planned.fingerprint] = parent
+        return planned
     return PlannedRun(fresh, key, steps)
 
 
@@ -190,9 +203,12 @@ def final_weights(paths: ProjectPaths) -> Path:
 
 
 def last_checkpoint_step(paths: ProjectPaths, adapter_fp: str) -> int:
-    """The step of the newest checkpoint of the training run ``adapter_fp`` (0: none)."""
+    """The step of the newest checkpoint of the training run ``adapter_fp`` (0: none); a continuation that has none
+    of its own yet starts from its parent's."""
     run_dir = paths.checkpoints_dir(adapter_fp)
     steps = [int(m.group(1)) for d in (run_dir.iterdir() if run_dir.is_dir() else []) if (m := STEP_DIR.match(d.name))]
+    if not steps and (parent := _parent_of(paths, adapter_fp)):
+        return reached_step(paths.checkpoints_dir(parent))
     return max(steps, default=0)
 
 

@@ -17,7 +17,12 @@ from gguf_assets.lib.project.settings import replace, write_project_file
 from gguf_assets.lib.training import kept_steps as kept
 from gguf_assets.lib.training.events import LogStep, Note
 from gguf_assets.lib.training.train import train_adapter
-from gguf_assets.lib.training.training_run import planned_run, shards_identity, training_fingerprint
+from gguf_assets.lib.training.training_run import (
+    last_checkpoint_step,
+    planned_run,
+    shards_identity,
+    training_fingerprint,
+)
 
 MATERIALS = MaterialsManifest(student={"source": "demo/student", "commit": "c0ffee", "path": "."},
                               teacher={"source": "demo/teacher", "commit": "beef", "path": "."})
@@ -100,6 +105,10 @@ def test_lowering_the_steps_mid_run_finishes_now_and_raising_them_after_goes_on_
     assert planned_run(ProjectPaths.of(root), lowered, *fps).fingerprint == early.fingerprint
 
     longer = replace(SETTINGS, training={"steps": 25})
+    # Before it starts, `status` already knows where the continuation will start: the parent's step.
+    continuation = planned_run(ProjectPaths.of(root), longer, *fps)
+    assert continuation.parent == early.fingerprint
+    assert last_checkpoint_step(ProjectPaths.of(root), continuation.fingerprint) == 15
     events = []
     went_on, went_on_dir = _train(root, shards, longer, on_event=events.append)
     notes = [e.message for e in events if isinstance(e, Note)]
