@@ -85,3 +85,40 @@ def test_a_snapshot_mid_run_changes_nothing_and_a_kill_during_one_leaves_no_gguf
     refused = trainer_run(["snapshot", str(project.root), "--step", "7"], capture_output=True, text=True,
                           env=cli_env(), timeout=120)
     assert refused.returncode == 2 and "step 7 is not kept" in refused.stderr and "Traceback" not in refused.stderr
+
+
+def test_lowering_the_steps_mid_run_ends_it_now_with_an_exported_and_evaluated_gguf(make_project, tmp_path):
+    from gguf_assets.lib.project.layout import REPORT_JSON
+    from gguf_assets.lib.project.settings import load_settings, replace, write_project_file
+
+    project = make_project(**FAULT_SETTINGS)
+    reached = tmp_path / "reached"
+    reached.mkdir()
+    env = cli_env(**{faults.ENV: f"train-step@{STALL_AT}:stall:{STALL_S}", faults.REACHED_ENV: str(reached)})
+    run = trainer_popen(["run", str(project.root)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                        text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not list(reached.glob("train-step.*")):
+            assert run.poll() is None, run.stdout.read()
+            assert time.monotonic() < deadline, "training never reached the stall"
+            time.sleep(0.1)
+        lowered = STALL_AT // 2
+        write_project_file(project.root, replace(load_settings(project.root), training={"steps": lowered}))
+        output, _ = run.communicate(timeout=300)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert run.returncode == 0, output
+    assert f"training.steps was lowered to {lowered} while the run trained: it ends now, at step {STALL_AT}" in output
+    final = atomic.read_json(next(project.root.glob("checkpoints/*/final/meta.json")))
+    assert (final["step"], final["planned_steps"], final["lowered_to"]) == (STALL_AT, FAULT_SETTINGS["steps"], lowered)
+    settings = load_settings(project.root)
+    report = atomic.read_json(project.output_dir(settings) / REPORT_JSON)
+    assert report["val_centred_cosine"] is not None
+    gguf_meta = _metadata(project.located(report["gguf_path"]))
+    assert (gguf_meta["adapter.training.steps"], gguf_meta["adapter.training.planned_steps"]) == \
+        (STALL_AT, FAULT_SETTINGS["steps"])
+    # The lowered count stands for this run: nothing is left to do.
+    status = trainer_run(["status", str(project.root)], capture_output=True, text=True, env=cli_env(), timeout=120)
+    assert status.returncode == 0 and "stale" not in status.stdout and "missing" not in status.stdout, status.stdout
