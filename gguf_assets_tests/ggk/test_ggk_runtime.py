@@ -142,3 +142,24 @@ def test_ggk_loads_the_sigvq_of_an_llada_image_pipeline_repo(demo_in_ggk, ggk, t
     dump = run_engine(ggk, with_prompt(args, "a cat"), tmp_path / "dump", cwd=d["root"])
     assert dump.returncode == 0, dump.log[-3000:]
     assert "[X]" not in dump.log and "sigvq" in dump.log.lower(), dump.log[-3000:]
+
+
+def test_ggk_loads_a_snapshot_of_the_run(demo_in_ggk, ggk, tmp_path):
+    """`gguf-trainer snapshot` writes ggk's format: the engine loads a snapshot of the demo's run as its adapter
+    and computes what the export's GGUF computes (the same final weights)."""
+    from conftest import copy_project
+
+    from gguf_assets.cli import main as trainer_main
+
+    d = demo_in_ggk
+    project = copy_project(d["root"], tmp_path / "demo-copy")
+    assert trainer_main(["snapshot", str(project.root)]) == 0
+    snapshot = next((project.root / "output").glob("*-step*.gguf"))
+    args = list(d["args"])
+    args[args.index("--llm-adapter") + 1] = str(snapshot)
+    dump = run_engine(ggk, with_prompt(args, "a lighthouse on a cliff at dusk."), tmp_path / "dump", cwd=project.root)
+    assert dump.returncode == 0 and "[X]" not in dump.log, dump.log[-3000:]
+    assert ADAPTER_LINE.search(dump.log)
+    exported = run_engine(ggk, with_prompt(d["args"], "a lighthouse on a cliff at dusk."), tmp_path / "dump-export",
+                          cwd=d["root"])
+    assert np.abs(dump.adapter_out - exported.adapter_out).max() <= 1e-6
