@@ -27,9 +27,9 @@ def _metadata(path: Path) -> dict:
     return {field.name: field.contents() for field in reader.fields.values() if field.name.startswith("adapter.")}
 
 
-def test_a_snapshot_mid_run_changes_nothing_and_a_kill_during_one_leaves_no_gguf(make_project, reference_run,
+def test_a_snapshot_mid_run_changes_nothing_and_a_kill_during_one_leaves_no_gguf(shards_done_project, reference_run,
                                                                                  tmp_path, capsys):
-    project = make_project(**FAULT_SETTINGS)
+    project = shards_done_project  # the reference run's project, before training: its run trains and exports
     reached = tmp_path / "reached"
     reached.mkdir()
     env = cli_env(**{faults.ENV: f"train-step@{STALL_AT}:stall:{STALL_S}", faults.REACHED_ENV: str(reached)})
@@ -87,11 +87,11 @@ def test_a_snapshot_mid_run_changes_nothing_and_a_kill_during_one_leaves_no_gguf
     assert refused.returncode == 2 and "step 7 is not kept" in refused.stderr and "Traceback" not in refused.stderr
 
 
-def test_lowering_the_steps_mid_run_ends_it_now_with_an_exported_and_evaluated_gguf(make_project, tmp_path):
+def test_lowering_the_steps_mid_run_ends_it_now_with_an_exported_and_evaluated_gguf(shards_done_project, tmp_path):
     from gguf_assets.lib.project.layout import REPORT_JSON
     from gguf_assets.lib.project.settings import load_settings, replace, write_project_file
 
-    project = make_project(**FAULT_SETTINGS)
+    project = shards_done_project
     reached = tmp_path / "reached"
     reached.mkdir()
     env = cli_env(**{faults.ENV: f"train-step@{STALL_AT}:stall:{STALL_S}", faults.REACHED_ENV: str(reached)})
