@@ -19,6 +19,7 @@ from gguf_assets.defs.precompute import SHARD_CHECKS
 from gguf_assets.defs.resources import ProjectResource
 from gguf_assets.defs.sensors import interrupted_runs_sensor, resume_sensor
 from gguf_assets.defs.settings import SETTINGS_ASSETS
+from gguf_assets.lib.core import faults
 from gguf_assets.lib.project.settings import PROJECT_FILE, SettingsError, load_settings
 from gguf_assets.orchestration.private_api import reuse_sqlite_engines
 
@@ -57,5 +58,6 @@ def _project_dir() -> str | None:
         raise SystemExit(f"error: {exc}") from None
 
 
+faults.point("definitions-import")  # still importing: a stop now lands in a code server's load (tests)
 reuse_sqlite_engines()  # the code servers, Dagster's run processes and the Dagster CLI load this module first
 defs = build_definitions(_project_dir())

@@ -222,6 +222,56 @@ def test_ctrl_c_to_ui_stops_every_server_without_a_traceback_whenever_it_comes(m
         assert not _left_running(paths.root), (moment, _left_running(paths.root))
 
 
+@pytest.mark.slow  # a real `gguf-trainer ui` with its daemon, held until both code servers import the definitions
+def test_ctrl_c_to_ui_while_its_code_servers_import_the_definitions_leaves_a_clean_console(make_project, tmp_path):
+    """#58: a Ctrl-C while Dagster's code servers (the webserver's and the daemon's) still imported the definitions
+    put DagsterExecutionInterruptedError's traceback and click's "Aborted!" on the console. Both code servers are held
+    inside that import here (fault point definitions-import), and the Ctrl-C goes where a terminal sends it: to the
+    process group of `ui`. Its servers run from then on, so it ends with 0, a stop on purpose (supervise)."""
+    import psutil
+
+    paths = make_project()
+    reached = tmp_path / "reached"
+    reached.mkdir()
+    log = tmp_path / "ui.log"
+    env = cli_env(GGUF_ASSETS_FAULT="definitions-import:stall:300", GGUF_ASSETS_FAULT_REACHED=str(reached))
+
+    def code_servers_there() -> int:
+        there = 0
+        for marker in reached.iterdir():
+            try:
+                there += "grpc" in psutil.Process(int(marker.suffix[1:])).cmdline()
+            except psutil.Error:
+                pass
+        return there
+
+    with open(log, "w") as out:
+        ui = subprocess.Popen([*CLI, "ui", str(paths.root), "--port", str(free_port()), "--studio-port",
+                               str(free_port()), "--no-tensorboard", "--no-spare-run"],
+                              stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while code_servers_there() < 2 and time.monotonic() < deadline and ui.poll() is None:
+            time.sleep(0.05)
+        assert code_servers_there() == 2, log.read_text()
+        os.killpg(ui.pid, signal.SIGINT)
+        start = time.monotonic()
+        code = ui.wait(timeout=60)
+        took = time.monotonic() - start
+    finally:
+        if ui.poll() is None:
+            ui.kill()
+            ui.wait()
+    out = log.read_text()
+    assert code == 0 and took < 20, (code, took, out)
+    for noise in ("Traceback", "DagsterExecutionInterruptedError", "Aborted!", "Error loading repository location"):
+        assert noise not in out, out
+    assert_clean_console(out)
+    assert not _left_running(paths.root), _left_running(paths.root)
+    # The stop did land inside the import: the code servers said so, into the servers' log, not onto the console.
+    assert "DagsterExecutionInterruptedError" in (paths.dagster_home / "services.log").read_text()
+
+
 @pytest.mark.slow  # a real `gguf-trainer ui` with its daemon
 def test_a_second_ui_on_the_same_project_names_the_open_one_and_starts_nothing(make_project, tmp_path):
     """Refused before any port is tried, naming the open studio's URLs and pid; also after the first `ui` was

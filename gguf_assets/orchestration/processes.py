@@ -39,7 +39,7 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def run_in_own_process_group(argv: list[str]) -> int:
+def run_in_own_process_group(argv: list[str], *, stop=None) -> int:
     """Execute `gguf-trainer <argv>` (a `run`) in a child process of its own process group, and forward Ctrl-C and
     SIGTERM to it; returns its exit code.
 
@@ -48,19 +48,36 @@ def run_in_own_process_group(argv: list[str]) -> int:
     each printed a KeyboardInterrupt traceback over the clean "stopped" line; in a group of its own
     only the pipeline hears the stop, once, and ends its helpers itself.
 
+    ``stop``: the caller's services.StopSignals (`auto-resume`, which goes on to start the daemon), which also
+    notes each stop forwarded. A child stopped early dies of the signal (its handlers are not set yet), with no
+    "stopped" line or code of its own: `auto-resume` once read that as a finished pipeline and started the daemon,
+    which was seen running 85 minutes later. A stop the caller noted already, or one that comes before the child exists,
+    starts no child: 128 + the signal is returned.
+
     This module imports nothing of gguf_assets: `gguf-trainer run` starts the child before it loads anything else
     (cli.py), since every module this process would load the child loads again.
     """
     command = [sys.executable, "-m", "gguf_assets.cli", *argv]
-    child = subprocess.Popen(command, env={**os.environ, RUN_CHILD_ENV: "1"}, process_group=0,
-                             preexec_fn=_die_with_parent)
+    child: subprocess.Popen | None = None
+    unsent: list[int] = []  # stops that came while the child was being started
 
     def forward(signum, _frame):
-        if child.poll() is None:
+        if stop is not None:
+            stop.note(signum)
+        if child is None:
+            unsent.append(signum)
+        elif child.poll() is None:
             os.kill(child.pid, signum)
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
+        noted = stop.signal if stop is not None else None
+        if noted is not None or unsent:
+            return 128 + (noted or unsent[0])
+        child = subprocess.Popen(command, env={**os.environ, RUN_CHILD_ENV: "1"}, process_group=0,
+                                 preexec_fn=_die_with_parent)
+        if unsent:  # it came during the start: SIGTERM, which ends a Python still starting without a traceback
+            os.kill(child.pid, signal.SIGTERM)
         code = child.wait()
     finally:
         for sig, handler in previous.items():

@@ -9,8 +9,10 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import TextIO
 
 import psutil
 
@@ -21,6 +23,7 @@ from gguf_assets.lib.project.layout import ProjectPaths
 from gguf_assets.lib.telemetry.curves_log import TENSORBOARD_DIR
 
 SERVICES_LOCK = "services.lock"  # in <project>/.dagster: held while the project's studio, Dagster UI or daemon run
+SERVICES_LOG = "services.log"  # in <project>/.dagster: what they wrote, since the latest `ui` or `auto-resume` started
 
 
 def studio_command(paths: ProjectPaths, host: str, port: int, *, dagster_url: str,
@@ -58,16 +61,73 @@ def start_services(commands: list[list[str]], *, log_file: Path | None = None,
             out.close()
 
 
+class ServiceOutput:
+    """What the servers write, stdout and stderr, through a file (``SERVICES_LOG``): shown on this console (stderr)
+    a whole line at a time while they serve, and only kept in the file from the moment they are told to stop.
+
+    Stopped while they start, each says so its own way: a code server still importing the definitions prints
+    DagsterExecutionInterruptedError's traceback, the webserver click's "Aborted!", the webserver and the daemon a
+    warning with a stack trace about their code server. Whoever stopped them knows already, so the console of `ui`
+    and `auto-resume` stays clean at every moment; the file has it all. A file, not a pipe: servers left running by a
+    `ui` killed with -9 write on, where a pipe without its reader would fail their writes.
+    """
+
+    POLL_S = 0.1
+
+    def __init__(self, file: Path, console: TextIO | None = None) -> None:
+        self.file = file
+        file.write_bytes(b"")  # these servers' only: one set per project at a time (the services lock is held)
+        self._console = console if console is not None else sys.stderr
+        self._reader = open(file, "rb")  # noqa: SIM115  (read until close)
+        self._partial = b""
+        self._closed = False
+        self._lock = threading.Lock()
+        self._over = threading.Event()
+        self._thread = threading.Thread(target=self._follow, name="service-output", daemon=True)
+        self._thread.start()
+
+    def _follow(self) -> None:
+        while not self._over.wait(self.POLL_S):
+            self._show()
+
+    def _show(self, *, last: bool = False) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            data = self._partial + self._reader.read()
+            lines, newline, self._partial = data.rpartition(b"\n")
+            text = (lines + newline + (self._partial + b"\n" if last and self._partial else b"")).decode(
+                errors="replace")
+            if text:
+                try:
+                    self._console.write(text)
+                    self._console.flush()
+                except (OSError, ValueError):  # the console is gone (a closed pipe): the file still has it
+                    last = True
+            if last:
+                self._closed = True
+                self._reader.close()
+
+    def close(self) -> None:
+        """Show what the servers wrote up to now, then nothing more: call it before they are told to stop."""
+        self._over.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+        self._show(last=True)
+
+
 class StopSignals:
     """Ctrl-C and SIGTERM noted instead of raised, from entering on: a stop that comes while services are being
     started cannot leave one running that the starter never heard of."""
 
     def __enter__(self) -> "StopSignals":
         self.signal: int | None = None
-        self._previous = {sig: signal.signal(sig, self._note) for sig in (signal.SIGINT, signal.SIGTERM)}
+        self._previous = {sig: signal.signal(sig, self.note) for sig in (signal.SIGINT, signal.SIGTERM)}
         return self
 
-    def _note(self, signum, _frame) -> None:
+    def note(self, signum, _frame=None) -> None:
+        """The handler; also called by whoever handles a signal in its place for a while (a pipeline's process
+        group forwards each one to the pipeline, and notes it here)."""
         self.signal = signum
 
     def __exit__(self, *exc) -> None:
@@ -75,12 +135,14 @@ class StopSignals:
             signal.signal(sig, handler)
 
 
-def supervise(procs: list[subprocess.Popen], *, grace_s: float = 10.0, stop: StopSignals | None = None) -> int:
+def supervise(procs: list[subprocess.Popen], *, grace_s: float = 10.0, stop: StopSignals | None = None,
+              output: ServiceOutput | None = None) -> int:
     """Wait until one process exits or we get Ctrl-C/SIGTERM; then stop them all promptly.
 
     Each child gets SIGTERM, then SIGKILL after ``grace_s`` (dagster dev was seen ignoring
     SIGTERM for over a minute, so the webserver and daemon are run and stopped directly).
-    ``stop``: the caller's, when it noted signals already while it started ``procs``.
+    ``stop``: the caller's, when it noted signals already while it started ``procs``. ``output``: where they write;
+    what they wrote before the stop is shown, what they write while being stopped only kept.
     """
     with contextlib.ExitStack() as stack:
         stop = stop or stack.enter_context(StopSignals())
@@ -89,10 +151,12 @@ def supervise(procs: list[subprocess.Popen], *, grace_s: float = 10.0, stop: Sto
                 time.sleep(0.2)
             ended = next((p for p in procs if p.returncode is not None), None)
             if stop.signal is None and ended is not None:
+                if output is not None:
+                    output.close()  # the ended one's last words first
                 print(f"{_service_name(ended.args)} stopped ({_how_it_ended(ended.returncode)}); stopping the rest",
                       flush=True)
         finally:
-            stop_services(procs, grace_s=grace_s)
+            stop_all(procs, output, grace_s=grace_s)
     if stop.signal is not None:
         return 0
     # A service stopped by a signal (systemd's SIGTERM, a kill) was stopped on purpose; a crash is an error.
@@ -108,6 +172,13 @@ def _how_it_ended(returncode: int) -> str:
     if returncode < 0:
         return f"by {signal.Signals(-returncode).name}"
     return "exit code 0" if returncode == 0 else f"exit code {returncode}"
+
+
+def stop_all(procs: list[subprocess.Popen], output: ServiceOutput | None, *, grace_s: float = 10.0) -> None:
+    """:func:`stop_services`, once what they wrote so far is on the console and the rest goes to their log only."""
+    if output is not None:
+        output.close()
+    stop_services(procs, grace_s=grace_s)
 
 
 def stop_services(procs: list[subprocess.Popen], *, grace_s: float = 10.0) -> None:

@@ -238,6 +238,18 @@ def test_fault_point_acts_only_at_its_nth_visit(tmp_path, monkeypatch):
         faults.point("no-such-point")
 
 
+def test_a_fault_marks_where_it_acts_for_the_test_that_waits_on_it(tmp_path, monkeypatch):
+    """GGUF_ASSETS_FAULT_REACHED: each fault first leaves <folder>/<point>.<pid>, so a test knows that a process it
+    did not start itself (a Dagster code server) is at the point, and stops it there."""
+    monkeypatch.setenv(faults.ENV, "definitions-import@2:stall:0")
+    monkeypatch.setenv(faults.REACHED_ENV, str(tmp_path))
+    faults.reset()
+    faults.point("definitions-import")
+    assert list(tmp_path.iterdir()) == []  # the first visit: no fault, no mark
+    faults.point("definitions-import")
+    assert [p.name for p in tmp_path.iterdir()] == [f"definitions-import.{os.getpid()}"]
+
+
 def test_several_faults_each_act_at_their_own_moment(monkeypatch):
     monkeypatch.setenv(faults.ENV, "train-step@2:stall:0,gguf-export:enospc")
     faults.reset()

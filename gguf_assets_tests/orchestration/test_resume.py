@@ -206,3 +206,36 @@ def test_sigterm_to_the_daemon_is_a_clean_stop(finished_project, tmp_path):
     assert "dagster-daemon stopped (by SIGTERM" in out or "dagster-daemon stopped (exit code 0)" in out, out
     _, alive = psutil.wait_procs(children, timeout=15)
     assert not alive, f"left running: {[_cmdline(c) for c in alive]}"
+
+
+@pytest.mark.slow  # a real `auto-resume`, held while its pipeline's process loads
+def test_sigterm_while_the_pipeline_loads_stops_auto_resume_without_starting_the_daemon(make_project, tmp_path):
+    """#58: a SIGTERM to the process group of `auto-resume` just after it started the pipeline's process (in a group
+    of its own, which it forwards stops to) kills that process while it loads, before it handles a stop: no
+    "stopped" line, no code of its own. `auto-resume` took that for a finished pipeline, started the daemon and ran
+    on (seen 85 minutes later; a second SIGTERM stopped both). The process is held at that moment (fault point
+    pipeline-load); `auto-resume` must end within seconds, start no daemon and leave nothing running."""
+    import psutil
+
+    paths = make_project()
+    reached = tmp_path / "reached"
+    reached.mkdir()
+    env = cli_env(GGUF_ASSETS_FAULT="pipeline-load:stall:300", GGUF_ASSETS_FAULT_REACHED=str(reached))
+    proc = subprocess.Popen([*CLI, "auto-resume", str(paths.root)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        wait_for(lambda: any(reached.iterdir()), timeout=180, what="the pipeline's process to load", proc=proc)
+        children = psutil.Process(proc.pid).children(recursive=True)
+        os.killpg(proc.pid, signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            for child in psutil.Process(proc.pid).children(recursive=True):
+                child.kill()
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 128 + signal.SIGTERM, out
+    assert "stopped (SIGTERM)" in out and "starting dagster-daemon" not in out, out
+    assert "Traceback" not in out, out
+    _, alive = psutil.wait_procs(children, timeout=15)
+    assert not alive, f"left running: {[_cmdline(c) for c in alive]}"

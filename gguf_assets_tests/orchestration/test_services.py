@@ -8,7 +8,7 @@ import time
 import psutil
 import pytest
 
-from gguf_assets.orchestration.services import PortTaken, check_ports_free, stop_services
+from gguf_assets.orchestration.services import PortTaken, ServiceOutput, check_ports_free, stop_services
 
 # A server whose helper (as Dagster's code servers are to its webserver and daemon) outlives it: the leader exits at
 # once on SIGTERM, its child in the same process group takes ``linger`` s, or ignores SIGTERM when ``linger`` < 0.
@@ -86,3 +86,51 @@ def test_a_port_left_in_time_wait_by_a_stopped_server_is_free_and_a_listening_on
         time.sleep(0.05)
     assert psutil.CONN_TIME_WAIT in states(), states()
     check_ports_free("127.0.0.1", {"--port": port})
+
+
+def test_service_output_shows_whole_lines_until_closed_and_only_keeps_the_rest(tmp_path):
+    """The servers' output (through their log) reaches the console line by line while they serve; from close on, which
+    comes before they are told to stop, what they write is only in the log: a code server stopped while it imports
+    the definitions prints a traceback that whoever stopped it need not read."""
+    import io
+
+    console = io.StringIO()
+    output = ServiceOutput(tmp_path / "services.log", console=console)
+    with open(output.file, "ab") as server:  # as start_services opens it for each server
+        server.write(b"serving on :3000\nhalf a li")
+        server.flush()
+        deadline = time.monotonic() + 30
+        while "serving" not in console.getvalue() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert console.getvalue() == "serving on :3000\n"  # not the half line yet
+        server.write(b"ne\nand its last, without a newline")
+        server.flush()
+        output.close()
+        server.write(b"Traceback (most recent call last):\n")
+        server.flush()
+    time.sleep(3 * ServiceOutput.POLL_S)
+    assert console.getvalue() == "serving on :3000\nhalf a line\nand its last, without a newline\n"
+    assert output.file.read_bytes().endswith(b"Traceback (most recent call last):\n")
+    output.close()  # a second close (supervise closes before it names a server that ended, then stops the rest)
+
+
+def test_a_stop_noted_before_the_pipeline_starts_starts_no_pipeline(monkeypatch):
+    """`auto-resume` notes stops (services.StopSignals) before it hands the pipeline to its own process group: one
+    noted already is not lost in between, and no pipeline starts (its process would run on regardless)."""
+    import signal as signals
+
+    from gguf_assets.orchestration import processes
+
+    class Noted:
+        signal = signals.SIGTERM
+
+        def note(self, signum, _frame=None):
+            pass
+
+    def no_child(*args, **kwargs):
+        raise AssertionError("a pipeline was started after the stop")
+
+    monkeypatch.setattr(processes.subprocess, "Popen", no_child)
+    before = {sig: signals.getsignal(sig) for sig in (signals.SIGINT, signals.SIGTERM)}
+    assert processes.run_in_own_process_group(["run", "project"], stop=Noted()) == 128 + signals.SIGTERM
+    assert {sig: signals.getsignal(sig) for sig in before} == before  # its forwarding handlers are gone again

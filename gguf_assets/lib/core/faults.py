@@ -17,6 +17,9 @@ commas, each act at their own moment (``train-step@11:stall:5,gguf-export:stall:
 
 For ``kill`` and ``enospc`` the file being written is first cut to ``fraction`` (default 0.5)
 of its length, so what is left behind is a torn write, not a complete temp file.
+
+With ``GGUF_ASSETS_FAULT_REACHED=<folder>`` each fault first creates ``<folder>/<point>.<pid>``: a test that stalls
+a process it did not start itself (a Dagster code server) learns that it is there, and stops it at that moment.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from pathlib import Path
 from gguf_assets.lib.core.errors import UserError
 
 ENV = "GGUF_ASSETS_FAULT"
+REACHED_ENV = "GGUF_ASSETS_FAULT_REACHED"
 # Where each point sits: the moments a kill or a full disk would otherwise be left to chance.
 POINTS = {
     "download": "a hub download has a whole chunk of a file on disk (mid-file) and is still running",
@@ -37,6 +41,8 @@ POINTS = {
     "train-step": "an optimizer step has been taken",
     "checkpoint-save": "a checkpoint's weights and optimizer state are in its temp folder, before the rename",
     "gguf-export": "a GGUF is written to its temp file, before it is verified and renamed",
+    "pipeline-load": "the process that runs the pipeline has started and loads it, before it handles a stop",
+    "definitions-import": "a process (a Dagster code server, a run) is importing gguf_assets.definitions",
 }
 ACTIONS = ("kill", "enospc", "stall")
 STALL_S = 60.0
@@ -111,6 +117,9 @@ def point(name: str, torn: Path | None = None) -> None:
 
 
 def _act(fault: Fault, spec: str, torn: Path | None) -> None:
+    reached = os.environ.get(REACHED_ENV)
+    if reached:
+        Path(reached, f"{fault.point}.{os.getpid()}").touch()
     if fault.action == "stall":
         import time
 
