@@ -82,7 +82,11 @@ def run_in_own_process_group(argv: list[str], *, stop=None) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    if code < 0 and -code not in (signal.SIGINT, signal.SIGTERM):  # killed (a power cut, the OOM killer)
+    if code < 0 and -code in (signal.SIGINT, signal.SIGTERM):  # stopped while it loaded, before its own handling
+        print(f"stopped ({signal.Signals(-code).name}) while the pipeline was loading: nothing had started; the next "
+              "run continues from where the project stands", file=sys.stderr, flush=True)
+        return 128 - code
+    if code < 0:  # killed (a power cut, the OOM killer)
         if -code != signal.SIGKILL:  # SIGKILL cannot be caught, so it needs no reset
             signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)  # ends this process the same way, as if the work had run in it

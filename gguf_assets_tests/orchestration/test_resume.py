@@ -239,3 +239,25 @@ def test_sigterm_while_the_pipeline_loads_stops_auto_resume_without_starting_the
     assert "Traceback" not in out, out
     _, alive = psutil.wait_procs(children, timeout=15)
     assert not alive, f"left running: {[_cmdline(c) for c in alive]}"
+
+
+def test_sigterm_while_the_pipeline_loads_stops_run_with_one_line_and_its_code(make_project, tmp_path):
+    """The same moment for a plain `gguf-trainer run`: its pipeline process dies of the SIGTERM before it handles a
+    stop. `run` says so in one line and exits 128 + SIGTERM (it passed the child's -15 on as exit status 241, with
+    nothing said)."""
+    paths = make_project()
+    reached = tmp_path / "reached"
+    reached.mkdir()
+    env = cli_env(GGUF_ASSETS_FAULT="pipeline-load:stall:300", GGUF_ASSETS_FAULT_REACHED=str(reached))
+    proc = subprocess.Popen([*CLI, "run", str(paths.root)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        wait_for(lambda: any(reached.iterdir()), timeout=180, what="the pipeline's process to load", proc=proc)
+        os.killpg(proc.pid, signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 128 + signal.SIGTERM, out
+    assert "stopped (SIGTERM) while the pipeline was loading" in out and "Traceback" not in out, out
