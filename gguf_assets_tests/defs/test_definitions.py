@@ -347,3 +347,11 @@ def test_processes_opening_a_new_project_instance_at_once_all_get_it(tmp_path):
     outs = [p.communicate(timeout=120)[0] for p in procs]
     assert all(p.returncode == 0 and out.strip().endswith("ok") for p, out in zip(procs, outs)), outs
     assert (ProjectPaths.of(root).dagster_home / "history").is_dir()
+
+
+def test_the_top_level_dagster_yaml_is_the_packaged_template():
+    """dagster.yaml at the top (what `dagster dev` in the checkout reads) and gguf_assets/dagster.yaml (the template
+    each project's instance is rendered from, shipped in the package) are one file in two places: tied here."""
+    root = Path(__file__).resolve().parents[2]
+    assert (root / "dagster.yaml").read_bytes() == (root / "gguf_assets" / "dagster.yaml").read_bytes(), (
+        "dagster.yaml and gguf_assets/dagster.yaml differ: change both (the package's is the one projects use)")
