@@ -1,7 +1,8 @@
 """`gguf-trainer runs` and the studio's Runs endpoints on a real project with two real runs: the finished
 reference project (conftest ``finished_project``, 40 steps), then `training.steps: 60` and a second
 `gguf-trainer run`. List, diff, use the first (its GGUF's bytes come back, nothing trains), delete the
-second, and the refusals, each through the real CLI or a real studio process."""
+second, and the refusals, each through the real CLI or a real studio process; the studio page lists the report's
+scores."""
 
 import hashlib
 import json
@@ -10,10 +11,14 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
+from html import unescape
 from pathlib import Path
 
 import pytest
 from conftest import cli, cli_env, copy_project, free_port, stop_with_ctrl_c, wait_http
+
+from gguf_assets.lib.output.report import score_rows
+from gguf_assets.lib.project.manifests import Report
 
 pytestmark = [pytest.mark.slow,  # a `gguf-trainer run` subprocess (about 30 s), then the CLI and a studio
               pytest.mark.xdist_group("runs_cli")]  # on one worker: the two runs are made once (conftest.py)
@@ -143,7 +148,17 @@ def test_the_studio_runs_endpoints(project):
     try:
         wait_http(base + "/api/status", timeout=90, proc=proc)
         with urllib.request.urlopen(base + "/", timeout=60) as page:
-            assert len(re.findall(r'<section id="runs"[ >]', page.read().decode())) == 1  # one section to move
+            html = page.read().decode()
+        assert len(re.findall(r'<section id="runs"[ >]', html)) == 1  # one section to move
+        # The Evaluation panel lists every score of the report, as report.md does (lib/output/report.score_rows).
+        report = Report.from_json(json.loads((root / "output" / "demo-adapter.report.json").read_text()))
+        assert report.val_rel_mse is not None and report.gguf_vs_checkpoint is not None
+        rows = re.findall(r"<tr><td>(.*?)</td><td class=\"num\">(.*?)</td></tr>",
+                          html.split('<tbody id="evaluation">')[1].split("</tbody>")[0])
+        assert [(unescape(measure), unescape(value)) for measure, value in rows] == score_rows(report)
+        assert f"row {report.worst_row}: {report.worst_row_cosine:.4f}" in dict(rows).values()
+        status, view = _call(base + "/api/status")  # what the page's script refreshes the table from
+        assert [(r["measure"], r["value"]) for r in view["report"]["scores"]] == score_rows(report)
         status, view = _call(base + "/api/runs")
         assert status == 200 and len(view["runs"]) == 2 and len(view["settings_sha256"]) == 64
         first, second = view["runs"]

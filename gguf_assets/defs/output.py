@@ -12,6 +12,7 @@ from gguf_assets.defs.resources import ProjectResource
 from gguf_assets.defs.settings import settings_key
 from gguf_assets.defs.training import adapter
 from gguf_assets.lib.core import atomic
+from gguf_assets.lib.core import metrics as m
 from gguf_assets.lib.materials.materials import load_manifest
 from gguf_assets.lib.output.export_run import export_sidecar, gguf_path
 from gguf_assets.lib.output.report import (
@@ -100,6 +101,7 @@ def _check_result(files: list[dict], problems: list[str]) -> dg.AssetCheckResult
           description="Evaluation of the exported GGUF on the "
           "val shards by an independent numpy reader, with the verdict, advice and how to use it in ggk.")
 def eval_report(context: dg.AssetExecutionContext, project: ProjectResource) -> dg.MaterializeResult:
+    from gguf_assets.lib.output.checkpoint_outputs import checkpoint_outputs
     from gguf_assets.lib.output.export import ExportError  # torch comes with these: imported where they run
     from gguf_assets.lib.output.gguf_eval import evaluate_gguf, training_centre
     from gguf_assets.lib.training.training_run import final_weights
@@ -114,7 +116,10 @@ def eval_report(context: dg.AssetExecutionContext, project: ProjectResource) -> 
         raise ExportError(f"{target} changed since it was exported (its sha256 differs from the one in "
                           f"{target.with_suffix('.json')}). `gguf-trainer run` exports it again; `gguf-trainer "
                           "verify` checks every file.")
-    evaluation = evaluate_gguf(target, folders, training_centre(final_weights(paths))) \
+    weights = final_weights(paths)
+    # The GGUF's outputs are compared with the torch checkpoint's own on the same val prompts (gguf_vs_checkpoint).
+    evaluation = evaluate_gguf(target, folders, training_centre(weights),
+                               checkpoint=checkpoint_outputs(weights.parent.parent)) \
         if settings.output.evaluate else None
     fingerprint = report_fingerprint(settings, sidecar.fingerprint,
                                      shard_fingerprints(paths, settings, materials_manifest, "val"))
@@ -127,20 +132,24 @@ def eval_report(context: dg.AssetExecutionContext, project: ProjectResource) -> 
                 "ggk_command": dg.MetadataValue.text(report.ggk_command),
                 "verdict": report.verdict, "gguf_sha256": report.gguf_sha256}
     # Numeric entries are plotted over time in the UI.
-    for key in ("val_centred_cosine", "val_centred_cosine_torch", "gguf_vs_torch", "empty_prompt_cosine",
-                "n_prompts", "eval_seconds"):
+    for key in (m.VAL_CENTRED_COSINE, "val_centred_cosine_torch", "gguf_vs_torch", m.EMPTY_PROMPT_COSINE,
+                m.VAL_REL_MSE, m.VAL_RMS_COSINE, m.WORST_ROW_COSINE, m.WORST_ROW, "n_prompts", "eval_seconds"):
         value = getattr(report, key)
         if value is not None:
-            metadata[key] = float(value) if key != "n_prompts" else int(value)
+            metadata[key] = int(value) if key in ("n_prompts", m.WORST_ROW) else float(value)
+    for key, value in (report.gguf_vs_checkpoint or {}).items():
+        metadata[f"{m.GGUF_VS_CHECKPOINT}_{key}"] = float(value)
     score = report.val_centred_cosine if report.evaluated else report.val_centred_cosine_torch
     checks = [
         dg.AssetCheckResult(check_name="gguf_agrees_with_torch",
                             passed=not report.evaluated or report.gguf_vs_torch < GGUF_TORCH_TOLERANCE,
                             metadata={"difference": float(report.gguf_vs_torch or 0.0),
-                                      "evaluated": report.evaluated}),
+                                      "evaluated": report.evaluated,
+                                      **{key: float(value) for key, value in
+                                         (report.gguf_vs_checkpoint or {}).items()}}),
         dg.AssetCheckResult(check_name="val_centred_cosine_threshold", passed=score >= GOOD,
                             severity=dg.AssetCheckSeverity.WARN,
-                            metadata={"val_centred_cosine": float(score), "threshold": GOOD,
+                            metadata={m.VAL_CENTRED_COSINE: float(score), "threshold": GOOD,
                                       "advice": report.advice}),
     ]
     metadata.update(project.stage_metadata("eval_report", settings))

@@ -28,6 +28,7 @@ from gguf_assets.lib.core.commands import trainer, venv_tool
 from gguf_assets.lib.core.errors import UserError
 from gguf_assets.lib.core.ggk_contract import ESCAPE_HINT
 from gguf_assets.lib.core.lock import ProjectLocked, holder
+from gguf_assets.lib.output.report import score_rows
 from gguf_assets.lib.project import settings_file, settings_history
 from gguf_assets.lib.project.layout import ProjectPaths
 from gguf_assets.lib.project.manifests import DamagedRecord, Report
@@ -318,7 +319,9 @@ def _report_view(paths: ProjectPaths, settings) -> dict | None:
             "score_torch": report.val_centred_cosine_torch, "gguf_vs_torch": report.gguf_vs_torch,
             "empty_prompt_cosine": report.empty_prompt_cosine, "n_prompts": report.n_prompts,
             "per_shard": report.per_shard, "worst": report.worst[:10], "student": report.student,
-            "ggk_files": report_doc["ggk_files"]}
+            "ggk_files": report_doc["ggk_files"],
+            # The Evaluation panel's table: every score, as report.md lists them (lib/output/report.py).
+            "scores": [{"measure": measure, "value": value} for measure, value in score_rows(report)]}
 
 
 def _size(n: int) -> str:

@@ -7,7 +7,7 @@ import pytest
 from conftest import cli_env, copy_project, project_instance
 from warm_runs import trainer_run
 
-from gguf_assets.lib.core import atomic
+from gguf_assets.lib.core import atomic, metrics
 from gguf_assets.lib.project.layout import REPORT_JSON, ProjectPaths
 from gguf_assets.lib.project.settings import load_settings
 from gguf_assets.lib.training.verdict import GOOD
@@ -29,8 +29,12 @@ def test_the_demo_dag_is_recorded_stage_by_stage_in_the_project_s_dagster(demo_r
         assert report[key] is not None, key
     assert report["gguf_path"] == "output/demo-adapter.gguf"  # relative: the project folder is portable
     assert atomic.sha256_file(paths.located(report["gguf_path"])) == report["gguf_sha256"]
-    # The numpy reading of the GGUF agrees with the torch checkpoint.
+    # The numpy reading of the GGUF agrees with the torch checkpoint, in its score and output by output.
     assert abs(report["val_centred_cosine"] - report["val_centred_cosine_torch"]) < 1e-3
+    assert report[metrics.GGUF_VS_CHECKPOINT][metrics.MIN_ROW_COSINE] > 0.999
+    # The scores beside the verdict (raw target space): a trained adapter's relative MSE is below the centre's 1.
+    assert 0 < report[metrics.VAL_REL_MSE] < 1 and report[metrics.VAL_RMS_COSINE] > report[metrics.VAL_CENTRED_COSINE]
+    assert report[metrics.WORST_ROW_COSINE] <= report[metrics.VAL_CENTRED_COSINE]
     run_dir = atomic.read_json(paths.adapter_manifest)["run_dir"]
     adapter_meta = atomic.read_json(paths.root / run_dir / "final" / "meta.json")
     untrained = adapter_meta["untrained_val_centred_cosine"]
@@ -80,6 +84,14 @@ def test_the_demo_dag_is_recorded_stage_by_stage_in_the_project_s_dagster(demo_r
     assert checks[("eval_report", "gguf_agrees_with_torch")].passed
     assert checks[("gguf", "exported_files_unchanged")].passed
     assert checks[("eval_report", "reported_files_unchanged")].passed
+    # The eval_report's metadata carries every score, as numbers the UI plots over materializations.
+    evaluated = instance.get_latest_materialization_event(dg.AssetKey("eval_report")).asset_materialization.metadata
+    for key in (metrics.VAL_REL_MSE, metrics.VAL_RMS_COSINE, metrics.WORST_ROW_COSINE, metrics.EMPTY_PROMPT_COSINE,
+                *(f"{metrics.GGUF_VS_CHECKPOINT}_{k}" for k in metrics.AGREEMENT_KEYS)):
+        assert isinstance(evaluated[key], dg.FloatMetadataValue), key
+    assert evaluated[metrics.VAL_REL_MSE].value == report[metrics.VAL_REL_MSE]
+    assert evaluated[metrics.WORST_ROW].value == report[metrics.WORST_ROW]
+    assert f"row {report[metrics.WORST_ROW]}: " in evaluated["evaluation"].value
     threshold = checks[("eval_report", "val_centred_cosine_threshold")]
     assert threshold.passed == (report["val_centred_cosine"] >= GOOD)  # the demo passes it
     assert threshold.severity == dg.AssetCheckSeverity.WARN  # a warning: a short run may stay below it
@@ -93,6 +105,7 @@ def test_the_demo_dag_is_recorded_stage_by_stage_in_the_project_s_dagster(demo_r
     logged = [r.asset_observation.metadata for r in observations]
     assert any("loss" in m and "host_ram_used_gib" in m for m in logged)
     assert any("val_centred_cosine" in m for m in logged)
+    assert any(metrics.VAL_REL_MSE in m and metrics.WORST_ROW_COSINE in m for m in logged)
 
 
 @pytest.mark.xdist_group("demo")

@@ -22,6 +22,8 @@ from browser import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS, WIDE, need_browser, shoo
 from conftest import CLI, cli_env, copy_project, free_port, project_instance, stop_with_ctrl_c, wait_for, wait_http
 
 from gguf_assets.lib.core import atomic
+from gguf_assets.lib.output.report import score_rows
+from gguf_assets.lib.project.manifests import Report
 from gguf_assets.orchestration.instance import instance_env
 
 pytestmark = pytest.mark.slow  # a UI, a browser and a pipeline run
@@ -106,6 +108,8 @@ def test_studio_edits_settings_in_its_form_runs_stops_resumes_and_shows_the_resu
                                                f["sha256"]] for f in report["files"]]
             assert [row[0] for row in _cells(page, "#per-shard")] == [s["shard"] for s in report["per_shard"]]
             assert _cells(page, "#worst")[0] == [f"{report['worst'][0]['cosine']:.4f}", report["worst"][0]["text"]]
+            # Every score of the report (the other scores and the GGUF against the checkpoint), as report.md has them.
+            assert [tuple(row) for row in _cells(page, "#evaluation")] == score_rows(Report.from_json(report))
             _shot(page, "#panel-files", "exported-files")
             _shot(page, "#panel-evaluation", "evaluation")
             # Hardware and Environment: this machine and the libraries the pipeline runs with; live CPU and RAM.

@@ -18,7 +18,9 @@ attn: heads of 64, softmax(q k^T / 8) v, separate biased q/k/v/o; LayerNorm eps 
 
 Score: per prompt, mean over query rows of cos(pred - centre, target - centre) over D, the centre being each
 row's train mean (the caller passes it: it is the training's, and never part of the file); the overall score is
-the mean over prompts.
+the mean over prompts. Beside it, in the same raw target space: relative MSE, the cosine after a per-row RMSNorm,
+the worst query row, the empty prompt's score, and (given the torch checkpoint's outputs) how closely the GGUF
+agrees with the checkpoint; lib/core/metrics.py defines each.
 """
 
 from __future__ import annotations
@@ -27,12 +29,14 @@ import json
 import logging
 import math
 import time
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from gguf_assets.lib.core import metrics as m
 from gguf_assets.lib.core.safetensors_io import SafetensorsFile, to_float32
 from gguf_assets.lib.output import gguf_format as fmt
 from gguf_assets.lib.project.layout import PROMPTS_FILE, STUDENT_FILE, TEACHER_FILE  # noqa: F401  (the shard layout)
@@ -185,14 +189,111 @@ def training_centre(weights_file: Path) -> np.ndarray:
     return to_float32(weights.raw(CENTRE_TENSOR), weights.dtype(CENTRE_TENSOR))
 
 
-def centred_cosine(pred_centred: np.ndarray, target_centred: np.ndarray) -> float:
-    """Mean over rows of cos(a_r, b_r) along the last axis, each norm clamped at COSINE_EPS."""
-    a = pred_centred.astype(np.float64)
-    b = target_centred.astype(np.float64)
+def row_cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """cos(a_r, b_r) along the last axis, each norm clamped at COSINE_EPS (float64, one per row)."""
+    a = a.astype(np.float64)
+    b = b.astype(np.float64)
     dot = (a * b).sum(axis=-1)
     na = np.maximum(np.sqrt((a * a).sum(axis=-1)), COSINE_EPS)
     nb = np.maximum(np.sqrt((b * b).sum(axis=-1)), COSINE_EPS)
-    return float((dot / (na * nb)).mean())
+    return dot / (na * nb)
+
+
+def centred_cosine(pred_centred: np.ndarray, target_centred: np.ndarray) -> float:
+    """Mean over rows of cos(a_r, b_r) along the last axis, each norm clamped at COSINE_EPS."""
+    return float(row_cosines(pred_centred, target_centred).mean())
+
+
+def rms_normed(x: np.ndarray, eps: float = m.RMS_EPS) -> np.ndarray:
+    """Each row (last axis) divided by its RMS, sqrt(mean(x^2) + eps): an RMSNorm without a weight."""
+    x = x.astype(np.float64)
+    return x / np.sqrt((x * x).mean(axis=-1, keepdims=True) + eps)
+
+
+def rms_cosine(pred: np.ndarray, target: np.ndarray) -> float:
+    """Mean over rows of the cosine after each row of ``pred`` and ``target`` is RMS-normalized (metrics.py)."""
+    return float(row_cosines(rms_normed(pred), rms_normed(target)).mean())
+
+
+def relative_mse(pred: np.ndarray, target: np.ndarray, centre: np.ndarray) -> float:
+    """sum ||pred - target||^2 / sum ||target - centre||^2 over every value (0: perfect; the centre scores 1)."""
+    return _squared(pred - target) / _squared(target - centre)
+
+
+def worst_row(mean_row_cosines: np.ndarray) -> tuple[int, float]:
+    """(index, value) of the lowest of the rows' mean centred cosines."""
+    index = int(np.argmin(mean_row_cosines))
+    return index, float(mean_row_cosines[index])
+
+
+def _squared(x: np.ndarray) -> float:
+    x = x.astype(np.float64)
+    return float((x * x).sum())
+
+
+class ScoreSums:
+    """The scores over val prompts, one prompt at a time: the sums relative MSE, the RMS cosine and the rows'
+    mean centred cosines are made of (lib/core/metrics.py)."""
+
+    def __init__(self, centre: np.ndarray) -> None:
+        self.centre = np.asarray(centre, dtype=np.float32)
+        self.n = 0
+        self.squared_error = 0.0
+        self.squared_spread = 0.0
+        self.rms_cosine = 0.0
+        self.row_cosine = np.zeros(self.centre.shape[0], dtype=np.float64)
+
+    def add(self, pred: np.ndarray, target: np.ndarray) -> float:
+        """Count one prompt (``pred``, ``target`` [Q, D]); returns its centred cosine."""
+        rows = row_cosines(pred - self.centre, target - self.centre)
+        self.row_cosine += rows
+        self.squared_error += _squared(pred - target)
+        self.squared_spread += _squared(target - self.centre)
+        self.rms_cosine += rms_cosine(pred, target)
+        self.n += 1
+        return float(rows.mean())
+
+    def result(self) -> dict[str, Any]:
+        if not self.n:
+            return {m.VAL_REL_MSE: None, m.VAL_RMS_COSINE: None, m.WORST_ROW: None, m.WORST_ROW_COSINE: None}
+        index, value = worst_row(self.row_cosine / self.n)
+        return {m.VAL_REL_MSE: self.squared_error / max(self.squared_spread, COSINE_EPS),
+                m.VAL_RMS_COSINE: self.rms_cosine / self.n, m.WORST_ROW: index, m.WORST_ROW_COSINE: value}
+
+
+class Agreement:
+    """The GGUF's outputs against the torch checkpoint's on the same inputs, one prompt at a time: per row the cosine
+    of the two less the centre, and the largest absolute difference (alone, and over the RMS of the checkpoint's
+    centred outputs)."""
+
+    def __init__(self, centre: np.ndarray) -> None:
+        self.centre = np.asarray(centre, dtype=np.float32)
+        self.min_row, self.row_sum, self.rows = math.inf, 0.0, 0
+        self.max_abs, self.squared, self.values = 0.0, 0.0, 0
+
+    def add(self, gguf: np.ndarray, checkpoint: np.ndarray) -> None:
+        if gguf.shape != checkpoint.shape:
+            raise ValueError(f"the checkpoint's output has shape {list(checkpoint.shape)}, the GGUF's "
+                             f"{list(gguf.shape)}")
+        rows = row_cosines(gguf - self.centre, checkpoint - self.centre)
+        self.min_row = min(self.min_row, float(rows.min()))
+        self.row_sum += float(rows.sum())
+        self.rows += rows.size
+        self.max_abs = max(self.max_abs, float(np.abs(gguf.astype(np.float64) - checkpoint).max()))
+        self.squared += _squared(checkpoint - self.centre)
+        self.values += checkpoint.size
+
+    def result(self) -> dict[str, float] | None:
+        if not self.rows:
+            return None
+        scale = math.sqrt(self.squared / self.values)
+        return {m.MIN_ROW_COSINE: self.min_row, m.MEAN_ROW_COSINE: self.row_sum / self.rows,
+                m.MAX_ABS_DIFF: self.max_abs, m.MAX_ABS_DIFF_RELATIVE: self.max_abs / max(scale, COSINE_EPS)}
+
+
+# The torch checkpoint's outputs for a val shard folder, prompt by prompt in the shard's order, [Q, D] each in the
+# raw target space (lib/output/checkpoint_outputs.py makes them; this module never imports torch).
+CheckpointOutputs = Callable[[Path], Iterable[np.ndarray]]
 
 
 def _read_prompts(path: Path) -> list[str]:
@@ -208,8 +309,11 @@ def _read_prompts(path: Path) -> list[str]:
     return texts
 
 
-def _score_shard(adapter: GGUFAdapter, shard: Path, centre: np.ndarray) -> list[tuple[int, str, float]]:
-    """(index, text, centred cosine) for every prompt of one shard folder."""
+def _score_shard(adapter: GGUFAdapter, shard: Path, centre: np.ndarray, *, sums: ScoreSums | None = None,
+                 checkpoint: Iterator[np.ndarray] | None = None,
+                 agreement: Agreement | None = None) -> list[tuple[int, str, float]]:
+    """(index, text, centred cosine) for every prompt of one shard folder; each prompt is also counted in ``sums``,
+    and compared with the ``checkpoint``'s output for it in ``agreement``."""
     hp = adapter.hparams
     teacher = SafetensorsFile(shard / TEACHER_FILE)
     student = SafetensorsFile(shard / STUDENT_FILE)
@@ -246,7 +350,13 @@ def _score_shard(adapter: GGUFAdapter, shard: Path, centre: np.ndarray) -> list[
         for i in range(start, end):
             a, b = int(offsets[i]) - base, int(offsets[i + 1]) - base
             pred = adapter.run_queries([(k[a:b], v[a:b]) for k, v in group_kv])
-            cos = centred_cosine(pred - centre, to_float32(targets[i], t_dtype) - centre)
+            target = to_float32(targets[i], t_dtype)
+            cos = sums.add(pred, target) if sums is not None else centred_cosine(pred - centre, target - centre)
+            if checkpoint is not None and agreement is not None:
+                theirs = next(checkpoint, None)
+                if theirs is None:
+                    raise ValueError(f"{shard}: the checkpoint's outputs end before prompt {i}")
+                agreement.add(pred, np.asarray(theirs, dtype=np.float32))
             if not math.isfinite(cos):
                 raise ValueError(f"{shard}: prompt {i} ({texts[i][:60]!r}) scores {cos} (non-finite inputs?)")
             results.append((i, texts[i], cos))
@@ -254,25 +364,34 @@ def _score_shard(adapter: GGUFAdapter, shard: Path, centre: np.ndarray) -> list[
     return results
 
 
-def evaluate_gguf(gguf_path: Path, shards: list[Path], centre: np.ndarray) -> dict[str, Any]:
-    """Val centred cosine of a GGUF adapter over shard folders (see the module docstring); ``centre`` [Q, D] is
-    the rows' train mean the scores are centred on (``training_centre`` reads it from the checkpoint).
+def evaluate_gguf(gguf_path: Path, shards: list[Path], centre: np.ndarray, *,
+                  checkpoint: CheckpointOutputs | None = None) -> dict[str, Any]:
+    """Val centred cosine of a GGUF adapter over shard folders (see the module docstring), and the other scores;
+    ``centre`` [Q, D] is the rows' train mean the scores are centred on (``training_centre`` reads it from the
+    checkpoint). ``checkpoint(shard)``: the torch checkpoint's outputs for that shard's prompts, in order, which the
+    GGUF's are compared with.
 
-    Returns ``{val_centred_cosine, empty_prompt_cosine (None without empty prompts),
-    per_shard: [{shard, n, val_centred_cosine}], worst: [{text, cosine, shard, index}]
-    (the WORST_COUNT lowest), n_prompts, seconds, gguf}``.
+    Returns ``{val_centred_cosine, empty_prompt_cosine (None without empty prompts), val_rel_mse, val_rms_cosine,
+    worst_row, worst_row_cosine, gguf_vs_checkpoint (None without ``checkpoint``), per_shard: [{shard, n,
+    val_centred_cosine}], worst: [{text, cosine, shard, index}] (the WORST_COUNT lowest prompts), n_prompts,
+    seconds, gguf}`` (keys: lib/core/metrics.py).
     """
     began = time.perf_counter()
     adapter = load_adapter_gguf(Path(gguf_path))
+    centre = np.asarray(centre, dtype=np.float32)
+    sums, agreement = ScoreSums(centre), Agreement(centre)
     per_shard: list[dict[str, Any]] = []
     scored: list[tuple[float, str, str, int]] = []
     empty: list[float] = []
     for shard in shards:
         shard = Path(shard)
-        results = _score_shard(adapter, shard, np.asarray(centre, dtype=np.float32))
+        theirs = iter(checkpoint(shard)) if checkpoint is not None else None
+        results = _score_shard(adapter, shard, centre, sums=sums, checkpoint=theirs, agreement=agreement)
+        if theirs is not None and next(theirs, None) is not None:
+            raise ValueError(f"{shard}: the checkpoint gave more outputs than the shard has prompts")
         cosines = [c for _, _, c in results]
         per_shard.append({"shard": str(shard), "n": len(results),
-                          "val_centred_cosine": float(np.mean(cosines)) if cosines else None})
+                          m.VAL_CENTRED_COSINE: float(np.mean(cosines)) if cosines else None})
         for index, text, cos in results:
             scored.append((cos, text, str(shard), index))
             if text == "":
@@ -281,14 +400,16 @@ def evaluate_gguf(gguf_path: Path, shards: list[Path], centre: np.ndarray) -> di
         raise ValueError(f"no prompts to evaluate in {[str(s) for s in shards]}")
     worst = sorted(scored, key=lambda r: r[0])[:WORST_COUNT]
     result = {
-        "val_centred_cosine": float(np.mean([r[0] for r in scored])),
-        "empty_prompt_cosine": float(np.mean(empty)) if empty else None,
+        m.VAL_CENTRED_COSINE: float(np.mean([r[0] for r in scored])),
+        m.EMPTY_PROMPT_COSINE: float(np.mean(empty)) if empty else None,
+        **sums.result(),
+        m.GGUF_VS_CHECKPOINT: agreement.result() if checkpoint is not None else None,
         "per_shard": per_shard,
         "worst": [{"text": t, "cosine": c, "shard": s, "index": i} for c, t, s, i in worst],
         "n_prompts": len(scored),
         "seconds": time.perf_counter() - began,
         "gguf": str(gguf_path),
     }
-    logger.info("evaluated %s on %d prompts: val centred cosine %.5f", gguf_path, len(scored),
-                result["val_centred_cosine"])
+    logger.info("evaluated %s on %d prompts: val centred cosine %.5f, relative MSE %.5f", gguf_path, len(scored),
+                result[m.VAL_CENTRED_COSINE], result[m.VAL_REL_MSE])
     return result

@@ -1,9 +1,11 @@
 """The evaluation report: report.json (for tools) and report.md (shown in the UI).
 
 It carries both scores (``val_centred_cosine`` from the GGUF via the numpy evaluator,
-``val_centred_cosine_torch`` from the checkpoint), the verdict and advice, the worst val
-prompts, per-shard scores, every exported file with size and sha256, and the "use it in
-ggk" section: which file goes where and the command line (``output.ggk_command``).
+``val_centred_cosine_torch`` from the checkpoint), the verdict and advice, the other scores in the
+raw target space (relative MSE, cosine after RMSNorm, the worst query row: lib/core/metrics.py) and
+the GGUF's outputs against the checkpoint's (``gguf_vs_checkpoint``), the worst val prompts,
+per-shard scores, every exported file with size and sha256, and the "use it in ggk" section: which
+file goes where and the command line (``output.ggk_command``).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import shlex
 from pathlib import Path
 
 from gguf_assets.lib.core import atomic, verify
+from gguf_assets.lib.core import metrics as m
 from gguf_assets.lib.core.ggk_contract import ESCAPE_HINT, USER_FILES
 from gguf_assets.lib.core.markdown import markdown_table, user_text
 from gguf_assets.lib.output.kept import keep_report
@@ -60,21 +63,33 @@ def _for_ggk(files: list[dict], role: str) -> dict | None:
 
 
 def _per_shard(evaluation: dict | None, torch_rows: list[dict]) -> list[dict]:
-    torch_by_name = {Path(r["shard"]).name: r["val_centred_cosine"] for r in torch_rows}
+    torch_by_name = {Path(r["shard"]).name: r[m.VAL_CENTRED_COSINE] for r in torch_rows}
     if evaluation is None:
-        return [{"shard": name, "n": r["n"], "val_centred_cosine": None, "val_centred_cosine_torch": cos}
+        return [{"shard": name, "n": r["n"], m.VAL_CENTRED_COSINE: None, "val_centred_cosine_torch": cos}
                 for r, (name, cos) in zip(torch_rows, torch_by_name.items())]
-    return [{"shard": Path(r["shard"]).name, "n": r["n"], "val_centred_cosine": r["val_centred_cosine"],
+    return [{"shard": Path(r["shard"]).name, "n": r["n"], m.VAL_CENTRED_COSINE: r[m.VAL_CENTRED_COSINE],
              "val_centred_cosine_torch": torch_by_name.get(Path(r["shard"]).name)} for r in evaluation["per_shard"]]
 
 
-def _validation_curve(paths: ProjectPaths) -> list[tuple[int, float]]:
-    """The finished training run's validations (its final/meta.json), or none when it cannot be read."""
+def _final_meta(paths: ProjectPaths) -> dict:
+    """The finished training run's final/meta.json, or {} when it cannot be read."""
     try:
         run_dir = paths.root / atomic.read_json(paths.adapter_manifest)["run_dir"]
-        return validation_curve(atomic.read_json(run_dir / FINAL_DIR / META_FILE).get("history", []))
+        meta = atomic.read_json(run_dir / FINAL_DIR / META_FILE)
     except (OSError, ValueError, KeyError, TypeError):
-        return []
+        return {}
+    return meta if isinstance(meta, dict) else {}
+
+
+def _last_validation(meta: dict) -> dict:
+    """The torch checkpoint's scores at its last step: its history's validation of that step, or {}."""
+    history = meta.get("history") if isinstance(meta.get("history"), list) else []
+    return next((h for h in reversed(history) if isinstance(h, dict) and m.VAL_CENTRED_COSINE in h
+                 and h.get("step") == meta.get("step")), {})
+
+
+# The scores beside the verdict, copied into the report from the evaluation (or the checkpoint's last validation).
+OTHER_SCORES = (m.VAL_REL_MSE, m.VAL_RMS_COSINE, m.WORST_ROW, m.WORST_ROW_COSINE)
 
 
 def build_report(paths: ProjectPaths, settings: Settings, materials: MaterialsManifest, gguf: ExportSidecar,
@@ -90,17 +105,19 @@ def build_report(paths: ProjectPaths, settings: Settings, materials: MaterialsMa
     # The pack is the folder that holds qwen2/merges.txt: --tokenizer-pack takes the folder.
     pack_dir = str(Path(pack_file["path"]).parent.parent) if pack_file else None
     torch_score = gguf.val_centred_cosine_torch
-    score = evaluation["val_centred_cosine"] if evaluation else torch_score
-    text, advice = verdict(score, _validation_curve(paths), width=settings.training.width,
+    score = evaluation[m.VAL_CENTRED_COSINE] if evaluation else torch_score
+    final_meta = _final_meta(paths)
+    text, advice = verdict(score, validation_curve(final_meta.get("history") or []), width=settings.training.width,
                            steps=settings.training.steps)
+    others = evaluation if evaluation else _last_validation(final_meta)
     student = materials.student
     report = Report(
         fingerprint=fingerprint,
         evaluated=evaluation is not None,
-        val_centred_cosine=evaluation["val_centred_cosine"] if evaluation else None,
+        val_centred_cosine=evaluation[m.VAL_CENTRED_COSINE] if evaluation else None,
         val_centred_cosine_torch=torch_score,
-        gguf_vs_torch=abs(evaluation["val_centred_cosine"] - torch_score) if evaluation else None,
-        empty_prompt_cosine=evaluation["empty_prompt_cosine"] if evaluation else gguf.empty_prompt_cosine_torch,
+        gguf_vs_torch=abs(evaluation[m.VAL_CENTRED_COSINE] - torch_score) if evaluation else None,
+        empty_prompt_cosine=evaluation[m.EMPTY_PROMPT_COSINE] if evaluation else gguf.empty_prompt_cosine_torch,
         empty_prompt_cosine_torch=gguf.empty_prompt_cosine_torch,
         score_source="gguf" if evaluation else "torch",
         gguf_path=gguf.path, gguf_sha256=gguf.sha256, gguf_bytes=gguf.bytes,
@@ -124,6 +141,8 @@ def build_report(paths: ProjectPaths, settings: Settings, materials: MaterialsMa
                                 tokenizer_pack=paths.stored(pack_dir) if pack_dir else None),
         kept_f32=gguf.kept_f32,
         settings_hash=settings_history.remember(paths.root, settings),
+        **{key: others.get(key) for key in OTHER_SCORES},
+        gguf_vs_checkpoint=evaluation.get(m.GGUF_VS_CHECKPOINT) if evaluation else None,
     )
     out = paths.output_dir(settings)
     # No absolute path into the project: a copied project's report points at its own files.
@@ -143,21 +162,42 @@ def _fmt(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.4f}"
 
 
+SCORE_LABELS = {s.key: s.label for s in m.COMPARED}
+
+
+def score_rows(r: Report) -> list[tuple[str, str]]:
+    """(measure, value) of every score the report holds, as report.md and the studio's Evaluation panel list
+    them: the verdict's score first, then the others in the raw target space (lib/core/metrics.py)."""
+    agree = r.gguf_vs_checkpoint or {}
+    rows = [(f"{SCORE_LABELS[m.VAL_CENTRED_COSINE]} (GGUF, numpy)", _fmt(r.val_centred_cosine)),
+            (f"{SCORE_LABELS[m.VAL_CENTRED_COSINE]} (torch checkpoint)", _fmt(r.val_centred_cosine_torch)),
+            ("GGUF vs torch difference", "n/a" if r.gguf_vs_torch is None else format(r.gguf_vs_torch, ".2e")),
+            (SCORE_LABELS[m.EMPTY_PROMPT_COSINE], _fmt(r.empty_prompt_cosine)),
+            (f"{SCORE_LABELS[m.VAL_REL_MSE]} (sum of squared errors / sum of squared target spread)",
+             _fmt(r.val_rel_mse)),
+            (f"{SCORE_LABELS[m.VAL_RMS_COSINE]} (each row over its RMS)", _fmt(r.val_rms_cosine)),
+            (f"{SCORE_LABELS[m.WORST_ROW_COSINE]} (lowest mean centred cosine)",
+             "n/a" if r.worst_row is None else f"row {r.worst_row}: {_fmt(r.worst_row_cosine)}"),
+            ("GGUF vs checkpoint: per-row cosine, lowest / mean",
+             f"{agree[m.MIN_ROW_COSINE]:.6f} / {agree[m.MEAN_ROW_COSINE]:.6f}" if agree else "n/a"),
+            ("GGUF vs checkpoint: largest difference (of the outputs' RMS)",
+             f"{agree[m.MAX_ABS_DIFF]:.2e} ({agree[m.MAX_ABS_DIFF_RELATIVE]:.2e})" if agree else "n/a"),
+            ("val prompts", str(r.n_prompts) if r.n_prompts is not None else "n/a")]
+    return rows
+
+
 def render_evaluation(r: Report) -> str:
-    """Verdict, advice and the numbers (overall, empty prompt, per shard, worst prompts)."""
+    """Verdict, advice and the numbers (the scores, per shard, worst prompts)."""
     lines = [f"**{r.verdict}**", "", r.advice, "",
-             markdown_table(["measure", "value"], [
-                 ["val centred cosine (GGUF, numpy)", _fmt(r.val_centred_cosine)],
-                 ["val centred cosine (torch checkpoint)", _fmt(r.val_centred_cosine_torch)],
-                 ["GGUF vs torch difference",
-                  "n/a" if r.gguf_vs_torch is None else format(r.gguf_vs_torch, ".2e")],
-                 ["empty prompt cosine", _fmt(r.empty_prompt_cosine)],
-                 ["val prompts", r.n_prompts if r.n_prompts is not None else "n/a"]]), ""]
+             markdown_table(["measure", "value"], score_rows(r)), "",
+             "All scores are in the raw target space the DiT reads, centred on the training targets' per-row mean "
+             "where centred; the verdict is the val centred cosine's.", ""]
     if not r.evaluated:
-        lines += ["The GGUF was not evaluated (`output.evaluate` is off); the verdict uses the torch score.", ""]
+        lines += ["The GGUF was not evaluated (`output.evaluate` is off); the verdict uses the torch score, and the "
+                  "other scores are the checkpoint's last validation.", ""]
     if r.per_shard:
         lines += ["### Per shard", "", markdown_table(["shard", "prompts", "GGUF", "torch"], (
-            [s["shard"], s["n"], _fmt(s["val_centred_cosine"]), _fmt(s["val_centred_cosine_torch"])]
+            [s["shard"], s["n"], _fmt(s[m.VAL_CENTRED_COSINE]), _fmt(s["val_centred_cosine_torch"])]
             for s in r.per_shard), right=[1, 2, 3]), ""]
     if r.worst:
         lines += [f"### The {len(r.worst)} worst val prompts", "", markdown_table(["cosine", "prompt"], (

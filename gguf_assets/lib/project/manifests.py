@@ -149,6 +149,15 @@ class Report(_JsonFields):
     ggk_command: str
     kept_f32: list[str] = field(default_factory=list)
     settings_hash: str = ""  # the settings snapshot it was made under (lib/project/settings_history.py)
+    # The other scores, in the raw target space (lib/core/metrics.py defines them), of the GGUF like the verdict's
+    # (the torch checkpoint's last validation when the GGUF was not evaluated); None in reports made before them.
+    val_rel_mse: float | None = None
+    val_rms_cosine: float | None = None
+    worst_row: int | None = None  # the query row with the lowest mean centred cosine, and that cosine
+    worst_row_cosine: float | None = None
+    # The GGUF's outputs against the torch checkpoint's on the val prompts: {min_row_cosine, mean_row_cosine,
+    # max_abs_diff, max_abs_diff_relative}; None when not evaluated, or in reports made before it.
+    gguf_vs_checkpoint: dict[str, float] | None = None
 
 
 

@@ -8,7 +8,17 @@ observation, which the Dagster UI plots and the studio reads (its keys are those
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+
+from gguf_assets.lib.core.metrics import (
+    EMPTY_PROMPT_COSINE,
+    VAL_CENTRED_COSINE,
+    VAL_LOSS,
+    VAL_REL_MSE,
+    VAL_RMS_COSINE,
+    WORST_ROW,
+    WORST_ROW_COSINE,
+)
 
 
 @dataclass(frozen=True)
@@ -49,17 +59,29 @@ class LogStep:
 
 @dataclass(frozen=True)
 class Validation:
-    """The validation at ``step`` (of the weights judged: the average when ``training.ema_decay`` is on)."""
+    """The validation at ``step`` (of the weights judged: the average when ``training.ema_decay`` is on); its
+    scores are lib/core/metrics.py's, in the raw target space. Those added later are None in older histories."""
 
     step: int
     val_centred_cosine: float
     empty_prompt_cosine: float | None
     val_loss: float
+    val_rel_mse: float | None = None
+    val_rms_cosine: float | None = None
+    worst_row: int | None = None
+    worst_row_cosine: float | None = None
+
+    @classmethod
+    def of(cls, step: int, scores: Mapping[str, object]) -> Validation:
+        """The validation at ``step`` from train.evaluate's scores (keyed by lib/core/metrics.py's names)."""
+        return cls(step=step, **{f.name: scores.get(f.name) for f in fields(cls) if f.name != "step"})
 
     def figures(self) -> dict:
-        """The figures by name, as the run's history and the adapter's observation record them."""
-        return {"step": self.step, "val_centred_cosine": self.val_centred_cosine,
-                "empty_prompt_cosine": self.empty_prompt_cosine, "val_loss": self.val_loss}
+        """The figures by name (lib/core/metrics.py's), as the run's history and the adapter's observation record
+        them."""
+        return {"step": self.step, VAL_CENTRED_COSINE: self.val_centred_cosine,
+                EMPTY_PROMPT_COSINE: self.empty_prompt_cosine, VAL_LOSS: self.val_loss, VAL_REL_MSE: self.val_rel_mse,
+                VAL_RMS_COSINE: self.val_rms_cosine, WORST_ROW: self.worst_row, WORST_ROW_COSINE: self.worst_row_cosine}
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from gguf_assets.lib.core import atomic, faults
+from gguf_assets.lib.core.metrics import EMPTY_PROMPT_COSINE, VAL_CENTRED_COSINE, VAL_LOSS
 from gguf_assets.lib.project import formats, settings_history
 from gguf_assets.lib.project.layout import (
     BEST_DIR,
@@ -36,7 +37,6 @@ from gguf_assets.lib.training.adapter import (
     Adapter,
     AdapterShape,
     adapter_loss,
-    centred_cosine_rows,
     lr_at,
 )
 from gguf_assets.lib.training.checkpoints import (
@@ -82,6 +82,7 @@ from gguf_assets.lib.training.training_run import (
     shards_identity,
     write_session,
 )
+from gguf_assets.lib.training.val_scores import ValScores
 from gguf_assets.lib.training.verdict import validation_curve, verdict
 
 log = logging.getLogger(__name__)
@@ -91,10 +92,13 @@ log = logging.getLogger(__name__)
 @torch.inference_mode()
 def evaluate(model: Adapter, folders: list[Path], *, device: torch.device, cosine_weight: float,
              relational_weight: float = 0.0, batch_size: int = 64) -> dict:
-    """Val centred cosine (overall, per shard, empty prompt) and val loss of the torch model."""
+    """The val scores of the torch model in the raw target space (lib/core/metrics.py): centred cosine (overall,
+    per shard, empty prompt), relative MSE, the cosine after a per-row RMSNorm and the worst query row; and the val
+    loss."""
     was_training = model.training
     model.eval()
     cosines, empty, losses, per_shard = [], [], [], []
+    scores = ValScores(model.target_centre)
     for folder in folders:
         shard_cos = []
         for shard, rows, states, mask, targets in shard_batches(folder, device=device, batch_size=batch_size):
@@ -102,16 +106,17 @@ def evaluate(model: Adapter, folders: list[Path], *, device: torch.device, cosin
             losses.append(float(adapter_loss(model.loss_space(pred.float()), model.loss_targets(targets),
                                              cosine_weight=cosine_weight, relational_weight=relational_weight))
                           * len(rows))
-            cos = centred_cosine_rows(pred, targets, model).cpu()
+            cos = scores.add(model.to_target_space(pred.float()), targets).cpu()
             shard_cos += cos.tolist()
             empty += [c for c, i in zip(cos.tolist(), rows) if shard.texts[i] == ""]
         cosines += shard_cos
         per_shard.append({"shard": folder.name, "n": len(shard_cos),
-                          "val_centred_cosine": sum(shard_cos) / len(shard_cos)})
+                          VAL_CENTRED_COSINE: sum(shard_cos) / len(shard_cos)})
     model.train(was_training)
     n = len(cosines)
-    return {"val_centred_cosine": sum(cosines) / n, "empty_prompt_cosine": (sum(empty) / len(empty)) if empty else None,
-            "val_loss": sum(losses) / n, "per_shard": per_shard, "n": n}
+    return {VAL_CENTRED_COSINE: sum(cosines) / n,
+            EMPTY_PROMPT_COSINE: (sum(empty) / len(empty)) if empty else None,
+            **scores.result(), VAL_LOSS: sum(losses) / n, "per_shard": per_shard, "n": n}
 
 
 # -- runs and settings changes ------------------------------------------------------------
@@ -471,8 +476,7 @@ class _TrainingRun:
 
     def _validate(self) -> None:
         metrics = self._evaluate(self.judged)
-        validation = Validation(step=self.step, val_centred_cosine=metrics["val_centred_cosine"],
-                                empty_prompt_cosine=metrics["empty_prompt_cosine"], val_loss=metrics["val_loss"])
+        validation = Validation.of(self.step, metrics)
         entry = validation.figures()
         self.history.append(entry)
         self.curves.scalars(self.step, entry, "val")

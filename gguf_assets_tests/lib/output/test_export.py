@@ -19,15 +19,16 @@ from gguf import GGUFReader, GGUFValueType
 from safetensors.torch import save_file
 from test_gguf_format import SHAPE, f16_rounded, make_adapter, torch_predict, write_shard
 
-from gguf_assets.lib.core import atomic
+from gguf_assets.lib.core import atomic, metrics
 from gguf_assets.lib.core.f16 import F16_MAX
 from gguf_assets.lib.core.ggk_contract import GGK_COMMAND, STUDENT_HEAD_DIM, TOKENIZER_PACK_MERGES, USER_FILES
 from gguf_assets.lib.materials.ggk_tokenizer import ggk_tokenizer_problem, tokenizer_from_merges
 from gguf_assets.lib.materials.student_contract import student_contract_problem
 from gguf_assets.lib.output import export, gguf_eval, gguf_format
-from gguf_assets.lib.output.report import build_report, ggk_command
+from gguf_assets.lib.output.checkpoint_outputs import checkpoint_outputs
+from gguf_assets.lib.output.report import build_report, ggk_command, score_rows
 from gguf_assets.lib.project.layout import FINAL_DIR, META_FILE, REPORT_JSON, REPORT_MD, WEIGHTS_FILE, ProjectPaths
-from gguf_assets.lib.project.manifests import ExportSidecar, MaterialsManifest
+from gguf_assets.lib.project.manifests import ExportSidecar, MaterialsManifest, Report
 from gguf_assets.lib.project.settings import Settings, replace
 from gguf_assets.lib.training import train
 
@@ -394,7 +395,8 @@ def test_numpy_evaluation_agrees_with_torch_and_report_carries_both(tmp_path: Pa
     manifest = fake_run(paths, adapter, val_folders=shards)
     sidecar = export.export_adapter(paths, settings, MATERIALS, manifest)
     centre = gguf_eval.training_centre(paths.root / manifest["run_dir"] / FINAL_DIR / WEIGHTS_FILE)
-    evaluation = gguf_eval.evaluate_gguf(Path(sidecar.path), shards, centre)
+    evaluation = gguf_eval.evaluate_gguf(Path(sidecar.path), shards, centre,
+                                         checkpoint=checkpoint_outputs(paths.root / manifest["run_dir"]))
     report = build_report(paths, settings, MATERIALS, sidecar, evaluation, fingerprint="fp-report")
 
     on_disk = atomic.read_json(paths.root / "output" / REPORT_JSON)
@@ -410,6 +412,15 @@ def test_numpy_evaluation_agrees_with_torch_and_report_carries_both(tmp_path: Pa
         assert abs(row["val_centred_cosine"] - row["val_centred_cosine_torch"]) < 1e-3
     assert len(report.worst) == 10 and report.n_prompts == 13
     assert [w["cosine"] for w in report.worst] == sorted(w["cosine"] for w in report.worst)
+    # The other scores, the GGUF's, in the raw target space; the torch checkpoint's outputs agree with the GGUF's.
+    for key in (metrics.VAL_REL_MSE, metrics.VAL_RMS_COSINE, metrics.WORST_ROW, metrics.WORST_ROW_COSINE):
+        assert on_disk[key] == evaluation[key] is not None, key
+    assert 0 < report.val_rel_mse < 2 and -1 <= report.worst_row_cosine < report.val_centred_cosine
+    assert report.worst_row in range(SHAPE.query_rows) and isinstance(on_disk["worst_row"], int)
+    agree = report.gguf_vs_checkpoint
+    assert on_disk[metrics.GGUF_VS_CHECKPOINT] == agree and set(agree) == set(metrics.AGREEMENT_KEYS)
+    assert 0.999 < agree[metrics.MIN_ROW_COSINE] <= agree[metrics.MEAN_ROW_COSINE] <= 1.0
+    assert 0 < agree[metrics.MAX_ABS_DIFF_RELATIVE] < 1e-2
     # Paths inside the project are stored relative to it, so a copied project is independent.
     files = {"adapter": "output/adapter.gguf", "student": "output/adapter-student.gguf",
              "tokenizer_pack": "output/adapter-tokenizer/qwen2/merges.txt"}
@@ -425,6 +436,17 @@ def test_numpy_evaluation_agrees_with_torch_and_report_carries_both(tmp_path: Pa
     assert report.student == {"repo": "org/student", "commit": "0123abcd" * 5, "path": str(STUDENT_DIR), "layer": -1}
 
     md = (paths.root / "output" / REPORT_MD).read_text(encoding="utf-8")
+    for needle in (f"| {report.val_rel_mse:.4f} |", f"| {report.val_rms_cosine:.4f} |",
+                   f"| row {report.worst_row}: {report.worst_row_cosine:.4f} |",
+                   f"| {agree[metrics.MIN_ROW_COSINE]:.6f} / {agree[metrics.MEAN_ROW_COSINE]:.6f} |",
+                   "raw target space"):
+        assert needle in md, needle
+    # A report from before these scores still reads, and shows them as n/a.
+    older = Report.from_json({k: v for k, v in on_disk.items() if k not in (
+        metrics.VAL_REL_MSE, metrics.VAL_RMS_COSINE, metrics.WORST_ROW, metrics.WORST_ROW_COSINE,
+        metrics.GGUF_VS_CHECKPOINT)})
+    assert older.val_rel_mse is None and older.gguf_vs_checkpoint is None
+    assert dict(score_rows(older))["GGUF vs checkpoint: per-row cosine, lowest / mean"] == "n/a"
     for needle in ("## Exported files", "## Use it in ggk", "### Per shard", "### The 10 worst val prompts",
                    report.gguf_sha256, report.ggk_command, report.verdict, "`org/student`", "`--tokenizer-pack`",
                    "`--llm-adapter`", "`output/adapter-student.gguf`", USER_FILES["dit_gguf"]):
@@ -449,6 +471,27 @@ def test_report_verdict_and_advice(tmp_path: Path, score: float, advice: str) ->
     # An export that wrote no student GGUF (an old sidecar): the command names the student folder, quoted.
     assert f"--llm {shlex.quote(str(STUDENT_DIR))} " in report.ggk_command
     assert "--tokenizer-pack" not in report.ggk_command
+
+
+def test_an_unevaluated_report_gives_the_checkpoints_last_validation(tmp_path: Path) -> None:
+    """With output.evaluate off, the other scores are the torch checkpoint's at its last step (its history's
+    validation of that step), and there is no GGUF-vs-checkpoint comparison."""
+    paths, settings = project(tmp_path, evaluate=False)
+    last = {"step": 900, metrics.VAL_CENTRED_COSINE: 0.93, metrics.VAL_REL_MSE: 0.125, metrics.VAL_RMS_COSINE: 0.97,
+            metrics.WORST_ROW: 5, metrics.WORST_ROW_COSINE: 0.61}
+    final = paths.root / "checkpoints" / "fp" / FINAL_DIR
+    atomic.write_json(final / META_FILE, {"step": 900, "history": [
+        {**last, "step": 450, metrics.VAL_REL_MSE: 0.5}, {"step": 900, "loss": 0.1}, last]})
+    atomic.write_json(paths.adapter_manifest, {"run_dir": "checkpoints/fp", "fingerprint": "fp"})
+    sidecar = ExportSidecar(path="/o/adapter.gguf", bytes=10, sha256="ab" * 32, fingerprint="fp",
+                            val_centred_cosine_torch=0.93,
+                            files=[{"role": "adapter", "path": "/o/adapter.gguf", "bytes": 10, "sha256": "ab" * 32}])
+    report = build_report(paths, settings, MATERIALS, sidecar, None, fingerprint="x")
+    assert (report.val_rel_mse, report.val_rms_cosine, report.worst_row, report.worst_row_cosine) == \
+        (0.125, 0.97, 5, 0.61)
+    assert report.gguf_vs_checkpoint is None and report.val_centred_cosine is None
+    md = (paths.root / "output" / REPORT_MD).read_text(encoding="utf-8")
+    assert "| row 5: 0.6100 |" in md and "checkpoint's last validation" in md
 
 
 # --- format stability -----------------------------------------------------------------

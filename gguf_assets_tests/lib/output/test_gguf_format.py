@@ -17,7 +17,7 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 from safetensors.numpy import save_file as save_numpy
 from safetensors.torch import save_file
 
-from gguf_assets.lib.core import atomic, safetensors_io
+from gguf_assets.lib.core import atomic, metrics, safetensors_io
 from gguf_assets.lib.core.f16 import F16_MAX
 from gguf_assets.lib.core.ggk_contract import ADAPTER_HEAD_DIM, ADAPTER_LAYER_NORM_EPS, ADAPTER_PREFIX
 from gguf_assets.lib.output import export, gguf_eval, gguf_format
@@ -478,12 +478,17 @@ def test_evaluate_matches_torch(tmp_path: Path) -> None:
         ("b", ["bf16 one", "bf16 two", "", "three"], [3, 7, 2, 5], torch.bfloat16, torch.bfloat16),
     ]
     shards, per_shard, all_cos, empty_cos, rows = [], [], [], [], []
+    raw_preds, raw_targets, checkpoint = [], [], {}
     for i, (name, texts, lengths, t_dtype, h_dtype) in enumerate(specs):
         folder = tmp_path / "shards" / name
         targets, prompts = write_shard(folder, adapter=adapter, texts=texts, lengths=lengths, targets_dtype=t_dtype,
                                        hidden_dtype=h_dtype, seed=10 + i)
         pred = torch_predict(reference, [p.float() for p in prompts])
         cos = centred_cosine_rows(pred, targets.float(), reference)
+        raw_preds.append(reference.to_target_space(pred).numpy())
+        raw_targets.append(targets.float().numpy())
+        # The f32 checkpoint's own outputs (the GGUF holds f16 matrices), as checkpoint_outputs gives them.
+        checkpoint[folder] = list(adapter.to_target_space(torch_predict(adapter, [p.float() for p in prompts])).numpy())
         shards.append(folder)
         per_shard.append(float(cos.mean()))
         all_cos += cos.tolist()
@@ -507,6 +512,32 @@ def test_evaluate_matches_torch(tmp_path: Path) -> None:
     # The centre matters: scored around zero instead of the rows' train mean, the cosines differ.
     uncentred = gguf_eval.evaluate_gguf(out, shards, np.zeros_like(centre_of(adapter)))
     assert abs(uncentred["val_centred_cosine"] - result["val_centred_cosine"]) > 1e-2
+
+    # The other scores, over all prompts pooled, by hand from the torch predictions in the raw target space.
+    p, t, c = np.concatenate(raw_preds).astype(np.float64), np.concatenate(raw_targets).astype(np.float64), \
+        centre_of(adapter).astype(np.float64)
+    assert result[metrics.VAL_REL_MSE] == pytest.approx(((p - t) ** 2).sum() / ((t - c) ** 2).sum(), rel=1e-3)
+    plain = (p * t).sum(-1) / np.linalg.norm(p, axis=-1) / np.linalg.norm(t, axis=-1)  # RMSNorm: a per-row scale
+    assert result[metrics.VAL_RMS_COSINE] == pytest.approx(plain.mean(), abs=1e-4)
+    per_row = ((p - c) * (t - c)).sum(-1) / np.linalg.norm(p - c, axis=-1) / np.linalg.norm(t - c, axis=-1)
+    assert result[metrics.WORST_ROW] == int(per_row.mean(0).argmin())
+    assert result[metrics.WORST_ROW_COSINE] == pytest.approx(per_row.mean(0).min(), abs=1e-4)
+    assert result[metrics.GGUF_VS_CHECKPOINT] is None  # no checkpoint given
+
+    # Against the checkpoint's outputs: close (f16 matrices against f32), not identical.
+    agreed = gguf_eval.evaluate_gguf(out, shards, centre_of(adapter), checkpoint=lambda f: checkpoint[f])
+    agree = agreed[metrics.GGUF_VS_CHECKPOINT]
+    assert 0.999 < agree[metrics.MIN_ROW_COSINE] <= agree[metrics.MEAN_ROW_COSINE] < 1.0
+    assert 0 < agree[metrics.MAX_ABS_DIFF] and agree[metrics.MAX_ABS_DIFF_RELATIVE] < 1e-2
+    assert agreed[metrics.VAL_CENTRED_COSINE] == result[metrics.VAL_CENTRED_COSINE]
+    # Another model's outputs (each prompt's shifted by one) are told apart, and a count that differs is refused.
+    shifted = gguf_eval.evaluate_gguf(out, shards, centre_of(adapter),
+                                      checkpoint=lambda f: checkpoint[f][1:] + checkpoint[f][:1])
+    assert shifted[metrics.GGUF_VS_CHECKPOINT][metrics.MIN_ROW_COSINE] < 0.9
+    with pytest.raises(ValueError, match="the checkpoint's outputs end before prompt 3"):
+        gguf_eval.evaluate_gguf(out, shards, centre_of(adapter), checkpoint=lambda f: checkpoint[f][:3])
+    with pytest.raises(ValueError, match="more outputs than the shard has prompts"):
+        gguf_eval.evaluate_gguf(out, shards, centre_of(adapter), checkpoint=lambda f: checkpoint[f] * 2)
 
 
 def test_evaluate_small_groups_and_no_empty(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -561,8 +592,9 @@ def test_gguf_eval_imports_no_training_code() -> None:
     reader = {"gguf_assets.lib.core.safetensors_io"} | {f"gguf_assets.lib.core.safetensors_io.{n}" for n in
                                                         ("SafetensorsFile", "to_float32")}
     packages = {"gguf_assets.lib", "gguf_assets.lib.output", "gguf_assets.lib.project", "gguf_assets.lib.core"}
+    names = {"gguf_assets.lib.core.metrics"}  # the scores' names only (no code)
     assert {m for m in modules if m.startswith("gguf_assets")} <= {*packages, "gguf_assets.lib.output.gguf_format",
-                                                                   *layout_names, *reader}
+                                                                   *layout_names, *reader, *names}
     # And at run time: reading a GGUF and the shards loads no torch, transformers nor training code.
     loaded = subprocess.run([sys.executable, "-c", "import sys, gguf_assets.lib.output.gguf_eval; "
                              "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers') "

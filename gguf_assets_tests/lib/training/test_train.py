@@ -135,6 +135,13 @@ def test_uninterrupted_run_learns_and_reports(reference):
     vals = [e for e in reference["events"] if isinstance(e, Validation)]
     assert [e.step for e in vals] == [10, 20, 30, 40]
     assert [e.figures() for e in vals] == [entry for entry in s.history if "val_loss" in entry]
+    # Each validation's scores in the raw target space (lib/core/metrics.py), in the run's history per step.
+    assert list(vals[0].figures()) == ["step", "val_centred_cosine", "empty_prompt_cosine", "val_loss", "val_rel_mse",
+                                       "val_rms_cosine", "worst_row", "worst_row_cosine"]
+    for e in vals:
+        assert 0 < e.val_rel_mse < 2 and 0 < e.val_rms_cosine <= 1 and e.worst_row in range(QUERY_ROWS)
+        assert -1 <= e.worst_row_cosine <= e.val_centred_cosine  # the lowest row's mean is at most the mean of all
+    assert vals[-1].val_rel_mse < vals[0].val_rel_mse  # it learns: the error falls as the cosine rises
     assert isinstance(reference["events"][-1], Finished)
     model, meta = load_final(reference["run_dir"])
     assert meta["step"] == 40 and model.target_std.min() >= SETTINGS.training.sigma_floor
@@ -376,7 +383,8 @@ def test_dagster_records_plottable_metrics_curves_and_verdict(make_project):
         for key in ("loss", "lr", "grad_norm", "steps_per_s", "samples_per_s"):
             assert isinstance(m[key], dg.FloatMetadataValue), key
     for m in validated:
-        for key in ("val_centred_cosine", "empty_prompt_cosine", "val_loss"):
+        for key in ("val_centred_cosine", "empty_prompt_cosine", "val_loss", "val_rel_mse", "val_rms_cosine",
+                    "worst_row", "worst_row_cosine"):
             assert isinstance(m[key], dg.FloatMetadataValue), key
     event = instance.get_latest_materialization_event(dg.AssetKey("adapter"))
     result = event.asset_materialization.metadata

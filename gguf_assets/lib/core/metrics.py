@@ -1,0 +1,75 @@
+"""The scores a trainer compares adapters by, named once: the keys of report.json, of a training run's history (one
+entry per validation), of the adapter's observations and the eval_report's metadata in Dagster, of
+`gguf-trainer runs --compare` and of the studio.
+
+Every score is measured in the raw target space, the conditioning the DiT reads (the GGUF's output; the torch
+model's output mapped back through its standardization), never in the loss's whitened space. The centre is the
+training targets' per-row mean (``target_centre`` [Q, D], in every checkpoint's weights), the one centred cosine
+subtracts. Per val prompt, with pred and target [Q, D]:
+
+- ``val_centred_cosine`` (the verdict): the mean over rows of cos(pred_r - centre_r, target_r - centre_r); then
+  the mean over prompts.
+- ``val_rel_mse``: sum ||pred - target||^2 / sum ||target - centre||^2, both sums over every val prompt, row and
+  dimension (one ratio of totals, not a mean of ratios): 0 is perfect; predicting the centre scores 1.
+- ``val_rms_cosine``: each row of pred and of target divided by its RMS (sqrt(mean of squares + 1e-6)), then the
+  cosine per row, averaged over rows and prompts. What a DiT that RMS-normalizes each conditioning row sees (its
+  own per-dimension weight aside). A row's RMS is a positive number and a cosine ignores scale, so this is the
+  raw rows' uncentred cosine: it counts the centre, which centred cosine removes, and ignores each row's scale,
+  which relative MSE counts.
+- ``worst_row`` / ``worst_row_cosine``: the query row whose centred cosine, averaged over val prompts, is the
+  lowest: its index (0-based) and that average.
+- ``empty_prompt_cosine``: the centred cosine of the empty prompt (the CFG embedding), over the val prompts that
+  are empty.
+
+``gguf_vs_checkpoint`` (report.json only): the exported GGUF's outputs against the torch checkpoint's on the same
+val inputs; per row the cosine of the two outputs less the centre (their lowest and their mean), and the largest
+|GGUF - checkpoint| over every value, alone and divided by the RMS of the checkpoint's centred outputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final
+
+VAL_CENTRED_COSINE: Final = "val_centred_cosine"
+EMPTY_PROMPT_COSINE: Final = "empty_prompt_cosine"
+VAL_REL_MSE: Final = "val_rel_mse"
+VAL_RMS_COSINE: Final = "val_rms_cosine"
+WORST_ROW: Final = "worst_row"  # an index
+WORST_ROW_COSINE: Final = "worst_row_cosine"
+VAL_LOSS: Final = "val_loss"
+
+# The GGUF against the torch checkpoint (report.json's GGUF_VS_CHECKPOINT object; flattened with its name in front
+# in the Dagster metadata).
+GGUF_VS_CHECKPOINT: Final = "gguf_vs_checkpoint"
+MIN_ROW_COSINE: Final = "min_row_cosine"
+MEAN_ROW_COSINE: Final = "mean_row_cosine"
+MAX_ABS_DIFF: Final = "max_abs_diff"
+MAX_ABS_DIFF_RELATIVE: Final = "max_abs_diff_relative"
+AGREEMENT_KEYS: Final = (MIN_ROW_COSINE, MEAN_ROW_COSINE, MAX_ABS_DIFF, MAX_ABS_DIFF_RELATIVE)
+
+RMS_EPS: Final = 1e-6  # in val_rms_cosine's RMS, as an RMSNorm's
+
+
+@dataclass(frozen=True)
+class Score:
+    """A score as tables show it: its key, its label, whether higher is better, and its format."""
+
+    key: str
+    label: str
+    higher_is_better: bool = True
+    fmt: str = ".4f"
+
+    def text(self, value: float | None) -> str:
+        return "n/a" if value is None else format(value, self.fmt)
+
+
+# The scores compared run by run and step by step, in the order tables list them (the verdict first). The worst
+# row's index goes with WORST_ROW_COSINE.
+COMPARED: Final = (
+    Score(VAL_CENTRED_COSINE, "val centred cosine"),
+    Score(VAL_REL_MSE, "val relative MSE", higher_is_better=False),
+    Score(VAL_RMS_COSINE, "cosine after RMSNorm"),
+    Score(WORST_ROW_COSINE, "worst query row"),
+    Score(EMPTY_PROMPT_COSINE, "empty prompt cosine"),
+)
