@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 from gguf_assets.lib.core.commands import trainer
@@ -24,8 +25,11 @@ def add_parser(sub) -> None:
                                                    "its values, and make its GGUF and report current (no training)")
     what.add_argument("--delete", metavar="RUN", help="remove the run's folder (never the current run's)")
     what.add_argument("--label", nargs=2, metavar=("RUN", "TEXT"), help="give the run a label (\"\" removes it)")
-    what.add_argument("--compare", nargs=2, metavar=("RUN", "RUN"), help="two runs' val centred cosine, step by step")
-    p.add_argument("--svg", metavar="FILE", help="with --compare: write the two curves overlaid to FILE (SVG)")
+    what.add_argument("--compare", nargs="+", metavar="RUN",
+                      help="runs' scores step by step (val centred cosine, relative MSE, cosine after RMSNorm, worst "
+                           "query row, empty prompt) and at their last validation; the curves go to an SVG")
+    p.add_argument("--svg", metavar="FILE", help="with --compare: write the curves, one chart per score, to FILE "
+                                                 "(default: a new file in the temp folder; its path is printed)")
     p.add_argument("--json", action="store_true", help="print the runs as JSON (for tools)")
     p.set_defaults(func=cmd_runs)
 
@@ -42,7 +46,7 @@ def cmd_runs(args: argparse.Namespace) -> int:
         raise NoProject(f"{paths.project_file} does not exist: pass a project folder (`gguf-trainer init DIR` makes "
                         "one)")
     if args.svg and not args.compare:
-        raise runs.RunsError("--svg goes with --compare RUN RUN")
+        raise runs.RunsError("--svg goes with --compare RUN [RUN...]")
     if args.use:
         return _use(paths, args.use, as_json=args.json)
     if args.delete:
@@ -123,7 +127,7 @@ def _table(paths: ProjectPaths, view) -> None:
               f"`{trainer('run', paths.root)}` trains it")
     if view.runs:
         print(f"current: its GGUF and report are in the output folder. More: `{trainer('runs', paths.root)} "
-              "--diff RUN | --use RUN | --delete RUN | --label RUN TEXT | --compare RUN RUN` (RUN: a name, its "
+              "--diff RUN | --use RUN | --delete RUN | --label RUN TEXT | --compare RUN [RUN...]` (RUN: a name, its "
               "start, or a label)")
 
 
@@ -177,27 +181,51 @@ def _use(paths: ProjectPaths, ref: str, *, as_json: bool) -> int:
 
 
 def _compare(view, refs: list[str], *, svg: str | None, as_json: bool) -> int:
+    import tempfile
+
     from gguf_assets.lib.core import atomic
-    from gguf_assets.lib.status.runs import compare_runs
+    from gguf_assets.lib.core.metrics import COMPARED, VAL_CENTRED_COSINE, WORST_ROW, WORST_ROW_COSINE
+    from gguf_assets.lib.status.runs import compare_scores
 
-    compared, image = compare_runs(view, refs)
-    if svg:
-        atomic.write_text(Path(svg), image)
+    compared = compare_scores(view, refs)
     if as_json:
-        print(json.dumps({"runs": [r.to_json() for r in compared], "svg": image}, indent=2))
+        if svg:
+            atomic.write_text(Path(svg), compared.svg)
+        print(json.dumps(compared.to_json(), indent=2))
         return 0
-    by_step = [dict(r.curve) for r in compared]
-    names = [r.name for r in compared]
+    if not svg:  # never into the project folder, which may be read-only
+        handle, svg = tempfile.mkstemp(prefix="gguf-trainer-compare-", suffix=".svg")
+        os.close(handle)
+    atomic.write_text(Path(svg), compared.svg)
+    runs = compared.runs
+    names = [r.name for r in runs]
+    by_step = [dict(r.curve) for r in runs]
+    gguf_label = next(s.label for s in COMPARED if s.key == VAL_CENTRED_COSINE) + " of its GGUF"
+    label = max(len(gguf_label), *(len(s.label) for s in COMPARED)) + 2
     widths = [max(len(n), 8) for n in names]
-    print("val centred cosine by step (0: untrained)")
-    print("step    " + "  ".join(n.ljust(w) for n, w in zip(names, widths)))
-    for step in sorted(set().union(*by_step)):
-        print(f"{step:<8}" + "  ".join(_score(s.get(step)).ljust(w) for s, w in zip(by_step, widths)))
-    print("best    " + "  ".join(("-" if r.best_val_centred_cosine is None else
-                                  f"{r.best_val_centred_cosine:.4f}@{r.best_step}").ljust(w)
-                                 for r, w in zip(compared, widths)))
-    print("final   " + "  ".join(_score(r.final_val_centred_cosine).ljust(w) for r, w in zip(compared, widths)))
-    print(f"wrote the curves overlaid to {svg}" if svg else "--svg FILE writes the curves overlaid (the studio's Runs "
-          "panel shows them too)")
-    return 0
 
+    def line(first: str, cells: list[str]) -> None:
+        print(first.ljust(label) + "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip())
+
+    print("val centred cosine by step (0: untrained)")
+    line("step", names)
+    for step in sorted(set().union(*by_step)):
+        line(str(step), [_score(s.get(step)) for s in by_step])
+    line("best", ["-" if r.best_val_centred_cosine is None else f"{r.best_val_centred_cosine:.4f}@{r.best_step}"
+                  for r in runs])
+    line("final", [_score(r.final_val_centred_cosine) for r in runs])
+    print()
+    print("at the last validation (raw target space; relative MSE: lower is better)")
+    line("step", ["-" if r.last_scores.get("step") is None else str(r.last_scores["step"]) for r in runs])
+    for score in COMPARED:
+        cells = []
+        for r in runs:
+            value = r.last_scores.get(score.key)
+            text = score.text(value) if isinstance(value, (int, float)) else "-"
+            if score.key == WORST_ROW_COSINE and isinstance(r.last_scores.get(WORST_ROW), int):
+                text += f" (row {r.last_scores[WORST_ROW]})"
+            cells.append(text)
+        line(score.label, cells)
+    line(gguf_label, [_score(r.gguf_val_centred_cosine) for r in runs])
+    print(f"wrote the curves, one chart per score, to {svg}")
+    return 0

@@ -24,7 +24,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from gguf_assets.lib.core import atomic
+from gguf_assets.lib.core import atomic, metrics
 from gguf_assets.lib.core.commands import trainer
 from gguf_assets.lib.core.errors import UserError
 from gguf_assets.lib.core.lock import ProjectLock
@@ -45,7 +45,7 @@ from gguf_assets.lib.project.settings import SECTIONS, Settings, SettingsError, 
 from gguf_assets.lib.status.stages import INPUT_STAGES, TRAINING_STAGES, expected_fingerprints, stage_settings
 from gguf_assets.lib.status.states import State, project_status
 from gguf_assets.lib.telemetry.curves_log import TENSORBOARD_DIR, run_name
-from gguf_assets.lib.telemetry.render import compare_svg
+from gguf_assets.lib.telemetry.render import compare_panels_svg, compare_svg
 from gguf_assets.lib.training.training_run import (
     SESSION_FAILED,
     SESSION_RUNNING,
@@ -59,6 +59,8 @@ from gguf_assets.lib.training.training_run import (
 from gguf_assets.lib.training.verdict import validation_curve
 
 LABEL_MAX_CHARS = 200
+# A run's last validation as the list and --compare show it: the compared scores and the worst row's index.
+LAST_SCORE_KEYS = (*(score.key for score in metrics.COMPARED), metrics.WORST_ROW)
 
 
 class RunState(StrEnum):
@@ -113,6 +115,9 @@ class Run:
     curve: list[tuple[int, float]] = field(default_factory=list)  # (step, val centred cosine), 0: untrained
     diff: list[KeyDiff] | None = None  # against project.yaml now; None when its settings are unknown
     started_at: float | None = None
+    # Its last validation: {step, and each of metrics.COMPARED and the worst row's index} (None: a score it did not
+    # record, from before the score existed); {} before its first validation.
+    last_scores: dict[str, float | int | None] = field(default_factory=dict)
 
     def to_json(self) -> dict:
         doc = asdict(self)
@@ -295,6 +300,8 @@ def _read_run(paths: ProjectPaths, run_dir: Path, *, now: Settings | None, manif
         seconds = _estimated_seconds(history)
     untrained = (meta or {}).get("untrained_val_centred_cosine", (meta or {}).get("untrained"))
     curve = ([(0, float(untrained))] if isinstance(untrained, (int, float)) else []) + validation_curve(history)
+    last = next((e for e in reversed(history) if isinstance(e, dict) and metrics.VAL_CENTRED_COSINE in e), None)
+    last_scores = {} if last is None else {"step": last.get("step"), **{k: last.get(k) for k in LAST_SCORE_KEYS}}
     report = (kept or {}).get("report") or {}
     used, _ = disk_usage([run_dir, *_tensorboard_folders(paths, fingerprint, training)])
     return Run(
@@ -309,7 +316,7 @@ def _read_run(paths: ProjectPaths, run_dir: Path, *, now: Settings | None, manif
         kept_gguf=paths.stored(kept_gguf(paths, fingerprint, kept)) if kept else None,
         kept_report=bool(kept and kept.get("report")), curve=curve,
         diff=settings_diff(settings, now) if settings is not None and now is not None else None,
-        started_at=(meta or {}).get("started_at"))
+        started_at=(meta or {}).get("started_at"), last_scores=last_scores)
 
 
 def _unique_names(runs: list[Run]) -> list[Run]:
@@ -556,12 +563,58 @@ def _make_current(paths: ProjectPaths, settings: Settings, run: Run, expected: d
 
 # -- comparing ----------------------------------------------------------------------------
 
-def compare_runs(view: RunsView, refs: list[str]) -> tuple[list[Run], str]:
-    """The runs ``refs`` name and their val centred cosine curves overlaid (SVG; lib/telemetry/render.py)."""
+def _compared(view: RunsView, refs: list[str]) -> list[Run]:
     runs = [find_run(view, ref) for ref in refs]
     if len({r.fingerprint for r in runs}) < len(runs):
         raise RunsError(f"{', '.join(refs)} name the same run twice; compare two different runs")
-    return runs, compare_svg({(f"{r.name} ({r.label})" if r.label else r.name): r.curve for r in runs})
+    return runs
+
+
+def _shown_name(run: Run) -> str:
+    return f"{run.name} ({run.label})" if run.label else run.name
+
+
+def compare_runs(view: RunsView, refs: list[str]) -> tuple[list[Run], str]:
+    """The runs ``refs`` name and their val centred cosine curves overlaid (SVG; lib/telemetry/render.py)."""
+    runs = _compared(view, refs)
+    return runs, compare_svg({_shown_name(r): r.curve for r in runs})
+
+
+def score_curves(root: Path, run: Run) -> dict[str, list[tuple[int, float]]]:
+    """Each of metrics.COMPARED's scores over the run's validations, (step, value) in step order, from its newest
+    record (a run still training: its newest checkpoint's); val centred cosine starts at the untrained adapter's
+    (step 0). A score a validation did not record (from before it existed) has no point there."""
+    history = (newest_meta(ProjectPaths.of(root).checkpoints_dir(run.fingerprint)) or {}).get("history") or []
+    curves = {score.key: sorted((int(e["step"]), float(e[score.key])) for e in history
+                                if isinstance(e, dict) and "step" in e and isinstance(e.get(score.key), (int, float)))
+              for score in metrics.COMPARED}
+    curves[metrics.VAL_CENTRED_COSINE] = list(run.curve)
+    return curves
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Runs side by side: each run's score curves ({score key: {shown name: [(step, value)]}}), and the SVG of them,
+    one chart per score."""
+
+    runs: list[Run]
+    curves: dict[str, dict[str, list[tuple[int, float]]]]
+    svg: str
+
+    def to_json(self) -> dict:
+        return {"runs": [r.to_json() for r in self.runs], "svg": self.svg,
+                "scores": {key: {name: [list(p) for p in points] for name, points in by_run.items()}
+                           for key, by_run in self.curves.items()}}
+
+
+def compare_scores(view: RunsView, refs: list[str]) -> Comparison:
+    """The runs ``refs`` name (one or more), each compared score step by step (`gguf-trainer runs --compare`)."""
+    runs = _compared(view, refs)
+    per_run = [(_shown_name(r), score_curves(view.root, r)) for r in runs]
+    curves = {score.key: {name: run_curves[score.key] for name, run_curves in per_run} for score in metrics.COMPARED}
+    titles = {score.key: score.label + ("" if score.higher_is_better else " (lower is better)")
+              for score in metrics.COMPARED}
+    return Comparison(runs, curves, compare_panels_svg({titles[key]: by_run for key, by_run in curves.items()}))
 
 
 def size_text(n: int) -> str:

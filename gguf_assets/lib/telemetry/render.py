@@ -94,6 +94,27 @@ def compare_svg(curves: dict[str, list[tuple[float, float]]], *, title: str = "v
     return "\n".join(out)
 
 
+def compare_panels_svg(panels: dict[str, dict[str, list[tuple[float, float]]]], *, columns: int = 2,
+                       panel_width: int = 420, panel_height: int = 220) -> str:
+    """One chart per score ({title: {run name: [(step, value)]}}), ``columns`` to a row, each run in the same
+    colour in every chart (its place in the first chart's runs)."""
+    names = list(dict.fromkeys(name for by_run in panels.values() for name in by_run))
+    colour = {name: RUN_COLOURS[i % len(RUN_COLOURS)] for i, name in enumerate(names)}
+    columns = max(1, min(columns, len(panels)))
+    rows = -(-len(panels) // columns)
+    out = _svg_open(panel_width * columns, panel_height * rows)
+    for i, (title, by_run) in enumerate(panels.items()):
+        out.append(f'<g transform="translate(0,{(i // columns) * panel_height})">')
+        series = [(escape(name), colour[name], [(x, y) for x, y in points if isinstance(y, (int, float))
+                                                and math.isfinite(y)])
+                  for name, points in by_run.items()]
+        _panel(out, (i % columns) * panel_width, escape(title), series, panel_width=panel_width,
+               panel_height=panel_height)
+        out.append("</g>")
+    out.append("</svg>")
+    return "\n".join(out)
+
+
 def curves_markdown(svg: str) -> str:
     """The SVG as a Markdown image with a data: URI.
 

@@ -2,15 +2,17 @@
 deletion and the overlay, on copies of one real finished project (conftest ``finished_project``) and on run
 folders made from its own, plus one real training session stopped part way."""
 
+import json
 import os
+import re
 import shutil
 import subprocess
 import xml.etree.ElementTree as ET
 
 import pytest
-from conftest import copy_project
+from conftest import cli, copy_project
 
-from gguf_assets.lib.core import atomic
+from gguf_assets.lib.core import atomic, metrics
 from gguf_assets.lib.project import settings_history
 from gguf_assets.lib.project.layout import FINAL_DIR, KEPT_DIR, LABEL_FILE, META_FILE, SESSION_FILE, ProjectPaths
 from gguf_assets.lib.project.settings import load_settings, replace
@@ -18,6 +20,7 @@ from gguf_assets.lib.status import runs
 from gguf_assets.lib.status.runs import RunsError, RunState
 from gguf_assets.lib.status.states import State, project_status
 from gguf_assets.lib.telemetry.curves_log import run_name
+from gguf_assets.lib.telemetry.render import RUN_COLOURS
 from gguf_assets.lib.training.training_run import SESSION_RUNNING, write_session
 
 OTHER = "0123456789abcdef"  # a second run's folder: the finished run's checkpoints under another fingerprint
@@ -62,6 +65,12 @@ def test_a_finished_run_is_named_scored_kept_and_current(project):
     assert (project.root / run.kept_gguf).read_bytes() == (project.root / "output" / "demo-adapter.gguf").read_bytes()
     assert run.kept_report
     assert run.curve[0][0] == 0 and run.curve[-1] == (40, pytest.approx(final["val_centred_cosine"]))
+    # Its last validation's scores (step 40), as its history holds them.
+    last = next(e for e in reversed(final["history"]) if "val_centred_cosine" in e)
+    assert run.last_scores == {"step": 40, **{k: last[k] for k in runs.LAST_SCORE_KEYS}}
+    # The torch weights at step 40 are the GGUF's: its report's scores (numpy, f16 matrices) are the same.
+    assert run.last_scores["val_rel_mse"] == pytest.approx(report["val_rel_mse"], rel=1e-3)
+    assert run.last_scores["worst_row"] == report["worst_row"] in range(final["shape"]["query_rows"])
     # The disk its folder and its TensorBoard events take, as du counts it (du adds each folder's own block).
     folders = [project.checkpoints_dir(run.fingerprint), project.root / "tensorboard" / run.name]
     du = subprocess.run(["du", "-skc", *map(str, folders)], capture_output=True, text=True, check=True)
@@ -200,6 +209,38 @@ def test_compare_overlays_two_runs_curves(project):
     assert f"{compared[1].name} (&lt;b&gt;copy&lt;/b&gt;)" in svg and compared[0].name in svg
     with pytest.raises(RunsError, match="the same run twice"):
         runs.compare_runs(view, [OTHER, OTHER[:6]])
+
+    # Every compared score, step by step: one chart per score, a line per run in each, the run's colour in all.
+    compared = runs.compare_scores(view, [first.name, OTHER])
+    assert list(compared.curves) == [s.key for s in metrics.COMPARED]
+    history = atomic.read_json(project.checkpoints_dir(first.fingerprint) / FINAL_DIR / META_FILE)["history"]
+    rel_mse = [(e["step"], e["val_rel_mse"]) for e in history if "val_rel_mse" in e]
+    assert len(rel_mse) == 2 and compared.curves["val_rel_mse"][first.name] == rel_mse  # validate_every 20 of 40
+    assert compared.curves["val_centred_cosine"][first.name] == first.curve  # from the untrained adapter's (step 0)
+    charts = ET.fromstring(compared.svg).findall("{http://www.w3.org/2000/svg}g")
+    assert len(charts) == len(metrics.COMPARED)
+    for chart in charts:
+        lines = chart.findall("{http://www.w3.org/2000/svg}polyline")
+        assert [line.get("stroke") for line in lines] == [RUN_COLOURS[0], RUN_COLOURS[1]]
+    assert "val relative MSE (lower is better)" in compared.svg
+    # The CLI: any number of runs, the last values as a table, the SVG to the file it names.
+    svg = project.root.parent / "compare.svg"
+    done = cli("runs", str(project.root), "--compare", first.name, OTHER, "<b>copy</b>", "--svg", str(svg))
+    assert done.returncode == 2 and "the same run twice" in done.stderr  # the label names OTHER
+    done = cli("runs", str(project.root), "--compare", first.name, OTHER, "--svg", str(svg))
+    assert done.returncode == 0, done.stderr
+    assert svg.read_text() == compared.svg and f"wrote the curves, one chart per score, to {svg}" in done.stdout
+    table = {cells[0]: cells[1:] for line in done.stdout.split("at the last validation")[1].splitlines()[1:]
+             if len(cells := re.split(r" {2,}", line.strip())) == 3}
+    last = first.last_scores  # OTHER is a copy of the first run's folder: the same scores
+    assert table["step"] == ["40", "40"] and table["val relative MSE"] == [f"{last['val_rel_mse']:.4f}"] * 2
+    assert table["worst query row"] == [f"{last['worst_row_cosine']:.4f} (row {last['worst_row']})"] * 2
+    assert table["cosine after RMSNorm"] == [f"{last['val_rms_cosine']:.4f}"] * 2
+    alone = cli("runs", str(project.root), "--compare", OTHER, "--json")
+    assert alone.returncode == 0, alone.stderr
+    assert json.loads(alone.stdout)["scores"]["val_rms_cosine"] == {
+        f"{compared.runs[1].name} (<b>copy</b>)": [list(p) for p in compared.curves["val_rms_cosine"][
+            f"{compared.runs[1].name} (<b>copy</b>)"]]}
 
 
 def test_use_puts_a_run_s_gguf_back_from_its_own_copy_and_never_a_damaged_copy(project):
