@@ -378,14 +378,16 @@ def cmd_auto_resume(project: str, *, daemon: bool, ui_port: int | None = None, u
 def cmd_estimate(args: argparse.Namespace) -> int:
     """How much memory the project's pair needs, from the safetensors headers, before anything loads."""
     from gguf_assets.lib.materials.hub import token_from_env
-    from gguf_assets.lib.status.estimate import estimate_lines, parse_gpu_sizes
+    from gguf_assets.lib.status.estimate import estimate, estimate_lines, kept_steps_text, parse_gpu_sizes
     from gguf_assets.lib.status.time_estimate import time_lines
 
     paths = ProjectPaths.of(args.project)
     settings = load_settings(paths.root)
     sizes = parse_gpu_sizes(args.gpus) if args.gpus is not None else None
     print(f"memory estimate for {paths.root} (weights and training state; activations come on top):")
-    print("\n".join(estimate_lines(paths, settings, gpu_sizes_gib=sizes, token=token_from_env())))
+    lines = estimate(paths, settings, token=token_from_env())
+    print("\n".join(estimate_lines(paths, settings, gpu_sizes_gib=sizes, token=token_from_env(), lines=lines)))
+    print(kept_steps_text(settings, lines))
     print("time estimate:\n" + "\n".join(f"  {line}" for line in time_lines(paths, settings)))
     return 0
 

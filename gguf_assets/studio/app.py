@@ -10,7 +10,9 @@ observations it has read are a cache: the instance holds them).
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import os
 import subprocess
 from dataclasses import dataclass, field
@@ -97,6 +99,7 @@ def project_view(paths: ProjectPaths, feed: ObservationFeed | None = None,
         "training": training_view(paths, settings, feed.entries("adapter", running.run_id)
                                   if any(s.stage == "adapter" and s.state == State.RUNNING for s in stages) else None,
                                   view=status),
+        "snapshots": snapshots_view(paths, settings, status),  # the training run's snapshots and kept steps
         "precompute": precompute_progress([(asset.removesuffix("_shards"), figures) for asset in SHARD_STAGES
                                            if asset in assets for figures in feed.entries(asset, running.run_id)]),
         "pace": pace_lines(paths, settings, stages, status),  # the whole precompute's and training's speed and ETA
@@ -236,6 +239,45 @@ def training_view(paths: ProjectPaths, settings, live: list[dict] | None, *,
             "svg": curves_svg(history, panel_width=440, panel_height=220) if history else ""}
 
 
+def snapshots_view(paths: ProjectPaths, settings, view: ProjectView | None = None) -> dict | None:
+    """The Snapshots list of the training run these settings make (`gguf-trainer snapshot DIR --list`): one row
+    per kept step and per snapshot GGUF (lib/output/snapshots.py), by step: its planned steps, the weights it holds
+    (step<N> or best), the val centred cosine measured at that step, the GGUF's own eval score when it was scored,
+    and the file. Read from the run's folder only (snapshots.json, steps/*/meta.json): cheap enough for every poll.
+    None when there is nothing to train on yet (no materials, no corpus)."""
+    from gguf_assets.lib.output.snapshots import read_snapshots
+    from gguf_assets.lib.training import kept_steps as kept
+
+    try:
+        fingerprint = adapter_fingerprint_of(paths, settings, view)
+    except (OSError, ValueError, KeyError, TypeError, UserError):
+        return None
+    run_dir = paths.checkpoints_dir(fingerprint)
+    rows: dict[tuple[int, str], dict] = {}
+    for step in kept.kept_steps(run_dir):
+        try:
+            meta = kept.kept_step_meta(run_dir, step)
+        except (OSError, ValueError):
+            continue  # being removed (keep_steps_last) as it is read
+        rows[(step, f"step{step}")] = {
+            "step": step, "planned_steps": meta.get("planned_steps"), "weights": f"step{step}", "kept": True,
+            "kept_by": meta.get("kept_by"), "val_centred_cosine": meta.get("val_centred_cosine"), "eval": None,
+            "file": None, "size": None}
+    for entry in read_snapshots(run_dir):
+        try:
+            key = (int(entry["step"]), str(entry["weights"]))
+            file = paths.located(entry["file"])
+        except (KeyError, TypeError, ValueError):
+            continue
+        row = rows.setdefault(key, {"step": key[0], "weights": key[1], "kept": False, "kept_by": None})
+        row.update({"planned_steps": entry.get("planned_steps"), "val_centred_cosine": entry.get("val_centred_cosine"),
+                    "eval": (entry.get("eval") or {}).get("val_centred_cosine"), "file": str(file),
+                    "size": _size(entry["bytes"]) if isinstance(entry.get("bytes"), int) else None,
+                    "missing": not file.is_file()})
+    return {"run": fingerprint, "rows": [rows[key] for key in sorted(rows)],
+            "command": f"{venv_tool('gguf-trainer')} snapshot {paths.root}"}
+
+
 def hardware_now() -> dict:
     """Live hardware: every NVIDIA GPU (pynvml), the CPU's load and the RAM in use (psutil), read now."""
     from gguf_assets.lib.telemetry.hardware import gpu_snapshot, host_snapshot
@@ -285,7 +327,14 @@ def memory_view(paths: ProjectPaths) -> dict:
     id not downloaded yet is read from the hub once (kept in the project's .cache), within a few seconds."""
     from gguf_assets.lib.materials.hub import token_from_env
     from gguf_assets.lib.materials.hub_shapes import quick_options
-    from gguf_assets.lib.status.estimate import estimate, missing_piece, peak_gib, placement_lines, size_text
+    from gguf_assets.lib.status.estimate import (
+        estimate,
+        kept_steps_text,
+        missing_piece,
+        peak_gib,
+        placement_lines,
+        size_text,
+    )
     from gguf_assets.lib.telemetry.hardware import gpu_snapshot
 
     gpus = gpu_snapshot()
@@ -295,9 +344,10 @@ def memory_view(paths: ProjectPaths) -> dict:
         lines = estimate(paths, settings, **hub_access)
         placements = placement_lines(paths, settings, gpus, **hub_access)
     except (UserError, OSError, ValueError, KeyError) as exc:
-        return {"lines": [], "peak": "?", "gpus": [], "placements": [], "error": str(exc)}
+        return {"lines": [], "peak": "?", "gpus": [], "placements": [], "error": str(exc), "kept_steps": ""}
     return {"lines": [{"part": line.part, "size": size_text(line.gib), "how": line.how} for line in lines],
             "peak": size_text(peak_gib(lines)), "error": missing_piece(lines), "placements": placements,
+            "kept_steps": kept_steps_text(settings, lines),  # the disk the training.keep_steps_* schedule takes
             "gpus": [f"GPU {g['index']}: {g['mem_total_gib']:.0f} GiB" for g in gpus]}
 
 
@@ -399,6 +449,7 @@ class Studio:
     hardware: LiveHardware = field(default_factory=LiveHardware)
     seen: settings_file.SeenTexts = field(default_factory=settings_file.SeenTexts)
     last_good: dict = field(default_factory=dict)  # the last view made under valid settings (project_view)
+    snapshotting: asyncio.Lock = field(default_factory=asyncio.Lock)  # one snapshot change at a time
 
     def view(self) -> dict:
         return project_view(self.paths, self.feed, self.hardware, self.last_good)
@@ -423,7 +474,8 @@ def build_app(project: str | Path, *, dagster_url: str = "", tensorboard_url: st
     studio = Studio(paths, dagster_url, tensorboard_url,
                     spare=SpareRun(paths.root, paths.dagster_home / RUN_LOG, RUN_ARGS) if spare_run else None)
     return Starlette(exception_handlers=_exception_handlers(), routes=[
-        *_page_routes(studio), *_run_routes(studio), *_settings_routes(studio), *_runs_routes(studio)])
+        *_page_routes(studio), *_run_routes(studio), *_settings_routes(studio), *_runs_routes(studio),
+        *_snapshot_routes(studio)])
 
 
 def _page_routes(studio: Studio) -> list[Route]:
@@ -627,14 +679,105 @@ def _runs_routes(studio: Studio) -> list[Route]:
             Route("/api/runs/label", runs_label, methods=["POST"])]
 
 
+def _snapshot_target(paths: ProjectPaths, settings):
+    """The materials, the folder of the training run these settings make, and its val shards (checked current),
+    as `gguf-trainer snapshot` finds them."""
+    from gguf_assets.lib.materials.materials import load_manifest
+    from gguf_assets.lib.output.snapshots import SnapshotError
+    from gguf_assets.lib.precompute.shards import require_current
+    from gguf_assets.lib.training.training_run import planned_adapter_run
+
+    materials = load_manifest(paths)
+    run_dir = paths.checkpoints_dir(planned_adapter_run(paths, settings, materials).fingerprint)
+    if not run_dir.is_dir():
+        raise SnapshotError("no training run of these settings has started yet: Run starts it, and a snapshot can "
+                            "be taken as soon as it trains")
+    return materials, run_dir, require_current(paths, settings, materials, "val")
+
+
+def _snapshot_request(body: dict) -> tuple[int | None, bool, bool]:
+    step, best, evaluate = body.get("step"), body.get("best", False), body.get("eval", False)
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+        raise BadRequest("step must be a whole number of steps (absent: the newest)")
+    if not isinstance(best, bool) or not isinstance(evaluate, bool):
+        raise BadRequest("best and eval must be true or false")
+    if best and step is not None:
+        raise BadRequest("ask for a step or for best, not both")
+    return step, best, evaluate
+
+
+def _snapshot_routes(studio: Studio) -> list[Route]:
+    """Snapshot (a GGUF of the adapter now, its best, or a kept step; also while it trains: the trainer keeps its
+    current step, lib/output/snapshots.py) and the Snapshots list's Export, Evaluate and Delete. One at a time
+    (409 while one is under way); each runs off the event loop, so the page keeps polling meanwhile."""
+    paths = studio.paths
+
+    def settings_or_refusal(what: str):
+        try:
+            return load_settings(paths.root), None
+        except SettingsError as exc:
+            return None, JSONResponse({"error": f"{what} is refused until project.yaml loads: {exc}"}, status_code=400)
+
+    def busy() -> JSONResponse:
+        return JSONResponse({"error": "a snapshot is being taken or deleted now: wait for it to end"},
+                            status_code=409)
+
+    async def snapshot(request: Request) -> JSONResponse:
+        if (refused := refusal(request)) is not None:
+            return refused
+        step, best, evaluate = _snapshot_request(await json_object(request))
+        settings, refused = settings_or_refusal("Snapshot")
+        if refused is not None:
+            return refused
+        if studio.snapshotting.locked():
+            return busy()
+
+        def take() -> dict:
+            from gguf_assets.lib.output.snapshots import take_snapshot
+
+            materials, run_dir, val_folders = _snapshot_target(paths, settings)
+            return take_snapshot(paths, settings, materials, run_dir, val_folders=val_folders, step=step, best=best,
+                                 evaluate=evaluate, say=logging.getLogger(__name__).info)
+
+        async with studio.snapshotting:
+            entry = await run_in_threadpool(take)
+        return JSONResponse({**entry, "path": str(paths.located(entry["file"]))})
+
+    async def delete(request: Request) -> JSONResponse:
+        if (refused := refusal(request)) is not None:
+            return refused
+        step = (await json_object(request)).get("step")
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise BadRequest("step (the snapshot's step, as the Snapshots list shows it) must be a whole number")
+        settings, refused = settings_or_refusal("Delete")
+        if refused is not None:
+            return refused
+        if studio.snapshotting.locked():
+            return busy()
+
+        def remove() -> list[str]:
+            from gguf_assets.lib.materials.materials import load_manifest
+            from gguf_assets.lib.output.snapshots import delete_snapshot
+            from gguf_assets.lib.training.training_run import planned_adapter_run
+
+            run = planned_adapter_run(paths, settings, load_manifest(paths)).fingerprint
+            return [str(paths.located(f)) for f in delete_snapshot(paths, paths.checkpoints_dir(run), step)]
+
+        async with studio.snapshotting:
+            return JSONResponse({"deleted": await run_in_threadpool(remove), "step": step})
+
+    return [Route("/api/snapshot", snapshot, methods=["POST"]),
+            Route("/api/snapshot/delete", delete, methods=["POST"])]
+
+
 def _exception_handlers() -> dict:
     """The answers to a request the handlers refuse by raising: a malformed body, or a refusal from lib/."""
     async def bad_request(_request: Request, exc: BadRequest) -> JSONResponse:
         return JSONResponse({"error": str(exc)}, status_code=400)
 
     async def refused_by_the_library(_request: Request, exc: UserError) -> JSONResponse:
-        """The Runs panel's refusals, each one line from lib/: an unknown run, the current one, one that trains now
-        (400); the project held by a pipeline (ProjectLocked, 409)."""
+        """The Runs panel's and the Snapshots' refusals, each one line from lib/: an unknown run, the current one,
+        one that trains now, a step that is not kept (400); the project held by a pipeline (ProjectLocked, 409)."""
         return JSONResponse({"error": str(exc)}, status_code=409 if isinstance(exc, ProjectLocked) else 400)
 
     return {BadRequest: bad_request, UserError: refused_by_the_library}

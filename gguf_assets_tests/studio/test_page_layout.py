@@ -4,7 +4,8 @@ At 1,400 x 900 the first screen holds the verdict, the ggk command and its Copy 
 table; the panels below fold, and stay as the user left them; the settings are grouped, marked where they differ
 from the schema's defaults, and narrowed by the filter; a number field is text checked on the field as the server
 checks it (the browser used to turn `2o00` into 200), and a Save it refuses sends nothing; the server's own refusal
-marks the field it names. A 390-px phone scrolls nothing sideways, and dark mode follows the system. Screenshots
+marks the field it names. A 390-px phone scrolls nothing sideways, and dark mode follows the system. Last, the
+Training metrics panel's Snapshot button and its list's Evaluate and Delete (#57) work on the copy. Screenshots
 go to the test's tmp folder, and to $GGUF_ASSETS_SCREENSHOTS too when it is set.
 """
 
@@ -293,3 +294,72 @@ def test_dark_mode_follows_the_system(studio):
     page.locator('.field[data-field="training.steps"]').scroll_into_view_if_needed()
     studio.shot(page, "dark-settings")
     assert not page.errors, page.errors
+
+
+def test_a_snapshot_is_taken_evaluated_and_deleted_from_the_training_panel(studio):
+    """#57 in the Training metrics panel: Snapshot says "Taking snapshot…" and is disabled until the studio answers,
+    then the list has a row with its step and file, and the GGUF is on disk; Evaluate puts the GGUF's own score in
+    its row; Delete removes the GGUF (its row is the kept step again, to export once more). Last in the module: the
+    project keeps that kept step."""
+    from playwright.sync_api import expect
+
+    from gguf_assets.lib.output.snapshots import read_snapshots
+
+    answered = 60_000  # ms: an export or an evaluation on a loaded machine (about a second on an idle one)
+    page = studio.page()
+    page.on("dialog", lambda dialog: dialog.accept())  # Delete asks first
+    snapshot, message = page.locator("#snapshot"), page.locator("#snapshot-message")
+    assert page.locator("#snapshots").inner_text().strip() == "No snapshots or kept steps yet."
+    assert page.locator("#kept-steps").inner_text() == "kept steps: off (training.keep_steps_every 0)"
+    held: list = []  # the request held until the button's state is read: the check never races the answer
+    page.route("**/api/snapshot", lambda route: held.append(route))
+    snapshot.click()
+    expect(snapshot).to_have_text("Taking snapshot…")
+    expect(snapshot).to_be_disabled()
+    expect(page.locator("#snapshot-best")).to_be_disabled()
+    for _ in range(600):  # the route reaches its handler while Playwright waits
+        if held:
+            break
+        page.wait_for_timeout(50)
+    assert len(held) == 1
+    held[0].continue_()
+    page.unroute("**/api/snapshot")
+    gguf = studio.paths.root / "output" / "demo-adapter-step40.gguf"
+    expect(message).to_have_text(re.compile(rf"^snapshot of step 40 of 40 \(step40\): {re.escape(str(gguf))}; val "
+                                            r"centred cosine at that step \d\.\d{4}$"), timeout=answered)
+    row = page.locator('#snapshots tr[data-step="40"][data-weights="step40"]')
+    expect(row.locator("td.snapshot-file")).to_have_text(str(gguf))
+    assert gguf.is_file()
+    expect(snapshot).to_be_enabled()
+    expect(snapshot).to_have_text("Snapshot")
+    assert row.locator("td").all_inner_texts()[1:6] == ["40", "40", "step40", f"{_kept_score(studio, 40):.4f}", "-"]
+    studio.shot(page, "wide-snapshot-taken")
+
+    row.get_by_role("button", name="Evaluate").click()
+    expect(message).to_contain_text("; this GGUF on the val shards ", timeout=answered)
+    (entry,) = read_snapshots(_run_dir(studio))
+    expect(row.locator("td").nth(5)).to_have_text(f"{entry['eval']['val_centred_cosine']:.4f}")
+    page.locator("#panel-training h3", has_text="Snapshots").scroll_into_view_if_needed()
+    studio.shot(page, "wide-snapshot-evaluated")
+    page.set_viewport_size(PHONE)  # the row's long path scrolls inside its table, not the page
+    assert _scroll_width(page) <= PHONE["width"], _scroll_width(page)
+    row.scroll_into_view_if_needed()
+    studio.shot(page, "phone-snapshot-evaluated")
+    page.set_viewport_size(WIDE)
+
+    row.get_by_role("button", name="Delete").click()
+    expect(message).to_have_text(f"deleted {gguf}", timeout=answered)
+    expect(row.locator("td.snapshot-file")).to_have_text("no GGUF yet")
+    assert not gguf.exists() and read_snapshots(_run_dir(studio)) == []
+    expect(row.get_by_role("button", name="Export")).to_be_enabled()  # the kept step stays
+    assert not page.errors, page.errors
+
+
+def _run_dir(studio):
+    return studio.paths.checkpoints_dir(atomic.read_json(studio.paths.root / "checkpoints" / "final.json")["fingerprint"])
+
+
+def _kept_score(studio, step: int) -> float:
+    from gguf_assets.lib.training.kept_steps import kept_step_meta
+
+    return kept_step_meta(_run_dir(studio), step)["val_centred_cosine"]

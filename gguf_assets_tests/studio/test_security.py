@@ -37,7 +37,7 @@ EVIL = "evil.example"
 # Every studio endpoint, with a body the page itself would send.
 STUDIO_GETS = ("/", "/api/status", "/api/settings", "/api/runs")
 STUDIO_POSTS = ("/api/run", "/api/stop", "/api/settings", "/api/settings/form", "/api/preset", "/api/runs/use",
-                "/api/runs/delete", "/api/runs/label")
+                "/api/runs/delete", "/api/runs/label", "/api/snapshot", "/api/snapshot/delete")
 GRAPHQL_QUERY = json.dumps({"query": "{ version }"})
 # What a rebinding page would send to wipe the records (the mutation need not succeed: it must not be read).
 GRAPHQL_WIPE = json.dumps({"query": 'mutation { wipeAssets(assetPartitionRanges: [{assetKey: {path: ["adapter"]}}]) '

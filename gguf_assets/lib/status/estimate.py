@@ -30,6 +30,7 @@ from gguf_assets.lib.materials.materials import load_manifest
 from gguf_assets.lib.project.layout import ProjectPaths
 from gguf_assets.lib.project.settings import Settings
 from gguf_assets.lib.project.teacher_choice import MOCK_DIM, MOCK_QUERY_ROWS
+from gguf_assets.lib.training.kept_steps import scheduled_steps
 
 GIB = 2**30
 BYTES = {"bf16": 2, "f16": 2, "f32": 4}
@@ -42,6 +43,7 @@ class MemoryLine:
     part: str  # teacher, student, adapter training
     gib: float | None  # None: not known yet (a hub repo not downloaded)
     how: str  # what was counted
+    params: int | None = None  # the adapter's parameter count (on its "adapter training" line, when known)
 
 
 def _folder(paths: ProjectPaths, role: str, value: str) -> Path | None:
@@ -318,10 +320,39 @@ def estimate(paths: ProjectPaths, settings: Settings, *, token: str | None = Non
         lines.append(MemoryLine("adapter training", n * per_param / GIB,
                                 f"{_count(n)} parameters ({t.width} x {t.depth}, {query_rows} x {target_dim} "
                                 f"out) x {per_param} bytes (weights, gradients, AdamW"
-                                + (", weight average" if t.ema_decay else "") + f"), plus activations{rows_note}"))
+                                + (", weight average" if t.ema_decay else "") + f"), plus activations{rows_note}",
+                                params=n))
     else:
         lines.append(MemoryLine("adapter training", None, missing))
     return lines
+
+
+def kept_steps_text(settings: Settings, lines: list[MemoryLine]) -> str:
+    """What the training.keep_steps_* schedule keeps on disk by the run's end, in one line: how many kept steps
+    (the newest training.keep_steps_last of them when set) and their size, each an f32 copy of the adapter's
+    weights (4 bytes a parameter, ``lines``' adapter count; "?" while that is not known). The studio's Memory panel
+    and `gguf-trainer estimate` print it."""
+    t = settings.training
+    if not t.keep_steps_every:
+        return "kept steps: off (training.keep_steps_every 0)"
+    steps = scheduled_steps(every=t.keep_steps_every, first=t.keep_steps_from, last=t.keep_steps_to,
+                            planned=t.steps, newest=t.keep_steps_last)
+    params = next((line.params for line in lines if line.params is not None), None)
+    size = "size ?" if params is None else _bytes_text(len(steps) * 4 * params)
+    schedule = (f"training.keep_steps_every {t.keep_steps_every}" + (f" from {t.keep_steps_from}" if t.keep_steps_from
+                                                                      else "")
+                + (f" to {t.keep_steps_to}" if t.keep_steps_to else "")
+                + (f", the newest {t.keep_steps_last} kept" if t.keep_steps_last else ""))
+    which = f": steps {', '.join(map(str, steps))}" if 0 < len(steps) <= 6 else (
+        f": steps {steps[0]} to {steps[-1]}" if steps else f": none within {t.steps} steps")
+    return f"kept steps: {len(steps)} file{'' if len(steps) == 1 else 's'}, {size} ({schedule}{which})"
+
+
+def _bytes_text(n: int) -> str:
+    for unit, scale in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} bytes"
 
 
 def missing_piece(lines: list[MemoryLine]) -> str | None:
@@ -432,13 +463,14 @@ def parse_gpu_sizes(text: str) -> list[float]:
 
 def estimate_lines(paths: ProjectPaths, settings: Settings, *, gpus: list[dict] | None = None,
                    gpu_sizes_gib: list[float] | None = None, token: str | None = None,
-                   options: hub.HubOptions | None = None, available_cpu_bytes: int | None = None) -> list[str]:
+                   options: hub.HubOptions | None = None, available_cpu_bytes: int | None = None,
+                   lines: list[MemoryLine] | None = None) -> list[str]:
     """The estimate as console lines, against the GPUs named (``gpu_sizes_gib``: --gpus), else the ones given
     (``gpus``: gpu_snapshot's), else this machine's; with where the teacher would go on them (the studio shows
-    the same)."""
+    the same). ``lines``: estimate()'s, when the caller has them already."""
     from gguf_assets.lib.telemetry.hardware import gpu_snapshot
 
-    lines = estimate(paths, settings, token=token, options=options)
+    lines = estimate(paths, settings, token=token, options=options) if lines is None else lines
     out = [f"  {line.part:<17} {size_text(line.gib):>10}  {line.how}" for line in lines]
     peak = peak_gib(lines)
     if gpu_sizes_gib:

@@ -9,7 +9,7 @@ from safetensors import safe_open
 from warm_runs import trainer_run
 
 from gguf_assets.lib.project.settings import load_settings, replace, write_project_file
-from gguf_assets.lib.status.estimate import GIB, adapter_params, estimate, peak_gib
+from gguf_assets.lib.status.estimate import GIB, adapter_params, estimate, kept_steps_text, peak_gib
 from gguf_assets.lib.training.adapter import Adapter, AdapterShape
 
 
@@ -52,11 +52,29 @@ def test_the_estimate_counts_the_demo_pairs_weights_and_the_training_state(make_
     done = trainer_run(["estimate", str(paths.root)], capture_output=True, text=True, env=cli_env(), timeout=120)
     assert done.returncode == 0 and "peak on one GPU" in done.stdout and "Traceback" not in done.stderr, done.stderr
     assert [line.split()[0] for line in done.stdout.splitlines()[1:4]] == ["teacher", "student", "adapter"]
+    assert "kept steps: off (training.keep_steps_every 0)" in done.stdout.splitlines()  # the default
     # `status` shows the same peak before the shards are computed ("will it fit?", before anything loads).
     status = trainer_run(["status", str(paths.root)], capture_output=True, text=True, env=cli_env(), timeout=120)
     (memory,) = [line for line in status.stdout.splitlines() if line.strip().startswith("memory:")]
     peak = next(line for line in done.stdout.splitlines() if "peak on one GPU" in line).split()[4:6]
     assert f"peak on one GPU {' '.join(peak)} (teacher " in memory and "estimate" in memory, status.stdout
+
+
+def test_the_kept_steps_preview_counts_the_files_the_schedule_leaves_and_their_size(make_project):
+    """Before the run: how many kept steps training.keep_steps_* leaves on disk, each the adapter's f32 weights."""
+    paths = make_project(steps=120, mock_teacher=True)
+    settings = load_settings(paths.root)
+    lines = estimate(paths, settings)
+    (params,) = [line.params for line in lines if line.part == "adapter training"]
+    assert params and kept_steps_text(settings, lines) == "kept steps: off (training.keep_steps_every 0)"
+    # Every 20 from 40: 40, 60, 80, 100, 120; the newest 3 stay.
+    kept = replace(settings, training={"keep_steps_every": 20, "keep_steps_from": 40, "keep_steps_last": 3})
+    assert kept_steps_text(kept, lines) == (f"kept steps: 3 files, {3 * 4 * params / 2**20:.1f} MiB (training."
+                                            "keep_steps_every 20 from 40, the newest 3 kept: steps 80, 100, 120)")
+    window = replace(settings, training={"keep_steps_every": 10, "keep_steps_to": 100})
+    unknown = [line for line in lines if line.part != "adapter training"]  # the adapter's shape not known yet
+    assert kept_steps_text(window, unknown) == ("kept steps: 10 files, size ? (training.keep_steps_every 10 to 100: "
+                                                "steps 10 to 100)")
 
 
 def test_a_hub_model_not_downloaded_yet_is_unknown_not_zero(make_project, monkeypatch):
