@@ -52,6 +52,8 @@ from gguf_assets.lib.training.training_run import (
     SESSION_STOPPED,
     final_weights_intact,
     newest_meta,
+    reached_step,
+    read_lineage,
     read_session,
     record_finished_run,
     session_alive,
@@ -114,6 +116,16 @@ class Run:
     kept_report: bool
     curve: list[tuple[int, float]] = field(default_factory=list)  # (step, val centred cosine), 0: untrained
     diff: list[KeyDiff] | None = None  # against project.yaml now; None when its settings are unknown
+    # Its lineage (checkpoints/lineage.json; lib/training/training_run.py): the run it continues (training.steps
+    # raised after that one ended) and the step it started from; the steps it was planned to, and the count
+    # training.steps was lowered to when it ended early (at ``step``). Its snapshot GGUFs (snapshots.json) and the
+    # steps kept on disk (steps/; lib/output/snapshots.py, lib/training/kept_steps.py).
+    parent: str | None = None
+    parent_step: int | None = None
+    planned_steps: int | None = None
+    lowered_to: int | None = None
+    snapshots: int = 0
+    kept_steps: list[int] = field(default_factory=list)
     started_at: float | None = None
     # Its last validation: {step, and each of metrics.COMPARED and the worst row's index} (None: a score it did not
     # record, from before the score existed); {} before its first validation.
@@ -319,6 +331,24 @@ def _read_run(paths: ProjectPaths, run_dir: Path, *, now: Settings | None, manif
         started_at=(meta or {}).get("started_at"), last_scores=last_scores)
 
 
+def _with_lineage(paths: ProjectPaths, run: Run, lineage: dict[str, dict]) -> Run:
+    """``run`` with its lineage entry, and its snapshots and kept steps counted (Run's fields say which)."""
+    from gguf_assets.lib.output.snapshots import read_snapshots
+    from gguf_assets.lib.training.kept_steps import kept_steps
+
+    run_dir = paths.checkpoints_dir(run.fingerprint)
+    entry = lineage.get(run.fingerprint, {})
+    parent, parent_step = entry.get("parent"), None
+    if parent:  # the step its first session restored: recorded by the trainer, else how far the parent got
+        started = (newest_meta(run_dir) or {}).get("started") or {}
+        parent_step = started.get("from_step") if isinstance(started.get("from_step"), int) else (
+            reached_step(paths.checkpoints_dir(parent)) or None)
+    lowered = entry.get("lowered_to")
+    return _with(run, parent=parent, parent_step=parent_step, planned_steps=entry.get("planned_steps"),
+                 lowered_to=lowered if isinstance(lowered, int) else None,
+                 snapshots=len(read_snapshots(run_dir)), kept_steps=kept_steps(run_dir))
+
+
 def _unique_names(runs: list[Run]) -> list[Run]:
     """Names end in the fingerprint's first 8 characters; two runs that share them get their whole fingerprint."""
     counts: dict[str, int] = {}
@@ -347,7 +377,9 @@ def list_runs(paths: ProjectPaths, now: Settings | None, *, settings_error: str 
             settings_fp = expected_fingerprints(paths, now).get("adapter")
         except (OSError, ValueError, KeyError, TypeError, UserError):
             settings_fp = None  # no corpus yet, or a damaged record: status says which
-    runs = [_read_run(paths, d, now=now, manifest=manifest, settings_fp=settings_fp) for d in run_dirs(paths)]
+    lineage = {entry["run"]: entry for entry in read_lineage(paths)}
+    runs = [_with_lineage(paths, _read_run(paths, d, now=now, manifest=manifest, settings_fp=settings_fp), lineage)
+            for d in run_dirs(paths)]
     runs.sort(key=lambda r: (r.started_at is None, r.started_at or 0.0, r.name))
     return RunsView(paths.root, _unique_names(runs), manifest.get("fingerprint"), settings_fp, settings_error)
 

@@ -9,11 +9,13 @@ from pathlib import Path
 import pytest
 from test_train import SETTINGS, write_shards
 
+from gguf_assets import runs_cli
 from gguf_assets.lib.core import atomic
 from gguf_assets.lib.output import snapshots
 from gguf_assets.lib.project.layout import FINAL_DIR, META_FILE, WEIGHTS_FILE, ProjectPaths
 from gguf_assets.lib.project.manifests import MaterialsManifest
 from gguf_assets.lib.project.settings import replace, write_project_file
+from gguf_assets.lib.status.runs import list_runs
 from gguf_assets.lib.training import kept_steps as kept
 from gguf_assets.lib.training.events import LogStep, Note
 from gguf_assets.lib.training.train import train_adapter
@@ -82,13 +84,17 @@ def test_kept_steps_and_a_snapshot_request_leave_the_result_as_it_was_and_export
         gguf[name] = paths.located(entry["file"]).read_bytes()
         assert snapshots.read_snapshots(run_dir) == [entry]
     assert gguf["scheduled"] == gguf["asked"]
+    # `gguf-trainer runs` counts them: one snapshot, the two kept steps.
+    (listed,) = list_runs(ProjectPaths.of(tmp_path / "scheduled"), schedule).runs
+    assert (listed.snapshots, listed.kept_steps, listed.parent, listed.lowered_to) == (1, [20, 30], None, None)
 
     with pytest.raises(snapshots.SnapshotError, match=r"step 7 is not kept: the steps a snapshot can take are 20, 30"):
         snapshots.take_snapshot(ProjectPaths.of(tmp_path / "scheduled"), SETTINGS, MATERIALS, scheduled_dir,
                                 val_folders=shards["val"], step=7)
 
 
-def test_lowering_the_steps_mid_run_finishes_now_and_raising_them_after_goes_on_from_the_checkpoint(tmp_path, shards):
+def test_lowering_the_steps_mid_run_finishes_now_and_raising_them_after_goes_on_from_the_checkpoint(tmp_path, shards,
+                                                                                                      capsys):
     root = tmp_path / "project"
 
     def lower_at_15(event):
@@ -118,6 +124,19 @@ def test_lowering_the_steps_mid_run_finishes_now_and_raising_them_after_goes_on_
     assert any(f"continuing run {early.fingerprint} from step 15" in n for n in notes), notes
     assert atomic.read_json(went_on_dir / FINAL_DIR / META_FILE)["parent"] == early.fingerprint
     assert went_on.fingerprint != training_fingerprint(longer, *fps)  # a fresh run to 25 stays another run
+
+    # `gguf-trainer runs`: the early end and the continuation, each on a line of its own below the table.
+    view = list_runs(ProjectPaths.of(root), longer)
+    first, second = (next(r for r in view.runs if r.fingerprint == fp) for fp in (early.fingerprint,
+                                                                                 went_on.fingerprint))
+    assert (first.step, first.planned_steps, first.lowered_to, first.parent) == (15, 40, 12, None)
+    assert (second.step, second.planned_steps, second.parent, second.parent_step) == (25, 25, early.fingerprint, 15)
+    capsys.readouterr()
+    runs_cli._table(ProjectPaths.of(root), view)
+    printed = capsys.readouterr().out.splitlines()
+    assert f"  {first.name}: ended at step 15: training.steps lowered to 12 (it was planned to 40)" in printed
+    assert f"  {second.name}: continues {first.name} from step 15 (training.steps raised to 25)" in printed
+    assert second.to_json()["parent"] == early.fingerprint and first.to_json()["lowered_to"] == 12
 
     # The same continuation again, on a copy of the project: reused, not trained again.
     copy = tmp_path / "copy"
