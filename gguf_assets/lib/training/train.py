@@ -27,7 +27,7 @@ from gguf_assets.lib.project.layout import (
     META_FILE,
     ProjectPaths,
 )
-from gguf_assets.lib.project.settings import Settings
+from gguf_assets.lib.project.settings import PROJECT_FILE, Settings, load_settings
 from gguf_assets.lib.telemetry.curves_log import CurvesLog, run_folder
 from gguf_assets.lib.telemetry.eta import Pace, pace
 from gguf_assets.lib.telemetry.hardware import resolve_device
@@ -59,6 +59,15 @@ from gguf_assets.lib.training.events import (
     TrainingEvent,
     Validation,
 )
+from gguf_assets.lib.training.kept_steps import (
+    BY_REQUEST,
+    BY_SCHEDULE,
+    answer,
+    asked,
+    is_scheduled,
+    kept_step_dir,
+    prune_scheduled,
+)
 from gguf_assets.lib.training.optimizer import adamw
 from gguf_assets.lib.training.stops import StopHold, is_stop
 from gguf_assets.lib.training.train_data import (
@@ -71,14 +80,18 @@ from gguf_assets.lib.training.train_data import (
     target_stats,
 )
 from gguf_assets.lib.training.training_run import (
+    LINEAGE_FILE,
     NON_RESULT_KEYS,
     OFF_VALUES,
     SESSION_FAILED,
     SESSION_RUNNING,
     SESSION_STOPPED,
+    PlannedRun,
     TrainedAdapter,
     end_session,
     record_finished_run,
+    remember_lowered,
+    remember_run,
     shards_identity,
     write_session,
 )
@@ -86,6 +99,28 @@ from gguf_assets.lib.training.val_scores import ValScores
 from gguf_assets.lib.training.verdict import validation_curve, verdict
 
 log = logging.getLogger(__name__)
+
+class _StepsInForce:
+    """training.steps as project.yaml says now (read again only when the file's stamp changes): lowering it while
+    the run trains ends the run at the current step. None when the file does not load (a typo being fixed)."""
+
+    def __init__(self, paths: ProjectPaths) -> None:
+        self.file, self.stamp, self.value = paths.root / PROJECT_FILE, None, None
+
+    def steps(self) -> int | None:
+        try:
+            stat = self.file.stat()
+        except OSError:
+            return None
+        stamp = (stat.st_mtime_ns, stat.st_size, stat.st_ino)
+        if stamp != self.stamp:
+            self.stamp = stamp
+            try:
+                self.value = load_settings(self.file.parent).training.steps
+            except Exception:  # noqa: BLE001 - any file that does not load: the plan stands
+                self.value = None
+        return self.value
+
 
 # -- validation ---------------------------------------------------------------------------
 
@@ -216,7 +251,8 @@ def _non_finite_cause(step: int, what: str, value: float, *, batch: Batch, folde
 
 def train_adapter(paths: ProjectPaths, settings: Settings, *, train_folders: list[Path], val_folders: list[Path],
                   fingerprint: str, on_event: OnEvent | None = None,
-                  stop_after: int | None = None, sample_hardware: Callable[[], dict] | None = None) -> TrainedAdapter:
+                  stop_after: int | None = None, sample_hardware: Callable[[], dict] | None = None,
+                  planned: PlannedRun | None = None) -> TrainedAdapter:
     """Train (or resume) the run ``fingerprint``; returns its result (a paused one with ``stop_after``).
 
     ``on_event(event)`` receives each ``TrainingEvent`` (lib/training/events.py): a ``Note`` (a message),
@@ -224,8 +260,11 @@ def train_adapter(paths: ProjectPaths, settings: Settings, *, train_folders: lis
     after that many steps without finishing (tests, pausing); the next call resumes from the last checkpoint.
     ``sample_hardware()`` (GPU/CPU/RAM figures) is called at each log step; its figures go to
     the ``LogStep`` and to TensorBoard (<project>/tensorboard/<fingerprint>, lib/telemetry/curves_log.py).
+    ``planned`` (training_run.planned_run) says whether the run continues a parent run (it starts from the
+    parent's newest checkpoint) and its lineage; None: a run of its own.
     """
-    run = _TrainingRun(paths, settings, train_folders, val_folders, fingerprint,
+    planned = planned or PlannedRun(fingerprint, "", settings.training.steps)
+    run = _TrainingRun(paths, settings, train_folders, val_folders, fingerprint, planned=planned,
                        emit=on_event or _ignore, sample_hardware=sample_hardware)
     summary = run.already_finished()
     if summary is None:
@@ -252,13 +291,17 @@ class _TrainingRun:
     then ``_log``, ``_validate`` and ``_checkpoint`` at their cadence), then ``_finish``."""
 
     def __init__(self, paths: ProjectPaths, settings: Settings, train_folders: list[Path], val_folders: list[Path],
-                 fingerprint: str, *, emit: OnEvent,
+                 fingerprint: str, *, planned: PlannedRun, emit: OnEvent,
                  sample_hardware: Callable[[], dict] | None) -> None:
         self.paths, self.t, self.settings = paths, settings.training, settings
         self.train_folders, self.val_folders, self.fingerprint = train_folders, val_folders, fingerprint
+        self.planned = planned
         self.emit, self.sample_hardware = emit, sample_hardware
         self.device = resolve_device(self.t.device)
         self.run_dir = paths.checkpoints_dir(fingerprint)
+        self.last_validation: tuple[int, dict] | None = None  # (step, metrics): a kept step at that step reuses it
+        self.lowered_to: int | None = None  # training.steps lowered below the current step: the run ends now
+        self.steps_source = _StepsInForce(paths)
 
     def note(self, message: str, *, warning: bool = False) -> None:
         (log.warning if warning else log.info)("%s", message)
@@ -300,8 +343,24 @@ class _TrainingRun:
                           "training": self.settings.section_dict("training"), "train_prompts": sum(self.sizes),
                           "train_shards": train_id, "val_shards": val_id, "format": formats.TRAINING_RUN,
                           "settings_hash": self.settings_hash}
+        if self.planned.parent:
+            self.base_meta["parent"] = self.planned.parent
+        if self.planned.lineage:
+            remember_run(self.paths, self.planned)
         resumed = restore(self.run_dir, self.model, self.optimizer, self.device, shape, ema=t.ema_decay > 0)
-        if resumed is not None:
+        if resumed is None and self.planned.parent:  # a continuation's first session: from the parent's newest step
+            parent_dir = self.paths.checkpoints_dir(self.planned.parent)
+            resumed = restore(parent_dir, self.model, self.optimizer, self.device, shape, ema=t.ema_decay > 0)
+            if resumed is None:
+                raise TrainingError(f"training run {self.fingerprint} continues run {self.planned.parent}, which has "
+                                    f"no intact checkpoint left in {parent_dir}; set training.steps back, or delete "
+                                    f"{self.paths.root / 'checkpoints' / LINEAGE_FILE} to train from step 0")
+            resumed.started = {"previous_run": self.planned.parent, "continues": self.planned.parent,
+                               "message": f"continuing run {self.planned.parent} from step {resumed.step} to "
+                                          f"{t.steps} steps as run {self.fingerprint} (training.steps raised); the "
+                                          f"learning rate follows the schedule of {t.steps} steps from here"}
+            self.note(resumed.started["message"])
+        elif resumed is not None:
             self.note(f"resuming training run {self.fingerprint} from {resumed.checkpoint} "
                       f"(step {resumed.step} of {t.steps})")
         else:
@@ -360,6 +419,21 @@ class _TrainingRun:
                     if self.step % t.checkpoint_every == 0 or self.step == t.steps:
                         self._checkpoint()
                         saved_at = self.step
+                    request = asked(self.run_dir)
+                    if request is not None:  # a snapshot: kept, checkpointed, answered; training goes on
+                        self._keep_step(BY_REQUEST)
+                        if saved_at != self.step:
+                            self._checkpoint()
+                            saved_at = self.step
+                        answer(self.run_dir, request, self.step)
+                    elif is_scheduled(self.step, every=t.keep_steps_every, first=t.keep_steps_from,
+                                      last=t.keep_steps_to, planned=t.steps):
+                        self._keep_step(BY_SCHEDULE)
+                    if self.step % t.log_every == 0 and self._lowered_below_current_step():
+                        if saved_at != self.step:
+                            self._checkpoint()
+                            saved_at = self.step
+                        break
         except BaseException as exc:
             if is_stop(exc) and hold.forced:
                 self.note(f"stopped mid-step (a stop waited {hold.max_hold_s:.0f} s for step {self.step + 1} to "
@@ -376,11 +450,42 @@ class _TrainingRun:
         finally:
             self.stream.close()
             self.curves.close()
-        if self.step < t.steps:
+        if self.step < t.steps and self.lowered_to is None:
             write_session(self.run_dir, SESSION_STOPPED, step=self.step, settings_hash=self.settings_hash,
                           message=f"paused after {self.step} of {t.steps} steps")
             return {"finished": False, "step": self.step, "fingerprint": self.fingerprint}
         return self._finish()
+
+    def _lowered_below_current_step(self) -> bool:
+        """training.steps lowered in project.yaml to at most the current step while the run trains: it ends now
+        (validated, checkpointed, then exported and evaluated as usual), and stands for the lowered count."""
+        now = self.steps_source.steps()
+        if now is None or now >= self.t.steps or now > self.step:
+            return False
+        self.lowered_to = now
+        self.note(f"training.steps was lowered to {now} while the run trained: it ends now, at step {self.step} "
+                  f"of the {self.t.steps} planned")
+        return True
+
+    def _keep_step(self, kept_by: str) -> None:
+        """The judged weights at this step, validated, as a kept step (kept_steps.py): a snapshot's source, or the
+        schedule's. The run's history, best weights and data order are untouched."""
+        t = self.t
+        if self.last_validation is not None and self.last_validation[0] == self.step:
+            metrics = self.last_validation[1]
+        else:
+            metrics = self._evaluate(self.judged)
+        scores = {k: metrics[k] for k in ("val_centred_cosine", "empty_prompt_cosine", "val_loss")}
+        save_weights(kept_step_dir(self.run_dir, self.step), model=self.judged, step=self.step,
+                     meta={**self.base_meta, "step": self.step, "planned_steps": t.steps, "kept_by": kept_by,
+                           **scores})
+        pruned = prune_scheduled(self.run_dir, t.keep_steps_last)
+        if kept_by == BY_REQUEST:
+            self.note(f"snapshot: step {self.step} kept (val centred cosine {scores['val_centred_cosine']:.4f}); "
+                      "training goes on")
+        elif pruned:
+            log.info("kept step %d; removed kept step(s) %s (training.keep_steps_last = %d)", self.step,
+                     ", ".join(map(str, pruned)), t.keep_steps_last)
 
     def _end_session(self, exc: BaseException, saved_at: int) -> None:
         """Say how the session ended (`gguf-trainer runs` shows it): stopped on purpose, or failed and why. A
@@ -483,6 +588,7 @@ class _TrainingRun:
         empty = metrics["empty_prompt_cosine"]
         log.info("step %d: val centred cosine %.4f (empty prompt %s), val loss %.4f", self.step,
                  metrics["val_centred_cosine"], "n/a" if empty is None else f"{empty:.4f}", metrics["val_loss"])
+        self.last_validation = (self.step, metrics)
         self.emit(validation)
         if self.best is None or metrics["val_centred_cosine"] > self.best["val_centred_cosine"]:
             self.best = {"step": self.step, "val_centred_cosine": metrics["val_centred_cosine"],
@@ -516,7 +622,11 @@ class _TrainingRun:
         end = {"step": self.step, "val_centred_cosine": final["val_centred_cosine"]}
         curve = validation_curve([*self.history, end])
         text, advice = verdict(final["val_centred_cosine"], curve, width=self.t.width, steps=self.t.steps)
-        summary = {**self.base_meta, "finished": True, "step": self.step, "history": self.history, "best": self.best,
+        if self.lowered_to is not None:
+            remember_lowered(self.paths, self.fingerprint, self.lowered_to)
+        early = {} if self.lowered_to is None else {"planned_steps": self.t.steps, "lowered_to": self.lowered_to}
+        summary = {**self.base_meta, **early, "finished": True, "step": self.step, "history": self.history,
+                   "best": self.best,
                    "untrained_val_centred_cosine": self.untrained, "verdict": text, "advice": advice,
                    "read_mb_per_s": self.stream.stats.mb_per_s, "train_seconds": self._train_seconds(),
                    **{k: final[k] for k in ("val_centred_cosine", "empty_prompt_cosine", "val_loss", "per_shard")}}
