@@ -21,9 +21,10 @@ subtracts. Per val prompt, with pred and target [Q, D]:
 - ``empty_prompt_cosine``: the centred cosine of the empty prompt (the CFG embedding), over the val prompts that
   are empty.
 
-``gguf_vs_checkpoint`` (report.json only): the exported GGUF's outputs against the torch checkpoint's on the same
-val inputs; per row the cosine of the two outputs less the centre (their lowest and their mean), and the largest
-|GGUF - checkpoint| over every value, alone and divided by the RMS of the checkpoint's centred outputs.
+``gguf_vs_checkpoint`` (the evaluation's only: report.json, and flattened in the eval_report's metadata): the
+exported GGUF's outputs against the torch checkpoint's on the same val inputs; per row the cosine of the two outputs
+less the centre (their lowest and their mean), and the largest |GGUF - checkpoint| over every value, alone and
+divided by the RMS of the checkpoint's centred outputs.
 """
 
 from __future__ import annotations
