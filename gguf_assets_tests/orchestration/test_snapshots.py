@@ -71,12 +71,12 @@ def test_a_snapshot_mid_run_changes_nothing_and_a_kill_during_one_leaves_no_gguf
     assert killed.returncode < 0, killed.stderr
     best_step = atomic.read_json(run_dir / "best" / "meta.json")["step"]
     assert [e["step"] for e in read_snapshots(run_dir)] == [STALL_AT]
-    if best_step != STALL_AT:
-        assert not (project.root / "output" / f"demo-adapter-step{best_step}.gguf").exists()
+    assert not (project.root / "output" / f"demo-adapter-best-step{best_step}.gguf").exists()
     again = trainer_run(["snapshot", str(project.root), "--best", "--eval"], capture_output=True, text=True,
                         env=cli_env(), timeout=300)
     assert again.returncode == 0 and "Traceback" not in again.stderr, again.stderr
     entry = next(e for e in read_snapshots(run_dir) if e["weights"] == "best")
+    assert entry["file"] == f"output/demo-adapter-best-step{best_step}.gguf"
     assert entry["eval"]["val_centred_cosine"] == pytest.approx(entry["val_centred_cosine"], abs=0.02)
     assert not [p for p in (project.root / "output").iterdir() if p.name.startswith(atomic.TEMP_PREFIX)]
     status = trainer_run(["status", str(project.root)], capture_output=True, text=True, env=cli_env(), timeout=120)

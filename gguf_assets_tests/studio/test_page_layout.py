@@ -356,7 +356,8 @@ def test_a_snapshot_is_taken_evaluated_and_deleted_from_the_training_panel(studi
 
 
 def _run_dir(studio):
-    return studio.paths.checkpoints_dir(atomic.read_json(studio.paths.root / "checkpoints" / "final.json")["fingerprint"])
+    final = atomic.read_json(studio.paths.root / "checkpoints" / "final.json")
+    return studio.paths.checkpoints_dir(final["fingerprint"])
 
 
 def _kept_score(studio, step: int) -> float:

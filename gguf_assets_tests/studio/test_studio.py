@@ -2,13 +2,14 @@
 
 On a finished project: the page shows every stage current, the verdict, the exported files and the
 evaluation from the report, the machine and its libraries; `training.steps` changed in the settings form
-is saved into project.yaml (comments kept) and shows up as stale with the key old → new (the one
-staleness engine); Run starts the named Dagster job the CLI runs and the progress bar moves with the
-trainer's log steps; Stop ends that run CANCELED within seconds, resumable; Run again trains to the end
-from the checkpoint, and the new verdict and ggk command are read and copied; the Runs panel lists both runs with
-their scores and settings diff, "Use" puts the first back (its GGUF bytes again, nothing retrained) and Delete
-removes the second, saying what it freed. One pipeline run to the end. The walk runs at 1,400 px wide; each step
-is also shot at 390 px (a phone). Screenshots go to test-artifacts/studio-*.png.
+is saved into project.yaml (comments kept) and shows up with the key old → new (the one staleness engine):
+raised after a finished run, the run goes on from its last step (#57); Run starts the named Dagster job the
+CLI runs and the progress bar moves with the trainer's log steps; Stop ends that run CANCELED within seconds,
+resumable; Run again trains to the end from the checkpoint, and the new verdict and ggk command are read and
+copied; the Runs panel lists both runs with their scores and settings diff, "Use" puts the first back (its
+GGUF bytes again, nothing retrained) and Delete removes the second, saying what it freed. One pipeline run to
+the end. The walk runs at 1,400 px wide; each step is also shot at 390 px (a phone). Screenshots go to
+test-artifacts/studio-*.png.
 """
 
 import re
@@ -28,9 +29,10 @@ from gguf_assets.orchestration.instance import instance_env
 
 pytestmark = pytest.mark.slow  # a UI, a browser and a pipeline run
 
-# The runs the studio starts stall after their 30th optimizer step (faults.py counts per process), so Stop lands
-# at the step-30 checkpoint; the run that resumes from it has 30 steps left and never reaches a 31st.
-STALL_AFTER_30 = "train-step@31:stall:300"  # Stop ends it; long enough that nothing else can
+# Raising training.steps from 40 to 60 goes on from the finished run's step 40 (#57). The runs the studio starts
+# stall after their 11th optimizer step (faults.py counts per process), step 51, so Stop lands at the step-50
+# checkpoint; the run that resumes from it has 10 steps left and never reaches an 11th.
+STALL_AFTER_50 = "train-step@11:stall:300"  # Stop ends it; long enough that nothing else can
 
 
 def _rows(page) -> dict[str, tuple[str, str]]:
@@ -77,7 +79,7 @@ def test_studio_edits_settings_in_its_form_runs_stops_resumes_and_shows_the_resu
     with open(console, "w") as out:
         ui = subprocess.Popen([*CLI, "ui", str(paths.root), "--port", str(port), "--studio-port", str(studio_port),
                                "--no-tensorboard", "--no-daemon"], stdout=out, stderr=subprocess.STDOUT,
-                              text=True, env=cli_env(GGUF_ASSETS_FAULT=STALL_AFTER_30))
+                              text=True, env=cli_env(GGUF_ASSETS_FAULT=STALL_AFTER_50))
     studio = f"http://127.0.0.1:{studio_port}"
     ARTIFACTS.mkdir(exist_ok=True)
     try:
@@ -169,15 +171,15 @@ def test_studio_edits_settings_in_its_form_runs_stops_resumes_and_shows_the_resu
             after = paths.project_file.read_text()
             assert after == before.replace("  steps: 40\n", "  steps: 60\n")  # one line, in place, comments kept
             _shot(page, "#panel-settings", "settings-form")
-            # The page says which stage is stale and why, as `status` does.
-            wait_for(lambda: _rows(page)["adapter"][0] == "stale", timeout=30, what="the adapter to show stale")
-            assert "training.steps 40 → 60" in _rows(page)["adapter"][1]
+            # The page says what the change does and why, as `status` does: the finished run goes on from step 40.
+            wait_for(lambda: _rows(page)["adapter"][0] == "partial", timeout=30, what="the adapter to show partial")
+            assert "training.steps 40 → 60: goes on from step 40 to 60" in _rows(page)["adapter"][1]
             assert _rows(page)["gguf"] == ("blocked", "waits for adapter")
             # The result shown was made under the old settings, and the page says so; and what Run will do.
             wait_for(lambda: page.locator("#result-outdated").is_visible(), timeout=30, what="the outdated mark")
             assert "training.steps 40 → 60" in page.locator("#result-outdated").inner_text()
             assert page.locator("#run-preview").inner_text() == \
-                "Run starts at Adapter (training) (stale) and trains from step 0 to 60"
+                "Run starts at Adapter (training) (partial) and resumes training from step 40 of 60"
             assert page.locator("#run").is_enabled() and page.locator("#stop").is_disabled()
 
             page.click("#run")
@@ -188,46 +190,46 @@ def test_studio_edits_settings_in_its_form_runs_stops_resumes_and_shows_the_resu
             assert running.run_id[:8] in page.locator("#message").inner_text()
             assert page.locator("#run-link").get_attribute("href") == f"http://127.0.0.1:{port}/runs/{running.run_id}"
             # The live training line and bar: the run's latest log step (log_every 10), as on the console. The page
-            # polls every 2 s, so it may skip log steps (30 tiny steps can take less than a poll); the stall holds
-            # step 30 on it. Each line seen, with the bar beside it, read together from one poll's update.
+            # polls every 2 s, so it may skip log steps (10 tiny steps can take less than a poll); the stall holds
+            # step 50 on it. Each line seen, with the bar beside it, read together from one poll's update.
             seen: list[tuple[int, float]] = []
 
-            def at_step_30() -> bool:
+            def at_step_50() -> bool:
                 text, percent = _training_now(page)
                 if match := re.match(r"training: step (\d+)/60, loss ", text):
                     seen.append((int(match[1]), percent))
-                return bool(match) and match[1] == "30"
+                return bool(match) and match[1] == "50"
 
-            wait_for(at_step_30, timeout=180, what="the step-30 log step on the page")
+            wait_for(at_step_50, timeout=180, what="the step-50 log step on the page")
             assert all(percent == round(100 * step / 60, 2) for step, percent in seen), seen  # the bar is the step's
-            assert [step for step, _ in seen] == sorted(step for step, _ in seen) and seen[-1] == (30, 50.0), seen
+            assert [step for step, _ in seen] == sorted(step for step, _ in seen) and seen[-1] == (50, 83.33), seen
             assert re.search(r", [\d.]+ steps/s, ETA \d+(m\d\d)?s$", page.locator("#training").inner_text())
             assert page.locator("#curves svg polyline").count() >= 2  # loss and val curves against the step
             _shot(page, "#panel-training", "training-live")
-            # Training stalls after its step-30 checkpoint: stop it there.
-            wait_for(lambda: any(paths.root.glob("checkpoints/*/step-00000030")), timeout=60,
-                     what="the new run's step-30 checkpoint")
+            # Training stalls after its step-50 checkpoint: stop it there.
+            wait_for(lambda: any(paths.root.glob("checkpoints/*/step-00000050")), timeout=60,
+                     what="the new run's step-50 checkpoint")
             asked = time.monotonic()
             page.click("#stop")
             wait_for(lambda: instance.get_run_by_id(running.run_id).status == dg.DagsterRunStatus.CANCELED,
                      timeout=30, what="the run to end CANCELED")
             stopped_s = time.monotonic() - asked
             wait_for(lambda: _rows(page)["adapter"][0] == "partial", timeout=30, what="the page to show partial")
-            assert "trained to step 30 of 60" in _rows(page)["adapter"][1]
-            wait_for(lambda: page.locator("#training").inner_text().startswith("training: stopped at step 30/60"),
+            assert "trained to step 50 of 60" in _rows(page)["adapter"][1]
+            wait_for(lambda: page.locator("#training").inner_text().startswith("training: stopped at step 50/60"),
                      timeout=30, what="the training line to say where it stopped")
             # Where it stopped, and that Run continues from there.
             wait_for(lambda: "stopped" in page.locator("#last-run-state").inner_text(), timeout=30,
                      what="the last run to show stopped")
             stopped = page.locator("#last-run-state").inner_text()
-            assert "step 30 of 60" in stopped and stopped.endswith("Run continues from there"), stopped
+            assert "step 50 of 60" in stopped and stopped.endswith("Run continues from there"), stopped
             # (the run's process may still hold the project's lock for a moment after its run ended CANCELED)
-            wait_for(lambda: page.locator("#run-preview").inner_text().endswith("resumes training from step 30 of 60"),
-                     timeout=30, what="Run to say it resumes from step 30")
+            wait_for(lambda: page.locator("#run-preview").inner_text().endswith("resumes training from step 50 of 60"),
+                     timeout=30, what="Run to say it resumes from step 50")
             _shot(page, "#panel-project", "stopped")
             shoot_both_widths(page, "studio-walk-stopped")
 
-            # Run again: it resumes from the step-30 checkpoint and goes to the end (export and evaluation too).
+            # Run again: it resumes from the step-50 checkpoint and goes to the end (export and evaluation too).
             page.click("#run")
             def second_run_succeeded() -> bool:
                 newest = instance.get_runs(limit=1)[0]  # newest first

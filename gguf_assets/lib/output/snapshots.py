@@ -10,10 +10,10 @@
 
 Every source but best goes through a kept step (the judged weights, validated at that step) and is exported from
 it, so a GGUF made later from a kept step is byte-identical to the snapshot taken at that step. The file is
-``<output>/<adapter name>-step<N>.gguf`` in ggk's format, its provenance naming the trained and planned steps, the
-weights it holds (``step<N>`` or ``best``) and their val scores; ``--eval`` scores it on the val shards as the
-export's evaluation does (on the CPU: the torch-free evaluator). The run's snapshots are listed in
-``checkpoints/<run>/snapshots.json`` (`runs` and the studio show them).
+``<output>/<adapter name>-step<N>.gguf`` (``-best-step<N>`` for best) in ggk's format, its provenance naming the
+trained and planned steps, the weights it holds (``step<N>`` or ``best``) and their val scores; ``--eval`` scores it
+on the val shards as the export's evaluation does (on the CPU: the torch-free evaluator). The run's snapshots are
+listed in ``checkpoints/<run>/snapshots.json`` (`runs` and the studio show them).
 """
 
 from __future__ import annotations
@@ -55,8 +55,9 @@ class Source:
     asked: str  # what the user asked for: newest, best, step<N>
 
 
-def snapshot_path(output_dir: Path, adapter_name: str, step: int) -> Path:
-    return output_dir / f"{adapter_name}-step{step}.gguf"
+def snapshot_path(output_dir: Path, adapter_name: str, step: int, *, best: bool = False) -> Path:
+    """``<adapter>-step<N>.gguf``; the best weights' ``<adapter>-best-step<N>.gguf`` (their provenance differs)."""
+    return output_dir / f"{adapter_name}{'-best' if best else ''}-step{step}.gguf"
 
 
 def read_snapshots(run_dir: Path) -> list[dict]:
@@ -179,7 +180,7 @@ def take_snapshot(paths: ProjectPaths, settings: Settings, materials: MaterialsM
     model = Adapter(AdapterShape(**meta["shape"]))
     model.load_state_dict(safetensors_load(read_recorded(source.folder, WEIGHTS_FILE, meta)))
     model.eval()
-    target = snapshot_path(paths.output_dir(settings), name, source.step)
+    target = snapshot_path(paths.output_dir(settings), name, source.step, best=source.weights_name == BEST)
     target.parent.mkdir(parents=True, exist_ok=True)
     atomic.remove_stale_temps(target.parent, of=[target.name])
     summary = write_adapter_file(target, model, meta, name=f"{name}-step{source.step}", val_folders=val_folders,

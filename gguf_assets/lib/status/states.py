@@ -46,6 +46,7 @@ from gguf_assets.lib.training.training_run import (
     adapter_is_current,
     final_weights_stored,
     last_checkpoint_step,
+    parent_of,
     run_fingerprint,
 )
 
@@ -275,6 +276,12 @@ def _adapter_state(paths: ProjectPaths, settings: Settings, adapter_fp: str) -> 
     """Why the adapter is not current: never trained, trained part way (a checkpoint of this run is kept),
     its record or final weights damaged, or trained under other settings or shards."""
     step = last_checkpoint_step(paths, adapter_fp)
+    if step and parent_of(paths, adapter_fp) and not paths.checkpoints_dir(adapter_fp).is_dir():
+        # training.steps raised after a finished or stopped run: it goes on from that run's newest checkpoint
+        why = why_stale(paths, settings, "adapter", _recorded_hash(paths.adapter_manifest),
+                        "training.steps changed") if paths.adapter_manifest.is_file() else "training.steps changed"
+        return StageState("adapter", State.PARTIAL, f"{why}: goes on from step {step} to {settings.training.steps} "
+                          "(`gguf-trainer run` continues the run from its newest checkpoint)")
     partial = StageState("adapter", State.PARTIAL, f"trained to step {step} of {settings.training.steps} "
                          "(checkpoint kept; `gguf-trainer run` resumes from it)") if step else None
     if not paths.adapter_manifest.is_file():

@@ -356,6 +356,7 @@ class _TrainingRun:
                                     f"no intact checkpoint left in {parent_dir}; set training.steps back, or delete "
                                     f"{self.paths.root / 'checkpoints' / LINEAGE_FILE} to train from step 0")
             resumed.started = {"previous_run": self.planned.parent, "continues": self.planned.parent,
+                               "from_step": resumed.step,
                                "message": f"continuing run {self.planned.parent} from step {resumed.step} to "
                                           f"{t.steps} steps as run {self.fingerprint} (training.steps raised); the "
                                           f"learning rate follows the schedule of {t.steps} steps from here"}

@@ -156,7 +156,8 @@ def _has_work(run_dir: Path) -> bool:
 _PLANNED_PARENTS: dict[str, str] = {}
 
 
-def _parent_of(paths: ProjectPaths, run: str) -> str | None:
+def parent_of(paths: ProjectPaths, run: str) -> str | None:
+    """The run ``run`` continues (a continuation), or None."""
     if run in _PLANNED_PARENTS:
         return _PLANNED_PARENTS[run]
     return next((r.get("parent") for r in read_lineage(paths) if r["run"] == run), None)
@@ -207,7 +208,7 @@ def last_checkpoint_step(paths: ProjectPaths, adapter_fp: str) -> int:
     of its own yet starts from its parent's."""
     run_dir = paths.checkpoints_dir(adapter_fp)
     steps = [int(m.group(1)) for d in (run_dir.iterdir() if run_dir.is_dir() else []) if (m := STEP_DIR.match(d.name))]
-    if not steps and (parent := _parent_of(paths, adapter_fp)):
+    if not steps and (parent := parent_of(paths, adapter_fp)):
         return reached_step(paths.checkpoints_dir(parent))
     return max(steps, default=0)
 
