@@ -5,7 +5,9 @@ It serves repos built from local folders, so the real ``huggingface_hub`` client
 
 Endpoints, as huggingface_hub 2.4 calls them:
 
-* ``GET /api/{models|datasets}/{owner}/{name}[/revision/{rev}]`` → repo info (``sha``, ``siblings``)
+* ``GET /api/{models|datasets}/{owner}/{name}[/revision/{rev}]`` → repo info (``sha``, ``siblings``; with
+  ``?blobs=true``, as ``repo_info(files_metadata=True)`` asks, each sibling's ``size``, ``blobId`` and, for LFS
+  files, ``lfs.sha256``)
 * ``GET /api/{models|datasets}/{owner}/{name}/tree/{rev}[/{path}]?recursive=..`` → file listing
   with ``oid`` (git blob id), ``size`` and, for LFS files, ``lfs.oid`` (sha256)
 * ``HEAD|GET [/datasets]/{owner}/{name}/resolve/{rev}/{path}`` → the file, with ``X-Repo-Commit``,

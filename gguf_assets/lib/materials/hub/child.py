@@ -31,6 +31,10 @@ from gguf_assets.lib.materials.hub.records import HubFailure, RemoteFile
 UNREACHABLE_SIGNS = ("Name or service not known", "Temporary failure in name resolution",
                      "nodename nor servname", "No address associated with hostname", "Connection refused",
                      "Network is unreachable", "getaddrinfo failed")
+# A listing takes repo_info's files (one call) only when it has fewer: the hub may cut a long list short, or send
+# none, and the tree listing (paginated, one more call per 1,000 files) is then the complete one. huggingface_hub
+# 1.x's own rule for snapshot_download (its PRs #3241 and #3565).
+SIBLINGS_TRUSTED_BELOW = 1000
 
 
 def main() -> None:
@@ -54,17 +58,31 @@ def _load_client() -> None:
 # ---------------------------------------------------------------- the operations
 
 def _list(request: dict, token: str | bool) -> ChildAnswer:
-    """The commit ``revision`` resolves to and its files, with the size and checksum of each."""
+    """The commit ``revision`` resolves to and its files, with the size and checksum of each: one repo_info call
+    with the files' metadata, and the tree listing only where that list cannot be trusted to be whole."""
     from huggingface_hub import HfApi
 
     api = HfApi(token=token)
     info = api.repo_info(request["repo_id"], repo_type=request["kind"], revision=request["revision"],
-                         timeout=request["timeout"])
-    files = [RemoteFile(f.path, f.size, f.blob_id, f.lfs.sha256 if f.lfs else None)
-             for f in api.list_repo_tree(request["repo_id"], repo_type=request["kind"], revision=info.sha,
-                                         recursive=True)
-             if hasattr(f, "blob_id")]
+                         timeout=request["timeout"], files_metadata=True)
+    files = _sibling_files(info.siblings)
+    if files is None:
+        files = [RemoteFile(f.path, f.size, f.blob_id, f.lfs.sha256 if f.lfs else None)
+                 for f in api.list_repo_tree(request["repo_id"], repo_type=request["kind"], revision=info.sha,
+                                             recursive=True)
+                 if hasattr(f, "blob_id")]
     return ChildAnswer(ok=True, commit=info.sha, files=tuple(files))
+
+
+def _sibling_files(siblings) -> list[RemoteFile] | None:
+    """repo_info's files, or None where the tree listing must be asked: none listed, a list that may be cut short,
+    or a file without its size or blob id."""
+    if not siblings or len(siblings) >= SIBLINGS_TRUSTED_BELOW:
+        return None
+    if any(s.size is None or s.blob_id is None for s in siblings):
+        return None
+    return [RemoteFile(s.rfilename, s.size, s.blob_id, s.lfs.sha256 if s.lfs is not None else None)
+            for s in siblings]
 
 
 def _download(request: dict, token: str | bool) -> ChildAnswer:
