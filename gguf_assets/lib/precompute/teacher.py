@@ -10,6 +10,11 @@ Placement on CUDA goes through accelerate/transformers device maps with an expli
 `max_memory`: `sequential` fills the chosen device, then the other GPUs, then CPU RAM;
 `balanced` is transformers' even split. On a CUDA out-of-memory error under `sequential`
 the caller retries with the GPU budget lowered (`lower_budget_on_oom`).
+
+A teacher read at a middle layer (materials.teacher_layer) is built with only the blocks below
+that layer (`blocks_read`): the blocks above it are neither loaded (from_pretrained skips their
+weights) nor placed nor run, and the read layer's output is taken by a forward hook on the last
+kept block, so no layer's output but that one is kept.
 """
 
 from __future__ import annotations
@@ -40,8 +45,9 @@ GIB = 2**30
 AUTO_MEMORY_FRACTION = 0.9
 OOM_STEP_GIB = 2.0
 OOM_MAX_RETRIES = 3
-# Module names that are one transformer block (never split across devices by accelerate).
+# Module names that are one transformer block (never split across devices by accelerate), and of their list.
 _LAYER_NAME = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.\d+$")
+_LAYER_LIST_NAME = re.compile(r"(?:^|\.)(?:layers|h|blocks)$")
 
 T = TypeVar("T")
 OnBatch = Callable[[int, int], None]  # (prompts, text tokens) finished
@@ -135,13 +141,48 @@ def memory_budgets(settings: Settings, device: torch.device, *, free_gpu_bytes: 
     return max_memory
 
 
-def empty_model(folder: Path, settings: Settings, dtype: torch.dtype):
-    """The teacher's module tree on the meta device: sizes and names without loading weights."""
+def blocks_read(config, layer: int) -> int | None:
+    """How many of the teacher's blocks ``materials.teacher_layer = layer`` needs, or None when it reads the last
+    state (then every block runs and the state is taken after the final norm).
+
+    The layer indexes transformers' ``hidden_states``: index 0 is the embeddings and index k (0 < k < n, for n
+    blocks) the output of block k - 1, before the final norm; index n, like -1, is transformers' last state,
+    ``last_hidden_state``, after the final norm (transformers ties hidden_states[-1] to it). Negative indexes count
+    from the end as in Python: -2 is block n - 2's output. Out of that range is refused. A config without
+    num_hidden_layers gives None for every layer (the forward then runs every block; see HFTeacher.forward_batch).
+    """
+    n = getattr(config, "num_hidden_layers", None)
+    if not isinstance(n, int):
+        return None
+    if not -(n + 1) <= layer <= n:
+        raise TeacherError(f"materials.teacher_layer = {layer}, but the teacher has {n} layers: use -1 (the last, "
+                           f"after the final norm), 0 to {n} (0 = the embeddings, k = the output of the first k "
+                           f"layers) or -{n + 1} to -1 (counted from the end).")
+    index = layer % (n + 1)
+    return None if index == n else index
+
+
+def keep_blocks(config, blocks: int | None) -> None:
+    """Cut ``config`` to its first ``blocks`` blocks (None: all), so that a model built from it has only those:
+    from_pretrained then leaves the others' weights unread, and placement plans only what is kept."""
+    n = getattr(config, "num_hidden_layers", None)
+    if blocks is None or not isinstance(n, int) or blocks >= n:
+        return
+    config.num_hidden_layers = blocks
+    types = getattr(config, "layer_types", None)  # per-block attention kinds (Qwen3: full or sliding)
+    if isinstance(types, list) and len(types) == n:
+        config.layer_types = types[:blocks]
+
+
+def empty_model(folder: Path, settings: Settings, dtype: torch.dtype, *, blocks: int | None = None):
+    """The teacher's module tree on the meta device: sizes and names without loading weights. ``blocks``: build
+    only the first that many (``keep_blocks``); None: all."""
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModel
 
     remote = settings.materials.trust_remote_code
     config = AutoConfig.from_pretrained(folder, trust_remote_code=remote)
+    keep_blocks(config, blocks)
     with init_empty_weights():
         return AutoModel.from_config(config, dtype=dtype, trust_remote_code=remote)
 
@@ -220,13 +261,14 @@ def auto_gpu_budget_gib(settings: Settings, device: torch.device) -> float:
 
 def plan_placement(folder: Path, settings: Settings, device: torch.device, *, dtype: torch.dtype,
                    free_gpu_bytes: dict[int, int] | None = None, available_cpu_bytes: int | None = None,
-                   gpu_budget_gib: float | None = None) -> Placement:
+                   gpu_budget_gib: float | None = None, blocks: int | None = None) -> Placement:
     """The device map for loading the teacher. On CPU the whole model stays on the CPU.
 
-    Free memory is measured unless given (tests give it, to plan for GPUs this machine lacks).
+    Free memory is measured unless given (tests give it, to plan for GPUs this machine lacks). ``blocks``: plan
+    only the first that many blocks, those a middle-layer teacher keeps (``blocks_read``); None: all.
     """
     if device.type != "cuda" and free_gpu_bytes is None:
-        model = empty_model(folder, settings, dtype)
+        model = empty_model(folder, settings, dtype, blocks=blocks)
         return Placement("single", None, summary=device_map_summary(model, {"": device_name(device)}))
     p = settings.precompute
     free = cuda_free_bytes() if free_gpu_bytes is None else free_gpu_bytes
@@ -234,7 +276,7 @@ def plan_placement(folder: Path, settings: Settings, device: torch.device, *, dt
     max_memory = memory_budgets(settings, device, free_gpu_bytes=free, available_cpu_bytes=cpu,
                                 gpu_budget_gib=gpu_budget_gib)
     budget = max_memory[device.index or 0] / GIB
-    model = empty_model(folder, settings, dtype)
+    model = empty_model(folder, settings, dtype, blocks=blocks)
     if p.teacher_placement == "balanced":
         # transformers' even split; the map is known once loaded, natural GPU order as transformers expects.
         ordered = {k: max_memory[k] for k in sorted(k for k in max_memory if isinstance(k, int))}
@@ -309,6 +351,14 @@ def lower_budget_on_oom(attempt: Callable[[float], T], *, budget_gib: float, pla
 
 # -- teachers -------------------------------------------------------------------------------
 
+def block_list(model: torch.nn.Module) -> torch.nn.ModuleList | None:
+    """The model's transformer blocks, in order (a ModuleList named layers, h or blocks), or None."""
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.ModuleList) and _LAYER_LIST_NAME.search(name):
+            return module
+    return None
+
+
 def _execution_device(module: torch.nn.Module, fallback: torch.device) -> torch.device:
     """Where a module computes: accelerate's hook knows for offloaded modules (their weights are on meta)."""
     hook_device = getattr(getattr(module, "_hf_hook", None), "execution_device", None)
@@ -340,17 +390,36 @@ class HFTeacher:
         self.tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=m.trust_remote_code)
         # bf16 on GPUs as the checkpoints ship; CPU bf16 matmuls are slow, so f32 there.
         self.dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
-        self.placement = plan_placement(folder, settings, device, dtype=self.dtype, gpu_budget_gib=gpu_budget_gib)
+        # A middle layer: only the blocks below it are built, placed, loaded and run (blocks_read).
+        self.blocks = blocks_read(config, m.teacher_layer)
+        if self.blocks is None:  # the last state, or any layer of a config that does not say how many it has
+            unknown = not isinstance(getattr(config, "num_hidden_layers", None), int)
+            self.read = "all" if unknown and m.teacher_layer != -1 else "last"
+        else:
+            self.read = "embeddings" if self.blocks == 0 else "block"
+        keep_blocks(config, self.blocks)
+        self.placement = plan_placement(folder, settings, device, dtype=self.dtype, gpu_budget_gib=gpu_budget_gib,
+                                        blocks=self.blocks)
         kwargs = {} if self.placement.device_map is None else {"device_map": self.placement.device_map,
                                                                 "max_memory": self.placement.max_memory or None}
-        quiet_libraries()
-        self.model = AutoModel.from_pretrained(folder, dtype=self.dtype, use_safetensors=True,
+        quiet_libraries()  # also keeps the load report, which lists the skipped blocks as UNEXPECTED, quiet
+        self.model = AutoModel.from_pretrained(folder, config=config, dtype=self.dtype, use_safetensors=True,
                                                trust_remote_code=m.trust_remote_code, **kwargs)
         if self.placement.device_map is None:
             self.model.to(device)
         elif self.placement.strategy == "balanced":
             self.placement.summary = device_map_summary(self.model, self.model.hf_device_map)
         self.model.eval()
+        self._held: torch.Tensor | None = None
+        if self.read == "block":
+            blocks = block_list(self.model)
+            if blocks is None or len(blocks) != self.blocks:
+                raise TeacherError(
+                    f"materials.teacher_layer = {m.teacher_layer}: the teacher ({type(self.model).__name__}) has no "
+                    f"list of {self.blocks} blocks named layers, h or blocks to read that layer from; use -1 (the "
+                    "last).")
+            # accelerate's hooks (placement, offloading) wrap the block's forward; this one sees its output after them.
+            blocks[-1].register_forward_hook(self._hold)
         self.query_rows = self.query_rows.to(self.dtype)
         log.info("teacher placed (%s): %s", self.placement.strategy, summarize_placement(self.placement.summary))
 
@@ -358,12 +427,24 @@ class HFTeacher:
         return tokenize_prompts(self.tokenizer, prompts, template=self.settings.precompute.prompt_template,
                                 max_tokens=self.max_prompt_tokens)
 
+    def _hold(self, module: torch.nn.Module, args, output) -> None:
+        """Forward hook on the last kept block: its output is the read layer's state (before the final norm)."""
+        self._held = output[0] if isinstance(output, tuple) else output
+
     def forward_batch(self, embeds: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """The configured layer's hidden states [batch, positions, D] for assembled inputs."""
-        layer = self.settings.materials.teacher_layer
-        result = self.model(inputs_embeds=embeds, attention_mask=mask, use_cache=False,
-                            output_hidden_states=layer != -1)
-        return result.last_hidden_state if layer == -1 else result.hidden_states[layer]
+        """The configured layer's hidden states [batch, positions, D] for assembled inputs: what transformers gives
+        as ``hidden_states[materials.teacher_layer]`` of the whole model, computed by the blocks below it only."""
+        if self.read == "embeddings":
+            return embeds
+        if self.read == "all":  # the layer count is unknown: every block runs, every state is kept
+            result = self.model(inputs_embeds=embeds, attention_mask=mask, use_cache=False, output_hidden_states=True)
+            return result.hidden_states[self.settings.materials.teacher_layer]
+        self._held = None
+        result = self.model(inputs_embeds=embeds, attention_mask=mask, use_cache=False)
+        if self.read == "last":
+            return result.last_hidden_state
+        hidden, self._held = self._held, None
+        return hidden
 
     def assemble(self, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(inputs_embeds, mask, query positions [batch, Q]) for prompts of token ids ``rows``."""

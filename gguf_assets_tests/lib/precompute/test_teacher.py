@@ -1,6 +1,6 @@
-"""The teacher and the student on the real demo models: query rows, batching, truncation,
-placement plans (for GPUs this machine lacks, through accelerate's real planner) and the
-out-of-memory retry."""
+"""The teacher and the student on the real demo models: query rows, batching, truncation, a
+teacher read at a middle layer, placement plans (for GPUs this machine lacks, through
+accelerate's real planner) and the out-of-memory retry."""
 
 from __future__ import annotations
 
@@ -14,10 +14,12 @@ import torch
 from safetensors.torch import save_file
 
 from gguf_assets.lib.demo.demo import TEACHER_LAYERS, demo_settings
+from gguf_assets.lib.precompute import teacher as teacher_module
 from gguf_assets.lib.precompute.student import Student
 from gguf_assets.lib.precompute.teacher import (
     GIB,
     HFTeacher,
+    Placement,
     PrecomputeOutOfMemory,
     TeacherError,
     device_map_summary,
@@ -139,6 +141,115 @@ def test_student_states_are_flat_without_padding_and_batch_independent(demo_mate
         assert torch.allclose(states.of(i), alone.of(0), atol=1e-4), prompt
 
 
+# -- middle layers ----------------------------------------------------------------------------
+
+def _all_states(folder: Path, embeds: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """What the teacher read before #58: the whole model's forward, every layer's output kept."""
+    from transformers import AutoModel
+
+    full = AutoModel.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        return full(inputs_embeds=embeds, attention_mask=mask, use_cache=False, output_hidden_states=True).hidden_states
+
+
+def _inputs(teacher: HFTeacher) -> tuple[torch.Tensor, torch.Tensor]:
+    with torch.inference_mode():
+        return teacher.assemble(teacher.tokenize(PROMPTS[:5])[0])[:2]
+
+
+def _read(folder: Path, settings, layer: int, embeds: torch.Tensor, mask: torch.Tensor) -> tuple[HFTeacher,
+                                                                                                   torch.Tensor]:
+    reader = HFTeacher(folder, replace(settings, materials={"teacher_layer": layer}), CPU)
+    with torch.inference_mode():
+        return reader, reader.forward_batch(embeds, mask)
+
+
+def test_a_middle_layer_runs_only_the_blocks_below_it_and_reads_what_the_whole_model_did(demo_materials_root,
+                                                                                         teacher, settings):
+    """hidden_states[layer] of the whole model (0: the embeddings, k: block k - 1's output before the final norm,
+    the last: after it), bit for bit, from a teacher built with only the blocks that layer needs."""
+    folder = demo_materials_root / "teacher"
+    embeds, mask = _inputs(teacher)
+    states = _all_states(folder, embeds, mask)
+    n = TEACHER_LAYERS
+    assert len(states) == n + 1 and not torch.equal(states[n - 1], states[n])  # each layer differs, the norm too
+    params = {}
+    for layer in (1, 2, -2, -3, 0, -(n + 1), n, -1):
+        reader, got = _read(folder, settings, layer, embeds, mask)
+        built = layer % (n + 1)  # blocks below the layer; the last state needs them all
+        assert len(reader.model.layers) == built and reader.placement.summary["cpu"]["layers"] == built, layer
+        assert torch.equal(got, states[layer]), layer
+        params[built] = sum(p.numel() for p in reader.model.parameters())
+    assert params[0] < params[1] < params[2] < params[n]  # the blocks above are not loaded
+
+
+def test_a_middle_layer_teacher_batches_as_the_whole_one_does(demo_materials_root, settings):
+    """Across several batches the hooked block's output is the batch's own (prompt order, no stale batch)."""
+    middle = HFTeacher(demo_materials_root / "teacher", replace(settings, materials={"teacher_layer": 2}), CPU)
+    batched = middle.encode(PROMPTS).targets
+    alone = torch.cat([middle.encode([p]).targets for p in PROMPTS])
+    assert torch.allclose(batched, alone, atol=1e-4, rtol=1e-4)
+    assert float(torch.cdist(alone.flatten(1), alone.flatten(1)).fill_diagonal_(1e9).min()) > 1e-2
+
+
+@pytest.mark.parametrize("layer", [TEACHER_LAYERS + 1, -(TEACHER_LAYERS + 2)])
+def test_a_layer_the_teacher_lacks_is_refused_before_it_loads(demo_materials_root, settings, layer):
+    with pytest.raises(TeacherError, match=rf"materials.teacher_layer = {layer}, but the teacher has "
+                                           rf"{TEACHER_LAYERS} layers"):
+        HFTeacher(demo_materials_root / "teacher", replace(settings, materials={"teacher_layer": layer}), CPU)
+
+
+def test_a_dense_qwen3_teacher_with_sliding_layers_reads_its_middle_layers_alike(demo_materials_root, tmp_path,
+                                                                                 teacher, settings):
+    """Qwen3 (dense) keeps a per-block attention kind (layer_types: here full, full, sliding, sliding), cut with
+    the blocks."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    folder = _teacher_copy(demo_materials_root, tmp_path)
+    torch.manual_seed(3)
+    config = Qwen3Config(vocab_size=teacher.model.config.vocab_size, hidden_size=64, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
+                         max_position_embeddings=2048, use_sliding_window=True, sliding_window=16,
+                         max_window_layers=2, initializer_range=0.03)
+    assert config.layer_types == ["full_attention"] * 2 + ["sliding_attention"] * 2
+    (folder / "model.safetensors").unlink()
+    Qwen3ForCausalLM(config).save_pretrained(folder)
+    embeds, mask = _inputs(teacher)  # the demo teacher's vocabulary and width: the same token rows
+    states = _all_states(folder, embeds, mask)
+    for layer in (1, 3, -2):
+        reader, got = _read(folder, settings, layer, embeds, mask)
+        kept = layer % 5
+        assert len(reader.model.layers) == kept and reader.model.config.layer_types == config.layer_types[:kept]
+        assert torch.equal(got, states[layer]), layer
+
+
+def test_a_middle_layer_is_read_under_accelerate_offloading(demo_materials_root, tmp_path, teacher, settings,
+                                                            monkeypatch):
+    """accelerate's hooks (here: blocks offloaded to disk, their weights on the meta device between calls) wrap the
+    kept blocks; the read layer's output comes through them unchanged."""
+    import transformers
+
+    folder = demo_materials_root / "teacher"
+    embeds, mask = _inputs(teacher)
+    expected = _all_states(folder, embeds, mask)[2]
+    device_map = {"embed_tokens": "cpu", "layers.0": "disk", "layers.1": "disk", "norm": "cpu", "rotary_emb": "cpu"}
+    planned = []
+
+    def plan(*args, blocks=None, **kwargs):
+        planned.append(blocks)
+        return Placement("sequential", device_map)
+
+    load = transformers.AutoModel.from_pretrained
+    monkeypatch.setattr(teacher_module, "plan_placement", plan)
+    # The MoE experts are stored fused, so offloading them to disk re-saves them (an offload folder).
+    monkeypatch.setattr(transformers.AutoModel, "from_pretrained",
+                        lambda *args, **kwargs: load(*args, offload_folder=str(tmp_path / "offload"), **kwargs))
+    reader, got = _read(folder, settings, 2, embeds, mask)
+    assert planned == [2] and reader.model.hf_device_map == device_map and len(reader.model.layers) == 2
+    assert reader.model.layers[1].self_attn.q_proj.weight.device.type == "meta"  # offloaded: the hook loads it
+    assert torch.equal(got, expected)
+
+
 # -- placement --------------------------------------------------------------------------------
 
 def test_memory_budgets_fill_the_chosen_gpu_first_then_others_then_ram(settings):
@@ -192,6 +303,17 @@ def test_sequential_plan_keeps_a_fitting_teacher_on_the_chosen_gpu(demo_material
     assert plan.device_map == {"": 1}
     assert plan.summary["cuda:1"]["layers"] == TEACHER_LAYERS and plan.summary["cuda:1"]["gib"] > 0
     assert plan.gpu_budget_gib == pytest.approx(72.0)
+
+
+def test_a_middle_layer_teacher_plans_only_the_blocks_it_keeps(demo_materials_root, settings):
+    layer = _layer_bytes(demo_materials_root, settings)
+    s = replace(settings, precompute={"device": "cuda:0", "teacher_gpu_memory_gib": (128_000 + 2 * layer + 100) / GIB})
+    plans = {blocks: plan_placement(demo_materials_root / "teacher", s, torch.device("cuda:0"), dtype=torch.bfloat16,
+                                    free_gpu_bytes={0: 80 * GIB}, available_cpu_bytes=GIB, blocks=blocks)
+             for blocks in (None, 1)}
+    # All three blocks spill one to the CPU; the one block kept fits beside the embeddings.
+    assert plans[None].summary["cuda:0"]["layers"] == 1 and plans[None].summary["cpu"]["layers"] == 2
+    assert plans[1].device_map == {"": 0} and plans[1].summary["cuda:0"]["layers"] == 1
 
 
 def test_a_teacher_that_fits_nowhere_names_the_budgets_to_raise(demo_materials_root, settings):
