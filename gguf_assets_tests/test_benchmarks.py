@@ -38,9 +38,14 @@ def _follows(verdict: str, *checks: tuple[float, str, float, float]) -> None:
 NUMBER = r"[-+]?[\d,]*\.?\d+(?:e[-+]?\d+)?"  # what the benchmarks print: 1,234  0.931  +7.0  7.48e-07
 
 
+def _regex(pattern: str) -> str:
+    """``pattern`` as a regex: ``#`` stands for a number, a space for one or more."""
+    return re.escape(pattern).replace(re.escape("#"), f"({NUMBER})").replace(r"\ ", " +")
+
+
 def _figures(out: str, pattern: str) -> list[float]:
     """The numbers of the one printed line that matches ``pattern`` (``#`` stands for a number), all finite."""
-    regex = re.escape(pattern).replace(re.escape("#"), f"({NUMBER})").replace(r"\ ", " +")
+    regex = _regex(pattern)
     found = [m for m in (re.fullmatch(regex, line.strip()) for line in out.splitlines()) if m]
     assert len(found) == 1, f"expected one line like {pattern!r}:\n{out}"
     values = [float(x.replace(",", "")) for x in found[0].groups()]
@@ -49,9 +54,10 @@ def _figures(out: str, pattern: str) -> list[float]:
 
 
 def _verdict(out: str, pattern: str) -> tuple[list[float], str]:
-    """The figures of the rule line (``pattern`` without the verdict) and its verdict, "ok" or "FAIL"."""
+    """The figures of the rule line (``pattern`` without the verdict) and its verdict, "ok" or "FAIL". A benchmark
+    may print several rule lines, each with its own verdict."""
     for verdict in ("ok", "FAIL"):
-        if any(re.fullmatch(r"rule: .* -> " + verdict, line.strip()) for line in out.splitlines()):
+        if any(re.fullmatch(_regex(f"{pattern} -> {verdict}"), line.strip()) for line in out.splitlines()):
             return _figures(out, f"{pattern} -> {verdict}"), verdict
     raise AssertionError(f"no rule line:\n{out}")
 
@@ -215,10 +221,11 @@ def test_export_benchmark_prints_its_ratios_and_applies_its_own_rule():
     assert difference < agreement, out  # the scores agree whatever the load: not a timing
 
 
-@pytest.mark.slow  # about 12 s: the demo teacher over 48 length-skewed prompts, naive and packed, twice
-def test_precompute_benchmark_prints_its_ratios_and_applies_its_own_rule():
+@pytest.mark.slow  # about 13 s: the demo teacher over 48 length-skewed prompts, naive and packed, twice; an 8-layer
+def test_precompute_benchmark_prints_its_ratios_and_applies_its_own_rule():  # one over 16 prompts, read at layer 2
     """bench_precompute.py --quick: packed against naive batches and the whole pipeline against its own
-    forwards, and a rule line (speedup, padding gain, overhead) that follows from the printed figures."""
+    forwards, and a rule line (speedup, padding gain, overhead) that follows from the printed figures; a middle-layer
+    teacher against the whole model's forward, and its rule line (speedup, the same states)."""
     out = _run("bench_precompute.py", "--quick", timed_rules=True)
     n, long, shortest, median, longest, truncated, q, batch, budget = _figures(
         out, "prompts: # (# long), text tokens: min #, median #, max #, truncated #; Q = #; teacher_batch #, "
@@ -255,6 +262,30 @@ def test_precompute_benchmark_prints_its_ratios_and_applies_its_own_rule():
     _follows(verdict, (speedup, ">=", min_speedup, 0.01), (gain, ">=", min_gain, 0.01),
              (overhead, "<=", max_overhead, 0.1))
     assert gain >= min_gain, out  # padding is counted, not timed
+
+    # The middle-layer teacher (#58): only the blocks below the layer read, against the whole model's forward.
+    layers, layer, n_mid, mid_batches = _figures(
+        out, "middle-layer teacher: # layers read at layer #, # prompts in # packed batches")
+    assert 0 < layer < layers and n_mid == 16 and mid_batches >= 2, out
+    mid = {}
+    for name, label in (("before", "whole model, every layer's output kept (before):"),
+                        ("after", "only the blocks below the layer (after):")):
+        seconds, rate, weights, held = _figures(out, f"{label} # s, # prompts/s, weights # MiB, layer outputs held "
+                                                     "# MiB")
+        assert seconds > 0 and _quotient_ok(rate, n_mid, seconds, unit_a=0, unit_b=1e-3, unit_q=0.01), out
+        mid[name] = {"seconds": seconds, "weights": weights, "held": held}
+    # Counted, not timed: fewer blocks' weights, and one layer's output held instead of every layer's.
+    assert mid["after"]["weights"] < mid["before"]["weights"], out
+    assert mid["before"]["held"] == pytest.approx((layers + 1) * mid["after"]["held"], abs=0.05), out
+    mid_speedup, mid_target, relative = _figures(
+        out, "middle-layer speedup: #x (target >= #x); states read differ by at most # of their largest |value|")
+    assert _quotient_ok(mid_speedup, mid["before"]["seconds"], mid["after"]["seconds"], unit_a=1e-3, unit_b=1e-3,
+                        unit_q=0.01), out
+    assert relative == 0, out  # on the CPU the states read are the same bits: not a timing
+    (rule_mid_speedup, min_mid_speedup, rule_relative, max_relative), mid_verdict = _verdict(
+        out, "rule: middle-layer speedup #x >= #x and relative difference # <= #")
+    assert (rule_mid_speedup, min_mid_speedup, rule_relative, max_relative) == (mid_speedup, mid_target, 0, 0), out
+    _follows(mid_verdict, (mid_speedup, ">=", min_mid_speedup, 0.01))
 
 
 @pytest.mark.slow  # about 11 s: peak RSS streaming 2 and 20 shards, 3 rounds of 60 trainer and bare-loop steps
