@@ -35,7 +35,7 @@ from gguf_assets.lib.core.ggk_contract import LLADA_IMAGE, rendered_prompt
 from gguf_assets.lib.core.quiet import quiet_libraries
 from gguf_assets.lib.precompute.batching import pack_batches, right_padded
 from gguf_assets.lib.project.settings import Settings
-from gguf_assets.lib.project.teacher_choice import MOCK_DIM, MOCK_QUERY_ROWS
+from gguf_assets.lib.project.teacher_choice import MOCK_DIM, MOCK_QUERY_ROWS, TeacherLayerError, blocks_for_layer
 
 log = logging.getLogger(__name__)
 
@@ -142,24 +142,14 @@ def memory_budgets(settings: Settings, device: torch.device, *, free_gpu_bytes: 
 
 
 def blocks_read(config, layer: int) -> int | None:
-    """How many of the teacher's blocks ``materials.teacher_layer = layer`` needs, or None when it reads the last
-    state (then every block runs and the state is taken after the final norm).
-
-    The layer indexes transformers' ``hidden_states``: index 0 is the embeddings and index k (0 < k < n, for n
-    blocks) the output of block k - 1, before the final norm; index n, like -1, is transformers' last state,
-    ``last_hidden_state``, after the final norm (transformers ties hidden_states[-1] to it). Negative indexes count
-    from the end as in Python: -2 is block n - 2's output. Out of that range is refused. A config without
-    num_hidden_layers gives None for every layer (the forward then runs every block; see HFTeacher.forward_batch).
-    """
-    n = getattr(config, "num_hidden_layers", None)
-    if not isinstance(n, int):
-        return None
-    if not -(n + 1) <= layer <= n:
-        raise TeacherError(f"materials.teacher_layer = {layer}, but the teacher has {n} layers: use -1 (the last, "
-                           f"after the final norm), 0 to {n} (0 = the embeddings, k = the output of the first k "
-                           f"layers) or -{n + 1} to -1 (counted from the end).")
-    index = layer % (n + 1)
-    return None if index == n else index
+    """How many of the teacher's blocks ``materials.teacher_layer = layer`` needs (teacher_choice.blocks_for_layer,
+    which says what each value reads), or None when it reads the last state: every block runs, and the state is
+    taken after the final norm. A config without num_hidden_layers gives None (the forward then runs every block;
+    see HFTeacher.forward_batch)."""
+    try:
+        return blocks_for_layer(getattr(config, "num_hidden_layers", None), layer)
+    except TeacherLayerError as exc:
+        raise TeacherError(str(exc)) from None
 
 
 def keep_blocks(config, blocks: int | None) -> None:

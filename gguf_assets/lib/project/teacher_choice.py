@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gguf_assets.lib.core.errors import UserError
 from gguf_assets.lib.project.manifests import MaterialsManifest
 from gguf_assets.lib.project.settings import Settings
 
@@ -64,3 +65,26 @@ class TeacherChoice:
 
 def teacher_choice(settings: Settings) -> TeacherChoice:
     return TeacherChoice(mode=settings.precompute.mode, mock=settings.precompute.mock_teacher)
+
+
+class TeacherLayerError(UserError, ValueError):
+    """materials.teacher_layer outside the teacher's layers; the message gives the range."""
+
+
+def blocks_for_layer(num_hidden_layers: int | None, layer: int) -> int | None:
+    """How many of the teacher's blocks ``materials.teacher_layer = layer`` needs, or None when it reads the last
+    state (every block runs; the state is taken after the final norm), or the config gives no layer count.
+
+    The layer indexes transformers' ``hidden_states``: 0 is the embeddings, k (0 < k < n, for n blocks) the output of
+    block k - 1 before the final norm, n (like -1) the last state after the final norm; negative indexes count from
+    the end as in Python. Here, with no torch, so the precompute and the estimate read the setting alike."""
+    n = num_hidden_layers
+    if not isinstance(n, int):
+        return None
+    if not -(n + 1) <= layer <= n:
+        raise TeacherLayerError(
+            f"materials.teacher_layer = {layer}, but the teacher has {n} layers: use -1 (the last, after the final "
+            f"norm), 0 to {n} (0 = the embeddings, k = the output of the first k layers) or -{n + 1} to -1 (counted "
+            "from the end).")
+    index = layer % (n + 1)
+    return None if index == n else index

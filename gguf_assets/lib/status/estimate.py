@@ -17,7 +17,9 @@ small share of the teacher's weights; the precompute lowers its own GPU budget o
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,7 +31,7 @@ from gguf_assets.lib.materials import teacher_layout as layout
 from gguf_assets.lib.materials.materials import load_manifest
 from gguf_assets.lib.project.layout import ProjectPaths
 from gguf_assets.lib.project.settings import Settings
-from gguf_assets.lib.project.teacher_choice import MOCK_DIM, MOCK_QUERY_ROWS
+from gguf_assets.lib.project.teacher_choice import MOCK_DIM, MOCK_QUERY_ROWS, blocks_for_layer
 from gguf_assets.lib.training.kept_steps import scheduled_steps
 
 GIB = 2**30
@@ -144,15 +146,30 @@ def _count(n: int) -> str:
     return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.1f} M" if n >= 1e5 else f"{n:,}"
 
 
-def weight_params(folder: Path, *, skip: str = "") -> int:
-    """Parameters in a model folder's *.safetensors (headers only), the ``skip`` file left out."""
+_BLOCK = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def teacher_blocks(folder: Path, settings: Settings) -> int | None:
+    """The blocks a middle-layer teacher keeps (the precompute builds and loads no others), None: all."""
+    layer = settings.materials.teacher_layer
+    if layer == -1 or layout.is_pipeline_folder(folder) or not (folder / "config.json").is_file():
+        return None
+    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    return blocks_for_layer(config.get("num_hidden_layers") or (config.get("text_config") or {}).get(
+        "num_hidden_layers"), layer)
+
+
+def weight_params(folder: Path, *, skip: str = "", blocks: int | None = None) -> int:
+    """Parameters in a model folder's *.safetensors (headers only), the ``skip`` file left out; ``blocks``: only
+    the first that many blocks' (a middle-layer teacher's), None: all."""
     total = 0
     for file in sorted(folder.glob("*.safetensors")):
         if file.name == skip:
             continue
         header, _, _ = safetensors_header(file)
         for name, entry in header.items():
-            if name != "__metadata__":
+            block = _BLOCK.search(name)
+            if name != "__metadata__" and (blocks is None or block is None or int(block.group(1)) < blocks):
                 count = 1
                 for dim in entry["shape"]:
                     count *= dim
@@ -160,14 +177,14 @@ def weight_params(folder: Path, *, skip: str = "") -> int:
     return total
 
 
-def config_params(folder: Path, settings: Settings) -> int:
+def config_params(folder: Path, settings: Settings, *, blocks: int | None = None) -> int:
     """Parameters of the model a folder's config.json describes, built on the meta device (no weights, no
     download): the same module tree the precompute's placement planner sizes (lib/precompute/teacher.py)."""
     import torch
 
     from gguf_assets.lib.precompute.teacher import empty_model
 
-    return sum(p.numel() for p in empty_model(folder, settings, torch.bfloat16).parameters())
+    return sum(p.numel() for p in empty_model(folder, settings, torch.bfloat16, blocks=blocks).parameters())
 
 
 def pipeline_params(folder: Path, settings: Settings) -> tuple[int, str]:
@@ -194,14 +211,17 @@ def pipeline_params(folder: Path, settings: Settings) -> tuple[int, str]:
     return backbone + parts, f" (text encoder, QueryFormer and text projection{how})"
 
 
-def model_params(folder: Path, settings: Settings, *, skip: str = "") -> tuple[int, str]:
-    """(parameters, from where): the safetensors headers when the weights are there, else config.json alone."""
+def model_params(folder: Path, settings: Settings, *, skip: str = "", blocks: int | None = None) -> tuple[int, str]:
+    """(parameters, from where): the safetensors headers when the weights are there, else config.json alone;
+    ``blocks``: only the first that many blocks (a middle-layer teacher's)."""
     if layout.is_pipeline_folder(folder):
         return pipeline_params(folder, settings)
-    n = weight_params(folder, skip=skip)
+    kept = "" if blocks is None else f" (its first {blocks} layers: materials.teacher_layer reads no others)"
+    n = weight_params(folder, skip=skip, blocks=blocks)
     if n:
-        return n, ""
-    return config_params(folder, settings), " (from config.json on the meta device: no weights here yet)"
+        return n, kept
+    return (config_params(folder, settings, blocks=blocks),
+            f" (from config.json on the meta device: no weights here yet){kept}")
 
 
 def teacher_placements(folder: Path, settings: Settings, *, free_gpu_bytes: dict[int, int],
@@ -236,7 +256,7 @@ def teacher_placements(folder: Path, settings: Settings, *, free_gpu_bytes: dict
         model = empty_backbone(folder, settings, torch.bfloat16)
         parts_gib = layout.parts_params(folder) * BYTES["bf16"] / GIB
     else:
-        model = empty_model(folder, settings, torch.bfloat16)
+        model = empty_model(folder, settings, torch.bfloat16, blocks=teacher_blocks(folder, settings))
     natural = {k: max_memory[k] for k in sorted(k for k in max_memory if isinstance(k, int))} | {
         "cpu": max_memory["cpu"]}  # balanced splits over the GPUs in their own order, as transformers does
     with _quiet_about_absent_gpus():
@@ -277,8 +297,9 @@ def _weights_line(role: str, config: ModelConfig, settings: Settings, dtype: str
     if config.folder is None:
         return MemoryLine(role, None, config.why)
     try:
-        n, source = model_params(config.folder, settings,
-                                 skip=settings.materials.query_rows_file if role == "teacher" else "")
+        teacher = role == "teacher"
+        n, source = model_params(config.folder, settings, skip=settings.materials.query_rows_file if teacher else "",
+                                 blocks=teacher_blocks(config.folder, settings) if teacher else None)
     except (ValueError, KeyError, OSError, ImportError) as exc:  # an unknown model_type, a config missing a key
         return MemoryLine(role, None, f"{config.folder / 'config.json'} cannot be built on the meta device "
                                       f"({str(exc).splitlines()[0][:200]}); check materials.{role}")

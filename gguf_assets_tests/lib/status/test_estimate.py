@@ -375,3 +375,26 @@ def test_a_silent_hub_costs_status_one_short_wait(make_project, loopback_hub, ca
     started = time.monotonic()
     assert estimate(paths, load_settings(paths.root), options=hub_shapes.quick_options())[0].gib is None
     assert time.monotonic() - started < 3
+
+
+def test_a_middle_layer_teacher_is_counted_with_the_blocks_it_keeps(make_project):
+    """materials.teacher_layer = 1 builds and loads the teacher's first block only (lib/precompute/teacher.py): the
+    estimate counts that, not the whole teacher."""
+    paths = make_project()
+    whole = replace(load_settings(paths.root), precompute={"mock_teacher": False})
+    middle = replace(whole, materials={"teacher_layer": 1})
+    teacher = paths.root / "materials" / "demo" / "teacher"
+    with safe_open(str(next(teacher.glob("model*.safetensors"))), "pt") as fh:
+        later_blocks = sum(_prod(fh.get_slice(k).get_shape()) for k in fh.keys()
+                           if ".layers." in k and int(k.split(".layers.")[1].split(".")[0]) >= 1)
+    full, cut = (next(line for line in estimate(paths, s) if line.part == "teacher") for s in (whole, middle))
+    assert later_blocks > 0
+    assert full.gib - cut.gib == pytest.approx(later_blocks * 2 / GIB)
+    assert "its first 1 layers: materials.teacher_layer" in cut.how
+
+
+def _prod(shape) -> int:
+    n = 1
+    for dim in shape:
+        n *= dim
+    return n
