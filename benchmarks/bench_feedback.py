@@ -1,7 +1,7 @@
 """Run -> first training step shown, and Stop -> stopped, as a user sees them on the console (#36 item 4).
 
 A demo project (tiny random-weight models, mock teacher) is built and run once with
-``gguf-trainer run DIR``: its shards and a short training. Then ``training.steps`` changes, so the
+``gguf-trainer run DIR``: its shards and a short training. Then ``training.seed`` changes, so the
 next Run trains a new run from step 0 on the same shards; that Run is timed from the spawn of
 ``python -m gguf_assets.cli run DIR``, by the lines it prints (stdout and stderr, as they arrive):
 
@@ -232,7 +232,8 @@ def measure(python: str, tmp: Path, materials: Path | None, steps: int, label: s
         root = project(tmp / f"project-{label}", materials, steps, quick)
         warm_s = first_run(python, root)
     settings = load_settings(root)
-    write_project_file(root, replace(settings, training={"steps": settings.training.steps + 20}))  # from step 0
+    # A new seed: a new run from step 0 on the same shards (raised steps would go on from the last step, #57).
+    write_project_file(root, replace(settings, training={"seed": settings.training.seed + 1}))
     result = studio_timed_run(python, root, timeout_s=600) if studio else timed_run(python, root, timeout_s=600)
     return {**result, "first_run_s": warm_s, "torch_s": import_torch_s(python)}
 

@@ -256,19 +256,22 @@ def test_the_documented_dagster_cli_commands_work(finished_project, tmp_path, mo
 
 
 def test_an_edit_during_training_affects_only_the_next_run(shards_done_project):
-    """One settings snapshot per run: `steps 40 → 20` and `adapter_name → edited` written at a
-    checkpoint mid-training. The run trains its 40 steps and exports under the name it started with;
-    the console says the edit is for the next run, and status names the edit as the reason."""
+    """One settings snapshot per run: `learning_rate` doubled and `adapter_name → edited` written at a checkpoint
+    mid-training. The run trains its 40 steps at the rate it started with and exports under the name it started
+    with; the console says the edit is for the next run, and status names the edit as the reason. (training.steps
+    is the one setting a run follows while it trains: lowered to its step or below, the run ends there, #57;
+    orchestration/test_snapshots.py.)"""
     from gguf_assets.lib.project.settings import load_settings, replace, write_project_file
     from gguf_assets.lib.status.states import project_status
 
     paths = shards_done_project
-    name = load_settings(paths.root).output.adapter_name
+    started = load_settings(paths.root)
+    name, rate = started.output.adapter_name, started.training.learning_rate
     proc = _start_run(paths, warm=True)
     try:
         wait_for(lambda: any(paths.root.glob("checkpoints/*/step-00000010")), timeout=240,
                  what="the second checkpoint", proc=proc)
-        write_project_file(paths.root, replace(load_settings(paths.root), training={"steps": 20},
+        write_project_file(paths.root, replace(started, training={"learning_rate": rate * 2},
                                                output={"adapter_name": "edited"}))
         out, _ = proc.communicate(timeout=300)
     finally:
@@ -276,16 +279,17 @@ def test_an_edit_during_training_affects_only_the_next_run(shards_done_project):
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, out
     assert_clean_console(out)
-    assert "project.yaml changed during the run (" in out and "training.steps 40 → 20" in out, out
+    change = f"training.learning_rate {rate!r} → {rate * 2!r}"
+    assert "project.yaml changed during the run (" in out and change in out, out
     assert "still not current" not in out
     final = json.loads(next(paths.root.glob("checkpoints/*/final/meta.json")).read_text())
-    assert final["step"] == 40
+    assert final["step"] == 40 and final["training"]["learning_rate"] == rate
     assert (paths.root / "output" / f"{name}.gguf").is_file() and not (paths.root / "output" / "edited.gguf").exists()
     report = json.loads((paths.root / "output" / f"{name}.report.json").read_text())
     assert report["settings_hash"] == json.loads(paths.adapter_manifest.read_text())["settings_hash"]
     status = {s.stage: s for s in project_status(paths, load_settings(paths.root))}
-    assert status["adapter"].state == "stale" and "training.steps 40 → 20" in status["adapter"].detail, status
-    assert re.search(r"adapter +stale +training.steps 40 → 20", out), out  # the closing status says it too
+    assert status["adapter"].state == "stale" and change in status["adapter"].detail, status
+    assert re.search(rf"adapter +stale +{re.escape(change)}", out), out  # the closing status says it too
 
 
 def _latest_step(paths) -> int:
