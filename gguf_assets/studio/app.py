@@ -46,7 +46,7 @@ from gguf_assets.lib.status.runs import (
     size_text,
     use_run,
 )
-from gguf_assets.lib.status.stages import SHARD_STAGES
+from gguf_assets.lib.status.stages import SHARD_STAGES, stage_title
 from gguf_assets.lib.status.states import ProjectView, State, adapter_fingerprint_of, status_view, with_running
 from gguf_assets.lib.telemetry.curves_log import tensorboard_timeseries_url
 from gguf_assets.lib.telemetry.hardware import AUTO_WORKERS
@@ -59,9 +59,6 @@ from gguf_assets.studio.settings_form import NUMBER_RULES, apply_form, form_sect
 RUN_ARGS = ["--workers", AUTO_WORKERS]
 TEMPLATES = Jinja2Templates(directory=str(Path(__file__).parent / "templates"))
 RUN_LOG = "studio-run.log"  # in <project>/.dagster: the console output of the runs the studio starts
-STAGE_TITLES = {"materials": "Materials", "corpus": "Corpus", "train_shards": "Train shards",
-                "val_shards": "Val shards", "adapter": "Adapter (training)", "gguf": "GGUF export",
-                "eval_report": "Evaluation"}
 
 
 def project_view(paths: ProjectPaths, feed: ObservationFeed | None = None,
@@ -89,7 +86,7 @@ def project_view(paths: ProjectPaths, feed: ObservationFeed | None = None,
     view = {
         "project": str(paths.root),
         "settings_error": None,
-        "stages": [{"stage": s.stage, "title": STAGE_TITLES.get(s.stage, s.stage), "state": s.state,
+        "stages": [{"stage": s.stage, "title": stage_title(s.stage), "state": s.state,
                     "detail": s.detail} for s in stages],
         "busy": lock_holder.what if lock_holder is not None else None,
         "running": {"run_id": running.run_id, "job": running.job} if running is not None else None,
@@ -117,7 +114,7 @@ def _outdated(stages: list) -> str | None:
     """Why the shown result is not what these settings would make: the first stage that is not current."""
     for s in stages:
         if s.state != State.CURRENT:
-            return f"{STAGE_TITLES.get(s.stage, s.stage)} is {s.state}" + (f": {s.detail}" if s.detail else "")
+            return f"{stage_title(s.stage)} is {s.state}" + (f": {s.detail}" if s.detail else "")
     return None
 
 
@@ -138,7 +135,7 @@ def run_preview(paths: ProjectPaths, settings, stages: list, *, busy: bool, view
         step = _checkpoint_step(paths, settings, view)
         training = (f"resumes training from step {step} of {settings.training.steps}" if step
                     else f"trains from step 0 to {settings.training.steps}")
-    return f"Run starts at {STAGE_TITLES.get(first.stage, first.stage)} ({first.state}) and {training}"
+    return f"Run starts at {stage_title(first.stage)} ({first.state}) and {training}"
 
 
 def _checkpoint_step(paths: ProjectPaths, settings, view: ProjectView | None = None) -> int:

@@ -56,10 +56,13 @@ def test_the_page_names_the_run_the_lock_holder_record_names(make_project):
 
 
 def test_every_stage_has_its_title_on_the_page():
-    from gguf_assets.lib.status.stages import STAGES
-    from gguf_assets.studio.app import STAGE_TITLES
+    """The titles are lib/status/stages.py's one list, in STAGES' order; the studio keeps none of its own."""
+    from gguf_assets.lib.status import stages
+    from gguf_assets.studio import app
 
-    assert tuple(STAGE_TITLES) == STAGES
+    assert tuple(stages.STAGE_TITLES) == stages.STAGES
+    assert not hasattr(app, "STAGE_TITLES")
+    assert app.stage_title is stages.stage_title and stages.stage_title("adapter") == "Adapter (training)"
 
 
 @pytest.mark.slow  # the suite's finished project (one pipeline run, shared), copied

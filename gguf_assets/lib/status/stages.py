@@ -29,6 +29,16 @@ INPUT_STAGES = ("materials", "corpus")
 SHARD_STAGES = tuple(f"{split}_shards" for split in SPLITS)
 TRAINING_STAGES = ("adapter", "gguf", "eval_report")
 STAGES = (*INPUT_STAGES, *SHARD_STAGES, *TRAINING_STAGES)
+# Each stage's name as people read it (the studio's stage table, its Run preview and outdated-result line): the
+# one list of them, in STAGES' order.
+STAGE_TITLES = {"materials": "Materials", "corpus": "Corpus", "train_shards": "Train shards",
+                "val_shards": "Val shards", "adapter": "Adapter (training)", "gguf": "GGUF export",
+                "eval_report": "Evaluation"}
+
+
+def stage_title(stage: str) -> str:
+    """``stage``'s title (its own name for a stage not in STAGES)."""
+    return STAGE_TITLES.get(stage, stage)
 
 
 def stage_settings(settings: Settings) -> dict[str, dict]:
