@@ -7,6 +7,8 @@ from __future__ import annotations
 import datetime as dt
 from collections.abc import Callable
 
+from gguf_assets.lib.training.training_run import RunOutcome
+
 LOG_LINES = 30  # the tail the page shows; the whole log is the run's page in the Dagster UI
 
 
@@ -45,8 +47,9 @@ def _log_tail(instance, run_id: str) -> list[str]:
 
 
 def last_run_view(instance, where_stopped: Callable[[], str] | None = None) -> dict | None:
-    """{run_id, job, state: running|finished|failed|stopped, stage, message, log} of the newest run, or None
-    when the project has none. ``where_stopped()``: the pipeline's stopping point, asked only for a stopped run."""
+    """{run_id, job, state, stage, message, log} of the newest run (its state a RunOutcome: running, finished,
+    failed or stopped), or None when the project has none. ``where_stopped()``: the pipeline's stopping point,
+    asked only for a stopped run."""
     import dagster as dg
 
     runs = instance.get_runs(limit=1)
@@ -57,17 +60,17 @@ def last_run_view(instance, where_stopped: Callable[[], str] | None = None) -> d
     view = {"run_id": run.run_id, "job": run.job_name, "stage": None, "message": "",
             "log": _log_tail(instance, run.run_id)}
     if status == dg.DagsterRunStatus.SUCCESS:
-        return {**view, "state": "finished", "message": f"{run.job_name}, run {run.run_id[:8]}"}
+        return {**view, "state": RunOutcome.FINISHED, "message": f"{run.job_name}, run {run.run_id[:8]}"}
     if status == dg.DagsterRunStatus.FAILURE:
         failures = instance.all_logs(run.run_id, of_type=dg.DagsterEventType.STEP_FAILURE)
         if failures:
             event = failures[0].dagster_event
-            return {**view, "state": "failed", "stage": failures[0].step_key,
+            return {**view, "state": RunOutcome.FAILED, "stage": failures[0].step_key,
                     "message": _user_message(event.step_failure_data.error) or "failed"}
         run_failure = instance.all_logs(run.run_id, of_type=dg.DagsterEventType.RUN_FAILURE)
         message = _first_line(run_failure[0].dagster_event.message) if run_failure else "failed"
-        return {**view, "state": "failed", "message": message}
+        return {**view, "state": RunOutcome.FAILED, "message": message}
     if status in (dg.DagsterRunStatus.CANCELED, dg.DagsterRunStatus.CANCELING):
         where = f"{where_stopped()}; " if where_stopped else ""
-        return {**view, "state": "stopped", "message": f"{where}Run continues from there"}
-    return {**view, "state": "running", "message": f"{status.value.lower()}"}
+        return {**view, "state": RunOutcome.STOPPED, "message": f"{where}Run continues from there"}
+    return {**view, "state": RunOutcome.RUNNING, "message": f"{status.value.lower()}"}

@@ -30,7 +30,7 @@ from gguf_assets.lib.project.layout import BEST_DIR, FINAL_DIR, META_FILE, STATE
 from gguf_assets.lib.project.manifests import MaterialsManifest
 from gguf_assets.lib.project.settings import Settings
 from gguf_assets.lib.training import kept_steps as kept
-from gguf_assets.lib.training.training_run import read_session, session_alive
+from gguf_assets.lib.training.training_run import RunOutcome, read_session, session_alive
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ def _write_snapshots(run_dir: Path, entries: list[dict]) -> None:
 
 def training_is_running(run_dir: Path) -> bool:
     session = read_session(run_dir)
-    return bool(session) and session.get("state") == "running" and session_alive(session) is not False
+    return bool(session) and session.get("state") == RunOutcome.RUNNING and session_alive(session) is not False
 
 
 def _checkpoint_steps(run_dir: Path) -> dict[int, Path]:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import os
 import shutil
 from dataclasses import asdict, dataclass, field
-from enum import StrEnum
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -47,9 +46,7 @@ from gguf_assets.lib.status.states import State, project_status
 from gguf_assets.lib.telemetry.curves_log import TENSORBOARD_DIR, run_name
 from gguf_assets.lib.telemetry.render import compare_panels_svg, compare_svg
 from gguf_assets.lib.training.training_run import (
-    SESSION_FAILED,
-    SESSION_RUNNING,
-    SESSION_STOPPED,
+    RunOutcome,
     final_weights_intact,
     newest_meta,
     reached_step,
@@ -65,12 +62,8 @@ LABEL_MAX_CHARS = 200
 LAST_SCORE_KEYS = (*(score.key for score in metrics.COMPARED), metrics.WORST_ROW)
 
 
-class RunState(StrEnum):
-    FINISHED = "finished"  # final/ is there: the finished weights
-    RUNNING = "running"  # its training process trains it now
-    STOPPED = "stopped"  # stopped on purpose (Ctrl-C, Stop, Terminate): its checkpoints are kept
-    FAILED = "failed"  # its training ended with an error (the message says which)
-    PARTIAL = "partial"  # checkpoints only: cut off by a kill or a reboot, or from before runs recorded how they ended
+# A run's state in the list: lib/training/training_run.py's RunOutcome, the one vocabulary of how a run ended.
+RunState = RunOutcome
 
 
 class RunsError(UserError):
@@ -275,7 +268,7 @@ def _state(run_dir: Path, final: bool, session: dict | None, step: int, steps: i
     if final:
         return RunState.FINISHED, ""
     state = (session or {}).get("state")
-    if state == SESSION_RUNNING:
+    if state == RunOutcome.RUNNING:
         alive = session_alive(session)
         if alive:
             return RunState.RUNNING, f"training now (pid {session['pid']}), at its checkpoint of step {step}{of}"
@@ -284,9 +277,9 @@ def _state(run_dir: Path, final: bool, session: dict | None, step: int, steps: i
                                       "still train it or was cut off; this machine cannot tell")
         return RunState.PARTIAL, (f"cut off at step {step}{of}: its training process is gone (a kill or a reboot); "
                                   "its checkpoint is kept")
-    if state == SESSION_STOPPED:
+    if state == RunOutcome.STOPPED:
         return RunState.STOPPED, f"{session.get('message') or 'stopped'}; its checkpoint of step {step} is kept"
-    if state == SESSION_FAILED:
+    if state == RunOutcome.FAILED:
         return RunState.FAILED, f"failed at step {session.get('step', step)}: {session.get('message', '')}"
     damaged = " (its finished weights were damaged and set aside)" if (run_dir / "final.damaged").is_dir() else ""
     return RunState.PARTIAL, f"trained to step {step}{of}{damaged}"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field, fields
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -258,7 +259,21 @@ def newest_meta(run_dir: Path) -> dict | None:
 
 # -- the training session: running (which process), stopped or failed ---------------------
 
-SESSION_RUNNING, SESSION_STOPPED, SESSION_FAILED = "running", "stopped", "failed"
+
+class RunOutcome(StrEnum):
+    """How a training run stands or ended: the one vocabulary of the session record (session.json's "state"), the
+    Runs list (lib/status/runs.py, `gguf-trainer runs`) and the studio's last-run line (studio/last_run.py). The
+    values are the words users read and the files hold."""
+
+    FINISHED = "finished"  # final/ is there: the finished weights (a Dagster run: it succeeded)
+    RUNNING = "running"  # its training process trains it now
+    STOPPED = "stopped"  # stopped on purpose (Ctrl-C, Stop, Terminate): its checkpoints are kept
+    FAILED = "failed"  # its training ended with an error (the message says which)
+    PARTIAL = "partial"  # checkpoints only: cut off by a kill or a reboot, or from before runs recorded how they ended
+
+
+# The states a session record names (a finished run has none: end_session).
+SESSION_RUNNING, SESSION_STOPPED, SESSION_FAILED = RunOutcome.RUNNING, RunOutcome.STOPPED, RunOutcome.FAILED
 
 
 def write_session(run_dir: Path, state: str, *, step: int, message: str = "", settings_hash: str = "",

@@ -91,6 +91,21 @@ def test_the_settings_diff_says_which_keys_change_a_result(project):
     assert runs.settings_diff(now, now) == []
 
 
+def test_how_a_run_ended_is_one_vocabulary_in_the_words_users_read(tmp_path):
+    """The session record, the Runs list and the studio's last-run line share training_run.RunOutcome: its
+    values are the words session.json, `gguf-trainer runs` and the page have always shown."""
+    from gguf_assets.lib.training import training_run
+    from gguf_assets.studio import last_run
+
+    assert RunState is training_run.RunOutcome and last_run.RunOutcome is training_run.RunOutcome
+    assert [str(s) for s in RunState] == ["finished", "running", "stopped", "failed", "partial"]
+    assert (training_run.SESSION_RUNNING, training_run.SESSION_STOPPED, training_run.SESSION_FAILED) == (
+        RunState.RUNNING, RunState.STOPPED, RunState.FAILED)
+    write_session(tmp_path, SESSION_RUNNING, step=3)
+    assert json.loads((tmp_path / SESSION_FILE).read_text())["state"] == "running"
+    assert json.dumps({"state": RunState.FINISHED}) == '{"state": "finished"}' and f"{RunState.PARTIAL}" == "partial"
+
+
 def test_a_run_s_state_comes_from_its_checkpoints_and_its_last_session(project):
     second_run(project, finished=False)
     run_dir = project.checkpoints_dir(OTHER)
