@@ -157,7 +157,7 @@ def shard_overheads(instance) -> tuple[int, float, float]:
     A run's span is from its creation (its launch) to its end, so a cluster's queueing counts too."""
     import dagster as dg
 
-    from gguf_assets.defs.jobs import SHARDS_JOB
+    from gguf_assets.pipeline.names import SHARDS_JOB
 
     partitions, span, compute = 0, 0.0, 0.0
     for record in instance.get_run_records(filters=dg.RunsFilter(job_name=None)):
@@ -226,7 +226,7 @@ def ui_query_seconds(paths) -> tuple[float, float, dict]:
 
 def status_seconds(paths, repeats: int = 3) -> tuple[float, float]:
     """`gguf-trainer status` as the user runs it (a process: wall, start-up included) and in-process."""
-    from gguf_assets import cli
+    from gguf_assets.cli import commands as cli
 
     walls = []
     for _ in range(repeats):
@@ -330,10 +330,10 @@ def part_partitions(tmp: Path, *, partitions: int) -> bool:
     import dagster as dg
     from bench_status import build_project
 
-    from gguf_assets.defs.partitions import BY_SPLIT
     from gguf_assets.lib.demo.demo import build_demo_materials
     from gguf_assets.lib.project.settings import load_settings
-    from gguf_assets.orchestration.plan import next_work
+    from gguf_assets.pipeline.partitions import BY_SPLIT
+    from gguf_assets.pipeline.plan import next_work
 
     print(f"\n## partitions: {partitions} train shard partitions, synthetic shard files and records")
     materials = tmp / "materials-p"

@@ -87,7 +87,7 @@ def shard_files(paths: ProjectPaths) -> list[Path]:
 
 
 def measure(paths: ProjectPaths) -> dict:
-    from gguf_assets import cli
+    from gguf_assets.cli import commands as cli
 
     out = io.StringIO()
     with contextlib.redirect_stdout(io.StringIO()):  # once before: module imports are not the status's reads

@@ -12,7 +12,6 @@ import dagster as dg
 
 from gguf_assets.defs import corpus, materials, output, precompute, training
 from gguf_assets.defs.console import short_console
-from gguf_assets.defs.environment import EnvironmentMismatch, project_dir_from_env
 from gguf_assets.defs.jobs import JOBS
 from gguf_assets.defs.output import exported_files_unchanged, reported_files_unchanged
 from gguf_assets.defs.precompute import SHARD_CHECKS
@@ -21,7 +20,8 @@ from gguf_assets.defs.sensors import interrupted_runs_sensor, resume_sensor
 from gguf_assets.defs.settings import SETTINGS_ASSETS
 from gguf_assets.lib.core import faults
 from gguf_assets.lib.project.settings import PROJECT_FILE, SettingsError, load_settings
-from gguf_assets.orchestration.private_api import reuse_sqlite_engines
+from gguf_assets.pipeline.environment import EnvironmentMismatch, project_dir_from_env
+from gguf_assets.pipeline.private_api import reuse_sqlite_engines
 
 
 def build_definitions(project_dir: str | None) -> dg.Definitions:

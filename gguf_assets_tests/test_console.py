@@ -171,8 +171,8 @@ def test_a_ctrl_c_while_modules_load_ends_the_command_even_inside_an_import_call
 
     program = textwrap.dedent("""
         import os, signal, sys, weakref
-        from gguf_assets.cli import _quiet_exit_while_loading
-        signal.signal(signal.SIGINT, _quiet_exit_while_loading)
+        from gguf_assets.cli.prologue import quiet_exit_while_loading
+        signal.signal(signal.SIGINT, quiet_exit_while_loading)
         print("loading", flush=True)
         class Module: pass
         module = Module()

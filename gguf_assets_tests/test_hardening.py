@@ -30,7 +30,7 @@ def status_of(root: Path) -> dict[str, tuple[str, str]]:
     import contextlib
     import io
 
-    from gguf_assets.cli import cmd_status
+    from gguf_assets.cli.commands import cmd_status
 
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
@@ -229,7 +229,7 @@ def test_an_output_dir_that_is_a_file_is_refused_before_any_work(make_project):
 def test_a_run_started_from_dagster_refuses_an_output_dir_that_is_a_file_too(make_project):
     """The same check guards every entry point: it runs where every Dagster run begins."""
     from gguf_assets.lib.project.layout import OutputFolderError
-    from gguf_assets.orchestration.run_bookkeeping import RunBookkeeping
+    from gguf_assets.pipeline.run_bookkeeping import RunBookkeeping
 
     paths = make_project()
     (paths.root / "out").write_text("x")

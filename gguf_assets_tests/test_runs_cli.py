@@ -56,8 +56,8 @@ def ui_stale(root: Path, monkeypatch) -> set[str]:
     import dagster as dg
 
     from gguf_assets.definitions import build_definitions
-    from gguf_assets.orchestration.private_api import CachingStaleStatusResolver, LoadingContextForTest, StaleStatus
-    from gguf_assets.orchestration.resume import resume_decision
+    from gguf_assets.pipeline.private_api import CachingStaleStatusResolver, LoadingContextForTest, StaleStatus
+    from gguf_assets.pipeline.resume import resume_decision
 
     monkeypatch.setenv("DAGSTER_HOME", str(root / ".dagster"))
     monkeypatch.setenv("GGUF_ASSETS_PROJECT", str(root))

@@ -6,7 +6,7 @@ A test that runs the pipeline many times (killed at a fault point, then resumed,
 ``trainer_run`` or ``trainer_popen`` instead of subprocess.run or Popen of ``[*CLI, "run", ...]`` (and of the
 commands that read or describe a project: `status`, `verify`, `runs`, `estimate`, `env`). Each test process keeps
 one loader process, which has loaded what a run loads (what the studio's spare run loads ahead,
-orchestration/spare_run.py, and the model code), and forks a run per request. The run is a real process of its own
+studio/spare_run.py, and the model code), and forks a run per request. The run is a real process of its own
 process group, as the child of `gguf-trainer run` is, and runs the same code from the same entry (``cli.main`` with
 GGUF_ASSETS_RUN_CHILD set); signals, kill -9 and the exit status behave as for that child. What it leaves out is the
 thin parent that `gguf-trainer run` puts in front of the work (it prints "starting", forwards Ctrl-C and
@@ -36,8 +36,8 @@ import sys
 import tempfile
 import threading
 
-from gguf_assets.orchestration import spare_run  # light: it loads the rest when it runs
-from gguf_assets.orchestration.processes import _die_with_parent
+from gguf_assets.cli.processes import _die_with_parent
+from gguf_assets.studio import spare_run  # light: it loads the rest when it runs
 
 CLI = [sys.executable, "-m", "gguf_assets.cli"]
 RUN_CHILD_ENV = spare_run.RUN_CHILD_ENV
@@ -45,10 +45,10 @@ RUN_CHILD_ENV = spare_run.RUN_CHILD_ENV
 # process starts): a request that differs from the loader in one of them runs cold.
 IMPORT_TIME_PREFIXES = ("HF_", "HUGGINGFACE", "TRANSFORMERS", "TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_",
                         "OPENBLAS", "CUDA", "TOKENIZERS", "PYTHON", "TQDM", "XDG_", "LD_", "GGUF_ASSETS_TEST")
-# What a run loads: what the studio's spare run loads ahead (orchestration/spare_run.py), the entry point, the
+# What a run loads: what the studio's spare run loads ahead (studio/spare_run.py), the entry point, the
 # definitions' asset modules and the model code of the demo's families. Not gguf_assets.definitions, which reads the
 # project at import.
-PRELOAD = (*spare_run.PRELOAD, "gguf_assets.cli", "gguf_assets.defs.materials", "gguf_assets.defs.corpus",
+PRELOAD = (*spare_run.PRELOAD, "gguf_assets.cli.commands", "gguf_assets.defs.materials", "gguf_assets.defs.corpus",
            "gguf_assets.defs.precompute", "gguf_assets.defs.training", "gguf_assets.defs.output",
            "gguf_assets.defs.sensors", "gguf_assets.defs.jobs", "gguf_assets.lib.precompute.shards",
            "gguf_assets.lib.output.gguf_eval", "accelerate", "transformers.modeling_utils",

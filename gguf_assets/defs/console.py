@@ -12,19 +12,8 @@ import time
 
 import dagster as dg
 
-from gguf_assets.orchestration.private_api import LOG_RECORD_METADATA_ATTR
-
-
-def user_message(error) -> str:
-    """One line for a failed step's error (a SerializableErrorInfo): the message alone for a
-    UserError, whose message names the fix; the type and message for anything else (a bug)."""
-    from gguf_assets.lib.core.errors import user_error_names
-
-    error = error.cause or error
-    text = error.message.strip()
-    if error.cls_name in user_error_names() and ": " in text.splitlines()[0]:
-        text = text.split(": ", 1)[1]
-    return " ".join(text.split())
+from gguf_assets.pipeline.messages import user_message
+from gguf_assets.pipeline.private_api import LOG_RECORD_METADATA_ATTR
 
 
 class ShortFormatter(logging.Formatter):

@@ -6,18 +6,21 @@ same jobs; each shard job covers a range of shard partitions in one run (single-
 
 import dagster as dg
 
-from gguf_assets.defs.partitions import TRAIN_SHARDS, VAL_SHARDS
 from gguf_assets.lib.status.stages import INPUT_STAGES, TRAINING_STAGES
-from gguf_assets.orchestration.cluster import CPU_QUEUE, GPU_QUEUE, QUEUE_TAG
+from gguf_assets.pipeline.names import (
+    CONSOLE,
+    CPU_QUEUE,
+    GPU_QUEUE,
+    MATERIALS_AND_CORPUS,
+    QUEUE_TAG,
+    SHARDS_JOB,
+    TRAIN_AND_EXPORT,
+)
+from gguf_assets.pipeline.partitions import TRAIN_SHARDS, VAL_SHARDS
 
 # The Celery queue each job's runs go to on a cluster (orchestration/cluster_workers.py); a tag only, elsewhere.
 ON_GPU = {QUEUE_TAG: GPU_QUEUE}
 ON_CPU = {QUEUE_TAG: CPU_QUEUE}
-# Dagster uses a job's own loggers only when the run config names them (defs/console.py).
-CONSOLE = {"loggers": {"console": {}}}
-MATERIALS_AND_CORPUS = "materials_and_corpus"
-SHARDS_JOB = {"train": "precompute_train_shards", "val": "precompute_val_shards"}
-TRAIN_AND_EXPORT = "train_export_evaluate"
 
 JOBS = [
     dg.define_asset_job(MATERIALS_AND_CORPUS, selection=list(INPUT_STAGES), config=CONSOLE, tags=ON_CPU,

@@ -5,11 +5,9 @@ from pathlib import Path
 
 import dagster as dg
 
-from gguf_assets.defs import groups
 from gguf_assets.defs.materials import materials
 from gguf_assets.defs.precompute import val_shards
 from gguf_assets.defs.resources import ProjectResource
-from gguf_assets.defs.settings import settings_key
 from gguf_assets.defs.training import adapter
 from gguf_assets.lib.core import atomic
 from gguf_assets.lib.core import metrics as m
@@ -26,6 +24,8 @@ from gguf_assets.lib.output.report_run import report_fingerprint
 from gguf_assets.lib.precompute.shards import require_current, shard_fingerprints
 from gguf_assets.lib.project.manifests import Report
 from gguf_assets.lib.training.verdict import GOOD
+from gguf_assets.pipeline import groups
+from gguf_assets.pipeline.settings_observation import settings_key
 
 
 @dg.asset(group_name=groups.OUTPUT, deps=[adapter, materials, settings_key("gguf")],

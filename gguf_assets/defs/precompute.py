@@ -12,11 +12,8 @@ import time
 
 import dagster as dg
 
-from gguf_assets.defs import groups
 from gguf_assets.defs.corpus import corpus
-from gguf_assets.defs.partitions import TRAIN_SHARDS, VAL_SHARDS
 from gguf_assets.defs.resources import ProjectResource
-from gguf_assets.defs.settings import settings_key
 from gguf_assets.lib.core import atomic
 from gguf_assets.lib.core.markdown import markdown_table
 from gguf_assets.lib.materials.materials import load_manifest
@@ -26,9 +23,10 @@ from gguf_assets.lib.status.pace import PACE_NOT_YET, precompute_pace
 from gguf_assets.lib.status.states import planned_view
 from gguf_assets.lib.telemetry.hardware import pin_to_gpu
 from gguf_assets.lib.telemetry.progress import PROGRESS_LOG_INTERVAL_S
-from gguf_assets.orchestration import run_tags
-
-GPU_POOL = "gpu"
+from gguf_assets.pipeline import groups, run_tags
+from gguf_assets.pipeline.names import GPU_POOL
+from gguf_assets.pipeline.partitions import TRAIN_SHARDS, VAL_SHARDS
+from gguf_assets.pipeline.settings_observation import settings_key
 
 
 def _numbers(figures: dict) -> dict:

@@ -3,10 +3,10 @@
 import dagster as dg
 from pydantic import Field, PrivateAttr
 
-from gguf_assets.defs.environment import PROJECT_ENV, project_dir_from_env
 from gguf_assets.lib.materials.hub import token_from_env
 from gguf_assets.lib.project.layout import ProjectPaths
 from gguf_assets.lib.project.settings import Settings, load_settings
+from gguf_assets.pipeline.environment import PROJECT_ENV, project_dir_from_env
 
 
 class HubResource(dg.ConfigurableResource):
@@ -31,7 +31,7 @@ class ProjectResource(dg.ConfigurableResource):
     # Developer note: project_dir is normally empty and comes from the environment
     # (project_dir_from_env: GGUF_ASSETS_PROJECT or the folder holding DAGSTER_HOME), so run
     # storage holds no absolute path and a copied project is independent. The run's bookkeeping
-    # (lock, settings snapshot, tags, dead runs) is orchestration/run_bookkeeping.py's; this resource only
+    # (lock, settings snapshot, tags, dead runs) is pipeline/run_bookkeeping.py's; this resource only
     # starts and ends it, the one hook Dagster calls in the run's process before any step.
 
     project_dir: str | None = Field(default=None, description="project folder (default: from the environment)")
@@ -43,7 +43,7 @@ class ProjectResource(dg.ConfigurableResource):
         super().__init__(**data)
 
     def setup_for_execution(self, context: dg.InitResourceContext) -> None:
-        from gguf_assets.orchestration.run_bookkeeping import RunBookkeeping
+        from gguf_assets.pipeline.run_bookkeeping import RunBookkeeping
 
         self._run = RunBookkeeping.begin(context.instance, context.dagster_run, self.paths())
 
@@ -68,12 +68,12 @@ class ProjectResource(dg.ConfigurableResource):
         """After a stage wrote its result, observe the expected fingerprints of the stages after it again
         (defs/settings.py): the next step of this run records its inputs' versions when it starts, and those it
         reads changed now."""
-        from gguf_assets.defs.settings import observe_settings
+        from gguf_assets.pipeline.settings_observation import observe_settings
 
         observe_settings(context.instance, self.settings(), self.paths(), after=context.asset_key.to_user_string())
 
     def stage_metadata(self, stage: str, settings: Settings | None = None) -> dict:
         """The settings table, project folder and how-to-change note for a stage asset's page."""
-        from gguf_assets.defs.settings import settings_metadata
+        from gguf_assets.pipeline.settings_observation import settings_metadata
 
         return settings_metadata(settings or self.settings(), stage, str(self.paths().root))

@@ -1,9 +1,9 @@
 """The daemon's two sensors: one marks runs cut off by a kill -9 or a reboot as failed, one resumes the pipeline.
-What they decide lives in orchestration/resume.py (the CLI asks the same functions)."""
+What they decide lives in pipeline/resume.py (the CLI asks the same functions)."""
 
 import dagster as dg
 
-from gguf_assets.orchestration.resume import mark_interrupted_runs, resume_decision, sensor_interval_s
+from gguf_assets.pipeline.resume import mark_interrupted_runs, resume_decision, sensor_interval_s
 
 
 def _mark_and_report(context: dg.SensorEvaluationContext) -> dg.SkipReason:

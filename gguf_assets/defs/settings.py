@@ -1,82 +1,12 @@
-"""The project's settings, seen by Dagster: one observable source asset per stage, settings/<stage>.
-
-Each one's data version is the fingerprint that stage's result has when made now, from the
-current settings and the inputs on disk (lib/status/stages.py ``expected_fingerprints``: the
-fingerprints `status` compares, one engine). Every stage's asset depends on its settings asset
-and returns its own fingerprint as its data version, so after an edit of project.yaml Dagster's
-staleness marks exactly the stages whose results the edit changes, with no "Reload definitions"
-and no second copy of the pipeline's graph: the observation comes from the daemon's sensors, from
-`gguf-trainer run`, and from every run before it starts. A stage whose inputs must be redone first
-is marked once they are (`status` calls it blocked until then).
-"""
+"""The project's settings as Dagster assets: one observable source asset per stage, settings/<stage>, whose data
+version is that stage's expected fingerprint (pipeline/settings_observation.py computes and records it)."""
 
 import dagster as dg
 
-from gguf_assets.defs import groups
-from gguf_assets.lib.core.markdown import markdown_table
 from gguf_assets.lib.project.layout import ProjectPaths
-from gguf_assets.lib.project.settings import Settings
-from gguf_assets.lib.status.stages import STAGES, expected_fingerprints, stage_keys
-from gguf_assets.lib.status.states import UNFINISHED, project_status
-from gguf_assets.orchestration.private_api import DATA_VERSION_TAG
-
-KEY_PREFIX = "settings"  # settings/<stage>
-# The metadata entry that says why the stage is stale after this observation (as `status` does).
-STALE_BECAUSE = "stale_because"
-
-
-def settings_key(stage: str) -> dg.AssetKey:
-    return dg.AssetKey([KEY_PREFIX, stage])
-
-
-def _value_of(settings: Settings, key: str):
-    section, name = key.split(".", 1)
-    return getattr(getattr(settings, section), name)
-
-
-def settings_metadata(settings: Settings, stage: str, project_dir: str | None = None) -> dict:
-    """The settings a stage's result is computed from, as a table, with the project folder and how to
-    change them: on the stage asset's page and on settings/<stage>. project.yaml stays the one source."""
-    # project.yaml's own names and values: what the user edits, not the fingerprint's internal layout.
-    rows = [[f"`{key}`", f"`{_value_of(settings, key)}`"] for key in stage_keys(settings, stage)]
-    metadata = {"settings": dg.MetadataValue.md(markdown_table(["setting (project.yaml)", "value"], rows)),
-                "how_to_change": dg.MetadataValue.md(
-                    "Edit `project.yaml` in the project folder, then `gguf-trainer run` (or Materialize here). Only "
-                    "what depends on the changed settings is redone; the UI marks it stale within the sensor "
-                    "interval.")}
-    if project_dir:
-        metadata["project_folder"] = dg.MetadataValue.path(project_dir)
-    return metadata
-
-
-def observe_settings(instance: dg.DagsterInstance, settings: Settings, paths: ProjectPaths, *,
-                     after: str | None = None) -> list[str]:
-    """Record each stage's expected fingerprint as the data version of settings/<stage> where it changed;
-    returns those stages. ``after`` a stage (whose result was just written): only the stages that come after it,
-    the only ones whose fingerprints its result can change (each lookup is a query of the instance's storage).
-
-    The versions are lib/status/stages.py's ``expected_fingerprints``, the very fingerprints `status` compares,
-    so Dagster's stale marks follow from them. A stage whose inputs do not exist yet keeps its last
-    version. An observation also says why its stage is stale (the keys that changed since its result was
-    made, old → new): the same words `gguf-trainer status` prints.
-    """
-    changed, status = [], None
-    later = STAGES[STAGES.index(after) + 1:] if after is not None else STAGES
-    for stage, version in expected_fingerprints(paths, settings).items():
-        if stage not in later:
-            continue
-        record = instance.get_latest_data_version_record(settings_key(stage), is_source=True)
-        recorded = (record.event_log_entry.tags or {}).get(DATA_VERSION_TAG) if record else None
-        if recorded != version:
-            metadata = settings_metadata(settings, stage)
-            if status is None:
-                status = {s.stage: s for s in project_status(paths, settings)}
-            if status[stage].state in UNFINISHED and status[stage].detail:
-                metadata[STALE_BECAUSE] = dg.MetadataValue.text(status[stage].detail)
-            instance.report_runless_asset_event(dg.AssetObservation(
-                asset_key=settings_key(stage), tags={DATA_VERSION_TAG: version}, metadata=metadata))
-            changed.append(stage)
-    return changed
+from gguf_assets.lib.status.stages import STAGES, expected_fingerprints
+from gguf_assets.pipeline import groups
+from gguf_assets.pipeline.settings_observation import settings_key, settings_metadata
 
 
 def _settings_asset(stage: str) -> dg.SourceAsset:
@@ -84,8 +14,8 @@ def _settings_asset(stage: str) -> dg.SourceAsset:
                                 description=f"The project.yaml settings the {stage} stage is computed from. "
                                             "Edit project.yaml to change them.")
     def observe(context) -> dg.ObserveResult:
-        from gguf_assets.defs.environment import project_dir_from_env
         from gguf_assets.lib.project.settings import SettingsError, load_settings
+        from gguf_assets.pipeline.environment import project_dir_from_env
 
         folder = project_dir_from_env()
         try:

@@ -5,11 +5,9 @@ import os
 
 import dagster as dg
 
-from gguf_assets.defs import groups
 from gguf_assets.defs.panels import panel_metadata
-from gguf_assets.defs.precompute import GPU_POOL, train_shards, val_shards
+from gguf_assets.defs.precompute import train_shards, val_shards
 from gguf_assets.defs.resources import ProjectResource
-from gguf_assets.defs.settings import settings_key
 from gguf_assets.lib.core.markdown import markdown_table
 from gguf_assets.lib.materials.materials import load_manifest
 from gguf_assets.lib.precompute.shards import require_current
@@ -20,6 +18,9 @@ from gguf_assets.lib.telemetry.render import curves_markdown, curves_svg
 from gguf_assets.lib.training.events import LogStep, TrainingEvent, Validation
 from gguf_assets.lib.training.training_run import planned_adapter_run
 from gguf_assets.lib.training.verdict import verdict
+from gguf_assets.pipeline import groups
+from gguf_assets.pipeline.names import GPU_POOL
+from gguf_assets.pipeline.settings_observation import settings_key
 
 # Rows of the metrics table in the Markdown metadata; the full history is in final/meta.json.
 TABLE_ROWS = 40

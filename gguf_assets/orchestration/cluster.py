@@ -26,17 +26,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gguf_assets.lib.core import atomic
 from gguf_assets.lib.core.errors import UserError
+from gguf_assets.pipeline.names import CPU_QUEUE, GPU_QUEUE, QUEUE_TAG, QUEUES  # noqa: F401 (cluster's names)
 
 CLUSTER_FILE = "cluster.yaml"
 DEFAULT_POSTGRES_URL_ENV = "GGUF_ASSETS_POSTGRES_URL"
 DEFAULT_BROKER_URL_ENV = "GGUF_ASSETS_REDIS_URL"
-# The Celery queues of a cluster's workers: precompute and training on `gpu`, materials and corpus on `cpu`.
-# Each job names its queue in this tag (dagster_celery.tags.DAGSTER_CELERY_QUEUE_TAG: dagster-celery is an
-# optional install, and the jobs are defined without it).
-GPU_QUEUE = "gpu"
-CPU_QUEUE = "cpu"
-QUEUES = (GPU_QUEUE, CPU_QUEUE)
-QUEUE_TAG = "dagster-celery/queue"
 # How long a cluster's Postgres or Redis may be away (a restart, a failover) before a storage call, or `run`
 # following the workers, gives up with one line: orchestration/cluster_workers.py (the storage),
 # orchestration/outages.py.

@@ -46,7 +46,7 @@ from dagster_postgres import PostgresEventLogStorage, PostgresRunStorage, Postgr
 from dagster_postgres.utils import DagsterPostgresException, get_token_provider_from_config, pg_url_from_config
 
 from gguf_assets.orchestration.cluster import OUTAGE_S, QUEUE_TAG, STORAGE_CLASSES
-from gguf_assets.orchestration.private_api import (
+from gguf_assets.pipeline.private_api import (
     ASSET_CHECK_EVENTS,
     ASSET_EVENTS,
     CheckRunHealthResult,
@@ -169,7 +169,7 @@ def _execute_job_task(app):
     from celery.exceptions import Ignore
     from dagster_celery.config import TASK_EXECUTE_JOB_NAME
 
-    from gguf_assets.orchestration.private_api import ExecuteRunArgs, _execute_run_command_body, unpack_value
+    from gguf_assets.pipeline.private_api import ExecuteRunArgs, _execute_run_command_body, unpack_value
 
     startable = (dg.DagsterRunStatus.NOT_STARTED, dg.DagsterRunStatus.STARTING)
 

@@ -13,15 +13,14 @@ from pathlib import Path
 import dagster as dg
 
 from gguf_assets import DEFINITIONS_MODULE
-from gguf_assets.defs.environment import PROJECT_ENV
-from gguf_assets.defs.jobs import CONSOLE
-from gguf_assets.defs.precompute import GPU_POOL
 from gguf_assets.lib.core import atomic
 from gguf_assets.lib.project.layout import ProjectPaths
 from gguf_assets.lib.telemetry.hardware import gpu_snapshot
 from gguf_assets.orchestration.cluster import instance_config, load_cluster
-from gguf_assets.orchestration.plan import Work
-from gguf_assets.orchestration.private_api import (
+from gguf_assets.pipeline.environment import PROJECT_ENV
+from gguf_assets.pipeline.names import CONSOLE, GPU_POOL
+from gguf_assets.pipeline.plan import Work
+from gguf_assets.pipeline.private_api import (
     InProcessCodeLocationOrigin,
     InProcessWorkspaceLoadTarget,
     JobSubsetSelector,

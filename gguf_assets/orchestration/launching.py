@@ -1,9 +1,9 @@
 """`gguf-trainer run`: a thin client of the project's Dagster instance.
 
-What is left to do is decided by one function, orchestration/plan.py's ``next_work``, from the project
+What is left to do is decided by one function, pipeline/plan.py's ``next_work``, from the project
 status (the fingerprints each stage owns, composed in lib/status/states.py): the next named job
 (defs/jobs.py) and the shard partitions it covers. `run` executes those jobs in-process until
-nothing is left; the daemon's resume sensor (defs/sensors.py, orchestration/resume.py) requests the very same
+nothing is left; the daemon's resume sensor (defs/sensors.py, pipeline/resume.py) requests the very same
 jobs, one at a time. Several workers, and the cluster's, are orchestration/workers.py's.
 """
 
@@ -13,7 +13,6 @@ from collections.abc import Callable
 
 import dagster as dg
 
-from gguf_assets.defs.settings import observe_settings
 from gguf_assets.lib.core.commands import trainer
 from gguf_assets.lib.core.lock import ProjectLock
 from gguf_assets.lib.corpus.prompt_files import check_prompt_files
@@ -25,12 +24,13 @@ from gguf_assets.lib.telemetry.hardware import AUTO_WORKERS
 from gguf_assets.orchestration.cluster import load_cluster
 from gguf_assets.orchestration.instance import create_run, open_workspace, prepare_instance, size_gpu_pool
 from gguf_assets.orchestration.outages import PipelineFailed
-from gguf_assets.orchestration.plan import Work, next_work
-from gguf_assets.orchestration.private_api import execute_run, recon_job_from_origin
-from gguf_assets.orchestration.resume import mark_interrupted_runs
 from gguf_assets.orchestration.run_outcomes import failure_message
 from gguf_assets.orchestration.stopping import StopRequest, stop_tags_the_latest_run, was_interrupted
 from gguf_assets.orchestration.workers import run_on_workers, run_workers, worker_gpus
+from gguf_assets.pipeline.plan import Work, next_work
+from gguf_assets.pipeline.private_api import execute_run, recon_job_from_origin
+from gguf_assets.pipeline.resume import mark_interrupted_runs
+from gguf_assets.pipeline.settings_observation import observe_settings
 
 MAX_LOST_WORKERS = 3  # cluster runs cut off by a dead worker, planned again before the pipeline gives up
 

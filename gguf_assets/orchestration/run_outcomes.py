@@ -8,9 +8,9 @@ from collections.abc import Callable
 
 import dagster as dg
 
-from gguf_assets.defs.console import user_message
 from gguf_assets.orchestration.outages import through_outages
-from gguf_assets.orchestration.resume import mark_interrupted_runs
+from gguf_assets.pipeline.messages import user_message
+from gguf_assets.pipeline.resume import mark_interrupted_runs
 
 POLL_S = 1.0
 REPORT_EVERY_S = 10.0

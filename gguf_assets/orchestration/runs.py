@@ -5,12 +5,11 @@ import uuid
 
 import dagster as dg
 
-from gguf_assets.defs.settings import observe_settings, settings_key
 from gguf_assets.lib.project.layout import ProjectPaths
 from gguf_assets.lib.project.settings import Settings
 from gguf_assets.lib.status.stages import TRAINING_STAGES, expected_fingerprints
 from gguf_assets.orchestration.instance import prepare_instance
-from gguf_assets.orchestration.private_api import (
+from gguf_assets.pipeline.private_api import (
     CODE_VERSION_TAG,
     DATA_VERSION_IS_USER_PROVIDED_TAG,
     DATA_VERSION_TAG,
@@ -19,6 +18,7 @@ from gguf_assets.orchestration.private_api import (
     get_input_data_version_tag,
     get_input_event_pointer_tag,
 )
+from gguf_assets.pipeline.settings_observation import observe_settings, settings_key
 
 # The stages whose results `gguf-trainer runs --use` can put back, in order: each is an input of the next.
 MADE_CURRENT_STAGES = TRAINING_STAGES

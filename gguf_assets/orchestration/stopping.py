@@ -12,7 +12,7 @@ from contextlib import contextmanager
 
 import dagster as dg
 
-from gguf_assets.orchestration.run_tags import STOPPED_TAG
+from gguf_assets.pipeline.run_tags import STOPPED_TAG
 
 
 def was_interrupted(instance, run_id: str) -> bool:
@@ -127,7 +127,7 @@ SIGNAL_NAMES = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}
 def stop_tags_the_latest_run(instance) -> Iterator[None]:
     """A stop on purpose (Ctrl-C, SIGTERM) tags the project's latest run as stopped, wherever it
     landed: inside a run, or between two (a run had just succeeded). The daemon's resume sensor
-    then leaves the pipeline for the user to continue (orchestration/resume.py). The lock is still held."""
+    then leaves the pipeline for the user to continue (pipeline/resume.py). The lock is still held."""
     try:
         yield
     except KeyboardInterrupt:

@@ -16,13 +16,13 @@ from gguf_assets.lib.precompute.shards import plan_shards, shard_status
 from gguf_assets.lib.project.layout import ProjectPaths
 from gguf_assets.lib.project.settings import Settings
 from gguf_assets.lib.telemetry.hardware import AUTO_WORKERS, visible_gpus
-from gguf_assets.orchestration import run_tags
 from gguf_assets.orchestration.cluster import GPU_QUEUE, QUEUE_TAG
 from gguf_assets.orchestration.instance import CODE_LOCATION, create_run, open_workspace
 from gguf_assets.orchestration.outages import PipelineFailed, through_outages
-from gguf_assets.orchestration.plan import Work, split_range
 from gguf_assets.orchestration.run_outcomes import failure_message, wait_for_runs
-from gguf_assets.orchestration.run_tags import ADMITTED_TAG, GPU_TAG, INTERRUPTED_TAG, LEADER_TAG, WORKER_TAG
+from gguf_assets.pipeline import run_tags
+from gguf_assets.pipeline.plan import Work, split_range
+from gguf_assets.pipeline.run_tags import ADMITTED_TAG, GPU_TAG, INTERRUPTED_TAG, LEADER_TAG, WORKER_TAG
 
 
 def worker_gpus(settings: Settings, workers: int | str | None) -> list[str | None]:

@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> None:
 
     import dagster_webserver.cli as webserver_cli
 
-    from gguf_assets.orchestration.private_api import reuse_sqlite_engines
+    from gguf_assets.pipeline.private_api import reuse_sqlite_engines
 
     reuse_sqlite_engines()  # the webserver's own storage reads (runs, events) for every page
 

@@ -97,7 +97,7 @@ def test_a_typo_in_project_yaml_leaves_the_code_location_loaded_with_the_message
     from conftest import cli_env, project_instance
 
     from gguf_assets.defs.settings import SETTINGS_ASSETS
-    from gguf_assets.orchestration.resume import resume_decision
+    from gguf_assets.pipeline.resume import resume_decision
 
     paths = make_project(steps=5, mock_teacher=True)
     text = paths.project_file.read_text()
@@ -152,14 +152,14 @@ def _python_files():
 
 
 def test_dagster_private_api_is_used_in_one_module_only():
-    """Dagster's private modules are imported only by orchestration/private_api.py, which says why for each."""
+    """Dagster's private modules are imported only by pipeline/private_api.py, which says why for each."""
     offenders = []
     for file in _python_files():
         for node in ast.walk(ast.parse(file.read_text())):
             names = ([node.module or ""] if isinstance(node, ast.ImportFrom)
                      else [a.name for a in node.names] if isinstance(node, ast.Import) else [])
             offenders += [f"{file.relative_to(ROOT)}:{node.lineno} {n}" for n in names if n.startswith("dagster._")]
-    assert all(o.startswith("gguf_assets/orchestration/private_api.py:") for o in offenders), offenders
+    assert all(o.startswith("gguf_assets/pipeline/private_api.py:") for o in offenders), offenders
     assert offenders  # the one module is where they are
 
 
@@ -201,20 +201,14 @@ def test_no_import_cycles_counting_imports_inside_functions():
             visit(module, [module])
     assert not cycles, cycles[:5]
     # The check sees function-level imports: the instance opens the code location inside a function.
-    assert "gguf_assets.orchestration.private_api" in graph["gguf_assets.orchestration.instance"]
+    assert "gguf_assets.pipeline.private_api" in graph["gguf_assets.orchestration.instance"]
 
 
-# What the CLI, the studio and orchestration/ may take from defs/: the definitions' own names, never runtime code
-# (which lives in orchestration/). Each with what is taken.
-DEFS_OTHERS_MAY_IMPORT = {
-    "gguf_assets.defs.jobs": "the named jobs and their run config (runs are created of them)",
-    "gguf_assets.defs.precompute": "the gpu pool's name (sized to the machine's GPUs)",
-    "gguf_assets.defs.settings": "the settings assets' observation (the UI's stale marks follow project.yaml)",
-    "gguf_assets.defs.environment": "the variable that names a code location's project",
-    "gguf_assets.defs.groups": "the asset groups (the UI's lineage link)",
-    "gguf_assets.defs.console": "the console logger's one-line message of an error",
-    "gguf_assets.defs.partitions": "the shard partitions (the plan compares them with the corpus)",
-}
+# What the CLI, the studio and orchestration/ may take from defs/: nothing. The names and the runtime code the
+# definitions and the drivers share are on the floor below both, pipeline/ (names, partitions, environment, the
+# settings observation, run tags, the plan, resume, the in-run bookkeeping, Dagster's private API); defs/ holds
+# definitions only, which gguf_assets.definitions gathers. Each entry added here would say what is taken.
+DEFS_OTHERS_MAY_IMPORT: dict[str, str] = {}
 
 
 def test_defs_hold_definitions_and_the_cli_studio_and_orchestration_take_only_their_names():
@@ -300,8 +294,8 @@ def test_the_layer_check_finds_an_import_against_the_order(tmp_path):
 
 
 def test_bookkeeping_tags_are_hidden_from_the_runs_list_and_the_others_shown():
-    from gguf_assets.orchestration import run_tags
-    from gguf_assets.orchestration.private_api import TagType, get_tag_type
+    from gguf_assets.pipeline import run_tags
+    from gguf_assets.pipeline.private_api import TagType, get_tag_type
 
     assert all(get_tag_type(tag) == TagType.HIDDEN for tag in run_tags.HIDDEN_TAGS)
     for shown in (run_tags.WORKER_TAG, run_tags.INTERRUPTED_TAG, run_tags.STOPPED_TAG):
@@ -355,3 +349,50 @@ def test_the_top_level_dagster_yaml_is_the_packaged_template():
     root = Path(__file__).resolve().parents[2]
     assert (root / "dagster.yaml").read_bytes() == (root / "gguf_assets" / "dagster.yaml").read_bytes(), (
         "dagster.yaml and gguf_assets/dagster.yaml differ: change both (the package's is the one projects use)")
+
+
+# The packages above lib/, from the bottom up: each may import only those before it (and lib/), at module level and
+# inside functions. gguf_assets.definitions, the code location's entry, stands with defs/.
+TOP_LAYERS = ("pipeline", "defs", "orchestration", "cli", "studio")
+
+
+def _top_imports_against_the_layers(graph: dict[str, set[str]]) -> list[str]:
+    rank = {name: i for i, name in enumerate(TOP_LAYERS)}
+
+    def layer(module: str) -> str | None:
+        parts = module.split(".")
+        if module == f"{PACKAGE_NAME}.definitions":
+            return "defs"
+        return parts[1] if len(parts) > 1 and parts[1] in rank else None
+
+    against = []
+    for module, deps in graph.items():
+        own = layer(module)
+        if own is None:
+            continue
+        for dep in deps:
+            other = layer(dep)
+            if other is not None and other != own and rank[other] > rank[own]:
+                against.append(f"{module} ({own}) -> {dep} ({other})")
+    return sorted(against)
+
+
+def test_the_top_packages_import_only_the_layers_below_them_and_lib_imports_none_of_them():
+    graph = _import_graph()
+    packages = {p.name for p in (ROOT / PACKAGE_NAME).iterdir() if (p / "__init__.py").is_file()} - {"lib"}
+    assert packages == set(TOP_LAYERS), "place a new top package in TOP_LAYERS"
+    assert _top_imports_against_the_layers(graph) == []
+    from_lib = sorted(f"{m} -> {d}" for m, deps in graph.items() if m.startswith(f"{PACKAGE_NAME}.lib.")
+                      for d in deps if d.split(".")[1:2] and d.split(".")[1] in TOP_LAYERS)
+    assert from_lib == []
+
+
+def test_the_top_layer_check_finds_an_import_against_the_order():
+    graph = {"gguf_assets.pipeline.plan": {"gguf_assets.orchestration.launching"},
+             "gguf_assets.cli.commands": {"gguf_assets.pipeline.plan", "gguf_assets.studio.app"},
+             "gguf_assets.definitions": {"gguf_assets.defs.jobs", "gguf_assets.cli.commands"}}
+    assert _top_imports_against_the_layers(graph) == [
+        "gguf_assets.cli.commands (cli) -> gguf_assets.studio.app (studio)",
+        "gguf_assets.definitions (defs) -> gguf_assets.cli.commands (cli)",
+        "gguf_assets.pipeline.plan (pipeline) -> gguf_assets.orchestration.launching (orchestration)",
+    ]

@@ -14,14 +14,14 @@ from conftest import copy_project, project_instance
 
 from gguf_assets.definitions import build_definitions
 from gguf_assets.defs.resources import ProjectResource
-from gguf_assets.defs.settings import STALE_BECAUSE, settings_key
 from gguf_assets.lib.core import atomic
 from gguf_assets.lib.project.settings import load_settings, replace, write_project_file
 from gguf_assets.lib.status.states import project_status
 from gguf_assets.orchestration.instance import instance_env
 from gguf_assets.orchestration.launching import run_pipeline
-from gguf_assets.orchestration.private_api import CachingStaleStatusResolver, LoadingContextForTest, StaleStatus
-from gguf_assets.orchestration.resume import resume_decision
+from gguf_assets.pipeline.private_api import CachingStaleStatusResolver, LoadingContextForTest, StaleStatus
+from gguf_assets.pipeline.resume import resume_decision
+from gguf_assets.pipeline.settings_observation import STALE_BECAUSE, settings_key
 
 pytestmark = pytest.mark.slow  # whole pipelines: excluded from the fast loop (-m 'not slow')
 

@@ -101,7 +101,7 @@ def _deliver_again(redis_url: str, run) -> None:
     from dagster_celery.tasks import create_execute_job_task
 
     from gguf_assets.orchestration.cluster_workers import ClusterRunLauncher
-    from gguf_assets.orchestration.private_api import ExecuteRunArgs, pack_value
+    from gguf_assets.pipeline.private_api import ExecuteRunArgs, pack_value
 
     app = ClusterRunLauncher(broker=redis_url, backend=redis_url, default_queue="gpu").celery
     args = ExecuteRunArgs(job_origin=run.job_code_origin, run_id=run.run_id, instance_ref=None,
@@ -122,7 +122,7 @@ def test_two_workers_run_the_pipeline_and_a_killed_worker_s_shards_are_done_agai
                                                                                    servers, tmp_path, monkeypatch):
     import dagster as dg
 
-    from gguf_assets.orchestration import run_tags
+    from gguf_assets.pipeline import run_tags
 
     paths = make_project(**FAULT_SETTINGS)
     done = subprocess.run([*CLI, "cluster", str(paths.root), "--celery-broker-env", REDIS_ENV], capture_output=True,
@@ -240,7 +240,7 @@ def test_redis_and_postgres_restarts_then_ctrl_c_leave_the_run_going_and_the_nex
     dagster-postgres's own retries: byte-identical to a single-machine run."""
     import dagster as dg
 
-    from gguf_assets.orchestration import run_tags
+    from gguf_assets.pipeline import run_tags
 
     with postgres_server(tmp_path / "postgres", free_port()) as pg, \
             redis_server(tmp_path / "redis", free_port(), persist=True) as redis:
@@ -321,8 +321,8 @@ def test_a_run_on_another_machine_is_judged_by_pinging_its_celery_worker(tmp_pat
     import dagster as dg
     from dagster_celery.tags import DAGSTER_CELERY_TASK_ID_TAG
 
-    from gguf_assets.orchestration import run_tags
-    from gguf_assets.orchestration.resume import mark_interrupted_runs
+    from gguf_assets.pipeline import run_tags
+    from gguf_assets.pipeline.resume import mark_interrupted_runs
 
     with redis_server(tmp_path / "redis", free_port()) as redis:
         worker = subprocess.Popen([CLI[0], "-c", SLEEPER, redis.url], stdout=subprocess.DEVNULL,

@@ -20,7 +20,7 @@ from conftest import CLI, FAULT_SETTINGS, cli_env, copy_project, pipeline_output
 from test_console import assert_clean_console
 from warm_runs import trainer_popen, trainer_run
 
-from gguf_assets.orchestration.run_tags import PID_TAG
+from gguf_assets.pipeline.run_tags import PID_TAG
 
 pytestmark = pytest.mark.slow
 
@@ -87,7 +87,7 @@ def test_sigterm_then_kill9_then_a_plain_run_is_byte_identical(make_project, ref
     assert "continues from there" in out.splitlines()[-1] or "continues from there" in out
     assert not _runs(paths, dg.DagsterRunStatus.STARTED), "a stopped run must not stay STARTED"
     # Stopped on purpose: resumable, but the daemon leaves it until the user asks.
-    from gguf_assets.orchestration.resume import resume_decision
+    from gguf_assets.pipeline.resume import resume_decision
 
     assert "stopped on purpose" in resume_decision(_instance(paths)).skip_message
 
@@ -163,7 +163,7 @@ def test_daemon_alone_resumes_a_killed_pipeline_and_its_runs_are_never_reaped_al
 def test_the_daemon_leaves_work_made_stale_by_a_settings_edit_alone(make_project, finished_project, tmp_path):
     """After an edit of project.yaml, the resume sensor says why it waits instead of retraining."""
     from gguf_assets.lib.project.settings import load_settings, replace, write_project_file
-    from gguf_assets.orchestration.resume import resume_decision
+    from gguf_assets.pipeline.resume import resume_decision
 
     # A new project is the user's to start (its first run may download a 30 GB teacher).
     assert "nothing has run in this project yet" in resume_decision(project_instance(make_project())).skip_message

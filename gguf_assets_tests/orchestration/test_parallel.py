@@ -8,8 +8,8 @@ import dagster as dg
 import pytest
 
 from gguf_assets.orchestration.launching import run_pipeline
-from gguf_assets.orchestration.plan import split_range
 from gguf_assets.orchestration.workers import worker_gpus
+from gguf_assets.pipeline.plan import split_range
 
 
 def test_split_range_is_contiguous_and_complete():
@@ -60,7 +60,7 @@ def test_auto_workers_each_get_their_own_gpu_and_give_byte_identical_shards(make
     assert pipeline_outputs(parallel.root) == reference_run[0]
     # Two separate runs covered the train shards, and every partition is recorded.
     instance = dg.DagsterInstance.get()
-    from gguf_assets.orchestration.run_tags import GPU_TAG, PID_TAG, RANGE_START_TAG, WORKER_TAG
+    from gguf_assets.pipeline.run_tags import GPU_TAG, PID_TAG, RANGE_START_TAG, WORKER_TAG
 
     worker_runs = [r.dagster_run for r in instance.get_run_records() if WORKER_TAG in r.dagster_run.tags]
     # Two train ranges ran as worker runs of the named job, each in its own process and on its own GPU; the
@@ -131,7 +131,7 @@ def test_a_killed_worker_is_named_with_its_shard_and_the_next_run_continues(make
     from conftest import CLI, FAULT_SETTINGS, cli_env, pipeline_outputs, project_instance, wait_for
     from warm_runs import trainer_run
 
-    from gguf_assets.orchestration import run_tags
+    from gguf_assets.pipeline import run_tags
 
     paths = make_project(**FAULT_SETTINGS)
     proc = subprocess.Popen([*CLI, "run", str(paths.root), "--workers", "2"], stdout=subprocess.PIPE,

@@ -1,4 +1,4 @@
-"""orchestration/private_api.py: what it changes in Dagster's behaviour (test_definitions checks its imports)."""
+"""pipeline/private_api.py: what it changes in Dagster's behaviour (test_definitions checks its imports)."""
 
 import os
 import threading
@@ -7,8 +7,8 @@ import dagster as dg
 import sqlalchemy
 from sqlalchemy.pool import NullPool, StaticPool
 
-from gguf_assets.orchestration import private_api
 from gguf_assets.orchestration.instance import prepare_instance
+from gguf_assets.pipeline import private_api
 
 
 def _counting(monkeypatch) -> list[str]:

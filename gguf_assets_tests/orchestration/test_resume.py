@@ -27,7 +27,7 @@ def test_sensor_marks_cut_off_runs_failed_and_frees_their_gpu_slots(tmp_path):
 
     from gguf_assets.defs.sensors import interrupted_runs_sensor
     from gguf_assets.lib.core.liveness import boot_id
-    from gguf_assets.orchestration.run_tags import BOOT_TAG, PID_TAG
+    from gguf_assets.pipeline.run_tags import BOOT_TAG, PID_TAG
 
     gone = subprocess.Popen(["true"])
     gone.wait()
@@ -81,7 +81,7 @@ def test_auto_resume_serves_the_ui_and_its_daemon_fails_runs_cut_off_later(finis
     from conftest import create_run_with_status
 
     from gguf_assets.lib.core.liveness import boot_id
-    from gguf_assets.orchestration.run_tags import BOOT_TAG, PID_TAG
+    from gguf_assets.pipeline.run_tags import BOOT_TAG, PID_TAG
 
     paths = copy_project(finished_project[0], tmp_path / "copy")
     port = free_port()
@@ -137,8 +137,8 @@ def test_a_stop_between_two_runs_still_tells_the_daemon_to_leave_the_pipeline(ma
     stopped, so the resume sensor waits for the user instead of starting the next job."""
     from gguf_assets.orchestration import launching
     from gguf_assets.orchestration.launching import run_pipeline
-    from gguf_assets.orchestration.resume import resume_decision
-    from gguf_assets.orchestration.run_tags import STOPPED_TAG
+    from gguf_assets.pipeline.resume import resume_decision
+    from gguf_assets.pipeline.run_tags import STOPPED_TAG
 
     paths = make_project(steps=5, mock_teacher=True)
     real_next_work, calls = launching.next_work, []

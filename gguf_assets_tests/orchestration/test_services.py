@@ -8,7 +8,7 @@ import time
 import psutil
 import pytest
 
-from gguf_assets.orchestration.services import PortTaken, ServiceOutput, check_ports_free, stop_services
+from gguf_assets.cli.services import PortTaken, ServiceOutput, check_ports_free, stop_services
 
 # A server whose helper (as Dagster's code servers are to its webserver and daemon) outlives it: the leader exits at
 # once on SIGTERM, its child in the same process group takes ``linger`` s, or ignores SIGTERM when ``linger`` < 0.
@@ -119,7 +119,7 @@ def test_a_stop_noted_before_the_pipeline_starts_starts_no_pipeline(monkeypatch)
     noted already is not lost in between, and no pipeline starts (its process would run on regardless)."""
     import signal as signals
 
-    from gguf_assets.orchestration import processes
+    from gguf_assets.cli import processes
 
     class Noted:
         signal = signals.SIGTERM

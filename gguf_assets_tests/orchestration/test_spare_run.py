@@ -1,4 +1,4 @@
-"""The studio's spare run (orchestration/spare_run.py): loaded ahead, it runs the pipeline as `gguf-trainer run` does
+"""The studio's spare run (studio/spare_run.py): loaded ahead, it runs the pipeline as `gguf-trainer run` does
 when Run hands it the go, and ends having done nothing when the studio goes away first."""
 
 import subprocess
@@ -6,7 +6,7 @@ import subprocess
 import pytest
 from conftest import CLI, cli_env, copy_project
 
-from gguf_assets.orchestration.spare_run import SpareRun
+from gguf_assets.studio.spare_run import SpareRun
 
 pytestmark = pytest.mark.slow  # each spare loads Dagster and torch (seconds of CPU)
 

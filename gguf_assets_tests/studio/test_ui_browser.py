@@ -17,7 +17,7 @@ import pytest
 from browser import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS, need_browser
 from conftest import FAULT_SETTINGS, copy_project, free_port, stop_with_ctrl_c, wait_for, wait_http
 
-from gguf_assets.defs.groups import lineage_path
+from gguf_assets.pipeline.groups import lineage_path
 
 pytestmark = pytest.mark.slow  # whole pipelines: excluded from the fast loop (-m 'not slow')
 

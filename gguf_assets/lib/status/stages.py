@@ -24,7 +24,7 @@ from gguf_assets.lib.project.settings import SECTIONS, Settings
 from gguf_assets.lib.training.training_run import adapter_stage_settings, run_fingerprint
 
 # The stages in pipeline order, the one list of them; each group is what one named job runs (defs/jobs.py,
-# orchestration/plan.py): the inputs (on CPU), the shards of each split, then training, export and evaluation.
+# pipeline/plan.py): the inputs (on CPU), the shards of each split, then training, export and evaluation.
 INPUT_STAGES = ("materials", "corpus")
 SHARD_STAGES = tuple(f"{split}_shards" for split in SPLITS)
 TRAINING_STAGES = ("adapter", "gguf", "eval_report")

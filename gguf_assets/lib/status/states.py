@@ -1,5 +1,5 @@
 """What is done and what is not: the state of every stage, with why, for `status`, the studio, the planner
-(orchestration/plan.py) and `gguf-trainer run`.
+(pipeline/plan.py) and `gguf-trainer run`.
 
 Each stage's output records the fingerprint of everything it was made from. A stage is
 current when its recorded fingerprint equals the one computed from the current settings
@@ -73,7 +73,7 @@ class StageState:
 
 
 # The states `run` and the daemon continue by themselves: nothing the user decided differs from what
-# was asked. A stale stage waits for the user after a settings edit (orchestration/resume.py).
+# was asked. A stale stage waits for the user after a settings edit (pipeline/resume.py).
 RESUMABLE = (State.MISSING, State.PARTIAL, State.DAMAGED)
 UNFINISHED = (*RESUMABLE, State.STALE)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from test_train import SETTINGS, write_shards
 
-from gguf_assets import runs_cli
+from gguf_assets.cli import runs as runs_cli
 from gguf_assets.lib.core import atomic
 from gguf_assets.lib.output import snapshots
 from gguf_assets.lib.project.layout import FINAL_DIR, META_FILE, WEIGHTS_FILE, ProjectPaths

@@ -14,14 +14,14 @@ from dataclasses import dataclass
 
 import dagster as dg
 
-from gguf_assets.defs.settings import observe_settings
 from gguf_assets.lib.core.liveness import boot_id, machine_id, process_started
 from gguf_assets.lib.core.lock import ProjectLock, RunningRun
 from gguf_assets.lib.project import settings_history
 from gguf_assets.lib.project.layout import ProjectPaths, check_output_folders
 from gguf_assets.lib.project.settings import Settings, load_settings
-from gguf_assets.orchestration import run_tags
-from gguf_assets.orchestration.resume import mark_interrupted_runs
+from gguf_assets.pipeline import run_tags
+from gguf_assets.pipeline.resume import mark_interrupted_runs
+from gguf_assets.pipeline.settings_observation import observe_settings
 
 
 def run_settings(paths: ProjectPaths, run: dg.DagsterRun | None) -> Settings:

@@ -1,45 +1,31 @@
-"""gguf-trainer: create a project, run the demo, run the pipeline, open the UI, auto-resume."""
-# ruff: noqa: E402  (the Ctrl-C handler below is set before the other imports load)
-
-import os
-import signal
-import sys
-
-
-def _quiet_exit_while_loading(_signum, _frame) -> None:
-    """Exit at once with the shell's code for a Ctrl-C. Not sys.exit: a handler's exception is raised in whatever
-    Python code runs when the signal comes, and while modules load that is often one of importlib's weakref
-    callbacks, where an exception is printed as "Exception ignored" and dropped. The command then went on: a
-    `gguf-trainer ui` stopped that way started all its servers (a loaded suite run, 2026-12-03). Nothing has been
-    started or written yet while modules load, so there is nothing to clean up but the output buffers."""
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError, RuntimeError):  # closed, or the signal came in the middle of a write
-            pass
-    os._exit(130)
-
-
-# Run as a program (`gguf-trainer`, `python -m gguf_assets.cli`): a Ctrl-C while the modules below still load ends it
-# quietly, as main() does once it runs, not with an import's traceback. A module that imports this one keeps its own.
-if __name__ == "__main__" or sys.argv[0].endswith("gguf-trainer"):
-    signal.signal(signal.SIGINT, _quiet_exit_while_loading)
-    # `gguf-trainer run` says at once that it started: the pipeline's modules (torch, dagster) take seconds to load,
-    # in the child that runs it (GGUF_ASSETS_RUN_CHILD, orchestration/processes.py), and Run must not look dead.
-    # This process only waits for that child, so it starts it before loading anything: the child loads (and
-    # checks) it all anyway, and the first training step comes that much sooner.
-    if sys.argv[1:2] == ["run"] and not {"-h", "--help"} & set(sys.argv) and \
-            os.environ.get("GGUF_ASSETS_RUN_CHILD") != "1":
-        print("starting: loading the pipeline", flush=True)
-        from gguf_assets.orchestration.processes import run_in_own_process_group
-
-        sys.exit(run_in_own_process_group(sys.argv[1:]))
+"""gguf-trainer's commands: create a project, run the demo, run the pipeline, open the UI, auto-resume, and the
+rest (`gguf-trainer -h`). Started through gguf_assets/cli/__init__.py's main, which quiets a Ctrl-C while these
+modules load and starts `run`'s pipeline process before loading them."""
 
 import argparse
+import os
 import shlex
+import signal
 import subprocess
+import sys
 import time
 
+from gguf_assets.cli.processes import DAGSTER_NOISE, RUN_CHILD_ENV, WithoutLines, run_in_own_process_group
+from gguf_assets.cli.prologue import quiet_exit_while_loading
+from gguf_assets.cli.services import (
+    SERVICES_LOCK,
+    SERVICES_LOG,
+    ServiceOutput,
+    StopSignals,
+    check_ports_free,
+    daemon_command,
+    start_services,
+    stop_all,
+    studio_command,
+    supervise,
+    tensorboard_command,
+    webserver_command,
+)
 from gguf_assets.lib.core import faults
 from gguf_assets.lib.core.commands import trainer, venv_tool
 from gguf_assets.lib.core.errors import ProjectNotWritable, UserError, os_refusal_message, write_refusal
@@ -54,21 +40,6 @@ from gguf_assets.lib.project.settings import (
 )
 from gguf_assets.lib.telemetry.curves_log import TENSORBOARD_DIR, TENSORBOARD_URL_ENV, tensorboard_timeseries_url
 from gguf_assets.orchestration.diagnosis import dagster_storage_problem
-from gguf_assets.orchestration.processes import DAGSTER_NOISE, RUN_CHILD_ENV, WithoutLines, run_in_own_process_group
-from gguf_assets.orchestration.services import (
-    SERVICES_LOCK,
-    SERVICES_LOG,
-    ServiceOutput,
-    StopSignals,
-    check_ports_free,
-    daemon_command,
-    start_services,
-    stop_all,
-    studio_command,
-    supervise,
-    tensorboard_command,
-    webserver_command,
-)
 
 INIT_HEADER = """gguf_assets project settings. Every key is documented in docs/settings.md.
 Materials are hub repo ids (owner/name, optionally @revision) or local folders (relative to this folder).
@@ -247,8 +218,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_ui(args: argparse.Namespace) -> int:
-    from gguf_assets.defs.groups import lineage_path
     from gguf_assets.orchestration.instance import prepare_instance, size_gpu_pool
+    from gguf_assets.pipeline.groups import lineage_path
 
     paths = ProjectPaths.of(args.project)
     load_settings(paths.root)
@@ -323,7 +294,7 @@ def cmd_auto_resume(project: str, *, daemon: bool, ui_port: int | None = None, u
     prepare_instance(paths)
     import dagster as dg
 
-    from gguf_assets.orchestration.resume import mark_interrupted_runs
+    from gguf_assets.pipeline.resume import mark_interrupted_runs
 
     instance = dg.DagsterInstance.get()
     if not settings.output.auto_resume:
@@ -567,9 +538,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("status", help="show which stages are current, stale or missing")
     p.add_argument("project")
     p.set_defaults(func=cmd_status)
-    from gguf_assets import runs_cli
+    from gguf_assets.cli.runs import add_parser as add_runs_parser
 
-    runs_cli.add_parser(sub)
+    add_runs_parser(sub)
     p = sub.add_parser("snapshot", help="a GGUF of the adapter now (or --best, or a kept --step N), also while it "
                                         "trains")
     p.add_argument("project")
@@ -636,7 +607,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    if signal.getsignal(signal.SIGINT) is _quiet_exit_while_loading:  # loaded: Ctrl-C is KeyboardInterrupt again
+    if signal.getsignal(signal.SIGINT) is quiet_exit_while_loading:  # loaded: Ctrl-C is KeyboardInterrupt again
         signal.signal(signal.SIGINT, signal.default_int_handler)
     # Status lines (stdout) and log lines (stderr) in the order they happen, also when piped.
     sys.stdout.reconfigure(line_buffering=True)
@@ -673,5 +644,3 @@ def main(argv: list[str] | None = None) -> int:
         raise
 
 
-if __name__ == "__main__":
-    sys.exit(main())

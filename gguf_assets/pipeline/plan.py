@@ -8,15 +8,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gguf_assets.defs.jobs import MATERIALS_AND_CORPUS, SHARDS_JOB, TRAIN_AND_EXPORT
-from gguf_assets.defs.partitions import BY_SPLIT, expected_shard_keys, partitions_match
 from gguf_assets.lib.corpus.corpus_run import corpus_manifest
 from gguf_assets.lib.project import settings_history
 from gguf_assets.lib.project.layout import SPLITS, ProjectPaths
 from gguf_assets.lib.project.settings import Settings
 from gguf_assets.lib.status.stages import INPUT_STAGES, TRAINING_STAGES
 from gguf_assets.lib.status.states import RESUMABLE, UNFINISHED, State, project_status
-from gguf_assets.orchestration.run_tags import PIPELINE_TAG, RANGE_END_TAG, RANGE_START_TAG
+from gguf_assets.pipeline.names import MATERIALS_AND_CORPUS, SHARDS_JOB, TRAIN_AND_EXPORT
+from gguf_assets.pipeline.partitions import BY_SPLIT, expected_shard_keys, partitions_match
+from gguf_assets.pipeline.run_tags import PIPELINE_TAG, RANGE_END_TAG, RANGE_START_TAG
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ kill -9 included) ends it having done nothing: nothing is written before the go.
 source file edited since the spare loaded it makes the go a cold run (a fresh interpreter), so an edit of the code
 takes effect at the next Run, as before (a library upgraded in the venv takes a restart of `ui`, as the studio does).
 
-    python -m gguf_assets.orchestration.spare_run DIR LOG [RUN ARGS]   # the studio starts it (SpareRun)
+    python -m gguf_assets.studio.spare_run DIR LOG [RUN ARGS]   # the studio starts it (SpareRun)
     # then "run" on its stdin is the go: `gguf-trainer run DIR [RUN ARGS]`
 """
 
@@ -23,7 +23,7 @@ import threading
 import time
 from pathlib import Path
 
-from gguf_assets.orchestration.processes import RUN_CHILD_ENV
+from gguf_assets.cli.processes import RUN_CHILD_ENV
 
 GO = "run"
 # What a run loads before its first step, and nothing that reads the project: training's curves TensorBoard's
@@ -33,7 +33,7 @@ PRELOAD = ("gguf_assets.orchestration.launching", "gguf_assets.lib.training.trai
 
 
 def spare_command(project: Path, log_file: Path, run_args: list[str]) -> list[str]:
-    return [sys.executable, "-m", "gguf_assets.orchestration.spare_run", str(project), str(log_file), *run_args]
+    return [sys.executable, "-m", "gguf_assets.studio.spare_run", str(project), str(log_file), *run_args]
 
 
 class SpareRun:

@@ -40,7 +40,7 @@ why pyproject.toml pins ``dagster<1.14``.
   launcher packs it.
 - ``CheckRunHealthResult``, ``WorkerStatus``: a run launcher's worker health check (run monitoring's
   own interface), which the cluster's launcher answers (orchestration/cluster_workers.py) and the
-  interrupted-runs check asks about a run on another machine (orchestration/resume.py).
+  interrupted-runs check asks about a run on another machine (pipeline/resume.py).
 - The ``create_engine`` that Dagster's SQLite storage modules call (``reuse_sqlite_engines``): they make a new
   SQLAlchemy engine for every connection (and SQLAlchemy sets up a new engine's dialect on its first connect),
   about a fifth of what a run's events cost; each process keeps one engine per database file instead, as Dagster's

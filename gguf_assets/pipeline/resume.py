@@ -14,18 +14,18 @@ import os
 import dagster as dg
 import psutil
 
-from gguf_assets.defs.environment import project_dir_from_env
-from gguf_assets.defs.jobs import CONSOLE
-from gguf_assets.defs.settings import observe_settings
 from gguf_assets.lib.core.liveness import holder_is_gone, machine_id
 from gguf_assets.lib.core.lock import is_locked
 from gguf_assets.lib.project import settings_history
 from gguf_assets.lib.project.layout import ProjectPaths
 from gguf_assets.lib.project.settings import SettingsError, load_settings
-from gguf_assets.orchestration import run_tags
-from gguf_assets.orchestration.plan import next_work
-from gguf_assets.orchestration.private_api import WorkerStatus
-from gguf_assets.orchestration.run_tags import INTERRUPTED_TAG, PIPELINE_TAG, SETTINGS_TAG, STOPPED_TAG
+from gguf_assets.pipeline import run_tags
+from gguf_assets.pipeline.environment import project_dir_from_env
+from gguf_assets.pipeline.names import CONSOLE
+from gguf_assets.pipeline.plan import next_work
+from gguf_assets.pipeline.private_api import WorkerStatus
+from gguf_assets.pipeline.run_tags import INTERRUPTED_TAG, PIPELINE_TAG, SETTINGS_TAG, STOPPED_TAG
+from gguf_assets.pipeline.settings_observation import observe_settings
 
 ACTIVE = [dg.DagsterRunStatus.STARTED, dg.DagsterRunStatus.STARTING, dg.DagsterRunStatus.CANCELING]
 
