@@ -11,17 +11,19 @@ observations it has read are a cache: the instance holds them).
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import os
 import subprocess
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, JSONResponse
+from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 from starlette.templating import Jinja2Templates
 
@@ -35,7 +37,7 @@ from gguf_assets.lib.project import settings_file, settings_history
 from gguf_assets.lib.project.layout import ProjectPaths
 from gguf_assets.lib.project.manifests import DamagedRecord, Report
 from gguf_assets.lib.project.presets import PRESETS, preset, set_keys
-from gguf_assets.lib.project.settings import SettingsError, load_settings, settings_from_text
+from gguf_assets.lib.project.settings import Settings, SettingsError, load_settings, settings_from_text
 from gguf_assets.lib.status.pace import pace_lines
 from gguf_assets.lib.status.runs import (
     compare_runs,
@@ -51,8 +53,8 @@ from gguf_assets.lib.status.states import ProjectView, State, adapter_fingerprin
 from gguf_assets.lib.telemetry.curves_log import tensorboard_timeseries_url
 from gguf_assets.lib.telemetry.hardware import AUTO_WORKERS
 from gguf_assets.lib.telemetry.live import merged_history, precompute_progress, training_progress
-from gguf_assets.orchestration.spare_run import SpareRun
 from gguf_assets.studio.settings_form import NUMBER_RULES, apply_form, form_sections, form_values
+from gguf_assets.studio.spare_run import SpareRun
 
 # What Run runs after `gguf-trainer run DIR`: the shards on every GPU of the machine, one worker each (one on a CPU
 # machine).
@@ -61,21 +63,46 @@ TEMPLATES = Jinja2Templates(directory=str(Path(__file__).parent / "templates"))
 RUN_LOG = "studio-run.log"  # in <project>/.dagster: the console output of the runs the studio starts
 
 
+@dataclass(frozen=True)
+class PageView:
+    """The page's contract: everything its live panels show, one record. The page renders it
+    (templates/project.html reads these fields) and /api/status serves it as JSON (``to_json``: these names are
+    the JSON keys the page's script reads). Each field is JSON already (the panels' own dicts and lists)."""
+
+    project: str
+    settings_error: str | None = None  # project.yaml's error while it does not load (the rest: the last good view)
+    stages: list[dict] = field(default_factory=list)  # {stage, title, state, detail}, in pipeline order
+    busy: str | None = None  # what holds the project lock, in its own words
+    running: dict | None = None  # {run_id, job}: the Dagster run inside it
+    run_preview: str = ""  # what Run would do now, one line
+    last_run: dict | None = None  # studio/last_run.py's view of the newest Dagster run
+    training: dict | None = None  # the Training metrics panel (training_view)
+    snapshots: dict | None = None  # the Snapshots list (snapshots_view)
+    precompute: list[dict] = field(default_factory=list)  # the precompute progress rows
+    pace: list[str] = field(default_factory=list)  # the precompute's and training's speed and ETA
+    hardware_now: dict = field(default_factory=dict)  # the machine's load now (LiveHardware)
+    report: dict | None = None  # the verdict and the exported files, marked "outdated" when made earlier
+    run_command: str = ""  # the command Run runs
+
+    def to_json(self) -> dict:
+        """/api/status's answer: the fields by name, in this order."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
 def project_view(paths: ProjectPaths, feed: ObservationFeed | None = None,
-                 hardware: LiveHardware | None = None, last_good: dict | None = None) -> dict:
-    """Everything the page's live panels show, as JSON: the stages with why, what runs, what Run would do, the last
+                 hardware: LiveHardware | None = None, last_good: PageView | None = None) -> PageView:
+    """Everything the page's live panels show: the stages with why, what runs, what Run would do, the last
     run (failed at which stage, or stopped where, with its log), training and precompute progress, the machine's
     load now, the verdict (marked when made under earlier settings), the GGUF and the exported files.
 
-    ``last_good``: the studio's memory of the last view made under valid settings; while project.yaml does not
+    ``last_good``: the last view made under valid settings (the studio keeps it); while project.yaml does not
     load, that view is shown again, marked with the file's error, instead of an empty page."""
     try:
         settings = load_settings(paths.root)
     except SettingsError as exc:  # the page stays up and says what to fix
-        kept = dict(last_good or {"project": str(paths.root), "stages": [], "running": None, "report": None,
-                                   "training": None, "precompute": [], "pace": [], "last_run": None})
-        return {**kept, "settings_error": str(exc), "run_preview": f"Run is refused until project.yaml loads: {exc}",
-                "hardware_now": (hardware or LiveHardware()).read()}
+        return replace(last_good or PageView(str(paths.root)), settings_error=str(exc),
+                       run_preview=refused_until_it_loads("Run", exc),
+                       hardware_now=(hardware or LiveHardware()).read())
     lock_holder = holder(paths.lock_file)
     status = status_view(paths, settings)  # every panel below reuses its shard plans: the corpus is read once
     stages = with_running(status.stages, lock_holder)
@@ -83,31 +110,27 @@ def project_view(paths: ProjectPaths, feed: ObservationFeed | None = None,
     assets = set(running.assets) if running is not None else set()
     feed = feed or ObservationFeed()
     report = _report_view(paths, settings)
-    view = {
-        "project": str(paths.root),
-        "settings_error": None,
-        "stages": [{"stage": s.stage, "title": stage_title(s.stage), "state": s.state,
-                    "detail": s.detail} for s in stages],
-        "busy": lock_holder.what if lock_holder is not None else None,
-        "running": {"run_id": running.run_id, "job": running.job} if running is not None else None,
-        "run_preview": run_preview(paths, settings, stages, busy=lock_holder is not None, view=status),
-        "last_run": _last_run(paths, settings, feed, status),
+    return PageView(
+        project=str(paths.root),
+        settings_error=None,
+        stages=[{"stage": s.stage, "title": stage_title(s.stage), "state": s.state, "detail": s.detail}
+                for s in stages],
+        busy=lock_holder.what if lock_holder is not None else None,
+        running={"run_id": running.run_id, "job": running.job} if running is not None else None,
+        run_preview=run_preview(paths, settings, stages, busy=lock_holder is not None, view=status),
+        last_run=_last_run(paths, settings, feed, status),
         # Live only once the run works on the adapter (a run that precomputes first would show "starting").
-        "training": training_view(paths, settings, feed.entries("adapter", running.run_id)
-                                  if any(s.stage == "adapter" and s.state == State.RUNNING for s in stages) else None,
-                                  view=status),
-        "snapshots": snapshots_view(paths, settings, status),  # the training run's snapshots and kept steps
-        "precompute": precompute_progress([(asset.removesuffix("_shards"), figures) for asset in SHARD_STAGES
-                                           if asset in assets for figures in feed.entries(asset, running.run_id)]),
-        "pace": pace_lines(paths, settings, stages, status),  # the whole precompute's and training's speed and ETA
-        "hardware_now": (hardware or LiveHardware()).read(),
-        "report": report and {**report, "outdated": _outdated(stages)},
-        "run_command": trainer("run", paths.root),
-    }
-    if last_good is not None:
-        last_good.clear()
-        last_good.update(view)
-    return view
+        training=training_view(paths, settings, feed.entries("adapter", running.run_id)
+                               if any(s.stage == "adapter" and s.state == State.RUNNING for s in stages) else None,
+                               view=status),
+        snapshots=snapshots_view(paths, settings, status),  # the training run's snapshots and kept steps
+        precompute=precompute_progress([(asset.removesuffix("_shards"), figures) for asset in SHARD_STAGES
+                                        if asset in assets for figures in feed.entries(asset, running.run_id)]),
+        pace=pace_lines(paths, settings, stages, status),  # the whole precompute's and training's speed and ETA
+        hardware_now=(hardware or LiveHardware()).read(),
+        report=report and {**report, "outdated": _outdated(stages)},
+        run_command=trainer("run", paths.root),
+    )
 
 
 def _outdated(stages: list) -> str | None:
@@ -388,6 +411,31 @@ def refusal(request: Request) -> JSONResponse | None:
     return None
 
 
+def json_change(handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+    """A route that changes something (every POST here): ``refusal`` is asked first, before the body is read.
+    The one place the check is written; the wrapped handler is marked, so a test can see that each POST has it."""
+    @functools.wraps(handler)
+    async def guarded(request: Request) -> Response:
+        if (refused := refusal(request)) is not None:
+            return refused
+        return await handler(request)
+
+    guarded.json_change = True
+    return guarded
+
+
+def refused_until_it_loads(what: str, exc: SettingsError) -> str:
+    return f"{what} is refused until project.yaml loads: {exc}"
+
+
+def settings_or_refusal(paths: ProjectPaths, what: str) -> tuple[Settings | None, JSONResponse | None]:
+    """(the project's settings, None), or (None, the 400 that refuses ``what`` while project.yaml does not load)."""
+    try:
+        return load_settings(paths.root), None
+    except SettingsError as exc:
+        return None, JSONResponse({"error": refused_until_it_loads(what, exc)}, status_code=400)
+
+
 class BadRequest(Exception):
     """A request body the studio page would never send: answered 400 with this message."""
 
@@ -445,11 +493,14 @@ class Studio:
     feed: ObservationFeed = field(default_factory=ObservationFeed)
     hardware: LiveHardware = field(default_factory=LiveHardware)
     seen: settings_file.SeenTexts = field(default_factory=settings_file.SeenTexts)
-    last_good: dict = field(default_factory=dict)  # the last view made under valid settings (project_view)
+    last_good: PageView | None = None  # the last view made under valid settings (project_view)
     snapshotting: asyncio.Lock = field(default_factory=asyncio.Lock)  # one snapshot change at a time
 
-    def view(self) -> dict:
-        return project_view(self.paths, self.feed, self.hardware, self.last_good)
+    def view(self) -> PageView:
+        view = project_view(self.paths, self.feed, self.hardware, self.last_good)
+        if view.settings_error is None:
+            self.last_good = view
+        return view
 
     def served(self) -> settings_file.SettingsText:
         """project.yaml as it is now, remembered as a text the page was served (the base of its next edit)."""
@@ -466,7 +517,7 @@ class Studio:
 def build_app(project: str | Path, *, dagster_url: str = "", tensorboard_url: str = "",
               spare_run: bool = False) -> Starlette:
     """The studio of ``project``. ``spare_run``: keep a run process loaded ahead while nothing runs, so Run shows
-    the first training step seconds sooner (orchestration/spare_run.py; `gguf-trainer ui` turns it on)."""
+    the first training step seconds sooner (studio/spare_run.py; `gguf-trainer ui` turns it on)."""
     paths = ProjectPaths.of(project)
     studio = Studio(paths, dagster_url, tensorboard_url,
                     spare=SpareRun(paths.root, paths.dagster_home / RUN_LOG, RUN_ARGS) if spare_run else None)
@@ -491,7 +542,7 @@ def _page_routes(studio: Studio) -> list[Route]:
 
     async def status(_request: Request) -> JSONResponse:
         studio.keep_a_spare()  # the page asks every 2 s
-        return JSONResponse(studio.view())
+        return JSONResponse(studio.view().to_json())
 
     return [Route("/", page), Route("/api/status", status)]
 
@@ -500,9 +551,8 @@ def _run_routes(studio: Studio) -> list[Route]:
     """Run (`gguf-trainer run DIR`, in its own session) and Stop (Dagster terminates the running run)."""
     paths, started, spare = studio.paths, studio.started, studio.spare
 
+    @json_change
     async def run(request: Request) -> JSONResponse:
-        if (refused := refusal(request)) is not None:
-            return refused
         for proc in started:
             proc.poll()  # reap finished runs
         lock_holder = holder(paths.lock_file)
@@ -510,10 +560,9 @@ def _run_routes(studio: Studio) -> list[Route]:
             busy = lock_holder.what if lock_holder.what is not None else "another pipeline"
             return JSONResponse({"error": f"{paths.root} is busy: {busy}"},
                                 status_code=409)
-        try:
-            load_settings(paths.root)  # the run would stop at once with the same message, after seconds
-        except SettingsError as exc:
-            return JSONResponse({"error": f"Run is refused until project.yaml loads: {exc}"}, status_code=400)
+        _, refused = settings_or_refusal(paths, "Run")  # the run would stop at once with the same message
+        if refused is not None:
+            return refused
         log_file = paths.dagster_home / RUN_LOG
         log_file.parent.mkdir(parents=True, exist_ok=True)
         process = spare.go() if spare is not None else None
@@ -525,9 +574,8 @@ def _run_routes(studio: Studio) -> list[Route]:
         started.append(process)
         return JSONResponse({"started": f"{trainer('run', paths.root)} {' '.join(RUN_ARGS)}", "log": str(log_file)})
 
+    @json_change
     async def stop(request: Request) -> JSONResponse:
-        if (refused := refusal(request)) is not None:
-            return refused
         lock_holder = holder(paths.lock_file)
         running = lock_holder.running if lock_holder is not None else None
         if running is None:
@@ -569,10 +617,9 @@ def _settings_routes(studio: Studio) -> list[Route]:
         return JSONResponse({"text": served.text, "sha256": served.sha256, "values": form_values(served.text),
                              "presets": [{"name": p.name, "description": p.description} for p in PRESETS]})
 
+    @json_change
     async def save_settings(request: Request) -> JSONResponse:
         """The text editor's Save (a preset applied there is saved this way too)."""
-        if (refused := refusal(request)) is not None:
-            return refused
         body = await json_object(request)
         text = body.get("text")
         if not isinstance(text, str):
@@ -583,10 +630,9 @@ def _settings_routes(studio: Studio) -> list[Route]:
             return JSONResponse({"error": str(exc)}, status_code=400)
         return _write_checked(studio, text, new, base_sha256(body))
 
+    @json_change
     async def save_form(request: Request) -> JSONResponse:
         """The settings forms' Save: only the fields the user changed, set in project.yaml as it is now."""
-        if (refused := refusal(request)) is not None:
-            return refused
         body = await json_object(request)
         values = body.get("values", {})
         if not isinstance(values, dict):
@@ -597,9 +643,8 @@ def _settings_routes(studio: Studio) -> list[Route]:
             return JSONResponse({"error": str(exc)}, status_code=400)
         return _write_checked(studio, saved.text, saved.settings, base_sha256(body))
 
+    @json_change
     async def apply_preset(request: Request) -> JSONResponse:
-        if (refused := refusal(request)) is not None:
-            return refused
         body = await json_object(request)
         try:
             chosen = preset(str(body.get("name", "")))
@@ -631,9 +676,8 @@ def _runs_routes(studio: Studio) -> list[Route]:
         served = studio.served()
         return JSONResponse({**(await run_in_threadpool(runs_view, paths, served)), "settings_sha256": served.sha256})
 
+    @json_change
     async def runs_use(request: Request) -> JSONResponse:
-        if (refused := refusal(request)) is not None:
-            return refused
         body = await json_object(request)
         ref, base = run_ref(body), base_sha256(body)
         try:
@@ -645,17 +689,15 @@ def _runs_routes(studio: Studio) -> list[Route]:
         problem = await run_in_threadpool(lambda: tell_dagster(paths, used, studio.feed.instance))
         return JSONResponse({**used.to_json(), "dagster": problem})
 
+    @json_change
     async def runs_delete(request: Request) -> JSONResponse:
-        if (refused := refusal(request)) is not None:
-            return refused
         ref = run_ref(await json_object(request))
         deleted = await run_in_threadpool(delete_run, paths, ref)
         return JSONResponse({"deleted": deleted.name, "fingerprint": deleted.fingerprint,
                              "freed_bytes": deleted.freed_bytes, "freed": size_text(deleted.freed_bytes)})
 
+    @json_change
     async def runs_label(request: Request) -> JSONResponse:
-        if (refused := refusal(request)) is not None:
-            return refused
         body = await json_object(request)
         ref, label = run_ref(body), body.get("label", "")
         if not isinstance(label, str):
@@ -709,21 +751,14 @@ def _snapshot_routes(studio: Studio) -> list[Route]:
     (409 while one is under way); each runs off the event loop, so the page keeps polling meanwhile."""
     paths = studio.paths
 
-    def settings_or_refusal(what: str):
-        try:
-            return load_settings(paths.root), None
-        except SettingsError as exc:
-            return None, JSONResponse({"error": f"{what} is refused until project.yaml loads: {exc}"}, status_code=400)
-
     def busy() -> JSONResponse:
         return JSONResponse({"error": "a snapshot is being taken or deleted now: wait for it to end"},
                             status_code=409)
 
+    @json_change
     async def snapshot(request: Request) -> JSONResponse:
-        if (refused := refusal(request)) is not None:
-            return refused
         step, best, evaluate = _snapshot_request(await json_object(request))
-        settings, refused = settings_or_refusal("Snapshot")
+        settings, refused = settings_or_refusal(paths, "Snapshot")
         if refused is not None:
             return refused
         if studio.snapshotting.locked():
@@ -740,13 +775,12 @@ def _snapshot_routes(studio: Studio) -> list[Route]:
             entry = await run_in_threadpool(take)
         return JSONResponse({**entry, "path": str(paths.located(entry["file"]))})
 
+    @json_change
     async def delete(request: Request) -> JSONResponse:
-        if (refused := refusal(request)) is not None:
-            return refused
         step = (await json_object(request)).get("step")
         if isinstance(step, bool) or not isinstance(step, int):
             raise BadRequest("step (the snapshot's step, as the Snapshots list shows it) must be a whole number")
-        settings, refused = settings_or_refusal("Delete")
+        settings, refused = settings_or_refusal(paths, "Delete")
         if refused is not None:
             return refused
         if studio.snapshotting.locked():

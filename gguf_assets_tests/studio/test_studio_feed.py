@@ -43,16 +43,37 @@ def test_the_page_names_the_run_the_lock_holder_record_names(make_project):
     paths = make_project(steps=5, mock_teacher=True)
     feed = ObservationFeed(dg.DagsterInstance.ephemeral())
     idle = project_view(paths, feed)
-    assert idle["busy"] is None and idle["running"] is None
+    assert idle.busy is None and idle.running is None
     with ProjectLock(paths.lock_file, describe="gguf-trainer run demo"):
-        assert project_view(paths, feed)["busy"] == "gguf-trainer run demo"
+        assert project_view(paths, feed).busy == "gguf-trainer run demo"
         running = RunningRun(run_id="1a2b3c4d5e6f", job="all_stages", assets=("materials", "corpus"))
         with ProjectLock(paths.lock_file, describe="Dagster run 1a2b3c4d of all_stages", running=running):
             view = project_view(paths, feed)
-    assert view["busy"] == "gguf-trainer run demo"  # the pipeline's words; the run inside it is "running"
-    assert view["running"] == {"run_id": "1a2b3c4d5e6f", "job": "all_stages"}
-    materials = next(s for s in view["stages"] if s["stage"] == "materials")
+    assert view.busy == "gguf-trainer run demo"  # the pipeline's words; the run inside it is "running"
+    assert view.running == {"run_id": "1a2b3c4d5e6f", "job": "all_stages"}
+    materials = next(s for s in view.stages if s["stage"] == "materials")
     assert materials["state"] == "running" and materials["detail"].startswith("run 1a2b3c4d of all_stages; was ")
+
+
+def test_the_page_and_api_status_share_one_record_of_fourteen_fields(make_project):
+    """studio.app.PageView is the page's contract: /api/status serves its fields under these names (the page's
+    script reads them), and a project.yaml that does not load keeps the last good view with the error on it."""
+    from dataclasses import fields
+
+    from gguf_assets.studio.app import PageView, Studio
+
+    keys = ["project", "settings_error", "stages", "busy", "running", "run_preview", "last_run", "training",
+            "snapshots", "precompute", "pace", "hardware_now", "report", "run_command"]
+    assert [f.name for f in fields(PageView)] == keys
+    paths = make_project(steps=5, mock_teacher=True)
+    studio = Studio(paths, feed=ObservationFeed(dg.DagsterInstance.ephemeral()))
+    good = studio.view()
+    assert list(good.to_json()) == keys and good.settings_error is None and good.stages[0]["title"] == "Materials"
+    paths.project_file.write_text(paths.project_file.read_text() + "\nnot_a_section: {}\n")
+    broken = studio.view()
+    assert broken.settings_error and broken.run_preview.startswith("Run is refused until project.yaml loads: ")
+    assert (broken.stages, broken.run_command) == (good.stages, good.run_command) and studio.last_good is good
+    assert list(broken.to_json()) == keys
 
 
 def test_every_stage_has_its_title_on_the_page():
@@ -82,5 +103,5 @@ def test_one_poll_of_the_page_reads_each_corpus_split_once(finished_project, tmp
     monkeypatch.setattr(shards, "read_split", lambda p, split: reads.update([split]) or read_split(p, split))
     view = project_view(paths, ObservationFeed(dg.DagsterInstance.ephemeral()))
     assert reads == Counter({"train": 1, "val": 1})
-    assert view["run_preview"].startswith("Run starts at Val shards (missing) and resumes training from step ")
-    assert [line.split(":")[0] for line in view["pace"]] == ["precompute"] and view["training"] is not None
+    assert view.run_preview.startswith("Run starts at Val shards (missing) and resumes training from step ")
+    assert [line.split(":")[0] for line in view.pace] == ["precompute"] and view.training is not None

@@ -187,3 +187,27 @@ def test_a_failed_run_shows_at_its_stage_and_a_typo_keeps_the_view_and_refuses_r
         assert page.locator("#last-run-state").inner_text().startswith("failed at materials: ")  # the view stays
         assert len(page.locator("#stages tr").all()) == len(good_stages)
         shoot_both_widths(page, "studio-walk-typo")
+
+
+def test_every_post_route_carries_the_json_guard(tmp_path):
+    """The JSON-only check is written once (app.json_change) and every route that changes something wears it: a
+    POST route added without it fails here. Each one refuses a text/plain body with 403 before reading it."""
+    import asyncio
+
+    from starlette.requests import Request
+    from starlette.routing import Route
+
+    from gguf_assets.studio.app import build_app
+
+    posts = [r for r in build_app(tmp_path).routes if isinstance(r, Route) and "POST" in (r.methods or ())]
+    assert len(posts) == 10
+    for route in posts:
+        assert getattr(route.endpoint, "json_change", False), f"{route.path} lacks @json_change"
+
+        async def never_read():
+            raise AssertionError(f"{route.path} read the body of a refused request")
+
+        request = Request({"type": "http", "method": "POST", "path": route.path, "query_string": b"",
+                           "headers": [(b"content-type", b"text/plain")]}, never_read)
+        answer = asyncio.run(route.endpoint(request))
+        assert answer.status_code == 403 and b"application/json" in answer.body, route.path
