@@ -19,7 +19,7 @@ from gguf_assets.lib.corpus.prompt_files import check_prompt_files
 from gguf_assets.lib.project import settings_history
 from gguf_assets.lib.project.layout import ProjectPaths
 from gguf_assets.lib.project.settings import Settings, SettingsError, load_settings
-from gguf_assets.lib.status.states import StageState, State, project_status
+from gguf_assets.lib.status.states import StageState, State, project_status, status_view
 from gguf_assets.lib.telemetry.hardware import AUTO_WORKERS
 from gguf_assets.orchestration.cluster import load_cluster
 from gguf_assets.orchestration.instance import create_run, open_workspace, prepare_instance, size_gpu_pool
@@ -63,7 +63,8 @@ def run_pipeline(paths: ProjectPaths, *, echo: Callable[[str], None] = print, wo
         # edit of project.yaml while it runs affects only the next run.
         settings = load_settings(paths.root)
         settings_history.remember(paths.root, settings)
-        observe_settings(instance, settings, paths)  # the UI's stale marks follow project.yaml as of now
+        view = status_view(paths, settings)  # one status question for the observation and the first plan
+        observe_settings(instance, settings, paths, view=view)  # the UI's stale marks follow project.yaml now
         # A typo in a prompt file path should fail in seconds, not after a teacher download.
 
         check_prompt_files(paths, settings)
@@ -73,7 +74,8 @@ def run_pipeline(paths: ProjectPaths, *, echo: Callable[[str], None] = print, wo
             echo(f"--workers auto: {len(gpus)} shard worker(s), {pinned}")
         done: set[Work] = set()
         lost = 0
-        while (work := next_work(paths, settings, instance)) is not None:
+        while (work := next_work(paths, settings, instance, view)) is not None:
+            view = None  # asked again after each job: it changed what is current
             if stop.asked:  # a stop that Dagster's handler swallowed while the last job finished
                 raise KeyboardInterrupt
             if work in done:

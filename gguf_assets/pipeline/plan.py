@@ -13,7 +13,7 @@ from gguf_assets.lib.project import settings_history
 from gguf_assets.lib.project.layout import SPLITS, ProjectPaths
 from gguf_assets.lib.project.settings import Settings
 from gguf_assets.lib.status.stages import INPUT_STAGES, TRAINING_STAGES
-from gguf_assets.lib.status.states import RESUMABLE, UNFINISHED, State, project_status
+from gguf_assets.lib.status.states import RESUMABLE, UNFINISHED, ProjectView, State, status_view
 from gguf_assets.pipeline.names import MATERIALS_AND_CORPUS, SHARDS_JOB, TRAIN_AND_EXPORT
 from gguf_assets.pipeline.partitions import BY_SPLIT, expected_shard_keys, partitions_match
 from gguf_assets.pipeline.run_tags import PIPELINE_TAG, RANGE_END_TAG, RANGE_START_TAG
@@ -42,9 +42,10 @@ class Work:
         return tags
 
 
-def next_work(paths: ProjectPaths, settings: Settings, instance) -> Work | None:
-    """The next job to run for this project, or None when everything is current (or blocked)."""
-    status = {s.stage: s for s in project_status(paths, settings)}
+def next_work(paths: ProjectPaths, settings: Settings, instance, view: ProjectView | None = None) -> Work | None:
+    """The next job to run for this project, or None when everything is current (or blocked). ``view``: the status
+    question the caller asked already (observe_settings'), else asked here."""
+    status = {s.stage: s for s in (status_view(paths, settings) if view is None else view).stages}
     if status["materials"].state != State.CURRENT:
         # New materials come with the corpus: it reads them, and when it finds itself current it
         # only records that (same data version), so Dagster does not show it stale.

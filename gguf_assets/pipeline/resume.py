@@ -19,6 +19,7 @@ from gguf_assets.lib.core.lock import is_locked
 from gguf_assets.lib.project import settings_history
 from gguf_assets.lib.project.layout import ProjectPaths
 from gguf_assets.lib.project.settings import SettingsError, load_settings
+from gguf_assets.lib.status.states import status_view
 from gguf_assets.pipeline import run_tags
 from gguf_assets.pipeline.environment import project_dir_from_env
 from gguf_assets.pipeline.names import CONSOLE
@@ -102,7 +103,8 @@ def resume_decision(instance: dg.DagsterInstance) -> dg.RunRequest | dg.SkipReas
         settings = load_settings(paths.root)
     except SettingsError as exc:
         return dg.SkipReason(f"project.yaml is not valid: {exc}")
-    observe_settings(instance, settings, paths)  # the UI's stale marks follow project.yaml edits
+    view = status_view(paths, settings)  # one status question for the observation and the plan
+    observe_settings(instance, settings, paths, view=view)  # the UI's stale marks follow project.yaml edits
     if busy := instance.get_run_records(filters=dg.RunsFilter(statuses=WAITING), limit=1):
         return dg.SkipReason(f"run {busy[0].dagster_run.run_id[:8]} ({busy[0].dagster_run.job_name}) is "
                              f"{busy[0].dagster_run.status.value.lower()}")
@@ -120,7 +122,7 @@ def resume_decision(instance: dg.DagsterInstance) -> dg.RunRequest | dg.SkipReas
             and INTERRUPTED_TAG not in latest_run.tags:
         return dg.SkipReason(f"the last run ({latest_run.run_id[:8]}, {latest_run.job_name}) failed; the daemon "
                              "does not retry a failure: fix its cause, then Materialize or `gguf-trainer run`")
-    work = next_work(paths, settings, instance)
+    work = next_work(paths, settings, instance, view)
     if work is None:
         return dg.SkipReason("everything is current")
     current = settings_history.settings_hash(settings)

@@ -18,7 +18,7 @@ from gguf_assets.lib.core.markdown import markdown_table
 from gguf_assets.lib.project.layout import ProjectPaths
 from gguf_assets.lib.project.settings import Settings
 from gguf_assets.lib.status.stages import STAGES, expected_fingerprints, stage_keys
-from gguf_assets.lib.status.states import UNFINISHED, project_status
+from gguf_assets.lib.status.states import UNFINISHED, ProjectView, status_view
 from gguf_assets.pipeline.private_api import DATA_VERSION_TAG
 
 KEY_PREFIX = "settings"  # settings/<stage>
@@ -51,7 +51,7 @@ def settings_metadata(settings: Settings, stage: str, project_dir: str | None = 
 
 
 def observe_settings(instance: dg.DagsterInstance, settings: Settings, paths: ProjectPaths, *,
-                     after: str | None = None) -> list[str]:
+                     after: str | None = None, view: ProjectView | None = None) -> list[str]:
     """Record each stage's expected fingerprint as the data version of settings/<stage> where it changed;
     returns those stages. ``after`` a stage (whose result was just written): only the stages that come after it,
     the only ones whose fingerprints its result can change (each lookup is a query of the instance's storage).
@@ -59,19 +59,20 @@ def observe_settings(instance: dg.DagsterInstance, settings: Settings, paths: Pr
     The versions are lib/status/stages.py's ``expected_fingerprints``, the very fingerprints `status` compares,
     so Dagster's stale marks follow from them. A stage whose inputs do not exist yet keeps its last
     version. An observation also says why its stage is stale (the keys that changed since its result was
-    made, old → new): the same words `gguf-trainer status` prints.
+    made, old → new): the same words `gguf-trainer status` prints. The fingerprints and the states come from one
+    status question (``view``: the caller's, when it asked already), each computed once.
     """
-    changed, status = [], None
+    changed = []
+    view = status_view(paths, settings) if view is None else view
+    status = {s.stage: s for s in view.stages}
     later = STAGES[STAGES.index(after) + 1:] if after is not None else STAGES
-    for stage, version in expected_fingerprints(paths, settings).items():
+    for stage, version in expected_fingerprints(paths, settings, view).items():
         if stage not in later:
             continue
         record = instance.get_latest_data_version_record(settings_key(stage), is_source=True)
         recorded = (record.event_log_entry.tags or {}).get(DATA_VERSION_TAG) if record else None
         if recorded != version:
             metadata = settings_metadata(settings, stage)
-            if status is None:
-                status = {s.stage: s for s in project_status(paths, settings)}
             if status[stage].state in UNFINISHED and status[stage].detail:
                 metadata[STALE_BECAUSE] = dg.MetadataValue.text(status[stage].detail)
             instance.report_runless_asset_event(dg.AssetObservation(

@@ -154,3 +154,30 @@ def test_new_shard_size_re_registers_partitions_and_reruns(finished_project, tmp
     status = run_pipeline(paths, echo=lambda _: None)
     assert all(s.state == "current" for s in status)
     assert list(instance.get_dynamic_partitions("train_shards")) == [f"{i:05d}" for i in range(6)]
+
+
+def test_one_observation_and_plan_plans_each_split_once(finished_project, tmp_path, monkeypatch):
+    """#58: observe_settings computed every stage's fingerprint (each split's shards planned), the whole status again
+    when one had changed, and the plan asked for the status once more. One status question now serves all three."""
+    from conftest import copy_project, project_instance
+
+    from gguf_assets.lib.precompute import shards
+    from gguf_assets.lib.project.settings import load_settings
+    from gguf_assets.lib.status import states
+    from gguf_assets.lib.status.states import status_view
+    from gguf_assets.pipeline.plan import next_work
+    from gguf_assets.pipeline.settings_observation import observe_settings
+
+    paths = copy_project(finished_project[0], tmp_path / "copy")
+    settings = load_settings(paths.root)
+    planned = []
+    real = shards.plan_shards
+    counting = lambda *a, **k: planned.append(a[3]) or real(*a, **k)  # noqa: E731
+    monkeypatch.setattr(shards, "plan_shards", counting)
+    monkeypatch.setattr(states, "plan_shards", counting)
+    monkeypatch.setenv("DAGSTER_HOME", str(paths.dagster_home))
+    instance = project_instance(paths)
+    view = status_view(paths, settings)
+    observe_settings(instance, settings, paths, view=view)
+    assert next_work(paths, settings, instance, view) is None  # the finished project: nothing to do
+    assert sorted(planned) == ["train", "val"], planned

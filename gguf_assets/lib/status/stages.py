@@ -107,7 +107,7 @@ def another_value(value, annotation):
     return "other"
 
 
-def expected_fingerprints(paths: ProjectPaths, settings: Settings) -> dict[str, str]:
+def expected_fingerprints(paths: ProjectPaths, settings: Settings, view=None) -> dict[str, str]:
     """Per stage, the fingerprint its result has when made now from these settings and the inputs on disk;
     a stage is missing here while what it is computed from does not exist yet (no materials manifest,
     no corpus).
@@ -116,21 +116,30 @@ def expected_fingerprints(paths: ProjectPaths, settings: Settings) -> dict[str, 
     chains the fingerprints of what its stage reads, so a change anywhere marks exactly the stages whose
     results it changes, in the UI as in `status`, with no second copy of the graph. Every one is known
     before its stage runs (the adapter's from the settings and the shards, not from training).
+
+    ``view``: this question's states.ProjectView, when it was asked already: its manifest, shard plans and
+    adapter fingerprint are used as they are, not computed again (one question, one computation of each).
     """
     out = {"materials": materials_fingerprint(settings)}
     if not paths.materials_manifest.is_file():
         return out
-    try:
-        materials = load_manifest(paths)
-    except (OSError, ValueError, TypeError, UserError):  # damaged: status says so, materials is redone
-        return out
+    if view is not None and view.materials is not None:
+        materials = view.materials
+    else:
+        try:
+            materials = load_manifest(paths)
+        except (OSError, ValueError, TypeError, UserError):  # damaged: status says so, materials is redone
+            return out
     out["corpus"] = corpus_fingerprint(paths, settings, materials)
     if not all(paths.corpus_file(split).is_file() for split in SPLITS):
         return out
-    shard_fps = {split: shard_fingerprints(paths, settings, materials, split) for split in SPLITS}
+    planned = view is not None and view.splits is not None and view.adapter_fp is not None
+    shard_fps = {split: view.splits[split].fingerprints if planned else
+                 shard_fingerprints(paths, settings, materials, split) for split in SPLITS}
     for split in SPLITS:
         out[f"{split}_shards"] = atomic.fingerprint(shard_fps[split])
-    out["adapter"] = run_fingerprint(paths, settings, shard_fps["train"], shard_fps["val"])
+    out["adapter"] = view.adapter_fp if planned else run_fingerprint(paths, settings, shard_fps["train"],
+                                                                     shard_fps["val"])
     out["gguf"] = gguf_fingerprint(settings, materials, out["adapter"])
     out["eval_report"] = report_fingerprint(settings, out["gguf"], shard_fps["val"])
     return out
