@@ -30,6 +30,7 @@ from gguf_assets.lib.core import faults
 from gguf_assets.lib.core.commands import trainer, venv_tool
 from gguf_assets.lib.core.errors import ProjectNotWritable, UserError, os_refusal_message, write_refusal
 from gguf_assets.lib.core.lock import hold_services
+from gguf_assets.lib.core.metrics import VAL_CENTRED_COSINE
 from gguf_assets.lib.project.layout import ProjectPaths
 from gguf_assets.lib.project.settings import (
     SECTION_HINTS,
@@ -159,7 +160,7 @@ def _print_results(paths: ProjectPaths) -> None:
         report = atomic.read_json(report_file)
         print(f"GGUF:    {paths.located(report['gguf_path'])}")
         print(f"report:  {report_file}")
-        cosine = (report["val_centred_cosine"] if report["val_centred_cosine"] is not None
+        cosine = (report[VAL_CENTRED_COSINE] if report[VAL_CENTRED_COSINE] is not None
                   else report["val_centred_cosine_torch"])
         print(f"val centred cosine: {cosine:.4f}  ({report['verdict']})")
         print(f"open the UI (runs, metrics, report): {trainer('ui', paths.root)}")
@@ -485,8 +486,8 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
         entries = snapshots.read_snapshots(run_dir)
         print(f"snapshots of training run {run_dir.name}: {len(entries) or 'none'}")
         for e in entries:
-            score = e.get("val_centred_cosine")
-            evaluated = (e.get("eval") or {}).get("val_centred_cosine")
+            score = e.get(VAL_CENTRED_COSINE)
+            evaluated = (e.get("eval") or {}).get(VAL_CENTRED_COSINE)
             print(f"  step {e['step']:>7} of {e['planned_steps']} ({e['weights']})  val centred cosine "
                   f"{'n/a' if score is None else f'{score:.4f}'}"
                   + (f", GGUF eval {evaluated:.4f}" if evaluated is not None else "")
@@ -500,7 +501,7 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
     val_folders = require_current(paths, settings, materials, "val")
     entry = snapshots.take_snapshot(paths, settings, materials, run_dir, val_folders=val_folders, step=args.step,
                                     best=args.best, evaluate=args.eval, say=print)
-    score = entry.get("val_centred_cosine")
+    score = entry.get(VAL_CENTRED_COSINE)
     print(f"snapshot of step {entry['step']} of {entry['planned_steps']} ({entry['weights']}): "
           f"{paths.located(entry['file'])}")
     print(f"  val centred cosine at that step: {'n/a' if score is None else f'{score:.4f}'}"

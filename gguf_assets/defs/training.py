@@ -9,6 +9,7 @@ from gguf_assets.defs.panels import panel_metadata
 from gguf_assets.defs.precompute import train_shards, val_shards
 from gguf_assets.defs.resources import ProjectResource
 from gguf_assets.lib.core.markdown import markdown_table
+from gguf_assets.lib.core.metrics import EMPTY_PROMPT_COSINE, VAL_CENTRED_COSINE, VAL_LOSS
 from gguf_assets.lib.materials.materials import load_manifest
 from gguf_assets.lib.precompute.shards import require_current
 from gguf_assets.lib.project.layout import CURVES_FILE, FINAL_DIR
@@ -44,7 +45,7 @@ def _metrics_table(history: list[dict]) -> str:
         return format(value, fmt) if isinstance(value, (int, float)) else ""
 
     columns = [("loss", ".4f"), ("lr", ".2e"), ("grad_norm", ".3f"), ("samples_per_s", ".1f"),
-               ("val_centred_cosine", ".4f"), ("empty_prompt_cosine", ".4f"), ("val_loss", ".4f")]
+               (VAL_CENTRED_COSINE, ".4f"), (EMPTY_PROMPT_COSINE, ".4f"), (VAL_LOSS, ".4f")]
     return markdown_table(["step", "loss", "lr", "grad norm", "samples/s", "val centred cosine", "empty prompt",
                            "val loss"], ([step, *(cell(merged[step], key, fmt) for key, fmt in columns)]
                                          for step in steps), right=range(8))
@@ -88,17 +89,17 @@ def adapter(context: dg.AssetExecutionContext, project: ProjectResource) -> dg.M
     started = summary.started.get("message", "")
     # Numbers are plotted across materializations: only those that mean something run after run.
     # The figures of this run alone go in a table (a one-point chart each was noise).
-    once = {"best step": best.get("step"), "best val centred cosine": best.get("val_centred_cosine"),
+    once = {"best step": best.get("step"), "best val centred cosine": best.get(VAL_CENTRED_COSINE),
             "shard read MB/s": summary.read_mb_per_s, **hardware.summary()}
     panels = panel_metadata()
     project.result_written(context)
     return dg.MaterializeResult(data_version=dg.DataVersion(fingerprint), metadata={
         **project.stage_metadata("adapter", settings),
         "verdict": dg.MetadataValue.md(f"**{text}**\n\n{advice}"),
-        "val_centred_cosine": summary.val_centred_cosine,
+        VAL_CENTRED_COSINE: summary.val_centred_cosine,
         "untrained_val_centred_cosine": _number(summary.untrained_val_centred_cosine),
-        "empty_prompt_cosine": _number(summary.empty_prompt_cosine),
-        "val_loss": summary.val_loss, "steps": summary.step,
+        EMPTY_PROMPT_COSINE: _number(summary.empty_prompt_cosine),
+        VAL_LOSS: summary.val_loss, "steps": summary.step,
         "tensorboard": dg.MetadataValue.md(tensorboard_link(paths, settings, fingerprint)),
         "training_curves": dg.MetadataValue.md(f"{curves_markdown(svg)}\n\n{started}"),
         "training_metrics": dg.MetadataValue.md(_metrics_table(summary.history)),

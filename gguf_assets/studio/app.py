@@ -32,6 +32,7 @@ from gguf_assets.lib.core.commands import trainer, venv_tool
 from gguf_assets.lib.core.errors import UserError
 from gguf_assets.lib.core.ggk_contract import ESCAPE_HINT
 from gguf_assets.lib.core.lock import ProjectLocked, holder
+from gguf_assets.lib.core.metrics import EMPTY_PROMPT_COSINE, VAL_CENTRED_COSINE
 from gguf_assets.lib.output.report import score_rows
 from gguf_assets.lib.project import settings_file, settings_history
 from gguf_assets.lib.project.layout import ProjectPaths
@@ -281,7 +282,7 @@ def snapshots_view(paths: ProjectPaths, settings, view: ProjectView | None = Non
             continue  # being removed (keep_steps_last) as it is read
         rows[(step, f"step{step}")] = {
             "step": step, "planned_steps": meta.get("planned_steps"), "weights": f"step{step}", "kept": True,
-            "kept_by": meta.get("kept_by"), "val_centred_cosine": meta.get("val_centred_cosine"), "eval": None,
+            "kept_by": meta.get("kept_by"), VAL_CENTRED_COSINE: meta.get(VAL_CENTRED_COSINE), "eval": None,
             "file": None, "size": None}
     for entry in read_snapshots(run_dir):
         try:
@@ -290,8 +291,8 @@ def snapshots_view(paths: ProjectPaths, settings, view: ProjectView | None = Non
         except (KeyError, TypeError, ValueError):
             continue
         row = rows.setdefault(key, {"step": key[0], "weights": key[1], "kept": False, "kept_by": None})
-        row.update({"planned_steps": entry.get("planned_steps"), "val_centred_cosine": entry.get("val_centred_cosine"),
-                    "eval": (entry.get("eval") or {}).get("val_centred_cosine"), "file": str(file),
+        row.update({"planned_steps": entry.get("planned_steps"), VAL_CENTRED_COSINE: entry.get(VAL_CENTRED_COSINE),
+                    "eval": (entry.get("eval") or {}).get(VAL_CENTRED_COSINE), "file": str(file),
                     "size": _size(entry["bytes"]) if isinstance(entry.get("bytes"), int) else None,
                     "missing": not file.is_file()})
     return {"run": fingerprint, "rows": [rows[key] for key in sorted(rows)],
@@ -387,7 +388,7 @@ def _report_view(paths: ProjectPaths, settings) -> dict | None:
             "files": [{"path": f["path"], "role": f["role"], "is_copy": bool(f.get("copy_of")), "bytes": f["bytes"],
                        "size": _size(f["bytes"]), "sha256": f["sha256"]} for f in report_doc["files"]],
             "score_torch": report.val_centred_cosine_torch, "gguf_vs_torch": report.gguf_vs_torch,
-            "empty_prompt_cosine": report.empty_prompt_cosine, "n_prompts": report.n_prompts,
+            EMPTY_PROMPT_COSINE: report.empty_prompt_cosine, "n_prompts": report.n_prompts,
             "per_shard": report.per_shard, "worst": report.worst[:10], "student": report.student,
             "ggk_files": report_doc["ggk_files"],
             # The Evaluation panel's table: every score, as report.md lists them (lib/output/report.py).

@@ -21,6 +21,7 @@ from gguf_assets.lib.core import atomic, verify
 from gguf_assets.lib.core.errors import UserError
 from gguf_assets.lib.core.f16 import F16_MAX
 from gguf_assets.lib.core.ggk_contract import TOKENIZER_PACK_MERGES
+from gguf_assets.lib.core.metrics import EMPTY_PROMPT_COSINE, VAL_CENTRED_COSINE
 from gguf_assets.lib.materials.ggk_tokenizer import write_tokenizer_pack
 from gguf_assets.lib.output.export_run import export_sidecar, gguf_fingerprint, gguf_path
 from gguf_assets.lib.output.gguf_format import TRAINING_ONLY, hparams_of, is_f16_tensor, tensor_name, write_adapter_gguf
@@ -80,7 +81,7 @@ def provenance(settings: Settings, materials: MaterialsManifest, meta: dict, *,
         "teacher.layer": settings.materials.teacher_layer,
         "training.steps": meta["step"], "training.planned_steps": meta.get("planned_steps", settings.training.steps),
         "training.checkpoint": checkpoint, "training.seed": settings.training.seed,
-        "training.val_centred_cosine": float(meta["val_centred_cosine"]),
+        "training.val_centred_cosine": float(meta[VAL_CENTRED_COSINE]),
         "training.fingerprint": meta["fingerprint"],
         "trainer": TRAINER,
         **rows_keys,
@@ -261,8 +262,8 @@ def export_adapter(paths: ProjectPaths, settings: Settings, materials: Materials
         f16_count=summary.f16_count, f32_count=summary.f32_count, kept_f32=list(summary.kept_f32),
         fingerprint=gguf_fingerprint(settings, materials, adapter_manifest["fingerprint"]),
         adapter_fingerprint=adapter_manifest["fingerprint"], copies=copies, files=files, vision=vision,
-        provenance=provenance(settings, materials, meta), val_centred_cosine_torch=float(meta["val_centred_cosine"]),
-        empty_prompt_cosine_torch=meta.get("empty_prompt_cosine"), per_shard_torch=meta.get("per_shard", []),
+        provenance=provenance(settings, materials, meta), val_centred_cosine_torch=float(meta[VAL_CENTRED_COSINE]),
+        empty_prompt_cosine_torch=meta.get(EMPTY_PROMPT_COSINE), per_shard_torch=meta.get("per_shard", []),
         settings_hash=settings_history.remember(paths.root, settings))
     # The run keeps its own copy (`gguf-trainer runs --use` restores it), before the sidecar makes the stage done:
     # a kill while it is copied leaves the export to be made again, which also clears the copy's temp file.

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from gguf_assets.lib.core import atomic, verify
 from gguf_assets.lib.core.errors import UserError
+from gguf_assets.lib.core.metrics import EMPTY_PROMPT_COSINE, VAL_CENTRED_COSINE, VAL_LOSS
 from gguf_assets.lib.project.layout import BEST_DIR, FINAL_DIR, META_FILE, STATE_FILE, WEIGHTS_FILE, ProjectPaths
 from gguf_assets.lib.project.manifests import MaterialsManifest
 from gguf_assets.lib.project.settings import Settings
@@ -124,8 +125,8 @@ def _keep_from(run_dir: Path, step: int, settings: Settings, val_folders: list[P
     base = {k: v for k, v in meta.items() if k not in ("history", "sha256", "best", "per_shard", "verdict", "advice")}
     save_weights(kept.kept_step_dir(run_dir, step), model=model, step=step,
                  meta={**base, "step": step, "planned_steps": meta.get("planned_steps", t.steps),
-                       "kept_by": kept.BY_REQUEST, "val_centred_cosine": scores["val_centred_cosine"],
-                       "empty_prompt_cosine": scores["empty_prompt_cosine"], "val_loss": scores["val_loss"]})
+                       "kept_by": kept.BY_REQUEST, VAL_CENTRED_COSINE: scores[VAL_CENTRED_COSINE],
+                       EMPTY_PROMPT_COSINE: scores[EMPTY_PROMPT_COSINE], VAL_LOSS: scores[VAL_LOSS]})
 
 
 def resolve_source(run_dir: Path, settings: Settings, val_folders: list[Path], *, step: int | None = None,
@@ -187,8 +188,8 @@ def take_snapshot(paths: ProjectPaths, settings: Settings, materials: MaterialsM
                                  provenance=provenance(settings, materials, meta, checkpoint=source.weights_name))
     entry = {"file": paths.stored(target), "step": source.step,
              "planned_steps": meta.get("planned_steps", settings.training.steps), "weights": source.weights_name,
-             "asked": source.asked, "val_centred_cosine": meta.get("val_centred_cosine"),
-             "empty_prompt_cosine": meta.get("empty_prompt_cosine"), "val_loss": meta.get("val_loss"),
+             "asked": source.asked, VAL_CENTRED_COSINE: meta.get(VAL_CENTRED_COSINE),
+             EMPTY_PROMPT_COSINE: meta.get(EMPTY_PROMPT_COSINE), VAL_LOSS: meta.get(VAL_LOSS),
              **verify.record(target, summary.sha256), "at": round(time.time(), 1)}
     if evaluate:
         entry["eval"] = evaluate_snapshot(target, val_folders, source.folder / WEIGHTS_FILE)

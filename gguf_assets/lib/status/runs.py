@@ -27,6 +27,7 @@ from gguf_assets.lib.core import atomic, metrics
 from gguf_assets.lib.core.commands import trainer
 from gguf_assets.lib.core.errors import UserError
 from gguf_assets.lib.core.lock import ProjectLock
+from gguf_assets.lib.core.metrics import VAL_CENTRED_COSINE
 from gguf_assets.lib.output.export_run import exported_files_unchanged, gguf_path
 from gguf_assets.lib.output.kept import NotRestorable, keep_current, kept_gguf, read_kept, restore_kept
 from gguf_assets.lib.project import settings_file, settings_history
@@ -312,9 +313,9 @@ def _read_run(paths: ProjectPaths, run_dir: Path, *, now: Settings | None, manif
     return Run(
         fingerprint=fingerprint, name=_base_name(training, fingerprint), label=_label(run_dir), state=state,
         detail=detail, step=step, steps=steps, best_step=best.get("step"),
-        best_val_centred_cosine=best.get("val_centred_cosine"),
-        final_val_centred_cosine=meta.get("val_centred_cosine") if final else None,
-        gguf_val_centred_cosine=report.get("val_centred_cosine"), train_seconds=seconds,
+        best_val_centred_cosine=best.get(VAL_CENTRED_COSINE),
+        final_val_centred_cosine=meta.get(VAL_CENTRED_COSINE) if final else None,
+        gguf_val_centred_cosine=report.get(VAL_CENTRED_COSINE), train_seconds=seconds,
         seconds_estimated=estimated and seconds is not None, disk_bytes=used,
         current=manifest.get("fingerprint") == fingerprint, made_by_settings=settings_fp == fingerprint,
         settings_hash=digest, settings_source=source,

@@ -8,6 +8,8 @@ import math
 from collections.abc import Sequence
 from html import escape
 
+from gguf_assets.lib.core.metrics import EMPTY_PROMPT_COSINE, VAL_CENTRED_COSINE, VAL_LOSS
+
 # Series with at most this many points get a marker at each (a single validation is otherwise invisible).
 MARKED_POINTS = 30
 
@@ -63,9 +65,9 @@ def _panel(out: list[str], x0: int, title: str, series: list[tuple[str, str, lis
 
 def curves_svg(history: list[dict], *, panel_width: int = 320, panel_height: int = 180) -> str:
     """Two small line charts as SVG text: training loss (log scale, plus val loss) and val cosines."""
-    panels = [("loss (log scale)", [("loss", "#1f77b4", True), ("val_loss", "#ff7f0e", True)]),
-              ("val centred cosine", [("val_centred_cosine", "#2ca02c", False),
-                                      ("empty_prompt_cosine", "#9467bd", False)])]
+    panels = [("loss (log scale)", [("loss", "#1f77b4", True), (VAL_LOSS, "#ff7f0e", True)]),
+              ("val centred cosine", [(VAL_CENTRED_COSINE, "#2ca02c", False),
+                                      (EMPTY_PROMPT_COSINE, "#9467bd", False)])]
     width = panel_width * len(panels)
     out = _svg_open(width, panel_height)
     for p, (title, series) in enumerate(panels):

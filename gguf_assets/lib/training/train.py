@@ -375,7 +375,7 @@ class _TrainingRun:
             self.model.target_std.copy_(stats.output_std)
             self.model.loss_std.copy_(stats.loss_std)
             untrained = self._evaluate(self.model)
-            resumed.untrained = untrained["val_centred_cosine"]
+            resumed.untrained = untrained[VAL_CENTRED_COSINE]
             self.note(f"untrained adapter: val centred cosine {resumed.untrained:.4f}")
         self.step, self.history, self.best, self.untrained = resumed.step, resumed.history, resumed.best, \
             resumed.untrained
@@ -397,7 +397,7 @@ class _TrainingRun:
         stop_at = t.steps if stop_after is None else min(t.steps, self.step + stop_after)
         self.curves = CurvesLog(run_folder(self.paths.root, self.t, self.fingerprint), resumed_at_step=self.step)
         if self.untrained is not None and self.step == 0:
-            self.curves.scalars(0, {"val_centred_cosine": self.untrained}, "val")
+            self.curves.scalars(0, {VAL_CENTRED_COSINE: self.untrained}, "val")
         self.stream = ShardStream(self.train_folders, order, batch_size=t.batch_size, end_step=stop_at)
         self.model.train()
         self.clock_from = (time.perf_counter(), self.step)  # this process's steps: the ETA's rate
@@ -476,7 +476,7 @@ class _TrainingRun:
             metrics = self.last_validation[1]
         else:
             metrics = self._evaluate(self.judged)
-        scores = {k: metrics[k] for k in ("val_centred_cosine", "empty_prompt_cosine", "val_loss")}
+        scores = {k: metrics[k] for k in (VAL_CENTRED_COSINE, EMPTY_PROMPT_COSINE, VAL_LOSS)}
         save_weights(kept_step_dir(self.run_dir, self.step), model=self.judged, step=self.step,
                      meta={**self.base_meta, "step": self.step, "planned_steps": t.steps, "kept_by": kept_by,
                            **scores})
@@ -586,14 +586,14 @@ class _TrainingRun:
         entry = validation.figures()
         self.history.append(entry)
         self.curves.scalars(self.step, entry, "val")
-        empty = metrics["empty_prompt_cosine"]
+        empty = metrics[EMPTY_PROMPT_COSINE]
         log.info("step %d: val centred cosine %.4f (empty prompt %s), val loss %.4f", self.step,
-                 metrics["val_centred_cosine"], "n/a" if empty is None else f"{empty:.4f}", metrics["val_loss"])
+                 metrics[VAL_CENTRED_COSINE], "n/a" if empty is None else f"{empty:.4f}", metrics[VAL_LOSS])
         self.last_validation = (self.step, metrics)
         self.emit(validation)
-        if self.best is None or metrics["val_centred_cosine"] > self.best["val_centred_cosine"]:
-            self.best = {"step": self.step, "val_centred_cosine": metrics["val_centred_cosine"],
-                         "empty_prompt_cosine": metrics["empty_prompt_cosine"], "val_loss": metrics["val_loss"]}
+        if self.best is None or metrics[VAL_CENTRED_COSINE] > self.best[VAL_CENTRED_COSINE]:
+            self.best = {"step": self.step, VAL_CENTRED_COSINE: metrics[VAL_CENTRED_COSINE],
+                         EMPTY_PROMPT_COSINE: metrics[EMPTY_PROMPT_COSINE], VAL_LOSS: metrics[VAL_LOSS]}
             save_weights(self.run_dir / BEST_DIR, model=self.judged, step=self.step,
                          meta={**self.base_meta, **self.best})
             self.emit(NewBest(**self.best))
@@ -620,9 +620,9 @@ class _TrainingRun:
 
     def _finish(self) -> dict:
         final = self._evaluate(self.judged)
-        end = {"step": self.step, "val_centred_cosine": final["val_centred_cosine"]}
+        end = {"step": self.step, VAL_CENTRED_COSINE: final[VAL_CENTRED_COSINE]}
         curve = validation_curve([*self.history, end])
-        text, advice = verdict(final["val_centred_cosine"], curve, width=self.t.width, steps=self.t.steps)
+        text, advice = verdict(final[VAL_CENTRED_COSINE], curve, width=self.t.width, steps=self.t.steps)
         if self.lowered_to is not None:
             remember_lowered(self.paths, self.fingerprint, self.lowered_to)
         early = {} if self.lowered_to is None else {"planned_steps": self.t.steps, "lowered_to": self.lowered_to}
@@ -630,10 +630,10 @@ class _TrainingRun:
                    "best": self.best,
                    "untrained_val_centred_cosine": self.untrained, "verdict": text, "advice": advice,
                    "read_mb_per_s": self.stream.stats.mb_per_s, "train_seconds": self._train_seconds(),
-                   **{k: final[k] for k in ("val_centred_cosine", "empty_prompt_cosine", "val_loss", "per_shard")}}
+                   **{k: final[k] for k in (VAL_CENTRED_COSINE, EMPTY_PROMPT_COSINE, VAL_LOSS, "per_shard")}}
         save_weights(self.run_dir / FINAL_DIR, model=self.judged, step=self.step, meta=summary,
                      extra={CURVES_FILE: self._write_curves()})
         end_session(self.run_dir)
         self.note(f"training finished: {text} {advice}")
-        self.emit(Finished(step=self.step, val_centred_cosine=final["val_centred_cosine"]))
+        self.emit(Finished(step=self.step, val_centred_cosine=final[VAL_CENTRED_COSINE]))
         return summary

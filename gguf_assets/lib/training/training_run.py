@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from gguf_assets.lib.core import atomic, liveness, verify
+from gguf_assets.lib.core.metrics import VAL_CENTRED_COSINE
 from gguf_assets.lib.precompute.shards import shard_fingerprints
 from gguf_assets.lib.project import formats
 from gguf_assets.lib.project.layout import (
@@ -231,7 +232,7 @@ def record_finished_run(paths: ProjectPaths, fingerprint: str, *, settings_hash:
     atomic.write_json(paths.adapter_manifest, {"fingerprint": fingerprint,
                                                "run_dir": str(run_dir.relative_to(paths.root)),
                                                "final_weights": verify.record(weights, recorded_sha256),
-                                               "val_centred_cosine": val_centred_cosine,
+                                               VAL_CENTRED_COSINE: val_centred_cosine,
                                                "format": formats.TRAINING_RUN, "settings_hash": settings_hash})
 
 

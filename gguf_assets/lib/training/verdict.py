@@ -7,6 +7,8 @@ is limited by the steps, and more steps help before a wider adapter does (at wid
 
 from __future__ import annotations
 
+from gguf_assets.lib.core.metrics import VAL_CENTRED_COSINE
+
 GOOD = 0.9
 REFERENCE = 0.965  # the seed's RTX 5090 run with the trainer8 recipe
 # Still rising: at least this much gained over the last quarter of training.
@@ -15,8 +17,8 @@ RISING = 0.005
 
 def validation_curve(history: list[dict]) -> list[tuple[int, float]]:
     """(step, val centred cosine) of the training history's validations, in step order."""
-    return sorted((int(h["step"]), float(h["val_centred_cosine"])) for h in history or ()
-                  if "val_centred_cosine" in h and "step" in h)
+    return sorted((int(h["step"]), float(h[VAL_CENTRED_COSINE])) for h in history or ()
+                  if VAL_CENTRED_COSINE in h and "step" in h)
 
 
 def verdict(val_centred_cosine: float, curve: list[tuple[int, float]] | None = None, *,
