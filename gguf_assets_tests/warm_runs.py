@@ -247,8 +247,8 @@ _LOADER = WarmRuns(dict(os.environ))
 
 
 # The commands a loader forks: `run` (as the pipeline's own process) and the ones that read, check or describe a
-# project (`env` prints its exports, after creating its Dagster storage as `run` does).
-WARM_COMMANDS = ("run", "status", "verify", "runs", "estimate", "env")
+# project (`env` prints its exports, after creating its Dagster storage as `run` does), or take a snapshot of it.
+WARM_COMMANDS = ("run", "status", "verify", "runs", "estimate", "env", "snapshot")
 
 
 def trainer_popen(args: list[str], *, env: dict[str, str], warm: bool = True, **kwargs) -> subprocess.Popen:
