@@ -284,8 +284,9 @@ class LLaDAImageTeacher:
         self.dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
         quiet_libraries()
         encoder = folder / TEXT_ENCODER_DIR
+        allowed = settings.materials.trust_remote_code  # True here: checked above, and by the materials step
         with _written_for_transformers_4():
-            config = AutoConfig.from_pretrained(encoder, trust_remote_code=True)
+            config = AutoConfig.from_pretrained(encoder, trust_remote_code=allowed)
         self.queryformer = load_part(QueryFormer, folder / QUERYFORMER_DIR, device=device, dtype=self.dtype)
         self.projection = load_part(TextProjection, folder / PROJECTION_DIR, device=device, dtype=self.dtype)
         self.n_query = int(self.queryformer.meta_queries.shape[0])
@@ -303,7 +304,8 @@ class LLaDAImageTeacher:
                                             gpu_budget_gib=gpu_budget_gib)
             kwargs = {} if self.placement.device_map is None else {"device_map": self.placement.device_map,
                                                                     "max_memory": self.placement.max_memory or None}
-            self.model = (load_backbone or _load_backbone)(encoder, dtype=self.dtype, **kwargs)
+            self.model = (load_backbone or _load_backbone)(encoder, dtype=self.dtype, trust_remote_code=allowed,
+                                                           **kwargs)
         if self.placement.device_map is None:
             self.model.to(device)
         elif self.placement.strategy == "balanced":
@@ -390,9 +392,10 @@ def _written_for_transformers_4():
         yield
 
 
-def _load_backbone(encoder: Path, *, dtype: torch.dtype, **placement):
-    """The repo's own LLaDA2-MoE code (trust_remote_code, allowed by the caller), sdpa attention."""
+def _load_backbone(encoder: Path, *, dtype: torch.dtype, trust_remote_code: bool, **placement):
+    """The repo's own LLaDA2-MoE code (``trust_remote_code``: materials.trust_remote_code, which the caller
+    checked), sdpa attention."""
     from transformers import AutoModel
 
-    return AutoModel.from_pretrained(encoder, dtype=dtype, use_safetensors=True, trust_remote_code=True,
+    return AutoModel.from_pretrained(encoder, dtype=dtype, use_safetensors=True, trust_remote_code=trust_remote_code,
                                      attn_implementation="sdpa", **placement)
