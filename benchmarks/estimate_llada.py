@@ -4,11 +4,12 @@ written into the configs and no weights, so the estimate builds the LLaDA2-MoE t
 the repo's code (materials.trust_remote_code on) and sizes the QueryFormer and the text projection from their
 configs.
 
-    .venv/bin/python benchmarks/estimate_llada.py
+    .venv/bin/python benchmarks/estimate_llada.py [--quick]
 
 Prints `gguf-trainer estimate --gpus ...`'s lines on 1 x 24, 1 x 32 + 1 x 6 (the seed's RTX 5090 + RTX 4050) and
 1 x 80 GiB, with 64 GiB of CPU RAM. Building the 16B-parameter backbone on the meta device (256 experts in each of
-19 layers) takes tens of seconds on 2 cores: this is a script, not a test.
+19 layers) takes tens of seconds on 2 cores. ``--quick`` (the suite's test) plans a cut-down shape instead: 4 layers of
+16 experts, on the same three GPU sets.
 """
 
 from __future__ import annotations
@@ -34,18 +35,20 @@ QUERYFORMER = dict(hidden_size=2048, num_queries=256, num_attention_heads=16, in
                    num_hidden_layers=1)
 TEXT_PROJECTION = dict(hidden_size=2048, intermediate_size=8960, num_attention_heads=32, norm_eps=1e-6,
                        num_hidden_layers=6, projection_dim=2560)
+QUICK = dict(vocab_size=32768, num_hidden_layers=4, num_experts=16)  # the same parts, a few GiB
 GPU_SETS = ([24.0], [32.0, 6.0], [80.0])
 CPU_RAM = 64 * GIB
 
 
-def shaped_repo(root: Path) -> Path:
+def shaped_repo(root: Path, *, quick: bool = False) -> Path:
     from llada_repo import build_tiny_llada_repo
 
     repo = build_tiny_llada_repo(root / "LLaDA-Image-Turbo")
     for weights in repo.rglob("*.safetensors"):
         weights.unlink()
     (repo / "text_encoder" / "model.safetensors.index.json").unlink(missing_ok=True)
-    for part, sizes in (("text_encoder", TEXT_ENCODER), ("queryformer", QUERYFORMER),
+    encoder = {**TEXT_ENCODER, **(QUICK if quick else {})}
+    for part, sizes in (("text_encoder", encoder), ("queryformer", QUERYFORMER),
                         ("text_projection", TEXT_PROJECTION)):
         config = repo / part / "config.json"
         config.write_text(json.dumps({**json.loads(config.read_text()), **sizes}, indent=2))
@@ -53,13 +56,18 @@ def shaped_repo(root: Path) -> Path:
 
 
 def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a cut-down shape (the suite's test)")
+    quick = parser.parse_args().quick
     os.environ.setdefault("HF_MODULES_CACHE", tempfile.mkdtemp(prefix="hf-modules-"))
     from gguf_assets.lib.project.layout import ProjectPaths
     from gguf_assets.lib.project.settings import Settings
     from gguf_assets.lib.status.estimate import estimate_lines
 
     with tempfile.TemporaryDirectory() as tmp:
-        repo = shaped_repo(Path(tmp))
+        repo = shaped_repo(Path(tmp), quick=quick)
         project = Path(tmp) / "project"
         project.mkdir()
         settings = Settings.model_validate({"materials": {"teacher": str(repo), "trust_remote_code": True},

@@ -393,3 +393,12 @@ def test_feedback_benchmark_shows_the_first_line_at_once_and_stops_cleanly(finis
     assert stop_rule and first_rule and out.count("rule: ") == 2, out
     _follows(stop_rule.group(2), (float(stop.group(1)), "<", float(stop_rule.group(1)), 0.01))
     _follows(first_rule.group(2), (first_line, "<", float(first_rule.group(1)), 0.01))
+
+
+@pytest.mark.slow  # a few seconds: an LLaDA-Image-shaped text encoder built on the meta device by its own code
+def test_the_llada_estimate_sizes_the_text_stack_and_places_its_backbone():
+    out = _run("estimate_llada.py", "--quick")
+    sections = re.split(r"^--gpus ", out, flags=re.M)[1:]
+    assert [s.split()[0] for s in sections] == ["24", "32,6", "80"], out
+    assert all("text encoder, QueryFormer and text projection" in s and "by the repo's code" in s for s in sections)
+    assert all("teacher placement sequential" in s and "teacher placement balanced" in s for s in sections), out
