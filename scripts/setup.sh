@@ -34,9 +34,17 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/python -m uv pip install --quiet --python .venv/bin/python "${find_links[@]}" \
     -e '.[test,cluster]' "torch==2.13.0" pip
   # The peer app, an outside oracle for the LLaDA-Image teacher's QueryFormer and text projection
-  # (gguf_assets_tests/lib/test_llada_teacher.py): only its torch modules are used, so none of its dependencies
-  # (datasets, pyarrow, gguf-connector, ...) are installed.
-  .venv/bin/python -m uv pip install --quiet --python .venv/bin/python --no-deps "gguf-trainer==0.0.14"
+  # (gguf_assets_tests/lib/precompute/test_llada_teacher.py): only its torch modules are used, so none of its
+  # dependencies (datasets, pyarrow, gguf-connector, ...) are installed. Apart, in .venv/oracle (the test puts it on
+  # sys.path): installed into the venv, its own `gguf-trainer` script replaced ours. A venv that has it there from
+  # before loses it, and gets our script back.
+  if .venv/bin/python -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("gguf_trainer") is None)'; then
+    .venv/bin/python -m uv pip uninstall --quiet --python .venv/bin/python gguf-trainer
+    .venv/bin/python -m uv pip install --quiet --python .venv/bin/python --no-deps --reinstall-package gguf_assets -e .
+  fi
+  rm -rf .venv/oracle
+  .venv/bin/python -m uv pip install --quiet --python .venv/bin/python --no-deps --target .venv/oracle \
+    "gguf-trainer==0.0.14"
   # Bytecode for what the pipeline, its servers and the tests import (3.5k of site-packages' 13.8k modules), written
   # by two processes that import it, one per core, whatever PYTHONDONTWRITEBYTECODE says (see scripts/test.sh): about
   # 12 s. Compiling all of site-packages took 25 s; leaving it all to the first imports made the suite's processes

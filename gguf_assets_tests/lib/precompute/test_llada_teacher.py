@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -29,6 +31,7 @@ from gguf_assets.lib.project.settings import Settings
 PROMPTS = ["a cat", "", "   ", "  a red fox leaping over a sleeping dog at dawn, oil on canvas, warm light  ",
            "two words", "a lighthouse in a storm"]
 CPU = torch.device("cpu")
+ORACLE = Path(sys.prefix) / "oracle"  # the peer app, gguf-trainer 0.0.14 (scripts/setup.sh)
 
 
 def _settings(repo, **precompute) -> Settings:
@@ -135,7 +138,13 @@ def test_batched_targets_match_a_one_prompt_reference_and_the_peer_apps_parts(re
     # The blank prompts are the empty prompt: its own template, not "Generate an image: ".
     assert torch.equal(batched[1], batched[2])
 
-    from gguf_trainer.llada_teacher import QueryFormer, TextProjection, load_diffusers_module
+    import sys
+
+    sys.path.insert(0, str(ORACLE))  # scripts/setup.sh installs the peer app there, apart from the project's scripts
+    try:
+        from gguf_trainer.llada_teacher import QueryFormer, TextProjection, load_diffusers_module
+    finally:
+        sys.path.remove(str(ORACLE))
 
     peer_qf = load_diffusers_module(QueryFormer, repo / "queryformer", CPU, torch.float32)
     peer_proj = load_diffusers_module(TextProjection, repo / "text_projection", CPU, torch.float32)
