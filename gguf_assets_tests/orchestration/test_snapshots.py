@@ -27,20 +27,27 @@ def _metadata(path: Path) -> dict:
     return {field.name: field.contents() for field in reader.fields.values() if field.name.startswith("adapter.")}
 
 
-def test_a_snapshot_mid_run_changes_nothing_and_a_kill_during_one_leaves_no_gguf(shards_done_project, reference_run,
-                                                                                 tmp_path, capsys):
-    project = shards_done_project  # the reference run's project, before training: its run trains and exports
+def _run_held_at_the_stall(root: Path, tmp_path: Path) -> subprocess.Popen:
+    """`gguf-trainer run` of ``root``, returned once its trainer is held at step STALL_AT (for STALL_S seconds)."""
     reached = tmp_path / "reached"
     reached.mkdir()
     env = cli_env(**{faults.ENV: f"train-step@{STALL_AT}:stall:{STALL_S}", faults.REACHED_ENV: str(reached)})
-    run = trainer_popen(["run", str(project.root)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                        text=True, start_new_session=True)
+    run = trainer_popen(["run", str(root)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                        start_new_session=True)
+    deadline = time.monotonic() + 300
+    while not list(reached.glob("train-step.*")):
+        if run.poll() is not None or time.monotonic() > deadline:
+            run.kill()
+            raise AssertionError(f"training never reached the stall: {run.communicate()[0]}")
+        time.sleep(0.1)
+    return run
+
+
+def test_a_snapshot_mid_run_changes_nothing_and_a_kill_during_one_leaves_no_gguf(shards_done_project, reference_run,
+                                                                                 tmp_path, capsys):
+    project = shards_done_project  # the reference run's project, before training: its run trains and exports
+    run = _run_held_at_the_stall(project.root, tmp_path)
     try:
-        deadline = time.monotonic() + 300
-        while not list(reached.glob("train-step.*")):
-            assert run.poll() is None, run.stdout.read()
-            assert time.monotonic() < deadline, "training never reached the stall"
-            time.sleep(0.1)
         # In this process (torch already imported): the request is written within the stall.
         capsys.readouterr()
         assert trainer_main(["snapshot", str(project.root)]) == 0
@@ -92,17 +99,8 @@ def test_lowering_the_steps_mid_run_ends_it_now_with_an_exported_and_evaluated_g
     from gguf_assets.lib.project.settings import load_settings, replace, write_project_file
 
     project = shards_done_project
-    reached = tmp_path / "reached"
-    reached.mkdir()
-    env = cli_env(**{faults.ENV: f"train-step@{STALL_AT}:stall:{STALL_S}", faults.REACHED_ENV: str(reached)})
-    run = trainer_popen(["run", str(project.root)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                        text=True, start_new_session=True)
+    run = _run_held_at_the_stall(project.root, tmp_path)
     try:
-        deadline = time.monotonic() + 300
-        while not list(reached.glob("train-step.*")):
-            assert run.poll() is None, run.stdout.read()
-            assert time.monotonic() < deadline, "training never reached the stall"
-            time.sleep(0.1)
         lowered = STALL_AT // 2
         write_project_file(project.root, replace(load_settings(project.root), training={"steps": lowered}))
         output, _ = run.communicate(timeout=300)
