@@ -46,7 +46,6 @@ from gguf_assets.lib.materials.teacher_layout import (
     TEXT_ENCODER_DIR,
     TOKENIZER_DIR,
 )
-from gguf_assets.lib.precompute.batching import pack_batches
 from gguf_assets.lib.precompute.teacher import (
     OnBatch,
     TeacherError,
@@ -57,6 +56,7 @@ from gguf_assets.lib.precompute.teacher import (
     pad_token_id,
     plan_placement,
     summarize_placement,
+    targets_in_batches,
 )
 from gguf_assets.lib.project.settings import Settings
 
@@ -347,22 +347,12 @@ class LLaDAImageTeacher:
     def encode(self, prompts: list[str], *, dtype: torch.dtype = torch.float32,
                on_batch: OnBatch | None = None) -> TeacherTargets:
         """[n, Q, P] targets in the order of ``prompts``."""
-        p = self.settings.precompute
         tokens, truncated = self.tokenize(prompts)
         if truncated:
             log.warning("%d of %d prompts are longer than the teacher's %d prompt positions; they were truncated",
                         truncated, len(prompts), self.max_prompt_tokens)
-        out = torch.empty(len(prompts), self.n_query, self.dim, dtype=dtype)
-        peak = 0.0
-        for batch in pack_batches([len(t) for t in tokens], max_batch=p.teacher_batch,
-                                  token_budget=p.token_budget, extra_tokens=self.n_query):
-            rows = [tokens[i] for i in batch]
-            picked = self.forward_batch(rows).float().cpu()
-            peak = max(peak, float(picked.abs().max()) if torch.isfinite(picked).all() else float("inf"))
-            out[batch] = picked.to(dtype)
-            if on_batch:
-                on_batch(len(batch), sum(len(r) for r in rows))
-        return TeacherTargets(out, sum(len(t) for t in tokens), truncated, peak)
+        return targets_in_batches(tokens, truncated, self.forward_batch, shape=(self.n_query, self.dim),
+                                  settings=self.settings, dtype=dtype, on_batch=on_batch)
 
 
 def backbone_mask(keep: torch.Tensor, text_positions: int, dtype: torch.dtype) -> torch.Tensor:

@@ -453,26 +453,39 @@ class HFTeacher:
     def encode(self, prompts: list[str], *, dtype: torch.dtype = torch.float32,
                on_batch: OnBatch | None = None) -> TeacherTargets:
         """[n, Q, D] targets in the order of ``prompts``."""
-        p = self.settings.precompute
         tokens, truncated = self.tokenize(prompts)
         if truncated:
             log.warning("%d of %d prompts are longer than the teacher's %d prompt positions (%d minus %d query rows); "
                         "they were truncated", truncated, len(prompts), self.max_prompt_tokens,
                         self.max_prompt_tokens + self.n_query, self.n_query)
-        out = torch.empty(len(prompts), self.n_query, self.dim, dtype=dtype)
-        peak = 0.0
-        for batch in pack_batches([len(t) for t in tokens], max_batch=p.teacher_batch,
-                                  token_budget=p.token_budget, extra_tokens=self.n_query):
-            rows = [tokens[i] for i in batch]
+
+        def targets_of(rows: list[list[int]]) -> torch.Tensor:
             embeds, mask, positions = self.assemble(rows)
             hidden = self.forward_batch(embeds, mask)
-            index = positions.to(hidden.device)[..., None].expand(-1, -1, self.dim)
-            picked = hidden.gather(1, index).float().cpu()
-            peak = max(peak, float(picked.abs().max()) if torch.isfinite(picked).all() else float("inf"))
-            out[batch] = picked.to(dtype)
-            if on_batch:
-                on_batch(len(batch), sum(len(r) for r in rows))
-        return TeacherTargets(out, sum(len(t) for t in tokens), truncated, peak)
+            return hidden.gather(1, positions.to(hidden.device)[..., None].expand(-1, -1, self.dim))
+
+        return targets_in_batches(tokens, truncated, targets_of, shape=(self.n_query, self.dim), settings=self.settings,
+                                  dtype=dtype, on_batch=on_batch)
+
+
+def targets_in_batches(tokens: list[list[int]], truncated: int, targets_of: Callable[[list[list[int]]], torch.Tensor],
+                       *, shape: tuple[int, int], settings: Settings, dtype: torch.dtype,
+                       on_batch: OnBatch | None) -> TeacherTargets:
+    """[n, Q, D] targets of prompts of token ids ``tokens``, in their order: packed by length under the token budget
+    (batching.pack_batches), each batch's [B, Q, D] from ``targets_of(rows)``, with the peak |target| (inf when one is
+    not finite). Every teacher kind batches this way."""
+    p = settings.precompute
+    out = torch.empty(len(tokens), *shape, dtype=dtype)
+    peak = 0.0
+    for batch in pack_batches([len(t) for t in tokens], max_batch=p.teacher_batch, token_budget=p.token_budget,
+                              extra_tokens=shape[0]):
+        rows = [tokens[i] for i in batch]
+        picked = targets_of(rows).float().cpu()
+        peak = max(peak, float(picked.abs().max()) if torch.isfinite(picked).all() else float("inf"))
+        out[batch] = picked.to(dtype)
+        if on_batch:
+            on_batch(len(batch), sum(len(r) for r in rows))
+    return TeacherTargets(out, sum(len(t) for t in tokens), truncated, peak)
 
 
 class MockTeacher:
