@@ -315,6 +315,10 @@ def test_train_benchmark_prints_its_ratios_and_applies_its_own_rule():
         out, "reader, page cache evicted: read_torch # MB/s, raw sequential reads # MB/s over # MB -> ratio # "
              "(the reference pace needs about 200 MB/s)")[:4]
     assert min(reader, raw, mb) > 0 and _quotient_ok(reader_ratio, reader, raw, unit_a=1, unit_b=1, unit_q=0.01), out
+    shared_ms, per_prompt_ms, speedup = _figures(
+        out, "demo-shaped step: query rows shared by the batch # ms, copied per prompt # ms -> speedup #x")
+    assert min(shared_ms, per_prompt_ms) > 0, out
+    assert _quotient_ok(speedup, per_prompt_ms, shared_ms, unit_a=0.1, unit_b=0.1, unit_q=0.01), out
 
     (rule_rss, max_rss, rule_overhead, max_overhead, rule_reader, min_reader), verdict = _verdict(
         out, "rule: peak RSS ratio # <= # and trainer overhead best-vs-best #% <= #% and reader / raw # >= #")

