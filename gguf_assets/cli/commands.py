@@ -12,6 +12,7 @@ import time
 
 from gguf_assets.cli.processes import DAGSTER_NOISE, RUN_CHILD_ENV, WithoutLines, run_in_own_process_group
 from gguf_assets.cli.prologue import quiet_exit_while_loading
+from gguf_assets.cli.runs import add_parser as add_runs_parser
 from gguf_assets.cli.services import (
     SERVICES_LOCK,
     SERVICES_LOG,
@@ -26,12 +27,18 @@ from gguf_assets.cli.services import (
     tensorboard_command,
     webserver_command,
 )
-from gguf_assets.lib.core import faults
+from gguf_assets.lib.core import atomic, faults
 from gguf_assets.lib.core.commands import trainer, venv_tool
 from gguf_assets.lib.core.errors import ProjectNotWritable, UserError, os_refusal_message, write_refusal
-from gguf_assets.lib.core.lock import hold_services
+from gguf_assets.lib.core.lock import hold_services, holder
 from gguf_assets.lib.core.metrics import VAL_CENTRED_COSINE
-from gguf_assets.lib.project.layout import ProjectPaths
+from gguf_assets.lib.demo import DEMO_STEPS
+from gguf_assets.lib.materials.hub import token_from_env
+from gguf_assets.lib.materials.hub_shapes import quick_options
+from gguf_assets.lib.materials.materials import load_manifest
+from gguf_assets.lib.output import snapshots
+from gguf_assets.lib.precompute.shards import require_current
+from gguf_assets.lib.project.layout import ProjectPaths, check_output_folders
 from gguf_assets.lib.project.settings import (
     SECTION_HINTS,
     Settings,
@@ -39,8 +46,33 @@ from gguf_assets.lib.project.settings import (
     load_settings,
     write_project_file,
 )
+from gguf_assets.lib.status.estimate import (
+    estimate,
+    estimate_lines,
+    kept_steps_text,
+    missing_piece,
+    parse_gpu_sizes,
+    peak_gib,
+    size_text,
+)
+from gguf_assets.lib.status.pace import pace_lines
+from gguf_assets.lib.status.states import State, status_view, where_stopped, with_running
+from gguf_assets.lib.status.time_estimate import time_lines
 from gguf_assets.lib.telemetry.curves_log import TENSORBOARD_DIR, TENSORBOARD_URL_ENV, tensorboard_timeseries_url
+from gguf_assets.lib.telemetry.hardware import AUTO_WORKERS as AUTO
+from gguf_assets.lib.training.kept_steps import kept_steps
+from gguf_assets.lib.training.training_run import planned_adapter_run
+from gguf_assets.orchestration.cluster import (
+    QUEUES,
+    ClusterError,
+    ClusterSettings,
+    cluster_file,
+    load_cluster,
+    write_cluster,
+)
 from gguf_assets.orchestration.diagnosis import dagster_storage_problem
+from gguf_assets.orchestration.outages import PipelineFailed
+from gguf_assets.pipeline.groups import lineage_path
 
 INIT_HEADER = """gguf_assets project settings. Every key is documented in docs/settings.md.
 Materials are hub repo ids (owner/name, optionally @revision) or local folders (relative to this folder).
@@ -66,10 +98,6 @@ def cmd_init(args: argparse.Namespace) -> int:
 def _print_status(paths: ProjectPaths, *, ask_hub: bool = False) -> None:
     """Every stage's state, and "will it fit?" while shards are missing. ``ask_hub``: read a hub id's config from
     the hub when the project's .cache lacks it (`status` itself; after a run, the run's own outcome comes first)."""
-    from gguf_assets.lib.core.lock import holder
-    from gguf_assets.lib.status.pace import pace_lines
-    from gguf_assets.lib.status.states import State, status_view, with_running
-
     settings = load_settings(paths.root)
     view = status_view(paths, settings)  # the pace lines reuse its shard plans: the corpus is read once
     stages = with_running(view.stages, holder(paths.lock_file))
@@ -84,10 +112,6 @@ def _print_status(paths: ProjectPaths, *, ask_hub: bool = False) -> None:
 def _memory_line(paths: ProjectPaths, settings, *, ask_hub: bool) -> str:
     """The memory estimate in one status line (`gguf-trainer estimate DIR` has the details); a hub that does not
     answer within a few seconds makes it one line saying so, never a slow or failed status."""
-    from gguf_assets.lib.materials.hub import token_from_env
-    from gguf_assets.lib.materials.hub_shapes import quick_options
-    from gguf_assets.lib.status.estimate import estimate, missing_piece, peak_gib, size_text
-
     try:  # the HF token the materials step sends; never printed
         lines = estimate(paths, settings, token=token_from_env(), options=quick_options(), ask_hub=ask_hub)
     except (UserError, OSError, ValueError, KeyError) as exc:
@@ -106,8 +130,6 @@ VERIFY_PROGRESS_S = 2.0  # how often `verify` prints how far it is
 
 def _workers(value: str) -> int | str:
     """`--workers`: a count of at least 1, or auto."""
-    from gguf_assets.lib.telemetry.hardware import AUTO_WORKERS as AUTO
-
     if value == AUTO or (value.isdigit() and int(value) >= 1):
         return value if value == AUTO else int(value)
     raise argparse.ArgumentTypeError(f"{value!r}: give a number of workers (1 or more) or {AUTO}")
@@ -122,7 +144,6 @@ def _run(paths: ProjectPaths, *, workers: int | str | None = None, cancel_on_sto
                                          *(["--cancel-on-stop"] if cancel_on_stop else [])], stop=stop)
     faults.point("pipeline-load")  # before any stop handler of this process: a stop here kills it
     from gguf_assets.orchestration.launching import run_pipeline
-    from gguf_assets.orchestration.outages import PipelineFailed
 
     sys.stderr = WithoutLines(sys.stderr, DAGSTER_NOISE)
 
@@ -143,8 +164,6 @@ def _run(paths: ProjectPaths, *, workers: int | str | None = None, cancel_on_sto
 
 
 def _where_stopped(paths: ProjectPaths) -> str:
-    from gguf_assets.lib.status.states import where_stopped
-
     try:
         return where_stopped(paths, load_settings(paths.root))
     except SettingsError:
@@ -152,8 +171,6 @@ def _where_stopped(paths: ProjectPaths) -> str:
 
 
 def _print_results(paths: ProjectPaths) -> None:
-    from gguf_assets.lib.core import atomic
-
     settings = load_settings(paths.root)
     report_file = paths.report_json(settings)
     if report_file.is_file():
@@ -167,8 +184,6 @@ def _print_results(paths: ProjectPaths) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from gguf_assets.lib.project.layout import check_output_folders
-
     paths = ProjectPaths.of(args.project)
     # A read-only project (a copy on read-only media, another user's folder) is refused before anything loads or
     # starts, with the one line that says so; `status`, `runs` and `verify` read it as usual.
@@ -199,7 +214,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from gguf_assets.lib.demo.demo import DEMO_STEPS, build_demo_materials, demo_settings
+    from gguf_assets.lib.demo.demo import build_demo_materials, demo_settings
 
     start = time.perf_counter()
     paths = ProjectPaths.of(args.project)
@@ -220,7 +235,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_ui(args: argparse.Namespace) -> int:
     from gguf_assets.orchestration.instance import prepare_instance, size_gpu_pool
-    from gguf_assets.pipeline.groups import lineage_path
 
     paths = ProjectPaths.of(args.project)
     load_settings(paths.root)
@@ -349,10 +363,6 @@ def cmd_auto_resume(project: str, *, daemon: bool, ui_port: int | None = None, u
 
 def cmd_estimate(args: argparse.Namespace) -> int:
     """How much memory the project's pair needs, from the safetensors headers, before anything loads."""
-    from gguf_assets.lib.materials.hub import token_from_env
-    from gguf_assets.lib.status.estimate import estimate, estimate_lines, kept_steps_text, parse_gpu_sizes
-    from gguf_assets.lib.status.time_estimate import time_lines
-
     paths = ProjectPaths.of(args.project)
     settings = load_settings(paths.root)
     sizes = parse_gpu_sizes(args.gpus) if args.gpus is not None else None
@@ -366,8 +376,6 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
 def cmd_cluster(args: argparse.Namespace) -> int:
     """Keep the project's Dagster records in Postgres (or, with --off, back in the embedded SQLite)."""
-    from gguf_assets.orchestration.cluster import ClusterSettings, cluster_file, write_cluster
-
     paths = ProjectPaths.of(args.project)
     load_settings(paths.root)
     if args.off:
@@ -400,7 +408,6 @@ def cmd_cluster(args: argparse.Namespace) -> int:
 
 def cmd_worker(args: argparse.Namespace) -> int:
     """A cluster worker: take this project's runs from the Celery queues and execute them here, one at a time."""
-    from gguf_assets.orchestration.cluster import QUEUES, ClusterError, load_cluster
     from gguf_assets.orchestration.instance import prepare_instance
 
     paths = ProjectPaths.of(args.project)
@@ -469,12 +476,6 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def cmd_snapshot(args: argparse.Namespace) -> int:
     """A GGUF of the adapter as it is now (or at its best, or a kept step), while training runs or after."""
-    from gguf_assets.lib.materials.materials import load_manifest
-    from gguf_assets.lib.output import snapshots
-    from gguf_assets.lib.precompute.shards import require_current
-    from gguf_assets.lib.training.kept_steps import kept_steps
-    from gguf_assets.lib.training.training_run import planned_adapter_run
-
     paths = ProjectPaths.of(args.project)
     settings = load_settings(paths.root)
     materials = load_manifest(paths)
@@ -519,13 +520,20 @@ def build_parser() -> argparse.ArgumentParser:
                         help="with --auto-resume: also serve the Dagster UI on this port, from the start")
     parser.add_argument("--ui-host", default="127.0.0.1", help="with --ui-port: the address to listen on")
     sub = parser.add_subparsers(dest="command")
+    for add_verbs in (_pipeline_verbs, _output_verbs, _cluster_verbs, _upkeep_verbs, _service_verbs):
+        add_verbs(sub)
+    return parser
+
+
+def _pipeline_verbs(sub) -> None:
+    """init, demo, run, status and runs: a project and its pipeline."""
     p = sub.add_parser("init", help="create a project folder with a commented project.yaml")
     p.add_argument("project")
     p.add_argument("--force", action="store_true", help="overwrite an existing project.yaml")
     p.set_defaults(func=cmd_init)
     p = sub.add_parser("demo", help="build the tiny demo project and run the whole pipeline on it")
     p.add_argument("project", nargs="?", default="demo-project")
-    p.add_argument("--steps", type=int, default=None, help="training steps (default: the demo's DEMO_STEPS, 1000)")
+    p.add_argument("--steps", type=int, default=None, help=f"training steps (default: the demo's {DEMO_STEPS})")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_demo)
     p = sub.add_parser("run", help="materialize everything missing or stale, through Dagster")
@@ -539,9 +547,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("status", help="show which stages are current, stale or missing")
     p.add_argument("project")
     p.set_defaults(func=cmd_status)
-    from gguf_assets.cli.runs import add_parser as add_runs_parser
-
     add_runs_parser(sub)
+
+
+def _output_verbs(sub) -> None:
+    """snapshot and estimate: a GGUF now, and the memory a run will need."""
     p = sub.add_parser("snapshot", help="a GGUF of the adapter now (or --best, or a kept --step N), also while it "
                                         "trains")
     p.add_argument("project")
@@ -557,6 +567,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus", metavar="GIB,GIB", default=None,
                    help="plan for these GPUs, GiB each (for example 24,24); default: this machine's")
     p.set_defaults(func=cmd_estimate)
+
+
+def _cluster_verbs(sub) -> None:
+    """cluster and worker: the project's records in Postgres, its runs on Celery workers."""
     p = sub.add_parser("cluster", help="keep the project's Dagster records in Postgres (docs/cluster.md)")
     p.add_argument("project")
     p.add_argument("--postgres-url-env", default="GGUF_ASSETS_POSTGRES_URL",
@@ -572,6 +586,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the queues to take runs from (default gpu,cpu; a machine without a GPU: cpu)")
     p.add_argument("--name", default=None, help="the worker's Celery name (default gguf-<pid>@<host name>)")
     p.set_defaults(func=cmd_worker)
+
+
+def _upkeep_verbs(sub) -> None:
+    """verify and env: the project's files checked, and the Dagster CLI's environment."""
     p = sub.add_parser("verify", help="re-read every file the project reuses or delivered against its sha256")
     p.add_argument("project")
     p.add_argument("--repair", action="store_true",
@@ -580,6 +598,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("env", help="print the environment the Dagster CLI needs for a project (eval it)")
     p.add_argument("project")
     p.set_defaults(func=cmd_env)
+
+
+def _service_verbs(sub) -> None:
+    """auto-resume and ui: the processes that stay up."""
     p = sub.add_parser("auto-resume", help="at boot: mark cut-off runs failed, continue the pipeline, keep "
                                            "dagster-daemon running (the same as --auto-resume PROJECT)")
     p.add_argument("project")
@@ -604,7 +626,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="another host name the studio and the Dagster UI may be opened under (a LAN name, a "
                         "tunnel); they answer only to 127.0.0.1, localhost, [::1] and --host otherwise")
     p.set_defaults(func=cmd_ui)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

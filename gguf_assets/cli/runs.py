@@ -8,9 +8,17 @@ import json
 import os
 from pathlib import Path
 
+from gguf_assets.lib.core import atomic
 from gguf_assets.lib.core.commands import trainer
 from gguf_assets.lib.core.errors import UserError
+from gguf_assets.lib.core.lock import holder
+from gguf_assets.lib.core.metrics import COMPARED, VAL_CENTRED_COSINE, WORST_ROW, WORST_ROW_COSINE
 from gguf_assets.lib.project.layout import ProjectPaths
+from gguf_assets.lib.project.settings import load_settings
+from gguf_assets.lib.status import runs
+from gguf_assets.lib.status.runs import RunState, compare_scores, shown_value, size_text
+from gguf_assets.lib.status.states import project_status, with_running
+from gguf_assets.lib.telemetry.progress import format_seconds
 
 DIFF_KEYS_SHOWN = 2  # in the table's "vs project.yaml" column; --diff RUN lists them all
 
@@ -39,8 +47,6 @@ class NoProject(UserError):
 
 
 def cmd_runs(args: argparse.Namespace) -> int:
-    from gguf_assets.lib.status import runs
-
     paths = ProjectPaths.of(args.project)
     if not paths.project_file.is_file():
         raise NoProject(f"{paths.project_file} does not exist: pass a project folder (`gguf-trainer init DIR` makes "
@@ -88,8 +94,6 @@ def _vs_settings(run) -> str:
     keys = [d for d in run.diff if d.result]
     if not keys:
         return "same settings, other shards"
-    from gguf_assets.lib.status.runs import shown_value
-
     shown = [f"{d.key}={shown_value(d.run)}" for d in keys[:DIFF_KEYS_SHOWN]]
     return ", ".join(shown) + (f" +{len(keys) - DIFF_KEYS_SHOWN} more" if len(keys) > DIFF_KEYS_SHOWN else "")
 
@@ -112,9 +116,6 @@ def _lineage_lines(run, view) -> list[str]:
 
 
 def _table(paths: ProjectPaths, view) -> None:
-    from gguf_assets.lib.status.runs import RunState, size_text
-    from gguf_assets.lib.telemetry.progress import format_seconds
-
     if not view.runs:
         print(f"{paths.root} has no training runs yet: `{trainer('run', paths.root)}` trains one")
     else:
@@ -174,8 +175,6 @@ def _diff(paths: ProjectPaths, run, *, as_json: bool) -> int:
 
 
 def _use(paths: ProjectPaths, ref: str, *, as_json: bool) -> int:
-    from gguf_assets.lib.status import runs
-
     used = runs.use_run(paths, ref)
     if as_json:
         print(json.dumps(used.to_json(), indent=2))
@@ -191,10 +190,6 @@ def _use(paths: ProjectPaths, ref: str, *, as_json: bool) -> int:
 
     if (problem := tell_dagster(paths, used)) is not None:
         print(f"  {problem}")
-    from gguf_assets.lib.core.lock import holder
-    from gguf_assets.lib.project.settings import load_settings
-    from gguf_assets.lib.status.states import project_status, with_running
-
     for s in with_running(project_status(paths, load_settings(paths.root)), holder(paths.lock_file)):
         print(f"  {s.stage:<12} {s.state:<8} {s.detail}")  # as `gguf-trainer status` prints them
     return 0
@@ -202,10 +197,6 @@ def _use(paths: ProjectPaths, ref: str, *, as_json: bool) -> int:
 
 def _compare(view, refs: list[str], *, svg: str | None, as_json: bool) -> int:
     import tempfile
-
-    from gguf_assets.lib.core import atomic
-    from gguf_assets.lib.core.metrics import COMPARED, VAL_CENTRED_COSINE, WORST_ROW, WORST_ROW_COSINE
-    from gguf_assets.lib.status.runs import compare_scores
 
     compared = compare_scores(view, refs)
     if as_json:

@@ -33,9 +33,14 @@ from gguf_assets.lib.core.errors import UserError
 from gguf_assets.lib.core.ggk_contract import ESCAPE_HINT
 from gguf_assets.lib.core.lock import ProjectLocked, holder
 from gguf_assets.lib.core.metrics import EMPTY_PROMPT_COSINE, VAL_CENTRED_COSINE
+from gguf_assets.lib.materials.hub import token_from_env
+from gguf_assets.lib.materials.hub_shapes import quick_options
+from gguf_assets.lib.materials.materials import load_manifest
+from gguf_assets.lib.output import snapshots  # by module: a test holds take_snapshot to see one change at a time
 from gguf_assets.lib.output.report import score_rows
+from gguf_assets.lib.precompute.shards import require_current
 from gguf_assets.lib.project import settings_file, settings_history
-from gguf_assets.lib.project.layout import ProjectPaths
+from gguf_assets.lib.project.layout import FINAL_DIR, META_FILE, ProjectPaths
 from gguf_assets.lib.project.manifests import DamagedRecord, Report
 from gguf_assets.lib.project.presets import PRESETS, preset, set_keys
 from gguf_assets.lib.project.settings import Settings, SettingsError, load_settings, settings_from_text
@@ -50,10 +55,27 @@ from gguf_assets.lib.status.runs import (
     use_run,
 )
 from gguf_assets.lib.status.stages import SHARD_STAGES, stage_title
-from gguf_assets.lib.status.states import ProjectView, State, adapter_fingerprint_of, status_view, with_running
+from gguf_assets.lib.status.states import (
+    ProjectView,
+    State,
+    adapter_fingerprint_of,
+    status_view,
+    where_stopped,
+    with_running,
+)
 from gguf_assets.lib.telemetry.curves_log import tensorboard_timeseries_url
-from gguf_assets.lib.telemetry.hardware import AUTO_WORKERS
+from gguf_assets.lib.telemetry.hardware import (
+    AUTO_WORKERS,
+    environment_report,
+    gpu_snapshot,
+    hardware_report,
+    host_snapshot,
+)
 from gguf_assets.lib.telemetry.live import merged_history, precompute_progress, training_progress
+from gguf_assets.lib.telemetry.render import curves_svg, sparkline_svg
+from gguf_assets.lib.training import kept_steps as kept
+from gguf_assets.lib.training.training_run import last_checkpoint_step, planned_adapter_run
+from gguf_assets.studio.last_run import last_run_view
 from gguf_assets.studio.settings_form import NUMBER_RULES, apply_form, form_sections, form_values
 from gguf_assets.studio.spare_run import SpareRun
 
@@ -163,8 +185,6 @@ def run_preview(paths: ProjectPaths, settings, stages: list, *, busy: bool, view
 
 
 def _checkpoint_step(paths: ProjectPaths, settings, view: ProjectView | None = None) -> int:
-    from gguf_assets.lib.training.training_run import last_checkpoint_step
-
     try:
         return last_checkpoint_step(paths, adapter_fingerprint_of(paths, settings, view))
     except (OSError, ValueError, KeyError, TypeError, UserError):
@@ -172,9 +192,6 @@ def _checkpoint_step(paths: ProjectPaths, settings, view: ProjectView | None = N
 
 
 def _last_run(paths: ProjectPaths, settings, feed: ObservationFeed, view: ProjectView | None = None) -> dict | None:
-    from gguf_assets.lib.status.states import where_stopped
-    from gguf_assets.studio.last_run import last_run_view
-
     try:
         return last_run_view(feed.instance(), lambda: where_stopped(paths, settings, view))
     except Exception:  # noqa: BLE001  the page stays up while the storage is busy or away
@@ -219,7 +236,6 @@ class ObservationFeed:
 
 def _saved_history(run_dir: Path) -> list[dict]:
     """A training run's history as it stands on disk: its final/ record, else its newest checkpoint's."""
-    from gguf_assets.lib.project.layout import FINAL_DIR, META_FILE
     from gguf_assets.lib.training.checkpoints import latest_checkpoint
 
     for folder in (run_dir / FINAL_DIR, latest_checkpoint(run_dir) if run_dir.is_dir() else None):
@@ -236,10 +252,6 @@ def training_view(paths: ProjectPaths, settings, live: list[dict] | None, *,
     """The Training metrics panel: the progress bar's figures and the loss and val curves against the step, for
     the training run these settings make (``live``: the running run's observations, None when none trains),
     else for the adapter last trained. ``view``: this question's status_view (its adapter fingerprint is used)."""
-    from gguf_assets.lib.project.layout import FINAL_DIR, META_FILE
-    from gguf_assets.lib.telemetry.render import curves_svg
-    from gguf_assets.lib.training.training_run import last_checkpoint_step
-
     try:
         fingerprint = adapter_fingerprint_of(paths, settings, view)
     except (OSError, ValueError, KeyError, TypeError, UserError):
@@ -266,9 +278,6 @@ def snapshots_view(paths: ProjectPaths, settings, view: ProjectView | None = Non
     (step<N> or best), the val centred cosine measured at that step, the GGUF's own eval score when it was scored,
     and the file. Read from the run's folder only (snapshots.json, steps/*/meta.json): cheap enough for every poll.
     None when there is nothing to train on yet (no materials, no corpus)."""
-    from gguf_assets.lib.output.snapshots import read_snapshots
-    from gguf_assets.lib.training import kept_steps as kept
-
     try:
         fingerprint = adapter_fingerprint_of(paths, settings, view)
     except (OSError, ValueError, KeyError, TypeError, UserError):
@@ -284,7 +293,7 @@ def snapshots_view(paths: ProjectPaths, settings, view: ProjectView | None = Non
             "step": step, "planned_steps": meta.get("planned_steps"), "weights": f"step{step}", "kept": True,
             "kept_by": meta.get("kept_by"), VAL_CENTRED_COSINE: meta.get(VAL_CENTRED_COSINE), "eval": None,
             "file": None, "size": None}
-    for entry in read_snapshots(run_dir):
+    for entry in snapshots.read_snapshots(run_dir):
         try:
             key = (int(entry["step"]), str(entry["weights"]))
             file = paths.located(entry["file"])
@@ -301,8 +310,6 @@ def snapshots_view(paths: ProjectPaths, settings, view: ProjectView | None = Non
 
 def hardware_now() -> dict:
     """Live hardware: every NVIDIA GPU (pynvml), the CPU's load and the RAM in use (psutil), read now."""
-    from gguf_assets.lib.telemetry.hardware import gpu_snapshot, host_snapshot
-
     host = host_snapshot()
     return {"cpu_pct": round(host["cpu_pct"], 1), "ram_used_gib": round(host["ram_used_gib"], 2),
             "ram_total_gib": round(host["ram_total_gib"], 1),
@@ -322,8 +329,6 @@ class LiveHardware:
         self._readings: deque[dict] = deque(maxlen=self.KEPT)
 
     def read(self) -> dict:
-        from gguf_assets.lib.telemetry.render import sparkline_svg
-
         now = hardware_now()
         self._readings.append(now)
         sparks = {"cpu": sparkline_svg([r["cpu_pct"] for r in self._readings], maximum=100.0),
@@ -337,8 +342,6 @@ class LiveHardware:
 
 def machine_view() -> dict:
     """The Hardware and Environment panels: devices and memory, library versions."""
-    from gguf_assets.lib.telemetry.hardware import environment_report, hardware_report
-
     return {"hardware": hardware_report(), "environment": environment_report()}
 
 
@@ -346,8 +349,6 @@ def memory_view(paths: ProjectPaths) -> dict:
     """The memory estimate (lib/status/estimate.py), as the page's Memory panel shows it, with where the
     teacher would go on this machine's GPUs and what that costs in speed (`gguf-trainer estimate`'s lines). A hub
     id not downloaded yet is read from the hub once (kept in the project's .cache), within a few seconds."""
-    from gguf_assets.lib.materials.hub import token_from_env
-    from gguf_assets.lib.materials.hub_shapes import quick_options
     from gguf_assets.lib.status.estimate import (
         estimate,
         kept_steps_text,
@@ -356,7 +357,6 @@ def memory_view(paths: ProjectPaths) -> dict:
         placement_lines,
         size_text,
     )
-    from gguf_assets.lib.telemetry.hardware import gpu_snapshot
 
     gpus = gpu_snapshot()
     hub_access = {"token": token_from_env(), "options": quick_options()}
@@ -722,16 +722,11 @@ def _runs_routes(studio: Studio) -> list[Route]:
 def _snapshot_target(paths: ProjectPaths, settings):
     """The materials, the folder of the training run these settings make, and its val shards (checked current),
     as `gguf-trainer snapshot` finds them."""
-    from gguf_assets.lib.materials.materials import load_manifest
-    from gguf_assets.lib.output.snapshots import SnapshotError
-    from gguf_assets.lib.precompute.shards import require_current
-    from gguf_assets.lib.training.training_run import planned_adapter_run
-
     materials = load_manifest(paths)
     run_dir = paths.checkpoints_dir(planned_adapter_run(paths, settings, materials).fingerprint)
     if not run_dir.is_dir():
-        raise SnapshotError("no training run of these settings has started yet: Run starts it, and a snapshot can "
-                            "be taken as soon as it trains")
+        raise snapshots.SnapshotError("no training run of these settings has started yet: Run starts it, and a "
+                                      "snapshot can be taken as soon as it trains")
     return materials, run_dir, require_current(paths, settings, materials, "val")
 
 
@@ -766,11 +761,9 @@ def _snapshot_routes(studio: Studio) -> list[Route]:
             return busy()
 
         def take() -> dict:
-            from gguf_assets.lib.output.snapshots import take_snapshot
-
             materials, run_dir, val_folders = _snapshot_target(paths, settings)
-            return take_snapshot(paths, settings, materials, run_dir, val_folders=val_folders, step=step, best=best,
-                                 evaluate=evaluate, say=logging.getLogger(__name__).info)
+            return snapshots.take_snapshot(paths, settings, materials, run_dir, val_folders=val_folders, step=step,
+                                           best=best, evaluate=evaluate, say=logging.getLogger(__name__).info)
 
         async with studio.snapshotting:
             entry = await run_in_threadpool(take)
@@ -788,12 +781,8 @@ def _snapshot_routes(studio: Studio) -> list[Route]:
             return busy()
 
         def remove() -> list[str]:
-            from gguf_assets.lib.materials.materials import load_manifest
-            from gguf_assets.lib.output.snapshots import delete_snapshot
-            from gguf_assets.lib.training.training_run import planned_adapter_run
-
             run = planned_adapter_run(paths, settings, load_manifest(paths)).fingerprint
-            return [str(paths.located(f)) for f in delete_snapshot(paths, paths.checkpoints_dir(run), step)]
+            return [str(paths.located(f)) for f in snapshots.delete_snapshot(paths, paths.checkpoints_dir(run), step)]
 
         async with studio.snapshotting:
             return JSONResponse({"deleted": await run_in_threadpool(remove), "step": step})

@@ -40,6 +40,7 @@ from gguf_assets.lib.core.ggk_contract import (
     STUDENT_ROPE_THETA,
 )
 from gguf_assets.lib.core.quiet import quiet_libraries
+from gguf_assets.lib.demo import DEMO_STEPS
 from gguf_assets.lib.materials.ggk_tokenizer import byte_symbols, qwen2_pre_tokenizer, tokenizer_from_merges
 from gguf_assets.lib.project.settings import Corpus, Materials, Output, Precompute, Settings, Training
 
@@ -629,11 +630,6 @@ def iter_prompts(dataset_dir: Path) -> Iterator[str]:
                 yield json.loads(line)["text"]
 
 
-# Since ggk's resampler (#55), measured on 2 busy cores (seed 0, the teacher reading LLaDA-Image's template, the
-# student's residual scale 0.1): 128 wide, lr 4e-3: 1000 steps 0.900, 1500 0.908; lr 6e-3: 1000 steps 0.904. 64 wide
-# (one head) stays near 0.84-0.86 at 1000 steps whatever else changes (two blocks 0.85, 4,000 prompts 0.85). Before
-# #55 (the product's own adapter, 4 heads of 16, reading the student's embeddings): 1000 steps 0.9137.
-DEMO_STEPS = 1200
 # A quarter of the demo's prompts in as many shards (4 train, 1 val), for replace(demo_settings(), **QUARTER_SIZES):
 # the tests' projects and the quick benchmarks', whose shard, resume and partition logic sees the demo's counts
 # while the teacher and student passes and each validation read a quarter of the text, and whose adapter has one
