@@ -71,6 +71,9 @@ from gguf_assets.orchestration.cluster import (
     write_cluster,
 )
 from gguf_assets.orchestration.diagnosis import dagster_storage_problem
+
+# What loads torch or dagster (seconds each) is imported in the command that needs it, so that `status`, `init`
+# and --help load neither (test_console.py checks `status`).
 from gguf_assets.orchestration.outages import PipelineFailed
 from gguf_assets.pipeline.groups import lineage_path
 

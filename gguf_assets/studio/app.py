@@ -79,6 +79,8 @@ from gguf_assets.studio.last_run import last_run_view
 from gguf_assets.studio.settings_form import NUMBER_RULES, apply_form, form_sections, form_values
 from gguf_assets.studio.spare_run import SpareRun
 
+# What loads torch or dagster is imported where it is used: the page starts without either.
+
 # What Run runs after `gguf-trainer run DIR`: the shards on every GPU of the machine, one worker each (one on a CPU
 # machine).
 RUN_ARGS = ["--workers", AUTO_WORKERS]
