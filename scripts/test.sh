@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up, then run the test suite.
-#   bash scripts/test.sh [-q]          the whole suite, as CI runs it: four processes on both cores
+#   bash scripts/test.sh [-q]          the whole suite, as CI runs it: five processes on both cores
 #                                      (pytest-xdist), then the tests marked `serial` (they time a user-facing bound) alone
 #   bash scripts/test.sh --fast        the fast loop: the tests marked neither slow nor serial, in three processes
 #   bash scripts/test.sh ARGS...       pytest ARGS as given, in one process (e.g. a test path, -k NAME)
@@ -15,12 +15,14 @@ unset PYTHONDONTWRITEBYTECODE
 # sdist once per machine and ggk version, cached outside the clone (~/.cache/gguf_assets; about 4 minutes the first
 # time on 2 cores, nothing after). Built here, before the tests, so no test's time limit covers the build.
 .venv/bin/python gguf_assets_tests/ggk/ggk_build.py
-# Four test processes on two cores: many tests wait (on a server to start, a stalled write, a daemon's tick, a
-# browser), and the other processes fill those waits. With three, the machine still sat idle 103 and 124 of its
-# about 1,350 CPU seconds (two runs, mostly in the first minutes, when the long waiting tests run side by side);
-# with four, 35 of 1,272 (scripts/suite_cpu.py, 2026-12-03). The fast loop has none of the waiting tests: three
-# processes there (89 s, against 94 and 102 s with four). GGUF_ASSETS_TEST_WORKERS changes either.
-WORKERS=${GGUF_ASSETS_TEST_WORKERS:-4}
+# Five test processes on two cores: many tests wait (on a server to start, a stalled write, a daemon's tick, a
+# browser, Postgres or Redis restarting), and the other processes fill those waits. With three, the machine still sat
+# idle 103 and 124 of its about 1,350 CPU seconds (2026-12-03, mostly in the first minutes, when the long waiting
+# tests run side by side); with four, 35 of 1,272 then, but 126 of 1,157 on 2026-12-05 once the cluster tests (real
+# Postgres and Redis, restarted under a run) ran beside the demo (640 s); with five, 32 of 1,224 (606 s; measured
+# with scripts/suite_cpu.py). The fast loop has none of the waiting tests: three processes there (89 s, against 94
+# and 102 s with four). GGUF_ASSETS_TEST_WORKERS changes either.
+WORKERS=${GGUF_ASSETS_TEST_WORKERS:-5}
 if [ "${1:-}" = "--fast" ]; then
   shift
   OMP_NUM_THREADS=1 exec .venv/bin/python -m pytest -n "${GGUF_ASSETS_TEST_WORKERS:-3}" --dist loadgroup --no-loadscope-reorder -m "not slow and not serial" "$@"
