@@ -861,6 +861,44 @@ def test_a_padded_batch_is_each_prompt_alone_as_ggk_runs_it():
             assert torch.allclose(batched[i], alone[0], atol=1e-5), n
 
 
+def test_rows_shared_by_the_batch_and_checkpointed_blocks_train_as_rows_copied_per_prompt():
+    """The first block reads the query rows once per batch (they are the same for every prompt until the first
+    cross-attention); with training.grad_checkpoint each block is recomputed in backward. Both give the loss and
+    every gradient of the rows copied per prompt, the plain forward, padding and all."""
+    from gguf_assets.lib.training.adapter import adapter_loss
+
+    lengths = [9, 4, 1]
+    g = torch.Generator().manual_seed(3)
+    states = torch.randn(len(lengths), max(lengths), STUDENT_DIM, generator=g)
+    mask = torch.arange(max(lengths))[None] < torch.tensor(lengths)[:, None]
+    targets = torch.randn(len(lengths), QUERY_ROWS, TARGET_DIM, generator=g)
+
+    def copied_per_prompt(model, states, mask):
+        kv = model.in_proj(states)
+        q = model.query.expand(states.shape[0], -1, -1)
+        for block in model.blocks:
+            q = block(q, kv, mask)
+        return model.out_proj(model.ln_out(q))
+
+    def loss_and_grads(forward, model):
+        model.train()
+        model.zero_grad()
+        loss = adapter_loss(forward(model, states, mask), targets, cosine_weight=0.5)
+        loss.backward()
+        return float(loss.detach()), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+    reference_loss, reference = loss_and_grads(copied_per_prompt, _random_adapter())
+    for checkpointed in (False, True):
+        model = _random_adapter()
+        model.grad_checkpoint = checkpointed
+        loss, grads = loss_and_grads(lambda m, s, k: m(s, k), model)
+        assert loss == pytest.approx(reference_loss, rel=1e-6), checkpointed
+        assert grads.keys() == reference.keys()
+        for name, grad in grads.items():
+            assert torch.allclose(grad, reference[name], atol=1e-6, rtol=1e-5), (checkpointed, name)
+    assert reference["query"].abs().sum() > 0  # the shared rows' gradient sums over the prompts, as the copies' did
+
+
 def test_the_loss_and_the_score_are_centred_on_each_rows_train_mean():
     """The loss reads trainer8's space (each (row, dim) centred on its train mean, scaled by its own std); the
     score is the centred cosine on the same centre, in teacher space."""
