@@ -20,7 +20,7 @@ from gguf_assets.defs.sensors import interrupted_runs_sensor, resume_sensor
 from gguf_assets.defs.settings import SETTINGS_ASSETS
 from gguf_assets.lib.core import faults
 from gguf_assets.lib.project.settings import PROJECT_FILE, SettingsError, load_settings
-from gguf_assets.pipeline.environment import EnvironmentMismatch, project_dir_from_env
+from gguf_assets.pipeline.environment import EnvironmentMismatch, let_step_lines_reach_the_console, project_dir_from_env
 from gguf_assets.pipeline.private_api import reuse_sqlite_engines
 
 
@@ -60,4 +60,5 @@ def _project_dir() -> str | None:
 
 faults.point("definitions-import")  # still importing: a stop now lands in a code server's load (tests)
 reuse_sqlite_engines()  # the code servers, Dagster's run processes and the Dagster CLI load this module first
+let_step_lines_reach_the_console()
 defs = build_definitions(_project_dir())

@@ -8,6 +8,17 @@ from gguf_assets.lib.project.layout import ProjectPaths
 from gguf_assets.lib.project.settings import PROJECT_FILE
 
 PROJECT_ENV = "GGUF_ASSETS_PROJECT"
+# Dagster mirrors a step's console lines to the terminal through a `tail -F` of its compute log, and ends the tail
+# as the step ends: on a busy machine the tail can be ended before it copied the step's last line, which for a
+# failed step is its one-line reason (seen once in the suite: dagster-io/dagster#23336). Dagster's own setting waits
+# this long first, at the end of each step; a value in the environment wins.
+STEP_LOG_TAIL_WAIT_ENV = "DAGSTER_COMPUTE_LOG_TAIL_WAIT_AFTER_FINISH"
+STEP_LOG_TAIL_WAIT_S = "0.25"
+
+
+def let_step_lines_reach_the_console() -> None:
+    """In every process that executes a step (each loads the definitions first): see STEP_LOG_TAIL_WAIT_ENV."""
+    os.environ.setdefault(STEP_LOG_TAIL_WAIT_ENV, STEP_LOG_TAIL_WAIT_S)
 
 
 class EnvironmentMismatch(UserError, RuntimeError):

@@ -396,3 +396,28 @@ def test_the_top_layer_check_finds_an_import_against_the_order():
         "gguf_assets.definitions (defs) -> gguf_assets.cli.commands (cli)",
         "gguf_assets.pipeline.plan (pipeline) -> gguf_assets.orchestration.launching (orchestration)",
     ]
+
+
+def test_every_process_that_loads_the_definitions_lets_a_step_s_last_line_reach_the_console(tmp_path):
+    """Dagster ends the `tail` that mirrors a step's lines to the terminal as the step ends, which once cut a failed
+    step's one-line reason from the console (test_console.py). Every process that executes a step loads the
+    definitions first, which set Dagster's own wait for that tail; a value the user set stays, and this Dagster still
+    reads the setting where it ends the tail."""
+    import os
+    import subprocess
+    import sys
+
+    from gguf_assets.pipeline.environment import STEP_LOG_TAIL_WAIT_ENV, STEP_LOG_TAIL_WAIT_S
+
+    # Read as text, not imported: Dagster's private modules are private_api.py's alone.
+    tail = (Path(dg.__file__).parent / "_core" / "execution" / "compute_logs.py").read_text()
+    assert f'os.getenv("{STEP_LOG_TAIL_WAIT_ENV}"' in tail
+    code = f"import os, gguf_assets.definitions; print(os.environ[{STEP_LOG_TAIL_WAIT_ENV!r}])"
+    base = {k: v for k, v in os.environ.items()
+            if k not in (STEP_LOG_TAIL_WAIT_ENV, "GGUF_ASSETS_PROJECT", "DAGSTER_HOME")}
+    for preset, expected in ((None, STEP_LOG_TAIL_WAIT_S), ("2", "2")):
+        env = dict(base, **({STEP_LOG_TAIL_WAIT_ENV: preset} if preset else {}))
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path,
+                              timeout=120)
+        assert done.returncode == 0 and done.stdout.strip() == expected, done.stdout + done.stderr
+    assert float(STEP_LOG_TAIL_WAIT_S) < 1  # paid at the end of every step
