@@ -171,7 +171,7 @@ class Adapter(TargetStatistics):
         kv = self.in_proj(states)
         # Batch 1: until the first cross-attention the rows are the same for every prompt, so the first block's
         # self-attention and cross-attention query run once per batch, not once per prompt (the same numbers:
-        # a depth-1 training step of the demo's shape took 132 ms, 82 ms with this; benchmarks/bench_train.py).
+        # a depth-1 training step of the demo's shape took 132 ms, 73 ms with this; benchmarks/bench_train.py).
         q = self.query[None].to(kv.dtype)
         for block in self.blocks:
             if self.grad_checkpoint and self.training:
