@@ -11,6 +11,9 @@
 4. A training step of the demo's adapter shape (Q=256, D=64, 128 wide, 1 block, batch 16) as the adapter runs it,
    the query rows shared by the batch until the first cross-attention, vs the same step with the rows copied per
    prompt first (the adapter before 2026-12-05). Printed, not ruled: the demo's training time follows it.
+5. The same demo-shaped step under bf16 autocast (training.precision: bf16, what "auto" picks on a device that
+   computes bf16 in hardware) vs in f32, with whether this machine has such hardware. Printed, not ruled: without
+   it, bf16 is emulated and slower.
 
 The rule (exit status 1 when it fails): the 10x peak RSS is at most 1.1x the 1x one (the target;
 it measures 1.00-1.03x), the trainer's overhead over the bare loop (best vs best) is at most
@@ -48,6 +51,7 @@ from gguf_assets.lib.project.settings import Settings, Training
 from gguf_assets.lib.training.adapter import adapter_loss, lr_at
 from gguf_assets.lib.training.events import LogStep
 from gguf_assets.lib.training.optimizer import adamw
+from gguf_assets.lib.training.precision import native_bf16, step_autocast, step_precision
 from gguf_assets.lib.training.train import adapter_shape, build_model, train_adapter
 from gguf_assets.lib.training.train_data import SampleOrder, ShardStream, collate, shard_size, target_stats
 
@@ -108,12 +112,16 @@ def bare_steps_per_s(folders: list[Path], settings: Settings) -> float:
     batches = [collate(stream.samples(s * t.batch_size, t.batch_size), torch.device("cpu")) for s in range(t.steps)]
     stream.close()
     model.train()
+    cpu = torch.device("cpu")
+    precision = step_precision(t.precision, cpu)  # the trainer's own
     windows = []
     window_start = time.perf_counter()
     for step, (states, mask, targets) in enumerate(batches):
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, peak=t.learning_rate, warmup=t.warmup_steps, total=t.steps)
-        loss = adapter_loss(model.loss_space(model(states, mask).float()), model.loss_targets(targets),
+        with step_autocast(precision, cpu):
+            pred = model(states, mask)
+        loss = adapter_loss(model.loss_space(pred.float()), model.loss_targets(targets),
                             cosine_weight=t.cosine_weight)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -126,9 +134,8 @@ def bare_steps_per_s(folders: list[Path], settings: Settings) -> float:
     return sorted(windows[1:])[len(windows[1:]) // 2]
 
 
-def shared_rows_speedup(*, rounds: int, steps: int = 10) -> dict:
-    """Section 4: seconds per training step, best of ``rounds``, alternating the two forwards. The numbers are the
-    same (a batch-1 row broadcasts); only the work differs."""
+def demo_shaped_step():
+    """A fresh adapter of the demo's shape, its optimizer and one batch: (model, optimizer, states, mask, targets)."""
     from gguf_assets.lib.training.adapter import Adapter, AdapterShape
 
     torch.manual_seed(0)
@@ -136,29 +143,63 @@ def shared_rows_speedup(*, rounds: int, steps: int = 10) -> dict:
     optimizer = adamw(model.parameters(), lr=1e-3, weight_decay=0.0)
     states, targets = torch.randn(16, 80, 48), torch.randn(16, 256, 64)
     mask = torch.arange(80)[None] < torch.randint(20, 81, (16,))[:, None]
+    return model, optimizer, states, mask, targets
 
-    def rows_per_prompt(states: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        kv = model.in_proj(states)
-        q = model.query.expand(states.shape[0], -1, -1)
-        for block in model.blocks:
-            q = block(q, kv, mask)
-        return model.out_proj(model.ln_out(q))
 
-    def seconds_per_step(forward) -> float:
-        start = time.perf_counter()
-        for _ in range(steps):
-            loss = adapter_loss(forward(states, mask), targets, cosine_weight=0.1)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-        return (time.perf_counter() - start) / steps
+def ms_per_step(forward, optimizer, states, mask, targets, *, steps: int) -> float:
+    """Milliseconds per training step (``forward``, the loss, backward, the optimizer) on one batch."""
+    start = time.perf_counter()
+    for _ in range(steps):
+        loss = adapter_loss(forward(states, mask).float(), targets, cosine_weight=0.1)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+    return 1000 * (time.perf_counter() - start) / steps
 
-    seconds_per_step(model)  # warm-up
-    shared, per_prompt = [], []
+
+def best_of_alternating(first, second, *, rounds: int, steps: int) -> tuple[float, float]:
+    """The best milliseconds per step of two forwards over ``rounds`` alternating rounds, after a warm-up, so a
+    noisy neighbour hurts both alike."""
+    model, optimizer, states, mask, targets = demo_shaped_step()
+    ms_per_step(first(model), optimizer, states, mask, targets, steps=steps)  # warm-up
+    times: tuple[list, list] = ([], [])
     for _ in range(rounds):
-        shared.append(seconds_per_step(model))
-        per_prompt.append(seconds_per_step(rows_per_prompt))
-    return {"shared_ms": 1000 * min(shared), "per_prompt_ms": 1000 * min(per_prompt)}
+        for forward, seen in zip((first, second), times):
+            seen.append(ms_per_step(forward(model), optimizer, states, mask, targets, steps=steps))
+    return min(times[0]), min(times[1])
+
+
+def shared_rows_speedup(*, rounds: int, steps: int = 10) -> dict:
+    """Section 4: the adapter's forward against the query rows copied per prompt first. The numbers are the same
+    (a batch-1 row broadcasts); only the work differs."""
+    def rows_per_prompt(model):
+        def forward(states: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            kv = model.in_proj(states)
+            q = model.query.expand(states.shape[0], -1, -1)
+            for block in model.blocks:
+                q = block(q, kv, mask)
+            return model.out_proj(model.ln_out(q))
+        return forward
+
+    shared, per_prompt = best_of_alternating(lambda model: model, rows_per_prompt, rounds=rounds, steps=steps)
+    return {"shared_ms": shared, "per_prompt_ms": per_prompt}
+
+
+def bf16_speedup(*, rounds: int, steps: int = 10) -> dict:
+    """Section 5: the adapter's forward under bf16 autocast against f32 (the loss is f32 in both, as the
+    trainer's)."""
+    cpu = torch.device("cpu")
+
+    def under(precision: str):
+        def wrap(model):
+            def forward(states: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+                with step_autocast(precision, cpu):
+                    return model(states, mask)
+            return forward
+        return wrap
+
+    bf16, fp32 = best_of_alternating(under("bf16"), under("fp32"), rounds=rounds, steps=steps)
+    return {"bf16_ms": bf16, "fp32_ms": fp32, "hardware": native_bf16(cpu)}
 
 
 def bench_steps(folders: list[Path], val: list[Path], training: Training, work: Path, *, rounds: int) -> dict:
@@ -280,6 +321,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = shared_rows_speedup(rounds=args.rounds, steps=4 if args.quick else 10)
     print(f"demo-shaped step: query rows shared by the batch {rows['shared_ms']:.1f} ms, copied per prompt "
           f"{rows['per_prompt_ms']:.1f} ms -> speedup {rows['per_prompt_ms'] / rows['shared_ms']:.2f}x")
+    bf16 = bf16_speedup(rounds=args.rounds, steps=4 if args.quick else 10)
+    print(f"demo-shaped step: bf16 autocast {bf16['bf16_ms']:.1f} ms, f32 {bf16['fp32_ms']:.1f} ms -> speedup "
+          f"{bf16['fp32_ms'] / bf16['bf16_ms']:.2f}x (bf16 hardware: {bf16['hardware'] or 'none, emulated'}; "
+          f"training.precision auto picks {'bf16' if bf16['hardware'] else 'f32'} here)")
     rss_ratio = rss10["peak_rss_mb"] / rss1["peak_rss_mb"]
     ok = (rss_ratio <= MAX_RSS_RATIO and steps["overhead_best"] <= MAX_OVERHEAD
           and reader["reader_vs_raw"] >= MIN_READER_VS_RAW)

@@ -292,6 +292,10 @@ def test_precompute_benchmark_prints_its_ratios_and_applies_its_own_rule():  # o
 def test_train_benchmark_prints_its_ratios_and_applies_its_own_rule():
     """bench_train.py --quick: streaming RSS 10x against 1x, the trainer against a bare loop, the reader
     against raw reads, and a rule line that follows from the printed figures."""
+    import torch
+
+    from gguf_assets.lib.training.precision import native_bf16
+
     out = _run("bench_train.py", "--quick", timed_rules=True)
     prompts, shard_mb, one, ten, _ = _figures(out, "shards: # prompts, # MB each; 1x = #, 10x = #; torch threads #")
     assert prompts > 0 and shard_mb > 0 and ten == 10 * one > 0, out
@@ -319,6 +323,15 @@ def test_train_benchmark_prints_its_ratios_and_applies_its_own_rule():
         out, "demo-shaped step: query rows shared by the batch # ms, copied per prompt # ms -> speedup #x")
     assert min(shared_ms, per_prompt_ms) > 0, out
     assert _quotient_ok(speedup, per_prompt_ms, shared_ms, unit_a=0.1, unit_b=0.1, unit_q=0.01), out
+    bf16_line = next(line for line in out.splitlines() if line.startswith("demo-shaped step: bf16 autocast "))
+    bf16_ms, fp32_ms, bf16_speedup = _figures(bf16_line.split(" (bf16 hardware")[0],
+                                              "demo-shaped step: bf16 autocast # ms, f32 # ms -> speedup #x")
+    assert min(bf16_ms, fp32_ms) > 0, out
+    assert _quotient_ok(bf16_speedup, fp32_ms, bf16_ms, unit_a=0.1, unit_b=0.1, unit_q=0.01), out
+    # The hardware it names is what training.precision: auto decides by, here as in the trainer.
+    hardware = native_bf16(torch.device("cpu"))
+    assert bf16_line.endswith(f"(bf16 hardware: {hardware or 'none, emulated'}; training.precision auto picks "
+                              f"{'bf16' if hardware else 'f32'} here)"), bf16_line
 
     (rule_rss, max_rss, rule_overhead, max_overhead, rule_reader, min_reader), verdict = _verdict(
         out, "rule: peak RSS ratio # <= # and trainer overhead best-vs-best #% <= #% and reader / raw # >= #")

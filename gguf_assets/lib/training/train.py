@@ -69,6 +69,7 @@ from gguf_assets.lib.training.kept_steps import (
     prune_scheduled,
 )
 from gguf_assets.lib.training.optimizer import adamw
+from gguf_assets.lib.training.precision import describe, step_autocast, step_precision
 from gguf_assets.lib.training.stops import StopHold, is_stop
 from gguf_assets.lib.training.train_data import (
     Batch,
@@ -298,6 +299,7 @@ class _TrainingRun:
         self.planned = planned
         self.emit, self.sample_hardware = emit, sample_hardware
         self.device = resolve_device(self.t.device)
+        self.precision = step_precision(self.t.precision, self.device)
         self.run_dir = paths.checkpoints_dir(fingerprint)
         self.last_validation: tuple[int, dict] | None = None  # (step, metrics): a kept step at that step reuses it
         self.lowered_to: int | None = None  # training.steps lowered below the current step: the run ends now
@@ -342,7 +344,7 @@ class _TrainingRun:
         self.base_meta = {"fingerprint": self.fingerprint, "shape": shape.to_dict(),
                           "training": self.settings.section_dict("training"), "train_prompts": sum(self.sizes),
                           "train_shards": train_id, "val_shards": val_id, "format": formats.TRAINING_RUN,
-                          "settings_hash": self.settings_hash}
+                          "settings_hash": self.settings_hash, "precision": self.precision}
         if self.planned.parent:
             self.base_meta["parent"] = self.planned.parent
         if self.planned.lineage:
@@ -379,6 +381,7 @@ class _TrainingRun:
             self.note(f"untrained adapter: val centred cosine {resumed.untrained:.4f}")
         self.step, self.history, self.best, self.untrained = resumed.step, resumed.history, resumed.best, \
             resumed.untrained
+        log.info("%s", describe(t.precision, self.device))
         self.base_meta["started"] = resumed.started
         self.base_meta["started_at"] = resumed.started_at or round(time.time(), 1)
         # Wall time adds up over the sessions (each checkpoint carries the sum up to it), so a run stopped and
@@ -512,7 +515,7 @@ class _TrainingRun:
         batch = self.stream.batch(self.step)
         states, mask = batch.states.to(self.device), batch.mask.to(self.device)
         targets = batch.targets.to(self.device)
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
+        with step_autocast(self.precision, self.device):
             pred = model(states, mask)
         loss = adapter_loss(model.loss_space(pred.float()), model.loss_targets(targets),
                             cosine_weight=t.cosine_weight, relational_weight=t.relational_weight)

@@ -28,9 +28,10 @@ from gguf_assets.lib.project.settings import Settings
 
 # Shards shuffled together (lib/training/train_data.py). Part of the data order, hence of the run fingerprint.
 SHUFFLE_WINDOW_SHARDS = 4
-# Settings that change speed or bookkeeping, not the trained weights.
-NON_RESULT_KEYS = ("device", "grad_checkpoint", "log_every", "validate_every", "checkpoint_every", "keep_checkpoints",
-                   "keep_steps_every", "keep_steps_from", "keep_steps_to", "keep_steps_last",
+# Settings that change speed or bookkeeping, not the trained weights (the device and precision: only within
+# rounding, so a change resumes the same run).
+NON_RESULT_KEYS = ("device", "precision", "grad_checkpoint", "log_every", "validate_every", "checkpoint_every",
+                   "keep_checkpoints", "keep_steps_every", "keep_steps_from", "keep_steps_to", "keep_steps_last",
                    # heads follow from width (ggk's head dim); layer_fusion has no effect since one layer is fed
                    "heads", "layer_fusion")
 # Result settings added after runs existed, with the value that means "as before": they enter the

@@ -231,6 +231,12 @@ def test_float_given_for_int_field_is_rejected(tmp_path):
     assert f"{path}:{line}" in msg and "training.batch_size" in msg and "2.5" in msg
 
 
+def test_a_precision_that_is_not_one_of_the_choices_names_them(tmp_path):
+    msg, path, line = _error_for(tmp_path, "training", "precision", "  precision: fp16")
+    assert f"{path}:{line}" in msg and "training.precision" in msg and "fp16" in msg
+    assert all(choice in msg for choice in ("auto", "fp32", "bf16")), msg
+
+
 def test_out_of_range_names_key_value_line_and_limit(tmp_path):
     msg, path, line = _error_for(tmp_path, "corpus", "empty_fraction", "  empty_fraction: 2")
     assert f"{path}:{line}" in msg
