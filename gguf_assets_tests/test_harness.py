@@ -57,9 +57,14 @@ def test_suite_cpu_sums_each_kind_of_process_and_returns_the_command_s_status(tm
     assert abs(sum(float(row[0]) for row in ours) - cpu_s) <= 0.1, (ours, cpu_s)
     busy = float(done.stderr.split("the machine busy ")[1].split()[0])
     assert busy >= cpu_s - 0.5, done.stderr  # the machine's count (to the second) holds what the readings saw
+    # The idle time, minute by minute: a command of a few seconds has one minute, holding all of it.
+    idle = float(done.stderr.split("idle ")[1].split()[0])
+    minutes = done.stderr.split("idle CPU s in each minute: ")[1].splitlines()[0].split()
+    assert len(minutes) == 1 and abs(float(minutes[0]) - idle) <= 1, done.stderr
 
 
-def test_suite_cpu_names_the_suites_processes_by_kind():
+def _suite_cpu_module():
+    """scripts/suite_cpu.py as a module (it is a script, not a package's module)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("suite_cpu", SUITE_CPU)
@@ -69,6 +74,17 @@ def test_suite_cpu_names_the_suites_processes_by_kind():
         spec.loader.exec_module(suite_cpu)
     finally:
         del sys.modules[spec.name]
+    return suite_cpu
+
+
+def test_idle_by_minute_puts_each_readings_idle_time_in_its_minute():
+    suite_cpu = _suite_cpu_module()
+    readings = [(0.0, 100.0), (30.0, 103.0), (59.0, 110.0), (61.0, 110.5), (150.0, 111.0), (151.0, 119.0)]
+    assert suite_cpu.idle_by_minute(readings) == [10.5, 0.5, 8.0]
+
+
+def test_suite_cpu_names_the_suites_processes_by_kind():
+    suite_cpu = _suite_cpu_module()
     kinds = {
         "/w/.venv/bin/python -m gguf_assets.cli run /tmp/p --workers 2": "gguf-trainer run",
         "/w/.venv/bin/python /w/.venv/bin/gguf-trainer status /tmp/p": "gguf-trainer status",

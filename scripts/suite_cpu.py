@@ -111,7 +111,20 @@ def read_processes(seen: dict[tuple[str, str], Seen], skip: int) -> None:
             continue  # it ended between the listing and the reading
 
 
-def report(seen: dict[tuple[str, str], Seen], wall_s: float, busy_s: float, idle_s: float, tests: int) -> str:
+def idle_by_minute(readings: list[tuple[float, float]]) -> list[float]:
+    """The machine's idle CPU seconds in each minute of the command's wall time, from ``(seconds since the start,
+    idle CPU seconds since boot)`` readings (the first at the start, the last at the end): where the suite leaves a
+    core unused (a long wait with too few other tests beside it, the last tests alone at the end)."""
+    minutes: list[float] = []
+    for (t0, idle0), (_, idle1) in zip(readings, readings[1:]):
+        minute = int(t0 // 60)
+        minutes += [0.0] * (minute + 1 - len(minutes))
+        minutes[minute] += idle1 - idle0
+    return minutes
+
+
+def report(seen: dict[tuple[str, str], Seen], wall_s: float, busy_s: float, idle_s: float, tests: int,
+           idle_minutes: list[float] = ()) -> str:
     by_kind: dict[str, list[float]] = defaultdict(list)
     by_test: dict[str, float] = defaultdict(float)
     for process in seen.values():
@@ -121,7 +134,8 @@ def report(seen: dict[tuple[str, str], Seen], wall_s: float, busy_s: float, idle
             by_test[process.test] += spent
     counted = sum(sum(times) for times in by_kind.values())
     lines = [f"wall {wall_s:.0f} s; the machine busy {busy_s:.0f} CPU s, idle {idle_s:.0f} CPU s; "
-             f"the processes read: {counted:.0f} CPU s", "",
+             f"the processes read: {counted:.0f} CPU s",
+             "idle CPU s in each minute: " + " ".join(f"{idle:.0f}" for idle in idle_minutes), "",
              f"{'CPU s':>8} {'share':>6} {'count':>6} {'each':>7}  kind"]
     for kind, times in sorted(by_kind.items(), key=lambda kv: -sum(kv[1])):
         total = sum(times)
@@ -153,13 +167,17 @@ def main(argv: list[str]) -> int:
         process.before_s = process.cpu_s
     busy0, idle0 = machine_cpu_s()
     began = time.monotonic()
+    idle_readings = [(0.0, idle0)]
     child = subprocess.Popen(command)
     while child.poll() is None:
         read_processes(seen, skip=os.getpid())
+        idle_readings.append((time.monotonic() - began, machine_cpu_s()[1]))
         time.sleep(args.every)
     wall = time.monotonic() - began
     busy1, idle1 = machine_cpu_s()
-    print(report(seen, wall, busy1 - busy0, idle1 - idle0, args.tests), file=sys.stderr)
+    idle_readings.append((wall, idle1))
+    print(report(seen, wall, busy1 - busy0, idle1 - idle0, args.tests, idle_by_minute(idle_readings)),
+          file=sys.stderr)
     if args.raw:
         with open(args.raw, "w", encoding="utf-8") as raw:
             for process in sorted(seen.values(), key=lambda p: p.before_s - p.cpu_s):
