@@ -51,13 +51,14 @@ from gguf_assets.lib.project.settings import Settings, Training
 from gguf_assets.lib.training.adapter import adapter_loss, lr_at
 from gguf_assets.lib.training.events import LogStep
 from gguf_assets.lib.training.optimizer import adamw
-from gguf_assets.lib.training.precision import native_bf16, step_autocast, step_precision
+from gguf_assets.lib.training.precision import native_bf16, step_autocast, step_precision, step_work
 from gguf_assets.lib.training.train import adapter_shape, build_model, train_adapter
 from gguf_assets.lib.training.train_data import SampleOrder, ShardStream, collate, shard_size, target_stats
 
 MAX_RSS_RATIO = 1.1        # peak RSS streaming 10x the shards / 1x
 MAX_OVERHEAD = 0.50        # trainer steps/s vs the bare loop's, best vs best
 MIN_READER_VS_RAW = 0.25   # read_torch MB/s / raw sequential reads' MB/s, page cache evicted
+DEMO_BATCH, DEMO_ROWS, DEMO_WIDTH = 16, 256, 128  # sections 4 and 5: the demo's batch, query rows and width
 
 
 def write_shards(folder: Path, *, shards: int, prompts: int, query_rows: int, target_dim: int, student_dim: int,
@@ -102,7 +103,8 @@ def trainer_steps_per_s(folders: list[Path], val: list[Path], settings: Settings
 def bare_steps_per_s(folders: list[Path], settings: Settings) -> float:
     """The same batches, collated up front, through the same model, optimizer and loss code."""
     t = settings.training
-    model = build_model(adapter_shape(settings, folders), seed=t.seed)
+    shape = adapter_shape(settings, folders)
+    model = build_model(shape, seed=t.seed)
     stats = target_stats(folders, sigma_floor=t.sigma_floor)
     model.target_centre.copy_(stats.centre)
     model.target_std.copy_(stats.output_std)
@@ -113,7 +115,8 @@ def bare_steps_per_s(folders: list[Path], settings: Settings) -> float:
     stream.close()
     model.train()
     cpu = torch.device("cpu")
-    precision = step_precision(t.precision, cpu)  # the trainer's own
+    precision = step_precision(t.precision, cpu, work=step_work(batch_size=t.batch_size, query_rows=shape.query_rows,
+                                                               width=shape.width))  # the trainer's own
     windows = []
     window_start = time.perf_counter()
     for step, (states, mask, targets) in enumerate(batches):
@@ -139,10 +142,10 @@ def demo_shaped_step():
     from gguf_assets.lib.training.adapter import Adapter, AdapterShape
 
     torch.manual_seed(0)
-    model = Adapter(AdapterShape(student_dim=48, query_rows=256, target_dim=64, width=128, depth=1))
+    model = Adapter(AdapterShape(student_dim=48, query_rows=DEMO_ROWS, target_dim=64, width=DEMO_WIDTH, depth=1))
     optimizer = adamw(model.parameters(), lr=1e-3, weight_decay=0.0)
-    states, targets = torch.randn(16, 80, 48), torch.randn(16, 256, 64)
-    mask = torch.arange(80)[None] < torch.randint(20, 81, (16,))[:, None]
+    states, targets = torch.randn(DEMO_BATCH, 80, 48), torch.randn(DEMO_BATCH, DEMO_ROWS, 64)
+    mask = torch.arange(80)[None] < torch.randint(20, 81, (DEMO_BATCH,))[:, None]
     return model, optimizer, states, mask, targets
 
 
@@ -199,7 +202,8 @@ def bf16_speedup(*, rounds: int, steps: int = 10) -> dict:
         return wrap
 
     bf16, fp32 = best_of_alternating(under("bf16"), under("fp32"), rounds=rounds, steps=steps)
-    return {"bf16_ms": bf16, "fp32_ms": fp32, "hardware": native_bf16(cpu)}
+    auto = step_precision("auto", cpu, work=step_work(batch_size=DEMO_BATCH, query_rows=DEMO_ROWS, width=DEMO_WIDTH))
+    return {"bf16_ms": bf16, "fp32_ms": fp32, "hardware": native_bf16(cpu), "auto": auto}
 
 
 def bench_steps(folders: list[Path], val: list[Path], training: Training, work: Path, *, rounds: int) -> dict:
@@ -324,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     bf16 = bf16_speedup(rounds=args.rounds, steps=4 if args.quick else 10)
     print(f"demo-shaped step: bf16 autocast {bf16['bf16_ms']:.1f} ms, f32 {bf16['fp32_ms']:.1f} ms -> speedup "
           f"{bf16['fp32_ms'] / bf16['bf16_ms']:.2f}x (bf16 hardware: {bf16['hardware'] or 'none, emulated'}; "
-          f"training.precision auto picks {'bf16' if bf16['hardware'] else 'f32'} here)")
+          f"training.precision auto picks {bf16['auto']} here)")
     rss_ratio = rss10["peak_rss_mb"] / rss1["peak_rss_mb"]
     ok = (rss_ratio <= MAX_RSS_RATIO and steps["overhead_best"] <= MAX_OVERHEAD
           and reader["reader_vs_raw"] >= MIN_READER_VS_RAW)

@@ -334,8 +334,8 @@ class Training(_Section):
     device: Device = Field("auto", description="auto, cpu, cuda or cuda:N")
     precision: Literal["auto", "fp32", "bf16"] = Field("auto", description=(
         "a training step's arithmetic: auto = bf16 autocast where the device computes bf16 in hardware (a CUDA "
-        "GPU from compute capability 8.0, an x86 CPU with AVX512-BF16 or AMX), else f32; weights, optimizer, loss "
-        "and validation stay f32"))
+        "GPU from compute capability 8.0; an x86 CPU with AVX512-BF16 or AMX, for a step of at least 262,144 "
+        "prompts x query rows x width), else f32; weights, optimizer, loss and validation stay f32"))
     log_every: int = Field(50, ge=1, description="log loss, lr and throughput every N steps")
     validate_every: int = Field(1000, ge=1, description="validate every N steps")
     checkpoint_every: int = Field(1000, ge=1, description="write a checkpoint every N steps")

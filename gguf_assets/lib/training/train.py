@@ -69,7 +69,7 @@ from gguf_assets.lib.training.kept_steps import (
     prune_scheduled,
 )
 from gguf_assets.lib.training.optimizer import adamw
-from gguf_assets.lib.training.precision import describe, step_autocast, step_precision
+from gguf_assets.lib.training.precision import describe, step_autocast, step_precision, step_work
 from gguf_assets.lib.training.stops import StopHold, is_stop
 from gguf_assets.lib.training.train_data import (
     Batch,
@@ -299,7 +299,6 @@ class _TrainingRun:
         self.planned = planned
         self.emit, self.sample_hardware = emit, sample_hardware
         self.device = resolve_device(self.t.device)
-        self.precision = step_precision(self.t.precision, self.device)
         self.run_dir = paths.checkpoints_dir(fingerprint)
         self.last_validation: tuple[int, dict] | None = None  # (step, metrics): a kept step at that step reuses it
         self.lowered_to: int | None = None  # training.steps lowered below the current step: the run ends now
@@ -334,6 +333,8 @@ class _TrainingRun:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         atomic.remove_stale_temps(self.run_dir)
         shape = adapter_shape(self.settings, self.train_folders)
+        self.work = step_work(batch_size=t.batch_size, query_rows=shape.query_rows, width=shape.width)
+        self.precision = step_precision(t.precision, self.device, work=self.work)
         self.model = build_model(shape, seed=t.seed, grad_checkpoint=t.grad_checkpoint).to(self.device)
         self.optimizer = adamw(self.model.parameters(), lr=t.learning_rate, weight_decay=t.weight_decay)
         self.sizes = [shard_size(f) for f in self.train_folders]
@@ -381,7 +382,7 @@ class _TrainingRun:
             self.note(f"untrained adapter: val centred cosine {resumed.untrained:.4f}")
         self.step, self.history, self.best, self.untrained = resumed.step, resumed.history, resumed.best, \
             resumed.untrained
-        log.info("%s", describe(t.precision, self.device))
+        log.info("%s", describe(t.precision, self.device, work=self.work))
         self.base_meta["started"] = resumed.started
         self.base_meta["started_at"] = resumed.started_at or round(time.time(), 1)
         # Wall time adds up over the sessions (each checkpoint carries the sum up to it), so a run stopped and

@@ -636,32 +636,45 @@ def test_each_training_line_has_an_eta_that_counts_down(shard_sets, tmp_path, ca
 
 def test_precision_auto_is_bf16_autocast_where_the_cpu_computes_bf16_and_a_speed_setting(shard_sets, reference,
                                                                                           tmp_path, caplog):
-    """training.precision: "auto" (the default) runs the steps under bf16 autocast on a CPU with bf16 hardware,
-    in f32 elsewhere; "fp32" turns it off. Like the device, it changes speed and rounding, not the run: the
-    fingerprint stays, and the two runs score alike."""
-    from gguf_assets.lib.training.precision import CPU_BF16_FEATURES, native_bf16, step_precision
+    """training.precision: "auto" (the default) runs the steps under bf16 autocast on a CPU with bf16 hardware when
+    a step is large enough to gain from it, in f32 elsewhere; "fp32" and "bf16" choose. Like the device, it changes
+    speed and rounding, not the run: the fingerprint stays, and the runs score alike."""
+    from gguf_assets.lib.training.precision import (
+        CPU_BF16_FEATURES,
+        CPU_BF16_MIN_WORK,
+        describe,
+        native_bf16,
+        step_precision,
+    )
 
     cpu = torch.device("cpu")
-    capabilities = torch.cpu.get_capabilities()
-    has_bf16 = any(capabilities.get(feature) for feature in CPU_BF16_FEATURES)
+    has_bf16 = any(torch.cpu.get_capabilities().get(feature) for feature in CPU_BF16_FEATURES)
     assert (native_bf16(cpu) is not None) == has_bf16
-    assert step_precision("auto", cpu) == ("bf16" if has_bf16 else "fp32")
-    assert (step_precision("fp32", cpu), step_precision("bf16", cpu)) == ("fp32", "bf16")
+    assert step_precision("auto", cpu, work=CPU_BF16_MIN_WORK) == ("bf16" if has_bf16 else "fp32")
+    assert step_precision("auto", cpu, work=CPU_BF16_MIN_WORK - 1) == "fp32"  # the casts would cost more
+    assert describe("auto", cpu, work=1000) == "training steps run in f32 (" + (
+        "a step this small runs faster in f32 on a CPU: prompts x query rows x width = 1,000, below 262,144)"
+        if has_bf16 else "cpu has no bf16 hardware)")
+    assert describe("fp32", cpu, work=CPU_BF16_MIN_WORK) == "training steps run in f32 (training.precision: fp32)"
+    for work in (1, CPU_BF16_MIN_WORK):
+        assert (step_precision("fp32", cpu, work=work), step_precision("bf16", cpu, work=work)) == ("fp32", "bf16")
     for precision in ("fp32", "bf16"):
         assert fingerprint_for(replace(SETTINGS, training={"precision": precision}), shard_sets) == \
             reference["summary"].fingerprint
+    # The suite's tiny adapter (8 query rows x 8 prompts x 64 wide) is a small step: auto trained it in f32.
     _, auto_meta = load_final(reference["run_dir"])
-    assert auto_meta["precision"] == step_precision("auto", cpu)
+    assert auto_meta["precision"] == "fp32"
 
     with caplog.at_level("INFO", logger="gguf_assets"):
-        fp32 = train(tmp_path, shard_sets, replace(SETTINGS, training={"precision": "fp32"}))
-    assert "training steps run in f32 (training.precision: fp32)" in caplog.text
-    _, fp32_meta = load_final(ProjectPaths.of(tmp_path).checkpoints_dir(fp32.fingerprint))
-    assert fp32_meta["precision"] == "fp32"
-    fp32_weights = (ProjectPaths.of(tmp_path).checkpoints_dir(fp32.fingerprint) / FINAL_DIR / WEIGHTS_FILE)
-    # Where auto is bf16 the steps' rounding differs, so the weights do; elsewhere auto is this very run.
-    assert (fp32_weights.read_bytes() != reference["weights"]) == has_bf16
-    assert abs(fp32.val_centred_cosine - reference["summary"].val_centred_cosine) < 0.02
+        forced = train(tmp_path, shard_sets, replace(SETTINGS, training={"precision": "bf16"}))
+    assert "training steps run under bf16 autocast (" in caplog.text
+    assert ("avx512_bf16 computes bf16" in caplog.text or "amx_bf16 computes bf16" in caplog.text or
+            "emulated: slower than f32" in caplog.text), caplog.text
+    run_dir = ProjectPaths.of(tmp_path).checkpoints_dir(forced.fingerprint)
+    assert load_final(run_dir)[1]["precision"] == "bf16"
+    # The steps' rounding differs, so the weights do; the score barely.
+    assert (run_dir / FINAL_DIR / WEIGHTS_FILE).read_bytes() != reference["weights"]
+    assert abs(forced.val_centred_cosine - reference["summary"].val_centred_cosine) < 0.02
 
 
 def test_tensorboard_names_a_run_by_its_shape_and_keeps_an_unnamed_runs_curves(tmp_path):
