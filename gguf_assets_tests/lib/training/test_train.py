@@ -677,6 +677,15 @@ def test_precision_auto_is_bf16_autocast_where_the_cpu_computes_bf16_and_a_speed
     assert abs(forced.val_centred_cosine - reference["summary"].val_centred_cosine) < 0.02
 
 
+def test_a_torch_without_the_cpu_capability_reader_trains_in_f32_as_before(monkeypatch):
+    """pyproject admits torch 2.4, before torch.cpu.get_capabilities: there "auto" keeps the CPU in f32."""
+    from gguf_assets.lib.training.precision import native_bf16, step_precision
+
+    monkeypatch.delattr(torch.cpu, "get_capabilities")
+    cpu = torch.device("cpu")
+    assert native_bf16(cpu) is None and step_precision("auto", cpu, work=1 << 30) == "fp32"
+
+
 def test_tensorboard_names_a_run_by_its_shape_and_keeps_an_unnamed_runs_curves(tmp_path):
     """Runs are named width x depth, steps and lr (plus the fingerprint's start), not by a bare hex
     fingerprint; a folder from before names existed becomes the named one, so no curve is lost."""
