@@ -190,6 +190,37 @@ def test_a_ctrl_c_while_modules_load_ends_the_command_even_inside_an_import_call
     assert done.stdout == "loading\n" and "Traceback" not in done.stderr and "ignored" not in done.stderr, done
 
 
+@pytest.mark.parametrize("moment", ["build_parser", "dispatch"])
+def test_a_ctrl_c_while_the_arguments_are_read_or_the_command_starts_is_one_line(moment, tmp_path):
+    """The moments after the modules loaded and before a command sets up its own stop: argparse reading the
+    arguments (a loaded suite run saw a `gguf-trainer ui` stopped 0.5 s after its start print a traceback from
+    argparse's gettext there), then the command's first line. Here the Ctrl-C comes at each, on purpose."""
+    import sys
+    import textwrap
+
+    program = textwrap.dedent(f"""
+        import os, signal, sys
+        from gguf_assets.cli import commands
+        from gguf_assets.cli.prologue import quiet_exit_while_loading
+        signal.signal(signal.SIGINT, quiet_exit_while_loading)  # as cli.main sets it before loading the commands
+        def ctrl_c(real):
+            def then_ctrl_c(*args, **kwargs):
+                os.kill(os.getpid(), signal.SIGINT)
+                return real(*args, **kwargs)
+            return then_ctrl_c
+        if {moment!r} == "build_parser":
+            commands.build_parser = ctrl_c(commands.build_parser)
+        else:
+            commands.cmd_status = ctrl_c(commands.cmd_status)
+        sys.exit(commands.main(["status", {str(tmp_path / "missing")!r}]))
+    """)
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 130, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr and "KeyboardInterrupt" not in done.stderr, done.stderr
+    # Parsing is still loading (nothing started): a quiet exit. Once a command runs, the one line that says so.
+    assert done.stderr == ("" if moment == "build_parser" else "stopped (Ctrl-C)\n"), done.stderr
+
+
 @pytest.mark.slow  # starts the studio, the Dagster UI, its daemon and TensorBoard three times
 def test_ctrl_c_to_ui_stops_every_server_without_a_traceback_whenever_it_comes(make_project, tmp_path):
     """Ctrl-C while Python still imports, just after the first server started, and once everything serves:

@@ -632,13 +632,16 @@ def _service_verbs(sub) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    if signal.getsignal(signal.SIGINT) is quiet_exit_while_loading:  # loaded: Ctrl-C is KeyboardInterrupt again
-        signal.signal(signal.SIGINT, signal.default_int_handler)
     # Status lines (stdout) and log lines (stderr) in the order they happen, also when piped.
     sys.stdout.reconfigure(line_buffering=True)
-    parser = build_parser()
+    parser = build_parser()  # still under the quiet Ctrl-C of the loading: nothing is started before the try
     args = parser.parse_args(argv)
     try:
+        # Loaded and parsed: Ctrl-C is KeyboardInterrupt again, caught below until a command sets up its own stop.
+        # Inside the try: a Ctrl-C that came while argparse read the arguments printed a traceback (a loaded suite
+        # run, 2026-12-05).
+        if signal.getsignal(signal.SIGINT) is quiet_exit_while_loading:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
         if args.auto_resume:
             return cmd_auto_resume(args.auto_resume, daemon=not args.no_daemon, ui_port=args.ui_port,
                                    ui_host=args.ui_host)
