@@ -69,10 +69,16 @@ def test_the_demo_dag_is_recorded_stage_by_stage_in_the_project_s_dagster(demo_r
     adapter_settings = instance.get_latest_materialization_event(
         dg.AssetKey("adapter")).asset_materialization.metadata["settings"].value
     assert f"| `training.width` | `{settings.training.width}` |" in adapter_settings
-    # Progress and live hardware during the precompute arrive as observations of the shards.
-    live = [r.asset_observation.metadata for r in instance.fetch_observations(dg.AssetKey("train_shards"),
-                                                                               limit=1000).records]
-    assert any("half" in m and "prompts_per_s" in m and "host_cpu_pct" in m for m in live), live[:3]
+    # Progress and live hardware during the precompute arrive as observations of the shards: the run's progress
+    # (done and total count the run's prompts) on the asset, each finished shard's own figures on its partition.
+    observed = [r.asset_observation for r in instance.fetch_observations(dg.AssetKey("train_shards"),
+                                                                          limit=1000).records]
+    live = [o for o in observed if "half" in o.metadata]
+    assert any("prompts_per_s" in o.metadata and "host_cpu_pct" in o.metadata for o in live), observed[:3]
+    assert all(o.partition is None and o.metadata["total"].value == settings.corpus.train_prompts for o in live)
+    finished = [o for o in observed if "half" not in o.metadata]
+    assert sorted(o.partition for o in finished) == sorted(instance.get_dynamic_partitions("train_shards"))
+    assert all(o.metadata["prompts"].value == settings.precompute.shard_size for o in finished)
 
     # Runs carry readable job names, and the asset checks beside the assets ran and passed.
     assert {r.dagster_run.job_name for r in instance.get_run_records()} == {
