@@ -110,11 +110,11 @@ def bare_steps_per_s(folders: list[Path], settings: Settings) -> float:
     model.target_std.copy_(stats.output_std)
     model.loss_std.copy_(stats.loss_std)
     optimizer = adamw(model.parameters(), lr=t.learning_rate, weight_decay=t.weight_decay)
+    cpu = torch.device("cpu")
     stream = ShardStream(folders, SampleOrder([shard_size(f) for f in folders], t.seed))
-    batches = [collate(stream.samples(s * t.batch_size, t.batch_size), torch.device("cpu")) for s in range(t.steps)]
+    batches = [collate(stream.samples(s * t.batch_size, t.batch_size), cpu) for s in range(t.steps)]
     stream.close()
     model.train()
-    cpu = torch.device("cpu")
     precision = step_precision(t.precision, cpu, work=step_work(batch_size=t.batch_size, query_rows=shape.query_rows,
                                                                width=shape.width))  # the trainer's own
     windows = []

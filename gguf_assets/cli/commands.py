@@ -71,11 +71,11 @@ from gguf_assets.orchestration.cluster import (
     write_cluster,
 )
 from gguf_assets.orchestration.diagnosis import dagster_storage_problem
-
-# What loads torch or dagster (seconds each) is imported in the command that needs it, so that `status`, `init`
-# and --help load neither (test_console.py checks `status`).
 from gguf_assets.orchestration.outages import PipelineFailed
 from gguf_assets.pipeline.groups import lineage_path
+
+# The modules above load neither torch nor dagster. What loads them (seconds each) is imported in the command that
+# needs it, so that `status`, `init` and --help load neither (test_console.py checks `status`).
 
 INIT_HEADER = """gguf_assets project settings. Every key is documented in docs/settings.md.
 Materials are hub repo ids (owner/name, optionally @revision) or local folders (relative to this folder).
