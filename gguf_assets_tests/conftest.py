@@ -6,13 +6,19 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 from filelock import FileLock
-from warm_runs import CLI, trainer_run
+
+# The per-user hub store (lib/materials/hub/store.py) of this test process: never the user's own ~/.cache. Set before
+# warm_runs starts its loader, so every run process has it; loopback_hub gives each test a store of its own.
+os.environ.setdefault("GGUF_ASSETS_STORE", tempfile.mkdtemp(prefix="gguf-assets-test-store-"))
+
+from warm_runs import CLI, trainer_run  # noqa: E402
 
 from gguf_assets.lib.demo.demo import QUARTER_SIZES, build_demo_materials, demo_settings
 from gguf_assets.lib.project.layout import ProjectPaths
@@ -85,6 +91,8 @@ def loopback_hub(tmp_path, demo_materials_root, monkeypatch):
     hf_home = tmp_path / "hf-home"
     hf_home.mkdir()
     (hf_home / "token").write_text(STORED_HF_TOKEN)
+    # A new machine per test: its own per-user hub store, empty (a test of the store shares one on purpose).
+    monkeypatch.setenv("GGUF_ASSETS_STORE", str(tmp_path / "user-hub-store"))
     for name, value in {"HF_HOME": str(hf_home), "HF_HUB_DISABLE_XET": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}.items():
         monkeypatch.setenv(name, value)
     monkeypatch.delenv("HF_HUB_DISABLE_IMPLICIT_TOKEN", raising=False)

@@ -54,6 +54,7 @@ from gguf_assets.lib.status.estimate import (
     parse_gpu_sizes,
     peak_gib,
     size_text,
+    teacher_check,
 )
 from gguf_assets.lib.status.pace import pace_lines
 from gguf_assets.lib.status.states import State, status_view, where_stopped, with_running
@@ -374,7 +375,12 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     print("\n".join(estimate_lines(paths, settings, gpu_sizes_gib=sizes, token=token_from_env(), lines=lines)))
     print(kept_steps_text(settings, lines))
     print("time estimate:\n" + "\n".join(f"  {line}" for line in time_lines(paths, settings)))
-    return 0
+    checked = teacher_check(paths, settings, token=token_from_env())
+    if checked is None:
+        return 0
+    passed, line = checked
+    print(f"teacher: {line}")
+    return 0 if passed else 1
 
 
 def cmd_cluster(args: argparse.Namespace) -> int:

@@ -109,16 +109,56 @@ def _pipeline_configs(ref: hub.RepoRef, listing: hub.Listing, folder: Path, *, t
     encoder = layout.TEXT_ENCODER_DIR
     wanted = [layout.MODEL_INDEX, f"{encoder}/{CONFIG_FILE}", f"{encoder}/{WEIGHTS_INDEX}",
               *(f"{part}/{CONFIG_FILE}" for part in (layout.QUERYFORMER_DIR, layout.PROJECTION_DIR))]
-    small = [p for p in wanted if p in listing.files]
+    tokenizer = [p for p in listing.files if p.startswith(layout.TOKENIZER_DIR + "/")
+                 and p.endswith(layout.SMALL_SUFFIXES)]  # the checks before the weights load it
+    small = [p for p in wanted if p in listing.files] + sorted(tokenizer)
     hub.download(ref, listing.subset(small), folder, token=token, options=options)
-    try:
-        code = [p for p in layout.remote_code_files(layout.encoder_config(folder)) if p in listing.files]
+    try:  # the whole code closure, so the estimate and the materials step refuse the same incomplete repo
+        code = layout.remote_code_closure(
+            layout.remote_code_files(layout.encoder_config(folder)), exists=lambda p: p in listing.files,
+            read_text=lambda p: (folder / p).read_text(encoding="utf-8"),
+            fetch=lambda paths: hub.download(ref, listing.subset(paths), folder, token=token, options=options))
     except layout.LayoutError as exc:
         raise UserError(f"{ref}: {exc}") from None
-    hub.download(ref, listing.subset(code), folder, token=token, options=options)
     weights = [f for p, f in listing.files.items() if p.endswith(WEIGHTS_SUFFIX)
                and p.split("/", 1)[0] in (layout.TEXT_ENCODER_DIR, layout.QUERYFORMER_DIR, layout.PROJECTION_DIR)]
     return small + code, weights
+
+
+def range_headers(ref: hub.RepoRef, listing: hub.Listing, work: Path, *, token: str | None,
+                  options: hub.HubOptions, served: list[int] | None = None):
+    """A header_of for lib/materials/teacher_preflight.py: a hub safetensors file's header ({name: entry}) by two
+    range reads (its 8-byte length, then the JSON header), checked as safetensors checks it; None for a file the
+    listing does not have. ``served`` collects the bytes read."""
+    import struct
+
+    from gguf_assets.lib.core.safetensors_io import MAX_HEADER_BYTES, parse_header
+
+    def read(rel: str, start: int, end: int) -> bytes:
+        out = work / f"{listing.files[rel].etag[:16]}.{start}"
+        out.unlink(missing_ok=True)
+        hub.fetch_range(ref, listing.commit, rel, start, end, out, token=token, options=options)
+        data = out.read_bytes()
+        out.unlink()
+        if served is not None:
+            served.append(len(data))
+        return data
+
+    def header_of(rel: str) -> dict | None:
+        remote = listing.files.get(rel)
+        if remote is None:
+            return None
+        work.mkdir(parents=True, exist_ok=True)
+        where = Path(f"{ref}:{rel}")
+        prefix = read(rel, 0, 8) if remote.size >= 8 else b""
+        n = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else 0
+        if len(prefix) != 8 or not 2 <= n <= min(remote.size - 8, MAX_HEADER_BYTES):
+            raise ValueError(f"{where}: not a safetensors file ({remote.size} bytes, header length {n})")
+        raw = read(rel, 8, 8 + n)
+        header, _, _ = parse_header(where, prefix, lambda _: raw, remote.size)
+        return header
+
+    return header_of
 
 
 def hub_rows_shape(cache_dir: Path, source: str, file: str, tensor: str, hidden: int, *, token: str | None = None,

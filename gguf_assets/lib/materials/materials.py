@@ -24,7 +24,7 @@ from gguf_assets.lib.core import atomic, verify
 from gguf_assets.lib.core.errors import UserError
 from gguf_assets.lib.core.ggk_contract import LLADA_IMAGE
 from gguf_assets.lib.core.safetensors_io import safetensors_header
-from gguf_assets.lib.materials import hub, query_rows
+from gguf_assets.lib.materials import hub, hub_shapes, query_rows, teacher_preflight
 from gguf_assets.lib.materials import student_from_gguf as gguf_student
 from gguf_assets.lib.materials import teacher_layout as layout
 from gguf_assets.lib.materials.ggk_tokenizer import ggk_tokenizer_problem
@@ -163,9 +163,10 @@ def _resolve_local(role: str, source: str, local: Path, settings: Settings, cach
             {str(local): new_cache})
 
 
-def _check_folder(role: str, source: str, folder: Path, settings: Settings, *,
-                  where: str) -> tuple[str | None, dict | None]:
-    """Check a resolved model folder before anything loads it; (the teacher's kind, its remote code hashes)."""
+def _check_folder(role: str, source: str, folder: Path, settings: Settings, *, where: str,
+                  preflight: bool = True) -> tuple[str | None, dict | None]:
+    """Check a resolved model folder before anything loads it; (the teacher's kind, its remote code hashes).
+    ``preflight`` False: a pipeline's checks before its weights ran already (a hub download)."""
     if role not in MODEL_ROLES:
         return None, None
     if role != "teacher" or not folder.is_dir():
@@ -178,7 +179,7 @@ def _check_folder(role: str, source: str, folder: Path, settings: Settings, *,
     unused = _unused_by_a_pipeline(settings)
     if unused:
         raise MaterialsError(f"materials.teacher = {source!r} is an LLaDA-Image pipeline, which {unused}")
-    return kind, _check_pipeline_folder(source, folder, settings, where=where)
+    return kind, _check_pipeline_folder(source, folder, settings, where=where, preflight=preflight)
 
 
 def _unused_by_a_pipeline(settings: Settings) -> str | None:
@@ -205,7 +206,8 @@ def pipeline_vision(settings: Settings) -> bool:
     return settings.output.export_vision_encoder and not settings.materials.vision_encoder
 
 
-def _check_pipeline_folder(source: str, folder: Path, settings: Settings, *, where: str) -> dict:
+def _check_pipeline_folder(source: str, folder: Path, settings: Settings, *, where: str,
+                           preflight: bool = True) -> dict:
     """An LLaDA-Image pipeline's text stack, refused before any load when a part is missing or its code is not
     allowed; returns its modeling files' sha256 (a part of the targets' fingerprint)."""
     problem = layout.pipeline_folder_problem(folder, vision=pipeline_vision(settings))
@@ -213,15 +215,13 @@ def _check_pipeline_folder(source: str, folder: Path, settings: Settings, *, whe
         raise MaterialsError(f"materials.teacher = {source!r}: {problem}. Point it at an LLaDA-Image pipeline "
                              "(model_index.json, text_encoder/, queryformer/, text_projection/, tokenizer/).")
     try:
-        code = layout.remote_code_files(layout.encoder_config(folder))
+        if not layout.remote_code_files(layout.encoder_config(folder)):
+            raise layout.LayoutError(f"{folder / layout.TEXT_ENCODER_DIR}/config.json has no auto_map naming the "
+                                     "backbone's modeling code. Restore the pipeline's text_encoder/ folder as "
+                                     "published")
+        code = layout.folder_code_closure(folder)
     except layout.LayoutError as exc:
-        raise MaterialsError(f"materials.teacher = {source!r}: {exc}") from None
-    missing = [f for f in code if not (folder / f).is_file()]
-    if not code or missing:
-        raise MaterialsError(f"materials.teacher = {source!r}: {folder / layout.TEXT_ENCODER_DIR}/config.json "
-                             + (f"names modeling files that are missing: {', '.join(missing)}" if missing else
-                                "has no auto_map naming the backbone's modeling code")
-                             + ". Restore the pipeline's text_encoder/ folder as published.")
+        raise MaterialsError(f"materials.teacher = {source!r}: {exc}.") from None
     hashes = layout.remote_code_hashes(folder, code)
     if not settings.materials.trust_remote_code:
         raise MaterialsError(layout.remote_code_refusal(source, where, hashes))
@@ -231,7 +231,21 @@ def _check_pipeline_folder(source: str, folder: Path, settings: Settings, *, whe
         except ValueError as exc:
             raise MaterialsError(f"materials.teacher = {source!r}: {exc}. Copy or download that file again "
                                  "(a hub download is checked and fetched again by `gguf-trainer run`).") from None
+    if preflight:
+        _refuse_pipeline_problem(source, folder, settings, where=where)
     return hashes
+
+
+def _refuse_pipeline_problem(source: str, folder: Path, settings: Settings, *, where: str,
+                             header_of: teacher_preflight.HeaderOf | None = None) -> None:
+    """lib/materials/teacher_preflight.py's checks, as the materials step's refusal."""
+    try:
+        problem = teacher_preflight.pipeline_problem(folder, settings, header_of=header_of)
+    except ValueError as exc:  # a weights header that does not read
+        problem = str(exc)
+    if problem:
+        raise MaterialsError(f"materials.teacher = {source!r} ({where}): {problem}. Nothing of its weights was "
+                             "loaded.")
 
 
 def _selection_key(role: str, settings: Settings) -> str:
@@ -317,8 +331,10 @@ def _resolve_hub(role: str, source: str, paths: ProjectPaths, settings: Settings
     selection = _selection_key(role, settings)
     label = f"materials.{role} = {source!r}"
     report = {"source": source, "network": False, "downloaded_bytes": 0, "seconds": 0.0, "refetched": 0}
+    checked_before_weights = False  # a pipeline's checks before its weights (teacher_preflight) ran here
     try:
-        if pinned and hub.record_selection(root, ref, pinned) == selection:
+        if pinned and hub.record_selection(root, ref, pinned) == selection \
+                and _holds_its_code(hub.snapshot_dir(root, ref, pinned), hub.read_record(root, ref, pinned)):
             # A finished snapshot: check it against its record, offline; re-fetch only what changed.
             listing = hub.read_record(root, ref, pinned)
             folder = hub.snapshot_dir(root, ref, pinned)
@@ -371,12 +387,17 @@ def _resolve_hub(role: str, source: str, paths: ProjectPaths, settings: Settings
 
             fetch(meta)  # small files first: remote code and the weight index are known before the big ones
             if pipeline:  # its modeling code is fetched and shown (with sha256) before any weight, or refused
-                extra, weights = _refine_pipeline_files(source, folder, full, weights)
-                fetch(extra)
+                extra, weights = _refine_pipeline_files(source, folder, full, weights, fetch)
                 meta += extra
                 if not settings.materials.trust_remote_code:
                     raise MaterialsError(layout.remote_code_refusal(source, f"at commit {full.commit}",
                                                                     layout.remote_code_hashes(folder, extra)))
+                # Everything that can fail without the weights fails now: their headers are read by range.
+                _refuse_pipeline_problem(source, folder, settings, where=f"at commit {full.commit}",
+                                         header_of=hub_shapes.range_headers(
+                                             ref, full, folder / hub.HF_CACHE_DIR / "headers", token=token,
+                                             options=options))
+                checked_before_weights = True
             elif role not in ("datasets", TOKENIZER_ROLE):
                 extra, weights = _refine_model_files(role, source, folder, full, settings, weights)
                 fetch(extra)
@@ -390,25 +411,39 @@ def _resolve_hub(role: str, source: str, paths: ProjectPaths, settings: Settings
                      len(listing.files), total.downloaded_bytes / 2**20)
     except hub.HubError as exc:
         raise MaterialsError(f"{label}: {exc}") from None
-    kind, remote_code = _check_folder(role, source, folder, settings, where=f"at commit {listing.commit}")
+    kind, remote_code = _check_folder(role, source, folder, settings, where=f"at commit {listing.commit}",
+                                      preflight=not checked_before_weights)
     material = Material(role, source, str(folder), listing.commit, len(listing.files), listing.total_bytes,
                         text_field, origin="hub", kind=kind, remote_code=remote_code)
     return material, {str(folder): verified}, report
 
 
-def _refine_pipeline_files(source: str, folder: Path, listing: hub.Listing,
-                           weights: list[str]) -> tuple[list[str], list[str]]:
-    """After a pipeline's small files are in: its modeling files (the caller fetches them and refuses them unless
-    allowed, before any weight is fetched), and only the text encoder's shards that its index names."""
+def _holds_its_code(folder: Path, listing: hub.Listing) -> bool:
+    """Whether a pipeline snapshot holds its text encoder's whole code closure (one made before the closure was
+    followed has only auto_map's files: it is listed again and topped up, its files kept). True for other repos."""
+    if f"{layout.TEXT_ENCODER_DIR}/config.json" not in listing.files or not folder.is_dir():
+        return True
+    try:
+        layout.remote_code_closure(layout.remote_code_files(layout.encoder_config(folder)),
+                                   exists=lambda p: p in listing.files and (folder / p).is_file(),
+                                   read_text=lambda p: (folder / p).read_text(encoding="utf-8"))
+    except (layout.LayoutError, OSError, ValueError):
+        return False
+    return True
+
+
+def _refine_pipeline_files(source: str, folder: Path, listing: hub.Listing, weights: list[str],
+                           fetch) -> tuple[list[str], list[str]]:
+    """After a pipeline's small files are in: its code closure, fetched here (``fetch``) file by file as the
+    imports are followed, before any weight (the caller refuses it unless allowed), and only the text encoder's
+    shards that its index names."""
     label = f"materials.teacher = {source!r}"
     try:
-        code = layout.remote_code_files(layout.encoder_config(folder))
+        code = layout.remote_code_closure(layout.remote_code_files(layout.encoder_config(folder)),
+                                          exists=lambda p: p in listing.files, fetch=fetch,
+                                          read_text=lambda p: (folder / p).read_text(encoding="utf-8"))
     except layout.LayoutError as exc:
-        raise MaterialsError(f"{label}: {exc}") from None
-    missing = [f for f in code if f not in listing.files]
-    if missing:
-        raise MaterialsError(f"{label}: text_encoder/config.json names modeling files the repo does not have at "
-                             f"{listing.commit[:12]}: {', '.join(missing)}.")
+        raise MaterialsError(f"{label}: {exc} (at commit {listing.commit[:12]}).") from None
     index = folder / layout.TEXT_ENCODER_DIR / WEIGHTS_INDEX
     if index.is_file():
         named = sorted({f"{layout.TEXT_ENCODER_DIR}/{name}" for name in

@@ -16,7 +16,8 @@ by a forward that was later corrected are stale, never reused.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+import re
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from gguf_assets.lib.core import atomic
@@ -88,7 +89,8 @@ def pipeline_selection(files: Iterable[str], *, vision: bool) -> tuple[list[str]
 
 
 def remote_code_files(config: dict) -> list[str]:
-    """The text encoder's modeling files its config.json's ``auto_map`` names, as repo-relative paths."""
+    """The text encoder's modeling files its config.json's ``auto_map`` names, as repo-relative paths (the entry
+    points of its code; remote_code_closure adds what they import)."""
     modules = set()
     for target in (config.get("auto_map") or {}).values():
         for ref in ([target] if isinstance(target, str) else [t for t in target if t]):
@@ -97,6 +99,71 @@ def remote_code_files(config: dict) -> list[str]:
                                   "which is not fetched: use a pipeline whose code is in its own text_encoder/")
             modules.add(ref.rsplit(".", 1)[0])
     return sorted(f"{TEXT_ENCODER_DIR}/{module.replace('.', '/')}.py" for module in modules)
+
+
+# The relative imports a module file makes: transformers' two patterns (dynamic_module_utils.get_relative_imports:
+# ``import .x`` and ``from .x import y``) and ``from . import x, y``, which names modules too.
+_IMPORT_DOT = re.compile(r"^\s*import\s+\.(\S+)\s*$", re.MULTILINE)
+_FROM_DOT = re.compile(r"^\s*from\s+(\.+)(\S*)\s+import\s+\(?([^)\n#]*)", re.MULTILINE)
+
+
+def relative_imports(source: str, importer: str) -> list[str]:
+    """The repo-relative module files that ``source`` (the file ``importer``) imports relatively, in order.
+
+    A relative import that climbs out of the importer's folder (``from ..x``) is refused: nothing outside
+    text_encoder/ is fetched or run."""
+    folder = importer.rsplit("/", 1)[0]
+    modules: list[str] = [m for m in _IMPORT_DOT.findall(source)]
+    for dots, module, names in _FROM_DOT.findall(source):
+        if len(dots) > 1:
+            raise LayoutError(f"{importer} imports from outside its folder ({dots}{module}), which is not fetched "
+                              "or run: use a pipeline whose text encoder code is all in text_encoder/")
+        if module:
+            modules.append(module)
+        else:  # from . import a, b as c
+            modules += [n.split(" as ")[0].strip() for n in names.split(",") if n.strip()]
+    found: list[str] = []
+    for module in modules:
+        path = f"{folder}/{module.replace('.', '/')}.py"
+        if path not in found:
+            found.append(path)
+    return found
+
+
+def remote_code_closure(entries: list[str], *, exists: Callable[[str], bool], read_text: Callable[[str], str],
+                        fetch: Callable[[list[str]], None] = lambda paths: None) -> list[str]:
+    """Every module file the text encoder's code needs: ``entries`` (auto_map's files) and, recursively, what each
+    imports relatively, as transformers collects them before it runs the code. ``exists``: whether the repo or
+    folder has a path; ``fetch``: bring paths in before ``read_text`` reads them (a hub download; kilobytes).
+
+    A module that is not there is refused at once, naming it and the file that imports it (transformers would
+    stop only after every weight is in, with a FileNotFoundError)."""
+    closure: list[str] = []
+    importer = dict.fromkeys(entries, f"{TEXT_ENCODER_DIR}/config.json's auto_map")
+    frontier = sorted(entries)
+    while frontier:
+        missing = [p for p in frontier if not exists(p)]
+        if missing:
+            raise LayoutError(f"{importer[missing[0]]} needs {missing[0]}, which the pipeline does not have"
+                              + (f" (nor {', '.join(missing[1:])})" if missing[1:] else "")
+                              + ": its text encoder code is incomplete. Use a revision whose text_encoder/ holds "
+                                "every module its code imports")
+        fetch(frontier)
+        closure += frontier
+        found: list[str] = []
+        for path in frontier:
+            for module in relative_imports(read_text(path), path):
+                if module not in closure and module not in found:
+                    found.append(module)
+                    importer[module] = path
+        frontier = found
+    return sorted(closure)
+
+
+def folder_code_closure(folder: Path) -> list[str]:
+    """remote_code_closure over a local pipeline folder."""
+    return remote_code_closure(remote_code_files(encoder_config(folder)), exists=lambda p: (folder / p).is_file(),
+                               read_text=lambda p: (folder / p).read_text(encoding="utf-8"))
 
 
 def encoder_config(folder: Path) -> dict:

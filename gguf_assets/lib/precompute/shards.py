@@ -333,6 +333,8 @@ class ShardBuilder:
                         # what made them (the fingerprint holds both; here for people reading the shard)
                         teacher_kind=kind or ("mock" if self.choice.mock else QUERY_ROWS),
                         teacher_forward=TEACHER_FORWARDS.get(kind or QUERY_ROWS) if not self.choice.mock else None)
+            if kind == LLADA_IMAGE_PIPELINE:  # every file of the code that ran, with its sha256 (in the fingerprint)
+                meta["teacher_code"] = self.materials.teacher["remote_code"]
             return {"targets": result.targets}, meta
         states = self.compute(half, plan.prompts, on_batch=on_batch)
         meta.update(dim=states.hidden.shape[1], tokens=states.tokens,

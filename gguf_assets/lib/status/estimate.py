@@ -110,6 +110,49 @@ def model_config(paths: ProjectPaths, settings: Settings, role: str, *, token: s
                                       f"{remote.read_bytes / 1024:.1f} KiB read, built on the meta device; {weights})")
 
 
+def teacher_check(paths: ProjectPaths, settings: Settings, *, token: str | None = None,
+                  options: hub.HubOptions | None = None) -> tuple[bool, str] | None:
+    """An LLaDA-Image teacher checked before its weights (lib/materials/teacher_preflight.py), as the materials step
+    checks it: (passed, one line). None for another teacher. A hub pipeline's weight headers are read by range."""
+    from gguf_assets.lib.materials import teacher_preflight
+
+    if settings.precompute.mock_teacher:
+        return None
+    config = model_config(paths, settings, "teacher", token=token, options=options)
+    source = settings.materials.teacher
+    if config.folder is None:
+        # A pipeline the hub answered for but whose code or configs were refused; other gaps are the memory lines'
+        return (False, config.why) if f"{layout.TEXT_ENCODER_DIR}/" in config.why else None
+    if not layout.is_pipeline_folder(config.folder):
+        return None
+    folder, served = config.folder, []
+    local = teacher_preflight.local_headers(folder)
+    remote = None
+    if hub.is_repo_source(source) and not paths.resolve_local(source).exists():
+        ref = hub.RepoRef.parse(source, kind="model")
+        listing = hub.list_repo(ref, revision=folder.name if hub.COMMIT.match(folder.name) else None, token=token,
+                                options=options or hub.HubOptions())
+        remote = hub_shapes.range_headers(ref, listing, paths.cache_dir / "headers", token=token,
+                                          options=options or hub.HubOptions(), served=served)
+
+    def header_of(rel: str) -> dict | None:
+        found = local(rel)
+        return found if found is not None or remote is None else remote(rel)
+
+    try:
+        code = layout.folder_code_closure(folder)
+        problem = teacher_preflight.pipeline_problem(folder, settings, header_of=header_of)
+    except (layout.LayoutError, ValueError, OSError) as exc:
+        problem, code = str(exc), []
+    if problem:
+        return False, f"materials.teacher = {source!r}: {problem}"
+    trusted = "its code imported and built on the meta device" if settings.materials.trust_remote_code else \
+        "its code not run (materials.trust_remote_code is off)"
+    return True, (f"checked before its weights: {len(code)} code file(s), the config's keys, the tokenizer, the "
+                  f"parts' weight headers; {trusted}" + (f"; {sum(served) / 1024:.1f} KiB of headers read"
+                                                        if served else ""))
+
+
 def _rows_shape(paths: ProjectPaths, settings: Settings, teacher: Path, *, token: str | None,
                 options: hub.HubOptions | None, ask_hub: bool) -> tuple[int, int, str]:
     """(Q, D, where Q came from) of the teacher's targets, from the query rows' header wherever they are: the
