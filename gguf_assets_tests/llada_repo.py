@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib
 import json
 import random
 import shutil
@@ -399,14 +400,22 @@ def isolated_remote_code(cache: Path):
     transformers_modules are restored after, so another test's copy of the code is loaded afresh."""
     from transformers import dynamic_module_utils
 
+    def loaded() -> dict:
+        importlib.invalidate_caches()  # the import system's cached listings of the other cache's folders
+        return {name: sys.modules.pop(name) for name in list(sys.modules) if name.startswith("transformers_modules")}
+
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("HF_MODULES_CACHE", str(cache))
         patch.setattr(dynamic_module_utils, "HF_MODULES_CACHE", str(cache))
-        patch.setattr(sys, "path", list(sys.path))
-        before = set(sys.modules)
+        # Only this cache's transformers_modules on the path: Python imports the package from the first folder
+        # that holds one (transformers put the default cache there when it was imported).
+        patch.setattr(sys, "path", [str(cache)] + [p for p in sys.path
+                                                   if not (Path(p or ".") / "transformers_modules").is_dir()])
+        # A transformers_modules package loaded before (from another cache) would hide this cache's modules, and
+        # this one's would hide the other's after: each side gets its own back.
+        outside = loaded()
         try:
             yield
         finally:
-            for name in set(sys.modules) - before:
-                if name.startswith("transformers_modules"):
-                    del sys.modules[name]
+            loaded()
+            sys.modules.update(outside)

@@ -102,9 +102,9 @@ def real_state_shapes(encoder: Path) -> dict[str, tuple[tuple[int, ...], torch.d
     """{name: shape} of the persistent state the REAL code builds from ``encoder``'s config, on the meta device."""
     from transformers import AutoConfig, AutoModel
 
-    from gguf_assets.lib.precompute.llada_teacher import _written_for_transformers_4
+    from gguf_assets.lib.materials.llada_text_stack import written_for_transformers_4
 
-    with _written_for_transformers_4():
+    with written_for_transformers_4():
         config = AutoConfig.from_pretrained(encoder, trust_remote_code=True)
         with torch.device("meta"):
             model = AutoModel.from_config(config, trust_remote_code=True)
@@ -128,7 +128,9 @@ def write_text_encoder(folder: Path, tok, seed: int, *, shards: int = 2) -> None
     for name in CODE_FILES:
         shutil.copyfile(REAL_CODE / name, folder / name)
     standin._write_json(folder / "config.json", _encoder_config(tok))
-    standin._save_sharded(_encoder_weights(real_state_shapes(folder), seed), folder, shards)
+    with standin.isolated_remote_code(folder.parent.with_name(folder.parent.name + ".hf-modules")):
+        shapes = real_state_shapes(folder)
+    standin._save_sharded(_encoder_weights(shapes, seed), folder, shards)
 
 
 def _write_part(folder: Path, published: str, sizes: dict, build, seed: int) -> None:

@@ -1,9 +1,7 @@
-"""An LLaDA-Image pipeline repo as the teacher (materials.teacher alone names it), from the loopback hub.
+"""An LLaDA-Image pipeline folder as the teacher (materials.teacher alone names it), pinned by the parts it reads.
 
-The repo is a tiny random replica of inclusionAI/LLaDA-Image-Turbo (llada_repo.py): model_index.json, the text
-stack, a SigVQ, and a DiT and a VAE that must never be fetched. Its backbone is remote code, so the first run stops
-before any weight is fetched or loaded, naming the files and the setting; with the setting the whole pipeline runs
-to a GGUF and a vision GGUF.
+The folder is the tiny pipeline built from the real published files (real_llada.py); the hub path, the whole
+pipeline and the checks before the weights are test_real_teacher.py's.
 """
 
 from __future__ import annotations
@@ -11,25 +9,27 @@ from __future__ import annotations
 import shutil
 
 import pytest
-from conftest import cli
-from llada_repo import TINY_LLADA, build_tiny_llada_repo, remote_code_files
+from llada_repo import isolated_remote_code, remote_code_files
+from real_llada import build_real_llada_repo
 
-from gguf_assets.lib.core import atomic
 from gguf_assets.lib.demo.demo import demo_settings
-from gguf_assets.lib.materials.materials import MaterialsError, load_manifest, resolve_materials
+from gguf_assets.lib.materials.materials import MaterialsError, resolve_materials
 from gguf_assets.lib.precompute.shards import half_fingerprint
-from gguf_assets.lib.project.layout import REPORT_JSON, ProjectPaths
+from gguf_assets.lib.project.layout import ProjectPaths
 from gguf_assets.lib.project.settings import load_settings, replace, write_project_file
-from gguf_assets.lib.status.stages import STAGES
-from gguf_assets.lib.status.states import project_status
-from gguf_assets.orchestration.launching import run_pipeline
 
 REPO = "inclusionAI/LLaDA-Image-Turbo"
 
 
 @pytest.fixture(scope="module")
 def tiny_repo(tmp_path_factory):
-    return build_tiny_llada_repo(tmp_path_factory.mktemp("llada") / "LLaDA-Image-Turbo")
+    return build_real_llada_repo(tmp_path_factory.mktemp("llada") / "LLaDA-Image-Turbo")
+
+
+@pytest.fixture(autouse=True)
+def remote_code_cache(tmp_path):
+    with isolated_remote_code(tmp_path / "hf-modules"):  # resolve_materials imports the code to check it
+        yield
 
 
 def _settings(teacher: str, **materials):
@@ -46,47 +46,6 @@ def _project(root, demo_materials_root, settings) -> ProjectPaths:
     shutil.copytree(demo_materials_root / "dataset", root / "materials" / "demo" / "dataset")
     write_project_file(root, settings)
     return ProjectPaths.of(root)
-
-
-@pytest.mark.slow
-def test_remote_code_is_refused_before_any_weight_then_allowed_runs_to_a_gguf_without_the_dit(
-        tmp_path, tiny_repo, demo_materials_root, loopback_hub, monkeypatch):
-    loopback_hub.add_repo(REPO, tiny_repo)
-    paths = _project(tmp_path / "project", demo_materials_root, _settings(REPO))
-
-    refused = cli("run", str(paths.root))
-    console = refused.stdout + refused.stderr
-    assert refused.returncode != 0 and "Traceback" not in console
-    commit = loopback_hub.head(REPO)
-    for name in ["materials.trust_remote_code", REPO, commit, *remote_code_files(tiny_repo)]:
-        assert name in console, name
-    assert "sha256" in console
-    assert not [f for f in loopback_hub.served if f.endswith(".safetensors")]  # no weight was fetched
-
-    write_project_file(paths.root, _settings(REPO, trust_remote_code=True))
-    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path))
-    monkeypatch.setenv("GGUF_ASSETS_PROJECT", str(paths.root))
-    status = run_pipeline(paths, echo=lambda line: None)
-    assert {s.stage: s.state for s in status} == dict.fromkeys(STAGES, "current")
-    assert {s.stage: s.state for s in project_status(paths, load_settings(paths.root))} == \
-        dict.fromkeys(STAGES, "current")
-
-    served = set(loopback_hub.served)
-    assert not {f for f in served if f.split("/")[0] in ("transformer", "vae", "scheduler")}, served
-    assert {f.split("/")[0] for f in served if "/" in f} == {"text_encoder", "queryformer", "text_projection",
-                                                            "tokenizer", "sigvq"}
-    manifest = load_manifest(paths)
-    assert manifest.teacher["kind"] == "llada-image" and manifest.teacher["commit"] == commit
-    assert sorted(manifest.teacher["remote_code"]) == remote_code_files(tiny_repo)
-    assert manifest.vision_encoder["commit"] == commit and manifest.vision_encoder["path"].endswith("/sigvq")
-
-    settings = load_settings(paths.root)
-    report = atomic.read_json(paths.output_dir(settings) / REPORT_JSON)
-    assert report["val_centred_cosine"] is not None
-    half = atomic.read_json(next(paths.root.glob("shards/val/*/teacher.json")))
-    assert (half["query_rows"], half["dim"]) == (TINY_LLADA.num_queries, TINY_LLADA.projection_dim)
-    assert (half["teacher_kind"], half["teacher_forward"]) == ("llada-image", 1)
-    assert report["ggk_files"]["vision_encoder"] and paths.located(report["ggk_files"]["vision_encoder"]).is_file()
 
 
 def test_a_changed_modeling_file_makes_the_teacher_halves_stale_and_nothing_else(tmp_path, tiny_repo,

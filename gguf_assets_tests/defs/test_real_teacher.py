@@ -24,13 +24,14 @@ import pytest
 import torch
 from conftest import cli
 from llada_repo import isolated_remote_code
-from real_llada import CODE_FILES, build_real_llada_repo, real_files_or_skip
+from real_llada import CODE_FILES, HELPER, MODELING, build_real_llada_repo, real_files_or_skip
 from safetensors.torch import load_file
 
 from gguf_assets.lib.core import atomic
 from gguf_assets.lib.demo.demo import demo_settings
-from gguf_assets.lib.materials.materials import load_manifest, manifest_is_current, resolve_materials
+from gguf_assets.lib.materials.materials import MaterialsError, load_manifest, manifest_is_current, resolve_materials
 from gguf_assets.lib.precompute.llada_teacher import LLaDAImageTeacher
+from gguf_assets.lib.precompute.shards import half_fingerprint
 from gguf_assets.lib.project.layout import REPORT_JSON, ProjectPaths
 from gguf_assets.lib.project.settings import load_settings, replace, write_project_file
 from gguf_assets.lib.status.stages import STAGES
@@ -126,7 +127,8 @@ def test_the_real_teacher_from_the_hub_refused_then_run_to_a_report_then_a_secon
     # (e) A second project, same teacher, same commit: nothing but the small files' listing crosses the network.
     before = dict(loopback_hub.served)
     second = _project(tmp_path / "second", demo_materials_root, _settings(REPO, trust_remote_code=True))
-    again = resolve_materials(second, load_settings(second.root))
+    with isolated_remote_code(tmp_path / "hf-modules-2"):  # the checks before the weights import its code here
+        again = resolve_materials(second, load_settings(second.root))
     assert again.teacher["commit"] == commit
     assert weight_bytes_served(loopback_hub, real_repo, before) == {}
     folder, first_folder = second.located(again.teacher["path"]), paths.located(manifest.teacher["path"])
@@ -136,3 +138,86 @@ def test_the_real_teacher_from_the_hub_refused_then_run_to_a_report_then_a_secon
     shutil.rmtree(paths.root)
     assert manifest_is_current(second, load_settings(second.root))
     assert atomic.sha256_file(folder / shard_file) == atomic.sha256_file(real_repo / shard_file)
+
+
+def _files(repo) -> dict[str, bytes]:
+    return {p.relative_to(repo).as_posix(): p.read_bytes() for p in sorted(repo.rglob("*")) if p.is_file()}
+
+
+def _variant(repo, changes: dict[str, bytes | None]) -> dict[str, bytes]:
+    """The repo's files with ``changes`` ({path: bytes, or None to leave it out})."""
+    files = _files(repo)
+    for path, data in changes.items():
+        assert path in files, path
+        if data is None:
+            del files[path]
+        else:
+            files[path] = data
+    return files
+
+
+def _without_key(repo, key: str) -> bytes:
+    config = json.loads((repo / "text_encoder" / "config.json").read_text())
+    del config[key]
+    return json.dumps(config, indent=2).encode()
+
+
+def test_the_code_closure_and_every_check_before_the_weights_refuse_in_run_and_estimate(
+        tmp_path, real_repo, demo_materials_root, loopback_hub):
+    from gguf_assets.lib.status.estimate import teacher_check
+
+    trusted = _settings(REPO, trust_remote_code=True)
+    bad_repos = {
+        # (c) the modeling file's relative import, with the module left out of the repo
+        "no-helper/LLaDA-Image-Turbo": (_variant(real_repo, {f"text_encoder/{HELPER}": None}),
+                                        ["text_encoder/fused_moe_ops.py", f"text_encoder/{MODELING}"]),
+        # a key the forward reads (the config class would quietly default it to 10000)
+        "no-rope-theta/LLaDA-Image-Turbo": (_variant(real_repo, {"text_encoder/config.json": _without_key(
+            real_repo, "rope_theta")}), ["text_encoder/config.json", "rope_theta is None"]),
+        "bad-tokenizer/LLaDA-Image-Turbo": (_variant(real_repo, {"tokenizer/tokenizer.json": b'{"version": "1.0"'}),
+                                            ["tokenizer/ does not load"]),
+    }
+    with isolated_remote_code(tmp_path / "hf-modules"):
+        for repo_id, (files, named) in bad_repos.items():
+            loopback_hub.add_repo(repo_id, files)
+            paths = _project(tmp_path / repo_id.split("/")[0], demo_materials_root,
+                             replace(trusted, materials={"teacher": repo_id}))
+            before = dict(loopback_hub.served)
+            with pytest.raises(MaterialsError) as refused:  # the materials step of `run`
+                resolve_materials(paths, load_settings(paths.root))
+            for name in named:
+                assert name in str(refused.value), (repo_id, name, str(refused.value))
+            assert weight_bytes_served(loopback_hub, real_repo, before) == {}, repo_id
+            before = dict(loopback_hub.served)
+            checked = teacher_check(paths, load_settings(paths.root))  # what `estimate` prints
+            assert checked is not None and not checked[0], (repo_id, checked)
+            for name in named:
+                assert name in checked[1], (repo_id, name, checked[1])
+            assert weight_bytes_served(loopback_hub, real_repo, before) == {}, repo_id
+
+        # The console of `estimate`: the line and a failing exit status, before any weight byte.
+        estimate = cli("estimate", str(tmp_path / "no-rope-theta"))
+        assert estimate.returncode == 1 and "Traceback" not in estimate.stderr, estimate.stderr
+        assert "rope_theta is None" in estimate.stdout and "text_encoder/config.json" in estimate.stdout
+
+        # (d) A new commit that changes only fused_moe_ops.py: the teacher's targets are stale, the student's are not,
+        # and the weights of the new commit come from the store, not the hub.
+        loopback_hub.add_repo(REPO, real_repo)
+        paths = _project(tmp_path / "project", demo_materials_root, trusted)
+        settings = load_settings(paths.root)
+        first = resolve_materials(paths, settings)
+        assert sorted(first.teacher["remote_code"]) == ENCODER_FILES
+        ok = teacher_check(paths, settings)
+        assert ok is not None and ok[0] and "3 code file(s)" in ok[1], ok
+        before = {half: half_fingerprint(half, settings, first, "prompts") for half in ("teacher", "student")}
+        served = dict(loopback_hub.served)
+        helper = (real_repo / "text_encoder" / HELPER).read_bytes() + b"\n# a fix upstream\n"
+        commit = loopback_hub.push(REPO, {f"text_encoder/{HELPER}": helper})
+        write_project_file(paths.root, replace(trusted, materials={"teacher": f"{REPO}@{commit}"}))
+        settings = load_settings(paths.root)
+        second = resolve_materials(paths, settings)
+        after = {half: half_fingerprint(half, settings, second, "prompts") for half in ("teacher", "student")}
+        changed = {f for f in ENCODER_FILES if first.teacher["remote_code"][f] != second.teacher["remote_code"][f]}
+        assert changed == {f"text_encoder/{HELPER}"}
+        assert after["teacher"] != before["teacher"] and after["student"] == before["student"]
+        assert weight_bytes_served(loopback_hub, real_repo, served) == {}

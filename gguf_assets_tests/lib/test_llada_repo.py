@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -31,9 +32,12 @@ def remote_code_env(tmp_path, monkeypatch):
     cache = tmp_path / "hf-modules"
     monkeypatch.setenv("HF_MODULES_CACHE", str(cache))
     monkeypatch.setattr(dynamic_module_utils, "HF_MODULES_CACHE", str(cache))
-    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setattr(sys, "path", [str(cache)] + [p for p in sys.path
+                                                     if not (Path(p or ".") / "transformers_modules").is_dir()])
     had_default = ROPE_INIT_FUNCTIONS.pop("default", None)  # as transformers 5 ships it, inside the test
     before = set(sys.modules)
+    # A transformers_modules package another test loaded from its own cache would hide this cache's modules.
+    outside = {name: sys.modules.pop(name) for name in list(sys.modules) if name.startswith("transformers_modules")}
     yield ROPE_INIT_FUNCTIONS
     # The test registers one: gone after it (a "default" left here changes the Qwen3 models of later tests).
     ROPE_INIT_FUNCTIONS.pop("default", None)
@@ -42,6 +46,7 @@ def remote_code_env(tmp_path, monkeypatch):
     for name in set(sys.modules) - before:
         if name.startswith("transformers_modules"):
             del sys.modules[name]
+    sys.modules.update(outside)
 
 
 def _files(root):

@@ -72,7 +72,9 @@ def config_problems(config: dict) -> list[str]:
         problems.append(f"pad_token_id {pad!r} is not a row of the {vocab}-row embedding table")
     experts = config.get("num_experts")
     if experts:  # the MoE layers: the router's groups (LLaDA2MoeGate.group_limited_topk) must be well formed
-        for key in ("moe_intermediate_size", "num_experts_per_tok", "n_group", "topk_group"):
+        # n_group and topk_group have defaults in the published configuration class; checked where they are set
+        for key in ("moe_intermediate_size", "num_experts_per_tok", *(k for k in ("n_group", "topk_group")
+                                                                        if k in config)):
             if not isinstance(config.get(key), int) or config[key] <= 0:
                 problems.append(f"{key} is {config.get(key)!r}, not a positive whole number (num_experts is "
                                 f"{experts})")
@@ -151,14 +153,25 @@ def _tokenizer_problem(folder: Path, vocab: int) -> str | None:
     return None
 
 
-def _backbone_problem(folder: Path, header_of: HeaderOf, settings) -> str | None:
-    """The repo's code imported and the backbone built on the meta device, its tensors against the weights'."""
+def backbone_on_meta(encoder: Path):
+    """The text encoder built by the repo's own code from its config, on the meta device (no weights); the caller
+    checked materials.trust_remote_code."""
     import torch
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModel
 
-    from gguf_assets.lib.precompute.llada_teacher import empty_backbone
+    from gguf_assets.lib.materials.llada_text_stack import written_for_transformers_4
 
+    with written_for_transformers_4():
+        config = AutoConfig.from_pretrained(encoder, trust_remote_code=True)
+        with init_empty_weights():
+            return AutoModel.from_config(config, dtype=torch.bfloat16, trust_remote_code=True)
+
+
+def _backbone_problem(folder: Path, header_of: HeaderOf) -> str | None:
+    """The repo's code imported and the backbone built on the meta device, its tensors against the weights'."""
     try:
-        model = empty_backbone(folder, settings, torch.bfloat16)
+        model = backbone_on_meta(folder / layout.TEXT_ENCODER_DIR)
     except Exception as exc:  # noqa: BLE001 (the repo's code can raise anything while it imports and builds)
         text = str(exc).strip().splitlines()
         return (f"the text encoder's code does not import and build from {ENCODER_CONFIG} "
@@ -199,7 +212,7 @@ def pipeline_problem(folder: Path, settings, *, header_of: HeaderOf | None = Non
 
     ``folder`` holds at least model_index.json, the parts' config.json, tokenizer/ and the text encoder's code and
     weights index; the code is run only under materials.trust_remote_code."""
-    from gguf_assets.lib.precompute.llada_teacher import QueryFormer, TextProjection
+    from gguf_assets.lib.materials.llada_text_stack import QueryFormer, TextProjection  # torch, only here
 
     header_of = header_of or local_headers(folder)
     try:
@@ -218,4 +231,4 @@ def pipeline_problem(folder: Path, settings, *, header_of: HeaderOf | None = Non
     problem = _tokenizer_problem(folder, config["vocab_size"])
     if problem or not settings.materials.trust_remote_code:
         return problem
-    return _backbone_problem(folder, header_of, settings)
+    return _backbone_problem(folder, header_of)

@@ -264,7 +264,7 @@ def test_a_slow_mirror_that_keeps_sending_is_not_cut_off_by_the_answer_bound(mak
     assert len(loopback_hub.file_requests("model.safetensors")) == 1  # in one go, never cut off and retried
 
 
-def test_missing_file_unknown_repo_and_unknown_revision(make_project, loopback_hub):
+def test_missing_file_unknown_repo_and_unknown_revision(make_project, loopback_hub, monkeypatch, tmp_path):
     paths = make_project(materials={"student": "nobody/nothing"}, precompute={"mock_teacher": True})
     with pytest.raises(MaterialsError, match=r"materials.student = 'nobody/nothing'.*not found.*Check the id"):
         _resolve(paths)
@@ -279,6 +279,8 @@ def test_missing_file_unknown_repo_and_unknown_revision(make_project, loopback_h
         _resolve(paths)
 
     paths = make_project(materials={"student": "demo/student"}, precompute={"mock_teacher": True})
+    # Another machine: this one's hub store holds the student fetched above, and links it instead of asking.
+    monkeypatch.setenv("GGUF_ASSETS_STORE", str(tmp_path / "another-machine-store"))
     loopback_hub.add_fault("missing", path_contains="tokenizer.json", times=-1)
     with pytest.raises(MaterialsError, match=r"demo/student.*missing on the server \(404\)"):
         _resolve(paths)
@@ -313,7 +315,8 @@ def test_upstream_change_after_pinning_keeps_the_pinned_commit(make_project, loo
     assert not abandoned.exists() and (Path(first["path"]) / "config.json").read_bytes() == original
 
 
-def test_corrupted_downloads_are_refetched_or_refused(make_project, loopback_hub, demo_materials_root):
+def test_corrupted_downloads_are_refetched_or_refused(make_project, loopback_hub, demo_materials_root, monkeypatch,
+                                                      tmp_path):
     paths = make_project(materials={"student": "demo/student"}, precompute={"mock_teacher": True})
     expected = _sha256(demo_materials_root / "student" / "model.safetensors")
 
@@ -333,6 +336,7 @@ def test_corrupted_downloads_are_refetched_or_refused(make_project, loopback_hub
 
     # A server that always sends a different file: refused, and the bad copy is not kept.
     other = make_project(materials={"student": "demo/student"}, precompute={"mock_teacher": True})
+    monkeypatch.setenv("GGUF_ASSETS_STORE", str(tmp_path / "another-machine-store"))  # nothing to link from
     loopback_hub.add_fault("corrupt", path_contains="tokenizer.json", times=-1)
     with pytest.raises(MaterialsError, match=r"demo/student.*tokenizer.json arrived with a different checksum"):
         _resolve(other)

@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 from gguf_assets.lib.core import faults
-from gguf_assets.lib.materials.hub import store
 from gguf_assets.lib.materials.hub.options import (
     ANSWER_TIMEOUT_ENV,
     DEFAULT_ANSWER_TIMEOUT_S,
@@ -31,6 +30,7 @@ from gguf_assets.lib.materials.hub.records import (
     has_partial,
     verify,
 )
+from gguf_assets.lib.materials.hub.store import keep_in_store, link_from_store
 from gguf_assets.lib.materials.hub.watchdog import Waiting, _run_child
 
 log = logging.getLogger(__package__)
@@ -143,7 +143,7 @@ def download(ref: RepoRef, listing: Listing, folder: Path, *, token: str | None 
     folder.mkdir(parents=True, exist_ok=True)
     bad, verified = verify(folder, listing, cache or {})
     if bad:  # what another project of this user fetched already is linked, not downloaded (store.py)
-        linked = store.link_from_store(folder, listing.subset(bad))
+        linked = link_from_store(folder, listing.subset(bad))
         verified.update(linked)
         bad = [rel for rel in bad if rel not in linked]
     last_log = [time.monotonic()]
@@ -205,7 +205,7 @@ def download(ref: RepoRef, listing: Listing, folder: Path, *, token: str | None 
                        f"{ref}: {', '.join(bad)} arrived with a different checksum or size than the hub announced, "
                        f"{stats.attempts} times; the bad copies were deleted. Check for a proxy rewriting downloads, "
                        "or run again later.")
-    store.keep_in_store(folder, listing, verified)
+    keep_in_store(folder, listing, verified)
     return verified, stats
 
 
