@@ -344,7 +344,8 @@ def _resolve_hub(role: str, source: str, paths: ProjectPaths, settings: Settings
                             label, ", ".join(bad), pinned[:12])
                 report["network"] = True
                 hub.remove_orphans(folder, listing)
-                hub.check_disk(folder, ref, listing.subset(bad), reserve_bytes=options.disk_reserve_bytes)
+                hub.check_disk(folder, ref, hub.to_download(folder, listing.subset(bad)),
+                               reserve_bytes=options.disk_reserve_bytes)
                 fixed, stats = hub.download(ref, listing.subset(bad), folder, token=token, options=options)
                 verified.update(fixed)
                 report.update(downloaded_bytes=stats.downloaded_bytes, seconds=stats.seconds,
@@ -372,7 +373,9 @@ def _resolve_hub(role: str, source: str, paths: ProjectPaths, settings: Settings
                 meta, weights = _select_model_files(role, source, full, settings, needs_query_rows=needs_query_rows)
             if removed := hub.remove_orphans(folder, full.subset(meta + weights)):
                 log.info("%s: removed %d orphan partial download(s)", label, removed)
-            hub.check_disk(folder, ref, full.subset(meta + weights), reserve_bytes=options.disk_reserve_bytes)
+            # What the per-user store can link needs no space of its own (hub/store.py).
+            hub.check_disk(folder, ref, hub.to_download(folder, full.subset(meta + weights)),
+                           reserve_bytes=options.disk_reserve_bytes)
             verified: dict = {}
             total = hub.TransferStats()
 

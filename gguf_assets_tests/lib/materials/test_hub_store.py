@@ -26,6 +26,7 @@ def test_a_kept_file_is_linked_into_another_project_and_a_blob_changed_in_place_
     store.keep_in_store(first, listing, verified)
 
     second = tmp_path / "second" / "snapshot"
+    assert store.to_download(second, listing).files == {}  # the disk check counts nothing for what it links
     linked = store.link_from_store(second, listing)
     assert sorted(linked) == sorted(files)
     rel = "text_encoder/model-00001-of-00002.safetensors"
@@ -43,8 +44,10 @@ def test_a_kept_file_is_linked_into_another_project_and_a_blob_changed_in_place_
     assert rel not in store.link_from_store(third, listing)
     assert not (third / rel).exists()
 
+    assert sorted(store.to_download(third, listing).files) == [rel]
     monkeypatch.setenv(store.STORE_ENV, "off")
     assert store.store_root() is None and store.link_from_store(tmp_path / "fourth", listing) == {}
+    assert store.to_download(tmp_path / "fourth", listing) == listing
     monkeypatch.delenv(store.STORE_ENV)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert store.store_root() == tmp_path / "xdg" / "gguf_assets" / "hub-store"

@@ -5,7 +5,8 @@ before any weight is downloaded."""
 from __future__ import annotations
 
 import pytest
-from llada_repo import TINY_LLADA, build_tiny_llada_repo, isolated_remote_code
+from llada_repo import TINY_LLADA, isolated_remote_code
+from real_llada import build_real_llada_repo
 from safetensors import safe_open
 
 from gguf_assets.lib.project.layout import ProjectPaths
@@ -16,7 +17,7 @@ from gguf_assets.lib.status.estimate import BYTES, GIB, estimate, placement_line
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory):
     with isolated_remote_code(tmp_path_factory.mktemp("hf-modules")):
-        yield build_tiny_llada_repo(tmp_path_factory.mktemp("llada") / "LLaDA-Image-Turbo")
+        yield build_real_llada_repo(tmp_path_factory.mktemp("llada") / "LLaDA-Image-Turbo")
 
 
 def _numel(folder) -> int:

@@ -81,6 +81,23 @@ def _link(source: Path, target: Path) -> None:
     os.replace(temp, target)
 
 
+def to_download(folder: Path, listing: Listing) -> Listing:
+    """The files of ``listing`` the store cannot link into ``folder`` (what a download would still fetch, for the
+    disk check): all of them when the store is off or on another filesystem."""
+    root = store_root()
+    blobs = root / "blobs" if root is not None else None
+    if blobs is None or not blobs.is_dir():
+        return listing
+    anchor = folder
+    while not anchor.exists():
+        anchor = anchor.parent
+    if os.stat(anchor).st_dev != os.stat(blobs).st_dev:
+        return listing
+    held = [rel for rel, remote in listing.files.items()
+            if (blob := _blob(root, remote.etag)).is_file() and blob.stat().st_size == remote.size]
+    return listing.subset([rel for rel in listing.files if rel not in held])
+
+
 def link_from_store(folder: Path, listing: Listing) -> dict[str, dict]:
     """Link into ``folder`` every file of ``listing`` the store holds (and still trusts); returns their
     verification entries (hub.verify's form), which a later check confirms by stamp."""
