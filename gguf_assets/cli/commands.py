@@ -491,7 +491,8 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
     run_dir = paths.checkpoints_dir(planned_adapter_run(paths, settings, materials).fingerprint)
     if args.list or args.delete is not None:
         if args.delete is not None:
-            for removed in snapshots.delete_snapshot(paths, run_dir, args.delete):
+            output_dir = paths.output_dir(settings)
+            for removed in snapshots.delete_snapshot(paths, run_dir, args.delete, output_dir=output_dir):
                 print(f"deleted {removed}")
         entries = snapshots.read_snapshots(run_dir)
         print(f"snapshots of training run {run_dir.name}: {len(entries) or 'none'}")

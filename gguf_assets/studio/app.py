@@ -298,8 +298,8 @@ def snapshots_view(paths: ProjectPaths, settings, view: ProjectView | None = Non
     for entry in snapshots.read_snapshots(run_dir):
         try:
             key = (int(entry["step"]), str(entry["weights"]))
-            file = paths.located(entry["file"])
-        except (KeyError, TypeError, ValueError):
+            file = snapshots.snapshot_file(paths, run_dir, entry, paths.output_dir(settings))
+        except (KeyError, TypeError, ValueError):  # RecordPathError included: a file outside output/ is not listed
             continue
         row = rows.setdefault(key, {"step": key[0], "weights": key[1], "kept": False, "kept_by": None})
         row.update({"planned_steps": entry.get("planned_steps"), VAL_CENTRED_COSINE: entry.get(VAL_CENTRED_COSINE),
@@ -784,7 +784,9 @@ def _snapshot_routes(studio: Studio) -> list[Route]:
 
         def remove() -> list[str]:
             run = planned_adapter_run(paths, settings, load_manifest(paths)).fingerprint
-            return [str(paths.located(f)) for f in snapshots.delete_snapshot(paths, paths.checkpoints_dir(run), step)]
+            removed = snapshots.delete_snapshot(paths, paths.checkpoints_dir(run), step,
+                                                output_dir=paths.output_dir(settings))
+            return [str(paths.located(f)) for f in removed]
 
         async with studio.snapshotting:
             return JSONResponse({"deleted": await run_in_threadpool(remove), "step": step})

@@ -35,6 +35,7 @@ from gguf_assets.lib.project.settings import Settings, adapter_name_problem
 from gguf_assets.lib.project.teacher_choice import teacher_choice
 from gguf_assets.lib.training.adapter import MLP_RATIO
 from gguf_assets.lib.training.checkpoints import load_final
+from gguf_assets.lib.training.training_run import final_run_dir
 
 log = logging.getLogger(__name__)
 
@@ -210,7 +211,7 @@ def export_adapter(paths: ProjectPaths, settings: Settings, materials: Materials
 
     ``val_folders``: the val shards, whose student states the activation rule is checked on."""
     name = check_file_name(settings.output.adapter_name)
-    run_dir = paths.root / adapter_manifest["run_dir"]
+    run_dir = final_run_dir(paths, adapter_manifest)  # confined to checkpoints/: a received project's record
     model, meta = load_final(run_dir)
     target = gguf_path(paths, settings)
     previous_files = _previous_files(paths, settings)

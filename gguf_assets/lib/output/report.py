@@ -23,6 +23,7 @@ from gguf_assets.lib.project import settings_history
 from gguf_assets.lib.project.layout import FINAL_DIR, META_FILE, REPORT_JSON, REPORT_MD, ProjectPaths
 from gguf_assets.lib.project.manifests import ExportSidecar, MaterialsManifest, Report
 from gguf_assets.lib.project.settings import Settings
+from gguf_assets.lib.training.training_run import final_run_dir
 from gguf_assets.lib.training.verdict import validation_curve, verdict
 
 # ggk's flags (gk-diffuser.cpp), for the "use it in ggk" table.
@@ -74,9 +75,8 @@ def _per_shard(evaluation: dict | None, torch_rows: list[dict]) -> list[dict]:
 def _final_meta(paths: ProjectPaths) -> dict:
     """The finished training run's final/meta.json, or {} when it cannot be read."""
     try:
-        run_dir = paths.root / atomic.read_json(paths.adapter_manifest)["run_dir"]
-        meta = atomic.read_json(run_dir / FINAL_DIR / META_FILE)
-    except (OSError, ValueError, KeyError, TypeError):
+        meta = atomic.read_json(final_run_dir(paths) / FINAL_DIR / META_FILE)
+    except (OSError, ValueError, KeyError, TypeError):  # RecordPathError included: no meta from outside
         return {}
     return meta if isinstance(meta, dict) else {}
 

@@ -207,17 +207,22 @@ def evaluate_snapshot(gguf: Path, val_folders: list[Path], weights: Path) -> dic
     return {k: v for k, v in result.items() if isinstance(v, int | float) or v is None}
 
 
-def delete_snapshot(paths: ProjectPaths, run_dir: Path, step: int) -> list[str]:
-    """Delete the snapshot GGUF(s) of ``step`` and their entries; returns the files removed."""
-    removed, keep = [], []
-    for entry in read_snapshots(run_dir):
-        if entry["step"] == step:
-            paths.located(entry["file"]).unlink(missing_ok=True)
-            removed.append(entry["file"])
-        else:
-            keep.append(entry)
-    if not removed:
+def snapshot_file(paths: ProjectPaths, run_dir: Path, entry: dict, output_dir: Path) -> Path:
+    """The GGUF a snapshots.json entry names, confined to the output folder (RecordPathError otherwise: the record
+    may come with a received project)."""
+    return paths.inside(entry.get("file"), record=run_dir / SNAPSHOTS_FILE, under=output_dir)
+
+
+def delete_snapshot(paths: ProjectPaths, run_dir: Path, step: int, *, output_dir: Path) -> list[str]:
+    """Delete the snapshot GGUF(s) of ``step`` and their entries; returns the files removed. Every file is checked
+    to be in ``output_dir`` before any is deleted."""
+    entries = read_snapshots(run_dir)
+    chosen = [e for e in entries if e["step"] == step]
+    if not chosen:
         raise SnapshotError(f"no snapshot of step {step} in this run (snapshots: "
-                            f"{', '.join(str(e['step']) for e in keep) or 'none'})")
-    _write_snapshots(run_dir, keep)
-    return removed
+                            f"{', '.join(str(e['step']) for e in entries) or 'none'})")
+    files = [snapshot_file(paths, run_dir, e, output_dir) for e in chosen]  # all confined, or nothing is deleted
+    for file in files:
+        file.unlink(missing_ok=True)
+    _write_snapshots(run_dir, [e for e in entries if e["step"] != step])
+    return [e["file"] for e in chosen]

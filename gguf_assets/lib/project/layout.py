@@ -146,6 +146,19 @@ class ProjectPaths:
         path = Path(stored)
         return path if path.is_absolute() else self.root / path
 
+    def inside(self, stored: str, *, record: Path, under: Path | None = None) -> Path:
+        """The path a record of the project names, confined: it must lead (links resolved) into ``under``, the
+        project folder by default. A project folder is copied and shared, so a record that names an absolute path
+        or climbs out with ``..`` is refused, naming the record, before anything is opened, written or deleted."""
+        base = (under or self.root).resolve()
+        path = self.located(str(stored)) if stored not in (None, "") else None
+        if path is None or not path.resolve().is_relative_to(base):
+            raise RecordPathError(
+                f"{record}: it names {stored!r}, which is not inside {base}. A project's records name only its own "
+                "files (this one may come from someone else, or was edited): nothing was opened, written or "
+                "deleted. Remove that entry, or get the project again from its sender.")
+        return path
+
     def stored_doc(self, doc: Any) -> Any:
         """A JSON document with every path under :data:`PATH_KEYS` made :meth:`stored`."""
         return _map_paths(doc, self.stored)
@@ -158,6 +171,11 @@ class ProjectPaths:
         """A settings path: absolute, ~, or relative to the project folder."""
         path = Path(value).expanduser()
         return path if path.is_absolute() else self.root / path
+
+
+class RecordPathError(UserError, ValueError):
+    """A path read from one of the project's own records that leads outside the project (or outside the folder it
+    must be in): refused before any file is touched."""
 
 
 class OutputFolderError(UserError):

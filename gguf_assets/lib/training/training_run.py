@@ -4,6 +4,7 @@ is current. No torch here: `status` and the planner compute the fingerprint too 
 from __future__ import annotations
 
 import os
+import re
 import time
 from dataclasses import dataclass, field, fields
 from enum import StrEnum
@@ -22,6 +23,7 @@ from gguf_assets.lib.project.layout import (
     STEP_DIR,
     WEIGHTS_FILE,
     ProjectPaths,
+    RecordPathError,
 )
 from gguf_assets.lib.project.manifests import MaterialsManifest, recorded
 from gguf_assets.lib.project.settings import Settings
@@ -87,6 +89,7 @@ def run_fingerprint(paths: ProjectPaths, settings: Settings, train_fps: list[str
 #   5. else a fresh run.
 
 LINEAGE_FILE = "lineage.json"
+RUN_ID = re.compile(r"[0-9a-f]{16}")  # atomic.fingerprint's form: a run's folder name under checkpoints/
 
 
 @dataclass(frozen=True)
@@ -109,11 +112,21 @@ def continuation_fingerprint(parent: str, steps: int) -> str:
 
 
 def read_lineage(paths: ProjectPaths) -> list[dict]:
+    """checkpoints/lineage.json's runs. Their ids become folder names (checkpoints/<run>), so an id that is not a
+    fingerprint (``../x``, ``/tmp``) is refused, naming the file: a received project's lineage leads nowhere else."""
+    file = paths.root / "checkpoints" / LINEAGE_FILE
     try:
-        doc = atomic.read_json(paths.root / "checkpoints" / LINEAGE_FILE)
+        doc = atomic.read_json(file)
     except (OSError, ValueError):
         return []
-    return [r for r in doc.get("runs", []) if isinstance(r, dict) and "run" in r] if isinstance(doc, dict) else []
+    runs = [r for r in doc.get("runs", []) if isinstance(r, dict) and "run" in r] if isinstance(doc, dict) else []
+    for entry in runs:
+        for key in ("run", "parent"):
+            if key in entry and not RUN_ID.fullmatch(str(entry[key])):
+                raise RecordPathError(f"{file}: a run's {key} is {entry[key]!r}, not a run fingerprint (16 hex "
+                                      "digits), so it would name a folder outside checkpoints/: nothing was read or "
+                                      "written. Remove that entry, or get the project again from its sender.")
+    return runs
 
 
 def _write_lineage(paths: ProjectPaths, runs: list[dict]) -> None:
@@ -196,14 +209,24 @@ def adapter_is_current(paths: ProjectPaths, adapter_fp: str) -> bool:
         return False
     if manifest.get("fingerprint") != adapter_fp:
         return False
-    weights = paths.root / manifest["run_dir"] / FINAL_DIR / WEIGHTS_FILE
+    try:  # a final.json naming a folder outside checkpoints/ is not this project's finished run: train again
+        weights = final_run_dir(paths, manifest) / FINAL_DIR / WEIGHTS_FILE
+    except RecordPathError:
+        return False
     recorded_weights = manifest.get("final_weights")
     return verify.unchanged(weights, recorded_weights) if recorded_weights else weights.is_file()
 
 
+def final_run_dir(paths: ProjectPaths, manifest: dict | None = None) -> Path:
+    """The finished run's folder that checkpoints/final.json (``manifest``, read when None) names, confined to
+    checkpoints/ (RecordPathError otherwise)."""
+    manifest = atomic.read_json(paths.adapter_manifest) if manifest is None else manifest
+    return paths.inside(manifest.get("run_dir"), record=paths.adapter_manifest, under=paths.root / "checkpoints")
+
+
 def final_weights(paths: ProjectPaths) -> Path:
     """The finished adapter's weights file, as the adapter manifest names its run."""
-    return paths.root / atomic.read_json(paths.adapter_manifest)["run_dir"] / FINAL_DIR / WEIGHTS_FILE
+    return final_run_dir(paths) / FINAL_DIR / WEIGHTS_FILE
 
 
 def last_checkpoint_step(paths: ProjectPaths, adapter_fp: str) -> int:

@@ -1,0 +1,79 @@
+"""A received project whose records were edited to lead outside it (#66): snapshots.json, checkpoints/final.json and
+checkpoints/lineage.json naming absolute paths, ``..`` and non-fingerprint run ids. Nothing outside the project is
+deleted, read or written (canary files), and each refusal names the record, with no traceback."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import cli, copy_project
+
+from gguf_assets.lib.core import atomic
+from gguf_assets.lib.output import snapshots
+from gguf_assets.lib.project.layout import ProjectPaths, RecordPathError
+from gguf_assets.lib.project.settings import load_settings
+from gguf_assets.lib.training.training_run import adapter_is_current, final_weights, read_lineage
+
+
+@pytest.fixture
+def received(finished_project, tmp_path) -> tuple[ProjectPaths, dict]:
+    paths = copy_project(finished_project[0], tmp_path / "received")
+    canaries = {"absolute": tmp_path / "canary.txt", "climbing": tmp_path / "canary-2.txt"}
+    for canary in canaries.values():
+        canary.write_text("must survive")
+    return paths, canaries
+
+
+def test_a_hostile_snapshots_list_deletes_nothing_outside_the_output_folder(received):
+    paths, canaries = received
+    settings = load_settings(paths.root)
+    final = atomic.read_json(paths.adapter_manifest)
+    run_dir = paths.root / final["run_dir"]
+    atomic.write_json(run_dir / snapshots.SNAPSHOTS_FILE, {"snapshots": [
+        {"file": str(canaries["absolute"]), "step": 5, "weights": "step5"},
+        {"file": "output/../../canary-2.txt", "step": 6, "weights": "step6"},
+        {"file": "output/demo-adapter-step6.gguf", "step": 6, "weights": "step6"}]})
+    (paths.root / "output" / "demo-adapter-step6.gguf").write_bytes(b"a snapshot")
+
+    for step in (5, 6):
+        refused = cli("snapshot", str(paths.root), "--delete", str(step))
+        console = refused.stdout + refused.stderr
+        assert refused.returncode != 0 and "Traceback" not in console, console
+        assert snapshots.SNAPSHOTS_FILE in console and "nothing was opened, written or deleted" in console
+    assert all(c.read_text() == "must survive" for c in canaries.values())
+    # No side effect at all: the step's inside file and the entries stay (the studio's Delete calls the same).
+    assert (paths.root / "output" / "demo-adapter-step6.gguf").is_file()
+    assert len(snapshots.read_snapshots(run_dir)) == 3
+    with pytest.raises(RecordPathError):
+        snapshots.delete_snapshot(paths, run_dir, 5, output_dir=paths.output_dir(settings))
+    # The studio's list shows only the entry inside output/.
+    from gguf_assets.studio.app import snapshots_view
+
+    view = snapshots_view(paths, settings)
+    files = [row["file"] for row in view["rows"] if row.get("file")]
+    assert files == [str(paths.root / "output" / "demo-adapter-step6.gguf")]
+
+
+def test_a_hostile_final_json_and_lineage_lead_nowhere_outside(received, tmp_path):
+    paths, canaries = received
+    final = atomic.read_json(paths.adapter_manifest)
+    fingerprint = final["fingerprint"]
+    outside = tmp_path / "elsewhere"
+    (outside / "final").mkdir(parents=True)
+    for run_dir in (str(outside), "checkpoints/../../elsewhere"):
+        atomic.write_json(paths.adapter_manifest, {**final, "run_dir": run_dir})
+        with pytest.raises(RecordPathError, match="final.json"):
+            final_weights(paths)
+        assert not adapter_is_current(paths, fingerprint)  # not this project's run: trained again, never read
+
+    atomic.write_json(paths.adapter_manifest, final)
+    lineage = paths.root / "checkpoints" / "lineage.json"
+    doc = atomic.read_json(lineage)
+    doc["runs"].append({"run": "../../canary-dir", "lineage": "x", "planned_steps": 1})
+    lineage.write_text(json.dumps(doc))
+    with pytest.raises(RecordPathError, match="lineage.json"):
+        read_lineage(paths)
+    status = cli("status", str(paths.root))
+    assert "Traceback" not in status.stdout + status.stderr
+    assert all(c.read_text() == "must survive" for c in canaries.values())
