@@ -77,3 +77,25 @@ def test_a_hostile_final_json_and_lineage_lead_nowhere_outside(received, tmp_pat
     status = cli("status", str(paths.root))
     assert "Traceback" not in status.stdout + status.stderr
     assert all(c.read_text() == "must survive" for c in canaries.values())
+
+
+def test_commands_printed_for_pasting_run_as_themselves_in_a_folder_named_with_quotes_and_dollar(tmp_path):
+    """A project folder named with a space, quotes and $(...): the command `init` prints, pasted into bash, runs
+    `gguf-trainer run` on exactly that folder and nothing else (no file is made by the name's $(...))."""
+    import subprocess
+
+    from gguf_assets.lib.core.commands import shell_line, trainer
+
+    folder = tmp_path / "H hints $(touch PWNED-hint) 'q\" end"
+    created = cli("init", str(folder))
+    assert created.returncode == 0, created.stderr
+    printed = [line.strip() for line in created.stdout.splitlines() if "gguf-trainer" in line and " run " in line]
+    assert printed == [trainer("run", folder)]
+    pasted = subprocess.run(["bash", "-c", printed[0]], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    said = pasted.stdout + pasted.stderr
+    assert f"{folder}/project.yaml" in said and "materials.teacher is empty" in said, said
+    assert not list(tmp_path.rglob("PWNED-hint"))
+    import shlex
+
+    for words in (["mv", str(folder), f"{folder}.damaged"], ["a b", "", "'", '"', "$(x)", "`y`", "ok"]):
+        assert shlex.split(shell_line(*words)) == words

@@ -28,7 +28,7 @@ from gguf_assets.cli.services import (
     webserver_command,
 )
 from gguf_assets.lib.core import atomic, faults
-from gguf_assets.lib.core.commands import trainer, venv_tool
+from gguf_assets.lib.core.commands import trainer
 from gguf_assets.lib.core.errors import ProjectNotWritable, UserError, os_refusal_message, write_refusal
 from gguf_assets.lib.core.lock import hold_services, holder
 from gguf_assets.lib.core.metrics import VAL_CENTRED_COSINE
@@ -158,7 +158,7 @@ def _run(paths: ProjectPaths, *, workers: int | str | None = None, cancel_on_sto
         outcome, code = f"pipeline failed at {exc}", 1
     except KeyboardInterrupt:
         outcome, code = (f"stopped {_where_stopped(paths)}. Everything finished so far is kept; "
-                         f"`{venv_tool('gguf-trainer')} run {paths.root}` continues from there.", STOPPED_EXIT)
+                         f"`{trainer('run', paths.root)}` continues from there.", STOPPED_EXIT)
     _print_status(paths)
     if outcome:
         print(outcome, file=sys.stderr)
@@ -321,7 +321,7 @@ def cmd_auto_resume(project: str, *, daemon: bool, ui_port: int | None = None, u
         print(f"project {paths.root}: marked {len(marked)} interrupted run(s) as failed {marked if marked else ''}")
         _print_status(paths)
         print(f"output.auto_resume is false in {paths.project_file}: only reporting what is unfinished; "
-              f"`{venv_tool('gguf-trainer')} run {paths.root}` continues it")
+              f"`{trainer('run', paths.root)}` continues it")
         return 0
     size_gpu_pool(instance)
     # From here on a stop (Ctrl-C; SIGTERM from systemd, or to the whole process group) is noted, never acted on
@@ -476,9 +476,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if args.repair:
         for line in v.repair(paths, bad):
             print(f"  repaired: {line}")
-        print(f"`{venv_tool('gguf-trainer')} run {paths.root}` redoes exactly those.")
+        print(f"`{trainer('run', paths.root)}` redoes exactly those.")
     else:
-        print(f"`{venv_tool('gguf-trainer')} verify {paths.root} --repair` marks them, so the next run redoes "
+        print(f"`{trainer('verify', paths.root, '--repair')}` marks them, so the next run redoes "
               "exactly those.")
     return 1
 
@@ -504,11 +504,11 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
                   + (f", GGUF eval {evaluated:.4f}" if evaluated is not None else "")
                   + f"  {e['bytes'] / 2**20:.1f} MiB  {e['file']}")
         print(f"kept steps: {', '.join(map(str, kept_steps(run_dir))) or 'none'} "
-              f"(any of them: `{venv_tool('gguf-trainer')} snapshot {paths.root} --step N`)")
+              f"(any of them: `{trainer('snapshot', paths.root, '--step', 'N')}`)")
         return 0
     if not run_dir.is_dir():
         raise snapshots.SnapshotError(f"no training run of these settings has started in {paths.root} yet: "
-                                      f"`{venv_tool('gguf-trainer')} run {paths.root}` starts it")
+                                      f"`{trainer('run', paths.root)}` starts it")
     val_folders = require_current(paths, settings, materials, "val")
     entry = snapshots.take_snapshot(paths, settings, materials, run_dir, val_folders=val_folders, step=args.step,
                                     best=args.best, evaluate=args.eval, say=print)

@@ -169,7 +169,7 @@ def _diff(paths: ProjectPaths, run, *, as_json: bool) -> int:
     for d in run.diff:
         print(f"  {d.text()}")
     if any(d.result for d in run.diff):
-        print(f"`{trainer('runs', paths.root)} --use {run.name}` sets the keys that change a result to the run's "
+        print(f"`{trainer('runs', paths.root, '--use', run.name)}` sets the keys that change a result to the run's "
               "values")
     return 0
 

@@ -8,6 +8,7 @@ import dagster as dg
 from gguf_assets.defs.panels import panel_metadata
 from gguf_assets.defs.precompute import train_shards, val_shards
 from gguf_assets.defs.resources import ProjectResource
+from gguf_assets.lib.core.commands import shell_line
 from gguf_assets.lib.core.markdown import markdown_table
 from gguf_assets.lib.core.metrics import EMPTY_PROMPT_COSINE, VAL_CENTRED_COSINE, VAL_LOSS
 from gguf_assets.lib.materials.materials import load_manifest
@@ -122,7 +123,7 @@ def tensorboard_link(paths, settings, fingerprint: str) -> str:
     name = run_name(settings.training, fingerprint)
     link = tensorboard_timeseries_url(url, run=name) if url else ""
     where = (f"[{link}]({link}) (run `{name}`, unsmoothed)" if url else
-             f"`gguf-trainer ui {paths.root}` serves them (run `{name}`)")
+             f"`{shell_line('gguf-trainer', 'ui', paths.root)}` serves them (run `{name}`)")
     return (f"Loss, learning rate, gradient norm, val centred cosine, empty-prompt cosine, throughput and "
             f"hardware against the step, one run per training fingerprint: {where}. The event files are in "
             f"`{run_folder(paths.root, settings.training, fingerprint)}`.")

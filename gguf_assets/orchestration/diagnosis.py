@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import shutil
 
-from gguf_assets.lib.core.commands import venv_tool
+from gguf_assets.lib.core.commands import shell_line, trainer
 from gguf_assets.lib.project.layout import ProjectPaths
 
 LOW_DISK_MIB = 16  # below this, a storage error is taken for a full disk
@@ -26,7 +26,7 @@ def dagster_storage_problem(project: str | None, exc: BaseException) -> str | No
     if "disk is full" in text or free_mib < LOW_DISK_MIB:
         return (f"No space left on the disk holding {paths.root} ({free_mib:.0f} MiB free): Dagster could not "
                 f"record the run in {home}. Everything finished so far is kept. Free some space, then "
-                f"`{venv_tool('gguf-trainer')} run {paths.root}` continues (the run cut off now is then "
+                f"`{trainer('run', paths.root)}` continues (the run cut off now is then "
                 "recorded as failed).")
     damaged = []
     for db in sorted(home.rglob("*.db")):
@@ -42,5 +42,5 @@ def dagster_storage_problem(project: str | None, exc: BaseException) -> str | No
     names = ", ".join(str(d) for d in damaged)
     return (f"Dagster's run history is damaged: {names} ({text.splitlines()[0]}). Your results are in the "
             f"project's files, not there, and nothing computed is lost. Move the history away and run again: "
-            f"`mv {home} {home}.damaged && {venv_tool('gguf-trainer')} run {paths.root}` (every finished stage is "
+            f"`{shell_line('mv', home, f'{home}.damaged')} && {trainer('run', paths.root)}` (every finished stage is "
             "found current and kept; only the list of past runs starts afresh).")

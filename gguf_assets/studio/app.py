@@ -307,7 +307,7 @@ def snapshots_view(paths: ProjectPaths, settings, view: ProjectView | None = Non
                     "size": _size(entry["bytes"]) if isinstance(entry.get("bytes"), int) else None,
                     "missing": not file.is_file()})
     return {"run": fingerprint, "rows": [rows[key] for key in sorted(rows)],
-            "command": f"{venv_tool('gguf-trainer')} snapshot {paths.root}"}
+            "command": trainer("snapshot", paths.root)}
 
 
 def hardware_now() -> dict:
@@ -575,7 +575,7 @@ def _run_routes(studio: Studio) -> list[Route]:
                 process = subprocess.Popen([venv_tool("gguf-trainer"), "run", str(paths.root), *RUN_ARGS], stdout=log,
                                            stderr=subprocess.STDOUT, start_new_session=True, env=os.environ.copy())
         started.append(process)
-        return JSONResponse({"started": f"{trainer('run', paths.root)} {' '.join(RUN_ARGS)}", "log": str(log_file)})
+        return JSONResponse({"started": trainer("run", paths.root, *RUN_ARGS), "log": str(log_file)})
 
     @json_change
     async def stop(request: Request) -> JSONResponse:
