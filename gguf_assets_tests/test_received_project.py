@@ -99,3 +99,24 @@ def test_commands_printed_for_pasting_run_as_themselves_in_a_folder_named_with_q
 
     for words in (["mv", str(folder), f"{folder}.damaged"], ["a b", "", "'", '"', "$(x)", "`y`", "ok"]):
         assert shlex.split(shell_line(*words)) == words
+
+
+def test_a_material_inside_a_folder_the_product_writes_is_refused_at_load_naming_the_key_and_line(tmp_path):
+    from gguf_assets.lib.project.settings import SettingsError, settings_from_text
+
+    (tmp_path / "output").mkdir()
+    (tmp_path / "output" / "demo-adapter-student.gguf").write_bytes(b"GGUF")
+    (tmp_path / "shards" / "train").mkdir(parents=True)
+    (tmp_path / "materials" / "student").mkdir(parents=True)
+    text = "materials:\n  teacher: materials/student\n  student: {student}\n  datasets: []\n{tokenizer}" \
+           "precompute:\n  mock_teacher: true\n"
+    for student in ("output/demo-adapter-student.gguf", "./shards/train", str(tmp_path / "output")):
+        tokenizer = "  student_tokenizer: materials/student\n" if student.endswith(".gguf") else ""
+        with pytest.raises(SettingsError) as refused:
+            settings_from_text(tmp_path / "project.yaml", text.format(student=student, tokenizer=tokenizer))
+        said = str(refused.value)
+        assert said.startswith(f"{tmp_path / 'project.yaml'}:3: materials.student = {student!r}"), said
+        assert "which the product writes" in said
+    # Elsewhere in the project, or a hub id that happens to read like a path there, is fine.
+    assert settings_from_text(tmp_path / "project.yaml", text.format(student="materials/student", tokenizer=""))
+    assert settings_from_text(tmp_path / "project.yaml", text.format(student="output/some-repo", tokenizer=""))

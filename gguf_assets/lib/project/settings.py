@@ -631,11 +631,36 @@ def settings_from_dict(raw: Any, *, source: Path = Path(PROJECT_FILE), text: str
         settings = Settings.model_validate(raw)
     except ValidationError as exc:
         raise SettingsError(_explain(exc.errors()[0], source, _key_lines(text), raw)) from None
-    problem = _materials_needed(settings)
+    problem = _materials_needed(settings) or _material_the_product_writes(settings, source.parent)
     if problem:
         key, message = problem
         raise SettingsError(f"{_where(source, _key_lines(text), key)}: {key} {message}")
     return settings
+
+
+# The project's folders the product writes into; a material there would be overwritten or deleted by a run.
+WRITTEN_FOLDERS = ("checkpoints", "shards")
+
+
+def _material_the_product_writes(s: Settings, root: Path) -> tuple[str, str] | None:
+    """A material (teacher, student, vision encoder, tokenizer) that is a file or folder the product writes: its
+    output folder, checkpoints/ or shards/. A run would rewrite it, and every run would find the materials changed."""
+    output = Path(s.output.output_dir or "output").expanduser()
+    written = [(root / output if not output.is_absolute() else output), *(root / f for f in WRITTEN_FOLDERS)]
+    for key in ("teacher", "student", "vision_encoder", "student_tokenizer"):
+        value = getattr(s.materials, key)
+        if not value:
+            continue
+        path = Path(value).expanduser()
+        path = path if path.is_absolute() else root / path
+        if not path.exists():  # a hub repo id, or a folder still to come
+            continue
+        for folder in written:
+            if folder.exists() and path.resolve().is_relative_to(folder.resolve()):
+                return (f"materials.{key}", f"= {value!r} is inside {folder}, which the product writes (GGUFs, "
+                        "checkpoints, shards): a run would overwrite or delete it, and every run would find the "
+                        "materials changed. Copy it to a folder of its own (materials/, say) and point the key there")
+    return None
 
 
 def load_settings(project: Path) -> Settings:
