@@ -120,3 +120,23 @@ def test_a_material_inside_a_folder_the_product_writes_is_refused_at_load_naming
     # Elsewhere in the project, or a hub id that happens to read like a path there, is fine.
     assert settings_from_text(tmp_path / "project.yaml", text.format(student="materials/student", tokenizer=""))
     assert settings_from_text(tmp_path / "project.yaml", text.format(student="output/some-repo", tokenizer=""))
+
+
+def test_a_killed_snapshot_write_leaves_no_temp_after_verify_and_a_live_one_is_left_alone(received):
+    import os
+    import subprocess
+
+    paths, _ = received
+    ended = subprocess.Popen(["true"])  # a pid that has ended (and was reaped)
+    ended.wait()
+    output = paths.root / "output"
+    killed = output / f".tmp-demo-adapter-step256.gguf.{ended.pid}-k1ll3d"
+    alive = output / f".tmp-demo-adapter-best-step300.gguf.{os.getpid()}-wr1t1ng"
+    before_pids = output / ".tmp-demo-adapter-step12.gguf.x7y8z9ab"  # the temps' names before they named a pid
+    users = output / ".tmp-notes.txt.123-abc"  # not the product's: the output folder is shared
+    for file in (killed, alive, before_pids, users):
+        file.write_bytes(b"half a GGUF")
+    verified = cli("verify", str(paths.root))
+    assert "removed 2 temp file(s)" in verified.stdout, verified.stdout + verified.stderr
+    assert not killed.exists() and not before_pids.exists()
+    assert alive.exists() and users.exists()

@@ -458,6 +458,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
             print(f"  {done}/{total} files, {read / 1e6:.1f} MB read", flush=True)
 
     print(f"verifying {paths.root} (every byte, against the recorded sha256) …", flush=True)
+    leftovers = snapshots.remove_dead_snapshot_temps(paths.output_dir(settings), settings.output.adapter_name)
+    if leftovers:
+        print(f"  removed {leftovers} temp file(s) that killed snapshot writes left in the output folder")
     results, seconds = v.timed_verify(paths, settings, on_progress=progress)
     by_stage: dict[str, list] = {}
     for result in results:

@@ -11,6 +11,7 @@ import errno
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
@@ -95,7 +96,7 @@ def atomic_path(final: Path, *, before_replace: Callable[[], None] | None = None
     """
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=TEMP_PREFIX + final.name + ".", dir=final.parent)
+    fd, tmp_name = tempfile.mkstemp(prefix=temp_prefix(final.name), dir=final.parent)
     os.close(fd)
     tmp = Path(tmp_name)
     try:
@@ -139,7 +140,7 @@ def atomic_dir(final: Path) -> Iterator[Path]:
     """
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=TEMP_PREFIX + final.name + ".", dir=final.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(final.name), dir=final.parent))
     old = final.with_name(TEMP_PREFIX + final.name + OLD_SUFFIX)
     try:
         os.chmod(tmp, 0o777 & ~_umask())
@@ -171,14 +172,38 @@ def atomic_dir(final: Path) -> Iterator[Path]:
         raise
 
 
-def remove_stale_temps(folder: Path, *, of: list[str] | None = None) -> int:
-    """Delete temp files/folders a killed writer left behind. Returns how many.
+def temp_prefix(final_name: str) -> str:
+    """The start of a temp's name beside ``final_name``: it names the writer's pid, so a cleanup can tell a temp that
+    a live process is still writing (a snapshot beside a running export) from one a killed writer left."""
+    return f"{TEMP_PREFIX}{final_name}.{os.getpid()}-"
+
+
+_TEMP_NAME = re.compile(rf"{re.escape(TEMP_PREFIX)}(?P<final>.+)\.(?:(?P<pid>\d+)-)?[^.]+")
+
+
+def _writer_alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs (a zombie, dead but not reaped yet, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def remove_stale_temps(folder: Path, *, of: list[str] | None = None, like: Callable[[str], bool] | None = None) -> int:
+    """Delete temp files/folders a killed writer left behind. Returns how many. A temp whose writer (named in its
+    name, temp_prefix) still runs is left alone.
 
     A folder that atomic_dir had set aside is put back instead when its successor never
     took its place (not counted).
 
-    ``of`` limits it to the temps of those final names: for folders the user shares with
-    other programs (the output folder, ``also_copy_to``).
+    ``of`` limits it to the temps of those final names, ``like`` to final names it accepts: for folders the user
+    shares with other programs (the output folder, ``also_copy_to``).
     """
     folder = Path(folder)
     if not folder.is_dir():
@@ -192,6 +217,11 @@ def remove_stale_temps(folder: Path, *, of: list[str] | None = None) -> int:
                 os.replace(child, final)
                 fsync_dir(folder)
                 continue
+        named = _TEMP_NAME.fullmatch(child.name)
+        if like is not None and not (named and like(named["final"])):
+            continue
+        if named and named["pid"] and _writer_alive(int(named["pid"])):
+            continue
         if child.name.startswith(prefixes):
             if child.is_dir():
                 shutil.rmtree(child, ignore_errors=True)

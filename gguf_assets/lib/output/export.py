@@ -26,6 +26,7 @@ from gguf_assets.lib.materials.ggk_tokenizer import write_tokenizer_pack
 from gguf_assets.lib.output.export_run import export_sidecar, gguf_fingerprint, gguf_path
 from gguf_assets.lib.output.gguf_format import TRAINING_ONLY, hparams_of, is_f16_tensor, tensor_name, write_adapter_gguf
 from gguf_assets.lib.output.kept import copy_verified, keep_export
+from gguf_assets.lib.output.snapshot_names import remove_dead_snapshot_temps
 from gguf_assets.lib.output.student_gguf import student_gguf_path, write_student_gguf
 from gguf_assets.lib.output.vision import vision_gguf_path, write_vision_gguf
 from gguf_assets.lib.project import settings_history
@@ -222,6 +223,7 @@ def export_adapter(paths: ProjectPaths, settings: Settings, materials: Materials
             student_target.name]
     atomic.remove_stale_temps(target.parent, of=ours)
     atomic.remove_stale_temps(pack_merges.parent, of=[pack_merges.name])  # the pack's own folder
+    remove_dead_snapshot_temps(target.parent, name)  # a snapshot killed while it wrote, at any step
     summary = write_adapter_file(target, model, meta, provenance=provenance(settings, materials, meta), name=name,
                                  val_folders=val_folders)
     files = [_file_entry(ROLE_ADAPTER, target, summary.sha256)]

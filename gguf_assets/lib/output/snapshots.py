@@ -27,6 +27,7 @@ from pathlib import Path
 from gguf_assets.lib.core import atomic, verify
 from gguf_assets.lib.core.errors import UserError
 from gguf_assets.lib.core.metrics import EMPTY_PROMPT_COSINE, VAL_CENTRED_COSINE, VAL_LOSS
+from gguf_assets.lib.output.snapshot_names import remove_dead_snapshot_temps, snapshot_path  # noqa: F401
 from gguf_assets.lib.project.layout import BEST_DIR, FINAL_DIR, META_FILE, STATE_FILE, WEIGHTS_FILE, ProjectPaths
 from gguf_assets.lib.project.manifests import MaterialsManifest
 from gguf_assets.lib.project.settings import Settings
@@ -54,11 +55,6 @@ class Source:
     step: int
     weights_name: str  # what the GGUF's provenance calls them: step<N> or best
     asked: str  # what the user asked for: newest, best, step<N>
-
-
-def snapshot_path(output_dir: Path, adapter_name: str, step: int, *, best: bool = False) -> Path:
-    """``<adapter>-step<N>.gguf``; the best weights' ``<adapter>-best-step<N>.gguf`` (their provenance differs)."""
-    return output_dir / f"{adapter_name}{'-best' if best else ''}-step{step}.gguf"
 
 
 def read_snapshots(run_dir: Path) -> list[dict]:
