@@ -23,10 +23,12 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from gguf_assets.lib.core import atomic
 from gguf_assets.lib.core.errors import UserError
 from gguf_assets.lib.core.safetensors_io import safetensors_header
 from gguf_assets.lib.materials import hub, hub_shapes
 from gguf_assets.lib.materials import query_rows as qr
+from gguf_assets.lib.materials import student_from_gguf as gguf_student
 from gguf_assets.lib.materials import teacher_layout as layout
 from gguf_assets.lib.materials.materials import load_manifest
 from gguf_assets.lib.project.layout import ProjectPaths
@@ -88,6 +90,8 @@ def model_config(paths: ProjectPaths, settings: Settings, role: str, *, token: s
     if not value:
         return ModelConfig(None, f"materials.{role} is not set: set it to a hub repo id or a local folder")
     local = paths.resolve_local(value)
+    if role == "student" and gguf_student.is_gguf_source(value) and local.is_file():
+        return _gguf_student_config(paths, value, local)
     if local.exists():
         return ModelConfig(None, f"materials.{role} = {value!r}: {local} has no config.json; add the model's "
                                  "config.json (the weights may come later)")
@@ -151,6 +155,23 @@ def teacher_check(paths: ProjectPaths, settings: Settings, *, token: str | None 
     return True, (f"checked before its weights: {len(code)} code file(s), the config's keys, the tokenizer, the "
                   f"parts' weight headers; {trusted}" + (f"; {sum(served) / 1024:.1f} KiB of headers read"
                                                         if served else ""))
+
+
+def _gguf_student_config(paths: ProjectPaths, value: str, gguf: Path) -> ModelConfig:
+    """A GGUF student sized from its own header: the config its tensors' shapes give (as the materials step reads
+    it, lib/materials/student_from_gguf.py), kept in the project's .cache by the file's size and mtime."""
+    stat = gguf.stat()
+    folder = paths.cache_dir / "gguf-student" / f"{stat.st_size}-{stat.st_mtime_ns}"
+    if not (folder / "config.json").is_file():
+        try:
+            config = gguf_student.read_student_gguf(gguf).config
+            atomic.write_json(folder / "config.json", config)
+        except UserError as exc:
+            return ModelConfig(None, f"materials.student = {value!r}: {str(exc).splitlines()[0]}")
+        except OSError as exc:
+            return ModelConfig(None, f"{value}: cannot keep its config in {paths.cache_dir} ({exc}); make the "
+                                     "project folder writable")
+    return ModelConfig(folder, f" (from the header of {gguf.name}, built on the meta device)")
 
 
 def _rows_shape(paths: ProjectPaths, settings: Settings, teacher: Path, *, token: str | None,

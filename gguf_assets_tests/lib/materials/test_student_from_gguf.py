@@ -228,3 +228,19 @@ def test_student_tokenizer_from_a_hub_repo_fetches_only_its_tokenizer(make_proje
     before = len(loopback_hub.requests)
     again = resolve_materials(paths, settings, hub_options=fast)
     assert again.student["commit"] == manifest.student["commit"] and len(loopback_hub.requests) == before
+
+
+def test_estimate_sizes_a_gguf_student_from_its_own_header_before_the_first_run(make_project, demo_materials_root,
+                                                                                tmp_path):
+    from gguf_assets.lib.status.estimate import estimate
+
+    student_gguf = _f16_gguf(demo_materials_root, tmp_path / "pig_clip-f16.gguf")
+    paths = _project(make_project, student_gguf)
+    lines = {line.part: line for line in estimate(paths, load_settings(paths.root), ask_hub=False)}
+    student = lines["student"]
+    assert student.gib is not None and "from the header of pig_clip-f16.gguf" in student.how, student.how
+    assert "config.json" not in student.how
+    # The same size the converted folder gives once the materials step has run.
+    resolve_materials(paths, load_settings(paths.root))
+    after = {line.part: line for line in estimate(paths, load_settings(paths.root), ask_hub=False)}["student"]
+    assert after.gib == pytest.approx(student.gib, rel=0.05), (after.how, student.how)
