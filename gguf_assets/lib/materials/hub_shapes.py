@@ -190,7 +190,8 @@ def hub_rows_shape(cache_dir: Path, source: str, file: str, tensor: str, hidden:
             return out.read_bytes()
 
         n = query_rows.header_length(read(0, 8, "prefix"), file_size=remote.size, where=where)
-        entries = query_rows.parse_header(read(8, 8 + n, "header"), where=where, file_size=remote.size)
+        entries = query_rows.parse_header(read(8, 8 + n, "header"), where=where, file_size=remote.size,
+                                          tensor=tensor)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     shape = query_rows.check_choice(entries, tensor, hidden, where)["shape"]

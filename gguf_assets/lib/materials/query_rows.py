@@ -57,7 +57,8 @@ def header_length(prefix: bytes, *, file_size: int | None = None, where: str = "
     return n
 
 
-def parse_header(raw: bytes, *, where: str = "the file", file_size: int | None = None) -> dict[str, dict]:
+def parse_header(raw: bytes, *, where: str = "the file", file_size: int | None = None,
+                 tensor: str | None = None) -> dict[str, dict]:
     """The tensor entries of a safetensors JSON header (``__metadata__`` dropped), checked as safetensors checks
     them (safetensors_io.check_layout: every tensor's bytes its own, dtype x shape, within the file of
     ``file_size`` bytes), so rows are never taken from another tensor's bytes."""
@@ -71,8 +72,11 @@ def parse_header(raw: bytes, *, where: str = "the file", file_size: int | None =
     try:
         check_layout(where, header, 8 + len(raw), file_size)
     except ValueError as exc:
-        raise QueryRowsError(f"{SETTING}: {str(exc).rstrip('.')}. Nothing was stored: point {SETTING} at an intact "
-                             "safetensors file.") from None
+        # The tensor asked for first (the header's first problem may be another tensor's), then that problem.
+        asked = f".tensor = {tensor!r}: {where} cannot be read safely, its header does not hold together: " \
+            if tensor else ": "
+        raise QueryRowsError(f"{SETTING}{asked}{str(exc).rstrip('.')}. Nothing was stored: point {SETTING} at an "
+                             "intact safetensors file.") from None
     return header
 
 
@@ -196,7 +200,7 @@ def resolve_local(qr: dict, local: Path, stored: Path, hidden: int, old: dict | 
     size = path.stat().st_size
     with open(path, "rb") as fh:
         n = header_length(fh.read(8), file_size=size, where=where)
-        entries = parse_header(fh.read(n), where=where, file_size=size)
+        entries = parse_header(fh.read(n), where=where, file_size=size, tensor=qr["tensor"])
         entry = check_choice(entries, qr["tensor"], hidden, where)
         start, end = tensor_span(entries, qr["tensor"], n, file_size=size, where=where)
         fh.seek(start)
@@ -244,7 +248,7 @@ def resolve_hub(qr: dict, materials_dir: Path, stored: Path, hidden: int, *, pin
 
     try:
         n = header_length(fetch(0, 8, "prefix"), file_size=remote.size, where=where)
-        entries = parse_header(fetch(8, 8 + n, "header"), where=where, file_size=remote.size)
+        entries = parse_header(fetch(8, 8 + n, "header"), where=where, file_size=remote.size, tensor=qr["tensor"])
         entry = check_choice(entries, qr["tensor"], hidden, where)
         start, end = tensor_span(entries, qr["tensor"], n, file_size=remote.size, where=where)
         data = fetch(start, end, f"{start}-{end}")

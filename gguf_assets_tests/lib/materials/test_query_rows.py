@@ -342,3 +342,23 @@ def test_a_project_resolved_before_the_setting_existed_stays_current(make_projec
     assert manifest_is_current(paths, settings)
     rows = {"source": "o/t", "file": "f.safetensors", "tensor": "q"}
     assert not manifest_is_current(paths, replace(settings, materials={"query_rows": rows}))
+
+
+def test_rows_whose_offsets_run_past_the_end_are_refused_naming_the_rows_first(make_project, tmp_path,
+                                                                                demo_materials_root):
+    """The header's first problem is another tensor's (sorted by offset); the refusal names the tensor asked for
+    first, then that problem."""
+    rows = _demo_rows(demo_materials_root).float()
+    size = rows.numel() * 4
+    entries = {ROWS_NAME: {"dtype": "F32", "shape": list(rows.shape), "data_offsets": [0, size]},
+               "blocks.1.mlp.weight": {"dtype": "F32", "shape": list(rows.shape), "data_offsets": [size, 2 * size]}}
+    raw = json.dumps(entries).encode()
+    raw += b" " * (-len(raw) % 8)
+    checkpoint = tmp_path / "t2i.safetensors"
+    checkpoint.write_bytes(struct.pack("<Q", len(raw)) + raw + rows.numpy().tobytes())  # the second tensor cut off
+    paths = make_project(materials={"query_rows": {"source": str(checkpoint), "file": "", "tensor": ROWS_NAME}})
+    with pytest.raises(qr.QueryRowsError) as refused:
+        resolve_materials(paths, load_settings(paths.root))
+    message = str(refused.value)
+    assert message.startswith(f"materials.query_rows.tensor = {ROWS_NAME!r}: {checkpoint} cannot be read"), message
+    assert "'blocks.1.mlp.weight'" in message and "Nothing was stored" in message
