@@ -120,7 +120,17 @@ def tell_about_edits(paths: ProjectPaths, settings: Settings, instance, echo: Ca
         echo(f"project.yaml was edited during the run and is not valid now: {exc}")
         return
     edits = settings_history.changed_keys(settings, now, lambda s: s.to_dict())
-    if edits:
-        echo(f"project.yaml changed during the run ({', '.join(edits)}): this run finished under the settings it "
+    if not edits:
+        return
+    # A lowered training.steps is followed live (lib/training/train.py ends the run at the lowered count); every
+    # other edit, a raised count included, applies to the next run.
+    lowered = now.training.steps < settings.training.steps
+    followed = [e for e in edits if e.startswith("training.steps ")] if lowered else []
+    later = [e for e in edits if e not in followed]
+    if followed:
+        echo(f"project.yaml changed during the run ({followed[0]}): the run followed it, ending training at the "
+             "lowered count (or at the step it had reached, if that was later)")
+    if later:
+        echo(f"project.yaml changed during the run ({', '.join(later)}): this run finished under the settings it "
              f"started with; the edit applies to the next run (`{trainer('run', paths.root)}`)")
-        observe_settings(instance, now, paths)
+    observe_settings(instance, now, paths)

@@ -109,6 +109,9 @@ def test_lowering_the_steps_mid_run_ends_it_now_with_an_exported_and_evaluated_g
             run.kill()
     assert run.returncode == 0, output
     assert f"training.steps was lowered to {lowered} while the run trained: it ends now, at step {STALL_AT}" in output
+    # The run's closing lines tell the same story: the lowered count was followed, not left for the next run.
+    assert f"(training.steps {FAULT_SETTINGS['steps']} → {lowered}): the run followed it" in output, output[-2000:]
+    assert "finished under the settings it started with" not in output
     final = atomic.read_json(next(project.root.glob("checkpoints/*/final/meta.json")))
     assert (final["step"], final["planned_steps"], final["lowered_to"]) == (STALL_AT, FAULT_SETTINGS["steps"], lowered)
     settings = load_settings(project.root)
