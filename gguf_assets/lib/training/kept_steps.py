@@ -4,8 +4,12 @@
     checkpoints/<run>/steps/step-XXXXXXXX/    adapter.safetensors (the judged weights: the average when
                                               training.ema_decay is on) and meta.json (step, planned steps, the
                                               val scores measured at that step, why it was kept)
-    checkpoints/<run>/snapshot-request.json   a snapshot asked of the running trainer (written by the asker)
-    checkpoints/<run>/snapshot-answer.json    the trainer's answer: the step it kept for that request
+    checkpoints/<run>/snapshot-request.<id>.json   a snapshot asked of the running trainer (one file per asker)
+    checkpoints/<run>/snapshot-answer.<id>.json    the trainer's answer: the step it kept for that request
+                                                   (read, then removed, by its asker)
+
+Requests queue: two askers at once (the studio's Snapshot and a `gguf-trainer snapshot`) each write their own file,
+and the trainer answers every request pending at the end of a step with that step.
 
 A kept step is written by the trainer (lib/training/train.py) on the training.keep_steps_* schedule, and at each
 snapshot request, in one format, so a GGUF exported later from a kept step is byte-identical to the snapshot taken
@@ -26,8 +30,8 @@ from gguf_assets.lib.core import atomic
 from gguf_assets.lib.project.layout import META_FILE, STEP_DIR, WEIGHTS_FILE
 
 KEPT_STEPS_DIR = "steps"
-REQUEST_FILE = "snapshot-request.json"
-ANSWER_FILE = "snapshot-answer.json"
+REQUEST_PREFIX, ANSWER_PREFIX = "snapshot-request.", "snapshot-answer."
+REQUEST_FILE = "snapshot-request.json"  # a request written before they queued: still answered
 BY_SCHEDULE, BY_REQUEST = "schedule", "snapshot"
 
 
@@ -85,28 +89,45 @@ def remove_kept_step(run_dir: Path, step: int) -> None:
 
 # -- asking the running trainer ------------------------------------------------------------------------------
 
+def _request_file(run_dir: Path, request: str) -> Path:
+    return run_dir / f"{REQUEST_PREFIX}{request}.json"
+
+
+def _answer_file(run_dir: Path, request: str) -> Path:
+    return run_dir / f"{ANSWER_PREFIX}{request}.json"
+
+
 def ask(run_dir: Path) -> str:
     """Ask the trainer of ``run_dir`` to keep its current step; returns the request's id."""
     request = uuid.uuid4().hex
-    atomic.write_json(run_dir / REQUEST_FILE, {"id": request, "at": round(time.time(), 3)})
+    atomic.write_json(_request_file(run_dir, request), {"id": request, "at": round(time.time(), 3)})
     return request
 
 
-def asked(run_dir: Path) -> str | None:
-    """The pending request's id (the trainer checks at every step: one stat when there is none)."""
-    path = run_dir / REQUEST_FILE
-    if not os.path.exists(path):
-        return None
+def asked(run_dir: Path) -> list[str]:
+    """The pending requests' ids (the trainer checks at every step: one listing of the run's folder)."""
     try:
-        return str(atomic.read_json(path)["id"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None  # being written: the next step reads it
+        names = [entry.name for entry in os.scandir(run_dir)]
+    except OSError:
+        return []
+    pending = [n[len(REQUEST_PREFIX):-len(".json")] for n in names
+               if n.startswith(REQUEST_PREFIX) and n.endswith(".json") and n != REQUEST_FILE]
+    if REQUEST_FILE in names:
+        try:
+            pending.append(str(atomic.read_json(run_dir / REQUEST_FILE)["id"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # being written: the next step reads it
+    return sorted(pending)
 
 
-def answer(run_dir: Path, request: str, step: int) -> None:
-    """The trainer kept ``step`` for ``request``: the answer first, then the request goes."""
-    atomic.write_json(run_dir / ANSWER_FILE, {"id": request, "step": step, "at": round(time.time(), 3)})
-    (run_dir / REQUEST_FILE).unlink(missing_ok=True)
+def answer(run_dir: Path, requests: list[str], step: int) -> None:
+    """The trainer kept ``step`` for ``requests``: each answer first, then its request goes."""
+    for request in requests:
+        atomic.write_json(_answer_file(run_dir, request), {"id": request, "step": step, "at": round(time.time(), 3)})
+        _request_file(run_dir, request).unlink(missing_ok=True)
+    legacy = run_dir / REQUEST_FILE
+    if legacy.exists():
+        legacy.unlink(missing_ok=True)
 
 
 def wait_for_answer(run_dir: Path, request: str, *, still_training: Callable[[], bool], timeout_s: float,
@@ -114,16 +135,16 @@ def wait_for_answer(run_dir: Path, request: str, *, still_training: Callable[[],
     """The step the trainer kept for ``request``; None when training ended first or ``timeout_s`` passed (the
     request is then withdrawn, so a later run does not act on it)."""
     deadline = time.monotonic() + timeout_s
+    answer_file = _answer_file(run_dir, request)
     while time.monotonic() < deadline:
         try:
-            done = atomic.read_json(run_dir / ANSWER_FILE)
-            if done.get("id") == request:
-                return int(done["step"])
+            step = int(atomic.read_json(answer_file)["step"])
+            answer_file.unlink(missing_ok=True)
+            return step
         except (OSError, ValueError, KeyError, TypeError):
             pass
         if not still_training():
             break
         time.sleep(poll_s)
-    if asked(run_dir) == request:
-        (run_dir / REQUEST_FILE).unlink(missing_ok=True)
+    _request_file(run_dir, request).unlink(missing_ok=True)
     return None

@@ -424,13 +424,13 @@ class _TrainingRun:
                     if self.step % t.checkpoint_every == 0 or self.step == t.steps:
                         self._checkpoint()
                         saved_at = self.step
-                    request = asked(self.run_dir)
-                    if request is not None:  # a snapshot: kept, checkpointed, answered; training goes on
+                    requests = asked(self.run_dir)
+                    if requests:  # snapshots: kept, checkpointed, every pending one answered; training goes on
                         self._keep_step(BY_REQUEST)
                         if saved_at != self.step:
                             self._checkpoint()
                             saved_at = self.step
-                        answer(self.run_dir, request, self.step)
+                        answer(self.run_dir, requests, self.step)
                     elif is_scheduled(self.step, every=t.keep_steps_every, first=t.keep_steps_from,
                                       last=t.keep_steps_to, planned=t.steps):
                         self._keep_step(BY_SCHEDULE)

@@ -64,15 +64,19 @@ def test_kept_steps_and_a_snapshot_request_leave_the_result_as_it_was_and_export
     _, scheduled_dir = _train(tmp_path / "scheduled", shards, schedule)
     assert kept.kept_steps(scheduled_dir) == [20, 30]  # 10 was kept, then pruned: the newest 2 stay
 
-    def ask_at_20(event):  # the request lands while step 20's bookkeeping runs, as a CLI's would between steps
-        if isinstance(event, LogStep) and event.step == 20:
-            kept.ask(asked_dir)
+    requests = []
+
+    def ask_at_20(event):  # two requests land while step 20's bookkeeping runs (the studio's and a CLI's), as
+        if isinstance(event, LogStep) and event.step == 20:  # they would between steps: both are answered
+            requests.extend([kept.ask(asked_dir), kept.ask(asked_dir)])
 
     asked_dir = ProjectPaths.of(tmp_path / "asked").checkpoints_dir(plain.fingerprint)
     _, asked_dir = _train(tmp_path / "asked", shards, SETTINGS, on_event=ask_at_20)
     assert kept.kept_steps(asked_dir) == [20]
-    assert atomic.read_json(asked_dir / kept.ANSWER_FILE)["step"] == 20
-    assert not (asked_dir / kept.REQUEST_FILE).exists()
+    assert len(set(requests)) == 2 and kept.asked(asked_dir) == []
+    for request in requests:  # each asker reads its own answer, which is then gone
+        assert kept.wait_for_answer(asked_dir, request, still_training=lambda: False, timeout_s=1) == 20
+        assert not list(asked_dir.glob(f"*{request}*"))
     # Keeping steps, and a snapshot mid-run, change nothing of the run's result.
     assert _final_bytes(scheduled_dir) == _final_bytes(asked_dir) == _final_bytes(plain_dir)
 
