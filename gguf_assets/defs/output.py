@@ -124,7 +124,7 @@ def eval_report(context: dg.AssetExecutionContext, project: ProjectResource) -> 
     fingerprint = report_fingerprint(settings, sidecar.fingerprint,
                                      shard_fingerprints(paths, settings, materials_manifest, "val"))
     report = build_report(paths, settings, materials_manifest, sidecar, evaluation, fingerprint=fingerprint)
-    metadata = {"report_json": dg.MetadataValue.path(str(paths.report_json(settings))),
+    metadata = {"report_json": dg.MetadataValue.path(paths.stored(paths.report_json(settings))),  # no absolute path
                 "report": dg.MetadataValue.md(render_markdown(report)),
                 "evaluation": dg.MetadataValue.md(render_evaluation(report)),
                 "exported_files": dg.MetadataValue.md(render_files(report.files, kept_f32=report.kept_f32)),

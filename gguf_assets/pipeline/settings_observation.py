@@ -45,8 +45,8 @@ def settings_metadata(settings: Settings, stage: str, project_dir: str | None = 
                     "Edit `project.yaml` in the project folder, then `gguf-trainer run` (or Materialize here). Only "
                     "what depends on the changed settings is redone; the UI marks it stale within the sensor "
                     "interval.")}
-    if project_dir:
-        metadata["project_folder"] = dg.MetadataValue.path(project_dir)
+    if project_dir:  # relative, as the project's files record paths: a copied project's UI never shows the original
+        metadata["project_folder"] = dg.MetadataValue.path(".")
     return metadata
 
 
