@@ -4,6 +4,7 @@ Every failure mode ends in either a pinned, verified copy in the project folder 
 MaterialsError that names the repo and the fix.
 """
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -168,7 +169,10 @@ def test_stalls_are_bounded_and_a_killed_download_resumes(make_project, loopback
     # A listing call that never answers is killed by the watchdog and retried.
     loopback_hub.add_fault("stall", path_contains="/api/models/demo/student/revision", times=1)
     started = time.monotonic()
-    assert hub.list_repo(hub.RepoRef.parse("demo/student", kind="model"), options=STALLING).commit
+    # Only the first try stalls; the spare tries are for a loaded machine, where a fresh try's answer can take
+    # over the 1 s bound (seen once in a full suite run on 2 cores).
+    listing = dataclasses.replace(STALLING, attempts=4)
+    assert hub.list_repo(hub.RepoRef.parse("demo/student", kind="model"), options=listing).commit
     assert STALLING.api_timeout_s <= time.monotonic() - started < 20
 
     # A file that goes silent mid-way every time: the watchdog kills the download, the tries are
