@@ -140,3 +140,23 @@ def test_a_killed_snapshot_write_leaves_no_temp_after_verify_and_a_live_one_is_l
     assert "removed 2 temp file(s)" in verified.stdout, verified.stdout + verified.stderr
     assert not killed.exists() and not before_pids.exists()
     assert alive.exists() and users.exists()
+
+
+def test_an_export_record_naming_a_file_elsewhere_is_refused_by_verify_and_never_read(received):
+    from gguf_assets.lib.output.export_run import exported_files_unchanged, gguf_path
+
+    paths, canaries = received
+    settings = load_settings(paths.root)
+    sidecar = gguf_path(paths, settings).with_suffix(".json")
+    doc = atomic.read_json(sidecar)
+    assert exported_files_unchanged(paths, settings)
+    canary = canaries["absolute"]
+    doc["files"].append({"role": "copy", "path": str(canary), "bytes": canary.stat().st_size,
+                         "sha256": atomic.sha256_file(canary)})
+    atomic.write_json(sidecar, doc)
+    assert not exported_files_unchanged(paths, settings)  # not this export's file: it is made again
+    verified = cli("verify", str(paths.root))
+    said = verified.stdout + verified.stderr
+    assert verified.returncode != 0 and "Traceback" not in said, said
+    assert sidecar.name in said and str(canary) in said and "nothing was opened" in said
+    assert canary.read_text() == "must survive"

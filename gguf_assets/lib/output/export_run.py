@@ -12,7 +12,7 @@ from pathlib import Path
 
 from gguf_assets.lib.core import atomic, verify
 from gguf_assets.lib.project import formats
-from gguf_assets.lib.project.layout import ProjectPaths
+from gguf_assets.lib.project.layout import ProjectPaths, RecordPathError
 from gguf_assets.lib.project.manifests import (
     DamagedRecord,
     ExportSidecar,
@@ -58,6 +58,20 @@ def export_sidecar(paths: ProjectPaths, settings: Settings) -> ExportSidecar:
     return ExportSidecar.from_json(paths.located_doc(atomic.read_json(gguf_path(paths, settings).with_suffix(".json"))))
 
 
+def delivered_file(paths: ProjectPaths, settings: Settings, stored: str, *, record: Path) -> Path:
+    """A file the export's record names, confined to where the export writes: the output folder, or
+    output.also_copy_to (the user's own copy). RecordPathError, naming the record, for anything else."""
+    folders = [paths.output_dir(settings)]
+    if settings.output.also_copy_to:
+        folders.append(paths.resolve_local(settings.output.also_copy_to))
+    for folder in folders[:-1]:
+        try:
+            return paths.inside(stored, record=record, under=folder)
+        except RecordPathError:
+            continue
+    return paths.inside(stored, record=record, under=folders[-1])
+
+
 def exported_files_unchanged(paths: ProjectPaths, settings: Settings) -> bool:
     """Every file the export wrote (GGUF, vision GGUF, copies) still holds what it wrote.
 
@@ -74,7 +88,10 @@ def exported_files_unchanged(paths: ProjectPaths, settings: Settings) -> bool:
     if sidecar is None:
         return False
     files = sidecar.written_files()
-    now = [verify.confirmed(Path(f["path"]), f) for f in files]
+    try:  # a received project's record that names a file elsewhere is not this export's: it is made again
+        now = [verify.confirmed(delivered_file(paths, settings, f["path"], record=record), f) for f in files]
+    except RecordPathError:
+        return False
     if any(entry is None for entry in now):
         return False
     if sidecar.files:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from gguf_assets.lib.core import atomic
 from gguf_assets.lib.materials import hub
-from gguf_assets.lib.output.export_run import gguf_path
+from gguf_assets.lib.output.export_run import delivered_file, gguf_path
 from gguf_assets.lib.precompute.shards import HALVES, data_file
 from gguf_assets.lib.project.layout import (
     BEST_DIR,
@@ -149,8 +149,9 @@ def _exported(paths: ProjectPaths, settings: Settings) -> Iterator[Recorded]:
     sidecar = gguf_path(paths, settings).with_suffix(".json")
     doc = _doc(sidecar)
     files = doc.get("files") or ([{"path": doc["path"], "sha256": doc["sha256"]}] if doc.get("sha256") else [])
-    for entry in files:
-        yield Recorded("gguf", paths.located(entry["path"]), "sha256", entry["sha256"], sidecar)
+    for entry in files:  # confined to the output folder and output.also_copy_to (RecordPathError names the sidecar)
+        yield Recorded("gguf", delivered_file(paths, settings, entry["path"], record=sidecar), "sha256",
+                       entry["sha256"], sidecar)
 
 
 def check(file: Recorded) -> FileCheck:
