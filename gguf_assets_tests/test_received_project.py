@@ -25,6 +25,7 @@ def received(finished_project, tmp_path) -> tuple[ProjectPaths, dict]:
     return paths, canaries
 
 
+@pytest.mark.slow  # a copy of the suite's finished project (conftest's finished_project)
 def test_a_hostile_snapshots_list_deletes_nothing_outside_the_output_folder(received):
     paths, canaries = received
     settings = load_settings(paths.root)
@@ -55,6 +56,7 @@ def test_a_hostile_snapshots_list_deletes_nothing_outside_the_output_folder(rece
     assert files == [str(paths.root / "output" / "demo-adapter-step6.gguf")]
 
 
+@pytest.mark.slow  # a copy of the suite's finished project (conftest's finished_project)
 def test_a_hostile_final_json_and_lineage_lead_nowhere_outside(received, tmp_path):
     paths, canaries = received
     final = atomic.read_json(paths.adapter_manifest)
@@ -122,6 +124,7 @@ def test_a_material_inside_a_folder_the_product_writes_is_refused_at_load_naming
     assert settings_from_text(tmp_path / "project.yaml", text.format(student="output/some-repo", tokenizer=""))
 
 
+@pytest.mark.slow  # a copy of the suite's finished project (conftest's finished_project)
 def test_a_killed_snapshot_write_leaves_no_temp_after_verify_and_a_live_one_is_left_alone(received):
     import os
     import subprocess
@@ -142,6 +145,7 @@ def test_a_killed_snapshot_write_leaves_no_temp_after_verify_and_a_live_one_is_l
     assert alive.exists() and users.exists()
 
 
+@pytest.mark.slow  # a copy of the suite's finished project (conftest's finished_project)
 def test_an_export_record_naming_a_file_elsewhere_is_refused_by_verify_and_never_read(received):
     from gguf_assets.lib.output.export_run import exported_files_unchanged, gguf_path
 

@@ -162,6 +162,7 @@ def _without_key(repo, key: str) -> bytes:
     return json.dumps(config, indent=2).encode()
 
 
+@pytest.mark.slow
 def test_the_code_closure_and_every_check_before_the_weights_refuse_in_run_and_estimate(
         tmp_path, real_repo, demo_materials_root, loopback_hub):
     from gguf_assets.lib.status.estimate import teacher_check
