@@ -15,8 +15,14 @@ import pytest
 from filelock import FileLock
 
 # The per-user hub store (lib/materials/hub/store.py) of this test process: never the user's own ~/.cache. Set before
-# warm_runs starts its loader, so every run process has it; loopback_hub gives each test a store of its own.
-os.environ.setdefault("GGUF_ASSETS_STORE", tempfile.mkdtemp(prefix="gguf-assets-test-store-"))
+# warm_runs starts its loader, so every run process has it; loopback_hub gives each test a store of its own. Removed
+# when this process ends (not by the forked run processes, which inherit the handler).
+if "GGUF_ASSETS_STORE" not in os.environ:
+    import atexit
+
+    _STORE, _OWNER = tempfile.mkdtemp(prefix="gguf-assets-test-store-"), os.getpid()
+    os.environ["GGUF_ASSETS_STORE"] = _STORE
+    atexit.register(lambda: os.getpid() == _OWNER and shutil.rmtree(_STORE, ignore_errors=True))
 
 from warm_runs import CLI, trainer_run  # noqa: E402
 
