@@ -408,7 +408,10 @@ def isolated_remote_code(cache: Path):
         patch.setenv("HF_MODULES_CACHE", str(cache))
         patch.setattr(dynamic_module_utils, "HF_MODULES_CACHE", str(cache))
         # Only this cache's transformers_modules on the path: Python imports the package from the first folder
-        # that holds one (transformers put the default cache there when it was imported).
+        # that holds one (transformers put the default cache there when it was imported). The folder exists before
+        # it goes on the path, or the import system caches "nothing here" for it.
+        Path(cache).mkdir(parents=True, exist_ok=True)
+        sys.path_importer_cache.pop(str(cache), None)
         patch.setattr(sys, "path", [str(cache)] + [p for p in sys.path
                                                    if not (Path(p or ".") / "transformers_modules").is_dir()])
         # A transformers_modules package loaded before (from another cache) would hide this cache's modules, and

@@ -130,7 +130,8 @@ def test_the_real_teacher_from_the_hub_refused_then_run_to_a_report_then_a_secon
     with isolated_remote_code(tmp_path / "hf-modules-2"):  # the checks before the weights import its code here
         again = resolve_materials(second, load_settings(second.root))
     assert again.teacher["commit"] == commit
-    assert weight_bytes_served(loopback_hub, real_repo, before) == {}
+    # Not one byte of any weights file, not even a header: the checks before the weights read the store's copies.
+    assert {f: n for f, n in loopback_hub.served.items() if f.endswith(".safetensors") and n != before.get(f)} == {}
     folder, first_folder = second.located(again.teacher["path"]), paths.located(manifest.teacher["path"])
     shard_file = "text_encoder/model-00001-of-00002.safetensors"
     assert (folder / shard_file).stat().st_ino == (first_folder / shard_file).stat().st_ino  # one copy on disk
@@ -164,7 +165,7 @@ def _without_key(repo, key: str) -> bytes:
 
 @pytest.mark.slow
 def test_the_code_closure_and_every_check_before_the_weights_refuse_in_run_and_estimate(
-        tmp_path, real_repo, demo_materials_root, loopback_hub):
+        tmp_path, real_repo, demo_materials_root, loopback_hub, capsys):
     from gguf_assets.lib.status.estimate import teacher_check
 
     trusted = _settings(REPO, trust_remote_code=True)
@@ -196,10 +197,16 @@ def test_the_code_closure_and_every_check_before_the_weights_refuse_in_run_and_e
                 assert name in checked[1], (repo_id, name, checked[1])
             assert weight_bytes_served(loopback_hub, real_repo, before) == {}, repo_id
 
-        # The console of `estimate`: the line and a failing exit status, before any weight byte.
-        estimate = cli("estimate", str(tmp_path / "no-rope-theta"))
-        assert estimate.returncode == 1 and "Traceback" not in estimate.stderr, estimate.stderr
-        assert "rope_theta is None" in estimate.stdout and "text_encoder/config.json" in estimate.stdout
+        # What `estimate` prints: the line and a failing exit status, before any weight byte (its own entry point,
+        # in this process: a cold `gguf-trainer` would add seconds and test nothing more).
+        from gguf_assets.cli import main as trainer_main
+
+        capsys.readouterr()
+        assert trainer_main(["estimate", str(tmp_path / "no-rope-theta")]) == 1
+        printed = capsys.readouterr()
+        assert "Traceback" not in printed.err and "text_encoder/config.json" in printed.out
+        assert "teacher: materials.teacher = 'no-rope-theta/LLaDA-Image-Turbo'" in printed.out
+        assert "rope_theta is None" in printed.out
 
         # (d) A new commit that changes only fused_moe_ops.py: the teacher's targets are stale, the student's are not,
         # and the weights of the new commit come from the store, not the hub.

@@ -132,7 +132,7 @@ def range_headers(ref: hub.RepoRef, listing: hub.Listing, work: Path, *, token: 
     listing does not have. ``served`` collects the bytes read."""
     import struct
 
-    from gguf_assets.lib.core.safetensors_io import MAX_HEADER_BYTES, parse_header
+    from gguf_assets.lib.core.safetensors_io import MAX_HEADER_BYTES, parse_header, safetensors_header
 
     def read(rel: str, start: int, end: int) -> bytes:
         out = work / f"{listing.files[rel].etag[:16]}.{start}"
@@ -148,8 +148,12 @@ def range_headers(ref: hub.RepoRef, listing: hub.Listing, work: Path, *, token: 
         remote = listing.files.get(rel)
         if remote is None:
             return None
+        blob = hub.held(remote)  # another project of this user fetched it: its header is on this disk
+        if blob is not None:
+            return safetensors_header(blob)[0]
         work.mkdir(parents=True, exist_ok=True)
         where = Path(f"{ref}:{rel}")
+        # Two range reads (the length, then the header): a header's bytes and nothing of the tensors.
         prefix = read(rel, 0, 8) if remote.size >= 8 else b""
         n = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else 0
         if len(prefix) != 8 or not 2 <= n <= min(remote.size - 8, MAX_HEADER_BYTES):

@@ -92,7 +92,7 @@ from gguf_assets.lib.materials.hub.records import (
     verify,
     write_record,
 )
-from gguf_assets.lib.materials.hub.store import STORE_ENV, to_download
+from gguf_assets.lib.materials.hub.store import STORE_ENV, held, to_download
 from gguf_assets.lib.materials.hub.watchdog import CHILD_START_S, WAITING_NOTICE_S, Waiting
 
 _MODULES = (records, hf_private, options, protocol, watchdog, api, store)
@@ -123,5 +123,5 @@ __all__ = [
     "download", "endpoint", "fetch_range", "finish", "git_blob_id", "has_partial", "host", "is_repo_source",
     "list_repo", "matches_etag", "partial_files", "read_record", "record_path", "record_selection", "recorded_etag",
     "remove_orphans", "remove_unfinished_snapshots", "snapshot_dir", "still_verified", "token_from_env",
-    "verified_entry", "verify", "warn_if_token_in_clear_text", "write_record", "STORE_ENV", "to_download",
+    "verified_entry", "verify", "warn_if_token_in_clear_text", "write_record", "STORE_ENV", "held", "to_download",
 ]

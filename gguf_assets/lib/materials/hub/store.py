@@ -98,6 +98,16 @@ def to_download(folder: Path, listing: Listing) -> Listing:
     return listing.subset([rel for rel in listing.files if rel not in held])
 
 
+def held(remote) -> Path | None:
+    """The store's blob of a listed file (a RemoteFile), when it holds it and still trusts it; else None. For reading
+    a file's header without the network (the checks before a teacher's weights)."""
+    root = store_root()
+    blob = _blob(root, remote.etag) if root is not None else None
+    if blob is None or not blob.is_file() or blob.stat().st_size != remote.size:
+        return None
+    return blob if _trusted(blob, remote.etag) else None
+
+
 def link_from_store(folder: Path, listing: Listing) -> dict[str, dict]:
     """Link into ``folder`` every file of ``listing`` the store holds (and still trusts); returns their
     verification entries (hub.verify's form), which a later check confirms by stamp."""
