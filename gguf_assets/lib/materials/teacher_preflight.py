@@ -153,9 +153,9 @@ def _tokenizer_problem(folder: Path, vocab: int) -> str | None:
     return None
 
 
-def backbone_on_meta(encoder: Path):
-    """The text encoder built by the repo's own code from its config, on the meta device (no weights); the caller
-    checked materials.trust_remote_code."""
+def backbone_on_meta(encoder: Path, *, trust_remote_code: bool):
+    """The text encoder built by the repo's own code from its config, on the meta device (no weights);
+    ``trust_remote_code`` is materials.trust_remote_code (transformers refuses the code without it)."""
     import torch
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModel
@@ -163,15 +163,15 @@ def backbone_on_meta(encoder: Path):
     from gguf_assets.lib.materials.llada_text_stack import written_for_transformers_4
 
     with written_for_transformers_4():
-        config = AutoConfig.from_pretrained(encoder, trust_remote_code=True)
+        config = AutoConfig.from_pretrained(encoder, trust_remote_code=trust_remote_code)
         with init_empty_weights():
-            return AutoModel.from_config(config, dtype=torch.bfloat16, trust_remote_code=True)
+            return AutoModel.from_config(config, dtype=torch.bfloat16, trust_remote_code=trust_remote_code)
 
 
-def _backbone_problem(folder: Path, header_of: HeaderOf) -> str | None:
+def _backbone_problem(folder: Path, header_of: HeaderOf, *, trust_remote_code: bool) -> str | None:
     """The repo's code imported and the backbone built on the meta device, its tensors against the weights'."""
     try:
-        model = backbone_on_meta(folder / layout.TEXT_ENCODER_DIR)
+        model = backbone_on_meta(folder / layout.TEXT_ENCODER_DIR, trust_remote_code=trust_remote_code)
     except Exception as exc:  # noqa: BLE001 (the repo's code can raise anything while it imports and builds)
         text = str(exc).strip().splitlines()
         return (f"the text encoder's code does not import and build from {ENCODER_CONFIG} "
@@ -231,4 +231,4 @@ def pipeline_problem(folder: Path, settings, *, header_of: HeaderOf | None = Non
     problem = _tokenizer_problem(folder, config["vocab_size"])
     if problem or not settings.materials.trust_remote_code:
         return problem
-    return _backbone_problem(folder, header_of)
+    return _backbone_problem(folder, header_of, trust_remote_code=settings.materials.trust_remote_code)
