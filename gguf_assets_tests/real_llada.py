@@ -165,3 +165,28 @@ def build_real_llada_repo(root: Path, *, seed: int = 0, shards: int = 2, with_si
     standin._write_json(root / "scheduler" / "scheduler_config.json", {
         "_class_name": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 3.0})
     return root
+
+
+def pipeline_settings(teacher: str, **materials):
+    """The settings of a small project whose teacher is ``teacher`` (an LLaDA-Image pipeline), with the demo's
+    student and prompts (``pipeline_project`` copies them in), sized for a test."""
+    from gguf_assets.lib.demo.demo import demo_settings
+    from gguf_assets.lib.project.settings import replace
+
+    return replace(demo_settings(steps=20),
+                   materials={"teacher": teacher, "student": "materials/demo/student",
+                              "datasets": ["materials/demo/dataset"], "vision_encoder": "", **materials},
+                   precompute={"prompt_template": "{prompt}", "shard_size": 200, "val_shard_size": 100},
+                   corpus={"train_prompts": 400, "val_prompts": 100},
+                   training={"validate_every": 10, "checkpoint_every": 10, "log_every": 10})
+
+
+def pipeline_project(root: Path, demo_materials_root: Path, settings):
+    """A project folder at ``root``: the demo's student and prompts, and ``settings`` as its project.yaml."""
+    from gguf_assets.lib.project.layout import ProjectPaths
+    from gguf_assets.lib.project.settings import write_project_file
+
+    shutil.copytree(demo_materials_root / "student", root / "materials" / "demo" / "student")
+    shutil.copytree(demo_materials_root / "dataset", root / "materials" / "demo" / "dataset")
+    write_project_file(root, settings)
+    return ProjectPaths.of(root)

@@ -11,11 +11,11 @@ import shutil
 import pytest
 from llada_repo import isolated_remote_code, remote_code_files
 from real_llada import build_real_llada_repo
+from real_llada import pipeline_project as _project
+from real_llada import pipeline_settings as _settings
 
-from gguf_assets.lib.demo.demo import demo_settings
 from gguf_assets.lib.materials.materials import MaterialsError, resolve_materials
 from gguf_assets.lib.precompute.shards import half_fingerprint
-from gguf_assets.lib.project.layout import ProjectPaths
 from gguf_assets.lib.project.settings import load_settings, replace, write_project_file
 
 REPO = "inclusionAI/LLaDA-Image-Turbo"
@@ -30,22 +30,6 @@ def tiny_repo(tmp_path_factory):
 def remote_code_cache(tmp_path):
     with isolated_remote_code(tmp_path / "hf-modules"):  # resolve_materials imports the code to check it
         yield
-
-
-def _settings(teacher: str, **materials):
-    return replace(demo_settings(steps=20),
-                   materials={"teacher": teacher, "student": "materials/demo/student",
-                              "datasets": ["materials/demo/dataset"], "vision_encoder": "", **materials},
-                   precompute={"prompt_template": "{prompt}", "shard_size": 200, "val_shard_size": 100},
-                   corpus={"train_prompts": 400, "val_prompts": 100},
-                   training={"validate_every": 10, "checkpoint_every": 10, "log_every": 10})
-
-
-def _project(root, demo_materials_root, settings) -> ProjectPaths:
-    shutil.copytree(demo_materials_root / "student", root / "materials" / "demo" / "student")
-    shutil.copytree(demo_materials_root / "dataset", root / "materials" / "demo" / "dataset")
-    write_project_file(root, settings)
-    return ProjectPaths.of(root)
 
 
 def test_a_changed_modeling_file_makes_the_teacher_halves_stale_and_nothing_else(tmp_path, tiny_repo,

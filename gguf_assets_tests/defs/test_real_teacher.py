@@ -25,14 +25,15 @@ import torch
 from conftest import cli
 from llada_repo import isolated_remote_code
 from real_llada import CODE_FILES, HELPER, MODELING, build_real_llada_repo, real_files_or_skip
+from real_llada import pipeline_project as _project
+from real_llada import pipeline_settings as _settings
 from safetensors.torch import load_file
 
 from gguf_assets.lib.core import atomic
-from gguf_assets.lib.demo.demo import demo_settings
 from gguf_assets.lib.materials.materials import MaterialsError, load_manifest, manifest_is_current, resolve_materials
 from gguf_assets.lib.precompute.llada_teacher import LLaDAImageTeacher
 from gguf_assets.lib.precompute.shards import half_fingerprint
-from gguf_assets.lib.project.layout import REPORT_JSON, ProjectPaths
+from gguf_assets.lib.project.layout import REPORT_JSON
 from gguf_assets.lib.project.settings import load_settings, replace, write_project_file
 from gguf_assets.lib.status.stages import STAGES
 from gguf_assets.orchestration.launching import run_pipeline
@@ -45,22 +46,6 @@ ENCODER_FILES = [f"text_encoder/{name}" for name in CODE_FILES]
 def real_repo(tmp_path_factory):
     real_files_or_skip()
     return build_real_llada_repo(tmp_path_factory.mktemp("real-llada") / "LLaDA-Image-Turbo")
-
-
-def _settings(teacher: str, **materials):
-    return replace(demo_settings(steps=20),
-                   materials={"teacher": teacher, "student": "materials/demo/student",
-                              "datasets": ["materials/demo/dataset"], "vision_encoder": "", **materials},
-                   precompute={"prompt_template": "{prompt}", "shard_size": 200, "val_shard_size": 100},
-                   corpus={"train_prompts": 400, "val_prompts": 100},
-                   training={"validate_every": 10, "checkpoint_every": 10, "log_every": 10})
-
-
-def _project(root, demo_materials_root, settings) -> ProjectPaths:
-    shutil.copytree(demo_materials_root / "student", root / "materials" / "demo" / "student")
-    shutil.copytree(demo_materials_root / "dataset", root / "materials" / "demo" / "dataset")
-    write_project_file(root, settings)
-    return ProjectPaths.of(root)
 
 
 def _header_bytes(repo, rel: str) -> int:
