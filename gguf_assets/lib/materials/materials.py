@@ -333,10 +333,11 @@ def _resolve_hub(role: str, source: str, paths: ProjectPaths, settings: Settings
     report = {"source": source, "network": False, "downloaded_bytes": 0, "seconds": 0.0, "refetched": 0}
     checked_before_weights = False  # a pipeline's checks before its weights (teacher_preflight) ran here
     try:
-        if pinned and hub.record_selection(root, ref, pinned) == selection \
-                and _holds_its_code(hub.snapshot_dir(root, ref, pinned), hub.read_record(root, ref, pinned)):
+        recorded = hub.read_record(root, ref, pinned) if pinned and \
+            hub.record_selection(root, ref, pinned) == selection else None
+        if recorded is not None and _holds_its_code(hub.snapshot_dir(root, ref, pinned), recorded):
             # A finished snapshot: check it against its record, offline; re-fetch only what changed.
-            listing = hub.read_record(root, ref, pinned)
+            listing = recorded
             folder = hub.snapshot_dir(root, ref, pinned)
             bad, verified = hub.verify(folder, listing, cache.get(str(folder), {}))
             if bad:
@@ -427,9 +428,7 @@ def _holds_its_code(folder: Path, listing: hub.Listing) -> bool:
     if f"{layout.TEXT_ENCODER_DIR}/config.json" not in listing.files or not folder.is_dir():
         return True
     try:
-        layout.remote_code_closure(layout.remote_code_files(layout.encoder_config(folder)),
-                                   exists=lambda p: p in listing.files and (folder / p).is_file(),
-                                   read_text=lambda p: (folder / p).read_text(encoding="utf-8"))
+        layout.folder_code_closure(folder, listed=listing.files)
     except (layout.LayoutError, OSError, ValueError):
         return False
     return True

@@ -160,9 +160,12 @@ def remote_code_closure(entries: list[str], *, exists: Callable[[str], bool], re
     return sorted(closure)
 
 
-def folder_code_closure(folder: Path) -> list[str]:
-    """remote_code_closure over a local pipeline folder."""
-    return remote_code_closure(remote_code_files(encoder_config(folder)), exists=lambda p: (folder / p).is_file(),
+def folder_code_closure(folder: Path, *, listed: Iterable[str] | None = None) -> list[str]:
+    """remote_code_closure over a local pipeline folder (``listed``: only those of its files count, a snapshot's
+    record)."""
+    known = None if listed is None else set(listed)
+    return remote_code_closure(remote_code_files(encoder_config(folder)),
+                               exists=lambda p: (folder / p).is_file() and (known is None or p in known),
                                read_text=lambda p: (folder / p).read_text(encoding="utf-8"))
 
 
