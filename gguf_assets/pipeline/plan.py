@@ -13,7 +13,7 @@ from gguf_assets.lib.project import settings_history
 from gguf_assets.lib.project.layout import SPLITS, ProjectPaths
 from gguf_assets.lib.project.settings import Settings
 from gguf_assets.lib.status.stages import INPUT_STAGES, TRAINING_STAGES
-from gguf_assets.lib.status.states import RESUMABLE, UNFINISHED, ProjectView, State, status_view
+from gguf_assets.lib.status.states import UNFINISHED, ProjectView, StageState, State, status_view
 from gguf_assets.pipeline.names import MATERIALS_AND_CORPUS, SHARDS_JOB, TRAIN_AND_EXPORT
 from gguf_assets.pipeline.partitions import BY_SPLIT, expected_shard_keys, partitions_match
 from gguf_assets.pipeline.run_tags import PIPELINE_TAG, RANGE_END_TAG, RANGE_START_TAG
@@ -26,9 +26,10 @@ class Work:
     assets: tuple[str, ...]
     partitions: tuple[str, ...] = ()
     # True when it continues or repairs work asked for under these settings (missing, partial, damaged:
-    # a first run, one cut off part-way, a broken file); False when it would replace results made under
-    # other settings (stale), which waits for the user.
+    # a first run, one cut off part-way, a broken file); False when it is new work a settings edit made (a stale
+    # result replaced, training.steps raised after a finished run), which waits for the user.
     missing: bool = True
+    why: str = ""  # its first stage's state, with why (status' words): what a waiting daemon says
 
     def describe(self) -> str:
         shards = f" (shards {self.partitions[0]}..{self.partitions[-1]})" if self.partitions else ""
@@ -49,21 +50,28 @@ def next_work(paths: ProjectPaths, settings: Settings, instance, view: ProjectVi
     if status["materials"].state != State.CURRENT:
         # New materials come with the corpus: it reads them, and when it finds itself current it
         # only records that (same data version), so Dagster does not show it stale.
-        return Work(MATERIALS_AND_CORPUS, INPUT_STAGES, missing=status["materials"].state in RESUMABLE)
+        return Work(MATERIALS_AND_CORPUS, INPUT_STAGES, missing=status["materials"].resumable,
+                    why=_said(status["materials"]))
     if status["corpus"].state != State.CURRENT or not partitions_match(
             instance, expected_shard_keys(corpus_manifest(paths), settings)):
-        return Work(MATERIALS_AND_CORPUS, ("corpus",), missing=status["corpus"].state in RESUMABLE)
+        return Work(MATERIALS_AND_CORPUS, ("corpus",), missing=status["corpus"].resumable,
+                    why=_said(status["corpus"]))
     for split in SPLITS:
-        state = status[f"{split}_shards"].state
-        if state != State.CURRENT:
+        shards = status[f"{split}_shards"]
+        if shards.state != State.CURRENT:
             keys = tuple(instance.get_dynamic_partitions(BY_SPLIT[split].name))
-            return Work(SHARDS_JOB[split], (f"{split}_shards",), keys, missing=state in RESUMABLE)
+            return Work(SHARDS_JOB[split], (f"{split}_shards",), keys, missing=shards.resumable,
+                        why=_said(shards))
     todo = [s for s in TRAINING_STAGES if status[s].state in UNFINISHED]
     if not todo:
         return None
     # Once one stage is redone, everything after it is redone too.
     return Work(TRAIN_AND_EXPORT, TRAINING_STAGES[TRAINING_STAGES.index(todo[0]):],
-                missing=status[todo[0]].state in RESUMABLE)
+                missing=status[todo[0]].resumable, why=_said(status[todo[0]]))
+
+
+def _said(stage: StageState) -> str:
+    return f"{stage.stage} {stage.state}" + (f": {stage.detail}" if stage.detail else "")
 
 
 def split_range(keys: list[str] | tuple[str, ...], parts: int) -> list[tuple[str, ...]]:

@@ -129,7 +129,7 @@ def resume_decision(instance: dg.DagsterInstance) -> dg.RunRequest | dg.SkipReas
     asked = (run_tags.get(latest_run.tags, PIPELINE_TAG) == current
              or (INTERRUPTED_TAG in latest_run.tags and run_tags.get(latest_run.tags, SETTINGS_TAG) == current))
     if not (work.missing or asked):
-        return dg.SkipReason(f"{work.describe()} is stale after a settings edit; it starts when you ask "
+        return dg.SkipReason(f"{work.describe()} waits after a settings edit ({work.why}); it starts when you ask "
                              "(Materialize, or `gguf-trainer run`)")
     settings_history.remember(paths.root, settings)  # the run loads its settings by the tag's hash
     return dg.RunRequest(job_name=work.job, asset_selection=[dg.AssetKey(a) for a in work.assets],

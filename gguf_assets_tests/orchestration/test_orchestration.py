@@ -170,9 +170,17 @@ def test_the_daemon_leaves_work_made_stale_by_a_settings_edit_alone(make_project
     paths = copy_project(finished_project[0], tmp_path / "finished")
     instance = project_instance(paths)
     assert "everything is current" in resume_decision(instance).skip_message
-    write_project_file(paths.root, replace(load_settings(paths.root), training={"learning_rate": 1e-4}))
+    finished = load_settings(paths.root)
+    # A raised step count is new work (hours of GPU time, perhaps from a half-typed value in an editor), not an
+    # interrupted run: it waits for Run, though the adapter is "partial" and nothing is replaced.
+    write_project_file(paths.root, replace(finished, training={"steps": finished.training.steps * 2}))
     decision = resume_decision(instance)
-    assert isinstance(decision, dg.SkipReason) and "stale after a settings edit" in decision.skip_message
+    assert isinstance(decision, dg.SkipReason), decision
+    assert "after a settings edit (adapter partial: training.steps" in decision.skip_message, decision.skip_message
+    write_project_file(paths.root, replace(finished, training={"learning_rate": 1e-4}))
+    decision = resume_decision(instance)
+    assert isinstance(decision, dg.SkipReason) and "after a settings edit (adapter stale: training.learning_rate" \
+        in decision.skip_message, decision.skip_message
     # A missing output is different: the daemon makes it by itself.
     shutil.rmtree(paths.root / "shards" / "val")
     write_project_file(paths.root, replace(load_settings(paths.root), training={"learning_rate": 2e-4}))

@@ -70,6 +70,14 @@ class StageState:
     # Why: for a stale stage, the project.yaml keys that changed (old → new) or what changed on disk;
     # for a damaged or partial one, what was found.
     detail: str = ""
+    # Unfinished because project.yaml was edited, though no result is replaced (training.steps raised after a
+    # finished run): new work, which waits for Run like a stale stage does.
+    by_edit: bool = False
+
+    @property
+    def resumable(self) -> bool:
+        """Whether `run` and the daemon's resume sensor continue it by themselves (see RESUMABLE)."""
+        return self.state in RESUMABLE and not self.by_edit
 
 
 # The states `run` and the daemon continue by themselves: nothing the user decided differs from what
@@ -281,7 +289,7 @@ def _adapter_state(paths: ProjectPaths, settings: Settings, adapter_fp: str) -> 
         why = why_stale(paths, settings, "adapter", _recorded_hash(paths.adapter_manifest),
                         "training.steps changed") if paths.adapter_manifest.is_file() else "training.steps changed"
         return StageState("adapter", State.PARTIAL, f"{why}: goes on from step {step} to {settings.training.steps} "
-                          "(`gguf-trainer run` continues the run from its newest checkpoint)")
+                          "(`gguf-trainer run` continues the run from its newest checkpoint)", by_edit=True)
     partial = StageState("adapter", State.PARTIAL, f"trained to step {step} of {settings.training.steps} "
                          "(checkpoint kept; `gguf-trainer run` resumes from it)") if step else None
     if not paths.adapter_manifest.is_file():
