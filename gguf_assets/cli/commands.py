@@ -16,6 +16,7 @@ from gguf_assets.cli.runs import add_parser as add_runs_parser
 from gguf_assets.cli.services import (
     SERVICES_LOCK,
     SERVICES_LOG,
+    CodeServer,
     ServiceOutput,
     StopSignals,
     check_ports_free,
@@ -267,6 +268,7 @@ def cmd_ui(args: argparse.Namespace) -> int:
         services: list[subprocess.Popen] = []
         # Their output reaches this console through .dagster/services.log, and only until they are told to stop.
         output = ServiceOutput(paths.dagster_home / SERVICES_LOG)
+        code_server = CodeServer()
         try:
             # The studio first: the one page for this project (verdict, stages and why, Run and Stop).
             print(f"Studio for {paths.root} on {studio}", flush=True)
@@ -284,13 +286,21 @@ def cmd_ui(args: argparse.Namespace) -> int:
             if stop.signal is None:
                 print(f"Dagster UI for {paths.root} on {base} (Ctrl-C to stop); the whole pipeline: "
                       f"{base}{lineage_path()}", flush=True)
-                services += start_services([webserver_command(args.host, args.port, args.allow_host),
-                                            *([] if args.no_daemon else [daemon_command()])],
+                services += start_services([code_server.command()], log_file=output.file, keep_fds=keep)
+            if stop.signal is None and code_server.wait_until_serving(services[-1], stop):
+                workspace = code_server.workspace
+                services += start_services([webserver_command(args.host, args.port, args.allow_host,
+                                                              workspace=workspace),
+                                            *([] if args.no_daemon else [daemon_command(workspace=workspace)])],
                                            log_file=output.file, keep_fds=keep)
         except BaseException:  # a service that cannot start: the others stop too
             stop_all(services, output)
+            code_server.close()
             raise
-        return supervise(services, stop=stop, output=output)
+        try:
+            return supervise(services, stop=stop, output=output)
+        finally:
+            code_server.close()
 
 
 def _stopped_before_start(signum: int) -> int:
@@ -337,11 +347,21 @@ def cmd_auto_resume(project: str, *, daemon: bool, ui_port: int | None = None, u
                 "Dagster UI": f"http://{ui_host}:{ui_port}"} if ui_port is not None else {}),)
             output = ServiceOutput(paths.dagster_home / SERVICES_LOG)
         code = None
+        code_server = CodeServer()
+
+        def serving_code() -> bool:
+            """The project's code server for the webserver and the daemon, started at the first one's need."""
+            if not services:  # the code server is the first of them
+                services.extend(start_services([code_server.command()], log_file=output.file, keep_fds=keep))
+            return code_server.wait_until_serving(services[0], stop)
+
         try:
             if ui_port is not None and stop.signal is None:
                 print(f"Dagster UI for {paths.root} on http://{ui_host}:{ui_port}", flush=True)
-                services = start_services([webserver_command(ui_host, ui_port)], log_file=output.file,
-                                          keep_fds=keep)
+                if serving_code():
+                    services += start_services([webserver_command(ui_host, ui_port,
+                                                                  workspace=code_server.workspace)],
+                                               log_file=output.file, keep_fds=keep)
             if stop.signal is None:
                 marked = mark_interrupted_runs(instance)
                 print(f"project {paths.root}: marked {len(marked)} interrupted run(s) as failed "
@@ -354,12 +374,16 @@ def cmd_auto_resume(project: str, *, daemon: bool, ui_port: int | None = None, u
                 return code if code == STOPPED_EXIT else _stopped_before_start(stop.signal)
             if daemon:
                 print("starting dagster-daemon for the project (sensors, schedules); Ctrl-C to stop", flush=True)
-                services += start_services([daemon_command()], log_file=output.file, keep_fds=keep)
+                if serving_code():
+                    services += start_services([daemon_command(workspace=code_server.workspace)],
+                                               log_file=output.file, keep_fds=keep)
+            if services:
+                return supervise(services, stop=stop, output=output)
         except BaseException:
             stop_all(services, output)
             raise
-        if services:
-            return supervise(services, stop=stop, output=output)
+        finally:
+            code_server.close()
         if output is not None:
             output.close()
         return code

@@ -5,10 +5,12 @@ and stopping them all on Ctrl-C or when one ends."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -17,6 +19,7 @@ from typing import TextIO
 import psutil
 
 from gguf_assets import DEFINITIONS_MODULE
+from gguf_assets.lib.core import atomic
 from gguf_assets.lib.core.commands import venv_tool
 from gguf_assets.lib.core.errors import UserError
 from gguf_assets.lib.project.layout import ProjectPaths
@@ -247,16 +250,78 @@ def check_ports_free(host: str, ports: dict[str, int]) -> None:
 DAGSTER_SERVER_LOG_LEVEL = "warning"
 
 
-def webserver_command(host: str, port: int, allow_hosts: list[str] = ()) -> list[str]:
-    """Dagster's own webserver behind the studio's guard (the Host allow-list, the Origin check, the body cap)."""
+class CodeServer:
+    """The one Dagster code server of a project's webserver and daemon (`dagster code-server start`), on a Unix
+    socket in a private temporary folder, with the workspace file that points both at it.
+
+    Given the definitions module (`-m`), dagster-daemon drops its code server every 60 s
+    (RELOAD_WORKSPACE_INTERVAL) and starts a new one, which imports the definitions again; the dropped one shuts
+    down 20 s later, printing "No heartbeat received in 20 seconds, shutting down" (dagster-io/dagster#14649): a
+    warning a minute in the `ui` terminal, and an import of the pipeline a minute on an idle machine. Pointed at a
+    server of its own (a `grpc_server` location), the daemon's reload only asks that server again, and the
+    webserver shares it: one import of the definitions for the whole `ui`. The socket, not a port: only this user
+    can reach it (the folder is 0700), and it names no place in the project folder. Runs that the daemon or the
+    UI launch are this server's children, as they were the webserver's and the daemon's own servers' (a stop of
+    `ui` stops them, CANCELED and resumable).
+    """
+
+    def __init__(self) -> None:
+        self._folder = tempfile.TemporaryDirectory(prefix="gguf-assets-code-")
+        folder = Path(self._folder.name)
+        self.socket = folder / "code.sock"
+        self.workspace = folder / "workspace.yaml"
+        # The location keeps the name `-m` gives it (orchestration/instance.py CODE_LOCATION): runs and schedules
+        # recorded before, and `gguf-trainer run`'s runs, name that location.
+        atomic.write_text(self.workspace, json.dumps({"load_from": [{"grpc_server": {
+            "socket": str(self.socket), "location_name": DEFINITIONS_MODULE}}]}))  # YAML reads JSON
+
+    def command(self) -> list[str]:
+        return [venv_tool("dagster"), "code-server", "start", "-m", DEFINITIONS_MODULE, "--socket", str(self.socket),
+                "--location-name", DEFINITIONS_MODULE, "--log-level", DAGSTER_SERVER_LOG_LEVEL]
+
+    def wait_until_serving(self, process: subprocess.Popen, stop: StopSignals, *, timeout_s: float = 600) -> bool:
+        """Wait until it answers gRPC's health check (it binds its socket once the definitions are loaded): the
+        webserver and the daemon load their workspace once at their start. False on a stop; a server that exits
+        or never answers is a UserError naming its log."""
+        import grpc
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        deadline = time.monotonic() + timeout_s
+        while stop.signal is None:
+            if process.poll() is not None:
+                raise UserError(f"the Dagster code server stopped ({_how_it_ended(process.returncode)}) while "
+                                "loading the pipeline's definitions; its output is in .dagster/"
+                                f"{SERVICES_LOG}")
+            if self.socket.exists():
+                with grpc.insecure_channel(f"unix:{self.socket}") as channel:
+                    with contextlib.suppress(grpc.RpcError):
+                        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
+                                                                          timeout=5)
+                        if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                            return True
+            if time.monotonic() > deadline:
+                raise UserError(f"the Dagster code server did not answer within {timeout_s:.0f} s; its output is "
+                                f"in .dagster/{SERVICES_LOG}")
+            time.sleep(0.2)
+        return False
+
+    def close(self) -> None:
+        """Once it has stopped: its folder (socket and workspace file) goes."""
+        self._folder.cleanup()
+
+
+def webserver_command(host: str, port: int, allow_hosts: list[str] = (), *, workspace: Path) -> list[str]:
+    """Dagster's own webserver behind the studio's guard (the Host allow-list, the Origin check, the body cap), on
+    the project's one code server (``workspace``: CodeServer's)."""
     return [sys.executable, "-m", "gguf_assets.studio.dagster_ui", "--host", host, "--port", str(port),
-            *_allow_host_args(allow_hosts), "--dagster-log-level", DAGSTER_SERVER_LOG_LEVEL,
-            "--code-server-log-level", DAGSTER_SERVER_LOG_LEVEL]
+            *_allow_host_args(allow_hosts), "--workspace", str(workspace), "--dagster-log-level",
+            DAGSTER_SERVER_LOG_LEVEL]
 
 
 def _allow_host_args(allow_hosts: list[str]) -> list[str]:
     return [arg for name in allow_hosts for arg in ("--allow-host", name)]
 
 
-def daemon_command() -> list[str]:
-    return [venv_tool("dagster-daemon"), "run", "-m", DEFINITIONS_MODULE, "--log-level", DAGSTER_SERVER_LOG_LEVEL]
+def daemon_command(*, workspace: Path) -> list[str]:
+    """dagster-daemon on the project's one code server (``workspace``: CodeServer's)."""
+    return [venv_tool("dagster-daemon"), "run", "-w", str(workspace), "--log-level", DAGSTER_SERVER_LOG_LEVEL]

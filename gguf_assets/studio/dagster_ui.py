@@ -23,6 +23,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=3000)
     parser.add_argument("--allow-host", action="append", default=[], metavar="NAME")
+    # The project's one code server (cli/services.py CodeServer), else a code server of the webserver's own.
+    parser.add_argument("--workspace", metavar="FILE")
     args, passed_on = parser.parse_known_args(argv)  # the rest goes to dagster-webserver as it is
 
     import dagster_webserver.cli as webserver_cli
@@ -38,7 +40,8 @@ def main(argv: list[str] | None = None) -> None:
                        body_limit=DAGSTER_UI_BODY_LIMIT, server="the Dagster UI")
 
     webserver_cli.create_app_from_workspace_process_context = guarded_app
-    sys.argv = ["dagster-webserver", "-m", DEFINITIONS_MODULE, "-h", args.host, "-p", str(args.port), *passed_on]
+    code = ["-w", args.workspace] if args.workspace else ["-m", DEFINITIONS_MODULE]
+    sys.argv = ["dagster-webserver", *code, "-h", args.host, "-p", str(args.port), *passed_on]
     webserver_cli.main()
 
 

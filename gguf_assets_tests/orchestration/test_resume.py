@@ -191,8 +191,9 @@ def test_sigterm_to_the_daemon_is_a_clean_stop(finished_project, tmp_path):
 
         wait_for(lambda: daemon() is not None, timeout=300, what="the daemon", proc=proc)
         the_daemon = daemon()
-        # Once its sensors ran, the daemon has started its code server: a stop now has threads to end.
-        wait_for(lambda: len(the_daemon.children(recursive=True)) > 0, timeout=120, what="the daemon's code server",
+        # Once its sensor daemon has beaten (it has asked the project's code server): a stop now has threads to end.
+        instance = project_instance(paths)
+        wait_for(lambda: "SENSOR" in instance.get_daemon_heartbeats(), timeout=120, what="the daemon's sensors",
                  proc=proc)
         children = psutil.Process(proc.pid).children(recursive=True)
         the_daemon.send_signal(signal.SIGTERM)

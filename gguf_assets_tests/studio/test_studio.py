@@ -18,6 +18,7 @@ import time
 from importlib import metadata
 
 import dagster as dg
+import psutil
 import pytest
 from browser import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS, WIDE, need_browser, shoot_both_widths
 from conftest import CLI, cli_env, copy_project, free_port, project_instance, stop_with_ctrl_c, wait_for, wait_http
@@ -59,6 +60,19 @@ def _shot(page, panel: str, name: str) -> None:
     page.locator(panel).screenshot(path=str(ARTIFACTS / f"studio-{name}.png"))
 
 
+def _code_servers(ui: subprocess.Popen) -> list[int]:
+    """The pids of the Dagster code servers (`dagster api grpc`) that `ui` started."""
+    return sorted(child.pid for child in psutil.Process(ui.pid).children(recursive=True)
+                  if "grpc" in child.cmdline())
+
+
+def _resume_ticks(instance: dg.DagsterInstance, *, since: float) -> list:
+    """The resume sensor's ticks since ``since`` (a time.time()), once each has ended."""
+    return [tick for state in instance.all_instigator_state() if state.instigator_name == "resume_pipeline_sensor"
+            for tick in instance.get_ticks(state.instigator_origin_id, state.selector_id, after=since)
+            if tick.status.value != "STARTED"]
+
+
 def _run_row(page, run: dict):
     return page.locator(f'#runs-table tr[data-run="{run["name"]}"]')
 
@@ -78,8 +92,8 @@ def test_studio_edits_settings_in_its_form_runs_stops_resumes_and_shows_the_resu
     console = tmp_path / "ui.log"  # a file, not a pipe: nobody reads a pipe while the browser works
     with open(console, "w") as out:
         ui = subprocess.Popen([*CLI, "ui", str(paths.root), "--port", str(port), "--studio-port", str(studio_port),
-                               "--no-tensorboard", "--no-daemon"], stdout=out, stderr=subprocess.STDOUT,
-                              text=True, env=cli_env(GGUF_ASSETS_FAULT=STALL_AFTER_50))
+                               "--no-tensorboard"], stdout=out, stderr=subprocess.STDOUT, text=True,
+                              env=cli_env(GGUF_ASSETS_FAULT=STALL_AFTER_50, GGUF_ASSETS_SENSOR_INTERVAL_S="3"))
     studio = f"http://127.0.0.1:{studio_port}"
     ARTIFACTS.mkdir(exist_ok=True)
     try:
@@ -87,6 +101,9 @@ def test_studio_edits_settings_in_its_form_runs_stops_resumes_and_shows_the_resu
         first = console.read_text().splitlines()[0]
         assert first == f"Studio for {paths.root} on {studio}", first  # its URL first
         wait_http(studio + "/api/status", timeout=60, proc=ui)
+        wait_http(f"http://127.0.0.1:{port}/server_info", timeout=120, proc=ui)
+        code_servers = _code_servers(ui)
+        assert len(code_servers) == 1, code_servers  # the webserver's and the daemon's one
         with sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
             context = browser.new_context(viewport=WIDE,
@@ -181,6 +198,15 @@ def test_studio_edits_settings_in_its_form_runs_stops_resumes_and_shows_the_resu
             assert page.locator("#run-preview").inner_text() == \
                 "Run starts at Adapter (training) (partial) and resumes training from step 40 of 60"
             assert page.locator("#run").is_enabled() and page.locator("#stop").is_disabled()
+            # The daemon runs beside the studio: a raised step count is new work (perhaps a half-typed value), not
+            # an interrupted run, and it waits for Run (it once started training within 30 s). Its resume sensor
+            # ticks every 3 s here: two ticks after the save, each saying why it waits, and no run.
+            saved = time.time()
+            wait_for(lambda: len(_resume_ticks(instance, since=saved)) >= 2, timeout=60, what="two sensor ticks")
+            ticks = _resume_ticks(instance, since=saved)
+            assert all(tick.status.value == "SKIPPED" and "waits after a settings edit (adapter partial: "
+                       "training.steps 40 → 60" in tick.skip_reason for tick in ticks), ticks
+            assert not [r for r in instance.get_runs() if r.status != dg.DagsterRunStatus.SUCCESS]
 
             page.click("#run")
             wait_for(lambda: _rows(page)["adapter"][0] == "running", timeout=180, what="the run to train")
@@ -327,5 +353,10 @@ def test_studio_edits_settings_in_its_form_runs_stops_resumes_and_shows_the_resu
             page.screenshot(path=str(ARTIFACTS / "studio.png"), full_page=True)
             browser.close()
         assert stopped_s < 15, stopped_s
+        # The daemon reloads its workspace every 60 s; on a code server of its own it started a new one each time,
+        # and the dropped one printed "No heartbeat received in 20 seconds, shutting down" on this console.
+        wait_for(lambda: time.time() - saved > 65, timeout=65, what="a minute of the daemon")
+        assert _code_servers(ui) == code_servers
+        assert "heartbeat" not in console.read_text(), console.read_text()
     finally:
         stop_with_ctrl_c(ui, what="gguf-trainer ui")
