@@ -8,6 +8,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 
 from gguf_assets.cli.processes import DAGSTER_NOISE, RUN_CHILD_ENV, WithoutLines, run_in_own_process_group
@@ -62,7 +63,6 @@ from gguf_assets.lib.status.states import State, status_view, where_stopped, wit
 from gguf_assets.lib.status.time_estimate import time_lines
 from gguf_assets.lib.telemetry.curves_log import TENSORBOARD_DIR, TENSORBOARD_URL_ENV, tensorboard_timeseries_url
 from gguf_assets.lib.telemetry.hardware import AUTO_WORKERS as AUTO
-from gguf_assets.lib.training.kept_steps import kept_steps
 from gguf_assets.lib.training.training_run import planned_adapter_run
 from gguf_assets.orchestration.cluster import (
     QUEUES,
@@ -516,24 +516,15 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
     settings = load_settings(paths.root)
     materials = load_manifest(paths)
     run_dir = paths.checkpoints_dir(planned_adapter_run(paths, settings, materials).fingerprint)
+    output_dir = paths.output_dir(settings)
     if args.list or args.delete is not None:
         if args.delete is not None:
-            output_dir = paths.output_dir(settings)
-            for removed in snapshots.delete_snapshot(paths, run_dir, args.delete, output_dir=output_dir):
+            which = int(args.delete) if args.delete.isdigit() else args.delete  # a step, while it names one file
+            for removed in snapshots.delete_snapshot(paths, run_dir, which, output_dir=output_dir):
                 print(f"deleted {removed}")
-        entries = snapshots.read_snapshots(run_dir)
-        print(f"snapshots of training run {run_dir.name}: {len(entries) or 'none'}")
-        for e in entries:
-            score = e.get(VAL_CENTRED_COSINE)
-            evaluated = (e.get("eval") or {}).get(VAL_CENTRED_COSINE)
-            print(f"  step {e['step']:>7} of {e['planned_steps']} ({e['weights']})  val centred cosine "
-                  f"{'n/a' if score is None else f'{score:.4f}'}"
-                  + (f", GGUF eval {evaluated:.4f}" if evaluated is not None else "")
-                  + f"  {e['bytes'] / 2**20:.1f} MiB  {e['file']}")
-        print(f"kept steps: {', '.join(map(str, kept_steps(run_dir))) or 'none'} "
-              f"(any of them: `{trainer('snapshot', paths.root, '--step', 'N')}`)")
+        _print_snapshots(paths, run_dir, output_dir)
         return 0
-    if not run_dir.is_dir():
+    if not snapshots.has_started(paths, run_dir):
         raise snapshots.SnapshotError(f"no training run of these settings has started in {paths.root} yet: "
                                       f"`{trainer('run', paths.root)}` starts it")
     val_folders = require_current(paths, settings, materials, "val")
@@ -542,9 +533,38 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
     score = entry.get(VAL_CENTRED_COSINE)
     print(f"snapshot of step {entry['step']} of {entry['planned_steps']} ({entry['weights']}): "
           f"{paths.located(entry['file'])}")
+    if entry.get("same_file_as"):
+        print(f"  the same file as {entry['same_file_as']}, the run's GGUF (a hard link: no second copy)")
     print(f"  val centred cosine at that step: {'n/a' if score is None else f'{score:.4f}'}"
           + (f"; this GGUF on the val shards: {entry['eval']['val_centred_cosine']:.4f}" if "eval" in entry else ""))
     return 0
+
+
+def _print_snapshots(paths: ProjectPaths, run_dir, output_dir) -> None:
+    """`snapshot --list`: the snapshot GGUFs and the steps a snapshot can take, of the run and the runs it
+    continues (snapshots.lineage_snapshots: the studio's list and a refused --step say the same)."""
+    lineage = snapshots.lineage_snapshots(paths, run_dir, output_dir)
+
+    def say(line: str) -> None:  # 80 columns
+        print(textwrap.fill(line, width=80, subsequent_indent="      ", break_long_words=False,
+                            break_on_hyphens=False))
+
+    say(f"training run {run_dir.name}" + "".join(f", which continues {run}" for run in lineage.runs[1:]))
+    say(f"snapshot GGUFs in {output_dir}: {len(lineage.files) or 'none'}")
+    for file in lineage.files:
+        e = file.entry
+        score, evaluated = e.get(VAL_CENTRED_COSINE), (e.get("eval") or {}).get(VAL_CENTRED_COSINE)
+        same = file.same_file_as(paths)
+        say(f"  {file.name}: step {e.get('step')} of {e.get('planned_steps')} ({e.get('weights')})"
+            + (f" of run {file.run}" if file.run != run_dir.name else "")
+            + f", val centred cosine {'n/a' if score is None else f'{score:.4f}'}"
+            + (f", GGUF eval {evaluated:.4f}" if evaluated is not None else "")
+            + (f", {e['bytes'] / 2**20:.1f} MiB" if isinstance(e.get("bytes"), int) else "")
+            + (f", the same file as {os.path.basename(same)}" if same else "")
+            + ("" if file.path.is_file() else " (missing)"))
+    say(f"steps a snapshot can take: {lineage.steps_text()}")
+    print(f"  take one:   {trainer('snapshot', paths.root, '--step', 'N')}")
+    print(f"  delete one: {trainer('snapshot', paths.root, '--delete', 'FILE')}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -593,10 +613,14 @@ def _output_verbs(sub) -> None:
                                         "trains")
     p.add_argument("project")
     which = p.add_mutually_exclusive_group()
-    which.add_argument("--step", type=int, metavar="N", help="a kept step (training.keep_steps_*) or a checkpoint")
+    which.add_argument("--step", type=int, metavar="N",
+                       help="a kept step (training.keep_steps_*), a checkpoint or the final step (--list shows them)")
     which.add_argument("--best", action="store_true", help="the best validated weights so far")
-    which.add_argument("--list", action="store_true", help="list the run's snapshots and kept steps")
-    which.add_argument("--delete", type=int, metavar="N", help="delete the snapshot GGUF of step N")
+    which.add_argument("--list", action="store_true",
+                       help="list the snapshot GGUFs and the steps a snapshot can take (this run's and those of the "
+                            "runs it continues)")
+    which.add_argument("--delete", metavar="FILE",
+                       help="delete one snapshot GGUF, named by its file (a step is enough when it has one file)")
     p.add_argument("--eval", action="store_true", help="also score the GGUF on the val shards (on the CPU)")
     p.set_defaults(func=cmd_snapshot)
     p = sub.add_parser("estimate", help="how much GPU memory the teacher, student and training need, before a run")

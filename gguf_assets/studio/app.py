@@ -73,7 +73,6 @@ from gguf_assets.lib.telemetry.hardware import (
 )
 from gguf_assets.lib.telemetry.live import merged_history, precompute_progress, training_progress
 from gguf_assets.lib.telemetry.render import curves_svg, sparkline_svg
-from gguf_assets.lib.training import kept_steps as kept
 from gguf_assets.lib.training.training_run import last_checkpoint_step, planned_adapter_run
 from gguf_assets.studio.last_run import last_run_view
 from gguf_assets.studio.settings_form import NUMBER_RULES, apply_form, form_sections, form_values
@@ -275,39 +274,38 @@ def training_view(paths: ProjectPaths, settings, live: list[dict] | None, *,
 
 
 def snapshots_view(paths: ProjectPaths, settings, view: ProjectView | None = None) -> dict | None:
-    """The Snapshots list of the training run these settings make (`gguf-trainer snapshot DIR --list`): one row
-    per kept step and per snapshot GGUF (lib/output/snapshots.py), by step: its planned steps, the weights it holds
-    (step<N> or best), the val centred cosine measured at that step, the GGUF's own eval score when it was scored,
-    and the file. Read from the run's folder only (snapshots.json, steps/*/meta.json): cheap enough for every poll.
-    None when there is nothing to train on yet (no materials, no corpus)."""
+    """The Snapshots list of the training run these settings make and the runs it continues, as `gguf-trainer
+    snapshot DIR --list` and a refused step read it (snapshots.lineage_snapshots): one row per step a snapshot can
+    take and per snapshot GGUF, by step: its planned steps, the weights it holds (step<N> or best), what holds them
+    and in which run, the val centred cosine measured at that step, the GGUF's own eval score when it was scored,
+    and the file. Read from the runs' folders only: cheap enough for every poll. None when there is nothing to
+    train on yet (no materials, no corpus)."""
     try:
         fingerprint = adapter_fingerprint_of(paths, settings, view)
+        lineage = snapshots.lineage_snapshots(paths, paths.checkpoints_dir(fingerprint), paths.output_dir(settings))
     except (OSError, ValueError, KeyError, TypeError, UserError):
         return None
-    run_dir = paths.checkpoints_dir(fingerprint)
-    rows: dict[tuple[int, str], dict] = {}
-    for step in kept.kept_steps(run_dir):
-        try:
-            meta = kept.kept_step_meta(run_dir, step)
-        except (OSError, ValueError):
-            continue  # being removed (keep_steps_last) as it is read
-        rows[(step, f"step{step}")] = {
-            "step": step, "planned_steps": meta.get("planned_steps"), "weights": f"step{step}", "kept": True,
-            "kept_by": meta.get("kept_by"), VAL_CENTRED_COSINE: meta.get(VAL_CENTRED_COSINE), "eval": None,
-            "file": None, "size": None}
-    for entry in snapshots.read_snapshots(run_dir):
-        try:
-            key = (int(entry["step"]), str(entry["weights"]))
-            file = snapshots.snapshot_file(paths, run_dir, entry, paths.output_dir(settings))
-        except (KeyError, TypeError, ValueError):  # RecordPathError included: a file outside output/ is not listed
-            continue
-        row = rows.setdefault(key, {"step": key[0], "weights": key[1], "kept": False, "kept_by": None})
+
+    def source(held_by: str | None, run: str) -> str:
+        return ", ".join(part for part in (held_by, None if run == fingerprint else f"of earlier run {run}") if part)
+
+    rows: dict[tuple[int, str, int], dict] = {}
+    for s in lineage.steps:
+        rows[(s.step, f"step{s.step}", lineage.runs.index(s.run))] = {
+            "step": s.step, "planned_steps": s.planned_steps, "weights": f"step{s.step}", "run": s.run,
+            "source": source(s.held_by, s.run), VAL_CENTRED_COSINE: s.scores.get(VAL_CENTRED_COSINE), "eval": None,
+            "file": None, "name": None, "size": None}
+    for file in lineage.files:
+        entry = file.entry
+        key = (entry.get("step"), str(entry.get("weights")), lineage.runs.index(file.run))
+        row = rows.setdefault(key, {"step": key[0], "weights": key[1], "run": file.run,
+                                    "source": source(None, file.run)})
         row.update({"planned_steps": entry.get("planned_steps"), VAL_CENTRED_COSINE: entry.get(VAL_CENTRED_COSINE),
-                    "eval": (entry.get("eval") or {}).get(VAL_CENTRED_COSINE), "file": str(file),
-                    "size": _size(entry["bytes"]) if isinstance(entry.get("bytes"), int) else None,
-                    "missing": not file.is_file()})
-    return {"run": fingerprint, "rows": [rows[key] for key in sorted(rows)],
-            "command": trainer("snapshot", paths.root)}
+                    "eval": (entry.get("eval") or {}).get(VAL_CENTRED_COSINE), "file": str(file.path),
+                    "name": file.name, "size": _size(entry["bytes"]) if isinstance(entry.get("bytes"), int) else None,
+                    "missing": not file.path.is_file(), "same_file_as": file.same_file_as(paths)})
+    return {"run": fingerprint, "rows": [rows[key] for key in sorted(rows, key=lambda k: (k[0], k[1], k[2]))],
+            "steps": lineage.steps_text(), "command": trainer("snapshot", paths.root)}
 
 
 def hardware_now() -> dict:
@@ -726,7 +724,7 @@ def _snapshot_target(paths: ProjectPaths, settings):
     as `gguf-trainer snapshot` finds them."""
     materials = load_manifest(paths)
     run_dir = paths.checkpoints_dir(planned_adapter_run(paths, settings, materials).fingerprint)
-    if not run_dir.is_dir():
+    if not snapshots.has_started(paths, run_dir):
         raise snapshots.SnapshotError("no training run of these settings has started yet: Run starts it, and a "
                                       "snapshot can be taken as soon as it trains")
     return materials, run_dir, require_current(paths, settings, materials, "val")
@@ -741,6 +739,20 @@ def _snapshot_request(body: dict) -> tuple[int | None, bool, bool]:
     if best and step is not None:
         raise BadRequest("ask for a step or for best, not both")
     return step, best, evaluate
+
+
+def _snapshot_to_delete(body: dict) -> str | int:
+    """The snapshot GGUF a Delete names: its file name (the Snapshots list's rows send it), or a step that has one
+    file."""
+    name, step = body.get("file"), body.get("step")
+    if name is not None:
+        if not isinstance(name, str) or not name or "/" in name or "\\" in name:
+            raise BadRequest("file must be a snapshot GGUF's name, as the Snapshots list shows it")
+        return name
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise BadRequest("name the snapshot to delete: file (its name, as the Snapshots list shows it), or step (a "
+                         "whole number)")
+    return step
 
 
 def _snapshot_routes(studio: Studio) -> list[Route]:
@@ -773,9 +785,7 @@ def _snapshot_routes(studio: Studio) -> list[Route]:
 
     @json_change
     async def delete(request: Request) -> JSONResponse:
-        step = (await json_object(request)).get("step")
-        if isinstance(step, bool) or not isinstance(step, int):
-            raise BadRequest("step (the snapshot's step, as the Snapshots list shows it) must be a whole number")
+        which = _snapshot_to_delete(await json_object(request))
         settings, refused = settings_or_refusal(paths, "Delete")
         if refused is not None:
             return refused
@@ -784,12 +794,13 @@ def _snapshot_routes(studio: Studio) -> list[Route]:
 
         def remove() -> list[str]:
             run = planned_adapter_run(paths, settings, load_manifest(paths)).fingerprint
-            removed = snapshots.delete_snapshot(paths, paths.checkpoints_dir(run), step,
+            removed = snapshots.delete_snapshot(paths, paths.checkpoints_dir(run), which,
                                                 output_dir=paths.output_dir(settings))
             return [str(paths.located(f)) for f in removed]
 
         async with studio.snapshotting:
-            return JSONResponse({"deleted": await run_in_threadpool(remove), "step": step})
+            deleted = await run_in_threadpool(remove)
+        return JSONResponse({"deleted": deleted, **({"step": which} if isinstance(which, int) else {"file": which})})
 
     return [Route("/api/snapshot", snapshot, methods=["POST"]),
             Route("/api/snapshot/delete", delete, methods=["POST"])]

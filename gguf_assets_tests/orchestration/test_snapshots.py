@@ -4,13 +4,14 @@ leaving no GGUF behind and the project resumable."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import time
 from pathlib import Path
 
 import gguf
 import pytest
-from conftest import CLI, FAULT_SETTINGS, cli_env, pipeline_outputs
+from conftest import CLI, FAULT_SETTINGS, cli_env, copy_project, pipeline_outputs
 from warm_runs import trainer_popen, trainer_run
 
 from gguf_assets.cli import main as trainer_main
@@ -72,18 +73,18 @@ def test_a_snapshot_mid_run_changes_nothing_and_a_kill_during_one_leaves_no_gguf
 
     # kill -9 while a snapshot's GGUF is written: no GGUF of it is left, and the next one, and `run`, go on.
     run_dir = next(p.parent.parent for p in project.root.glob("checkpoints/*/final/meta.json"))
-    killed = subprocess.run([*CLI, "snapshot", str(project.root), "--best", "--eval"], capture_output=True,
+    # (A checkpoint's step: best at the last step writes no GGUF, it links the run's own.)
+    killed = subprocess.run([*CLI, "snapshot", str(project.root), "--step", "35", "--eval"], capture_output=True,
                             text=True, timeout=300, start_new_session=True,
                             env=cli_env(**{faults.ENV: "gguf-export:kill"}))
     assert killed.returncode < 0, killed.stderr
-    best_step = atomic.read_json(run_dir / "best" / "meta.json")["step"]
     assert [e["step"] for e in read_snapshots(run_dir)] == [STALL_AT]
-    assert not (project.root / "output" / f"demo-adapter-best-step{best_step}.gguf").exists()
-    again = trainer_run(["snapshot", str(project.root), "--best", "--eval"], capture_output=True, text=True,
+    assert not (project.root / "output" / "demo-adapter-step35.gguf").exists()
+    again = trainer_run(["snapshot", str(project.root), "--step", "35", "--eval"], capture_output=True, text=True,
                         env=cli_env(), timeout=300)
     assert again.returncode == 0 and "Traceback" not in again.stderr, again.stderr
-    entry = next(e for e in read_snapshots(run_dir) if e["weights"] == "best")
-    assert entry["file"] == f"output/demo-adapter-best-step{best_step}.gguf"
+    entry = next(e for e in read_snapshots(run_dir) if e["weights"] == "step35")
+    assert entry["file"] == "output/demo-adapter-step35.gguf"
     assert entry["eval"]["val_centred_cosine"] == pytest.approx(entry["val_centred_cosine"], abs=0.02)
     assert not [p for p in (project.root / "output").iterdir() if p.name.startswith(atomic.TEMP_PREFIX)]
     status = trainer_run(["status", str(project.root)], capture_output=True, text=True, env=cli_env(), timeout=120)
@@ -123,3 +124,79 @@ def test_lowering_the_steps_mid_run_ends_it_now_with_an_exported_and_evaluated_g
     # The lowered count stands for this run: nothing is left to do.
     status = trainer_run(["status", str(project.root)], capture_output=True, text=True, env=cli_env(), timeout=120)
     assert status.returncode == 0 and "stale" not in status.stdout and "missing" not in status.stdout, status.stdout
+
+
+def test_deleting_one_snapshot_of_a_step_leaves_the_other_and_best_at_the_end_is_the_runs_own_gguf(
+        finished_project, tmp_path, capsys):
+    """#65: with "best" and a plain snapshot both at the last step, `--delete` removes exactly the file it names;
+    a step with two files is refused, naming both. Best at the last step is a hard link to the run's GGUF."""
+    paths = copy_project(finished_project[0], tmp_path / "project")
+    output = paths.root / "output"
+    best, plain = output / "demo-adapter-best-step40.gguf", output / "demo-adapter-step40.gguf"
+    for asked in (["--best"], ["--step", "40"]):
+        assert trainer_main(["snapshot", str(paths.root), *asked]) == 0
+    said = capsys.readouterr().out
+
+    assert trainer_main(["snapshot", str(paths.root), "--delete", "40"]) == 2
+    refused = capsys.readouterr().err
+    assert "step 40 has 2 snapshot GGUFs: demo-adapter-best-step40.gguf, demo-adapter-step40.gguf" in refused
+    assert best.is_file() and plain.is_file()
+    assert "the same file as output/demo-adapter.gguf" in said, said
+    assert best.samefile(output / "demo-adapter.gguf") and not plain.samefile(best)
+
+    assert trainer_main(["snapshot", str(paths.root), "--delete", best.name]) == 0
+    listed = capsys.readouterr().out
+    assert listed.startswith("deleted output/demo-adapter-best-step40.gguf\n"), listed
+    assert not best.exists() and plain.is_file() and (output / "demo-adapter.gguf").is_file()
+    run_dir = paths.checkpoints_dir(atomic.read_json(paths.adapter_manifest)["fingerprint"])
+    assert [(e["step"], e["weights"]) for e in read_snapshots(run_dir)] == [(40, "step40")]
+    assert "demo-adapter-step40.gguf: step 40 of 40 (step40)" in listed
+    # One plain file left at step 40: the step names it again.
+    assert trainer_main(["snapshot", str(paths.root), "--delete", "40"]) == 0
+    assert not plain.exists() and read_snapshots(run_dir) == []
+
+
+def test_the_list_the_studio_and_a_refused_step_agree_on_a_continued_run(finished_project, tmp_path, capsys):
+    """#65: after a continuation (training.steps raised), the parent's snapshot GGUF and steps stay listed by
+    `snapshot --list` and the studio, a refused --step names the same steps, and a parent's step can be taken."""
+    from gguf_assets.lib.materials.materials import load_manifest
+    from gguf_assets.lib.project.settings import load_settings, replace, write_project_file
+    from gguf_assets.lib.training.training_run import LINEAGE_FILE, continuation_fingerprint, planned_adapter_run
+    from gguf_assets.studio.app import snapshots_view
+
+    paths = copy_project(finished_project[0], tmp_path / "project")
+    parent = atomic.read_json(paths.adapter_manifest)["fingerprint"]
+    assert trainer_main(["snapshot", str(paths.root), "--step", "35"]) == 0  # the parent's, before it is continued
+    # The continuation as a run leaves it (cheaply): its lineage entry and a checkpoint at step 60 of 80.
+    child = continuation_fingerprint(parent, 80)
+    lineage_file = paths.root / "checkpoints" / LINEAGE_FILE
+    lineage = atomic.read_json(lineage_file)
+    lineage["runs"].append({**lineage["runs"][0], "run": child, "planned_steps": 80, "parent": parent})
+    atomic.write_json(lineage_file, lineage)
+    checkpoint = paths.checkpoints_dir(child) / "step-00000060"
+    shutil.copytree(paths.checkpoints_dir(parent) / "step-00000040", checkpoint)
+    atomic.write_json(checkpoint / "meta.json", {**atomic.read_json(checkpoint / "meta.json"), "step": 60})
+    write_project_file(paths.root, replace(load_settings(paths.root), training={"steps": 80}))
+    settings = load_settings(paths.root)
+    assert planned_adapter_run(paths, settings, load_manifest(paths)).fingerprint == child
+    capsys.readouterr()
+
+    steps = (f"60 (checkpoint); of run {parent}, which this run continues: 30 (checkpoint), 35 (kept for a "
+             "snapshot), 40 (final weights)")
+    assert trainer_main(["snapshot", str(paths.root), "--list"]) == 0
+    listed = " ".join(capsys.readouterr().out.split())  # unwrapped (it fits 80 columns)
+    assert f"training run {child}, which continues {parent}" in listed
+    assert f"demo-adapter-step35.gguf: step 35 of 40 (step35) of run {parent}" in listed, listed
+    assert f"steps a snapshot can take: {steps}" in listed, listed
+
+    view = snapshots_view(paths, settings)
+    assert view["run"] == child and view["steps"] == steps
+    assert [(r["step"], r["run"], r["name"]) for r in view["rows"]] == [
+        (30, parent, None), (35, parent, "demo-adapter-step35.gguf"), (40, parent, None), (60, child, None)]
+
+    assert trainer_main(["snapshot", str(paths.root), "--step", "7"]) == 2
+    assert f"step 7 is not kept: the steps a snapshot can take are {steps}. " in capsys.readouterr().err
+    # A step of the parent is taken from the parent's weights, and listed with the parent's snapshots.
+    assert trainer_main(["snapshot", str(paths.root), "--step", "30"]) == 0
+    assert [e["step"] for e in read_snapshots(paths.checkpoints_dir(parent))] == [30, 35]
+    assert _metadata(paths.root / "output" / "demo-adapter-step30.gguf")["adapter.training.fingerprint"] == parent

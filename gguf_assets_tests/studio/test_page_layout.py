@@ -310,8 +310,13 @@ def test_a_snapshot_is_taken_evaluated_and_deleted_from_the_training_panel(studi
     page = studio.page()
     page.on("dialog", lambda dialog: dialog.accept())  # Delete asks first
     snapshot, message = page.locator("#snapshot"), page.locator("#snapshot-message")
-    assert page.locator("#snapshots").inner_text().strip() == "No snapshots or kept steps yet."
-    assert page.locator("#kept-steps").inner_text() == "kept steps: off (training.keep_steps_every 0)"
+    # Before any snapshot: a row per step a snapshot can take, labelled as the line above says (#65).
+    final_row = page.locator('#snapshots tr[data-step="40"][data-weights="step40"]')
+    assert final_row.locator("td").all_inner_texts()[3] == "step40 (final weights)"
+    expect(final_row.locator("td.snapshot-file")).to_have_text("no GGUF yet")
+    assert page.locator("#snapshot-steps").inner_text() == \
+        "steps a snapshot can take: 30, 35 (checkpoints), 40 (final weights)"
+    assert page.locator("#kept-steps").inner_text() == "kept steps on a schedule: off (training.keep_steps_every 0)"
     held: list = []  # the request held until the button's state is read: the check never races the answer
     page.route("**/api/snapshot", lambda route: held.append(route))
     snapshot.click()
@@ -333,7 +338,10 @@ def test_a_snapshot_is_taken_evaluated_and_deleted_from_the_training_panel(studi
     assert gguf.is_file()
     expect(snapshot).to_be_enabled()
     expect(snapshot).to_have_text("Snapshot")
-    assert row.locator("td").all_inner_texts()[1:6] == ["40", "40", "step40", f"{_kept_score(studio, 40):.4f}", "-"]
+    assert row.locator("td").all_inner_texts()[1:6] == ["40", "40", "step40 (kept for a snapshot)",
+                                                        f"{_kept_score(studio, 40):.4f}", "-"]
+    expect(page.locator("#snapshot-steps")).to_have_text(
+        "steps a snapshot can take: 30, 35 (checkpoints), 40 (kept for a snapshot)")
     studio.shot(page, "wide-snapshot-taken")
 
     row.get_by_role("button", name="Evaluate").click()

@@ -58,7 +58,11 @@ def test_snapshot_evaluate_and_delete_through_the_studio_routes(finished_project
     run_dir = paths.checkpoints_dir(run)
     with _served(paths.root) as base:
         status, view = _call(base + "/api/status")
-        assert status == 200 and view["snapshots"]["run"] == run and view["snapshots"]["rows"] == [], view["snapshots"]
+        # No GGUF yet: a row per step a snapshot can take (the checkpoints on disk, the final step), as --list says.
+        steps = "30, 35 (checkpoints), 40 (final weights)"
+        assert status == 200 and view["snapshots"]["run"] == run and view["snapshots"]["steps"] == steps
+        assert [(r["step"], r["source"], r["file"]) for r in view["snapshots"]["rows"]] == [
+            (30, "checkpoint", None), (35, "checkpoint", None), (40, "final weights", None)], view["snapshots"]
 
         # Refused before anything is read: not JSON, another origin, a body the page would never send.
         assert _call(base + "/api/snapshot", {}, headers={"Content-Type": "text/plain"})[0] == 403
@@ -69,7 +73,8 @@ def test_snapshot_evaluate_and_delete_through_the_studio_routes(finished_project
             assert status == 400 and said in answer["error"], (body, status, answer)
         # A step that is neither kept nor on disk: the library's message, for the page to show.
         status, answer = _call(base + "/api/snapshot", {"step": 7})
-        assert status == 400 and answer["error"].startswith("step 7 is not kept: the steps a snapshot can take are ")
+        assert status == 400 and answer["error"].startswith(f"step 7 is not kept: the steps a snapshot can take are "
+                                                            f"{steps}. "), answer
         assert not list((paths.root / "output").glob("*-step*.gguf"))
 
         # Snapshot: after the end, the newest step is the final one (40 of 40); its GGUF is in the output folder.
@@ -80,16 +85,17 @@ def test_snapshot_evaluate_and_delete_through_the_studio_routes(finished_project
         assert entry["path"] == str(gguf) and gguf.name == "demo-adapter-step40.gguf"
         assert gguf.stat().st_size == entry["bytes"] and "eval" not in entry
         rows = _call(base + "/api/status")[1]["snapshots"]["rows"]
-        assert rows == [{"step": 40, "planned_steps": 40, "weights": "step40", "kept": True, "kept_by": "snapshot",
-                         "val_centred_cosine": entry["val_centred_cosine"], "eval": None, "file": str(gguf),
-                         "size": f"{entry['bytes'] / 1024:.1f} KiB", "missing": False}], rows
+        assert rows[2] == {"step": 40, "planned_steps": 40, "weights": "step40", "run": run,
+                           "source": "kept for a snapshot", "val_centred_cosine": entry["val_centred_cosine"],
+                           "eval": None, "file": str(gguf), "name": gguf.name,
+                           "size": f"{entry['bytes'] / 1024:.1f} KiB", "missing": False, "same_file_as": None}, rows
 
         # Evaluate the same step: the same file again, now with the GGUF's own score on the val shards.
         status, evaluated = _call(base + "/api/snapshot", {"step": 40, "eval": True})
         assert status == 200 and evaluated["file"] == entry["file"], evaluated
         score = evaluated["eval"]["val_centred_cosine"]
         assert 0 < score <= 1 and abs(score - entry["val_centred_cosine"]) < 0.01  # the GGUF reads back as trained
-        (row,) = _call(base + "/api/status")[1]["snapshots"]["rows"]
+        row = _call(base + "/api/status")[1]["snapshots"]["rows"][2]
         assert row["eval"] == score and snapshots.read_snapshots(run_dir)[0]["eval"]["val_centred_cosine"] == score
 
         # One change at a time: a second one while a snapshot is under way is refused, not queued.
@@ -115,11 +121,28 @@ def test_snapshot_evaluate_and_delete_through_the_studio_routes(finished_project
                 caller.join(60)
         assert first[0][0] == 200
 
-        # Delete: the GGUF and its entry go; the kept step stays, to export again.
+        # Best at the last step is the run's own GGUF (a hard link). Delete on its row removes that file only (#65):
+        # the plain snapshot of the same step stays; a step with two files is refused, naming both.
+        status, best = _call(base + "/api/snapshot", {"best": True})
+        best_gguf = paths.located(best["file"])
+        assert status == 200 and best["same_file_as"] == "output/demo-adapter.gguf", best
+        rows = _call(base + "/api/status")[1]["snapshots"]["rows"]
+        assert [(r["weights"], r["name"], r["same_file_as"]) for r in rows[2:]] == [
+            ("best", best_gguf.name, "output/demo-adapter.gguf"), ("step40", gguf.name, None)], rows
+        status, answer = _call(base + "/api/snapshot/delete", {"step": 40})
+        assert status == 400 and answer["error"] == (f"step 40 has 2 snapshot GGUFs: {best_gguf.name}, {gguf.name}; "
+                                                     "name the file to delete"), answer
+        for body in ({"file": "../demo-adapter.gguf"}, {"file": 3}, {}):
+            assert _call(base + "/api/snapshot/delete", body)[0] == 400, body
+        status, answer = _call(base + "/api/snapshot/delete", {"file": best_gguf.name})
+        assert status == 200 and answer["deleted"] == [str(best_gguf)], answer
+        assert not best_gguf.exists() and gguf.is_file() and (paths.root / "output" / "demo-adapter.gguf").is_file()
+
+        # Delete by step, now that it has one file: the GGUF and its entry go; the kept step stays, to export again.
         status, answer = _call(base + "/api/snapshot/delete", {"step": 40})
         assert status == 200 and answer["deleted"] == [str(gguf)] and not gguf.exists(), answer
-        (row,) = _call(base + "/api/status")[1]["snapshots"]["rows"]
-        assert (row["step"], row["kept"], row["file"], row["eval"]) == (40, True, None, None)
+        row = _call(base + "/api/status")[1]["snapshots"]["rows"][2]
+        assert (row["step"], row["source"], row["file"], row["eval"]) == (40, "kept for a snapshot", None, None)
         status, answer = _call(base + "/api/snapshot/delete", {"step": 40})
         assert status == 400 and answer["error"].startswith("no snapshot of step 40 in this run"), answer
         assert _call(base + "/api/snapshot/delete", {"step": "40"})[0] == 400

@@ -419,7 +419,7 @@ def kept_steps_text(settings: Settings, lines: list[MemoryLine]) -> str:
     and `gguf-trainer estimate` print it."""
     t = settings.training
     if not t.keep_steps_every:
-        return "kept steps: off (training.keep_steps_every 0)"
+        return "kept steps on a schedule: off (training.keep_steps_every 0)"
     steps = scheduled_steps(every=t.keep_steps_every, first=t.keep_steps_from, last=t.keep_steps_to,
                             planned=t.steps, newest=t.keep_steps_last)
     params = next((line.params for line in lines if line.params is not None), None)
@@ -430,7 +430,7 @@ def kept_steps_text(settings: Settings, lines: list[MemoryLine]) -> str:
                 + (f", the newest {t.keep_steps_last} kept" if t.keep_steps_last else ""))
     which = f": steps {', '.join(map(str, steps))}" if 0 < len(steps) <= 6 else (
         f": steps {steps[0]} to {steps[-1]}" if steps else f": none within {t.steps} steps")
-    return f"kept steps: {len(steps)} file{'' if len(steps) == 1 else 's'}, {size} ({schedule}{which})"
+    return f"kept steps on a schedule: {len(steps)} file{'' if len(steps) == 1 else 's'}, {size} ({schedule}{which})"
 
 
 def _bytes_text(n: int) -> str:

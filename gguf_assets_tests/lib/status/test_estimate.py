@@ -52,7 +52,7 @@ def test_the_estimate_counts_the_demo_pairs_weights_and_the_training_state(make_
     done = trainer_run(["estimate", str(paths.root)], capture_output=True, text=True, env=cli_env(), timeout=120)
     assert done.returncode == 0 and "peak on one GPU" in done.stdout and "Traceback" not in done.stderr, done.stderr
     assert [line.split()[0] for line in done.stdout.splitlines()[1:4]] == ["teacher", "student", "adapter"]
-    assert "kept steps: off (training.keep_steps_every 0)" in done.stdout.splitlines()  # the default
+    assert "kept steps on a schedule: off (training.keep_steps_every 0)" in done.stdout.splitlines()  # the default
     # `status` shows the same peak before the shards are computed ("will it fit?", before anything loads).
     status = trainer_run(["status", str(paths.root)], capture_output=True, text=True, env=cli_env(), timeout=120)
     (memory,) = [line for line in status.stdout.splitlines() if line.strip().startswith("memory:")]
@@ -66,15 +66,17 @@ def test_the_kept_steps_preview_counts_the_files_the_schedule_leaves_and_their_s
     settings = load_settings(paths.root)
     lines = estimate(paths, settings)
     (params,) = [line.params for line in lines if line.part == "adapter training"]
-    assert params and kept_steps_text(settings, lines) == "kept steps: off (training.keep_steps_every 0)"
+    assert params and kept_steps_text(settings, lines) == \
+        "kept steps on a schedule: off (training.keep_steps_every 0)"
     # Every 20 from 40: 40, 60, 80, 100, 120; the newest 3 stay.
     kept = replace(settings, training={"keep_steps_every": 20, "keep_steps_from": 40, "keep_steps_last": 3})
-    assert kept_steps_text(kept, lines) == (f"kept steps: 3 files, {3 * 4 * params / 2**20:.1f} MiB (training."
-                                            "keep_steps_every 20 from 40, the newest 3 kept: steps 80, 100, 120)")
+    assert kept_steps_text(kept, lines) == (f"kept steps on a schedule: 3 files, {3 * 4 * params / 2**20:.1f} MiB "
+                                            "(training.keep_steps_every 20 from 40, the newest 3 kept: steps 80, "
+                                            "100, 120)")
     window = replace(settings, training={"keep_steps_every": 10, "keep_steps_to": 100})
     unknown = [line for line in lines if line.part != "adapter training"]  # the adapter's shape not known yet
-    assert kept_steps_text(window, unknown) == ("kept steps: 10 files, size ? (training.keep_steps_every 10 to 100: "
-                                                "steps 10 to 100)")
+    assert kept_steps_text(window, unknown) == ("kept steps on a schedule: 10 files, size ? (training.keep_steps_every "
+                                                "10 to 100: steps 10 to 100)")
 
 
 def test_a_hub_model_not_downloaded_yet_is_unknown_not_zero(make_project, monkeypatch):
