@@ -191,7 +191,8 @@ def test_corpus_benchmark_prints_its_ratios_and_applies_its_own_rule():
 @pytest.mark.slow  # about 5 s: nine exports of the 81 MB adapter, a small adapter evaluated both ways
 def test_export_benchmark_prints_its_ratios_and_applies_its_own_rule():
     """bench_export.py --quick: export against a raw atomic write, the numpy evaluator against torch,
-    and a rule line (both ratios bounded, the scores agreeing) that follows from the printed figures."""
+    and a rule line (both ratios bounded, the scores agreeing) that follows from the printed figures; the export
+    with its f16 check against the write alone, the check measured without a record, and their rule line."""
     out = _run("bench_export.py", "--quick", timed_rules=True)
     mb, export_s, raw_s, rounds = _figures(
         out, "export: # MB GGUF in # s; raw atomic write of the same bytes # s (best of # alternated rounds)")
@@ -219,6 +220,24 @@ def test_export_benchmark_prints_its_ratios_and_applies_its_own_rule():
     assert (rule_median, rule_eval, rule_difference) == (median, eval_ratio, difference), out
     _follows(verdict, (median, "<=", max_export, 0.01), (eval_ratio, "<=", max_eval, 0.01))
     assert difference < agreement, out  # the scores agree whatever the load: not a timing
+
+    width, depth, rows, dim, student_dim, _ = _figures(
+        out, "f16 check at width #, depth # (Q #, D #, student dim #): #M values")
+    prompts, shards = _figures(out, "val prompts: #, shards: #")
+    write_s, check_s, rounds = _figures(out, "write alone: # s; export with its f16 check: # s (best of #)")
+    check_median, median_rounds = _figures(out, "ratio export with f16 check / write alone = #x median over # rounds")
+    measure_s, measured, per_prompt, _ = _figures(
+        out, "measuring without a record: # s for # prompts (# s a prompt, best of #)")
+    whole_s, whole_prompts, whole_ratio = _figures(out, "so about # s for # prompts: #x the write alone")
+    (share,) = _figures(out, "recording the peaks in a validation: # % of its forward (profiled)")
+    assert min(width, depth, rows, dim, student_dim, write_s, check_s, measure_s) > 0 and rounds == median_rounds, out
+    assert whole_prompts == prompts >= measured >= 1 and shards >= 1 and 0 <= share < 100, out
+    assert _quotient_ok(per_prompt, measure_s, measured, unit_a=1e-3, unit_b=0, unit_q=1e-4), out
+    assert abs(whole_s - (write_s + per_prompt * prompts)) <= 0.05 + 5e-5 * prompts, out
+    assert _quotient_ok(whole_ratio, whole_s, write_s, unit_a=0.1, unit_b=1e-3, unit_q=0.1), out
+    (rule_check, max_check), verdict = _verdict(out, "rule: export with its f16 check / write alone #x <= #x")
+    assert rule_check == check_median, out
+    _follows(verdict, (check_median, "<=", max_check, 0.01))
 
 
 @pytest.mark.slow  # about 13 s: the demo teacher over 48 length-skewed prompts, naive and packed, twice; an 8-layer

@@ -34,8 +34,10 @@ from gguf_assets.lib.project.layout import ProjectPaths
 from gguf_assets.lib.project.manifests import ExportSidecar, MaterialsManifest
 from gguf_assets.lib.project.settings import Settings, adapter_name_problem
 from gguf_assets.lib.project.teacher_choice import teacher_choice
-from gguf_assets.lib.training.adapter import MLP_RATIO
+from gguf_assets.lib.telemetry.hardware import resolve_device
+from gguf_assets.lib.training.adapter import MLP_RATIO, Adapter
 from gguf_assets.lib.training.checkpoints import load_final
+from gguf_assets.lib.training.input_peaks import measure_peaks, recorded_peaks
 from gguf_assets.lib.training.training_run import final_run_dir
 
 log = logging.getLogger(__name__)
@@ -130,40 +132,30 @@ def _cast_once(state_dict: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
 ACTIVATION_HEADROOM = 4.0
 
 
-def input_peaks(model: torch.nn.Module, batches) -> dict[str, float]:
-    """The largest |input| each linear layer of ``model`` sees over ``batches`` of (states, mask), by the torch
-    name of its weight."""
-    peaks: dict[str, float] = {}
-
-    def hook(name: str):
-        def record(_module, inputs, _output) -> None:
-            peaks[name] = max(peaks.get(name, 0.0), float(inputs[0].detach().abs().max()))
-        return record
-
-    handles = [module.register_forward_hook(hook(f"{name}.weight")) for name, module in model.named_modules()
-               if isinstance(module, torch.nn.Linear)]
-    try:
-        with torch.inference_mode():
-            for states, mask in batches:
-                model(states, mask)
-    finally:
-        for handle in handles:
-            handle.remove()
-    return peaks
-
-
 def activation_rule(peaks: dict[str, float]) -> list[str]:
     """The matrices (torch names) whose inputs would overflow f16 in a runtime's product: stored f32."""
     return sorted(name for name, peak in peaks.items() if not peak <= F16_MAX / ACTIVATION_HEADROOM)
 
 
-def val_batches(val_folders: list[Path], *, batch_size: int = 64):
-    """(states, mask) batches of the val shards' student states: what the activation rule is checked on."""
-    from gguf_assets.lib.training.train_data import shard_batches
+def peaks_device(settings: Settings) -> torch.device:
+    """Where the export runs the adapter over the val prompts when no validation recorded its input peaks: the
+    training device, or the CPU where that one is not here (a project trained elsewhere)."""
+    try:
+        return resolve_device(settings.training.device)
+    except RuntimeError:
+        return torch.device("cpu")
 
-    for folder in val_folders:
-        for _, _, states, mask, _ in shard_batches(folder, device=torch.device("cpu"), batch_size=batch_size):
-            yield states, mask
+
+def activation_peaks(model: Adapter, meta: dict, val_folders: list[Path], *, device: torch.device) -> dict[str, float]:
+    """Each linear's largest input over the val prompts: as the validation of these weights recorded it in their
+    ``meta``, else measured now on ``device`` (lib/training/input_peaks.py)."""
+    recorded = recorded_peaks(meta, val_folders)
+    if recorded is not None:
+        return recorded
+    if val_folders:
+        log.info("running the adapter over the val prompts on %s for the f16 check (its weights' validation "
+                 "recorded no input peaks for these val shards)", device)
+    return measure_peaks(model, val_folders, device=device)
 
 
 def _previous_files(paths: ProjectPaths, settings: Settings) -> dict[str, dict]:
@@ -185,12 +177,13 @@ def _warn_if_not_ours(target: Path, previous_files: dict[str, dict], adapter_nam
                     "adapter_name or also_copy_to, or they overwrite each other.", target, adapter_name)
 
 
-def write_adapter_file(target: Path, model: torch.nn.Module, meta: dict, *, provenance: dict[str, Any], name: str,
-                       val_folders: list[Path]):
+def write_adapter_file(target: Path, model: Adapter, meta: dict, *, provenance: dict[str, Any], name: str,
+                       val_folders: list[Path], device: torch.device = torch.device("cpu")):
     """The adapter ``model`` (of a run whose ``meta`` gives its shape) as ggk's GGUF at ``target``: deterministic
-    for the same weights, provenance and val shards (a snapshot and a kept step's export are byte-identical)."""
+    for the same weights, provenance and val shards (a snapshot and a kept step's export are byte-identical).
+    ``device``: where the f16 check runs the adapter when ``meta`` records no input peaks (``activation_peaks``)."""
     tensors = _cast_once(ggk_tensors(model))
-    keep_f32 = activation_rule(input_peaks(model, val_batches(list(val_folders))))
+    keep_f32 = activation_rule(activation_peaks(model, meta, list(val_folders), device=device))
     if keep_f32:
         log.warning("kept in f32 because their inputs exceed %.0f on the val prompts (a runtime rounds a f16 "
                     "product's inputs to f16): %s", F16_MAX / ACTIVATION_HEADROOM, keep_f32)
@@ -225,7 +218,7 @@ def export_adapter(paths: ProjectPaths, settings: Settings, materials: Materials
     atomic.remove_stale_temps(pack_merges.parent, of=[pack_merges.name])  # the pack's own folder
     remove_dead_snapshot_temps(target.parent, name)  # a snapshot killed while it wrote, at any step
     summary = write_adapter_file(target, model, meta, provenance=provenance(settings, materials, meta), name=name,
-                                 val_folders=val_folders)
+                                 val_folders=val_folders, device=peaks_device(settings))
     files = [_file_entry(ROLE_ADAPTER, target, summary.sha256)]
     # The exact student the adapter was trained against, as ggk runs it (--llm), and its tokenizer as ggk reads it
     # (--tokenizer-pack): the user always holds the pair.

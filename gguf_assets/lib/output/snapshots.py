@@ -296,6 +296,7 @@ def _keep_from(run_dir: Path, step: int, settings: Settings, val_folders: list[P
 
     from gguf_assets.lib.training.adapter import Adapter, AdapterShape
     from gguf_assets.lib.training.checkpoints import read_recorded, save_weights
+    from gguf_assets.lib.training.input_peaks import INPUT_PEAKS
     from gguf_assets.lib.training.train import evaluate
 
     folder = run_dir / FINAL_DIR if final else run_dir / f"step-{step:08d}"
@@ -314,7 +315,8 @@ def _keep_from(run_dir: Path, step: int, settings: Settings, val_folders: list[P
     save_weights(kept.kept_step_dir(run_dir, step), model=model, step=step,
                  meta={**base, "step": step, "planned_steps": meta.get("planned_steps", t.steps),
                        "kept_by": kept.BY_REQUEST, VAL_CENTRED_COSINE: scores[VAL_CENTRED_COSINE],
-                       EMPTY_PROMPT_COSINE: scores[EMPTY_PROMPT_COSINE], VAL_LOSS: scores[VAL_LOSS]})
+                       EMPTY_PROMPT_COSINE: scores[EMPTY_PROMPT_COSINE], VAL_LOSS: scores[VAL_LOSS],
+                       INPUT_PEAKS: scores[INPUT_PEAKS]})
 
 
 def _best_dir(paths: ProjectPaths, lineage) -> Path:
@@ -398,7 +400,7 @@ def take_snapshot(paths: ProjectPaths, settings: Settings, materials: MaterialsM
                   wait_s: float = ANSWER_TIMEOUT_S, say=log.info) -> dict:
     """Export a snapshot GGUF (and score it with ``evaluate``); returns its entry in the snapshots.json of the run
     whose weights it holds (``run_dir``'s, or a run it continues)."""
-    from gguf_assets.lib.output.export import check_file_name, provenance, write_adapter_file
+    from gguf_assets.lib.output.export import check_file_name, peaks_device, provenance, write_adapter_file
     from gguf_assets.lib.training.adapter import Adapter, AdapterShape
     from gguf_assets.lib.training.checkpoints import read_recorded
 
@@ -420,7 +422,8 @@ def take_snapshot(paths: ProjectPaths, settings: Settings, materials: MaterialsM
         model.eval()
         sha256, same_file = write_adapter_file(
             target, model, meta, name=f"{name}-step{source.step}", val_folders=val_folders,
-            provenance=provenance(settings, materials, meta, checkpoint=source.weights_name)).sha256, {}
+            provenance=provenance(settings, materials, meta, checkpoint=source.weights_name),
+            device=peaks_device(settings)).sha256, {}
     entry = {"file": paths.stored(target), "step": source.step,
              "planned_steps": meta.get("planned_steps", settings.training.steps), "weights": source.weights_name,
              "asked": source.asked, VAL_CENTRED_COSINE: meta.get(VAL_CENTRED_COSINE),

@@ -180,6 +180,12 @@ class Adapter(TargetStatistics):
                 q = block(q, kv, mask)
         return self.out_proj(self.ln_out(q))
 
+    def token_linears(self) -> list[nn.Linear]:
+        """The linears whose input rows are the prompt's tokens ([B, L, *], padded in a batch): in_proj and each
+        cross-attention's k and v. Every other linear reads the query rows."""
+        return [self.in_proj, *(linear for block in self.blocks for linear in (block.cross_attn.k, block.cross_attn.v))]
+
+
 def adapter_loss(pred: torch.Tensor, standardized_targets: torch.Tensor, *, cosine_weight: float,
                  relational_weight: float = 0.0) -> torch.Tensor:
     """Whitened MSE + cosine_weight * (1 - cos) per query row, both in the loss's space (Adapter.loss_space and

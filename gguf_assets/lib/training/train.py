@@ -59,6 +59,7 @@ from gguf_assets.lib.training.events import (
     TrainingEvent,
     Validation,
 )
+from gguf_assets.lib.training.input_peaks import INPUT_PEAKS, PeakRecorder, peaks_record
 from gguf_assets.lib.training.kept_steps import (
     BY_REQUEST,
     BY_SCHEDULE,
@@ -128,6 +129,16 @@ class _StepsInForce:
 @torch.inference_mode()
 def evaluate(model: Adapter, folders: list[Path], *, device: torch.device, cosine_weight: float,
              relational_weight: float = 0.0, batch_size: int = 64) -> dict:
+    """The val scores of the torch model (``_val_scores``) and, under INPUT_PEAKS, the record of the largest input
+    each linear saw on the way, which the export's f16 rule reads (lib/training/input_peaks.py)."""
+    with PeakRecorder(model) as recorder:
+        scores = _val_scores(model, folders, device=device, cosine_weight=cosine_weight,
+                             relational_weight=relational_weight, batch_size=batch_size)
+    return {**scores, INPUT_PEAKS: peaks_record(recorder.peaks(), folders)}
+
+
+def _val_scores(model: Adapter, folders: list[Path], *, device: torch.device, cosine_weight: float,
+                relational_weight: float, batch_size: int) -> dict:
     """The val scores of the torch model in the raw target space (lib/core/metrics.py): centred cosine (overall,
     per shard, empty prompt), relative MSE, the cosine after a per-row RMSNorm and the worst query row; and the val
     loss."""
@@ -483,7 +494,7 @@ class _TrainingRun:
         scores = {k: metrics[k] for k in (VAL_CENTRED_COSINE, EMPTY_PROMPT_COSINE, VAL_LOSS)}
         save_weights(kept_step_dir(self.run_dir, self.step), model=self.judged, step=self.step,
                      meta={**self.base_meta, "step": self.step, "planned_steps": t.steps, "kept_by": kept_by,
-                           **scores})
+                           **scores, INPUT_PEAKS: metrics[INPUT_PEAKS]})
         pruned = prune_scheduled(self.run_dir, t.keep_steps_last)
         if kept_by == BY_REQUEST:
             self.note(f"snapshot: step {self.step} kept (val centred cosine {scores['val_centred_cosine']:.4f}); "
@@ -599,7 +610,7 @@ class _TrainingRun:
             self.best = {"step": self.step, VAL_CENTRED_COSINE: metrics[VAL_CENTRED_COSINE],
                          EMPTY_PROMPT_COSINE: metrics[EMPTY_PROMPT_COSINE], VAL_LOSS: metrics[VAL_LOSS]}
             save_weights(self.run_dir / BEST_DIR, model=self.judged, step=self.step,
-                         meta={**self.base_meta, **self.best})
+                         meta={**self.base_meta, **self.best, INPUT_PEAKS: metrics[INPUT_PEAKS]})
             self.emit(NewBest(**self.best))
         # A checkpoint's time may not come for a while; keep the picture current for the UI.
         self._write_curves()
@@ -634,7 +645,8 @@ class _TrainingRun:
                    "best": self.best,
                    "untrained_val_centred_cosine": self.untrained, "verdict": text, "advice": advice,
                    "read_mb_per_s": self.stream.stats.mb_per_s, "train_seconds": self._train_seconds(),
-                   **{k: final[k] for k in (VAL_CENTRED_COSINE, EMPTY_PROMPT_COSINE, VAL_LOSS, "per_shard")}}
+                   **{k: final[k] for k in (VAL_CENTRED_COSINE, EMPTY_PROMPT_COSINE, VAL_LOSS, "per_shard",
+                                            INPUT_PEAKS)}}
         save_weights(self.run_dir / FINAL_DIR, model=self.judged, step=self.step, meta=summary,
                      extra={CURVES_FILE: self._write_curves()})
         end_session(self.run_dir)

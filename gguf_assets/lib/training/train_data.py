@@ -221,25 +221,39 @@ class ShardStream:
 
 
 def shard_batches(folder: Path, *, device: torch.device, batch_size: int = 64):
-    """One shard's prompts in order, in batches: (shard, rows, states, mask, targets). What validation and the
-    export's activation check read."""
+    """One shard's prompts in order, in batches: (shard, rows, states, mask, targets). What validation reads."""
     shard = load_shard(folder)
     for start in range(0, len(shard.texts), batch_size):
         rows = range(start, min(start + batch_size, len(shard.texts)))
         yield shard, rows, *collate([(shard.states(i), shard.targets[i]) for i in rows], device)
 
 
-def collate(samples: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device):
-    """[(states [L, Ds], target [Q, D])] → padded states [B, Lmax, Ds], mask [B, Lmax], targets [B, Q, D]."""
-    longest = max(1, max(s.shape[0] for s, _ in samples))
-    dim = samples[0][0].shape[1]
-    states = torch.zeros(len(samples), longest, dim)
+def student_batches(folder: Path, *, device: torch.device, batch_size: int = 64):
+    """One shard's prompts in order, in batches of (states, mask), read from its student half alone: what the
+    export's f16 check measures when no validation recorded it (lib/training/input_peaks.py)."""
+    student = read_half(folder, "student")
+    hidden, offsets = student["hidden"], student["offsets"].tolist()
+    for start in range(0, len(offsets) - 1, batch_size):
+        rows = range(start, min(start + batch_size, len(offsets) - 1))
+        yield pad_states([hidden[offsets[i]:offsets[i + 1]] for i in rows], device)
+
+
+def pad_states(samples: list[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """[states [L, Ds]] → padded states [B, Lmax, Ds] (f32), mask [B, Lmax] (True = a real token)."""
+    longest = max(1, max(s.shape[0] for s in samples))
+    states = torch.zeros(len(samples), longest, samples[0].shape[1])
     mask = torch.zeros(len(samples), longest, dtype=torch.bool)
-    for i, (s, _) in enumerate(samples):
+    for i, s in enumerate(samples):
         states[i, : s.shape[0]] = s.float()
         mask[i, : s.shape[0]] = True
+    return states.to(device), mask.to(device)
+
+
+def collate(samples: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device):
+    """[(states [L, Ds], target [Q, D])] → padded states [B, Lmax, Ds], mask [B, Lmax], targets [B, Q, D]."""
+    states, mask = pad_states([s for s, _ in samples], device)
     targets = torch.stack([t.float() for _, t in samples])
-    return states.to(device), mask.to(device), targets.to(device)
+    return states, mask, targets.to(device)
 
 
 def shard_target_sums(folder: Path) -> tuple[torch.Tensor, torch.Tensor, int]:

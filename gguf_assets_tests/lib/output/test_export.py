@@ -31,6 +31,7 @@ from gguf_assets.lib.project.layout import FINAL_DIR, META_FILE, REPORT_JSON, RE
 from gguf_assets.lib.project.manifests import ExportSidecar, MaterialsManifest, Report
 from gguf_assets.lib.project.settings import Settings, replace
 from gguf_assets.lib.training import train
+from gguf_assets.lib.training.input_peaks import INPUT_PEAKS, measure_peaks, peaks_record, recorded_peaks
 
 GOLDEN = Path(__file__).parents[2] / "golden" / "tiny_adapter.gguf"
 REGEN_ENV = "GGUF_GOLDEN_REGEN"  # set to 1 to rewrite the golden file after a deliberate format change
@@ -574,7 +575,7 @@ def test_matrices_whose_inputs_overflow_f16_on_the_val_states_are_stored_f32(tmp
     folder = paths.root / "shards" / "val" / "00000"
     write_shard(folder, adapter=adapter, texts=["a", "b", "c"], lengths=[3, 5, 2], targets_dtype=torch.float32,
                 hidden_dtype=torch.float32, seed=5)
-    peaks = export.input_peaks(adapter, export.val_batches([folder]))
+    peaks = measure_peaks(adapter, [folder], device=torch.device("cpu"))
     attended = [f"blocks.{b}.cross_attn.o.weight" for b in range(SHAPE.depth)]
     assert all(peaks[name] > F16_MAX / export.ACTIVATION_HEADROOM for name in attended), peaks
     rule = export.activation_rule(peaks)
@@ -590,3 +591,63 @@ def test_matrices_whose_inputs_overflow_f16_on_the_val_states_are_stored_f32(tmp
     assert set(sidecar.kept_f32) == {gguf_format.tensor_name(n) for n in rule}
     # Without val states (or with small inputs) nothing is kept f32 for its inputs.
     assert export.activation_rule({"in_proj.weight": F16_MAX / export.ACTIVATION_HEADROOM}) == []
+
+
+def test_recorded_and_batched_input_peaks_are_each_prompts_own_and_decide_the_same(tmp_path: Path) -> None:
+    """The f16 check's peaks three ways: recorded by the trainer's validation (train.evaluate, one padded batch), the
+    export's own batched measurement, and one prompt at a time as ggk runs them. They agree to float tolerance and
+    keep the same matrices f32, on an adapter whose cross_attn.o inputs overflow and whose batch padding would raise
+    the k/v peaks if it counted: with in_proj.bias a spike, a padding row's kv is that bias alone, which ln_kv turns
+    into a value of about sqrt(width) = 11, beyond any real token's."""
+    adapter = make_adapter(4)
+    with torch.no_grad():
+        for block in adapter.blocks:
+            block.cross_attn.v.weight.mul_(8000.0)
+            block.cross_attn.v.bias.mul_(8000.0)
+            block.ln_kv.weight[0], block.ln_kv.bias[0] = 1.0, 0.0
+        adapter.in_proj.bias.zero_()
+        adapter.in_proj.bias[0] = 0.5
+    folder = tmp_path / "val" / "00000"
+    lengths = [3, 9, 1, 5, 2, 7, 4, 6, 8, 2]
+    write_shard(folder, adapter=adapter, texts=[f"p{i}" for i in range(len(lengths))], lengths=lengths,
+                targets_dtype=torch.float32, hidden_dtype=torch.float32, seed=6)
+    cpu = torch.device("cpu")
+    per_prompt = measure_peaks(adapter, [folder], device=cpu, batch_size=1)
+    batched = measure_peaks(adapter, [folder], device=cpu)
+    record = train.evaluate(adapter, [folder], device=cpu, cosine_weight=0.5)[INPUT_PEAKS]
+    recorded = recorded_peaks({INPUT_PEAKS: json.loads(json.dumps(record))}, [folder])  # as meta.json keeps it
+    assert len(per_prompt) == 2 + 10 * SHAPE.depth
+    for name, peak in per_prompt.items():
+        assert batched[name] == pytest.approx(peak, rel=1e-5), name
+        assert recorded[name] == pytest.approx(peak, rel=1e-5), name
+    attended = [f"blocks.{b}.cross_attn.o.weight" for b in range(SHAPE.depth)]
+    assert export.activation_rule(per_prompt) == export.activation_rule(batched) == export.activation_rule(
+        recorded) == attended
+    # The padding rows would have counted: their k/v input is beyond every prompt's own.
+    for b, block in enumerate(adapter.blocks):
+        with torch.no_grad():
+            padding_row = float(block.ln_kv(adapter.in_proj.bias).abs().max())
+        assert padding_row > 1.5 * per_prompt[f"blocks.{b}.cross_attn.k.weight"], (padding_row, per_prompt)
+
+
+def test_the_export_reads_the_input_peaks_its_weights_validation_recorded(tmp_path: Path) -> None:
+    """A record for the val shards exported against is what the f16 check decides by (here one that says in_proj's
+    inputs overflow, which a measurement would not find); a record of other val shards is ignored and the adapter
+    is measured."""
+    adapter = make_adapter(0)
+    folder = tmp_path / "val" / "00000"
+    write_shard(folder, adapter=adapter, texts=["a", "b"], lengths=[3, 5], targets_dtype=torch.float32,
+                hidden_dtype=torch.float32, seed=2)
+    measured = measure_peaks(adapter, [folder], device=torch.device("cpu"))
+    assert export.activation_rule(measured) == []
+    overflowing = {**measured, "in_proj.weight": F16_MAX}
+    kept = {}
+    for recorded_for in (folder, tmp_path / "val" / "00001"):
+        paths, settings = project(tmp_path / recorded_for.name)
+        manifest = fake_run(paths, adapter)
+        meta_file = paths.root / manifest["run_dir"] / FINAL_DIR / META_FILE
+        atomic.write_json(meta_file, {**atomic.read_json(meta_file),
+                                      INPUT_PEAKS: peaks_record(overflowing, [recorded_for])})
+        kept[recorded_for.name] = export.export_adapter(paths, settings, MATERIALS, manifest,
+                                                        val_folders=[folder]).kept_f32
+    assert kept == {"00000": ["adapter.in_proj.weight"], "00001": []}

@@ -40,6 +40,7 @@ from gguf_assets.lib.telemetry.curves_log import run_folder
 from gguf_assets.lib.telemetry.render import curves_markdown, curves_svg
 from gguf_assets.lib.training.checkpoints import list_checkpoints, load_final
 from gguf_assets.lib.training.events import Finished, LogStep, Note, Validation
+from gguf_assets.lib.training.input_peaks import measure_peaks, recorded_peaks
 from gguf_assets.lib.training.train import train_adapter
 from gguf_assets.lib.training.train_data import SampleOrder, ShardStream, TrainingError
 from gguf_assets.lib.training.training_run import TrainedAdapter, shards_identity, training_fingerprint
@@ -558,6 +559,21 @@ def test_a_run_with_the_relational_term_learns(shard_sets, reference, tmp_path):
     summary = train(tmp_path, shard_sets, replace(SETTINGS, training={"relational_weight": 0.1}))
     assert summary.finished and summary.fingerprint != reference["summary"].fingerprint
     assert summary.val_centred_cosine > summary.untrained_val_centred_cosine + 0.15, summary
+
+
+def test_final_and_best_weights_carry_their_validations_input_peaks(shard_sets, reference):
+    """The export's f16 check reads the input peaks the validation of the weights recorded in their meta.json: the
+    final record is what the final weights give over the val prompts one at a time (as ggk runs them, no padding),
+    to float tolerance, and it names the val shards it was measured on."""
+    run_dir = reference["run_dir"]
+    model, meta = load_final(run_dir)
+    recorded = recorded_peaks(meta, shard_sets["val"])
+    per_prompt = measure_peaks(model, shard_sets["val"], device=torch.device("cpu"), batch_size=1)
+    assert len(per_prompt) == 2 + 10 * SETTINGS.training.depth and recorded.keys() == per_prompt.keys()
+    for name, peak in per_prompt.items():
+        assert recorded[name] == pytest.approx(peak, rel=1e-5), name
+    assert recorded_peaks(atomic.read_json(run_dir / BEST_DIR / META_FILE), shard_sets["val"]) is not None
+    assert recorded_peaks(meta, shard_sets["train"]) is None  # not a record of those shards
 
 
 @pytest.fixture(scope="module")
