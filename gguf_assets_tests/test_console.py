@@ -108,6 +108,8 @@ def test_the_demo_ends_with_a_clean_console_its_score_and_where_to_look(demo_run
     verdict = next(line for line in lines if line.startswith("val centred cosine:"))
     assert float(verdict.split()[3]) >= GOOD, verdict
     assert "(Good:" in verdict, verdict
+    retrieval = next(line for line in lines if line.startswith("prompt retrieval:"))  # the verdict needs it
+    assert retrieval.startswith("prompt retrieval: top-1 0.9") and len(retrieval) <= 80, retrieval
     assert f"open the UI (runs, metrics, report): {trainer('ui', project)}" in lines  # works when pasted
     assert lines[-1].startswith("demo wall time:")
 

@@ -39,6 +39,7 @@ from gguf_assets.lib.materials.hub import token_from_env
 from gguf_assets.lib.materials.hub_shapes import quick_options
 from gguf_assets.lib.materials.materials import load_manifest
 from gguf_assets.lib.output import snapshots
+from gguf_assets.lib.output.report import retrieval_text
 from gguf_assets.lib.precompute.shards import require_current
 from gguf_assets.lib.project.layout import ProjectPaths, check_output_folders
 from gguf_assets.lib.project.settings import (
@@ -185,6 +186,8 @@ def _print_results(paths: ProjectPaths) -> None:
         cosine = (report[VAL_CENTRED_COSINE] if report[VAL_CENTRED_COSINE] is not None
                   else report["val_centred_cosine_torch"])
         print(f"val centred cosine: {cosine:.4f}  ({report['verdict']})")
+        if (retrieval := retrieval_text(report)) is not None:
+            print(f"prompt retrieval: {retrieval}")
         print(f"open the UI (runs, metrics, report): {trainer('ui', paths.root)}")
 
 
@@ -537,6 +540,8 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
         print(f"  the same file as {entry['same_file_as']}, the run's GGUF (a hard link: no second copy)")
     print(f"  val centred cosine at that step: {'n/a' if score is None else f'{score:.4f}'}"
           + (f"; this GGUF on the val shards: {entry['eval']['val_centred_cosine']:.4f}" if "eval" in entry else ""))
+    if (retrieval := retrieval_text(entry.get("eval") or {})) is not None:
+        print(f"  its prompt retrieval: {retrieval}")
     return 0
 
 

@@ -12,7 +12,16 @@ from gguf_assets.lib.core import atomic
 from gguf_assets.lib.core.commands import trainer
 from gguf_assets.lib.core.errors import UserError
 from gguf_assets.lib.core.lock import holder
-from gguf_assets.lib.core.metrics import COMPARED, VAL_CENTRED_COSINE, WORST_ROW, WORST_ROW_COSINE
+from gguf_assets.lib.core.metrics import (
+    COMPARED,
+    RETRIEVAL_SCORES,
+    RETRIEVAL_TOP,
+    VAL_CENTRED_COSINE,
+    VAL_RETRIEVAL_PROMPTS,
+    WORST_ROW,
+    WORST_ROW_COSINE,
+    retrieval_chance,
+)
 from gguf_assets.lib.project.layout import ProjectPaths
 from gguf_assets.lib.project.settings import load_settings
 from gguf_assets.lib.status import runs
@@ -35,7 +44,8 @@ def add_parser(sub) -> None:
     what.add_argument("--label", nargs=2, metavar=("RUN", "TEXT"), help="give the run a label (\"\" removes it)")
     what.add_argument("--compare", nargs="+", metavar="RUN",
                       help="runs' scores step by step (val centred cosine, relative MSE, cosine after RMSNorm, worst "
-                           "query row, empty prompt) and at their last validation; the curves go to an SVG")
+                           "query row, empty prompt) and at their last validation, and their GGUF's (prompt retrieval "
+                           "too); the curves go to an SVG")
     p.add_argument("--svg", metavar="FILE", help="with --compare: write the curves, one chart per score, to FILE "
                                                  "(default: a new file in the temp folder; its path is printed)")
     p.add_argument("--json", action="store_true", help="print the runs as JSON (for tools)")
@@ -84,6 +94,12 @@ def _out(as_json: bool, doc: dict, text: str) -> None:
 
 def _score(x: float | None) -> str:
     return "-" if x is None else f"{x:.4f}"
+
+
+def _chance(prompts: int | None) -> str:
+    if not prompts:
+        return "-"
+    return f"{retrieval_chance(prompts):.3f} / {retrieval_chance(prompts, RETRIEVAL_TOP):.3f}"
 
 
 def _vs_settings(run) -> str:
@@ -238,5 +254,13 @@ def _compare(view, refs: list[str], *, svg: str | None, as_json: bool) -> int:
             cells.append(text)
         line(score.label, cells)
     line(gguf_label, [_score(r.gguf_val_centred_cosine) for r in runs])
+    # Prompt retrieval: the evaluation's only (its kept report's), with the chance each run's val prompts give.
+    print("prompt retrieval of its GGUF (own target the nearest, of the val prompts)")
+    for score in RETRIEVAL_SCORES:
+        line("  " + score.label.removeprefix("prompt retrieval "),
+             [score.text(r.gguf_retrieval[score.key]) if isinstance(r.gguf_retrieval.get(score.key), (int, float))
+              else "-" for r in runs])
+    line(f"  chance (top-1 / top-{RETRIEVAL_TOP})", [_chance(r.gguf_retrieval.get(VAL_RETRIEVAL_PROMPTS))
+                                                     for r in runs])
     print(f"wrote the curves, one chart per score, to {svg}")
     return 0

@@ -23,7 +23,7 @@ from gguf_assets.lib.output.report import (
 from gguf_assets.lib.output.report_run import report_fingerprint
 from gguf_assets.lib.precompute.shards import require_current, shard_fingerprints
 from gguf_assets.lib.project.manifests import Report
-from gguf_assets.lib.training.verdict import GOOD
+from gguf_assets.lib.training.verdict import GOOD, LISTENS_TOP1, retrieval_bar, retrieval_passes
 from gguf_assets.pipeline import groups
 from gguf_assets.pipeline.settings_observation import settings_key
 
@@ -97,6 +97,11 @@ def _check_result(files: list[dict], problems: list[str]) -> dg.AssetCheckResult
               dg.AssetCheckSpec("val_centred_cosine_threshold", asset="eval_report",
                                 description=f"Val centred cosine reaches {GOOD} (the advice in the report says what "
                                             "to change when it does not)."),
+              dg.AssetCheckSpec("prompt_retrieval_above_chance", asset="eval_report",
+                                description=f"The GGUF tells the val prompts apart: for at least {LISTENS_TOP1:.0%} "
+                                            "of them its output is nearer their own target than any other prompt's, "
+                                            "a count chance gives less than once in 1,000 (the verdict's \"Good\" "
+                                            "needs it)."),
           ],
           description="Evaluation of the exported GGUF on the "
           "val shards by an independent numpy reader, with the verdict, advice and how to use it in ggk.")
@@ -132,11 +137,12 @@ def eval_report(context: dg.AssetExecutionContext, project: ProjectResource) -> 
                 "ggk_command": dg.MetadataValue.text(report.ggk_command),
                 "verdict": report.verdict, "gguf_sha256": report.gguf_sha256}
     # Numeric entries are plotted over time in the UI.
+    counts = ("n_prompts", m.WORST_ROW, m.VAL_RETRIEVAL_PROMPTS)
     for key in (m.VAL_CENTRED_COSINE, "val_centred_cosine_torch", "gguf_vs_torch", m.EMPTY_PROMPT_COSINE,
-                m.VAL_REL_MSE, m.VAL_RMS_COSINE, m.WORST_ROW_COSINE, m.WORST_ROW, "n_prompts", "eval_seconds"):
+                m.VAL_REL_MSE, m.VAL_RMS_COSINE, m.WORST_ROW_COSINE, *m.RETRIEVAL_KEYS, *counts, "eval_seconds"):
         value = getattr(report, key)
         if value is not None:
-            metadata[key] = int(value) if key in ("n_prompts", m.WORST_ROW) else float(value)
+            metadata[key] = int(value) if key in counts else float(value)
     for key, value in (report.gguf_vs_checkpoint or {}).items():
         metadata[f"{m.GGUF_VS_CHECKPOINT}_{key}"] = float(value)
     score = report.val_centred_cosine if report.evaluated else report.val_centred_cosine_torch
@@ -151,10 +157,27 @@ def eval_report(context: dg.AssetExecutionContext, project: ProjectResource) -> 
                             severity=dg.AssetCheckSeverity.WARN,
                             metadata={m.VAL_CENTRED_COSINE: float(score), "threshold": GOOD,
                                       "advice": report.advice}),
+        _retrieval_check(report),
     ]
     metadata.update(project.stage_metadata("eval_report", settings))
     project.result_written(context)
     return dg.MaterializeResult(data_version=dg.DataVersion(fingerprint), metadata=metadata, check_results=checks)
+
+
+def _retrieval_check(report: Report) -> dg.AssetCheckResult:
+    """Passes where prompt retrieval reaches the verdict's bar; not measured (output.evaluate off) passes, as the
+    GGUF-vs-torch check does, saying so."""
+    prompts = report.val_retrieval_prompts
+    if not report.evaluated or prompts is None:
+        return dg.AssetCheckResult(check_name="prompt_retrieval_above_chance", passed=True,
+                                   severity=dg.AssetCheckSeverity.WARN, metadata={"evaluated": False})
+    bar = retrieval_bar(prompts)
+    return dg.AssetCheckResult(
+        check_name="prompt_retrieval_above_chance", passed=retrieval_passes(report.val_retrieval_top1, prompts),
+        severity=dg.AssetCheckSeverity.WARN,
+        metadata={**{key: getattr(report, key) for key in m.RETRIEVAL_KEYS if getattr(report, key) is not None},
+                  "chance_top1": m.retrieval_chance(prompts), "advice": report.advice,
+                  **({"needed_top1": bar.top1} if bar.top1 is not None else {})})
 
 
 @dg.asset_check(asset=eval_report, description="The files the report names (the GGUF that was scored, the vision "

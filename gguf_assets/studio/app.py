@@ -37,7 +37,7 @@ from gguf_assets.lib.materials.hub import token_from_env
 from gguf_assets.lib.materials.hub_shapes import quick_options
 from gguf_assets.lib.materials.materials import load_manifest
 from gguf_assets.lib.output import snapshots  # by module: a test holds take_snapshot to see one change at a time
-from gguf_assets.lib.output.report import score_rows
+from gguf_assets.lib.output.report import score_rows, verdict_rule
 from gguf_assets.lib.precompute.shards import require_current
 from gguf_assets.lib.project import settings_file, settings_history
 from gguf_assets.lib.project.layout import FINAL_DIR, META_FILE, ProjectPaths
@@ -392,7 +392,8 @@ def _report_view(paths: ProjectPaths, settings) -> dict | None:
             "per_shard": report.per_shard, "worst": report.worst[:10], "student": report.student,
             "ggk_files": report_doc["ggk_files"],
             # The Evaluation panel's table: every score, as report.md lists them (lib/output/report.py).
-            "scores": [{"measure": measure, "value": value} for measure, value in score_rows(report)]}
+            "scores": [{"measure": measure, "value": value} for measure, value in score_rows(report)],
+            "verdict_rule": verdict_rule(report)}
 
 
 def _size(n: int) -> str:

@@ -39,7 +39,7 @@ def test_named_jobs_checks_and_sensors():
                for k in a.check_keys}
     assert checks == {"train_shards:shards_verified", "val_shards:shards_verified", "gguf:exported_files_unchanged",
                       "eval_report:gguf_agrees_with_torch", "eval_report:val_centred_cosine_threshold",
-                      "eval_report:reported_files_unchanged"}
+                      "eval_report:prompt_retrieval_above_chance", "eval_report:reported_files_unchanged"}
     assert {s.name for s in defs.sensors} == {"interrupted_runs_sensor", "resume_pipeline_sensor"}
 
 

@@ -35,6 +35,12 @@ def test_the_demo_dag_is_recorded_stage_by_stage_in_the_project_s_dagster(demo_r
     # The scores beside the verdict (raw target space): a trained adapter's relative MSE is below the centre's 1.
     assert 0 < report[metrics.VAL_REL_MSE] < 1 and report[metrics.VAL_RMS_COSINE] > report[metrics.VAL_CENTRED_COSINE]
     assert report[metrics.WORST_ROW_COSINE] <= report[metrics.VAL_CENTRED_COSINE]
+    # It listens to the prompt: nearly every val prompt's prediction is nearest its own target (0.990 of 198 at the
+    # demo's seed; chance is 1/198), and the empty (CFG) prompts are left out.
+    assert report[metrics.VAL_RETRIEVAL_TOP1] >= 0.9 and report[metrics.VAL_RETRIEVAL_TOP5] >= 0.95
+    assert report[metrics.VAL_RETRIEVAL_MARGIN] > 0.5
+    assert 0 < report[metrics.VAL_RETRIEVAL_PROMPTS] < report["n_prompts"]
+    assert report["verdict"].startswith("Good") and "prompt retrieval top-1" in report["verdict"]
     run_dir = atomic.read_json(paths.adapter_manifest)["run_dir"]
     adapter_meta = atomic.read_json(paths.root / run_dir / "final" / "meta.json")
     untrained = adapter_meta["untrained_val_centred_cosine"]
@@ -96,8 +102,13 @@ def test_the_demo_dag_is_recorded_stage_by_stage_in_the_project_s_dagster(demo_r
     # The eval_report's metadata carries every score, as numbers the UI plots over materializations.
     evaluated = instance.get_latest_materialization_event(dg.AssetKey("eval_report")).asset_materialization.metadata
     for key in (metrics.VAL_REL_MSE, metrics.VAL_RMS_COSINE, metrics.WORST_ROW_COSINE, metrics.EMPTY_PROMPT_COSINE,
+                metrics.VAL_RETRIEVAL_TOP1, metrics.VAL_RETRIEVAL_TOP5, metrics.VAL_RETRIEVAL_MARGIN,
                 *(f"{metrics.GGUF_VS_CHECKPOINT}_{k}" for k in metrics.AGREEMENT_KEYS)):
         assert isinstance(evaluated[key], dg.FloatMetadataValue), key
+    assert evaluated[metrics.VAL_RETRIEVAL_PROMPTS].value == report[metrics.VAL_RETRIEVAL_PROMPTS]
+    assert "prompt retrieval top-1" in evaluated["evaluation"].value
+    retrieval = checks[("eval_report", "prompt_retrieval_above_chance")]
+    assert retrieval.passed and retrieval.severity == dg.AssetCheckSeverity.WARN
     assert evaluated[metrics.VAL_REL_MSE].value == report[metrics.VAL_REL_MSE]
     assert evaluated[metrics.WORST_ROW].value == report[metrics.WORST_ROW]
     assert f"row {report[metrics.WORST_ROW]}: " in evaluated["evaluation"].value

@@ -20,6 +20,14 @@ subtracts. Per val prompt, with pred and target [Q, D]:
   lowest: its index (0-based) and that average.
 - ``empty_prompt_cosine``: the centred cosine of the empty prompt (the CFG embedding), over the val prompts that
   are empty.
+- Prompt retrieval (the GGUF evaluation's only), over the N non-empty val prompts (the empty ones are all the same
+  prompt): with sim(i, j) the centred cosine of prompt i's prediction against prompt j's target,
+  ``val_retrieval_top1`` is the share of prompts whose own target is the nearest of the N (strictly: a tie counts
+  against), ``val_retrieval_top5`` the share whose own target is among the 5 nearest, and
+  ``val_retrieval_margin`` the mean own sim(i, i) less the mean sim(i, j) over every pair i != j.
+  ``val_retrieval_prompts`` is N: an adapter that ignores the prompt retrieves at chance, 1/N and 5/N. Centred
+  cosine cannot see such an adapter where the prompts' targets share much (a teacher that barely reads the
+  prompt); retrieval can, and the verdict's "Good" needs it (lib/training/verdict.py).
 
 ``gguf_vs_checkpoint`` (the evaluation's only: report.json, and flattened in the eval_report's metadata): the
 exported GGUF's outputs against the torch checkpoint's on the same val inputs; per row the cosine of the two outputs
@@ -39,6 +47,12 @@ VAL_RMS_COSINE: Final = "val_rms_cosine"
 WORST_ROW: Final = "worst_row"  # an index
 WORST_ROW_COSINE: Final = "worst_row_cosine"
 VAL_LOSS: Final = "val_loss"
+VAL_RETRIEVAL_TOP1: Final = "val_retrieval_top1"
+VAL_RETRIEVAL_TOP5: Final = "val_retrieval_top5"
+VAL_RETRIEVAL_MARGIN: Final = "val_retrieval_margin"
+VAL_RETRIEVAL_PROMPTS: Final = "val_retrieval_prompts"  # N, the non-empty val prompts: chance is 1/N and 5/N
+RETRIEVAL_KEYS: Final = (VAL_RETRIEVAL_TOP1, VAL_RETRIEVAL_TOP5, VAL_RETRIEVAL_MARGIN, VAL_RETRIEVAL_PROMPTS)
+RETRIEVAL_TOP: Final = 5  # the k of top-k
 
 # The GGUF against the torch checkpoint (report.json's GGUF_VS_CHECKPOINT object; flattened with its name in front
 # in the Dagster metadata).
@@ -74,3 +88,16 @@ COMPARED: Final = (
     Score(WORST_ROW_COSINE, "worst query row"),
     Score(EMPTY_PROMPT_COSINE, "empty prompt cosine"),
 )
+
+# Prompt retrieval, as the report, `runs --compare` and the studio label it (the GGUF evaluation's; no training
+# history has it).
+RETRIEVAL_SCORES: Final = (
+    Score(VAL_RETRIEVAL_TOP1, "prompt retrieval top-1", fmt=".3f"),
+    Score(VAL_RETRIEVAL_TOP5, f"prompt retrieval top-{RETRIEVAL_TOP}", fmt=".3f"),
+    Score(VAL_RETRIEVAL_MARGIN, "prompt retrieval margin"),
+)
+
+
+def retrieval_chance(prompts: int, top: int = 1) -> float:
+    """The top-``top`` retrieval of an adapter that ignores the prompt, among ``prompts`` val prompts."""
+    return min(top, prompts) / prompts

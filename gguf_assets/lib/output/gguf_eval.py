@@ -19,8 +19,9 @@ attn: heads of 64, softmax(q k^T / 8) v, separate biased q/k/v/o; LayerNorm eps 
 Score: per prompt, mean over query rows of cos(pred - centre, target - centre) over D, the centre being each
 row's train mean (the caller passes it: it is the training's, and never part of the file); the overall score is
 the mean over prompts. Beside it, in the same raw target space: relative MSE, the cosine after a per-row RMSNorm,
-the worst query row, the empty prompt's score, and (given the torch checkpoint's outputs) how closely the GGUF
-agrees with the checkpoint; lib/core/metrics.py defines each.
+the worst query row, the empty prompt's score, prompt retrieval (is each prompt's own target the nearest to its
+prediction, of all val targets?) and (given the torch checkpoint's outputs) how closely the GGUF agrees with the
+checkpoint; lib/core/metrics.py defines each.
 """
 
 from __future__ import annotations
@@ -261,6 +262,97 @@ class ScoreSums:
                 m.VAL_RMS_COSINE: self.rms_cosine / self.n, m.WORST_ROW: index, m.WORST_ROW_COSINE: value}
 
 
+# Prompt retrieval needs every val prompt's prediction against every val target, but the evaluation streams: at the
+# seed's size a prompt's [Q, D] = [256, 4096] is 4 MiB in f32, so 1,000 prompts' predictions and targets would be
+# 8 GiB. The score is a mean of row cosines, sim(i, j) = <u_i, v_j> / Q, where u_i (v_j) is the prediction (target)
+# less the centre with each row scaled to unit length, flattened. Where all the u and v fit in
+# RETRIEVAL_EXACT_VALUES (the demo's 200 x 256 x 64 do), they are kept whole and retrieval is exact. Otherwise each
+# prompt keeps a count sketch of u_i and of v_i (Charikar et al. 2002; Weinberger et al. 2009): coordinate c is
+# added, with a random sign s(c), into bucket h(c) of RETRIEVAL_SKETCH_DIMS, the same seeded (h, s) for every
+# prompt. <sketch(u), sketch(v)> estimates <u, v> without bias, with a standard deviation of
+# sqrt((|u|^2 |v|^2 + <u, v>^2) / dims), here sqrt((1 + sim^2) / dims) <= 0.022 on a sim; what ranks two targets
+# is sim(i, i) - sim(i, j), whose error shrinks with |v_i - v_j|, so near targets are told apart more finely than
+# that. On close, low-rank targets (gguf_assets_tests/lib/output/test_retrieval.py) top-1 and top-5 come within
+# 0.02 of the exact figures. 4,096 f32 buckets are 16 KiB a side: 1,000 prompts keep 32 MiB, and a prompt costs one
+# bincount over its Q*D values, against its forward's O(L*Q*W). The margin needs no sketch: the sums of the u_i and
+# of the v_j give every pair's mean exactly (Retrieval.result). A random projection would do the same at a cost of
+# Q*D*dims a prompt, and its matrix would not fit at the seed's size.
+RETRIEVAL_SKETCH_DIMS = 4096
+RETRIEVAL_EXACT_VALUES = 1 << 23  # prompts x Q x D kept whole (32 MiB a side in f32)
+RETRIEVAL_SEED = 20240613  # fixed: the same GGUF and shards give the same figures on every run
+RETRIEVAL_BLOCK = 1024  # prompts' sims ranked at once: bounds the [block, N] matrix
+
+
+def unit_rows(x: np.ndarray) -> np.ndarray:
+    """Each row (last axis) over its norm, the norm clamped at COSINE_EPS as row_cosines does (float64)."""
+    x = x.astype(np.float64)
+    return x / np.maximum(np.sqrt((x * x).sum(axis=-1, keepdims=True)), COSINE_EPS)
+
+
+class Retrieval:
+    """Prompt retrieval over the non-empty val prompts (lib/core/metrics.py): each prompt's prediction against every
+    val target, by centred cosine, kept one prompt at a time as a sketch (the comment above)."""
+
+    def __init__(self, centre: np.ndarray, *, prompts: int, dims: int | None = None,
+                 exact_values: int | None = None) -> None:
+        """``prompts``: how many will be added, kept whole where they fit ``exact_values``, else sketched in
+        ``dims`` (None: RETRIEVAL_EXACT_VALUES and RETRIEVAL_SKETCH_DIMS)."""
+        dims = RETRIEVAL_SKETCH_DIMS if dims is None else dims
+        exact_values = RETRIEVAL_EXACT_VALUES if exact_values is None else exact_values
+        self.centre = np.asarray(centre, dtype=np.float32)
+        rows, size = self.centre.shape[0], self.centre.size
+        self.rows = rows
+        self.exact = size <= dims or prompts * size <= exact_values
+        if not self.exact:
+            rng = np.random.default_rng(RETRIEVAL_SEED)
+            self.buckets = rng.integers(0, dims, size=size, dtype=np.intp)
+            self.signs = rng.choice(np.array([-1.0, 1.0]), size=size)
+        self.dims = size if self.exact else dims
+        self.preds: list[np.ndarray] = []
+        self.targets: list[np.ndarray] = []
+        self.pred_sum = np.zeros(self.centre.shape, dtype=np.float64)
+        self.target_sum = np.zeros(self.centre.shape, dtype=np.float64)
+        self.own_sum = 0.0
+
+    def _compact(self, unit: np.ndarray) -> np.ndarray:
+        flat = unit.reshape(-1)
+        if self.exact:
+            return flat.astype(np.float32)
+        return np.bincount(self.buckets, weights=flat * self.signs, minlength=self.dims).astype(np.float32)
+
+    def add(self, pred: np.ndarray, target: np.ndarray) -> None:
+        """Count one non-empty prompt (``pred``, ``target`` [Q, D], raw target space)."""
+        u, v = unit_rows(pred - self.centre), unit_rows(target - self.centre)
+        self.pred_sum += u
+        self.target_sum += v
+        self.own_sum += float((u * v).sum()) / self.rows
+        self.preds.append(self._compact(u))
+        self.targets.append(self._compact(v))
+
+    def ranks(self) -> np.ndarray:
+        """Per prompt, how many other prompts' targets are at least as near its prediction as its own (0: its own
+        is the nearest)."""
+        preds, targets = np.stack(self.preds), np.stack(self.targets).T.astype(np.float64)
+        out = []
+        for start in range(0, len(preds), RETRIEVAL_BLOCK):
+            sims = preds[start:start + RETRIEVAL_BLOCK].astype(np.float64) @ targets
+            own = sims[np.arange(len(sims)), np.arange(start, start + len(sims))]
+            out.append((sims >= own[:, None]).sum(axis=1) - 1)  # less its own
+        return np.concatenate(out)
+
+    def result(self) -> dict[str, float | int | None]:
+        n = len(self.preds)
+        if n < 2:  # nothing to retrieve from
+            return {m.VAL_RETRIEVAL_TOP1: None, m.VAL_RETRIEVAL_TOP5: None, m.VAL_RETRIEVAL_MARGIN: None,
+                    m.VAL_RETRIEVAL_PROMPTS: n}
+        ranks = self.ranks()
+        # Every pair's sim summed is <sum u, sum v> / Q; less the own pairs, over the n(n-1) others.
+        others = (float((self.pred_sum * self.target_sum).sum()) / self.rows - self.own_sum) / (n * (n - 1))
+        return {m.VAL_RETRIEVAL_TOP1: float(np.mean(ranks == 0)),
+                m.VAL_RETRIEVAL_TOP5: float(np.mean(ranks < m.RETRIEVAL_TOP)),
+                m.VAL_RETRIEVAL_MARGIN: self.own_sum / n - others, m.VAL_RETRIEVAL_PROMPTS: n}
+
+
 class Agreement:
     """The GGUF's outputs against the torch checkpoint's on the same inputs, one prompt at a time: per row the cosine
     of the two less the centre, and the largest absolute difference (alone, and over the RMS of the checkpoint's
@@ -310,10 +402,10 @@ def _read_prompts(path: Path) -> list[str]:
 
 
 def _score_shard(adapter: GGUFAdapter, shard: Path, centre: np.ndarray, *, sums: ScoreSums | None = None,
-                 checkpoint: Iterator[np.ndarray] | None = None,
-                 agreement: Agreement | None = None) -> list[tuple[int, str, float]]:
-    """(index, text, centred cosine) for every prompt of one shard folder; each prompt is also counted in ``sums``,
-    and compared with the ``checkpoint``'s output for it in ``agreement``."""
+                 checkpoint: Iterator[np.ndarray] | None = None, agreement: Agreement | None = None,
+                 retrieval: Retrieval | None = None) -> list[tuple[int, str, float]]:
+    """(index, text, centred cosine) for every prompt of one shard folder; each prompt is also counted in ``sums``
+    (and, unless empty, in ``retrieval``), and compared with the ``checkpoint``'s output for it in ``agreement``."""
     hp = adapter.hparams
     teacher = SafetensorsFile(shard / TEACHER_FILE)
     student = SafetensorsFile(shard / STUDENT_FILE)
@@ -352,6 +444,8 @@ def _score_shard(adapter: GGUFAdapter, shard: Path, centre: np.ndarray, *, sums:
             pred = adapter.run_queries([(k[a:b], v[a:b]) for k, v in group_kv])
             target = to_float32(targets[i], t_dtype)
             cos = sums.add(pred, target) if sums is not None else centred_cosine(pred - centre, target - centre)
+            if retrieval is not None and texts[i] != "":  # the empty prompts are one prompt, the CFG's
+                retrieval.add(pred, target)
             if checkpoint is not None and agreement is not None:
                 theirs = next(checkpoint, None)
                 if theirs is None:
@@ -372,21 +466,25 @@ def evaluate_gguf(gguf_path: Path, shards: list[Path], centre: np.ndarray, *,
     GGUF's are compared with.
 
     Returns ``{val_centred_cosine, empty_prompt_cosine (None without empty prompts), val_rel_mse, val_rms_cosine,
-    worst_row, worst_row_cosine, gguf_vs_checkpoint (None without ``checkpoint``), per_shard: [{shard, n,
-    val_centred_cosine}], worst: [{text, cosine, shard, index}] (the WORST_COUNT lowest prompts), n_prompts,
-    seconds, gguf}`` (keys: lib/core/metrics.py).
+    worst_row, worst_row_cosine, val_retrieval_top1, val_retrieval_top5, val_retrieval_margin (None with fewer
+    than 2 non-empty prompts), val_retrieval_prompts, gguf_vs_checkpoint (None without ``checkpoint``),
+    per_shard: [{shard, n, val_centred_cosine}], worst: [{text, cosine, shard, index}] (the WORST_COUNT lowest
+    prompts), n_prompts, seconds, gguf}`` (keys: lib/core/metrics.py).
     """
     began = time.perf_counter()
     adapter = load_adapter_gguf(Path(gguf_path))
     centre = np.asarray(centre, dtype=np.float32)
     sums, agreement = ScoreSums(centre), Agreement(centre)
+    non_empty = sum(1 for shard in shards for text in _read_prompts(Path(shard) / PROMPTS_FILE) if text != "")
+    retrieval = Retrieval(centre, prompts=non_empty)
     per_shard: list[dict[str, Any]] = []
     scored: list[tuple[float, str, str, int]] = []
     empty: list[float] = []
     for shard in shards:
         shard = Path(shard)
         theirs = iter(checkpoint(shard)) if checkpoint is not None else None
-        results = _score_shard(adapter, shard, centre, sums=sums, checkpoint=theirs, agreement=agreement)
+        results = _score_shard(adapter, shard, centre, sums=sums, checkpoint=theirs, agreement=agreement,
+                               retrieval=retrieval)
         if theirs is not None and next(theirs, None) is not None:
             raise ValueError(f"{shard}: the checkpoint gave more outputs than the shard has prompts")
         cosines = [c for _, _, c in results]
@@ -403,6 +501,7 @@ def evaluate_gguf(gguf_path: Path, shards: list[Path], centre: np.ndarray, *,
         m.VAL_CENTRED_COSINE: float(np.mean([r[0] for r in scored])),
         m.EMPTY_PROMPT_COSINE: float(np.mean(empty)) if empty else None,
         **sums.result(),
+        **retrieval.result(),
         m.GGUF_VS_CHECKPOINT: agreement.result() if checkpoint is not None else None,
         "per_shard": per_shard,
         "worst": [{"text": t, "cosine": c, "shard": s, "index": i} for c, t, s, i in worst],
@@ -410,6 +509,7 @@ def evaluate_gguf(gguf_path: Path, shards: list[Path], centre: np.ndarray, *,
         "seconds": time.perf_counter() - began,
         "gguf": str(gguf_path),
     }
-    logger.info("evaluated %s on %d prompts: val centred cosine %.5f, relative MSE %.5f", gguf_path, len(scored),
-                result[m.VAL_CENTRED_COSINE], result[m.VAL_REL_MSE])
+    logger.info("evaluated %s on %d prompts: val centred cosine %.5f, relative MSE %.5f, prompt retrieval top-1 %s",
+                gguf_path, len(scored), result[m.VAL_CENTRED_COSINE], result[m.VAL_REL_MSE],
+                result[m.VAL_RETRIEVAL_TOP1])
     return result

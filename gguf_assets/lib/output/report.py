@@ -2,8 +2,8 @@
 
 It carries both scores (``val_centred_cosine`` from the GGUF via the numpy evaluator,
 ``val_centred_cosine_torch`` from the checkpoint), the verdict and advice, the other scores in the
-raw target space (relative MSE, cosine after RMSNorm, the worst query row: lib/core/metrics.py) and
-the GGUF's outputs against the checkpoint's (``gguf_vs_checkpoint``), the worst val prompts,
+raw target space (relative MSE, cosine after RMSNorm, the worst query row, prompt retrieval:
+lib/core/metrics.py) and the GGUF's outputs against the checkpoint's (``gguf_vs_checkpoint``), the worst val prompts,
 per-shard scores, every exported file with size and sha256, and the "use it in ggk" section: which
 file goes where and the command line (``output.ggk_command``).
 """
@@ -24,7 +24,7 @@ from gguf_assets.lib.project.layout import FINAL_DIR, META_FILE, REPORT_JSON, RE
 from gguf_assets.lib.project.manifests import ExportSidecar, MaterialsManifest, Report
 from gguf_assets.lib.project.settings import Settings
 from gguf_assets.lib.training.training_run import final_run_dir
-from gguf_assets.lib.training.verdict import validation_curve, verdict
+from gguf_assets.lib.training.verdict import GOOD, LISTENS_TOP1, retrieval_bar, validation_curve, verdict
 
 # ggk's flags (gk-diffuser.cpp), for the "use it in ggk" table.
 VISION_FLAG = "--llm_vision"
@@ -107,8 +107,10 @@ def build_report(paths: ProjectPaths, settings: Settings, materials: MaterialsMa
     torch_score = gguf.val_centred_cosine_torch
     score = evaluation[m.VAL_CENTRED_COSINE] if evaluation else torch_score
     final_meta = _final_meta(paths)
+    # Prompt retrieval is the GGUF evaluation's only: without it the verdict reads the cosine alone.
+    retrieval = {key: evaluation.get(key) for key in m.RETRIEVAL_KEYS} if evaluation else None
     text, advice = verdict(score, validation_curve(final_meta.get("history") or []), width=settings.training.width,
-                           steps=settings.training.steps)
+                           steps=settings.training.steps, retrieval=retrieval)
     others = evaluation if evaluation else _last_validation(final_meta)
     student = materials.student
     report = Report(
@@ -143,6 +145,7 @@ def build_report(paths: ProjectPaths, settings: Settings, materials: MaterialsMa
         settings_hash=settings_history.remember(paths.root, settings),
         **{key: others.get(key) for key in OTHER_SCORES},
         gguf_vs_checkpoint=evaluation.get(m.GGUF_VS_CHECKPOINT) if evaluation else None,
+        **(retrieval or {}),
     )
     out = paths.output_dir(settings)
     # No absolute path into the project: a copied project's report points at its own files.
@@ -165,13 +168,41 @@ def _fmt(x: float | None) -> str:
 SCORE_LABELS = {s.key: s.label for s in m.COMPARED}
 
 
+def retrieval_text(figures: dict) -> str | None:
+    """Prompt retrieval in one short line (the console's), from a dict of metrics.RETRIEVAL_KEYS; None when not
+    measured."""
+    n, top1 = figures.get(m.VAL_RETRIEVAL_PROMPTS), figures.get(m.VAL_RETRIEVAL_TOP1)
+    if not n or top1 is None:
+        return None
+    return (f"top-1 {top1:.3f}, top-{m.RETRIEVAL_TOP} {figures[m.VAL_RETRIEVAL_TOP5]:.3f} (chance "
+            f"{m.retrieval_chance(n):.3f}, {m.retrieval_chance(n, m.RETRIEVAL_TOP):.3f}), margin "
+            f"{figures[m.VAL_RETRIEVAL_MARGIN]:.3f}")
+
+
+def retrieval_rows(r: Report) -> list[tuple[str, str]]:
+    """(measure, value) of prompt retrieval, each with its chance level (lib/core/metrics.py)."""
+    n = r.val_retrieval_prompts
+    labels = {s.key: s for s in m.RETRIEVAL_SCORES}
+
+    def chance(top: int) -> str:
+        return f"; chance {m.retrieval_chance(n, top):.3f}" if n else ""
+
+    return [(f"{labels[m.VAL_RETRIEVAL_TOP1].label} (own target the nearest, of {n or 'n/a'} non-empty val "
+             f"prompts{chance(1)})", labels[m.VAL_RETRIEVAL_TOP1].text(r.val_retrieval_top1)),
+            (f"{labels[m.VAL_RETRIEVAL_TOP5].label} (own target among the {m.RETRIEVAL_TOP} nearest"
+             f"{chance(m.RETRIEVAL_TOP)})", labels[m.VAL_RETRIEVAL_TOP5].text(r.val_retrieval_top5)),
+            (f"{labels[m.VAL_RETRIEVAL_MARGIN].label} (own centred cosine less the mean to the other prompts' "
+             "targets)", labels[m.VAL_RETRIEVAL_MARGIN].text(r.val_retrieval_margin))]
+
+
 def score_rows(r: Report) -> list[tuple[str, str]]:
     """(measure, value) of every score the report holds, as report.md and the studio's Evaluation panel list
-    them: the verdict's score first, then the others in the raw target space (lib/core/metrics.py)."""
+    them: the verdict's scores first, then the others in the raw target space (lib/core/metrics.py)."""
     agree = r.gguf_vs_checkpoint or {}
     rows = [(f"{SCORE_LABELS[m.VAL_CENTRED_COSINE]} (GGUF, numpy)", _fmt(r.val_centred_cosine)),
             (f"{SCORE_LABELS[m.VAL_CENTRED_COSINE]} (torch checkpoint)", _fmt(r.val_centred_cosine_torch)),
             ("GGUF vs torch difference", "n/a" if r.gguf_vs_torch is None else format(r.gguf_vs_torch, ".2e")),
+            *retrieval_rows(r),
             (SCORE_LABELS[m.EMPTY_PROMPT_COSINE], _fmt(r.empty_prompt_cosine)),
             (f"{SCORE_LABELS[m.VAL_REL_MSE]} (sum of squared errors / sum of squared target spread)",
              _fmt(r.val_rel_mse)),
@@ -186,15 +217,27 @@ def score_rows(r: Report) -> list[tuple[str, str]]:
     return rows
 
 
+def verdict_rule(r: Report) -> str:
+    """How the verdict is reached, for report.md and the studio."""
+    bar = retrieval_bar(r.val_retrieval_prompts) if r.val_retrieval_prompts is not None else None
+    needed = ("" if bar is None else f" ({bar.hits} of these {bar.prompts})" if bar.hits is not None else
+              f" (these {bar.prompts} are too few to show it)")
+    return (f"\"Good\" needs val centred cosine >= {GOOD} and, where the GGUF was evaluated, prompt retrieval well "
+            f"above chance: the own target the nearest for at least {LISTENS_TOP1:.0%} of the non-empty val prompts, "
+            f"a count chance gives less than once in 1,000{needed}. Centred cosine counts what all prompts' targets "
+            "share, so an adapter that ignores the prompt can score high on it; retrieval asks whether each "
+            "prediction is nearer its own prompt's target than the other prompts' targets.")
+
+
 def render_evaluation(r: Report) -> str:
     """Verdict, advice and the numbers (the scores, per shard, worst prompts)."""
     lines = [f"**{r.verdict}**", "", r.advice, "",
              markdown_table(["measure", "value"], score_rows(r)), "",
              "All scores are in the raw target space the DiT reads, centred on the training targets' per-row mean "
-             "where centred; the verdict is the val centred cosine's.", ""]
+             "where centred.", "", verdict_rule(r), ""]
     if not r.evaluated:
-        lines += ["The GGUF was not evaluated (`output.evaluate` is off); the verdict uses the torch score, and the "
-                  "other scores are the checkpoint's last validation.", ""]
+        lines += ["The GGUF was not evaluated (`output.evaluate` is off); the verdict uses the torch score, prompt "
+                  "retrieval is not measured, and the other scores are the checkpoint's last validation.", ""]
     if r.per_shard:
         lines += ["### Per shard", "", markdown_table(["shard", "prompts", "GGUF", "torch"], (
             [s["shard"], s["n"], _fmt(s[m.VAL_CENTRED_COSINE]), _fmt(s["val_centred_cosine_torch"])]

@@ -30,7 +30,7 @@ def older_format(kind: str, record: dict) -> str | None:
     current, why = WHY_NEWER[kind]
     recorded = record.get("format", 1)
     return f"{why} (format {recorded}, now {current})" if recorded != current else None
-EVAL_REPORT = 4  # 4: ggk's adapter, scored centred on the rows' train mean (3: keyed by the export's fingerprint)
+EVAL_REPORT = 5  # 5: prompt retrieval, which the verdict reads (4: ggk's adapter, centred on the rows' train mean)
 
 # Prompt files: the text formats, each also read gzip-compressed (GZIP_SUFFIX after its suffix), and parquet
 # (compressed inside the format).

@@ -158,6 +158,13 @@ class Report(_JsonFields):
     # The GGUF's outputs against the torch checkpoint's on the val prompts: {min_row_cosine, mean_row_cosine,
     # max_abs_diff, max_abs_diff_relative}; None when not evaluated, or in reports made before it.
     gguf_vs_checkpoint: dict[str, float] | None = None
+    # Prompt retrieval over the non-empty val prompts (lib/core/metrics.py), the GGUF's: the share whose own target is
+    # the nearest / among the 5 nearest to its prediction, the own cosine less the mean to the others' targets, and
+    # how many prompts (chance is 1/N and 5/N); None when not evaluated, or in reports made before it.
+    val_retrieval_top1: float | None = None
+    val_retrieval_top5: float | None = None
+    val_retrieval_margin: float | None = None
+    val_retrieval_prompts: int | None = None
 
 
 

@@ -124,6 +124,9 @@ class Run:
     # Its last validation: {step, and each of metrics.COMPARED and the worst row's index} (None: a score it did not
     # record, from before the score existed); {} before its first validation.
     last_scores: dict[str, float | int | None] = field(default_factory=dict)
+    # Its kept report's prompt retrieval (metrics.RETRIEVAL_KEYS: the GGUF's, measured by the evaluation only); {}
+    # without a kept report, None where the report is older than retrieval.
+    gguf_retrieval: dict[str, float | int | None] = field(default_factory=dict)
 
     def to_json(self) -> dict:
         doc = asdict(self)
@@ -322,7 +325,8 @@ def _read_run(paths: ProjectPaths, run_dir: Path, *, now: Settings | None, manif
         kept_gguf=paths.stored(kept_gguf(paths, fingerprint, kept)) if kept else None,
         kept_report=bool(kept and kept.get("report")), curve=curve,
         diff=settings_diff(settings, now) if settings is not None and now is not None else None,
-        started_at=(meta or {}).get("started_at"), last_scores=last_scores)
+        started_at=(meta or {}).get("started_at"), last_scores=last_scores,
+        gguf_retrieval={key: report.get(key) for key in metrics.RETRIEVAL_KEYS} if report else {})
 
 
 def _with_lineage(paths: ProjectPaths, run: Run, lineage: dict[str, dict]) -> Run:

@@ -17,7 +17,7 @@ import pytest
 import torch
 from gguf import GGUFReader, GGUFValueType
 from safetensors.torch import save_file
-from test_gguf_format import SHAPE, f16_rounded, make_adapter, torch_predict, write_shard
+from test_gguf_format import SHAPE, f16_rounded, make_adapter, save_shard, torch_predict, write_shard
 
 from gguf_assets.lib.core import atomic, metrics
 from gguf_assets.lib.core.f16 import F16_MAX
@@ -32,6 +32,7 @@ from gguf_assets.lib.project.manifests import ExportSidecar, MaterialsManifest, 
 from gguf_assets.lib.project.settings import Settings, replace
 from gguf_assets.lib.training import train
 from gguf_assets.lib.training.input_peaks import INPUT_PEAKS, measure_peaks, peaks_record, recorded_peaks
+from gguf_assets.lib.training.verdict import GOOD
 
 GOLDEN = Path(__file__).parents[2] / "golden" / "tiny_adapter.gguf"
 REGEN_ENV = "GGUF_GOLDEN_REGEN"  # set to 1 to rewrite the golden file after a deliberate format change
@@ -414,8 +415,10 @@ def test_numpy_evaluation_agrees_with_torch_and_report_carries_both(tmp_path: Pa
     assert len(report.worst) == 10 and report.n_prompts == 13
     assert [w["cosine"] for w in report.worst] == sorted(w["cosine"] for w in report.worst)
     # The other scores, the GGUF's, in the raw target space; the torch checkpoint's outputs agree with the GGUF's.
-    for key in (metrics.VAL_REL_MSE, metrics.VAL_RMS_COSINE, metrics.WORST_ROW, metrics.WORST_ROW_COSINE):
+    for key in (metrics.VAL_REL_MSE, metrics.VAL_RMS_COSINE, metrics.WORST_ROW, metrics.WORST_ROW_COSINE,
+                *metrics.RETRIEVAL_KEYS):
         assert on_disk[key] == evaluation[key] is not None, key
+    assert report.val_retrieval_prompts == 11  # the two empty prompts are one prompt, the CFG's: left out
     assert 0 < report.val_rel_mse < 2 and -1 <= report.worst_row_cosine < report.val_centred_cosine
     assert report.worst_row in range(SHAPE.query_rows) and isinstance(on_disk["worst_row"], int)
     agree = report.gguf_vs_checkpoint
@@ -445,14 +448,58 @@ def test_numpy_evaluation_agrees_with_torch_and_report_carries_both(tmp_path: Pa
     # A report from before these scores still reads, and shows them as n/a.
     older = Report.from_json({k: v for k, v in on_disk.items() if k not in (
         metrics.VAL_REL_MSE, metrics.VAL_RMS_COSINE, metrics.WORST_ROW, metrics.WORST_ROW_COSINE,
-        metrics.GGUF_VS_CHECKPOINT)})
-    assert older.val_rel_mse is None and older.gguf_vs_checkpoint is None
+        metrics.GGUF_VS_CHECKPOINT, *metrics.RETRIEVAL_KEYS)})
+    assert older.val_rel_mse is None and older.gguf_vs_checkpoint is None and older.val_retrieval_top1 is None
     assert dict(score_rows(older))["GGUF vs checkpoint: per-row cosine, lowest / mean"] == "n/a"
+    assert [value for measure, value in score_rows(older) if measure.startswith("prompt retrieval")] == ["n/a"] * 3
     for needle in ("## Exported files", "## Use it in ggk", "### Per shard", "### The 10 worst val prompts",
                    report.gguf_sha256, report.ggk_command, report.verdict, "`org/student`", "`--tokenizer-pack`",
                    "`--llm-adapter`", "`output/adapter-student.gguf`", USER_FILES["dit_gguf"]):
         assert needle in md, needle
     assert "\\| with a pipe" in md  # a pipe in a prompt must not break the table
+
+
+def test_a_prompt_blind_adapter_is_refused_good_by_retrieval_at_a_cosine_above_the_bar(tmp_path: Path) -> None:
+    """An adapter that ignores the prompt (its cross-attention cut: one output for every prompt) on a teacher whose
+    targets mostly lean one way from their mean (a few lean far the other way, so the mean stays the centre): its
+    centred cosine passes 0.9, since centred cosine scores what the prompts share, but retrieval is at chance, and
+    the report refuses "Good" and says why."""
+    paths, settings = project(tmp_path)
+    blind = make_adapter(5)
+    with torch.no_grad():
+        for block in blind.blocks:
+            block.cross_attn.o.weight.zero_()
+            block.cross_attn.o.bias.zero_()
+    gen = torch.Generator().manual_seed(3)
+    n = 60
+    prompts = [torch.randn(1 + i % 7, SHAPE.student_dim, generator=gen) for i in range(n)]
+    centre = blind.target_centre
+    lean = blind.to_target_space(torch_predict(blind, prompts[:1]))[0].detach() - centre
+    sign = torch.tensor([1.0] * (n - 2) + [-(n - 2) / 2] * 2)  # sums to 0: the targets' mean is the centre
+    spread = torch.randn(n, SHAPE.query_rows, SHAPE.target_dim, generator=gen) * lean.std() * 0.1
+    targets = centre + sign[:, None, None] * lean + (spread - spread.mean(0))
+    folder = paths.root / "shards" / "val" / "00000"
+    save_shard(folder, texts=[f"prompt {i}" for i in range(n)], prompts=prompts, targets=targets)
+    manifest = fake_run(paths, blind)
+    sidecar = export.export_adapter(paths, settings, MATERIALS, manifest)
+    evaluation = gguf_eval.evaluate_gguf(Path(sidecar.path), [folder], centre.numpy().copy())
+    report = build_report(paths, settings, MATERIALS, sidecar, evaluation, fingerprint="fp-report")
+
+    assert report.val_centred_cosine >= GOOD, report.val_centred_cosine
+    assert report.val_retrieval_prompts == n and report.val_retrieval_top1 <= 1 / n
+    assert report.val_retrieval_margin == pytest.approx(0.0, abs=1e-6)  # one output for all: no prompt's own
+    assert report.verdict.startswith(f"Not there yet: val centred cosine {report.val_centred_cosine:.3f} reaches "
+                                     f"{GOOD}, but prompt retrieval top-1 {report.val_retrieval_top1:.3f} is below "
+                                     f"0.500 (chance {1 / n:.3f})"), report.verdict
+    assert "It ignores the prompt" in report.advice
+    md = (paths.root / "output" / REPORT_MD).read_text(encoding="utf-8")
+    for needle in (f"| prompt retrieval top-1 (own target the nearest, of {n} non-empty val prompts; chance "
+                   f"{1 / n:.3f}) | {report.val_retrieval_top1:.3f} |",
+                   f"| prompt retrieval top-5 (own target among the 5 nearest; chance {5 / n:.3f}) |",
+                   "| prompt retrieval margin (own centred cosine less the mean to the other prompts' targets) |",
+                   f"for at least 50% of the non-empty val prompts, a count chance gives less than once in 1,000 "
+                   f"({n // 2} of these {n})", report.verdict):
+        assert needle in md, needle
 
 
 @pytest.mark.parametrize("score, advice", [(0.62, "Widen the adapter"), (0.95, "Use it")])

@@ -447,12 +447,19 @@ def write_shard(folder: Path, *, adapter: Adapter, texts: list[str], lengths: li
     with torch.no_grad():
         pred = adapter.to_target_space(torch_predict(adapter, [p.float() for p in prompts]))
     targets = (pred + torch.randn(pred.shape, generator=gen) * adapter.target_std * 1.5).to(targets_dtype)
-    offsets = torch.tensor([0, *np.cumsum(lengths)], dtype=torch.int64)
+    save_shard(folder, texts=texts, prompts=prompts, targets=targets)
+    return targets, prompts
+
+
+def save_shard(folder: Path, *, texts: list[str], prompts: list[torch.Tensor], targets: torch.Tensor) -> None:
+    """A shard folder as precompute writes it: the prompts' texts, their student states [L_i, Ds] and the teacher's
+    targets [n, Q, D]."""
+    folder.mkdir(parents=True, exist_ok=True)
+    offsets = torch.tensor([0, *np.cumsum([len(p) for p in prompts])], dtype=torch.int64)
     save_file({"targets": targets.contiguous()}, str(folder / "teacher.safetensors"))
     save_file({"hidden": torch.cat(prompts).contiguous(), "offsets": offsets,
                "token_ids": torch.arange(int(offsets[-1]), dtype=torch.int32)}, str(folder / "student.safetensors"))
     (folder / "prompts.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts), encoding="utf-8")
-    return targets, prompts
 
 
 def centre_of(adapter: Adapter) -> np.ndarray:

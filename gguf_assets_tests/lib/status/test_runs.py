@@ -58,6 +58,8 @@ def test_a_finished_run_is_named_scored_kept_and_current(project):
     assert (run.best_step, run.best_val_centred_cosine) == (final["best"]["step"], final["best"]["val_centred_cosine"])
     report = atomic.read_json(project.report_json(settings))
     assert run.gguf_val_centred_cosine == report["val_centred_cosine"]
+    assert run.gguf_retrieval == {key: report[key] for key in metrics.RETRIEVAL_KEYS}  # its GGUF's prompt retrieval
+    assert report[metrics.VAL_RETRIEVAL_PROMPTS] > 0 and report[metrics.VAL_RETRIEVAL_TOP1] is not None
     assert run.current and run.made_by_settings and run.diff == []
     # Training recorded its wall time and its settings; the export and report were kept with the run.
     assert not run.seconds_estimated and 0 < run.train_seconds < 600
@@ -251,6 +253,11 @@ def test_compare_overlays_two_runs_curves(project):
     assert table["step"] == ["40", "40"] and table["val relative MSE"] == [f"{last['val_rel_mse']:.4f}"] * 2
     assert table["worst query row"] == [f"{last['worst_row_cosine']:.4f} (row {last['worst_row']})"] * 2
     assert table["cosine after RMSNorm"] == [f"{last['val_rms_cosine']:.4f}"] * 2
+    # Its GGUF's prompt retrieval (its kept report's), with the chance its val prompts give.
+    heard, prompts = first.gguf_retrieval, first.gguf_retrieval[metrics.VAL_RETRIEVAL_PROMPTS]
+    assert table["top-1"] == [f"{heard[metrics.VAL_RETRIEVAL_TOP1]:.3f}"] * 2
+    assert table["margin"] == [f"{heard[metrics.VAL_RETRIEVAL_MARGIN]:.4f}"] * 2
+    assert table["chance (top-1 / top-5)"] == [f"{1 / prompts:.3f} / {5 / prompts:.3f}"] * 2
     alone = cli("runs", str(project.root), "--compare", OTHER, "--json")
     assert alone.returncode == 0, alone.stderr
     assert json.loads(alone.stdout)["scores"]["val_rms_cosine"] == {
