@@ -18,12 +18,8 @@ from hub_server import STORED_HF_TOKEN
 
 from gguf_assets.lib.core import atomic
 from gguf_assets.lib.materials import hub
-from gguf_assets.lib.materials.materials import (
-    MaterialsError,
-    load_manifest,
-    manifest_is_current,
-    resolve_materials,
-)
+from gguf_assets.lib.materials.materials_run import MaterialsError, load_manifest, manifest_is_current
+from gguf_assets.lib.materials.pinning.resolve import resolve_materials
 from gguf_assets.lib.project.layout import ProjectPaths
 from gguf_assets.lib.project.settings import load_settings
 
