@@ -35,7 +35,7 @@ from gguf_assets.lib.core.lock import ProjectLocked, holder
 from gguf_assets.lib.core.metrics import EMPTY_PROMPT_COSINE, VAL_CENTRED_COSINE
 from gguf_assets.lib.materials.hub import token_from_env
 from gguf_assets.lib.materials.hub_shapes import quick_options
-from gguf_assets.lib.materials.materials import load_manifest
+from gguf_assets.lib.materials.materials_run import load_manifest
 from gguf_assets.lib.output import snapshots  # by module: a test holds take_snapshot to see one change at a time
 from gguf_assets.lib.output.report import ggk_line, read_report, score_rows, verdict_rule
 from gguf_assets.lib.precompute.shards import require_current

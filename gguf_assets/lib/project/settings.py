@@ -193,7 +193,7 @@ def _cross_check(key: str, message: str) -> PydanticCustomError:
     return PydanticCustomError("cross_check", "{message}", {"key": key, "message": message})
 
 
-# materials.teacher_kind: told by what the teacher holds, or one of the kinds (lib/materials/teacher_layout.py).
+# materials.teacher_kind: told by what the teacher holds, or one of the kinds (lib/materials/teacher/layout.py).
 TEACHER_KINDS = ("auto", "query-rows", "llada-image")
 
 

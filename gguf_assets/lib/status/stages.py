@@ -15,7 +15,7 @@ from typing import Literal, get_args, get_origin
 from gguf_assets.lib.core import atomic
 from gguf_assets.lib.core.errors import UserError
 from gguf_assets.lib.corpus.corpus_run import corpus_fingerprint, corpus_stage_settings
-from gguf_assets.lib.materials.materials import load_manifest, materials_fingerprint, materials_settings_key
+from gguf_assets.lib.materials.materials_run import load_manifest, materials_fingerprint, materials_settings_key
 from gguf_assets.lib.output.export_run import gguf_fingerprint, gguf_stage_settings
 from gguf_assets.lib.output.report_run import report_fingerprint, report_settings
 from gguf_assets.lib.precompute.shards import shard_fingerprints, shards_stage_settings
