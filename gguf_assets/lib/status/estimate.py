@@ -116,7 +116,7 @@ def model_config(paths: ProjectPaths, settings: Settings, role: str, *, token: s
 
 def teacher_check(paths: ProjectPaths, settings: Settings, *, token: str | None = None,
                   options: hub.HubOptions | None = None) -> tuple[bool, str] | None:
-    """An LLaDA-Image teacher checked before its weights (lib/materials/teacher_preflight.py), as the materials step
+    """An LLaDA-Image teacher checked before its weights (lib/materials/teacher/preflight.py), as the materials step
     checks it: (passed, one line). None for another teacher. A hub pipeline's weight headers are read by range."""
     from gguf_assets.lib.materials.teacher import preflight as teacher_preflight
 
@@ -159,7 +159,7 @@ def teacher_check(paths: ProjectPaths, settings: Settings, *, token: str | None 
 
 def _gguf_student_config(paths: ProjectPaths, value: str, gguf: Path) -> ModelConfig:
     """A GGUF student sized from its own header: the config its tensors' shapes give (as the materials step reads
-    it, lib/materials/student_from_gguf.py), kept in the project's .cache by the file's size and mtime."""
+    it, lib/materials/student/from_gguf.py), kept in the project's .cache by the file's size and mtime."""
     stat = gguf.stat()
     folder = paths.cache_dir / "gguf-student" / f"{stat.st_size}-{stat.st_mtime_ns}"
     if not (folder / "config.json").is_file():

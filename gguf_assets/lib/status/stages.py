@@ -2,7 +2,7 @@
 from the stages' own modules, never defined here.
 
 Each stage owns, in one torch-free module, the settings its result is computed from, its fingerprint and
-its "is it current" check: lib/materials/materials.py, lib/corpus/corpus_run.py, lib/precompute/shards.py,
+its "is it current" check: lib/materials/materials_run.py, lib/corpus/corpus_run.py, lib/precompute/shards.py,
 lib/training/training_run.py, lib/output/export_run.py and lib/output/report_run.py. A stage's fingerprint
 chains the fingerprints of what it reads, so a change anywhere marks exactly the stages whose results it
 changes, in `status` (lib/status/states.py) as in the Dagster UI (defs/settings.py).
