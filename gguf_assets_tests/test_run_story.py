@@ -1,6 +1,7 @@
 """#65: how a run's end is told. A continuation ended early by a lowered training.steps says where it ended (the
-studio's training line and chart, `status`, `runs`); a result below earlier weights says so and offers them (report,
-studio, `run`'s closing lines), and the offered commands give them; a running stage never says what Run would do.
+studio's training line and chart, `status`, `runs`), and a run raised past it goes on from there; a result below
+earlier weights says so and offers them (report, studio, `run`'s closing lines), and the offered commands give them;
+a running stage never says what Run would do.
 
 Built cheaply on a copy of the suite's finished project (40 steps): its run continued to 80 steps and ended at step
 60 by training.steps lowered back to 40, written as the trainer leaves it through the product's own record functions
@@ -22,7 +23,7 @@ from gguf_assets.lib.core.metrics import VAL_CENTRED_COSINE
 from gguf_assets.lib.output.better import better_weights
 from gguf_assets.lib.project import settings_history
 from gguf_assets.lib.project.layout import FINAL_DIR, META_FILE, WEIGHTS_FILE, ProjectPaths
-from gguf_assets.lib.project.settings import load_settings, replace
+from gguf_assets.lib.project.settings import load_settings, replace, write_project_file
 from gguf_assets.lib.status import runs
 from gguf_assets.lib.status.states import State, project_status, with_running
 from gguf_assets.lib.training.training_run import (
@@ -100,6 +101,12 @@ def test_a_lowered_counts_page_says_where_it_ended(lowered, capsys):
     assert [(r.fingerprint, r.made_by_settings, r.current) for r in listed.runs] == [
         (parent, True, False), (child, True, True)]
     assert listed.to_json()["compare_default"] == [parent, child]
+
+    # Raised past where it ended: the run that goes on from it is not "stopped at step 60/100".
+    write_project_file(paths.root, replace(load_settings(paths.root), training={"steps": 100}))
+    view = project_view(paths, ObservationFeed(dg.DagsterInstance.ephemeral()))
+    assert view.training["text"] == \
+        "goes on from step 60 to 100 (training.steps raised): Run continues the run that ended there", view.training
 
 
 def _export_and_report(paths: ProjectPaths):

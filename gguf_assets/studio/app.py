@@ -78,6 +78,7 @@ from gguf_assets.lib.training.training_run import (
     finished_meta,
     history_to_the_end,
     last_checkpoint_step,
+    parent_of,
     planned_adapter_run,
 )
 from gguf_assets.studio.last_run import last_run_view
@@ -277,7 +278,8 @@ def training_view(paths: ProjectPaths, settings, live: list[dict] | None, *,
     # 1600/1600" for a run that ended at step 1740).
     progress = training_progress(logs[-1] if logs else None, steps, running=live is not None,
                                  saved_step=steps if finished else last_checkpoint_step(paths, fingerprint),
-                                 ended=ended_early(final))
+                                 ended=ended_early(final),
+                                 continues=not run_dir.is_dir() and parent_of(paths, fingerprint) is not None)
     history = merged_history(saved, live or [])
     return {"running": live is not None, "progress": progress, "text": progress["text"],
             "svg": curves_svg(history, panel_width=440, panel_height=220) if history else ""}
