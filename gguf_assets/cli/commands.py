@@ -39,6 +39,7 @@ from gguf_assets.lib.materials.hub import token_from_env
 from gguf_assets.lib.materials.hub_shapes import quick_options
 from gguf_assets.lib.materials.materials_run import load_manifest
 from gguf_assets.lib.output import snapshots
+from gguf_assets.lib.output.better import better_offers
 from gguf_assets.lib.output.report import retrieval_text
 from gguf_assets.lib.precompute.shards import require_current
 from gguf_assets.lib.project.layout import ProjectPaths, check_output_folders
@@ -186,6 +187,10 @@ def _print_results(paths: ProjectPaths) -> None:
         cosine = (report[VAL_CENTRED_COSINE] if report[VAL_CENTRED_COSINE] is not None
                   else report["val_centred_cosine_torch"])
         print(f"val centred cosine: {cosine:.4f}  ({report['verdict']})")
+        # Earlier weights that scored higher, each with the command that gives them (on a line of its own, whole).
+        for text, command in better_offers(report.get("better_weights") or [], trainer, paths.root):
+            print(textwrap.fill(text, 80, initial_indent="  ", subsequent_indent="  ", break_on_hyphens=False))
+            print(f"    {command}")
         if (retrieval := retrieval_text(report)) is not None:
             print(f"prompt retrieval: {retrieval}")
         print(f"open the UI (runs, metrics, report): {trainer('ui', paths.root)}")

@@ -30,6 +30,7 @@ from gguf_assets.lib.status.states import project_status, with_running
 from gguf_assets.lib.telemetry.progress import format_seconds
 
 DIFF_KEYS_SHOWN = 2  # in the table's "vs project.yaml" column; --diff RUN lists them all
+COMPARE_SVG = "checkpoints/compare.svg"  # --compare's curves, in the project beside the runs' folders
 
 
 def add_parser(sub) -> None:
@@ -42,12 +43,13 @@ def add_parser(sub) -> None:
                                                    "its values, and make its GGUF and report current (no training)")
     what.add_argument("--delete", metavar="RUN", help="remove the run's folder (never the current run's)")
     what.add_argument("--label", nargs=2, metavar=("RUN", "TEXT"), help="give the run a label (\"\" removes it)")
-    what.add_argument("--compare", nargs="+", metavar="RUN",
+    what.add_argument("--compare", nargs="*", metavar="RUN",
                       help="runs' scores step by step (val centred cosine, relative MSE, cosine after RMSNorm, worst "
                            "query row, empty prompt) and at their last validation, and their GGUF's (prompt retrieval "
-                           "too); the curves go to an SVG")
+                           "too); the curves go to an SVG. No RUN: the newest run and the one it continues (else the "
+                           "best other)")
     p.add_argument("--svg", metavar="FILE", help="with --compare: write the curves, one chart per score, to FILE "
-                                                 "(default: a new file in the temp folder; its path is printed)")
+                                                 f"(default: {COMPARE_SVG} in the project; its path is printed)")
     p.add_argument("--json", action="store_true", help="print the runs as JSON (for tools)")
     p.set_defaults(func=cmd_runs)
 
@@ -61,8 +63,8 @@ def cmd_runs(args: argparse.Namespace) -> int:
     if not paths.project_file.is_file():
         raise NoProject(f"{paths.project_file} does not exist: pass a project folder (`gguf-trainer init DIR` makes "
                         "one)")
-    if args.svg and not args.compare:
-        raise runs.RunsError("--svg goes with --compare RUN [RUN...]")
+    if args.svg and args.compare is None:
+        raise runs.RunsError("--svg goes with --compare [RUN...]")
     if args.use:
         return _use(paths, args.use, as_json=args.json)
     if args.delete:
@@ -79,8 +81,12 @@ def cmd_runs(args: argparse.Namespace) -> int:
     view = runs.read_runs(paths)
     if args.diff:
         return _diff(paths, runs.find_run(view, args.diff), as_json=args.json)
-    if args.compare:
-        return _compare(view, args.compare, svg=args.svg, as_json=args.json)
+    if args.compare is not None:
+        refs = args.compare or [r.fingerprint for r in runs.default_compared(view)]
+        if not refs:
+            raise runs.RunsError(f"{paths.root} has no training runs to compare yet: "
+                                 f"`{trainer('run', paths.root)}` trains one")
+        return _compare(paths, view, refs, svg=args.svg, as_json=args.json)
     if args.json:
         print(json.dumps(view.to_json(), indent=2))
         return 0
@@ -147,7 +153,7 @@ def _table(paths: ProjectPaths, view) -> None:
               f"`{trainer('run', paths.root)}` trains it")
     if view.runs:
         print(f"current: its GGUF and report are in the output folder. More: `{trainer('runs', paths.root)} "
-              "--diff RUN | --use RUN | --delete RUN | --label RUN TEXT | --compare RUN [RUN...]` (RUN: a name, its "
+              "--diff RUN | --use RUN | --delete RUN | --label RUN TEXT | --compare [RUN...]` (RUN: a name, its "
               "start, or a label)")
 
 
@@ -194,19 +200,32 @@ def _use(paths: ProjectPaths, ref: str, *, as_json: bool) -> int:
     return 0
 
 
-def _compare(view, refs: list[str], *, svg: str | None, as_json: bool) -> int:
+def _write_svg(paths: ProjectPaths, text: str) -> Path:
+    """The comparison's SVG into the project (COMPARE_SVG, replaced by the next one); a read-only project's into a
+    new file in the temp folder."""
     import tempfile
 
+    target = paths.root / COMPARE_SVG
+    try:
+        atomic.write_text(target, text)
+        return target
+    except OSError:
+        handle, name = tempfile.mkstemp(prefix="gguf-trainer-compare-", suffix=".svg")
+        os.close(handle)
+        atomic.write_text(Path(name), text)
+        return Path(name)
+
+
+def _compare(paths: ProjectPaths, view, refs: list[str], *, svg: str | None, as_json: bool) -> int:
     compared = compare_scores(view, refs)
     if as_json:
         if svg:
             atomic.write_text(Path(svg), compared.svg)
         print(json.dumps(compared.to_json(), indent=2))
         return 0
-    if not svg:  # never into the project folder, which may be read-only
-        handle, svg = tempfile.mkstemp(prefix="gguf-trainer-compare-", suffix=".svg")
-        os.close(handle)
-    atomic.write_text(Path(svg), compared.svg)
+    if svg:
+        atomic.write_text(Path(svg), compared.svg)
+    svg = str(Path(svg) if svg else _write_svg(paths, compared.svg))
     runs = compared.runs
     names = [r.name for r in runs]
     by_step = [dict(r.curve) for r in runs]

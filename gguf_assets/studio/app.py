@@ -37,7 +37,7 @@ from gguf_assets.lib.materials.hub import token_from_env
 from gguf_assets.lib.materials.hub_shapes import quick_options
 from gguf_assets.lib.materials.materials_run import load_manifest
 from gguf_assets.lib.output import snapshots  # by module: a test holds take_snapshot to see one change at a time
-from gguf_assets.lib.output.report import ggk_line, read_report, score_rows, verdict_rule
+from gguf_assets.lib.output.report import ggk_line, read_report, score_rows, shown_advice, verdict_rule
 from gguf_assets.lib.precompute.shards import require_current
 from gguf_assets.lib.project import settings_file, settings_history
 from gguf_assets.lib.project.layout import FINAL_DIR, META_FILE, ProjectPaths
@@ -73,7 +73,14 @@ from gguf_assets.lib.telemetry.hardware import (
 )
 from gguf_assets.lib.telemetry.live import merged_history, precompute_progress, training_progress
 from gguf_assets.lib.telemetry.render import curves_svg, sparkline_svg
-from gguf_assets.lib.training.training_run import last_checkpoint_step, planned_adapter_run
+from gguf_assets.lib.training.training_run import (
+    ended_early,
+    finished_meta,
+    history_to_the_end,
+    last_checkpoint_step,
+    parent_of,
+    planned_adapter_run,
+)
 from gguf_assets.studio.last_run import last_run_view
 from gguf_assets.studio.page_signal import page_signal
 from gguf_assets.studio.settings_form import NUMBER_RULES, apply_form, form_sections, form_values
@@ -249,8 +256,8 @@ def _saved_history(run_dir: Path) -> list[dict]:
     for folder in (run_dir / FINAL_DIR, latest_checkpoint(run_dir) if run_dir.is_dir() else None):
         if folder is not None and (folder / META_FILE).is_file():
             try:
-                return list(atomic.read_json(folder / META_FILE).get("history", []))
-            except (OSError, ValueError):
+                return history_to_the_end(atomic.read_json(folder / META_FILE))
+            except (OSError, ValueError, AttributeError):
                 continue
     return []
 
@@ -266,15 +273,20 @@ def training_view(paths: ProjectPaths, settings, live: list[dict] | None, *,
         return None  # nothing to train on yet (no materials, no corpus)
     run_dir, steps = paths.checkpoints_dir(fingerprint), settings.training.steps
     saved = _saved_history(run_dir)
-    finished = live is None and (run_dir / FINAL_DIR / META_FILE).is_file()
+    final = finished_meta(run_dir) if live is None else None
+    finished = final is not None
     if not saved and live is None:  # these settings never trained: show the adapter there is
         try:
             saved = _saved_history(paths.root / atomic.read_json(paths.adapter_manifest)["run_dir"])
         except (OSError, ValueError, KeyError, TypeError):
             saved = []
     logs = [e for e in (live or []) if "loss" in e]
+    # A finished run's own end: its final step, and, when a lowered training.steps ended it, how (not "finished:
+    # 1600/1600" for a run that ended at step 1740).
     progress = training_progress(logs[-1] if logs else None, steps, running=live is not None,
-                                 saved_step=steps if finished else last_checkpoint_step(paths, fingerprint))
+                                 saved_step=steps if finished else last_checkpoint_step(paths, fingerprint),
+                                 ended=ended_early(final),
+                                 continues=not run_dir.is_dir() and parent_of(paths, fingerprint) is not None)
     history = merged_history(saved, live or [])
     return {"running": live is not None, "progress": progress, "text": progress["text"],
             "svg": curves_svg(history, panel_width=440, panel_height=220) if history else ""}
@@ -398,7 +410,9 @@ def _report_view(paths: ProjectPaths, settings) -> dict | None:
     report_doc = paths.located_doc(report.to_json())
     score = report_score(report)
     # Read from the report as the export recorded them (sizes, sha256): nothing is hashed again per page load.
-    return {"verdict": report.verdict, "advice": report.advice, "score": score, "score_source": report.score_source,
+    # The advice's commands (better weights: lib/output/better.py) for this project's folder, to paste anywhere.
+    return {"verdict": report.verdict, "advice": shown_advice(report, trainer, paths.root), "score": score,
+            "score_source": report.score_source,
             "gguf_path": report_doc["gguf_path"], "ggk_command": report.ggk_command,
             "report_json": str(paths.report_json(settings)), "report_md": str(paths.report_md(settings)),
             "files": [{"path": f["path"], "role": f["role"], "is_copy": bool(f.get("copy_of")), "bytes": f["bytes"],
@@ -725,8 +739,8 @@ def _runs_routes(studio: Studio) -> list[Route]:
 
     async def runs_compare(request: Request) -> JSONResponse:
         refs = request.query_params.getlist("run")
-        if len(refs) < 2:
-            raise BadRequest("name two runs to compare: ?run=A&run=B")
+        if not refs:
+            raise BadRequest("name the runs to compare: ?run=A&run=B")
         compared, svg = compare_runs(await run_in_threadpool(read_runs, paths), refs)
         return JSONResponse({"runs": [r.name for r in compared], "svg": svg})
 

@@ -96,8 +96,11 @@ def test_a_snapshot_mid_run_changes_nothing_and_a_kill_during_one_leaves_no_gguf
 
 
 def test_lowering_the_steps_mid_run_ends_it_now_with_an_exported_and_evaluated_gguf(shards_done_project, tmp_path):
+    import dagster as dg
+
     from gguf_assets.lib.project.layout import REPORT_JSON
     from gguf_assets.lib.project.settings import load_settings, replace, write_project_file
+    from gguf_assets.studio.app import ObservationFeed, project_view
 
     project = shards_done_project
     run = _run_held_at_the_stall(project.root, tmp_path)
@@ -124,6 +127,11 @@ def test_lowering_the_steps_mid_run_ends_it_now_with_an_exported_and_evaluated_g
     # The lowered count stands for this run: nothing is left to do.
     status = trainer_run(["status", str(project.root)], capture_output=True, text=True, env=cli_env(), timeout=120)
     assert status.returncode == 0 and "stale" not in status.stdout and "missing" not in status.stdout, status.stdout
+    # #65: a lowered count's page, and `status`, say where it ended, not "finished: 10/10 steps".
+    ended = f"ended at step {STALL_AT} (training.steps lowered to {lowered})"
+    assert any(line.split() == ["adapter", "current", *ended.split()] for line in status.stdout.splitlines())
+    page = project_view(project, ObservationFeed(dg.DagsterInstance.ephemeral()))
+    assert page.training["text"] == ended and page.training["progress"]["percent"] == 100.0, page.training
 
 
 def test_deleting_one_snapshot_of_a_step_leaves_the_other_and_best_at_the_end_is_the_runs_own_gguf(

@@ -5,7 +5,8 @@ table; the panels below fold, and stay as the user left them; the settings are g
 from the schema's defaults, and narrowed by the filter; a number field is text checked on the field as the server
 checks it (the browser used to turn `2o00` into 200), and a Save it refuses sends nothing; the server's own refusal
 marks the field it names. A 390-px phone scrolls nothing sideways, and dark mode follows the system. Last, the
-Training metrics panel's Snapshot button and its list's Evaluate and Delete (#57) work on the copy. Screenshots
+Training metrics panel's Snapshot button and its list's Evaluate and Delete (#57) work on the copy, and Runs' Compare
+offers two different runs once a second one appears (#65). Screenshots
 go to the test's tmp folder, and to $GGUF_ASSETS_SCREENSHOTS too when it is set.
 """
 
@@ -349,7 +350,7 @@ def test_a_notification_comes_once_when_a_run_the_page_watched_ends(studio):
 def test_a_snapshot_is_taken_evaluated_and_deleted_from_the_training_panel(studio):
     """#57 in the Training metrics panel: Snapshot says "Taking snapshot…" and is disabled until the studio answers,
     then the list has a row with its step and file, and the GGUF is on disk; Evaluate puts the GGUF's own score in
-    its row; Delete removes the GGUF (its row is the kept step again, to export once more). Last in the module: the
+    its row; Delete removes the GGUF (its row is the kept step again, to export once more). Late in the module: the
     project keeps that kept step."""
     from playwright.sync_api import expect
 
@@ -428,3 +429,30 @@ def _kept_score(studio, step: int) -> float:
     from gguf_assets.lib.training.kept_steps import kept_step_meta
 
     return kept_step_meta(_run_dir(studio), step)["val_centred_cosine"]
+
+
+def test_compare_starts_with_two_different_runs_as_a_second_run_comes(studio):
+    """#65: with one run, Compare's two selects hold it; once a second run appears (a continuation started from the
+    studio), the panel's next refresh offers two different runs, the newest and the best other (not the first run
+    twice), and Compare draws both. Last in the module: the second run is removed again."""
+    from playwright.sync_api import expect
+
+    page = studio.page()
+    first = _run_dir(studio).name
+    a, b = page.locator("#runs-a"), page.locator("#runs-b")
+    expect(a).to_have_value(first)
+    expect(b).to_have_value(first)
+    page.click('nav a[href="#runs"]')  # a link to a folded panel opens it
+    second = studio.paths.root / "checkpoints" / "0123456789abcdef"
+    shutil.copytree(_run_dir(studio), second, ignore=shutil.ignore_patterns("export"))
+    try:
+        # The panel refreshes every 10 s, and at once after a change made on it: an unchanged label, here.
+        page.once("dialog", lambda dialog: dialog.accept(""))
+        page.locator("#runs-table tr").first.get_by_role("button", name="Label").click()
+        expect(b).to_have_value(second.name)
+        expect(a).to_have_value(first)
+        page.click("#runs-compare")
+        expect(page.locator("#runs-svg polyline")).to_have_count(2)
+    finally:
+        shutil.rmtree(second)
+    assert not page.errors, page.errors

@@ -12,19 +12,22 @@ from __future__ import annotations
 
 import re
 import shlex
+from collections.abc import Callable
 from pathlib import Path
 
 from gguf_assets.lib.core import atomic, verify
 from gguf_assets.lib.core import metrics as m
+from gguf_assets.lib.core.commands import shell_line
 from gguf_assets.lib.core.ggk_contract import ESCAPE_HINT, USER_FILES
 from gguf_assets.lib.core.markdown import markdown_table, user_text
+from gguf_assets.lib.output.better import better_advice, better_weights, shortfall
 from gguf_assets.lib.output.kept import keep_report
 from gguf_assets.lib.project import settings_history
-from gguf_assets.lib.project.layout import FINAL_DIR, META_FILE, REPORT_JSON, REPORT_MD, ProjectPaths
+from gguf_assets.lib.project.layout import REPORT_JSON, REPORT_MD, ProjectPaths
 from gguf_assets.lib.project.manifests import DamagedRecord, ExportSidecar, MaterialsManifest, Report
 from gguf_assets.lib.project.settings import Settings
-from gguf_assets.lib.training.training_run import final_run_dir
-from gguf_assets.lib.training.verdict import GOOD, LISTENS_TOP1, retrieval_bar, validation_curve, verdict
+from gguf_assets.lib.training.training_run import final_run_dir, finished_meta
+from gguf_assets.lib.training.verdict import GOOD, GOOD_VERDICT, LISTENS_TOP1, retrieval_bar, validation_curve, verdict
 
 # ggk's flags (gk-diffuser.cpp), for the "use it in ggk" table.
 VISION_FLAG = "--llm_vision"
@@ -93,10 +96,9 @@ def _per_shard(evaluation: dict | None, torch_rows: list[dict]) -> list[dict]:
 def _final_meta(paths: ProjectPaths) -> dict:
     """The finished training run's final/meta.json, or {} when it cannot be read."""
     try:
-        meta = atomic.read_json(final_run_dir(paths) / FINAL_DIR / META_FILE)
+        return finished_meta(final_run_dir(paths)) or {}
     except (OSError, ValueError, KeyError, TypeError):  # RecordPathError included: no meta from outside
         return {}
-    return meta if isinstance(meta, dict) else {}
 
 
 def _last_validation(meta: dict) -> dict:
@@ -129,6 +131,9 @@ def build_report(paths: ProjectPaths, settings: Settings, materials: MaterialsMa
     retrieval = {key: evaluation.get(key) for key in m.RETRIEVAL_KEYS} if evaluation else None
     text, advice = verdict(score, validation_curve(final_meta.get("history") or []), width=settings.training.width,
                            steps=settings.training.steps, retrieval=retrieval)
+    better = better_weights(paths, final_meta, torch_score=torch_score,
+                            gguf_score=evaluation[m.VAL_CENTRED_COSINE] if evaluation else None)
+    text, advice = with_better_weights(text, advice, better)
     others = evaluation if evaluation else _last_validation(final_meta)
     student = materials.student
     ggk_files = {"adapter": adapter_file["path"], "vision_encoder": vision_file["path"] if vision_file else None,
@@ -149,7 +154,7 @@ def build_report(paths: ProjectPaths, settings: Settings, materials: MaterialsMa
         eval_seconds=evaluation["seconds"] if evaluation else None,
         per_shard=_per_shard(evaluation, gguf.per_shard_torch),
         worst=[{**w, "shard": paths.stored(w["shard"])} for w in evaluation["worst"]] if evaluation else [],
-        verdict=text, advice=advice,
+        verdict=text, advice=advice, better_weights=better,
         # The report lists what a user checks (size, sha256), not the stamps status uses.
         files=[verify.without_stamp(f) for f in files],
         student={"repo": student["source"], "commit": student["commit"], "path": student["path"],
@@ -175,6 +180,32 @@ def build_report(paths: ProjectPaths, settings: Settings, materials: MaterialsMa
     atomic.write_json(out / REPORT_JSON, stored)
     atomic.write_text(out / REPORT_MD, markdown)
     return Report.from_json(stored)
+
+
+# The report's files store no absolute path: its commands name the project folder as "." (run them from there, as
+# its ggk command). `gguf-trainer run` and the studio show them for the project's own path (better_advice).
+STORED_PROJECT = "."
+
+
+def stored_command(*words: object) -> str:
+    return shell_line("gguf-trainer", *words)
+
+
+def with_better_weights(text: str, advice: str, better: list[dict]) -> tuple[str, str]:
+    """The verdict and advice when earlier weights scored higher (lib/output/better.py): the verdict says so, and
+    the advice starts with where they are; "use it" advice gives way to it (the recipe advice stays)."""
+    if not better:
+        return text, advice
+    recipe = "" if text.startswith(GOOD_VERDICT) else f" {advice}"
+    return f"{text} {shortfall(better)}", better_advice(better, stored_command, STORED_PROJECT) + recipe
+
+
+def shown_advice(report: Report, command: Callable[..., str], project: object) -> str:
+    """The report's advice with its commands for ``project`` (the stored advice names the project folder ".")."""
+    if not report.better_weights:
+        return report.advice
+    stored = better_advice(report.better_weights, stored_command, STORED_PROJECT)
+    return report.advice.replace(stored, better_advice(report.better_weights, command, project))
 
 
 def _fmt(x: float | None) -> str:

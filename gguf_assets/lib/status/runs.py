@@ -28,14 +28,17 @@ from gguf_assets.lib.core.commands import trainer
 from gguf_assets.lib.core.errors import UserError
 from gguf_assets.lib.core.lock import ProjectLock
 from gguf_assets.lib.core.metrics import VAL_CENTRED_COSINE
+from gguf_assets.lib.materials.materials_run import load_manifest
 from gguf_assets.lib.output.export_run import exported_files_unchanged, gguf_path
 from gguf_assets.lib.output.kept import NotRestorable, keep_current, kept_gguf, read_kept, restore_kept
+from gguf_assets.lib.precompute.shards import shard_fingerprints
 from gguf_assets.lib.project import settings_file, settings_history
 from gguf_assets.lib.project.layout import (
     DELETING_DIR,
     FINAL_DIR,
     LABEL_FILE,
     META_FILE,
+    SPLITS,
     STEP_DIR,
     ProjectPaths,
 )
@@ -55,13 +58,17 @@ from gguf_assets.lib.telemetry.curves_log import TENSORBOARD_DIR, run_name
 from gguf_assets.lib.telemetry.render import compare_panels_svg, compare_svg
 from gguf_assets.lib.training.training_run import (
     RunOutcome,
+    ended_early,
     final_weights_intact,
+    history_to_the_end,
     newest_meta,
     reached_step,
     read_lineage,
     read_session,
     record_finished_run,
+    run_fingerprint,
     session_alive,
+    standing_runs,
 )
 from gguf_assets.lib.training.verdict import validation_curve
 
@@ -153,7 +160,8 @@ class RunsView:
         made = next((r.name for r in self.runs if r.made_by_settings), None)
         return {"project": str(self.root), "current": self.current, "settings_fingerprint": self.settings_fingerprint,
                 "settings_run": made, "settings_error": self.settings_error,
-                "runs": [{**r.to_json(), "lineage": lineage_lines(r, self)} for r in self.runs]}
+                "runs": [{**r.to_json(), "lineage": lineage_lines(r, self)} for r in self.runs],
+                "compare_default": [r.fingerprint for r in default_compared(self)]}
 
 
 def lineage_lines(run: Run, view: RunsView) -> list[str]:
@@ -315,7 +323,7 @@ def _state(run_dir: Path, final: bool, session: dict | None, step: int, steps: i
 
 
 def _read_run(paths: ProjectPaths, run_dir: Path, *, now: Settings | None, manifest: dict,
-              settings_fp: str | None) -> Run:
+              settings_fp: str | None, standing: list[str]) -> Run:
     fingerprint = run_dir.name
     meta = newest_meta(run_dir)
     final = (run_dir / FINAL_DIR / META_FILE).is_file() and meta is not None and meta.get("finished") is True
@@ -326,8 +334,10 @@ def _read_run(paths: ProjectPaths, run_dir: Path, *, now: Settings | None, manif
     steps = (training or {}).get("steps")
     step = int(meta["step"]) if final else _checkpoint_step(run_dir)
     state, detail = _state(run_dir, final, session, step, steps)
+    if final:  # a run a lowered training.steps ended says so, not "finished" at a count it never reached
+        detail = ended_early(meta) or detail
     best = (meta or {}).get("best") or {}
-    history = (meta or {}).get("history") or []
+    history = history_to_the_end(meta)
     seconds = (meta or {}).get("train_seconds")
     estimated = seconds is None
     if estimated:
@@ -345,7 +355,8 @@ def _read_run(paths: ProjectPaths, run_dir: Path, *, now: Settings | None, manif
         final_val_centred_cosine=meta.get(VAL_CENTRED_COSINE) if final else None,
         gguf_val_centred_cosine=report.get(VAL_CENTRED_COSINE), train_seconds=seconds,
         seconds_estimated=estimated and seconds is not None, disk_bytes=used,
-        current=manifest.get("fingerprint") == fingerprint, made_by_settings=settings_fp == fingerprint,
+        current=manifest.get("fingerprint") == fingerprint,
+        made_by_settings=fingerprint == settings_fp or fingerprint in standing,
         settings_hash=digest, settings_source=source,
         kept_gguf=paths.stored(kept_gguf(paths, fingerprint, kept)) if kept else None,
         kept_report=bool(kept and kept.get("report")), curve=curve,
@@ -386,6 +397,18 @@ def _with(run: Run, **changes) -> Run:
     return dc_replace(run, **changes)
 
 
+def _made_by(paths: ProjectPaths, settings: Settings) -> tuple[str | None, list[str]]:
+    """(the training run ``settings`` make now, every run they stand for: training_run.standing_runs, which holds
+    more than one where a continuation was lowered back to its parent's count); (None, []) before there are shards
+    to plan, or with a damaged record (status says which)."""
+    try:
+        materials = load_manifest(paths)
+        fps = [shard_fingerprints(paths, settings, materials, split) for split in SPLITS]
+        return run_fingerprint(paths, settings, *fps), [r.fingerprint for r in standing_runs(paths, settings, *fps)]
+    except (OSError, ValueError, KeyError, TypeError, UserError):
+        return None, []
+
+
 def list_runs(paths: ProjectPaths, now: Settings | None, *, settings_error: str | None = None) -> RunsView:
     """Every run of the project, oldest first. ``now``: project.yaml's settings (None when it does not load: the
     runs are listed without a diff)."""
@@ -394,16 +417,15 @@ def list_runs(paths: ProjectPaths, now: Settings | None, *, settings_error: str 
     except (OSError, ValueError):
         manifest = {}
     manifest = manifest if isinstance(manifest, dict) else {}
-    settings_fp = None
-    if now is not None:
-        try:
-            settings_fp = expected_fingerprints(paths, now).get("adapter")
-        except (OSError, ValueError, KeyError, TypeError, UserError):
-            settings_fp = None  # no corpus yet, or a damaged record: status says which
+    settings_fp, standing = _made_by(paths, now) if now is not None else (None, [])
     lineage = {entry["run"]: entry for entry in read_lineage(paths)}
-    runs = [_with_lineage(paths, _read_run(paths, d, now=now, manifest=manifest, settings_fp=settings_fp), lineage)
+    started = list(lineage)  # the order runs started in: a continuation made before runs recorded its own start
+    runs = [_with_lineage(paths, _read_run(paths, d, now=now, manifest=manifest, settings_fp=settings_fp,
+                                           standing=standing), lineage)
             for d in run_dirs(paths)]
-    runs.sort(key=lambda r: (r.started_at is None, r.started_at or 0.0, r.name))
+    # (time stamped with its parent's) still comes after its parent
+    runs.sort(key=lambda r: (r.started_at is None, r.started_at or 0.0,
+                             started.index(r.fingerprint) if r.fingerprint in started else len(started), r.name))
     return RunsView(paths.root, _unique_names(runs), manifest.get("fingerprint"), settings_fp, settings_error)
 
 
@@ -555,6 +577,10 @@ def use_run(paths: ProjectPaths, ref: str, *, base_sha256: str | None = None,
                 expected = expected_fingerprints(paths, new)
             except (OSError, ValueError, KeyError, TypeError, UserError):
                 expected = {}
+            if expected.get("adapter") not in (None, run.fingerprint) and run.fingerprint in _made_by(paths, new)[1]:
+                # project.yaml stands for it and for the current run (a continuation lowered back to this run's
+                # count): it becomes the current one, and the one the settings mean from then on.
+                expected = expected_fingerprints(paths, new, adapter_fp=run.fingerprint)
             if expected.get("adapter") not in (None, run.fingerprint):
                 why = ("its shards changed since it trained (the materials, the prompts or a shard)"
                        if run.settings_source.startswith("its") else
@@ -625,14 +651,40 @@ def _compared(view: RunsView, refs: list[str]) -> list[Run]:
     return runs
 
 
+def default_compared(view: RunsView) -> list[Run]:
+    """The runs Compare starts with, two different ones: the newest and the run it continues, else the newest and
+    the other run with the best validation; the newest alone when it is the only run."""
+    if not view.runs:
+        return []
+    newest = view.runs[-1]
+    others = [r for r in view.runs if r.fingerprint != newest.fingerprint]
+    partner = next((r for r in others if r.fingerprint == newest.parent), None) or max(
+        others, key=lambda r: (r.best_val_centred_cosine is not None, r.best_val_centred_cosine or 0.0), default=None)
+    return [partner, newest] if partner is not None else [newest]
+
+
 def _shown_name(run: Run) -> str:
     return f"{run.name} ({run.label})" if run.label else run.name
+
+
+# The charts of compared runs leave the untrained adapter's score (step 0) out: near 0 below validations near 0.9, it
+# would flatten every difference between the runs. The table and the JSON keep it.
+DRAWN_FROM = "from the first validation; the untrained step 0 is left out"
+
+
+def _drawn(run: Run, runs: list[Run], points: list[tuple[int, float]]) -> list[tuple[int, float]]:
+    """The points of ``run``'s curve a comparison chart draws: none at step 0, and for a continuation compared with
+    the run it continues, none before the step it went on from (that history is the parent's, drawn once, as the
+    parent's line; the continuation's starts where it left it)."""
+    shared_to = run.parent_step if run.parent and any(r.fingerprint == run.parent for r in runs) else None
+    return [(x, y) for x, y in points if x > 0 and (shared_to is None or x >= shared_to)]
 
 
 def compare_runs(view: RunsView, refs: list[str]) -> tuple[list[Run], str]:
     """The runs ``refs`` name and their val centred cosine curves overlaid (SVG; lib/telemetry/render.py)."""
     runs = _compared(view, refs)
-    return runs, compare_svg({_shown_name(r): r.curve for r in runs})
+    return runs, compare_svg({_shown_name(r): _drawn(r, runs, r.curve) for r in runs},
+                             title=f"val centred cosine ({DRAWN_FROM})")
 
 
 def score_curves(root: Path, run: Run) -> dict[str, list[tuple[int, float]]]:
@@ -669,7 +721,9 @@ def compare_scores(view: RunsView, refs: list[str]) -> Comparison:
     curves = {score.key: {name: run_curves[score.key] for name, run_curves in per_run} for score in metrics.COMPARED}
     titles = {score.key: score.label + ("" if score.higher_is_better else " (lower is better)")
               for score in metrics.COMPARED}
-    return Comparison(runs, curves, compare_panels_svg({titles[key]: by_run for key, by_run in curves.items()}))
+    drawn = {titles[key]: {name: _drawn(run, runs, by_run[name]) for run, (name, _) in zip(runs, per_run)}
+             for key, by_run in curves.items()}
+    return Comparison(runs, curves, compare_panels_svg(drawn))
 
 
 def size_text(n: int) -> str:

@@ -107,7 +107,8 @@ def another_value(value, annotation):
     return "other"
 
 
-def expected_fingerprints(paths: ProjectPaths, settings: Settings, view=None) -> dict[str, str]:
+def expected_fingerprints(paths: ProjectPaths, settings: Settings, view=None, *,
+                          adapter_fp: str | None = None) -> dict[str, str]:
     """Per stage, the fingerprint its result has when made now from these settings and the inputs on disk;
     a stage is missing here while what it is computed from does not exist yet (no materials manifest,
     no corpus).
@@ -119,6 +120,8 @@ def expected_fingerprints(paths: ProjectPaths, settings: Settings, view=None) ->
 
     ``view``: this question's states.ProjectView, when it was asked already: its manifest, shard plans and
     adapter fingerprint are used as they are, not computed again (one question, one computation of each).
+    ``adapter_fp``: the training run to count as the adapter, one of those the settings stand for
+    (training_run.standing_runs) though they prefer another now (`gguf-trainer runs --use` makes it current).
     """
     out = {"materials": materials_fingerprint(settings)}
     if not paths.materials_manifest.is_file():
@@ -138,8 +141,8 @@ def expected_fingerprints(paths: ProjectPaths, settings: Settings, view=None) ->
                  shard_fingerprints(paths, settings, materials, split) for split in SPLITS}
     for split in SPLITS:
         out[f"{split}_shards"] = atomic.fingerprint(shard_fps[split])
-    out["adapter"] = view.adapter_fp if planned else run_fingerprint(paths, settings, shard_fps["train"],
-                                                                     shard_fps["val"])
+    out["adapter"] = adapter_fp or (view.adapter_fp if planned else run_fingerprint(paths, settings, shard_fps["train"],
+                                                                                    shard_fps["val"]))
     out["gguf"] = gguf_fingerprint(settings, materials, out["adapter"])
     out["eval_report"] = report_fingerprint(settings, out["gguf"], shard_fps["val"])
     return out

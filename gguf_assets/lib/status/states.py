@@ -44,7 +44,10 @@ from gguf_assets.lib.status.stages import STAGES, stage_settings
 from gguf_assets.lib.training.training_run import (
     adapter_fingerprint,
     adapter_is_current,
+    ended_early,
+    final_run_dir,
     final_weights_stored,
+    finished_meta,
     last_checkpoint_step,
     parent_of,
     run_fingerprint,
@@ -73,6 +76,9 @@ class StageState:
     # Unfinished because project.yaml was edited, though no result is replaced (training.steps raised after a
     # finished run): new work, which waits for Run like a stale stage does.
     by_edit: bool = False
+    # ``detail`` without what `gguf-trainer run` would do: what with_running shows while a run does it ("" when
+    # detail says nothing of the kind).
+    fact: str = ""
 
     @property
     def resumable(self) -> bool:
@@ -239,7 +245,7 @@ def _stages(paths: ProjectPaths, settings: Settings, learned: dict) -> list[Stag
                                  "teacher+student") for s in STAGES[STAGES.index("adapter"):]]
     if not adapter_is_current(paths, adapter_fp):
         return out + [_adapter_state(paths, settings, adapter_fp)] + blocked_rest("adapter")
-    out.append(StageState("adapter", State.CURRENT))
+    out.append(StageState("adapter", State.CURRENT, _how_it_ended(paths)))
     sidecar = gguf_path(paths, settings).with_suffix(".json")
     if not gguf_is_current(paths, settings, materials, adapter_fp):
         if not sidecar.is_file():
@@ -288,10 +294,12 @@ def _adapter_state(paths: ProjectPaths, settings: Settings, adapter_fp: str) -> 
         # training.steps raised after a finished or stopped run: it goes on from that run's newest checkpoint
         why = why_stale(paths, settings, "adapter", _recorded_hash(paths.adapter_manifest),
                         "training.steps changed") if paths.adapter_manifest.is_file() else "training.steps changed"
-        return StageState("adapter", State.PARTIAL, f"{why}: goes on from step {step} to {settings.training.steps} "
-                          "(`gguf-trainer run` continues the run from its newest checkpoint)", by_edit=True)
-    partial = StageState("adapter", State.PARTIAL, f"trained to step {step} of {settings.training.steps} "
-                         "(checkpoint kept; `gguf-trainer run` resumes from it)") if step else None
+        fact = f"{why}: goes on from step {step} to {settings.training.steps}"
+        return StageState("adapter", State.PARTIAL, f"{fact} (`gguf-trainer run` continues the run from its newest "
+                          "checkpoint)", by_edit=True, fact=fact)
+    trained = f"trained to step {step} of {settings.training.steps}"
+    partial = StageState("adapter", State.PARTIAL, f"{trained} (checkpoint kept; `gguf-trainer run` resumes from it)",
+                         fact=trained) if step else None
     if not paths.adapter_manifest.is_file():
         return partial or StageState("adapter", State.MISSING)
     if damage := _damage(paths, paths.adapter_manifest):
@@ -304,6 +312,15 @@ def _adapter_state(paths: ProjectPaths, settings: Settings, adapter_fp: str) -> 
     return partial or StageState("adapter", State.STALE, why_stale(
         paths, settings, "adapter", _recorded_hash(paths.adapter_manifest),
         "its train or val shards changed since it was trained"))
+
+
+def _how_it_ended(paths: ProjectPaths) -> str:
+    """The current adapter's end when a lowered training.steps ended it ("ended at step 1740 (training.steps
+    lowered to 1600)"), else ""."""
+    try:
+        return ended_early(finished_meta(final_run_dir(paths))) or ""
+    except (OSError, ValueError, KeyError, TypeError):  # RecordPathError included: adapter_is_current read it
+        return ""
 
 
 def _why_shards_stale(paths: ProjectPaths, settings: Settings, split: str, todo: list) -> str:
@@ -349,6 +366,8 @@ def with_running(status: list[StageState], holder: HolderRecord | None) -> list[
     now = next((s for s in status if s.stage in running.assets and s.state != State.CURRENT), None)
     if now is None:
         return status
-    was = f"; was {now.state}" + (f": {now.detail}" if now.detail else "")
+    # What it was, not what `run` would do with it: the run does it now.
+    detail = now.fact or now.detail
+    was = f"; was {now.state}" + (f": {detail}" if detail else "")
     shown = StageState(now.stage, State.RUNNING, f"run {running.run_id[:8]} of {running.job}{was}")
     return [shown if s is now else s for s in status]

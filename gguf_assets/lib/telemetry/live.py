@@ -17,9 +17,13 @@ from gguf_assets.lib.telemetry.eta import pace
 from gguf_assets.lib.telemetry.progress import format_seconds
 
 
-def training_progress(latest: dict | None, steps: int, *, saved_step: int = 0, running: bool = True) -> dict:
+def training_progress(latest: dict | None, steps: int, *, saved_step: int = 0, running: bool = True,
+                      ended: str | None = None, continues: bool = False) -> dict:
     """The progress bar's figures: the latest log step of the running training (``latest``: its figures), or,
-    before its first log step or while nothing trains, ``saved_step`` (the step its newest checkpoint holds)."""
+    before its first log step or while nothing trains, ``saved_step`` (the step its newest checkpoint holds).
+    ``ended``: how a finished run ended when a lowered training.steps ended it (training_run.ended_early), said
+    instead of "finished". ``continues``: the run is a continuation not started yet (training.steps raised after
+    a run ended): ``saved_step`` is where the run it continues ended, not a stop."""
     step = int(latest["step"]) if latest else saved_step
     rate = float(latest.get("steps_per_s", 0.0)) if latest else 0.0
     eta_s = latest.get("eta_s") if latest else None
@@ -32,8 +36,12 @@ def training_progress(latest: dict | None, steps: int, *, saved_step: int = 0, r
         text = f"step {step}/{steps}, loss {loss:.4f}, {rate:.2f} steps/s, ETA {eta}"
     elif running:
         text = f"step {step}/{steps}: starting (no log step yet)"
+    elif ended:
+        text, percent = ended, 100.0
     elif step >= steps:
         text = f"finished: {steps}/{steps} steps"
+    elif continues:
+        text = f"goes on from step {step} to {steps} (training.steps raised): Run continues the run that ended there"
     elif step:
         text = f"stopped at step {step}/{steps} (its checkpoint is kept: Run resumes from it)"
     else:

@@ -369,6 +369,7 @@ class _TrainingRun:
                 raise TrainingError(f"training run {self.fingerprint} continues run {self.planned.parent}, which has "
                                     f"no intact checkpoint left in {parent_dir}; set training.steps back, or delete "
                                     f"{self.paths.root / 'checkpoints' / LINEAGE_FILE} to train from step 0")
+            resumed.started_at = None  # the continuation starts now (`runs` lists it after its parent)
             resumed.started = {"previous_run": self.planned.parent, "continues": self.planned.parent,
                                "from_step": resumed.step,
                                "message": f"continuing run {self.planned.parent} from step {resumed.step} to "
@@ -446,6 +447,10 @@ class _TrainingRun:
                                       last=t.keep_steps_to, planned=t.steps):
                         self._keep_step(BY_SCHEDULE)
                     if self.step % t.log_every == 0 and self._lowered_below_current_step():
+                        # The end is validated like a planned last step: its score is the chart's last point,
+                        # and best/ sees it.
+                        if self.last_validation is None or self.last_validation[0] != self.step:
+                            self._validate()
                         if saved_at != self.step:
                             self._checkpoint()
                             saved_at = self.step

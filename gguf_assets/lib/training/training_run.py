@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from gguf_assets.lib.core import atomic, liveness, verify
-from gguf_assets.lib.core.metrics import VAL_CENTRED_COSINE
+from gguf_assets.lib.core.metrics import EMPTY_PROMPT_COSINE, VAL_CENTRED_COSINE, VAL_LOSS
 from gguf_assets.lib.precompute.shards import shard_fingerprints
 from gguf_assets.lib.project import formats
 from gguf_assets.lib.project.layout import (
@@ -87,6 +87,9 @@ def run_fingerprint(paths: ProjectPaths, settings: Settings, train_fps: list[str
 #   4. else, when the newest run of this lineage reached fewer steps than this count, its continuation: a run of
 #      its own, whose fingerprint names the parent and the count, that starts from the parent's newest checkpoint;
 #   5. else a fresh run.
+# Where rules 1 to 3 find several runs (a continuation lowered back to its parent's count: the parent is rule 1's,
+# the continuation rule 2's), the current one (checkpoints/final.json's) is the one: the run that finished last, or
+# the one `gguf-trainer runs --use` chose.
 
 LINEAGE_FILE = "lineage.json"
 RUN_ID = re.compile(r"[0-9a-f]{16}")  # atomic.fingerprint's form: a run's folder name under checkpoints/
@@ -179,26 +182,52 @@ def parent_of(paths: ProjectPaths, run: str) -> str | None:
     return next((r.get("parent") for r in read_lineage(paths) if r["run"] == run), None)
 
 
-def planned_run(paths: ProjectPaths, settings: Settings, train_fps: list[str], val_fps: list[str]) -> PlannedRun:
-    """Which training run these settings and shards stand for (the rules above)."""
+def current_run(paths: ProjectPaths) -> str | None:
+    """The fingerprint checkpoints/final.json names (the run whose GGUF and report are the output folder's)."""
+    try:
+        fingerprint = atomic.read_json(paths.adapter_manifest).get("fingerprint")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return fingerprint if isinstance(fingerprint, str) else None
+
+
+def standing_runs(paths: ProjectPaths, settings: Settings, train_fps: list[str],
+                  val_fps: list[str]) -> list[PlannedRun]:
+    """The runs that exist and that these settings stand for by rules 1 to 3 above, in the rules' order."""
+    return _standing(paths, settings, train_fps, val_fps)[0]
+
+
+def _standing(paths: ProjectPaths, settings: Settings, train_fps: list[str],
+              val_fps: list[str]) -> tuple[list[PlannedRun], list[dict]]:
+    """(standing_runs, the lineage entries of this lineage that have work)."""
     steps = settings.training.steps
     fresh = training_fingerprint(settings, train_fps, val_fps)
     key = lineage_key(settings, train_fps, val_fps)
-    if _has_work(paths.checkpoints_dir(fresh)):
-        return PlannedRun(fresh, key, steps)
+    standing = [PlannedRun(fresh, key, steps)] if _has_work(paths.checkpoints_dir(fresh)) else []
+    if standing and current_run(paths) in (None, fresh):  # nothing else can be preferred: the lineage is not read
+        return standing, []
     family = [r for r in read_lineage(paths) if r.get("lineage") == key and _has_work(paths.checkpoints_dir(r["run"]))]
-    for entry in reversed(family):
-        if entry.get("lowered_to") == steps:
-            return PlannedRun(entry["run"], key, int(entry["planned_steps"]), lowered=True)
-    for entry in reversed(family):
-        if entry.get("planned_steps") == steps:
-            return PlannedRun(entry["run"], key, steps, parent=entry.get("parent"))
+    standing += [PlannedRun(entry["run"], key, int(entry["planned_steps"]), lowered=True)
+                 for entry in reversed(family) if entry.get("lowered_to") == steps]
+    standing += [PlannedRun(entry["run"], key, steps, parent=entry.get("parent"))
+                 for entry in reversed(family) if entry.get("planned_steps") == steps]
+    return standing, family
+
+
+def planned_run(paths: ProjectPaths, settings: Settings, train_fps: list[str], val_fps: list[str]) -> PlannedRun:
+    """Which training run these settings and shards stand for (the rules above)."""
+    steps = settings.training.steps
+    standing, family = _standing(paths, settings, train_fps, val_fps)
+    if standing:
+        current = current_run(paths)
+        return next((run for run in standing if run.fingerprint == current), standing[0])
+    key = lineage_key(settings, train_fps, val_fps)
     if family and reached_step(paths.checkpoints_dir(family[-1]["run"])) < steps:
         parent = family[-1]["run"]
         planned = PlannedRun(continuation_fingerprint(parent, steps), key, steps, parent=parent)
         _PLANNED_PARENTS[planned.fingerprint] = parent
         return planned
-    return PlannedRun(fresh, key, steps)
+    return PlannedRun(training_fingerprint(settings, train_fps, val_fps), key, steps)
 
 
 def adapter_is_current(paths: ProjectPaths, adapter_fp: str) -> bool:
@@ -267,6 +296,41 @@ def final_weights_intact(run_dir: Path) -> bool:
         return recorded_sha256 is not None and atomic.sha256_file(run_dir / FINAL_DIR / WEIGHTS_FILE) == recorded_sha256
     except (OSError, ValueError, AttributeError):
         return False
+
+
+def finished_meta(run_dir: Path) -> dict | None:
+    """A run's final/meta.json (its finished record), or None when it has none that reads."""
+    try:
+        meta = atomic.read_json(run_dir / FINAL_DIR / META_FILE)
+    except (OSError, ValueError):
+        return None
+    return meta if isinstance(meta, dict) else None
+
+
+def ended_early(meta: dict | None) -> str | None:
+    """How a finished run that a lowered training.steps ended mid-run ended, from its final/ meta ("ended at step
+    1740 (training.steps lowered to 1600)"); None for any other run. Every place that tells a run's end says it so:
+    the studio's training line, `status`, `runs`."""
+    lowered = (meta or {}).get("lowered_to")
+    if not meta or meta.get("finished") is not True or not isinstance(lowered, int):
+        return None
+    return f"ended at step {meta['step']} (training.steps lowered to {lowered})"
+
+
+# A validation's scores that a finished run's final/ meta records for its last step too.
+END_SCORES = (VAL_CENTRED_COSINE, EMPTY_PROMPT_COSINE, VAL_LOSS)
+
+
+def history_to_the_end(meta: dict | None) -> list[dict]:
+    """A run's recorded history (its newest meta's), ending with its final evaluation as a validation where the
+    history has none at the final step: a run ended by a lowered training.steps before the trainer validated there
+    (runs made before it did) would otherwise chart and compare without its last score."""
+    history = [e for e in (meta or {}).get("history") or [] if isinstance(e, dict)]
+    if not meta or meta.get("finished") is not True or not isinstance(meta.get(VAL_CENTRED_COSINE), (int, float)):
+        return history
+    if any(e.get("step") == meta.get("step") and VAL_CENTRED_COSINE in e for e in history):
+        return history
+    return [*history, {"step": meta["step"], **{key: meta.get(key) for key in END_SCORES}}]
 
 
 def newest_meta(run_dir: Path) -> dict | None:

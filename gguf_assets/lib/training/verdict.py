@@ -23,6 +23,7 @@ from gguf_assets.lib.core.metrics import (
 )
 
 GOOD = 0.9
+GOOD_VERDICT = "Good"  # how a verdict that passes starts (the studio colours the result by it)
 REFERENCE = 0.965  # the seed's RTX 5090 run with the trainer8 recipe
 # Still rising: at least this much gained over the last quarter of training.
 RISING = 0.005
@@ -96,8 +97,8 @@ def verdict(val_centred_cosine: float, curve: list[tuple[int, float]] | None = N
         heard = "" if retrieval is None else (
             f" and prompt retrieval top-1 {retrieval[VAL_RETRIEVAL_TOP1]:.3f} (chance "
             f"{retrieval_chance(retrieval[VAL_RETRIEVAL_PROMPTS]):.3f})")
-        return (f"Good: val centred cosine {val_centred_cosine:.3f} (the reference trainer8 run reached {REFERENCE})"
-                f"{heard}.", "Use it. More steps or prompts may still add a little.")
+        return (f"{GOOD_VERDICT}: val centred cosine {val_centred_cosine:.3f} (the reference trainer8 run reached "
+                f"{REFERENCE}){heard}.", "Use it. More steps or prompts may still add a little.")
     if val_centred_cosine >= GOOD:
         return (f"Not there yet: val centred cosine {val_centred_cosine:.3f} reaches {GOOD}, but {shortfall[0]}.",
                 shortfall[1])

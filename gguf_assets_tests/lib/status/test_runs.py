@@ -269,6 +269,13 @@ def test_compare_overlays_two_runs_curves(project):
     assert json.loads(alone.stdout)["scores"]["val_rms_cosine"] == {
         f"{compared.runs[1].name} (<b>copy</b>)": [list(p) for p in compared.curves["val_rms_cosine"][
             f"{compared.runs[1].name} (<b>copy</b>)"]]}
+    # No RUN (#65): two different runs, the newest and the best other; the SVG goes into the project, its path said.
+    default = cli("runs", str(project.root), "--compare")
+    assert default.returncode == 0, default.stderr
+    assert re.search(rf"^step +{first.name} +{compared.runs[1].name}$", default.stdout, re.M), default.stdout
+    written = project.root / "checkpoints" / "compare.svg"
+    assert default.stdout.splitlines()[-1] == f"wrote the curves, one chart per score, to {written}"
+    assert ET.fromstring(written.read_text()).findall("{http://www.w3.org/2000/svg}g")
 
 
 def test_use_puts_a_run_s_gguf_back_from_its_own_copy_and_never_a_damaged_copy(project):

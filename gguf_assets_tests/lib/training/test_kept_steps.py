@@ -4,6 +4,7 @@ process, a few seconds each."""
 from __future__ import annotations
 
 import shutil
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
@@ -15,14 +16,16 @@ from gguf_assets.lib.output import snapshots
 from gguf_assets.lib.project.layout import FINAL_DIR, META_FILE, WEIGHTS_FILE, ProjectPaths
 from gguf_assets.lib.project.manifests import MaterialsManifest
 from gguf_assets.lib.project.settings import replace, write_project_file
-from gguf_assets.lib.status.runs import list_runs
+from gguf_assets.lib.status.runs import compare_runs, default_compared, list_runs
 from gguf_assets.lib.training import kept_steps as kept
 from gguf_assets.lib.training.events import LogStep, Note
 from gguf_assets.lib.training.train import train_adapter
 from gguf_assets.lib.training.training_run import (
+    ended_early,
     last_checkpoint_step,
     planned_run,
     shards_identity,
+    standing_runs,
     training_fingerprint,
 )
 
@@ -109,6 +112,11 @@ def test_lowering_the_steps_mid_run_finishes_now_and_raising_them_after_goes_on_
     assert early.finished and early.step == 15
     meta = atomic.read_json(run_dir / FINAL_DIR / META_FILE)
     assert (meta["planned_steps"], meta["lowered_to"]) == (40, 12)
+    # #65: the end is validated like a planned last step (validate_every is 10): the chart's last point is step 15's
+    # score, and every list says where it ended.
+    last = next(e for e in reversed(meta["history"]) if "val_centred_cosine" in e)
+    assert last["step"] == 15 and last["val_centred_cosine"] == pytest.approx(meta["val_centred_cosine"], abs=1e-6)
+    assert ended_early(meta) == "ended at step 15 (training.steps lowered to 12)"
     # The lowered count now stands for that run: nothing is trained again.
     lowered = replace(SETTINGS, training={"steps": 12})
     fps = [shards_identity(shards["train"])], [shards_identity(shards["val"])]
@@ -134,6 +142,7 @@ def test_lowering_the_steps_mid_run_finishes_now_and_raising_them_after_goes_on_
     first, second = (next(r for r in view.runs if r.fingerprint == fp) for fp in (early.fingerprint,
                                                                                  went_on.fingerprint))
     assert (first.step, first.planned_steps, first.lowered_to, first.parent) == (15, 40, 12, None)
+    assert first.detail == "ended at step 15 (training.steps lowered to 12)" and first.curve[-1][0] == 15
     assert (second.step, second.planned_steps, second.parent, second.parent_step) == (25, 25, early.fingerprint, 15)
     capsys.readouterr()
     runs_cli._table(ProjectPaths.of(root), view)
@@ -150,3 +159,39 @@ def test_lowering_the_steps_mid_run_finishes_now_and_raising_them_after_goes_on_
     assert again.fingerprint == went_on.fingerprint and again.step == 25
     assert not [e for e in events if isinstance(e, LogStep)]
     assert any("already finished" in e.message for e in events if isinstance(e, Note))
+
+
+def test_a_continuation_lowered_back_to_its_parents_count_stands_for_it_and_compares_with_it(tmp_path, shards):
+    """#65: a run of 20 steps, continued to 40, lowered back to 20 at step 25: the settings stand for both runs, and
+    mean the one that finished last (the current one), which says where it ended. Compare starts with the two, draws
+    their shared history once, and scales its axis to the validations (the untrained step 0 left out)."""
+    root = tmp_path / "project"
+    short = replace(SETTINGS, training={"steps": 20})
+    parent, _ = _train(root, shards, short)
+
+    def lower_at_25(event):
+        if isinstance(event, LogStep) and event.step == 25:
+            _write_yaml(root, short)
+
+    child, child_dir = _train(root, shards, replace(SETTINGS, training={"steps": 40}), on_event=lower_at_25)
+    assert child.finished and child.step == 25 and child.fingerprint != parent.fingerprint
+    paths, fps = ProjectPaths.of(root), ([shards_identity(shards["train"])], [shards_identity(shards["val"])])
+    assert {r.fingerprint for r in standing_runs(paths, short, *fps)} == {parent.fingerprint, child.fingerprint}
+    assert planned_run(paths, short, *fps).fingerprint == child.fingerprint  # the current run, not the parent
+
+    view = list_runs(paths, short)
+    first, second = view.runs  # the continuation after the run it continues
+    assert (first.fingerprint, second.fingerprint) == (parent.fingerprint, child.fingerprint)
+    assert second.current and not first.current
+    assert second.detail == "ended at step 25 (training.steps lowered to 20)"
+    assert [r.fingerprint for r in default_compared(view)] == [parent.fingerprint, child.fingerprint]
+    assert [step for step, _ in second.curve] == [0, 10, 20, 25]  # its history holds its parent's
+
+    _, svg = compare_runs(view, [parent.fingerprint, child.fingerprint])
+    lines = ET.fromstring(svg).findall("{http://www.w3.org/2000/svg}polyline")
+    drawn = [len(line.get("points").split()) for line in lines]
+    assert drawn == [2, 2], drawn  # the parent's 10 and 20; the continuation's own 20 and 25 (none at 0)
+    y_labels = [float(t.text) for t in ET.fromstring(svg).iter("{http://www.w3.org/2000/svg}text") if t.get("x") == "2"]
+    validations = [cosine for step, cosine in second.curve if step > 0]  # the axis spans them, not the untrained 0
+    assert y_labels == pytest.approx([max(validations), min(validations)], abs=1e-3), (y_labels, second.curve)
+    assert min(validations) > second.curve[0][1] + 0.01
