@@ -303,6 +303,56 @@ def test_dark_mode_follows_the_system(studio):
     assert not page.errors, page.errors
 
 
+# The text elements whose colour against their background (the nearest opaque one, translucent layers blended in)
+# is under WCAG's AA contrast: 4.5, or 3 for large text; disabled controls and the charts' SVG are exempt.
+LOW_CONTRAST = r"""() => {
+  const rgba = (s) => { const m = s.match(/[\d.]+/g).map(Number); return [m[0], m[1], m[2], m.length > 3 ? m[3] : 1]; };
+  const lin = (c) => { c /= 255; return c <= 0.03928 ? c / 12.92 : ((c + 0.055) / 1.055) ** 2.4; };
+  const lum = ([r, g, b]) => 0.2126 * lin(r) + 0.7152 * lin(g) + 0.0722 * lin(b);
+  const background = (e) => {
+    let layers = [];
+    for (let a = e; a; a = a.parentElement) {
+      const c = rgba(getComputedStyle(a).backgroundColor);
+      if (c[3] > 0) { layers.push(c); if (c[3] >= 1) break; }
+    }
+    let out = layers.length && layers[layers.length - 1][3] >= 1 ? layers.pop() : [255, 255, 255, 1];
+    if (!layers.length && out[3] < 1) out = [255, 255, 255, 1];
+    for (const c of layers.reverse()) out = [0, 1, 2].map((i) => c[i] * c[3] + out[i] * (1 - c[3]));
+    return out;
+  };
+  const bad = [];
+  for (const e of document.querySelectorAll('body *')) {
+    const own = [...e.childNodes].some((n) => n.nodeType === 3 && n.textContent.trim());
+    if (!own || e.closest('svg') || e.disabled || e.closest('[disabled]')) continue;
+    const r = e.getBoundingClientRect(); const st = getComputedStyle(e);
+    if (!r.width || !r.height || st.visibility === 'hidden' || st.display === 'none' || +st.opacity === 0) continue;
+    const fg = rgba(st.color), bg = background(e);
+    const fgm = [0, 1, 2].map((i) => fg[i] * fg[3] + bg[i] * (1 - fg[3]));
+    const [a, b] = [lum(fgm), lum(bg)].sort((x, y) => y - x);
+    const ratio = (a + 0.05) / (b + 0.05);
+    const size = parseFloat(st.fontSize), bold = +st.fontWeight >= 700;
+    const need = size >= 24 || (bold && size >= 18.66) ? 3 : 4.5;
+    if (ratio < need)
+      bad.push(`${ratio.toFixed(2)} < ${need}: ${e.tagName}#${e.id}.${e.className} "${e.textContent.slice(0, 40)}"`);
+  }
+  return bad;
+}"""
+
+
+@pytest.mark.parametrize("scheme", ["light", "dark"])
+def test_every_text_is_readable_in_light_and_dark_at_both_widths(studio, scheme):
+    """The finished project with every panel open, at 1,400 and 390 px, in the system's light and dark schemes:
+    each text reaches AA contrast, and nothing scrolls sideways (screenshots kept)."""
+    for viewport in (WIDE, PHONE):
+        page = studio.page(viewport, color_scheme=scheme)
+        page.click("#open-all")
+        assert page.evaluate(LOW_CONTRAST) == [], (scheme, viewport)
+        assert _scroll_width(page) <= viewport["width"], (scheme, viewport, _scroll_width(page))
+        studio.shot(page, f"{scheme}-{viewport['width']}-all-open", full_page=True)
+        assert not page.errors, page.errors
+        page.context.close()
+
+
 # Each notification the page makes, kept for the test; the browser's own Notification still makes it.
 RECORD_NOTIFICATIONS = """
   window.notices = [];
