@@ -88,7 +88,7 @@ from gguf_assets.lib.core.quiet import quiet_libraries
 from gguf_assets.lib.corpus.corpus import build_corpus, read_split
 from gguf_assets.lib.corpus.corpus_run import corpus_fingerprint
 from gguf_assets.lib.demo.demo import TEACHER_HIDDEN_SIZE, build_demo_materials, demo_settings
-from gguf_assets.lib.materials.materials import resolve_materials
+from gguf_assets.lib.materials.pinning.resolve import resolve_materials
 from gguf_assets.lib.precompute.shards import ShardBuilder, data_file, plan_shards, precompute_split
 from gguf_assets.lib.project.layout import PROMPTS_FILE, ProjectPaths
 from gguf_assets.lib.project.settings import Settings, replace, write_project_file

@@ -102,7 +102,7 @@ def real_state_shapes(encoder: Path) -> dict[str, tuple[tuple[int, ...], torch.d
     """{name: shape} of the persistent state the REAL code builds from ``encoder``'s config, on the meta device."""
     from transformers import AutoConfig, AutoModel
 
-    from gguf_assets.lib.materials.llada_text_stack import written_for_transformers_4
+    from gguf_assets.lib.materials.teacher.text_stack import written_for_transformers_4
 
     with written_for_transformers_4():
         config = AutoConfig.from_pretrained(encoder, trust_remote_code=True)

@@ -251,14 +251,15 @@ def test_a_local_teacher_with_only_pickle_weights_is_refused_at_the_materials_st
 
 
 def test_weights_under_a_name_transformers_does_not_load_are_refused_with_the_rename(make_project):
-    from gguf_assets.lib.materials.materials import MaterialsError, _check_model_folder
+    from gguf_assets.lib.materials.materials_run import MaterialsError
+    from gguf_assets.lib.materials.pinning.checks import check_model_folder
     from gguf_assets.lib.project.settings import load_settings
 
     paths = make_project()
     teacher = paths.root / "materials" / "demo" / "teacher"
     (teacher / "model.safetensors").rename(teacher / "weights.safetensors")
     with pytest.raises(MaterialsError, match="not named model.safetensors"):
-        _check_model_folder("teacher", "t", teacher, load_settings(paths.root))
+        check_model_folder("teacher", "t", teacher, load_settings(paths.root))
 
 
 # -- prompt files ---------------------------------------------------------------------------------

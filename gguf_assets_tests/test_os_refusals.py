@@ -69,7 +69,7 @@ def one_line(done: subprocess.CompletedProcess, *needles: str) -> str:
 @pytest.fixture(scope="module")
 def used_project(tmp_path_factory, demo_materials_root) -> Path:
     """A project as a run leaves it, without a pipeline: Dagster's storage, the lock files, the materials record."""
-    from gguf_assets.lib.materials.materials import resolve_materials
+    from gguf_assets.lib.materials.pinning.resolve import resolve_materials
     from gguf_assets.lib.project.settings import load_settings
 
     paths = new_demo_project(tmp_path_factory.mktemp("read-only") / "project", demo_materials_root, steps=5,

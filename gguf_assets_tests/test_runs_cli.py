@@ -167,6 +167,10 @@ def test_the_studio_runs_endpoints(project):
         status, view = _call(base + "/api/runs")
         assert status == 200 and len(view["runs"]) == 2 and len(view["settings_sha256"]) == 64
         first, second = view["runs"]
+        # The Runs table's lineage column (#65): which run each continues, in the words `gguf-trainer runs` prints.
+        assert "<th>lineage</th>" in html
+        assert (first["lineage"], second["lineage"]) == (
+            [], [f"continues {first['name']} from step 40 (training.steps raised to 60)"]), view["runs"]
         # Another origin changes nothing, and neither does a "use" made on an older project.yaml.
         use = {"run": first["name"], "base_sha256": view["settings_sha256"]}
         assert _call(base + "/api/runs/use", use, origin="http://evil.example")[0] == 403

@@ -37,7 +37,7 @@ from gguf_assets.lib.core.metrics import VAL_CENTRED_COSINE
 from gguf_assets.lib.demo import DEMO_STEPS
 from gguf_assets.lib.materials.hub import token_from_env
 from gguf_assets.lib.materials.hub_shapes import quick_options
-from gguf_assets.lib.materials.materials import load_manifest
+from gguf_assets.lib.materials.materials_run import load_manifest
 from gguf_assets.lib.output import snapshots
 from gguf_assets.lib.output.report import retrieval_text
 from gguf_assets.lib.precompute.shards import require_current

@@ -124,23 +124,6 @@ def _vs_settings(run) -> str:
     return ", ".join(shown) + (f" +{len(keys) - DIFF_KEYS_SHOWN} more" if len(keys) > DIFF_KEYS_SHOWN else "")
 
 
-def _lineage_lines(run, view) -> list[str]:
-    """What a run's row does not say: the run it continues, an early end, its snapshots and kept steps (#57)."""
-    names = {r.fingerprint: r.name for r in view.runs}
-    lines = []
-    if run.parent:
-        lines.append(f"continues {names.get(run.parent, run.parent)} from step {run.parent_step or '?'} "
-                     f"(training.steps raised to {run.planned_steps or run.steps or '?'})")
-    if run.lowered_to is not None:
-        lines.append(f"ended at step {run.step}: training.steps lowered to {run.lowered_to} (it was planned to "
-                     f"{run.planned_steps or run.steps or '?'})")
-    if run.snapshots or run.kept_steps:
-        kept = len(run.kept_steps)
-        lines.append(f"{run.snapshots} snapshot{'' if run.snapshots == 1 else 's'}, {kept} kept step"
-                     f"{'' if kept == 1 else 's'}" + (f" ({', '.join(map(str, run.kept_steps))})" if kept else ""))
-    return lines
-
-
 def _table(paths: ProjectPaths, view) -> None:
     """The runs, one block each (a table of ten columns would be 240 wide): the name and label, then the
     scores, the time and disk it took, and how it stands against the output folder and project.yaml."""
@@ -158,7 +141,7 @@ def _table(paths: ProjectPaths, view) -> None:
         say(f"    vs project.yaml (the run's values): {_vs_settings(r)}")
         if r.state != RunState.FINISHED:
             say(f"    {r.detail}")
-        for line in _lineage_lines(r, view):
+        for line in runs.lineage_lines(r, view):
             say(f"    {line}")
     if view.settings_error:
         say(f"project.yaml does not load now, so the runs are listed without their settings diff: "

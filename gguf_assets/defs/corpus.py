@@ -9,7 +9,7 @@ from gguf_assets.lib.core.markdown import markdown_table, user_text
 from gguf_assets.lib.corpus.corpus import build_corpus
 from gguf_assets.lib.corpus.corpus_run import corpus_fingerprint, corpus_is_current, corpus_manifest
 from gguf_assets.lib.corpus.prompt_files import check_prompt_files
-from gguf_assets.lib.materials.materials import load_manifest
+from gguf_assets.lib.materials.materials_run import load_manifest
 from gguf_assets.lib.project.manifests import CorpusManifest
 from gguf_assets.pipeline import groups
 from gguf_assets.pipeline.partitions import expected_shard_keys, sync_shard_partitions

@@ -7,7 +7,7 @@ from gguf_assets.defs.panels import panel_metadata
 from gguf_assets.defs.resources import ProjectResource
 from gguf_assets.lib.core import atomic
 from gguf_assets.lib.core.markdown import markdown_table
-from gguf_assets.lib.materials.materials import resolve_materials
+from gguf_assets.lib.materials.pinning.resolve import resolve_materials
 from gguf_assets.pipeline import groups
 from gguf_assets.pipeline.settings_observation import settings_key
 

@@ -11,7 +11,7 @@ from gguf_assets.defs.resources import ProjectResource
 from gguf_assets.defs.training import adapter
 from gguf_assets.lib.core import atomic
 from gguf_assets.lib.core import metrics as m
-from gguf_assets.lib.materials.materials import load_manifest
+from gguf_assets.lib.materials.materials_run import load_manifest
 from gguf_assets.lib.output.export_run import export_sidecar, gguf_path
 from gguf_assets.lib.output.report import (
     build_report,

@@ -16,7 +16,7 @@ from gguf_assets.defs.corpus import corpus
 from gguf_assets.defs.resources import ProjectResource
 from gguf_assets.lib.core import atomic
 from gguf_assets.lib.core.markdown import markdown_table
-from gguf_assets.lib.materials.materials import load_manifest
+from gguf_assets.lib.materials.materials_run import load_manifest
 from gguf_assets.lib.precompute.half_state import HalfState
 from gguf_assets.lib.precompute.shards import ShardReport, plan_shards, precompute_split, shard_status
 from gguf_assets.lib.status.pace import PACE_NOT_YET, precompute_pace

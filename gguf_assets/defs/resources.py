@@ -31,8 +31,9 @@ class ProjectResource(dg.ConfigurableResource):
     # Developer note: project_dir is normally empty and comes from the environment
     # (project_dir_from_env: GGUF_ASSETS_PROJECT or the folder holding DAGSTER_HOME), so run
     # storage holds no absolute path and a copied project is independent. The run's bookkeeping
-    # (lock, settings snapshot, tags, dead runs) is pipeline/run_bookkeeping.py's; this resource only
-    # starts and ends it, the one hook Dagster calls in the run's process before any step.
+    # (lock, settings snapshot, tags, dead runs, the run-end notice) is pipeline/run_bookkeeping.py's; this
+    # resource only starts and ends it, the hooks Dagster calls in the run's process before any step and
+    # after the last.
 
     project_dir: str | None = Field(default=None, description="project folder (default: from the environment)")
     hub: HubResource
@@ -49,7 +50,7 @@ class ProjectResource(dg.ConfigurableResource):
 
     def teardown_after_execution(self, context: dg.InitResourceContext) -> None:
         if self._run is not None:
-            self._run.end()
+            self._run.end(context.log)
             self._run = None
 
     def paths(self) -> ProjectPaths:

@@ -25,11 +25,12 @@ from gguf_assets.orchestration.cluster import load_cluster
 from gguf_assets.orchestration.instance import create_run, open_workspace, prepare_instance, size_gpu_pool
 from gguf_assets.orchestration.outages import PipelineFailed
 from gguf_assets.orchestration.run_outcomes import failure_message
-from gguf_assets.orchestration.stopping import StopRequest, stop_tags_the_latest_run, was_interrupted
+from gguf_assets.orchestration.stopping import StopRequest, stop_tags_the_latest_run
 from gguf_assets.orchestration.workers import run_on_workers, run_workers, worker_gpus
 from gguf_assets.pipeline.plan import Work, next_work
 from gguf_assets.pipeline.private_api import execute_run, recon_job_from_origin
 from gguf_assets.pipeline.resume import mark_interrupted_runs
+from gguf_assets.pipeline.run_end import was_interrupted
 from gguf_assets.pipeline.settings_observation import observe_settings
 
 MAX_LOST_WORKERS = 3  # cluster runs cut off by a dead worker, planned again before the pipeline gives up

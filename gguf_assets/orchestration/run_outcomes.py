@@ -9,8 +9,8 @@ from collections.abc import Callable
 import dagster as dg
 
 from gguf_assets.orchestration.outages import through_outages
-from gguf_assets.pipeline.messages import user_message
 from gguf_assets.pipeline.resume import mark_interrupted_runs
+from gguf_assets.pipeline.run_end import step_failure_line
 
 POLL_S = 1.0
 REPORT_EVERY_S = 10.0
@@ -20,13 +20,9 @@ _KILLED_BY = re.compile(r"was terminated by signal (\d+) \((\w+)\)")
 
 
 def failure_message(instance, run_id: str) -> str:
-    for record in instance.get_records_for_run(run_id, of_type={dg.DagsterEventType.STEP_FAILURE,
-                                                                dg.DagsterEventType.RUN_FAILURE}).records:
-        event = record.event_log_entry.dagster_event
-        data = event.event_specific_data
-        error = getattr(data, "error", None)
-        if event.event_type == dg.DagsterEventType.STEP_FAILURE and error is not None:
-            return f"{event.step_key}: {user_message(error)}"
+    failed_step = step_failure_line(instance, run_id)
+    if failed_step is not None:
+        return failed_step
     # No step failed: the run's process died. Dagster's code server says how, in an engine event.
     for record in instance.get_records_for_run(run_id, of_type={dg.DagsterEventType.ENGINE_EVENT}).records:
         found = _KILLED_BY.search(record.event_log_entry.dagster_event.message or "")

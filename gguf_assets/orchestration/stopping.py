@@ -15,13 +15,6 @@ import dagster as dg
 from gguf_assets.pipeline.run_tags import STOPPED_TAG
 
 
-def was_interrupted(instance, run_id: str) -> bool:
-    """Did the run fail because this process got SIGINT/SIGTERM? (Dagster's own handler catches it in a step.)"""
-    return any(getattr(getattr(r.event_log_entry.dagster_event.event_specific_data, "error", None), "cls_name", "")
-               == "DagsterExecutionInterruptedError"
-               for r in instance.get_records_for_run(run_id, of_type=dg.DagsterEventType.STEP_FAILURE).records)
-
-
 class StopRequest:
     """A stop on purpose: Ctrl-C, SIGTERM (systemd stop, kill), or Terminate in the Dagster UI.
 

@@ -25,6 +25,7 @@ from gguf_assets.pipeline.environment import project_dir_from_env
 from gguf_assets.pipeline.names import CONSOLE
 from gguf_assets.pipeline.plan import next_work
 from gguf_assets.pipeline.private_api import WorkerStatus
+from gguf_assets.pipeline.run_end import notify_interrupted
 from gguf_assets.pipeline.run_tags import INTERRUPTED_TAG, PIPELINE_TAG, SETTINGS_TAG, STOPPED_TAG
 from gguf_assets.pipeline.settings_observation import observe_settings
 
@@ -75,6 +76,7 @@ def mark_interrupted_runs(instance: dg.DagsterInstance) -> list[str]:
         instance.event_log_storage.free_concurrency_slots_for_run(run.run_id)
         instance.add_run_tags(run.run_id, {INTERRUPTED_TAG: "true"})
         marked.append(run.run_id)
+        notify_interrupted(run, reason)  # its own process, which tells a run's end, is gone (pipeline/run_end.py)
     return marked
 
 

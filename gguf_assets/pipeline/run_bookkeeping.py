@@ -3,8 +3,9 @@
 Before: mark runs cut off by a kill -9 or a reboot as failed (so their pool slots are free), load
 the run's one settings snapshot, observe it (the materializations then record the settings they
 were made under), tag the run with its process, and take the project folder's lock. After:
-release the lock. ProjectResource calls ``begin`` and ``end``: a resource's setup is the hook
-Dagster runs in the run's own process before any step.
+release the lock, then tell output.notify_url how the run ended (pipeline/run_end.py). ProjectResource
+calls ``begin`` and ``end``: a resource's setup and teardown are the hooks Dagster runs in the run's own
+process before its first step and after its last.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from gguf_assets.lib.project.layout import ProjectPaths, check_output_folders
 from gguf_assets.lib.project.settings import Settings, load_settings
 from gguf_assets.pipeline import run_tags
 from gguf_assets.pipeline.resume import mark_interrupted_runs
+from gguf_assets.pipeline.run_end import notify_ending_run
 from gguf_assets.pipeline.settings_observation import observe_settings
 
 
@@ -36,6 +38,9 @@ def run_settings(paths: ProjectPaths, run: dg.DagsterRun | None) -> Settings:
 class RunBookkeeping:
     settings: Settings
     lock: ProjectLock
+    paths: ProjectPaths
+    instance: dg.DagsterInstance | None = None
+    run: dg.DagsterRun | None = None
 
     @classmethod
     def begin(cls, instance: dg.DagsterInstance | None, run: dg.DagsterRun | None,
@@ -58,7 +63,10 @@ class RunBookkeeping:
         admitted = run is not None and run_tags.get(run.tags, run_tags.ADMITTED_TAG) is not None
         lock = ProjectLock(paths.lock_file, describe=describe, leader_pid=int(leader) if leader else None,
                            running=running, admitted_run=run.run_id if admitted else None)
-        return cls(settings=settings, lock=lock.__enter__())
+        return cls(settings=settings, lock=lock.__enter__(), paths=paths, instance=instance, run=run)
 
-    def end(self) -> None:
+    def end(self, log=None) -> None:
+        """Release the project, then tell the run's end (never failing the run; ``log``: the run's logger)."""
         self.lock.__exit__(None, None, None)
+        if self.instance is not None and self.run is not None:
+            notify_ending_run(self.instance, self.paths, self.settings, self.run, log)

@@ -37,16 +37,16 @@ from gguf_assets.lib.core.lock import ProjectLocked, holder
 from gguf_assets.lib.core.metrics import EMPTY_PROMPT_COSINE, VAL_CENTRED_COSINE
 from gguf_assets.lib.materials.hub import token_from_env
 from gguf_assets.lib.materials.hub_shapes import quick_options
-from gguf_assets.lib.materials.materials import load_manifest
+from gguf_assets.lib.materials.materials_run import load_manifest
 from gguf_assets.lib.output import snapshots  # by module: a test holds take_snapshot to see one change at a time
-from gguf_assets.lib.output.report import score_rows, verdict_rule
+from gguf_assets.lib.output.report import ggk_line, read_report, score_rows, verdict_rule
 from gguf_assets.lib.precompute.shards import require_current
 from gguf_assets.lib.project import settings_file, settings_history
 from gguf_assets.lib.project.layout import FINAL_DIR, META_FILE, ProjectPaths
-from gguf_assets.lib.project.manifests import DamagedRecord, Report
 from gguf_assets.lib.project.presets import PRESETS, preset, set_keys
 from gguf_assets.lib.project.settings import Settings, SettingsError, load_settings, settings_from_text
 from gguf_assets.lib.status.pace import stage_paces
+from gguf_assets.lib.status.run_end import report_score
 from gguf_assets.lib.status.runs import (
     compare_runs,
     delete_run,
@@ -77,6 +77,7 @@ from gguf_assets.lib.telemetry.live import merged_history, precompute_progress, 
 from gguf_assets.lib.telemetry.render import curves_svg, sparkline_svg
 from gguf_assets.lib.training.training_run import last_checkpoint_step, planned_adapter_run
 from gguf_assets.studio.last_run import last_run_view
+from gguf_assets.studio.page_signal import page_signal
 from gguf_assets.studio.settings_form import NUMBER_RULES, apply_form, form_sections, form_values
 from gguf_assets.studio.spare_run import SpareRun
 
@@ -109,6 +110,7 @@ class PageView:
     hardware_now: dict = field(default_factory=dict)  # the machine's load now (LiveHardware)
     report: dict | None = None  # the verdict and the exported files, marked "outdated" when made earlier
     run_command: str = ""  # the command Run runs
+    signal: dict = field(default_factory=dict)  # the title and the state a notification follows (page_signal.py)
 
     def to_json(self) -> dict:
         """/api/status's answer: the fields by name, in this order."""
@@ -137,6 +139,9 @@ def project_view(paths: ProjectPaths, feed: ObservationFeed | None = None,
     feed = feed or ObservationFeed()
     report = _report_view(paths, settings)
     paces = {p.what: p.text() for p in stage_paces(paths, settings, stages, status)}  # measured speed and ETA
+    stage_rows = [{"stage": s.stage, "title": stage_title(s.stage), "state": s.state, "detail": s.detail}
+                  for s in stages]
+    last_run = _last_run(paths, settings, feed, status)
     # Live only once the run works on the adapter (a run that precomputes first would show "starting").
     training = training_view(paths, settings, feed.entries("adapter", running.run_id)
                              if any(s.stage == "adapter" and s.state == State.RUNNING for s in stages) else None,
@@ -146,12 +151,11 @@ def project_view(paths: ProjectPaths, feed: ObservationFeed | None = None,
     return PageView(
         project=str(paths.root),
         settings_error=None,
-        stages=[{"stage": s.stage, "title": stage_title(s.stage), "state": s.state, "detail": s.detail}
-                for s in stages],
+        stages=stage_rows,
         busy=lock_holder.what if lock_holder is not None else None,
         running={"run_id": running.run_id, "job": running.job} if running is not None else None,
         run_preview=run_preview(paths, settings, stages, busy=lock_holder is not None, view=status),
-        last_run=_last_run(paths, settings, feed, status),
+        last_run=last_run,
         training=training,
         snapshots=snapshots_view(paths, settings, status),  # the training run's snapshots and kept steps
         precompute=precompute_progress([(asset.removesuffix("_shards"), figures) for asset in SHARD_STAGES
@@ -160,6 +164,8 @@ def project_view(paths: ProjectPaths, feed: ObservationFeed | None = None,
         hardware_now=(hardware or LiveHardware()).read(),
         report=report and {**report, "outdated": _outdated(stages)},
         run_command=trainer("run", paths.root),
+        signal=page_signal(paths.root.name, busy=lock_holder is not None, stages=stage_rows, training=training,
+                           last_run=last_run, report=report),
     )
 
 
@@ -284,8 +290,8 @@ def snapshots_view(paths: ProjectPaths, settings, view: ProjectView | None = Non
     snapshot DIR --list` and a refused step read it (snapshots.lineage_snapshots): one row per step a snapshot can
     take and per snapshot GGUF, by step: its planned steps, the weights it holds (step<N> or best), what holds them
     and in which run, the val centred cosine measured at that step, the GGUF's own eval score when it was scored,
-    and the file. Read from the runs' folders only: cheap enough for every poll. None when there is nothing to
-    train on yet (no materials, no corpus)."""
+    and the file, with its ggk command line. Read from the runs' folders and the report only: cheap enough for every
+    poll. None when there is nothing to train on yet (no materials, no corpus)."""
     try:
         fingerprint = adapter_fingerprint_of(paths, settings, view)
         lineage = snapshots.lineage_snapshots(paths, paths.checkpoints_dir(fingerprint), paths.output_dir(settings))
@@ -295,6 +301,7 @@ def snapshots_view(paths: ProjectPaths, settings, view: ProjectView | None = Non
     def source(held_by: str | None, run: str) -> str:
         return ", ".join(part for part in (held_by, None if run == fingerprint else f"of earlier run {run}") if part)
 
+    ggk_command_of = _snapshot_ggk_command(paths, settings)
     rows: dict[tuple[int, str, int], dict] = {}
     for s in lineage.steps:
         rows[(s.step, f"step{s.step}", lineage.runs.index(s.run))] = {
@@ -302,16 +309,27 @@ def snapshots_view(paths: ProjectPaths, settings, view: ProjectView | None = Non
             "source": source(s.held_by, s.run), VAL_CENTRED_COSINE: s.scores.get(VAL_CENTRED_COSINE), "eval": None,
             "file": None, "name": None, "size": None}
     for file in lineage.files:
-        entry = file.entry
+        entry, present = file.entry, file.path.is_file()
         key = (entry.get("step"), str(entry.get("weights")), lineage.runs.index(file.run))
         row = rows.setdefault(key, {"step": key[0], "weights": key[1], "run": file.run,
                                     "source": source(None, file.run)})
         row.update({"planned_steps": entry.get("planned_steps"), VAL_CENTRED_COSINE: entry.get(VAL_CENTRED_COSINE),
                     "eval": (entry.get("eval") or {}).get(VAL_CENTRED_COSINE), "file": str(file.path),
                     "name": file.name, "size": _size(entry["bytes"]) if isinstance(entry.get("bytes"), int) else None,
-                    "missing": not file.path.is_file(), "same_file_as": file.same_file_as(paths)})
+                    "missing": not present, "same_file_as": file.same_file_as(paths),
+                    "ggk_command": ggk_command_of(file.path) if ggk_command_of and present else None})
     return {"run": fingerprint, "rows": [rows[key] for key in sorted(rows, key=lambda k: (k[0], k[1], k[2]))],
             "steps": lineage.steps_text(), "command": trainer("snapshot", paths.root)}
+
+
+def _snapshot_ggk_command(paths: ProjectPaths, settings) -> Callable[[Path], str] | None:
+    """A snapshot GGUF's ggk command line: the result's (its report's), with the snapshot in place of the run's
+    adapter. None before a report names the student GGUF and the other files ggk loads beside the adapter."""
+    report = read_report(paths, settings)
+    if report is None:
+        return None
+    return lambda gguf: ggk_line(settings.output.ggk_command, report.ggk_files, report.student.get("path") or "",
+                                 adapter_gguf=paths.stored(gguf))
 
 
 def hardware_now() -> dict:
@@ -379,14 +397,11 @@ def memory_view(paths: ProjectPaths) -> dict:
 
 
 def _report_view(paths: ProjectPaths, settings) -> dict | None:
-    try:
-        report = Report.read(paths.report_json(settings))
-    except (DamagedRecord, OSError):
-        return None
+    report = read_report(paths, settings)
     if report is None:
         return None
     report_doc = paths.located_doc(report.to_json())
-    score = report.val_centred_cosine if report.evaluated else report.val_centred_cosine_torch
+    score = report_score(report)
     # Read from the report as the export recorded them (sizes, sha256): nothing is hashed again per page load.
     return {"verdict": report.verdict, "advice": report.advice, "score": score, "score_source": report.score_source,
             "gguf_path": report_doc["gguf_path"], "ggk_command": report.ggk_command,

@@ -13,7 +13,7 @@ import pytest
 
 from gguf_assets.lib.core import atomic
 from gguf_assets.lib.demo.demo import demo_settings, iter_prompts
-from gguf_assets.lib.materials.materials import load_manifest
+from gguf_assets.lib.materials.materials_run import load_manifest
 from gguf_assets.lib.project.layout import REPORT_JSON, ProjectPaths
 from gguf_assets.lib.project.settings import load_settings, replace, write_project_file
 from gguf_assets.lib.status.stages import STAGES

@@ -30,7 +30,8 @@ from real_llada import pipeline_settings as _settings
 from safetensors.torch import load_file
 
 from gguf_assets.lib.core import atomic
-from gguf_assets.lib.materials.materials import MaterialsError, load_manifest, manifest_is_current, resolve_materials
+from gguf_assets.lib.materials.materials_run import MaterialsError, load_manifest, manifest_is_current
+from gguf_assets.lib.materials.pinning.resolve import resolve_materials
 from gguf_assets.lib.precompute.llada_teacher import LLaDAImageTeacher
 from gguf_assets.lib.precompute.shards import half_fingerprint
 from gguf_assets.lib.project.layout import REPORT_JSON

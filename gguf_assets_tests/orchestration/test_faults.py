@@ -22,7 +22,8 @@ from safetensors.torch import load as safetensors_load
 from warm_runs import trainer_popen, trainer_run
 
 from gguf_assets.lib.core import atomic, faults
-from gguf_assets.lib.materials.hub import INCOMPLETE_SUFFIX, HubOptions
+from gguf_assets.lib.materials.hub import HubOptions
+from gguf_assets.lib.materials.hub.hf_private import INCOMPLETE_SUFFIX
 from gguf_assets.lib.project.layout import STATE_FILE
 from gguf_assets.orchestration.launching import run_pipeline
 from gguf_assets.orchestration.outages import PipelineFailed

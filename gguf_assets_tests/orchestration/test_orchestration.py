@@ -243,7 +243,7 @@ def test_a_copied_project_is_independent_of_its_original(finished_project, tmp_p
 
 
 def test_the_documented_dagster_cli_commands_work(finished_project, tmp_path, monkeypatch):
-    """README's Dagster CLI section: `eval "$(gguf-trainer env DIR)"`, then `dagster asset materialize`
+    """docs/dagster.md's Dagster CLI commands: `eval "$(gguf-trainer env DIR)"`, then `dagster asset materialize`
     of one asset and of one shard partition, as named jobs' runs on the project's own instance."""
     from gguf_assets.lib.core import atomic
 

@@ -159,7 +159,7 @@ def test_deleting_one_snapshot_of_a_step_leaves_the_other_and_best_at_the_end_is
 def test_the_list_the_studio_and_a_refused_step_agree_on_a_continued_run(finished_project, tmp_path, capsys):
     """#65: after a continuation (training.steps raised), the parent's snapshot GGUF and steps stay listed by
     `snapshot --list` and the studio, a refused --step names the same steps, and a parent's step can be taken."""
-    from gguf_assets.lib.materials.materials import load_manifest
+    from gguf_assets.lib.materials.materials_run import load_manifest
     from gguf_assets.lib.project.settings import load_settings, replace, write_project_file
     from gguf_assets.lib.training.training_run import LINEAGE_FILE, continuation_fingerprint, planned_adapter_run
     from gguf_assets.studio.app import snapshots_view

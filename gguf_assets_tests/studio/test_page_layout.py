@@ -38,9 +38,11 @@ class Studio:
         self.paths, self.url, self.browser, self.shots = paths, url, browser, shots
         self.contexts: list = []
 
-    def page(self, viewport: dict = WIDE, **options):
+    def page(self, viewport: dict = WIDE, init_script: str | None = None, **options):
         context = self.browser.new_context(viewport=viewport, **options)
         self.contexts.append(context)
+        if init_script:  # runs in the page before its own scripts
+            context.add_init_script(init_script)
         page = context.new_page()
         errors: list[str] = []
         page.on("pageerror", lambda error: errors.append(str(error)))
@@ -129,6 +131,9 @@ def test_the_first_screen_holds_the_verdict_the_ggk_command_run_stop_and_the_sta
     # The emphasis note shows its examples as code, not as Markdown's backticks (#65).
     assert "`" not in page.locator("#ggk-emphasis").inner_text()
     assert page.locator("#ggk-emphasis code").all_inner_texts() == ["a \\(red\\) cat", "a (red) cat"]
+    # The tab's title says the state (#65): the finished pipeline's score; Notify asks for notifications.
+    assert page.title() == f"✓ {report['val_centred_cosine']:.3f} · project"
+    assert page.locator("#notify").is_visible() and page.locator("#notify").inner_text() == "Notify me"
     studio.shot(page, "wide-first-screen")
     studio.shot(page, "wide-as-opened", full_page=True)
     assert not page.errors, page.errors
@@ -332,6 +337,50 @@ def test_dark_mode_follows_the_system(studio):
     assert not page.errors, page.errors
 
 
+# Each notification the page makes, kept for the test; the browser's own Notification still makes it.
+RECORD_NOTIFICATIONS = """
+  window.notices = [];
+  const BrowserNotification = window.Notification;
+  window.Notification = class extends BrowserNotification {
+    constructor(title, options) { super(title, options); window.notices.push([title, options.body]); }
+  };
+"""
+
+
+def test_a_notification_comes_once_when_a_run_the_page_watched_ends(studio):
+    """#65: with notifications allowed, the page tells the end of a run it saw running, once. The copy has finished
+    (nothing runs here): the studio's /api/status answers as while a pipeline trains (the signal page_signal.py
+    makes then), then its own answer again."""
+    report = atomic.read_json(studio.paths.root / "output" / "demo-adapter.report.json")
+    done = f"✓ {report['val_centred_cosine']:.3f} · project"
+    page = studio.page(permissions=["notifications"], init_script=RECORD_NOTIFICATIONS)
+    assert page.title() == done
+    assert page.locator("#notify").inner_text() == "Notifications on" and page.locator("#notify").is_disabled()
+    training = {"running": True}
+
+    def status(route):
+        view = route.fetch().json()
+        if training["running"]:
+            view = {**view, "busy": "gguf-trainer run project",
+                    "signal": {**view["signal"], "state": "running", "title": "⏳ 20/40 · project", "detail": ""}}
+        route.fulfill(json=view)
+
+    page.route("**/api/status", status)
+    page.evaluate("refresh()")
+    assert page.title() == "⏳ 20/40 · project" and page.evaluate("window.notices") == []
+    training["running"] = False
+    page.evaluate("refresh()")
+    assert page.title() == done
+    assert page.evaluate("window.notices") == [[done, report["verdict"]]]
+    page.evaluate("refresh()")  # still finished: no second notification
+    training["running"] = True
+    page.evaluate("refresh()")
+    training["running"] = False
+    page.evaluate("refresh()")  # the same run again: told already
+    assert page.evaluate("window.notices") == [[done, report["verdict"]]]
+    assert not page.errors, page.errors
+
+
 def test_a_snapshot_is_taken_evaluated_and_deleted_from_the_training_panel(studio):
     """#57 in the Training metrics panel: Snapshot says "Taking snapshot…" and is disabled until the studio answers,
     then the list has a row with its step and file, and the GGUF is on disk; Evaluate puts the GGUF's own score in
@@ -342,7 +391,7 @@ def test_a_snapshot_is_taken_evaluated_and_deleted_from_the_training_panel(studi
     from gguf_assets.lib.output.snapshots import read_snapshots
 
     answered = 60_000  # ms: an export or an evaluation on a loaded machine (about a second on an idle one)
-    page = studio.page()
+    page = studio.page(permissions=["clipboard-read", "clipboard-write"])
     page.on("dialog", lambda dialog: dialog.accept())  # Delete asks first
     snapshot, message = page.locator("#snapshot"), page.locator("#snapshot-message")
     # Before any snapshot: a row per step a snapshot can take, labelled as the line above says (#65).
@@ -378,6 +427,12 @@ def test_a_snapshot_is_taken_evaluated_and_deleted_from_the_training_panel(studi
     expect(page.locator("#snapshot-steps")).to_have_text(
         "steps a snapshot can take: 30, 35 (checkpoints), 40 (kept for a snapshot)")
     studio.shot(page, "wide-snapshot-taken")
+    # Copy (#65): the ggk command line that loads this snapshot as the adapter.
+    report = atomic.read_json(studio.paths.root / "output" / "demo-adapter.report.json")
+    command = report["ggk_command"].replace(" output/demo-adapter.gguf ", f" output/{gguf.name} ")
+    row.get_by_role("button", name="Copy").click()
+    expect(message).to_have_text(f"copied the ggk command for {gguf.name}: {command}")
+    assert page.evaluate("navigator.clipboard.readText()") == command
 
     row.get_by_role("button", name="Evaluate").click()
     expect(message).to_contain_text("; this GGUF on the val shards ", timeout=answered)

@@ -61,6 +61,10 @@ def test_snapshot_evaluate_and_delete_through_the_studio_routes(finished_project
         # No GGUF yet: a row per step a snapshot can take (the checkpoints on disk, the final step), as --list says.
         steps = "30, 35 (checkpoints), 40 (final weights)"
         assert status == 200 and view["snapshots"]["run"] == run and view["snapshots"]["steps"] == steps
+        # The page's title and the state its notification follows (#65): the finished pipeline's score.
+        report = atomic.read_json(paths.root / "output" / "demo-adapter.report.json")
+        assert view["signal"] == {"state": "finished", "title": f"✓ {report['val_centred_cosine']:.3f} · project",
+                                  "detail": report["verdict"], "run_id": view["last_run"]["run_id"]}, view["signal"]
         assert [(r["step"], r["source"], r["file"]) for r in view["snapshots"]["rows"]] == [
             (30, "checkpoint", None), (35, "checkpoint", None), (40, "final weights", None)], view["snapshots"]
 
@@ -88,7 +92,11 @@ def test_snapshot_evaluate_and_delete_through_the_studio_routes(finished_project
         assert rows[2] == {"step": 40, "planned_steps": 40, "weights": "step40", "run": run,
                            "source": "kept for a snapshot", "val_centred_cosine": entry["val_centred_cosine"],
                            "eval": None, "file": str(gguf), "name": gguf.name,
-                           "size": f"{entry['bytes'] / 1024:.1f} KiB", "missing": False, "same_file_as": None}, rows
+                           "size": f"{entry['bytes'] / 1024:.1f} KiB", "missing": False, "same_file_as": None,
+                           # The row's Copy (#65): the result's ggk command with this GGUF as the adapter.
+                           "ggk_command": report["ggk_command"].replace(" output/demo-adapter.gguf ",
+                                                                        f" output/{gguf.name} ")}, rows
+        assert report["ggk_command"].count(" output/demo-adapter.gguf ") == 1
 
         # Evaluate the same step: the same file again, now with the GGUF's own score on the val shards.
         status, evaluated = _call(base + "/api/snapshot", {"step": 40, "eval": True})

@@ -146,7 +146,7 @@ ESCAPE_HINT = (rf"ggk {GGK_VERSION} reads ( ) [ ] and BREAK in a prompt as empha
 
 # ---------------------------------------------------------------------------------------------------- student
 # model/te/llm.hpp: ggk reads the student's sizes from its tensors and fixes the rest. A student built otherwise
-# computes other states in ggk, so the product refuses it (lib/materials/student_contract.py).
+# computes other states in ggk, so the product refuses it (lib/materials/student/contract.py).
 STUDENT_HEAD_DIM = 128
 STUDENT_RMS_NORM_EPS = 1e-6
 STUDENT_ROPE_THETA = 1_000_000.0

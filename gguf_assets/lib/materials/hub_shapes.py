@@ -19,7 +19,7 @@ from pathlib import Path
 from gguf_assets.lib.core import atomic
 from gguf_assets.lib.core.errors import UserError
 from gguf_assets.lib.materials import hub, query_rows
-from gguf_assets.lib.materials import teacher_layout as layout
+from gguf_assets.lib.materials.teacher import layout
 
 CACHE_SUBDIR = "hub"
 CONFIG_FILE = "config.json"
@@ -127,7 +127,7 @@ def _pipeline_configs(ref: hub.RepoRef, listing: hub.Listing, folder: Path, *, t
 
 def range_headers(ref: hub.RepoRef, listing: hub.Listing, work: Path, *, token: str | None,
                   options: hub.HubOptions, served: list[int] | None = None):
-    """A header_of for lib/materials/teacher_preflight.py: a hub safetensors file's header ({name: entry}) by two
+    """A header_of for lib/materials/teacher/preflight.py: a hub safetensors file's header ({name: entry}) by two
     range reads (its 8-byte length, then the JSON header), checked as safetensors checks it; None for a file the
     listing does not have. ``served`` collects the bytes read."""
     import struct

@@ -21,7 +21,7 @@ from gguf_assets.lib.core.markdown import markdown_table, user_text
 from gguf_assets.lib.output.kept import keep_report
 from gguf_assets.lib.project import settings_history
 from gguf_assets.lib.project.layout import FINAL_DIR, META_FILE, REPORT_JSON, REPORT_MD, ProjectPaths
-from gguf_assets.lib.project.manifests import ExportSidecar, MaterialsManifest, Report
+from gguf_assets.lib.project.manifests import DamagedRecord, ExportSidecar, MaterialsManifest, Report
 from gguf_assets.lib.project.settings import Settings
 from gguf_assets.lib.training.training_run import final_run_dir
 from gguf_assets.lib.training.verdict import GOOD, LISTENS_TOP1, retrieval_bar, validation_curve, verdict
@@ -54,6 +54,24 @@ def ggk_command(template: str, *, student_gguf: str, adapter_gguf: str, vision_g
               **{k: v or "" for k, v in optional.items()}}
     # One pass, so a path that happens to contain "{adapter_gguf}" is not substituted again.
     return re.sub("|".join(re.escape(p) for p in PLACEHOLDERS), lambda m: shlex.quote(values[m.group(0)]), template)
+
+
+def ggk_line(template: str, ggk_files: dict, student_path: str, *, adapter_gguf: str | None = None) -> str:
+    """``template`` (output.ggk_command) filled with a report's ggk files (stored paths: relative to the project
+    folder inside it), the student's own path when the export made no student GGUF; ``adapter_gguf`` in place of
+    the report's adapter (a snapshot's GGUF: the same student, vision encoder and tokenizer pack)."""
+    return ggk_command(template, student_gguf=ggk_files.get("student") or student_path,
+                       adapter_gguf=adapter_gguf or ggk_files["adapter"], vision_gguf=ggk_files.get("vision_encoder"),
+                       tokenizer_pack=ggk_files.get("tokenizer_pack"))
+
+
+def read_report(paths: ProjectPaths, settings: Settings) -> Report | None:
+    """The adapter's report, as stored (paths relative to the project); None when there is none or it cannot be read:
+    what shows a result (the studio, a run-end notice) shows none rather than fail."""
+    try:
+        return Report.read(paths.report_json(settings))
+    except (DamagedRecord, OSError):
+        return None
 
 
 def _for_ggk(files: list[dict], role: str) -> dict | None:
@@ -113,6 +131,8 @@ def build_report(paths: ProjectPaths, settings: Settings, materials: MaterialsMa
                            steps=settings.training.steps, retrieval=retrieval)
     others = evaluation if evaluation else _last_validation(final_meta)
     student = materials.student
+    ggk_files = {"adapter": adapter_file["path"], "vision_encoder": vision_file["path"] if vision_file else None,
+                 "student": student_file["path"] if student_file else None, "tokenizer_pack": pack_dir}
     report = Report(
         fingerprint=fingerprint,
         evaluated=evaluation is not None,
@@ -124,8 +144,7 @@ def build_report(paths: ProjectPaths, settings: Settings, materials: MaterialsMa
         score_source="gguf" if evaluation else "torch",
         gguf_path=gguf.path, gguf_sha256=gguf.sha256, gguf_bytes=gguf.bytes,
         vision_gguf=next((f["path"] for f in files if f["role"] == "vision_encoder" and not f.get("copy_of")), None),
-        ggk_files={"adapter": adapter_file["path"], "vision_encoder": vision_file["path"] if vision_file else None,
-                   "student": student_file["path"] if student_file else None, "tokenizer_pack": pack_dir},
+        ggk_files=ggk_files,
         n_prompts=evaluation["n_prompts"] if evaluation else None,
         eval_seconds=evaluation["seconds"] if evaluation else None,
         per_shard=_per_shard(evaluation, gguf.per_shard_torch),
@@ -136,11 +155,8 @@ def build_report(paths: ProjectPaths, settings: Settings, materials: MaterialsMa
         student={"repo": student["source"], "commit": student["commit"], "path": student["path"],
                  "layer": settings.materials.student_layer},  # report.json's field: always -1, the final norm
         # Paths inside the project are relative to the project folder (run it from there).
-        ggk_command=ggk_command(settings.output.ggk_command,
-                                student_gguf=paths.stored(student_file["path"] if student_file else student["path"]),
-                                adapter_gguf=paths.stored(adapter_file["path"]),
-                                vision_gguf=paths.stored(vision_file["path"]) if vision_file else None,
-                                tokenizer_pack=paths.stored(pack_dir) if pack_dir else None),
+        ggk_command=ggk_line(settings.output.ggk_command, paths.stored_doc({"ggk_files": ggk_files})["ggk_files"],
+                             paths.stored(student["path"])),
         kept_f32=gguf.kept_f32,
         settings_hash=settings_history.remember(paths.root, settings),
         **{key: others.get(key) for key in OTHER_SCORES},

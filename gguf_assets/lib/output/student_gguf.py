@@ -31,7 +31,7 @@ from gguf_assets.lib.core.ggk_contract import (
     GGK_VERSION,
 )
 from gguf_assets.lib.core.safetensors_io import to_float32
-from gguf_assets.lib.materials.student_contract import (
+from gguf_assets.lib.materials.student.contract import (
     EMBED,
     PREFIX,
     expected_shapes,

@@ -37,7 +37,13 @@ from torch import nn
 
 from gguf_assets.lib.core.ggk_contract import rendered_prompt
 from gguf_assets.lib.core.quiet import quiet_libraries
-from gguf_assets.lib.materials.llada_text_stack import (  # noqa: F401  (the tests read them here too)
+from gguf_assets.lib.materials.teacher.layout import (
+    PROJECTION_DIR,
+    QUERYFORMER_DIR,
+    TEXT_ENCODER_DIR,
+    TOKENIZER_DIR,
+)
+from gguf_assets.lib.materials.teacher.text_stack import (  # noqa: F401  (the tests read them here too)
     ProjectionBlock,
     QueryFormer,
     QueryFormerBlock,
@@ -46,12 +52,6 @@ from gguf_assets.lib.materials.llada_text_stack import (  # noqa: F401  (the tes
     default_rope_registered,
     rms_norm,
     written_for_transformers_4,
-)
-from gguf_assets.lib.materials.teacher_layout import (
-    PROJECTION_DIR,
-    QUERYFORMER_DIR,
-    TEXT_ENCODER_DIR,
-    TOKENIZER_DIR,
 )
 from gguf_assets.lib.precompute.teacher import (
     OnBatch,
@@ -159,7 +159,7 @@ def repair_rotary_tables(model: nn.Module) -> list[str]:
 # -- the teacher -------------------------------------------------------------------------------------------------
 
 class LLaDAImageTeacher:
-    """The teacher for materials.teacher = an LLaDA-Image pipeline repo or folder (lib/materials/teacher_layout.py)."""
+    """The teacher for materials.teacher = an LLaDA-Image pipeline repo or folder (lib/materials/teacher/layout.py)."""
 
     def __init__(self, folder: Path, settings: Settings, device: torch.device, *,
                  gpu_budget_gib: float | None = None, load_backbone=None) -> None:

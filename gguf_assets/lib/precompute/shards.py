@@ -35,7 +35,7 @@ from gguf_assets.lib.core import atomic, faults, verify
 from gguf_assets.lib.core.errors import UserError
 from gguf_assets.lib.core.f16 import F16_MAX
 from gguf_assets.lib.corpus.corpus import read_split, shard_prompts
-from gguf_assets.lib.materials.teacher_layout import LLADA_IMAGE_PIPELINE, QUERY_ROWS, TEACHER_FORWARDS
+from gguf_assets.lib.materials.teacher.layout import LLADA_IMAGE_PIPELINE, QUERY_ROWS, TEACHER_FORWARDS
 from gguf_assets.lib.precompute.half_state import HalfState
 from gguf_assets.lib.project import formats, settings_history
 from gguf_assets.lib.project.layout import (

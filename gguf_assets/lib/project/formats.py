@@ -7,7 +7,7 @@ code are recomputed instead of silently reused. Bump one when a change alters wh
 writes. (The adapter GGUF's own `format_version` key is lib/output/gguf_format.FORMAT_VERSION.)
 
 The prompt file formats are what the corpus reads (lib/corpus/prompt_files.py, a reader for each) and what the
-materials step downloads of a hub dataset (lib/materials/materials.py).
+materials step downloads of a hub dataset (lib/materials/pinning/hub_files.py).
 """
 
 CORPUS = 2  # 2: streaming readers (.csv, .gz) and a numpy split: the same seed orders prompts otherwise

@@ -173,9 +173,10 @@ MODEL_ROLES = ("teacher", "student", "vision_encoder")
 
 @dataclass
 class MaterialsManifest(_JsonFields):
-    """materials/manifest.json: every configured source, pinned (lib/materials/materials.py).
+    """materials/manifest.json: every configured source, pinned (lib/materials/pinning/ resolves
+    them; lib/materials/materials_run.py reads and writes the record).
 
-    An entry is a materials.Material as a dict: {role, source, path, commit, files, bytes,
+    An entry is a pinning.resolve.Material as a dict: {role, source, path, commit, files, bytes,
     text_field, origin}. ``hash_cache`` and ``downloads`` are stored under their earlier names,
     "_hash_cache" and "_downloads", so existing projects read as they are.
     """
@@ -187,7 +188,7 @@ class MaterialsManifest(_JsonFields):
     # materials.query_rows, when set: the one tensor fetched into materials/query_rows.safetensors
     # (lib/materials/query_rows.py): source, file, tensor, commit, the file's etag, the tensor's sha256.
     query_rows: dict | None = None
-    settings: dict = field(default_factory=dict)  # what it was resolved under (materials.materials_settings_key)
+    settings: dict = field(default_factory=dict)  # what it was resolved under (materials_run.materials_settings_key)
     settings_hash: str = ""  # the whole snapshot it was resolved under (lib/project/settings_history.py)
     # Per local or downloaded folder, {relative file: record}: lib/verify's stamp with the sha256 (a local
     # file) or with the hub etag it matched (a download); manifests from before stamps hold "size:mtime" keys.

@@ -40,6 +40,7 @@ from gguf_assets.lib.core.ggk_contract import (
     STUDENT_LAYER,
 )
 from gguf_assets.lib.core.markdown import markdown_table
+from gguf_assets.lib.core.webhook import shown_url, url_problem
 from gguf_assets.lib.project.seed_reference import SEED_PRECOMPUTE
 
 PROJECT_FILE = "project.yaml"
@@ -192,7 +193,7 @@ def _cross_check(key: str, message: str) -> PydanticCustomError:
     return PydanticCustomError("cross_check", "{message}", {"key": key, "message": message})
 
 
-# materials.teacher_kind: told by what the teacher holds, or one of the kinds (lib/materials/teacher_layout.py).
+# materials.teacher_kind: told by what the teacher holds, or one of the kinds (lib/materials/teacher/layout.py).
 TEACHER_KINDS = ("auto", "query-rows", "llada-image")
 
 
@@ -381,13 +382,29 @@ class Output(_Section):
         "command line shown in the report; {student_gguf} (or {student}), {adapter_gguf}, {vision_gguf} and "
         "{tokenizer_pack} are filled with the files the export made (a flag whose file was not made is dropped), "
         "{dit_gguf} and {vae_gguf} with placeholders for the image model's files you bring"))
+    notify_url: str = Field("", description=(
+        "optional webhook: when a pipeline run ends (finished, failed or stopped), a JSON POST here with the project "
+        "(its folder's name), the run id, the outcome, the score and verdict and the GGUF's name; an http:// or "
+        "https:// URL (empty = none). A failed delivery is one line in the run's log and never fails the run; logs "
+        "show only its scheme and host, as it may hold a token"))
 
     @model_validator(mode="after")
     def _plain_name(self) -> "Output":
         problem = adapter_name_problem(self.adapter_name)
         if problem:
             raise _cross_check("output.adapter_name", problem)
+        if self.notify_url and (problem := url_problem(self.notify_url)):
+            raise _cross_check("output.notify_url", problem)  # in words that never repeat the URL (a token)
         return self
+
+
+# Keys whose values may hold a secret (a webhook's token): a line that names a change of one shows scheme://host only.
+URL_KEYS = frozenset({"output.notify_url"})
+
+
+def shown_setting(key: str, value: Any) -> Any:
+    """``value`` of project.yaml's ``key`` (section.key) as a printed or logged line may show it."""
+    return shown_url(value) if key in URL_KEYS and isinstance(value, str) and value else value
 
 
 def adapter_name_problem(name: str) -> str | None:

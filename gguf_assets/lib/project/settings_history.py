@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from gguf_assets.lib.core import atomic
-from gguf_assets.lib.project.settings import Settings, SettingsError, replace, settings_from_dict
+from gguf_assets.lib.project.settings import Settings, SettingsError, replace, settings_from_dict, shown_setting
 
 SETTINGS_DIR = ".settings"
 
@@ -92,4 +92,5 @@ def changed_keys(old: Settings, new: Settings, result_of: Callable[[Settings], o
         return replace(old, **{section: {field: getattr(getattr(new, section), field)}})
 
     counted = [k for k in changed if result_of(alone(k)) != before] or changed
-    return [f"{k} {_show(flat_old.get(k))} → {_show(flat_new.get(k))}" for k in counted]
+    return [f"{k} {_show(shown_setting(k, flat_old.get(k)))} → {_show(shown_setting(k, flat_new.get(k)))}"
+            for k in counted]

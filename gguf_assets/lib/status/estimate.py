@@ -28,9 +28,9 @@ from gguf_assets.lib.core.errors import UserError
 from gguf_assets.lib.core.safetensors_io import safetensors_header
 from gguf_assets.lib.materials import hub, hub_shapes
 from gguf_assets.lib.materials import query_rows as qr
-from gguf_assets.lib.materials import student_from_gguf as gguf_student
-from gguf_assets.lib.materials import teacher_layout as layout
-from gguf_assets.lib.materials.materials import load_manifest
+from gguf_assets.lib.materials.materials_run import load_manifest
+from gguf_assets.lib.materials.student import from_gguf as gguf_student
+from gguf_assets.lib.materials.teacher import layout
 from gguf_assets.lib.project.layout import ProjectPaths
 from gguf_assets.lib.project.settings import Settings
 from gguf_assets.lib.project.teacher_choice import MOCK_DIM, MOCK_QUERY_ROWS, blocks_for_layer
@@ -116,9 +116,9 @@ def model_config(paths: ProjectPaths, settings: Settings, role: str, *, token: s
 
 def teacher_check(paths: ProjectPaths, settings: Settings, *, token: str | None = None,
                   options: hub.HubOptions | None = None) -> tuple[bool, str] | None:
-    """An LLaDA-Image teacher checked before its weights (lib/materials/teacher_preflight.py), as the materials step
+    """An LLaDA-Image teacher checked before its weights (lib/materials/teacher/preflight.py), as the materials step
     checks it: (passed, one line). None for another teacher. A hub pipeline's weight headers are read by range."""
-    from gguf_assets.lib.materials import teacher_preflight
+    from gguf_assets.lib.materials.teacher import preflight as teacher_preflight
 
     if settings.precompute.mock_teacher:
         return None
@@ -159,7 +159,7 @@ def teacher_check(paths: ProjectPaths, settings: Settings, *, token: str | None 
 
 def _gguf_student_config(paths: ProjectPaths, value: str, gguf: Path) -> ModelConfig:
     """A GGUF student sized from its own header: the config its tensors' shapes give (as the materials step reads
-    it, lib/materials/student_from_gguf.py), kept in the project's .cache by the file's size and mtime."""
+    it, lib/materials/student/from_gguf.py), kept in the project's .cache by the file's size and mtime."""
     stat = gguf.stat()
     folder = paths.cache_dir / "gguf-student" / f"{stat.st_size}-{stat.st_mtime_ns}"
     if not (folder / "config.json").is_file():

@@ -41,7 +41,14 @@ from gguf_assets.lib.project.layout import (
 )
 from gguf_assets.lib.project.manifests import recorded_fingerprint
 from gguf_assets.lib.project.presets import set_keys
-from gguf_assets.lib.project.settings import SECTIONS, Settings, SettingsError, replace, settings_from_text
+from gguf_assets.lib.project.settings import (
+    SECTIONS,
+    Settings,
+    SettingsError,
+    replace,
+    settings_from_text,
+    shown_setting,
+)
 from gguf_assets.lib.status.stages import INPUT_STAGES, TRAINING_STAGES, expected_fingerprints, stage_settings
 from gguf_assets.lib.status.states import State, project_status
 from gguf_assets.lib.telemetry.curves_log import TENSORBOARD_DIR, run_name
@@ -82,8 +89,8 @@ class KeyDiff:
     result: bool
 
     def text(self) -> str:
-        return f"{self.key}: {shown_value(self.run)} in the run, {shown_value(self.now)} now" + ("" if self.result else
-                                                                                    " (changes no result)")
+        run, now = (shown_value(shown_setting(self.key, value)) for value in (self.run, self.now))
+        return f"{self.key}: {run} in the run, {now} now" + ("" if self.result else " (changes no result)")
 
 
 @dataclass(frozen=True)
@@ -146,7 +153,25 @@ class RunsView:
         made = next((r.name for r in self.runs if r.made_by_settings), None)
         return {"project": str(self.root), "current": self.current, "settings_fingerprint": self.settings_fingerprint,
                 "settings_run": made, "settings_error": self.settings_error,
-                "runs": [r.to_json() for r in self.runs]}
+                "runs": [{**r.to_json(), "lineage": lineage_lines(r, self)} for r in self.runs]}
+
+
+def lineage_lines(run: Run, view: RunsView) -> list[str]:
+    """What a run's row does not say: the run it continues, an early end, its snapshots and kept steps (#57); as
+    `gguf-trainer runs` prints them under its table and the studio's Runs table shows them."""
+    names = {r.fingerprint: r.name for r in view.runs}
+    lines = []
+    if run.parent:
+        lines.append(f"continues {names.get(run.parent, run.parent)} from step {run.parent_step or '?'} "
+                     f"(training.steps raised to {run.planned_steps or run.steps or '?'})")
+    if run.lowered_to is not None:
+        lines.append(f"ended at step {run.step}: training.steps lowered to {run.lowered_to} (it was planned to "
+                     f"{run.planned_steps or run.steps or '?'})")
+    if run.snapshots or run.kept_steps:
+        kept = len(run.kept_steps)
+        lines.append(f"{run.snapshots} snapshot{'' if run.snapshots == 1 else 's'}, {kept} kept step"
+                     f"{'' if kept == 1 else 's'}" + (f" ({', '.join(map(str, run.kept_steps))})" if kept else ""))
+    return lines
 
 
 def shown_value(value: Any) -> str:

@@ -2,7 +2,7 @@
 from the stages' own modules, never defined here.
 
 Each stage owns, in one torch-free module, the settings its result is computed from, its fingerprint and
-its "is it current" check: lib/materials/materials.py, lib/corpus/corpus_run.py, lib/precompute/shards.py,
+its "is it current" check: lib/materials/materials_run.py, lib/corpus/corpus_run.py, lib/precompute/shards.py,
 lib/training/training_run.py, lib/output/export_run.py and lib/output/report_run.py. A stage's fingerprint
 chains the fingerprints of what it reads, so a change anywhere marks exactly the stages whose results it
 changes, in `status` (lib/status/states.py) as in the Dagster UI (defs/settings.py).
@@ -15,7 +15,7 @@ from typing import Literal, get_args, get_origin
 from gguf_assets.lib.core import atomic
 from gguf_assets.lib.core.errors import UserError
 from gguf_assets.lib.corpus.corpus_run import corpus_fingerprint, corpus_stage_settings
-from gguf_assets.lib.materials.materials import load_manifest, materials_fingerprint, materials_settings_key
+from gguf_assets.lib.materials.materials_run import load_manifest, materials_fingerprint, materials_settings_key
 from gguf_assets.lib.output.export_run import gguf_fingerprint, gguf_stage_settings
 from gguf_assets.lib.output.report_run import report_fingerprint, report_settings
 from gguf_assets.lib.precompute.shards import shard_fingerprints, shards_stage_settings

@@ -19,7 +19,7 @@ from gguf_assets.lib.core import atomic
 from gguf_assets.lib.core.console import fill
 from gguf_assets.lib.core.lock import HolderRecord
 from gguf_assets.lib.corpus.corpus_run import corpus_is_current
-from gguf_assets.lib.materials.materials import load_manifest, manifest_is_current
+from gguf_assets.lib.materials.materials_run import load_manifest, manifest_is_current
 from gguf_assets.lib.output.export_run import gguf_fingerprint, gguf_is_current, gguf_path
 from gguf_assets.lib.output.report_run import report_is_current
 from gguf_assets.lib.precompute.half_state import HalfState

@@ -77,40 +77,41 @@ def test_a_change_that_keeps_the_stamp_is_caught_by_the_reader(tmp_path):
 def test_local_materials_reuse_a_files_hash_while_its_stamp_matches(tmp_path, monkeypatch):
     """materials.py's local-folder hash uses the same stamp rule: an untouched folder is not
     read again, an edit of the same size is, and a copy (new inodes) is hashed once, then cached."""
-    from gguf_assets.lib.materials import materials
+    from gguf_assets.lib.materials.pinning import resolve
 
     folder = tmp_path / "student"
     folder.mkdir()
     atomic.write_bytes(folder / "model.safetensors", b"w" * 4096)
     atomic.write_bytes(folder / "config.json", b"{}")
-    commit, n_files, size, cache = materials._hash_local_folder(folder, {})
+    commit, n_files, size, cache = resolve._hash_local_folder(folder, {})
     assert (n_files, size) == (2, 4098) and commit.startswith("local:")
     assert all(set(verify.STAMP_KEYS) <= set(entry) for entry in cache.values())
 
     hashed = []
     real_sha256 = atomic.sha256_file
     monkeypatch.setattr(atomic, "sha256_file", lambda path, **kw: hashed.append(path.name) or real_sha256(path, **kw))
-    assert materials._hash_local_folder(folder, cache)[0] == commit and hashed == []
+    assert resolve._hash_local_folder(folder, cache)[0] == commit and hashed == []
 
     data = bytearray((folder / "model.safetensors").read_bytes())
     data[10] ^= 0xFF  # same size, new mtime: read again, and the commit follows the content
     atomic.write_bytes(folder / "model.safetensors", bytes(data))
-    edited, _, _, cache = materials._hash_local_folder(folder, cache)
+    edited, _, _, cache = resolve._hash_local_folder(folder, cache)
     assert edited != commit and hashed == ["model.safetensors"]
 
     copy = tmp_path / "copy"
     shutil.copytree(folder, copy)
     hashed.clear()
-    copied, _, _, copy_cache = materials._hash_local_folder(copy, cache)
+    copied, _, _, copy_cache = resolve._hash_local_folder(copy, cache)
     assert copied == edited and sorted(hashed) == ["config.json", "model.safetensors"]
     hashed.clear()
-    assert materials._hash_local_folder(copy, copy_cache)[0] == edited and hashed == []
+    assert resolve._hash_local_folder(copy, copy_cache)[0] == edited and hashed == []
 
 
 def test_the_materials_manifest_is_checked_by_stamp_and_a_copy_by_content_once(make_project, monkeypatch):
     """`status` on materials: no read while the local files' stamps match; a copied project (new
     inodes) reads them once and stores the new stamps; an edit of the same size is caught."""
-    from gguf_assets.lib.materials.materials import manifest_is_current, resolve_materials
+    from gguf_assets.lib.materials.materials_run import manifest_is_current
+    from gguf_assets.lib.materials.pinning.resolve import resolve_materials
     from gguf_assets.lib.project.layout import ProjectPaths
     from gguf_assets.lib.project.settings import load_settings
 

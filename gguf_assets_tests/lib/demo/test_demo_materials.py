@@ -143,7 +143,7 @@ def test_loads_with_auto_classes(built: dict[str, object]) -> None:
     assert rope["rope_theta"] == 1_000_000.0
     # So ggk runs it as transformers does, and numbers its tokens as its tokenizer.json does.
     from gguf_assets.lib.materials.ggk_tokenizer import ggk_tokenizer_problem
-    from gguf_assets.lib.materials.student_contract import student_contract_problem
+    from gguf_assets.lib.materials.student.contract import student_contract_problem
 
     assert student_contract_problem(a.student_dir) is None and ggk_tokenizer_problem(a.student_dir) is None
 
@@ -261,7 +261,7 @@ def test_the_independent_pair_is_not_shaped_by_the_builder(tmp_path: Path) -> No
     student = AutoModelForCausalLM.from_pretrained(first.student_dir)
     assert student.config.num_hidden_layers == 6 and student.config.hidden_size == 96
     from gguf_assets.lib.materials.ggk_tokenizer import ggk_tokenizer_problem
-    from gguf_assets.lib.materials.student_contract import student_contract_problem
+    from gguf_assets.lib.materials.student.contract import student_contract_problem
 
     assert student_contract_problem(first.student_dir) is None and ggk_tokenizer_problem(first.student_dir) is None
     teacher = AutoModelForCausalLM.from_pretrained(first.teacher_dir).eval()

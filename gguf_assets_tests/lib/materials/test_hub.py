@@ -18,12 +18,13 @@ from hub_server import STORED_HF_TOKEN
 
 from gguf_assets.lib.core import atomic
 from gguf_assets.lib.materials import hub
-from gguf_assets.lib.materials.materials import (
-    MaterialsError,
-    load_manifest,
-    manifest_is_current,
-    resolve_materials,
-)
+from gguf_assets.lib.materials.hub import api, records
+from gguf_assets.lib.materials.hub.hf_private import INCOMPLETE_SUFFIX
+from gguf_assets.lib.materials.hub.options import ANSWER_TIMEOUT_ENV, DEFAULT_ANSWER_TIMEOUT_S
+from gguf_assets.lib.materials.hub.protocol import ChildAnswer
+from gguf_assets.lib.materials.hub.records import RemoteFile
+from gguf_assets.lib.materials.materials_run import MaterialsError, load_manifest, manifest_is_current
+from gguf_assets.lib.materials.pinning.resolve import resolve_materials
 from gguf_assets.lib.project.layout import ProjectPaths
 from gguf_assets.lib.project.settings import load_settings
 
@@ -45,7 +46,7 @@ def _sha256(path: Path) -> str:
 
 def _no_partials(paths) -> list[Path]:
     return [p for p in (paths.materials_dir / hub.HUB_DIR).rglob("*")
-            if p.name.endswith(hub.INCOMPLETE_SUFFIX) or p.name == hub.HF_CACHE_DIR]
+            if p.name.endswith(INCOMPLETE_SUFFIX) or p.name == hub.HF_CACHE_DIR]
 
 
 def test_full_download_is_pinned_minimal_loadable_and_reused_offline(make_project, loopback_hub, demo_materials_root):
@@ -106,8 +107,10 @@ def test_hub_files_follow_the_stamp_rule_in_a_copy_and_in_a_manifest_recorded_be
 
     copy = ProjectPaths.of(shutil.copytree(paths.root, tmp_path / "copy", symlinks=True))
     hashed = []
-    monkeypatch.setattr(hub, "matches_etag", lambda path, etag, real=hub.matches_etag: hashed.append(path) or
-                        real(path, etag))
+    real = records.matches_etag
+    # Counted where it is used: materials_run.py looks it up as hub.matches_etag, records.verify (a reuse) in records.
+    for user in (hub, records):
+        monkeypatch.setattr(user, "matches_etag", lambda path, etag: hashed.append(path) or real(path, etag))
     before = len(loopback_hub.requests)
     assert manifest_is_current(copy, load_settings(copy.root))
     assert len(hashed) == len(entries) and len(loopback_hub.requests) == before  # each file once, no network
@@ -182,12 +185,12 @@ def test_stalls_are_bounded_and_a_killed_download_resumes(make_project, loopback
     with pytest.raises(MaterialsError, match=r"demo/student.*sent no data.*2 tries.*partial ones resume"):
         resolve_materials(paths, settings, hub_options=STALLING)
     assert time.monotonic() - started < 30
-    partials = [p for p in paths.materials_dir.rglob("*" + hub.INCOMPLETE_SUFFIX)]
+    partials = [p for p in paths.materials_dir.rglob("*" + INCOMPLETE_SUFFIX)]
     kept = max(p.stat().st_size for p in partials)
     assert kept >= 200_000  # what the killed download had received
 
     # An orphan from some older file version sits next to it.
-    orphan = partials[0].with_name("deadbeef." + "0" * 64 + hub.INCOMPLETE_SUFFIX)
+    orphan = partials[0].with_name("deadbeef." + "0" * 64 + INCOMPLETE_SUFFIX)
     orphan.write_bytes(b"x" * 1000)
     loopback_hub.clear_faults()
     manifest = resolve_materials(paths, settings, hub_options=FAST)
@@ -222,7 +225,7 @@ def test_a_hub_that_never_answers_is_told_within_seconds_and_given_up_within_its
     waits, for which host, since when and for how long at most; the call gives up once
     GGUF_ASSETS_HUB_ANSWER_TIMEOUT_S has passed with no answer (over all its tries, each on a new
     connection), and the message says what to check and names that bound. Listing and download alike."""
-    monkeypatch.setenv(hub.ANSWER_TIMEOUT_ENV, str(SILENT_BOUND_S))
+    monkeypatch.setenv(ANSWER_TIMEOUT_ENV, str(SILENT_BOUND_S))
     host = loopback_hub.url.removeprefix("http://")
     paths = make_project(materials={"student": "demo/student"}, precompute={"mock_teacher": True})
 
@@ -231,12 +234,12 @@ def test_a_hub_that_never_answers_is_told_within_seconds_and_given_up_within_its
     print(f"silent hub, listing: first line after {first:.1f} s, given up after {took:.1f} s")
     assert first < 5, (first, line)  # the notice comes 1 s into the silence (5 s with the default bound)
     assert re.search(rf"\(\d+ s, since \d\d:\d\d:\d\d\): listing demo/student; it gets {SILENT_BOUND_S} s in all "
-                     rf"\({hub.ANSWER_TIMEOUT_ENV}\)$", line), line
+                     rf"\({ANSWER_TIMEOUT_ENV}\)$", line), line
     assert SILENT_BOUND_S <= took < SILENT_BOUND_S + 8, took  # the bound, plus starting the first try's process
     assert re.search(rf"^materials.student = 'demo/student': demo/student .*: the hub at {host} answered nothing "
                      rf"for {SILENT_BOUND_S} s \([2-4] tries, each on a new connection\)\. Check that the hub at "
                      rf"{loopback_hub.url} works \(HF_ENDPOINT", message), message
-    assert f"bounded by {hub.ANSWER_TIMEOUT_ENV} (now {SILENT_BOUND_S} s); raise it" in message, message
+    assert f"bounded by {ANSWER_TIMEOUT_ENV} (now {SILENT_BOUND_S} s); raise it" in message, message
     asked = [r for r in loopback_hub.requests if "/api/" in r["path"]]
     assert 2 <= len(asked) <= 4, asked  # tried again on new connections, within the bound
 
@@ -246,7 +249,7 @@ def test_a_hub_that_never_answers_is_told_within_seconds_and_given_up_within_its
     print(f"silent hub, download: first line after {first:.1f} s, given up after {took:.1f} s")
     assert "downloading" in line and "of demo/student" in line, line
     assert first < 8 and took < SILENT_BOUND_S + 12, (first, took)  # the listing comes first
-    assert f"answered nothing for {SILENT_BOUND_S} s" in message and hub.ANSWER_TIMEOUT_ENV in message, message
+    assert f"answered nothing for {SILENT_BOUND_S} s" in message and ANSWER_TIMEOUT_ENV in message, message
     assert _no_partials(paths) and not list((paths.materials_dir / hub.HUB_DIR).rglob("model.safetensors"))
 
 
@@ -255,7 +258,7 @@ def test_a_slow_mirror_that_keeps_sending_is_not_cut_off_by_the_answer_bound(mak
                                                                              demo_materials_root):
     """The answer bound is for a hub that answers nothing: a mirror that answers and then sends slowly
     (here the weights take longer than the whole bound) is bound only by the stall timeout (no new byte)."""
-    monkeypatch.setenv(hub.ANSWER_TIMEOUT_ENV, "3")
+    monkeypatch.setenv(ANSWER_TIMEOUT_ENV, "3")
     loopback_hub.slow_s, loopback_hub.slow_piece_bytes = 0.12, 16 << 10  # 550 KB in about 4 s
     loopback_hub.add_fault("slow", path_contains="model.safetensors", times=-1)
     paths = make_project(materials={"student": "demo/student"}, precompute={"mock_teacher": True})
@@ -451,29 +454,29 @@ def test_local_materials_with_a_truncated_weight_file_or_an_oversized_tokenizer_
 
 
 def test_a_token_for_a_plain_http_endpoint_is_warned_about_once_and_still_sent(monkeypatch, caplog):
-    monkeypatch.setattr(hub, "_WARNED_CLEAR_TEXT", set())
+    monkeypatch.setattr(api, "_WARNED_CLEAR_TEXT", set())
     with caplog.at_level("WARNING", logger="gguf_assets.lib.materials.hub"):
         monkeypatch.setenv("HF_ENDPOINT", "https://hub.example.org")
-        hub.warn_if_token_in_clear_text("hf_secret")
+        api.warn_if_token_in_clear_text("hf_secret")
         monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:8080")  # loopback: the token never leaves the machine
-        hub.warn_if_token_in_clear_text("hf_secret")
+        api.warn_if_token_in_clear_text("hf_secret")
         monkeypatch.setenv("HF_ENDPOINT", "http://mirror.lan:8080")
-        hub.warn_if_token_in_clear_text(None)  # no token: nothing to leak
+        api.warn_if_token_in_clear_text(None)  # no token: nothing to leak
         assert not caplog.records
-        hub.warn_if_token_in_clear_text("hf_secret")
-        hub.warn_if_token_in_clear_text("hf_secret")
+        api.warn_if_token_in_clear_text("hf_secret")
+        api.warn_if_token_in_clear_text("hf_secret")
     [record] = caplog.records
     assert "http://mirror.lan:8080: plain http" in record.getMessage() and "hf_secret" not in record.getMessage()
 
 
 def test_the_answer_bound_is_read_from_the_environment_when_a_call_starts(monkeypatch):
-    monkeypatch.delenv(hub.ANSWER_TIMEOUT_ENV, raising=False)
-    assert hub.HubOptions().answer_timeout_s == hub.DEFAULT_ANSWER_TIMEOUT_S == 90
-    monkeypatch.setenv(hub.ANSWER_TIMEOUT_ENV, "2.5")
+    monkeypatch.delenv(ANSWER_TIMEOUT_ENV, raising=False)
+    assert hub.HubOptions().answer_timeout_s == DEFAULT_ANSWER_TIMEOUT_S == 90
+    monkeypatch.setenv(ANSWER_TIMEOUT_ENV, "2.5")
     assert hub.HubOptions().answer_timeout_s == 2.5
     for bad in ("abc", "0", "-3", "inf", "nan"):
-        monkeypatch.setenv(hub.ANSWER_TIMEOUT_ENV, bad)
-        with pytest.raises(hub.HubError, match=rf"{hub.ANSWER_TIMEOUT_ENV}='{bad}' is not a number of seconds above "
+        monkeypatch.setenv(ANSWER_TIMEOUT_ENV, bad)
+        with pytest.raises(hub.HubError, match=rf"{ANSWER_TIMEOUT_ENV}='{bad}' is not a number of seconds above "
                                                r"0.*Unset it \(default 90\)"):
             hub.HubOptions()
 
@@ -481,35 +484,35 @@ def test_the_answer_bound_is_read_from_the_environment_when_a_call_starts(monkey
 def test_a_childs_answer_crosses_the_pipe_as_json_and_reads_back_typed():
     """The child's one JSON line: a listing, a download and each kind of failure read back into the same
     ChildAnswer; the keys are those of before (ok, commit, files | resumed | kind, status, detail[, limit_s])."""
-    listing = hub.ChildAnswer(ok=True, commit="c" * 40, files=(hub.RemoteFile("config.json", 10, "b1"),
-                                                               hub.RemoteFile("model.safetensors", 20, "b2", "s2")))
+    listing = ChildAnswer(ok=True, commit="c" * 40, files=(RemoteFile("config.json", 10, "b1"),
+                                                           RemoteFile("model.safetensors", 20, "b2", "s2")))
     assert list(listing.to_json()) == ["ok", "commit", "files"]
     assert listing.to_json()["files"][1] == {"path": "model.safetensors", "size": 20, "blob_id": "b2", "sha256": "s2"}
-    downloaded = hub.ChildAnswer(ok=True, resumed=("model.safetensors",))
+    downloaded = ChildAnswer(ok=True, resumed=("model.safetensors",))
     assert downloaded.to_json() == {"ok": True, "resumed": ["model.safetensors"]}
-    ranged = hub.ChildAnswer(ok=True, commit="c" * 40, etag="e" * 64, size=123)  # fetch_range: the file's metadata
+    ranged = ChildAnswer(ok=True, commit="c" * 40, etag="e" * 64, size=123)  # fetch_range: the file's metadata
     assert ranged.to_json() == {"ok": True, "commit": "c" * 40, "etag": "e" * 64, "size": 123}
-    for answer in (listing, downloaded, ranged, *(hub.ChildAnswer.failed(kind, f"{kind} happened", status=503)
+    for answer in (listing, downloaded, ranged, *(ChildAnswer.failed(kind, f"{kind} happened", status=503)
                                           for kind in hub.HubFailure),
-                   hub.ChildAnswer.failed(hub.HubFailure.SILENT, "answered nothing for 9 s", limit_s=9.0)):
-        assert hub.ChildAnswer.from_json(json.loads(json.dumps(answer.to_json()))) == answer
-    assert hub.ChildAnswer.from_json({"ok": False, "kind": "stalled", "detail": "d"}).kind is hub.HubFailure.STALLED
-    assert [k for k in hub.HubFailure if hub.ChildAnswer.failed(k, "").retryable] == list(hub.TRANSIENT_KINDS)
+                   ChildAnswer.failed(hub.HubFailure.SILENT, "answered nothing for 9 s", limit_s=9.0)):
+        assert ChildAnswer.from_json(json.loads(json.dumps(answer.to_json()))) == answer
+    assert ChildAnswer.from_json({"ok": False, "kind": "stalled", "detail": "d"}).kind is hub.HubFailure.STALLED
+    assert [k for k in hub.HubFailure if ChildAnswer.failed(k, "").retryable] == list(hub.TRANSIENT_KINDS)
     assert not listing.retryable
     with pytest.raises(ValueError):
-        hub.ChildAnswer.from_json({"ok": False, "kind": "no such kind"})  # _run_child: a broken child, transient
+        ChildAnswer.from_json({"ok": False, "kind": "no such kind"})  # _run_child: a broken child, transient
 
 
 def test_each_failure_kind_is_worded_for_the_user(monkeypatch):
     monkeypatch.setenv("HF_ENDPOINT", "https://hub.example.org")
     ref = hub.RepoRef.parse("owner/name", kind="dataset")
-    gated = hub._fail(ref, hub.ChildAnswer.failed(hub.HubFailure.GATED, "GatedRepoError: 401"), token=None,
+    gated = api._fail(ref, ChildAnswer.failed(hub.HubFailure.GATED, "GatedRepoError: 401"), token=None,
                       attempts=1, pinned=False)
     assert gated.kind is hub.HubFailure.GATED and str(gated).startswith(
         "owner/name (dataset repo on https://hub.example.org) is gated and no token was given. Accept its terms on "
         "https://hub.example.org/datasets/owner/name, then set HF_TOKEN to a read token of that account. (hub said: "
         "GatedRepoError: 401)")
-    silent = hub._fail(ref, hub.ChildAnswer.failed(hub.HubFailure.SILENT, "the hub answered nothing for 9 s",
-                                                   limit_s=9.0), token=None, attempts=1, pinned=False)
-    assert "(1 try, each on a new connection)" in str(silent) and f"{hub.ANSWER_TIMEOUT_ENV} (now 9 s)" in str(silent)
+    silent = api._fail(ref, ChildAnswer.failed(hub.HubFailure.SILENT, "the hub answered nothing for 9 s",
+                                               limit_s=9.0), token=None, attempts=1, pinned=False)
+    assert "(1 try, each on a new connection)" in str(silent) and f"{ANSWER_TIMEOUT_ENV} (now 9 s)" in str(silent)
     assert "hub said" not in str(silent)

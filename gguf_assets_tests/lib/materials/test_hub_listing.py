@@ -6,6 +6,7 @@ from hub_server import _is_lfs, git_blob_id
 
 from gguf_assets.lib.materials import hub
 from gguf_assets.lib.materials.hub.child import SIBLINGS_TRUSTED_BELOW
+from gguf_assets.lib.materials.hub.records import RemoteFile
 
 # One try: a retry would double the requests counted below.
 ONE_TRY = hub.HubOptions(api_timeout_s=60, stall_timeout_s=60, attempts=1, retry_wait_s=0.05, disk_reserve_bytes=0)
@@ -48,5 +49,5 @@ def test_a_file_list_that_may_be_cut_short_is_taken_from_the_tree_listing(loopba
     assert _api_requests(loopback_hub) == [("GET", "/api/models/demo/many/revision/main"),
                                            ("GET", f"/api/models/demo/many/tree/{commit}")]
     assert listing.commit == commit and len(listing.files) == len(files)
-    assert listing.files["shards/00007.txt"] == hub.RemoteFile("shards/00007.txt", 1, git_blob_id(b"7"))
+    assert listing.files["shards/00007.txt"] == RemoteFile("shards/00007.txt", 1, git_blob_id(b"7"))
 

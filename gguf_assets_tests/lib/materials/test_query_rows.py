@@ -16,7 +16,8 @@ from safetensors.torch import load_file, save
 
 from gguf_assets.lib.materials import query_rows as qr
 from gguf_assets.lib.materials.hub import HubOptions
-from gguf_assets.lib.materials.materials import MaterialsError, load_manifest, manifest_is_current, resolve_materials
+from gguf_assets.lib.materials.materials_run import MaterialsError, load_manifest, manifest_is_current
+from gguf_assets.lib.materials.pinning.resolve import resolve_materials
 from gguf_assets.lib.project.settings import (
     SettingsError,
     load_settings,
@@ -331,7 +332,7 @@ def test_a_project_resolved_before_the_setting_existed_stays_current(make_projec
     """Upgrading must not make every project's materials stale: unset, materials.query_rows is not part of the
     settings a manifest records (a manifest written before the key existed holds no such key)."""
     from gguf_assets.lib.core import atomic
-    from gguf_assets.lib.materials.materials import materials_settings_key
+    from gguf_assets.lib.materials.materials_run import materials_settings_key
 
     paths = make_project(steps=5, mock_teacher=True)
     settings = load_settings(paths.root)

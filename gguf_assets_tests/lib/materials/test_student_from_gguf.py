@@ -14,11 +14,12 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from gguf_assets.lib.materials import student_from_gguf as sg
 from gguf_assets.lib.materials.ggk_tokenizer import ggk_tokenizer_problem
 from gguf_assets.lib.materials.hub import HubOptions
-from gguf_assets.lib.materials.materials import MaterialsError, manifest_is_current, resolve_materials
-from gguf_assets.lib.materials.student_contract import student_contract_problem
+from gguf_assets.lib.materials.materials_run import MaterialsError, manifest_is_current
+from gguf_assets.lib.materials.pinning.resolve import resolve_materials
+from gguf_assets.lib.materials.student import from_gguf as sg
+from gguf_assets.lib.materials.student.contract import student_contract_problem
 from gguf_assets.lib.output.student_gguf import write_student_gguf
 from gguf_assets.lib.project.settings import SettingsError, load_settings
 

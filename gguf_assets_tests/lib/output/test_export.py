@@ -23,7 +23,7 @@ from gguf_assets.lib.core import atomic, metrics
 from gguf_assets.lib.core.f16 import F16_MAX
 from gguf_assets.lib.core.ggk_contract import GGK_COMMAND, STUDENT_HEAD_DIM, TOKENIZER_PACK_MERGES, USER_FILES
 from gguf_assets.lib.materials.ggk_tokenizer import ggk_tokenizer_problem, tokenizer_from_merges
-from gguf_assets.lib.materials.student_contract import student_contract_problem
+from gguf_assets.lib.materials.student.contract import student_contract_problem
 from gguf_assets.lib.output import export, gguf_eval, gguf_format
 from gguf_assets.lib.output.checkpoint_outputs import checkpoint_outputs
 from gguf_assets.lib.output.report import build_report, ggk_command, score_rows

@@ -22,8 +22,8 @@ from llada_repo import isolated_remote_code
 from real_llada import MODELING, TINY_ENCODER, build_real_llada_repo
 from safetensors.torch import load_file, save_file
 
-from gguf_assets.lib.materials import teacher_preflight
-from gguf_assets.lib.materials.llada_text_stack import written_for_transformers_4
+from gguf_assets.lib.materials.teacher import preflight as teacher_preflight
+from gguf_assets.lib.materials.teacher.text_stack import written_for_transformers_4
 from gguf_assets.lib.precompute import llada_teacher as lt
 from gguf_assets.lib.project.settings import Settings
 

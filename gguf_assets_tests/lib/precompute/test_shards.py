@@ -14,7 +14,7 @@ from gguf_assets.lib.core import atomic
 from gguf_assets.lib.corpus.corpus import build_corpus
 from gguf_assets.lib.corpus.corpus_run import corpus_fingerprint
 from gguf_assets.lib.demo.demo import TEACHER_LAYERS
-from gguf_assets.lib.materials.materials import resolve_materials
+from gguf_assets.lib.materials.pinning.resolve import resolve_materials
 from gguf_assets.lib.precompute.shards import (
     HALVES,
     ShardBuilder,

@@ -443,6 +443,29 @@ def test_adapter_name_plain_is_accepted(tmp_path):
     assert load_settings(tmp_path).output.adapter_name == "my-adapter.v2"
 
 
+@pytest.mark.parametrize("url, said", [
+    ("ftp://hooks.example.com/T0KEN", "must start with http:// or https:// (not ftp:)"),
+    ("hooks.example.com/T0KEN", "must start with http:// or https://"),
+    ("https:///T0KEN", "names no host"),
+    ("'https://hooks.example.com:port/T0KEN'", "is not a URL"),
+])
+def test_a_notify_url_that_is_no_web_address_is_refused_without_repeating_it(tmp_path, url, said):
+    """output.notify_url (#65): http or https only, named at its line; the message never repeats the URL, which may
+    hold a token (a run that stops on it logs the message)."""
+    msg, path, line = _error_for(tmp_path, "output", "notify_url", f"  notify_url: {url}")
+    assert msg.startswith(f"{path}:{line}: output.notify_url {said}"), msg
+    assert "T0KEN" not in msg
+
+
+def test_a_change_of_the_notify_url_is_said_by_scheme_and_host_only():
+    from gguf_assets.lib.project.settings_history import changed_keys
+
+    old = _valid()
+    new = replace(old, output={"notify_url": "https://hooks.example.com:8443/services/T0KEN?key=secret"})
+    assert new.output.notify_url.endswith("key=secret")  # the file keeps it whole: only what is printed is cut
+    assert changed_keys(old, new, lambda s: s.to_dict()) == ['output.notify_url "" → https://hooks.example.com:8443']
+
+
 def test_empty_materials_are_named(tmp_path):
     # The teacher is checked first; with the teacher unneeded the student is named.
     path = _write(tmp_path, "materials:\n  teacher: ''\n  student: ''\n")

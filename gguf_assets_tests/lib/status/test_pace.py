@@ -8,7 +8,7 @@ import subprocess
 import pytest
 
 from gguf_assets.lib.core import atomic, liveness
-from gguf_assets.lib.materials.materials import load_manifest
+from gguf_assets.lib.materials.materials_run import load_manifest
 from gguf_assets.lib.project.layout import SESSION_FILE
 from gguf_assets.lib.project.settings import load_settings
 from gguf_assets.lib.status.pace import precompute_pace, training_pace

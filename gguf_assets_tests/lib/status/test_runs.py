@@ -83,13 +83,19 @@ def test_a_finished_run_is_named_scored_kept_and_current(project):
 
 def test_the_settings_diff_says_which_keys_change_a_result(project):
     now = load_settings(project.root)
-    earlier = replace(now, training={"steps": 10, "log_every": 3, "device": "cuda"}, output={"ggk_command": "ggk x"})
+    earlier = replace(now, training={"steps": 10, "log_every": 3, "device": "cuda"},
+                      output={"ggk_command": "ggk x", "notify_url": "https://hooks.example.com/services/T0KEN"})
     diff = {d.key: d for d in runs.settings_diff(earlier, now)}
-    assert set(diff) == {"training.steps", "training.log_every", "training.device", "output.ggk_command"}
+    assert set(diff) == {"training.steps", "training.log_every", "training.device", "output.ggk_command",
+                         "output.notify_url"}
     assert (diff["training.steps"].run, diff["training.steps"].now) == (10, 40)
     assert diff["training.steps"].result and diff["output.ggk_command"].result
     assert not diff["training.log_every"].result and not diff["training.device"].result
     assert diff["training.log_every"].text().endswith("(changes no result)")
+    # A webhook's URL may hold a token: `runs --diff` names it by scheme and host (#65).
+    assert not diff["output.notify_url"].result
+    assert diff["output.notify_url"].text().startswith("output.notify_url: https://hooks.example.com in the run, ")
+    assert "T0KEN" not in diff["output.notify_url"].text()
     assert runs.settings_diff(now, now) == []
 
 
@@ -139,7 +145,7 @@ def test_a_run_s_state_comes_from_its_checkpoints_and_its_last_session(project):
 
 def test_the_trainer_records_a_stopped_session_its_settings_and_its_time(project):
     """A real training session (the finished project's shards, 60 steps) paused after 5 steps."""
-    from gguf_assets.lib.materials.materials import load_manifest
+    from gguf_assets.lib.materials.materials_run import load_manifest
     from gguf_assets.lib.precompute.shards import require_current
     from gguf_assets.lib.training.train import train_adapter
     from gguf_assets.lib.training.training_run import adapter_fingerprint

@@ -29,7 +29,7 @@ def _fingerprints(paths, settings, materials) -> dict:
     """Each stage's fingerprint from these settings, with everything else it chains held fixed (the pins, the
     prompts, the fingerprints of the stages before it)."""
     from gguf_assets.lib.corpus.corpus_run import corpus_fingerprint
-    from gguf_assets.lib.materials.materials import materials_fingerprint
+    from gguf_assets.lib.materials.materials_run import materials_fingerprint
     from gguf_assets.lib.output.export_run import gguf_fingerprint
     from gguf_assets.lib.output.report_run import report_fingerprint
     from gguf_assets.lib.precompute.shards import HALVES, half_fingerprint

@@ -30,58 +30,31 @@ The modules:
 * ``child``: the child's main (``__main__`` runs it).
 * ``api``: the public calls: ``list_repo``, ``download``, ``fetch_range``.
 * ``hf_private``: every use of huggingface_hub beyond its public API, each with why.
+* ``store``: one store of hub files per user, hard-linked into each project's snapshot.
 
-Everything is used as ``hub.<name>`` (``from gguf_assets.lib.materials import hub``): the names below are the
-package's, whichever module defines them, and all modules log as ``gguf_assets.lib.materials.hub``.
+The rest of the product uses the package as ``hub.<name>`` (``from gguf_assets.lib.materials import hub``): it
+exports what the product uses, and nothing else (test_hub_package.py checks it). The hub's own modules and the
+tests import a name from the module that defines it, and a test replaces a name where it is looked up. All modules
+log as ``gguf_assets.lib.materials.hub``.
 """
 
-import sys
-import types
-
-from gguf_assets.lib.materials.hub import api, hf_private, options, protocol, records, store, watchdog
-from gguf_assets.lib.materials.hub.api import (  # noqa: F401  (the tests use them)
-    _WARNED_CLEAR_TEXT,
-    _fail,
-    download,
-    fetch_range,
-    list_repo,
-    warn_if_token_in_clear_text,
-)
-from gguf_assets.lib.materials.hub.hf_private import HF_CACHE_DIR, INCOMPLETE_SUFFIX, partial_files
-from gguf_assets.lib.materials.hub.options import (
-    ANSWER_TIMEOUT_ENV,
-    DEFAULT_ANSWER_TIMEOUT_S,
-    HF_TOKEN_ENV,
-    TOKEN_ENV_VARS,
-    HubOptions,
-    TransferStats,
-    answer_timeout_from_env,
-    token_from_env,
-)
-from gguf_assets.lib.materials.hub.protocol import READY_FD_ENV, ChildAnswer
+from gguf_assets.lib.materials.hub.api import download, fetch_range, list_repo
+from gguf_assets.lib.materials.hub.hf_private import HF_CACHE_DIR
+from gguf_assets.lib.materials.hub.options import HubOptions, TransferStats, token_from_env
 from gguf_assets.lib.materials.hub.records import (
     COMMIT,
-    DEFAULT_ENDPOINT,
     HUB_DIR,
-    RECORD_SUFFIX,
-    REPO_ID,
-    REPO_KINDS,
     TRANSIENT_KINDS,
     HubError,
     HubFailure,
     Listing,
-    RemoteFile,
     RepoRef,
     check_disk,
     endpoint,
     finish,
-    git_blob_id,
-    has_partial,
-    host,
     is_repo_source,
     matches_etag,
     read_record,
-    record_path,
     record_selection,
     recorded_etag,
     remove_orphans,
@@ -90,38 +63,13 @@ from gguf_assets.lib.materials.hub.records import (
     still_verified,
     verified_entry,
     verify,
-    write_record,
 )
-from gguf_assets.lib.materials.hub.store import STORE_ENV, held, to_download
-from gguf_assets.lib.materials.hub.watchdog import CHILD_START_S, WAITING_NOTICE_S, Waiting
-
-_MODULES = (records, hf_private, options, protocol, watchdog, api, store)
-_UNSET = object()
-
-
-class _Package(types.ModuleType):
-    """Setting ``hub.<name>`` sets it where it is used, as when the package was one module: in every module that
-    holds the same object under that name (a test's ``monkeypatch.setattr(hub, "matches_etag", ...)`` reaches
-    ``records.verify``, and its undo puts the original back there)."""
-
-    def __setattr__(self, name: str, value) -> None:
-        current = self.__dict__.get(name, _UNSET)
-        if current is not _UNSET and not isinstance(current, types.ModuleType):
-            for module in _MODULES:
-                if module.__dict__.get(name, _UNSET) is current:
-                    setattr(module, name, value)
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
+from gguf_assets.lib.materials.hub.store import held, to_download
 
 __all__ = [
-    "ANSWER_TIMEOUT_ENV", "CHILD_START_S", "COMMIT", "DEFAULT_ANSWER_TIMEOUT_S", "DEFAULT_ENDPOINT", "HF_CACHE_DIR",
-    "HF_TOKEN_ENV", "HUB_DIR", "INCOMPLETE_SUFFIX", "READY_FD_ENV", "RECORD_SUFFIX", "REPO_ID", "REPO_KINDS",
-    "TOKEN_ENV_VARS", "TRANSIENT_KINDS", "WAITING_NOTICE_S", "ChildAnswer", "HubError", "HubFailure", "HubOptions",
-    "Listing", "RemoteFile", "RepoRef", "TransferStats", "Waiting", "answer_timeout_from_env", "check_disk",
-    "download", "endpoint", "fetch_range", "finish", "git_blob_id", "has_partial", "host", "is_repo_source",
-    "list_repo", "matches_etag", "partial_files", "read_record", "record_path", "record_selection", "recorded_etag",
-    "remove_orphans", "remove_unfinished_snapshots", "snapshot_dir", "still_verified", "token_from_env",
-    "verified_entry", "verify", "warn_if_token_in_clear_text", "write_record", "STORE_ENV", "held", "to_download",
+    "COMMIT", "HF_CACHE_DIR", "HUB_DIR", "TRANSIENT_KINDS", "HubError", "HubFailure", "HubOptions", "Listing",
+    "RepoRef", "TransferStats", "check_disk", "download", "endpoint", "fetch_range", "finish", "held",
+    "is_repo_source", "list_repo", "matches_etag", "read_record", "record_selection", "recorded_etag",
+    "remove_orphans", "remove_unfinished_snapshots", "snapshot_dir", "still_verified", "to_download",
+    "token_from_env", "verified_entry", "verify",
 ]

@@ -34,7 +34,7 @@ from gguf_assets.lib.core.ggk_contract import (
     STUDENT_RMS_NORM_EPS,
     STUDENT_ROPE_THETA,
 )
-from gguf_assets.lib.materials.student_contract import (
+from gguf_assets.lib.materials.student.contract import (
     EMBED,
     FINAL_NORM,
     PREFIX,

@@ -1,7 +1,7 @@
 """LLaDA-Image's text stack as torch modules: the QueryFormer and the text projection (the pipeline's own small
 modules, built from their configs), and what the text encoder's published code needs from transformers 5 while it is
 built (the 4.x "default" rope function). The facts are DESIGN.md §10; lib/precompute/llada_teacher.py runs them,
-lib/materials/teacher_preflight.py builds them on the meta device to check a pipeline before its weights.
+lib/materials/teacher/preflight.py builds them on the meta device to check a pipeline before its weights.
 
 Torch only; no weights are read here.
 """

@@ -8,7 +8,7 @@ it on what it read from the hub):
 2. the QueryFormer's and text projection's configs build modules whose tensors are exactly their weights' headers
    (names and shapes), and their width is the text encoder's;
 3. the tokenizer loads, renders the pipeline's template, and its ids fit the embedding table;
-4. with materials.trust_remote_code only: the repo's code imports (its whole closure, lib/materials/teacher_layout.py)
+4. with materials.trust_remote_code only: the repo's code imports (its whole closure, lib/materials/teacher/layout.py)
    and builds the backbone on the meta device from the real config, and the backbone's tensors are its weights'
    index and headers.
 
@@ -23,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from gguf_assets.lib.core.ggk_contract import rendered_prompt
-from gguf_assets.lib.materials import teacher_layout as layout
+from gguf_assets.lib.materials.teacher import layout
 
 HeaderOf = Callable[[str], dict | None]
 
@@ -160,7 +160,7 @@ def backbone_on_meta(encoder: Path, *, trust_remote_code: bool):
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModel
 
-    from gguf_assets.lib.materials.llada_text_stack import written_for_transformers_4
+    from gguf_assets.lib.materials.teacher.text_stack import written_for_transformers_4
 
     with written_for_transformers_4():
         config = AutoConfig.from_pretrained(encoder, trust_remote_code=trust_remote_code)
@@ -212,7 +212,7 @@ def pipeline_problem(folder: Path, settings, *, header_of: HeaderOf | None = Non
 
     ``folder`` holds at least model_index.json, the parts' config.json, tokenizer/ and the text encoder's code and
     weights index; the code is run only under materials.trust_remote_code."""
-    from gguf_assets.lib.materials.llada_text_stack import QueryFormer, TextProjection  # torch, only here
+    from gguf_assets.lib.materials.teacher.text_stack import QueryFormer, TextProjection  # torch, only here
 
     header_of = header_of or local_headers(folder)
     try:
