@@ -502,9 +502,10 @@ def test_a_prompt_blind_adapter_is_refused_good_by_retrieval_at_a_cosine_above_t
     assert "It ignores the prompt" in report.advice
     md = (paths.root / "output" / REPORT_MD).read_text(encoding="utf-8")
     for needle in (f"| prompt retrieval top-1 (own target the nearest, of {n} non-empty val prompts; chance "
-                   f"{1 / n:.3f}) | {report.val_retrieval_top1:.3f} |",
-                   f"| prompt retrieval top-5 (own target among the 5 nearest; chance {5 / n:.3f}) |",
-                   "| prompt retrieval margin (own centred cosine less the mean to the other prompts' targets) |",
+                   f"{1 / n:.3f}; higher is better) | {report.val_retrieval_top1:.3f} |",
+                   f"| prompt retrieval top-5 (own target among the 5 nearest; chance {5 / n:.3f}; higher is better) |",
+                   "| prompt retrieval margin (own centred cosine less the mean to the other prompts' targets; "
+                   "higher is better) |",
                    f"for at least 50% of the non-empty val prompts, a count chance gives less than once in 1,000 "
                    f"({n // 2} of these {n})", report.verdict):
         assert needle in md, needle
