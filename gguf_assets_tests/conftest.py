@@ -132,6 +132,33 @@ def cli_env(**extra: str) -> dict:
     return {**{k: v for k, v in os.environ.items() if k not in dropped}, **extra}
 
 
+def assert_fits_80_columns(text: str) -> None:
+    """Terminal output in 80 columns: every line, but one that holds a command to paste (the tool's console script and
+    its words, lib/core/commands.py shell_line), which stays whole however long, alone or after a short label, and
+    one word alone that no line holds (a path deep in the temp folder)."""
+    import re
+
+    from gguf_assets.lib.core.commands import venv_tool
+
+    command = rf"\s*(\S[^`]{{0,38}}\s)?`?{re.escape(venv_tool('gguf-trainer'))} [^`]*`?[.,;:)]?"
+    wide = [line for line in text.splitlines() if len(line) > 80 and not re.fullmatch(command, line)
+            and len(line.split()) > 1]
+    assert not wide, "over 80 columns:\n" + "\n".join(wide)
+
+
+def unwrapped(text: str) -> list[str]:
+    """The logical lines of console output that lib/core/console.py wrapped: a line indented 4 or more columns deeper
+    than the line it follows continues that line."""
+    lines: list[str] = []
+    for line in text.splitlines():
+        indent = len(line) - len(line.lstrip(" "))
+        if lines and line.strip() and indent >= len(lines[-1]) - len(lines[-1].lstrip(" ")) + 4:
+            lines[-1] += " " + line.strip()
+        else:
+            lines.append(line)
+    return lines
+
+
 def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     """`gguf-trainer ARGS` to its end, its output captured: a warm process where it can be one (warm_runs.py's
     WARM_COMMANDS), else a cold one."""

@@ -1,5 +1,6 @@
 """What the user reads on the console: short lines, no library noise, one clear message per error."""
 
+import argparse
 import os
 import re
 import signal
@@ -8,7 +9,7 @@ import time
 
 import dagster as dg
 import pytest
-from conftest import CLI, cli_env, copy_project, free_port, project_instance, wait_http
+from conftest import CLI, assert_fits_80_columns, cli_env, copy_project, free_port, project_instance, wait_http
 
 from gguf_assets.lib.core.commands import trainer
 from gguf_assets.lib.training.verdict import GOOD
@@ -126,6 +127,24 @@ def test_commands_the_tool_prints_work_when_pasted(tmp_path):
     help_text = subprocess.run([command[0], "--help"], capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"},
                                timeout=60)
     assert help_text.returncode == 0 and "gguf-trainer" in help_text.stdout, help_text.stderr
+    assert_fits_80_columns(help_text.stdout)  # no terminal here: argparse's 80 columns
+
+
+def test_the_help_says_what_the_tool_does_in_80_columns(monkeypatch):
+    """`gguf-trainer --help` and every command's: what it does for a user (no module names), `ui` named for what it
+    opens first (the studio), in 80 columns (argparse wraps to the terminal: 80 where none is known)."""
+    from gguf_assets.cli.commands import build_parser
+
+    monkeypatch.setenv("COLUMNS", "80")
+    parser = build_parser()
+    text = parser.format_help()
+    assert "Train an adapter" in text and ".py" not in text and "Started through" not in text, text
+    assert re.search(r"\n    ui +open the studio \(the project's page: result, Run and\s+Stop, settings\), the "
+                     r"Dagster UI and TensorBoard\n", text), text
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    for name, command in [("gguf-trainer", parser), *commands.items()]:
+        assert_fits_80_columns(command.format_help())
+        assert_fits_80_columns(command.format_usage())
 
 
 def test_a_second_ui_on_a_taken_port_says_so_instead_of_serving_nothing(make_project):

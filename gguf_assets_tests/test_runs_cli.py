@@ -15,7 +15,7 @@ from html import unescape
 from pathlib import Path
 
 import pytest
-from conftest import cli, cli_env, copy_project, free_port, stop_with_ctrl_c, wait_http
+from conftest import assert_fits_80_columns, cli, cli_env, copy_project, free_port, stop_with_ctrl_c, wait_http
 
 from gguf_assets.lib.output.report import score_rows
 from gguf_assets.lib.project.manifests import Report
@@ -86,17 +86,22 @@ def test_list_diff_use_the_first_then_delete_the_second(project, monkeypatch):
 
     table = cli("runs", str(root))
     assert table.returncode == 0, table.stderr
-    lines = {line.split()[0]: line for line in table.stdout.splitlines() if line.startswith("64x1-")}
-    assert set(lines) == {first["name"], second["name"]}
-    assert "training.steps=40" in lines[first["name"]] and "current, project.yaml" in lines[second["name"]]
+    assert_fits_80_columns(table.stdout)  # a block per run: ten columns side by side were 237 wide
+    blocks = {block.split()[0]: block for block in re.split(r"\n(?=64x1-)", table.stdout) if block.startswith("64x1-")}
+    assert set(blocks) == {first["name"], second["name"]}
+    assert "vs project.yaml (the run's values): training.steps=40" in blocks[first["name"]]
+    assert "now: current, project.yaml" in blocks[second["name"]]
+    assert "finished, 40/40 steps; best val " in blocks[first["name"]]
     diff = cli("runs", str(root), "--diff", first["fingerprint"][:8])
     assert "training.steps: 40 in the run, 60 now" in diff.stdout, diff.stdout
+    assert_fits_80_columns(diff.stdout)
 
     before = (root / "project.yaml").read_text()
     used = cli("runs", str(root), "--use", first["name"])
     assert used.returncode == 0, used.stdout + used.stderr
     assert "project.yaml: training.steps 60 → 40" in used.stdout and f"restored: checkpoints/final.json, {GGUF}" in \
         used.stdout
+    assert_fits_80_columns(used.stdout)
     assert (root / GGUF).read_bytes() == first_gguf
     # Only that key changed, in place: every comment and every other line of the file stays.
     assert (root / "project.yaml").read_text() == before.replace("  steps: 60\n", "  steps: 40\n")

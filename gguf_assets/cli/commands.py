@@ -8,7 +8,6 @@ import shlex
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 
 from gguf_assets.cli.processes import DAGSTER_NOISE, RUN_CHILD_ENV, WithoutLines, run_in_own_process_group
@@ -31,6 +30,7 @@ from gguf_assets.cli.services import (
 )
 from gguf_assets.lib.core import atomic, faults
 from gguf_assets.lib.core.commands import trainer
+from gguf_assets.lib.core.console import fill
 from gguf_assets.lib.core.errors import ProjectNotWritable, UserError, os_refusal_message, write_refusal
 from gguf_assets.lib.core.lock import hold_services, holder
 from gguf_assets.lib.core.metrics import VAL_CENTRED_COSINE
@@ -55,6 +55,7 @@ from gguf_assets.lib.status.estimate import (
     estimate_lines,
     kept_steps_text,
     missing_piece,
+    named_gpus,
     parse_gpu_sizes,
     peak_gib,
     size_text,
@@ -109,11 +110,11 @@ def _print_status(paths: ProjectPaths, *, ask_hub: bool = False) -> None:
     view = status_view(paths, settings)  # the pace lines reuse its shard plans: the corpus is read once
     stages = with_running(view.stages, holder(paths.lock_file))
     for s in stages:
-        print(f"  {s.stage:<12} {s.state:<8} {s.detail}")
+        print(s.console_text())
     for line in pace_lines(paths, settings, stages, view):  # measured speed and ETA, from the first shard/log step on
-        print(f"  {line}")
+        print(fill(f"  {line}"))
     if any(s.stage.endswith("_shards") and s.state != State.CURRENT for s in stages):  # "will it fit?", before loading
-        print(_memory_line(paths, settings, ask_hub=ask_hub))
+        print(fill(_memory_line(paths, settings, ask_hub=ask_hub)))
 
 
 def _memory_line(paths: ProjectPaths, settings, *, ask_hub: bool) -> str:
@@ -189,7 +190,7 @@ def _print_results(paths: ProjectPaths) -> None:
         print(f"val centred cosine: {cosine:.4f}  ({report['verdict']})")
         # Earlier weights that scored higher, each with the command that gives them (on a line of its own, whole).
         for text, command in better_offers(report.get("better_weights") or [], trainer, paths.root):
-            print(textwrap.fill(text, 80, initial_indent="  ", subsequent_indent="  ", break_on_hyphens=False))
+            print(fill(f"  {text}", hanging=0))
             print(f"    {command}")
         if (retrieval := retrieval_text(report)) is not None:
             print(f"prompt retrieval: {retrieval}")
@@ -289,11 +290,11 @@ def cmd_ui(args: argparse.Namespace) -> int:
                 services += start_services([tensorboard_command(paths, args.host, args.tensorboard_port,
                                                                     args.allow_host)],
                                            log_file=log_file, keep_fds=keep)
-                print(f"TensorBoard (training curves, unsmoothed) on {tensorboard_timeseries_url(url)} (its log: "
-                      f"{log_file})", flush=True)
+                print(fill(f"TensorBoard (training curves, unsmoothed, the loss first) on "
+                           f"{tensorboard_timeseries_url(url)} (its log: {log_file})"), flush=True)
             if stop.signal is None:
-                print(f"Dagster UI for {paths.root} on {base} (Ctrl-C to stop); the whole pipeline: "
-                      f"{base}{lineage_path()}", flush=True)
+                print(fill(f"Dagster UI for {paths.root} on {base} (Ctrl-C to stop); the whole pipeline: "
+                           f"{base}{lineage_path()}"), flush=True)
                 services += start_services([code_server.command()], log_file=output.file, keep_fds=keep)
             if stop.signal is None and code_server.wait_until_serving(services[-1], stop):
                 workspace = code_server.workspace
@@ -402,16 +403,18 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     paths = ProjectPaths.of(args.project)
     settings = load_settings(paths.root)
     sizes = parse_gpu_sizes(args.gpus) if args.gpus is not None else None
-    print(f"memory estimate for {paths.root} (weights and training state; activations come on top):")
+    print(fill(f"memory estimate for {paths.root} (weights and training state; activations come on top):"))
     lines = estimate(paths, settings, token=token_from_env())
-    print("\n".join(estimate_lines(paths, settings, gpu_sizes_gib=sizes, token=token_from_env(), lines=lines)))
-    print(kept_steps_text(settings, lines))
-    print("time estimate:\n" + "\n".join(f"  {line}" for line in time_lines(paths, settings)))
+    for line in estimate_lines(paths, settings, gpu_sizes_gib=sizes, token=token_from_env(), lines=lines):
+        print(fill(line))
+    print(fill(kept_steps_text(settings, lines)))
+    gpus = named_gpus(sizes) if sizes else None  # --gpus: the time too is for them
+    print("time estimate:\n" + "\n".join(fill(f"  {line}") for line in time_lines(paths, settings, gpus=gpus)))
     checked = teacher_check(paths, settings, token=token_from_env())
     if checked is None:
         return 0
     passed, line = checked
-    print(f"teacher: {line}")
+    print(fill(f"teacher: {line}"))
     return 0 if passed else 1
 
 
@@ -556,8 +559,7 @@ def _print_snapshots(paths: ProjectPaths, run_dir, output_dir) -> None:
     lineage = snapshots.lineage_snapshots(paths, run_dir, output_dir)
 
     def say(line: str) -> None:  # 80 columns
-        print(textwrap.fill(line, width=80, subsequent_indent="      ", break_long_words=False,
-                            break_on_hyphens=False))
+        print(fill(line))
 
     say(f"training run {run_dir.name}" + "".join(f", which continues {run}" for run in lineage.runs[1:]))
     say(f"snapshot GGUFs in {output_dir}: {len(lineage.files) or 'none'}")
@@ -577,8 +579,14 @@ def _print_snapshots(paths: ProjectPaths, run_dir, output_dir) -> None:
     print(f"  delete one: {trainer('snapshot', paths.root, '--delete', 'FILE')}")
 
 
+DESCRIPTION = """Train an adapter that lets a small student LLM stand in for an image model's large teacher
+LLM, and export it as the GGUF files ggk loads. Everything of a project (settings, downloads, shards, checkpoints,
+the GGUF and its report) lives in one folder: make one with `init` (or try `demo`), then `run` it; `status`,
+`runs` and `ui` (the studio, with Run and Stop) show where it stands. `gguf-trainer COMMAND -h` tells more."""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="gguf-trainer", description=__doc__)
+    parser = argparse.ArgumentParser(prog="gguf-trainer", description=DESCRIPTION)
     parser.add_argument("--auto-resume", metavar="PROJECT",
                         help="at boot: mark cut-off runs failed, continue the pipeline, keep dagster-daemon running")
     parser.add_argument("--no-daemon", action="store_true",
@@ -586,7 +594,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ui-port", type=int, metavar="PORT",
                         help="with --auto-resume: also serve the Dagster UI on this port, from the start")
     parser.add_argument("--ui-host", default="127.0.0.1", help="with --ui-port: the address to listen on")
-    sub = parser.add_subparsers(dest="command")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")  # not the 100-column list of every name
     for add_verbs in (_pipeline_verbs, _output_verbs, _cluster_verbs, _upkeep_verbs, _service_verbs):
         add_verbs(sub)
     return parser
@@ -633,7 +641,7 @@ def _output_verbs(sub) -> None:
                        help="delete one snapshot GGUF, named by its file (a step is enough when it has one file)")
     p.add_argument("--eval", action="store_true", help="also score the GGUF on the val shards (on the CPU)")
     p.set_defaults(func=cmd_snapshot)
-    p = sub.add_parser("estimate", help="how much GPU memory the teacher, student and training need, before a run")
+    p = sub.add_parser("estimate", help="how much memory and time the precompute and training need, before a run")
     p.add_argument("project")
     p.add_argument("--gpus", metavar="GIB,GIB", default=None,
                    help="plan for these GPUs, GiB each (for example 24,24); default: this machine's")
@@ -681,11 +689,12 @@ def _service_verbs(sub) -> None:
     p.add_argument("--ui-host", default="127.0.0.1", help="with --ui-port: the address to listen on")
     p.set_defaults(func=lambda a: cmd_auto_resume(a.project, daemon=not a.no_daemon, ui_port=a.ui_port,
                                                   ui_host=a.ui_host))
-    p = sub.add_parser("ui", help="open the Dagster UI for a project")
+    p = sub.add_parser("ui", help="open the studio (the project's page: result, Run and Stop, settings), the "
+                                  "Dagster UI and TensorBoard")
     p.add_argument("project")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=3000)
-    p.add_argument("--no-daemon", action="store_true", help="start only the webserver")
+    p.add_argument("--port", type=int, default=3000, help="the Dagster UI's port")
+    p.add_argument("--no-daemon", action="store_true", help="start no dagster-daemon (sensors, auto-resume)")
     p.add_argument("--studio-port", type=int, default=3001,
                    help="the studio page's port (this project: verdict, stages and why, Run and Stop)")
     p.add_argument("--tensorboard-port", type=int, default=6006, help="TensorBoard's port (training curves)")

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from gguf_assets.lib.core import atomic
 from gguf_assets.lib.core.commands import trainer
+from gguf_assets.lib.core.console import WIDTH, fill
 from gguf_assets.lib.core.errors import UserError
 from gguf_assets.lib.core.lock import holder
 from gguf_assets.lib.core.metrics import (
@@ -35,7 +36,11 @@ COMPARE_SVG = "checkpoints/compare.svg"  # --compare's curves, in the project be
 
 def add_parser(sub) -> None:
     p = sub.add_parser("runs", help="list the training runs (scores, settings diff, disk); use, delete, label or "
-                                    "compare them")
+                                    "compare them",
+                       # argparse prints a group of exclusive options on one line, however long: 109 columns here
+                       usage="%(prog)s [-h] [--json] project\n"
+                             "         [--diff RUN | --use RUN | --delete RUN | --label RUN TEXT |\n"
+                             "          --compare RUN [RUN ...] [--svg FILE]]")
     p.add_argument("project")
     what = p.add_mutually_exclusive_group()
     what.add_argument("--diff", metavar="RUN", help="the run's settings against project.yaml, key by key")
@@ -94,6 +99,11 @@ def cmd_runs(args: argparse.Namespace) -> int:
     return 0
 
 
+def say(text: str) -> None:
+    """A line of the console, wrapped to 80 columns (a command in backticks stays whole)."""
+    print(fill(text))
+
+
 def _out(as_json: bool, doc: dict, text: str) -> None:
     print(json.dumps(doc, indent=2) if as_json else text)
 
@@ -121,40 +131,34 @@ def _vs_settings(run) -> str:
 
 
 def _table(paths: ProjectPaths, view) -> None:
+    """The runs, one block each (a table of ten columns would be 240 wide): the name and label, then the
+    scores, the time and disk it took, and how it stands against the output folder and project.yaml."""
     if not view.runs:
-        print(f"{paths.root} has no training runs yet: `{trainer('run', paths.root)}` trains one")
-    else:
-        header = ["run", "label", "state", "steps", "best val (step)", "final val", "wall", "disk", "now",
-                  "vs project.yaml (the run's values)"]
-        rows = []
-        for r in view.runs:
-            now = ", ".join(w for w, on in (("current", r.current), ("project.yaml", r.made_by_settings)) if on)
-            wall = "-" if r.train_seconds is None else ("~" if r.seconds_estimated else "") + format_seconds(
-                r.train_seconds)
-            rows.append([r.name, r.label or "-", r.state, f"{r.step}/{r.steps if r.steps else '?'}",
-                         "-" if r.best_val_centred_cosine is None else
-                         f"{r.best_val_centred_cosine:.4f} ({r.best_step})",
-                         _score(r.final_val_centred_cosine), wall, size_text(r.disk_bytes), now or "-",
-                         _vs_settings(r)])
-        widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
-        for row in [header, *rows]:
-            print("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)).rstrip())
-        for r in view.runs:
-            if r.state != RunState.FINISHED:
-                print(f"  {r.name}: {r.detail}")
-        for r in view.runs:
-            for line in runs.lineage_lines(r, view):
-                print(f"  {r.name}: {line}")
+        say(f"{paths.root} has no training runs yet: `{trainer('run', paths.root)}` trains one")
+    for r in view.runs:
+        wall = "-" if r.train_seconds is None else ("~" if r.seconds_estimated else "") + format_seconds(
+            r.train_seconds)
+        now = ", ".join(w for w, on in (("current", r.current), ("project.yaml", r.made_by_settings)) if on)
+        best = "-" if r.best_val_centred_cosine is None else f"{r.best_val_centred_cosine:.4f} (step {r.best_step})"
+        say(r.name + (f"  label: {r.label}" if r.label else ""))
+        say(f"    {r.state}, {r.step}/{r.steps if r.steps else '?'} steps; best val {best}, final val "
+            f"{_score(r.final_val_centred_cosine)}")
+        say(f"    wall {wall}, disk {size_text(r.disk_bytes)}; now: {now or '-'}")
+        say(f"    vs project.yaml (the run's values): {_vs_settings(r)}")
+        if r.state != RunState.FINISHED:
+            say(f"    {r.detail}")
+        for line in runs.lineage_lines(r, view):
+            say(f"    {line}")
     if view.settings_error:
-        print(f"project.yaml does not load now, so the runs are listed without their settings diff: "
-              f"{view.settings_error}")
+        say(f"project.yaml does not load now, so the runs are listed without their settings diff: "
+            f"{view.settings_error}")
     elif view.settings_fingerprint and not any(r.made_by_settings for r in view.runs):
-        print(f"project.yaml makes a run not trained yet ({view.settings_fingerprint}): "
-              f"`{trainer('run', paths.root)}` trains it")
+        say(f"project.yaml makes a run not trained yet ({view.settings_fingerprint}): "
+            f"`{trainer('run', paths.root)}` trains it")
     if view.runs:
-        print(f"current: its GGUF and report are in the output folder. More: `{trainer('runs', paths.root)} "
-              "--diff RUN | --use RUN | --delete RUN | --label RUN TEXT | --compare [RUN...]` (RUN: a name, its "
-              "start, or a label)")
+        say(f"current: its GGUF and report are in the output folder. More: `{trainer('runs', paths.root)}` with "
+            "--diff RUN, --use RUN, --delete RUN, --label RUN TEXT or --compare [RUN...] (RUN: a name, its "
+            "start, or a label)")
 
 
 def _diff(paths: ProjectPaths, run, *, as_json: bool) -> int:
@@ -163,19 +167,19 @@ def _diff(paths: ProjectPaths, run, *, as_json: bool) -> int:
                           "diff": None if run.diff is None else [d.__dict__ for d in run.diff]}, indent=2))
         return 0
     if run.diff is None:
-        print(f"{run.name}: its settings were not recorded (it has no checkpoint, or its settings snapshot in "
-              f".settings/ is gone), so there is nothing to compare")
+        say(f"{run.name}: its settings were not recorded (it has no checkpoint, or its settings snapshot in "
+            f".settings/ is gone), so there is nothing to compare")
         return 0
-    print(f"{run.name} ({run.state}) against {paths.project_file} (its settings: {run.settings_source}):")
+    say(f"{run.name} ({run.state}) against {paths.project_file} (its settings: {run.settings_source}):")
     if not run.diff:
-        print("  the same settings" + ("" if run.made_by_settings else
-                                       "; its shards differ from those project.yaml makes now (the materials or "
-                                       "prompts changed since it trained)"))
+        say("  the same settings" + ("" if run.made_by_settings else
+                                     "; its shards differ from those project.yaml makes now (the materials or "
+                                     "prompts changed since it trained)"))
     for d in run.diff:
-        print(f"  {d.text()}")
+        say(f"  {d.text()}")
     if any(d.result for d in run.diff):
-        print(f"`{trainer('runs', paths.root, '--use', run.name)}` sets the keys that change a result to the run's "
-              "values")
+        say(f"`{trainer('runs', paths.root, '--use', run.name)}` sets the keys that change a result to the run's "
+            "values")
     return 0
 
 
@@ -184,20 +188,72 @@ def _use(paths: ProjectPaths, ref: str, *, as_json: bool) -> int:
     if as_json:
         print(json.dumps(used.to_json(), indent=2))
         return 0
-    print(f"using run {used.run.name}:")
-    print("  project.yaml: " + (", ".join(used.changed) if used.changed else "no change"))
+    say(f"using run {used.run.name}:")
+    say("  project.yaml: " + (", ".join(used.changed) if used.changed else "no change"))
     if used.left:
-        print(f"  left as project.yaml has them (they change no result): {', '.join(used.left)}")
+        say(f"  left as project.yaml has them (they change no result): {', '.join(used.left)}")
     if used.restored:
-        print(f"  restored: {', '.join(used.restored)}")
-    print(f"  next run: {used.next_run}")
+        say(f"  restored: {', '.join(used.restored)}")
+    say(f"  next run: {used.next_run}")
     from gguf_assets.orchestration.runs import tell_dagster
 
     if (problem := tell_dagster(paths, used)) is not None:
-        print(f"  {problem}")
+        say(f"  {problem}")
     for s in with_running(project_status(paths, load_settings(paths.root)), holder(paths.lock_file)):
-        print(f"  {s.stage:<12} {s.state:<8} {s.detail}")  # as `gguf-trainer status` prints them
+        print(s.console_text())  # as `gguf-trainer status` prints them
     return 0
+
+
+def _compare_rows(runs: list, gguf_label: str) -> list[tuple[str, list[str] | None]]:
+    """`runs --compare`'s table: (label, a cell per run), or (a heading, None)."""
+    by_step = [dict(r.curve) for r in runs]
+    rows: list[tuple[str, list[str] | None]] = [("val centred cosine by step (0: untrained)", None),
+                                                ("step", [f"run {n}" for n in range(1, len(runs) + 1)])]
+    rows += [(str(step), [_score(s.get(step)) for s in by_step]) for step in sorted(set().union(*by_step))]
+    rows += [("best", ["-" if r.best_val_centred_cosine is None else f"{r.best_val_centred_cosine:.4f}@{r.best_step}"
+                       for r in runs]),
+             ("final", [_score(r.final_val_centred_cosine) for r in runs]),
+             ("", None), ("at the last validation (raw target space; relative MSE: lower is better)", None),
+             ("step", ["-" if r.last_scores.get("step") is None else str(r.last_scores["step"]) for r in runs])]
+    for score in COMPARED:
+        cells = []
+        for r in runs:
+            value = r.last_scores.get(score.key)
+            text = score.text(value) if isinstance(value, (int, float)) else "-"
+            if score.key == WORST_ROW_COSINE and isinstance(r.last_scores.get(WORST_ROW), int):
+                text += f" (row {r.last_scores[WORST_ROW]})"
+            cells.append(text)
+        rows.append((score.label, cells))
+    rows.append((gguf_label, [_score(r.gguf_val_centred_cosine) for r in runs]))
+    # Prompt retrieval: the evaluation's only (its kept report's), with the chance each run's val prompts give.
+    rows.append(("prompt retrieval of its GGUF (own target the nearest, of the val prompts)", None))
+    for score in RETRIEVAL_SCORES:
+        rows.append(("  " + score.label.removeprefix("prompt retrieval "),
+                     [score.text(r.gguf_retrieval[score.key]) if isinstance(r.gguf_retrieval.get(score.key),
+                                                                            (int, float)) else "-" for r in runs]))
+    rows.append((f"  chance (top-1 / top-{RETRIEVAL_TOP})", [_chance(r.gguf_retrieval.get(VAL_RETRIEVAL_PROMPTS))
+                                                             for r in runs]))
+    return rows
+
+
+def _print_compare_table(rows: list[tuple[str, list[str] | None]]) -> None:
+    """The table with as many runs side by side as 80 columns hold, then the next runs below, and so on."""
+    label = max(len(text) for text, cells in rows if cells is not None) + 2
+    columns = len(next(cells for _, cells in rows if cells is not None))
+    widths = [max(len(cells[i]) for _, cells in rows if cells is not None) for i in range(columns)]
+    groups, group = [], []
+    for i, width in enumerate(widths):
+        if group and label + sum(widths[j] + 2 for j in group) + width > WIDTH:
+            groups.append(group)
+            group = []
+        group.append(i)
+    groups.append(group)
+    for number, group in enumerate(groups):
+        if number:
+            print()
+        for text, cells in rows:
+            print(text if cells is None else (text.ljust(label) + "  ".join(
+                cells[i].ljust(widths[i]) for i in group)).rstrip())
 
 
 def _write_svg(paths: ProjectPaths, text: str) -> Path:
@@ -226,43 +282,10 @@ def _compare(paths: ProjectPaths, view, refs: list[str], *, svg: str | None, as_
     if svg:
         atomic.write_text(Path(svg), compared.svg)
     svg = str(Path(svg) if svg else _write_svg(paths, compared.svg))
-    runs = compared.runs
-    names = [r.name for r in runs]
-    by_step = [dict(r.curve) for r in runs]
+    # The runs by number: their names are 30 columns and more.
+    for number, r in enumerate(compared.runs, 1):
+        say(f"run {number}: {r.name}" + (f"  label: {r.label}" if r.label else ""))
     gguf_label = next(s.label for s in COMPARED if s.key == VAL_CENTRED_COSINE) + " of its GGUF"
-    label = max(len(gguf_label), *(len(s.label) for s in COMPARED)) + 2
-    widths = [max(len(n), 8) for n in names]
-
-    def line(first: str, cells: list[str]) -> None:
-        print(first.ljust(label) + "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip())
-
-    print("val centred cosine by step (0: untrained)")
-    line("step", names)
-    for step in sorted(set().union(*by_step)):
-        line(str(step), [_score(s.get(step)) for s in by_step])
-    line("best", ["-" if r.best_val_centred_cosine is None else f"{r.best_val_centred_cosine:.4f}@{r.best_step}"
-                  for r in runs])
-    line("final", [_score(r.final_val_centred_cosine) for r in runs])
-    print()
-    print("at the last validation (raw target space; relative MSE: lower is better)")
-    line("step", ["-" if r.last_scores.get("step") is None else str(r.last_scores["step"]) for r in runs])
-    for score in COMPARED:
-        cells = []
-        for r in runs:
-            value = r.last_scores.get(score.key)
-            text = score.text(value) if isinstance(value, (int, float)) else "-"
-            if score.key == WORST_ROW_COSINE and isinstance(r.last_scores.get(WORST_ROW), int):
-                text += f" (row {r.last_scores[WORST_ROW]})"
-            cells.append(text)
-        line(score.label, cells)
-    line(gguf_label, [_score(r.gguf_val_centred_cosine) for r in runs])
-    # Prompt retrieval: the evaluation's only (its kept report's), with the chance each run's val prompts give.
-    print("prompt retrieval of its GGUF (own target the nearest, of the val prompts)")
-    for score in RETRIEVAL_SCORES:
-        line("  " + score.label.removeprefix("prompt retrieval "),
-             [score.text(r.gguf_retrieval[score.key]) if isinstance(r.gguf_retrieval.get(score.key), (int, float))
-              else "-" for r in runs])
-    line(f"  chance (top-1 / top-{RETRIEVAL_TOP})", [_chance(r.gguf_retrieval.get(VAL_RETRIEVAL_PROMPTS))
-                                                     for r in runs])
-    print(f"wrote the curves, one chart per score, to {svg}")
+    _print_compare_table(_compare_rows(compared.runs, gguf_label))
+    say(f"wrote the curves, one chart per score, to {svg}")
     return 0

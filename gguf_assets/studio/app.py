@@ -15,11 +15,13 @@ import functools
 import json
 import logging
 import os
+import re
 import subprocess
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
+from markupsafe import Markup, escape
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
@@ -43,7 +45,7 @@ from gguf_assets.lib.project import settings_file, settings_history
 from gguf_assets.lib.project.layout import FINAL_DIR, META_FILE, ProjectPaths
 from gguf_assets.lib.project.presets import PRESETS, preset, set_keys
 from gguf_assets.lib.project.settings import Settings, SettingsError, load_settings, settings_from_text
-from gguf_assets.lib.status.pace import pace_lines
+from gguf_assets.lib.status.pace import stage_paces
 from gguf_assets.lib.status.run_end import report_score
 from gguf_assets.lib.status.runs import (
     compare_runs,
@@ -111,7 +113,7 @@ class PageView:
     training: dict | None = None  # the Training metrics panel (training_view)
     snapshots: dict | None = None  # the Snapshots list (snapshots_view)
     precompute: list[dict] = field(default_factory=list)  # the precompute progress rows
-    pace: list[str] = field(default_factory=list)  # the precompute's and training's speed and ETA
+    pace: list[str] = field(default_factory=list)  # the precompute's speed and ETA (training's: in ``training``)
     hardware_now: dict = field(default_factory=dict)  # the machine's load now (LiveHardware)
     report: dict | None = None  # the verdict and the exported files, marked "outdated" when made earlier
     run_command: str = ""  # the command Run runs
@@ -143,6 +145,7 @@ def project_view(paths: ProjectPaths, feed: ObservationFeed | None = None,
     assets = set(running.assets) if running is not None else set()
     feed = feed or ObservationFeed()
     report = _report_view(paths, settings)
+    paces = {p.what: p.text() for p in stage_paces(paths, settings, stages, status)}  # measured speed and ETA
     stage_rows = [{"stage": s.stage, "title": stage_title(s.stage), "state": s.state, "detail": s.detail}
                   for s in stages]
     last_run = _last_run(paths, settings, feed, status)
@@ -150,6 +153,8 @@ def project_view(paths: ProjectPaths, feed: ObservationFeed | None = None,
     training = training_view(paths, settings, feed.entries("adapter", running.run_id)
                              if any(s.stage == "adapter" and s.state == State.RUNNING for s in stages) else None,
                              view=status)
+    if training is not None:  # its pace under its own panel, where its line does not say it already
+        training["pace"] = "" if training["running"] else paces.get("training", "")
     return PageView(
         project=str(paths.root),
         settings_error=None,
@@ -162,7 +167,7 @@ def project_view(paths: ProjectPaths, feed: ObservationFeed | None = None,
         snapshots=snapshots_view(paths, settings, status),  # the training run's snapshots and kept steps
         precompute=precompute_progress([(asset.removesuffix("_shards"), figures) for asset in SHARD_STAGES
                                         if asset in assets for figures in feed.entries(asset, running.run_id)]),
-        pace=pace_lines(paths, settings, stages, status),  # the whole precompute's and training's speed and ETA
+        pace=[paces["precompute"]] if "precompute" in paces else [],  # under the Precompute heading
         hardware_now=(hardware or LiveHardware()).read(),
         report=report and {**report, "outdated": _outdated(stages)},
         run_command=trainer("run", paths.root),
@@ -558,6 +563,12 @@ def build_app(project: str | Path, *, dagster_url: str = "", tensorboard_url: st
         *_snapshot_routes(studio)])
 
 
+def inline_code(text: str) -> Markup:
+    """A message of the product for the page: escaped, its `...` spans (Markdown's code, which report.md renders)
+    shown as code rather than as backticks."""
+    return Markup(re.sub(r"`([^`]*)`", r"<code>\1</code>", str(escape(text))))
+
+
 def _page_routes(studio: Studio) -> list[Route]:
     """The page, and the live view it polls."""
     async def page(request: Request) -> HTMLResponse:
@@ -568,7 +579,7 @@ def _page_routes(studio: Studio) -> list[Route]:
             "view": studio.view(), "dagster_url": studio.dagster_url,
             "tensorboard_url": tensorboard_timeseries_url(studio.tensorboard_url) if studio.tensorboard_url else "",
             "settings_text": text, "presets": PRESETS, "forms": form_sections(text), "number_rules": NUMBER_RULES,
-            "memory": memory_view(studio.paths), "machine": machine_view(), "escape_hint": ESCAPE_HINT,
+            "memory": memory_view(studio.paths), "machine": machine_view(), "escape_hint": inline_code(ESCAPE_HINT),
             # "<" escaped: the JSON sits inside a <script> element.
             "presets_json": json.dumps({p.name: p.description for p in PRESETS}).replace("<", "\\u003c")})
 

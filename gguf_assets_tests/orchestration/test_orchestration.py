@@ -16,7 +16,16 @@ from pathlib import Path
 import dagster as dg
 import psutil
 import pytest
-from conftest import CLI, FAULT_SETTINGS, cli_env, copy_project, pipeline_outputs, project_instance, wait_for
+from conftest import (
+    CLI,
+    FAULT_SETTINGS,
+    cli_env,
+    copy_project,
+    pipeline_outputs,
+    project_instance,
+    unwrapped,
+    wait_for,
+)
 from test_console import assert_clean_console
 from warm_runs import trainer_popen, trainer_run
 
@@ -319,8 +328,8 @@ def test_terminate_in_the_ui_and_ctrl_c_stop_a_cli_run_canceled_and_resumable(sh
     instance = _instance(paths)
     (running,) = _runs(paths, dg.DagsterRunStatus.STARTED)
     # While it trains, status says so, with the run.
-    status = subprocess.run([*CLI, "status", str(paths.root)], capture_output=True, text=True, env=cli_env(),
-                            timeout=60, check=True).stdout
+    status = "\n".join(unwrapped(subprocess.run([*CLI, "status", str(paths.root)], capture_output=True, text=True,
+                                                 env=cli_env(), timeout=60, check=True).stdout))  # 80 columns
     assert re.search(rf"adapter +running +run {running.run_id[:8]} of train_export_evaluate; was partial: trained "
                      r"to step 10 of 40", status), status
     asked = time.monotonic()

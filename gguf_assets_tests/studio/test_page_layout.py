@@ -128,6 +128,10 @@ def test_the_first_screen_holds_the_verdict_the_ggk_command_run_stop_and_the_sta
             and box["y"] + box["height"] <= WIDE["height"], (selector, box)
     assert _scroll_width(page) <= WIDE["width"]
     assert _luminance(page.evaluate("getComputedStyle(document.body).backgroundColor")) > 0.9  # light by default
+    assert _command_words_broken(page) == []  # the command wraps at its spaces only (#65)
+    # The emphasis note shows its examples as code, not as Markdown's backticks (#65).
+    assert "`" not in page.locator("#ggk-emphasis").inner_text()
+    assert page.locator("#ggk-emphasis code").all_inner_texts() == ["a \\(red\\) cat", "a (red) cat"]
     # The tab's title says the state (#65): the finished pipeline's score; Notify asks for notifications.
     assert page.title() == f"✓ {report['val_centred_cosine']:.3f} · project"
     assert page.locator("#notify").is_visible() and page.locator("#notify").inner_text() == "Notify me"
@@ -136,10 +140,40 @@ def test_the_first_screen_holds_the_verdict_the_ggk_command_run_stop_and_the_sta
     assert not page.errors, page.errors
 
 
+def _command_words_broken(page) -> list[str]:
+    """The words of the ggk command that the page draws over more than one line, but for a word wider than the box
+    itself (a phone's), which wraps inside rather than widen the page."""
+    return page.evaluate("""() => {
+        const box = document.getElementById("ggk-command"), text = box.textContent, broken = [];
+        const range = document.createRange(), style = getComputedStyle(box);
+        const measure = document.createElement("canvas").getContext("2d");
+        measure.font = style.font;
+        const room = box.clientWidth - parseFloat(style.paddingLeft) - parseFloat(style.paddingRight);
+        for (const match of text.matchAll(/\\S+/g)) {  // each word's own characters, wherever the page put them
+            let start = match.index, end = start + match[0].length, offset = 0, rects = new Set();
+            const walker = document.createTreeWalker(box, NodeFilter.SHOW_TEXT);
+            for (let node = walker.nextNode(); node; node = walker.nextNode()) {
+                const from = Math.max(start - offset, 0), to = Math.min(end - offset, node.length);
+                if (from < to) {
+                    range.setStart(node, from); range.setEnd(node, to);
+                    for (const r of range.getClientRects()) if (r.width > 0) rects.add(Math.round(r.top));
+                }
+                offset += node.length;
+            }
+            if (rects.size > 1 && measure.measureText(match[0]).width <= room) broken.push(match[0]);
+        }
+        return broken;
+    }""")
+
+
 def test_the_panels_fold_and_stay_as_the_user_left_them(studio):
     page = studio.page()
+    # The Evaluation panel opens with the page, each score saying which way is better (#65).
+    assert page.locator("#evaluation").is_visible()
+    scores = page.locator("#evaluation tr td:first-child").all_inner_texts()
+    assert len(scores) > 10 and all("is better" in measure for measure in scores[:-1]), scores
     as_opened = _height(page)
-    assert as_opened < 2.5 * WIDE["height"], as_opened  # the first screen, then the training metrics open
+    assert as_opened < 4 * WIDE["height"], as_opened  # the first screen, the training metrics and the evaluation
     page.click("#open-all")
     everything = _height(page)
     assert everything > 4 * WIDE["height"], everything  # what the page was before it folded
@@ -279,6 +313,7 @@ def test_a_phone_scrolls_nothing_sideways(studio):
     assert page.evaluate("document.documentElement.clientWidth") == PHONE["width"]
     assert _scroll_width(page) <= PHONE["width"]
     assert page.locator("#run").is_visible() and page.locator("#verdict").is_visible()
+    assert _command_words_broken(page) == []  # "--tokenizer-pack" was "-" / "-tokenizer-pack" (#65)
     studio.shot(page, "phone-first-screen")
     studio.shot(page, "phone-as-opened", full_page=True)
     page.click("#open-all")  # every panel and settings group open: tables scroll inside themselves

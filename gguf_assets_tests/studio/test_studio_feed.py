@@ -105,3 +105,26 @@ def test_one_poll_of_the_page_reads_each_corpus_split_once(finished_project, tmp
     assert reads == Counter({"train": 1, "val": 1})
     assert view.run_preview.startswith("Run starts at Val shards (missing) and resumes training from step ")
     assert [line.split(":")[0] for line in view.pace] == ["precompute"] and view.training is not None
+
+
+@pytest.mark.slow  # the suite's finished project (one pipeline run, shared), copied
+def test_the_pace_of_a_part_trained_run_is_in_the_training_panel_not_under_precompute(finished_project, tmp_path):
+    """#65: the precompute's pace goes under its heading, training's under the Training metrics panel's line (and
+    only while nothing trains: a running run's line says its rate and ETA itself)."""
+    from conftest import copy_project
+
+    from gguf_assets.lib.core import atomic
+    from gguf_assets.studio.app import project_view
+
+    paths = copy_project(finished_project[0], tmp_path / "project")
+    run_dir = paths.checkpoints_dir(atomic.read_json(paths.adapter_manifest)["fingerprint"])
+    paths.adapter_manifest.unlink()
+    for newest in ("final", "step-00000040"):  # stopped at step 35, with its log steps' steps/s
+        shutil.rmtree(run_dir / newest)
+    view = project_view(paths, ObservationFeed(dg.DagsterInstance.ephemeral()))
+    assert view.pace == [], view.pace  # no training line under the Precompute heading
+    assert view.training["pace"].startswith("training: 35/40 steps, ") and " steps/s measured, ETA " in \
+        view.training["pace"], view.training["pace"]
+    shutil.rmtree(paths.root / "shards/val/00000")  # shards left to make: their pace is the Precompute heading's
+    assert [line.split(":")[0] for line in project_view(paths, ObservationFeed(dg.DagsterInstance.ephemeral())).pace
+            ] == ["precompute"]

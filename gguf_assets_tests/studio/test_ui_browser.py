@@ -110,14 +110,17 @@ def test_ui_shows_graph_report_and_plots_then_stops_on_ctrl_c(finished_project, 
             page.screenshot(path=str(ARTIFACTS / "ui-runs.png"), full_page=True)
 
             # The link the adapter's page and `gguf-trainer ui` give: this run, unsmoothed (TensorBoard's default
-            # smoothing 0.6 would show 4 validation points as one smoothed value).
+            # smoothing 0.6 would show 4 validation points as one smoothed value), opening on the loss: its cards
+            # are sorted by tag, and the "hardware/" ones came first, the loss out of sight below them (#65).
             page.goto(tensorboard_timeseries_url(tensorboard, run=run))
             smoothing = page.locator(".scalars-smoothing input.slider-input")
             smoothing.wait_for(timeout=60_000)
             assert smoothing.input_value() == "0"
-            # Filtered to the loss: cards scrolled out of view are not rendered.
-            page.goto(f"{tensorboard}/?smoothing=0&tagFilter=train%2Floss#timeseries")
-            page.locator('"/loss"').first.wait_for(timeout=60_000)  # the card's title: "train" + "/loss"
+            page.locator("card-view .tag", has_text="train/loss").first.wait_for(timeout=60_000)
+            cards = page.locator("card-view .tag").evaluate_all(
+                "tags => tags.map((t) => [t.textContent.trim(), t.getBoundingClientRect().bottom])")
+            assert [tag for tag, _ in cards[:2]] == ["train/loss", "val/val_centred_cosine"], cards
+            assert cards[0][1] < 1000, cards  # on the first screen (the window is 1,000 px high)
             assert page.get_by_text(run).count() > 0  # the run is named by its shape, steps, lr and fingerprint
             page.screenshot(path=str(ARTIFACTS / "tensorboard.png"), full_page=True)
             browser.close()

@@ -78,6 +78,11 @@ class Score:
     def text(self, value: float | None) -> str:
         return "n/a" if value is None else format(value, self.fmt)
 
+    @property
+    def better(self) -> str:
+        """Which way is better, in words (the report's and the studio's score labels say it)."""
+        return "higher is better" if self.higher_is_better else "lower is better"
+
 
 # The scores compared run by run and step by step, in the order tables list them (the verdict first). The worst
 # row's index goes with WORST_ROW_COSINE.

@@ -212,9 +212,6 @@ def _fmt(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.4f}"
 
 
-SCORE_LABELS = {s.key: s.label for s in m.COMPARED}
-
-
 def retrieval_text(figures: dict) -> str | None:
     """Prompt retrieval in one short line (the console's), from a dict of metrics.RETRIEVAL_KEYS; None when not
     measured."""
@@ -226,42 +223,58 @@ def retrieval_text(figures: dict) -> str | None:
             f"{figures[m.VAL_RETRIEVAL_MARGIN]:.3f}")
 
 
+SCORES = {s.key: s for s in (*m.COMPARED, *m.RETRIEVAL_SCORES)}
+
+
+def _label(key: str, what: str, best: str = "") -> str:
+    """A score's row label: its name, what it measures, and which way is better (``best``: the best value)."""
+    return f"{SCORES[key].label} ({what}; {SCORES[key].better}{best})"
+
+
 def retrieval_rows(r: Report) -> list[tuple[str, str]]:
     """(measure, value) of prompt retrieval, each with its chance level (lib/core/metrics.py)."""
     n = r.val_retrieval_prompts
-    labels = {s.key: s for s in m.RETRIEVAL_SCORES}
 
     def chance(top: int) -> str:
         return f"; chance {m.retrieval_chance(n, top):.3f}" if n else ""
 
-    return [(f"{labels[m.VAL_RETRIEVAL_TOP1].label} (own target the nearest, of {n or 'n/a'} non-empty val "
-             f"prompts{chance(1)})", labels[m.VAL_RETRIEVAL_TOP1].text(r.val_retrieval_top1)),
-            (f"{labels[m.VAL_RETRIEVAL_TOP5].label} (own target among the {m.RETRIEVAL_TOP} nearest"
-             f"{chance(m.RETRIEVAL_TOP)})", labels[m.VAL_RETRIEVAL_TOP5].text(r.val_retrieval_top5)),
-            (f"{labels[m.VAL_RETRIEVAL_MARGIN].label} (own centred cosine less the mean to the other prompts' "
-             "targets)", labels[m.VAL_RETRIEVAL_MARGIN].text(r.val_retrieval_margin))]
+    return [(_label(m.VAL_RETRIEVAL_TOP1, f"own target the nearest, of {n or 'n/a'} non-empty val prompts"
+                                          f"{chance(1)}"), SCORES[m.VAL_RETRIEVAL_TOP1].text(r.val_retrieval_top1)),
+            (_label(m.VAL_RETRIEVAL_TOP5, f"own target among the {m.RETRIEVAL_TOP} nearest{chance(m.RETRIEVAL_TOP)}"),
+             SCORES[m.VAL_RETRIEVAL_TOP5].text(r.val_retrieval_top5)),
+            (_label(m.VAL_RETRIEVAL_MARGIN, "own centred cosine less the mean to the other prompts' targets"),
+             SCORES[m.VAL_RETRIEVAL_MARGIN].text(r.val_retrieval_margin))]
+
+
+# The export's check, the GGUF against the torch checkpoint it came from: one row compares their two scores, two
+# compare their outputs, prompt by prompt.
+GGUF_VS_CHECKPOINT = "GGUF vs torch checkpoint"
 
 
 def score_rows(r: Report) -> list[tuple[str, str]]:
     """(measure, value) of every score the report holds, as report.md and the studio's Evaluation panel list
-    them: the verdict's scores first, then the others in the raw target space (lib/core/metrics.py)."""
+    them: the verdict's scores first, then the others in the raw target space (lib/core/metrics.py), each saying
+    which way is better, then the export's check (the GGUF against its checkpoint)."""
     agree = r.gguf_vs_checkpoint or {}
-    rows = [(f"{SCORE_LABELS[m.VAL_CENTRED_COSINE]} (GGUF, numpy)", _fmt(r.val_centred_cosine)),
-            (f"{SCORE_LABELS[m.VAL_CENTRED_COSINE]} (torch checkpoint)", _fmt(r.val_centred_cosine_torch)),
-            ("GGUF vs torch difference", "n/a" if r.gguf_vs_torch is None else format(r.gguf_vs_torch, ".2e")),
+    return [(_label(m.VAL_CENTRED_COSINE, "of the GGUF, by the numpy evaluator: the verdict's"),
+             _fmt(r.val_centred_cosine)),
+            (_label(m.VAL_CENTRED_COSINE, "of the torch checkpoint"), _fmt(r.val_centred_cosine_torch)),
             *retrieval_rows(r),
-            (SCORE_LABELS[m.EMPTY_PROMPT_COSINE], _fmt(r.empty_prompt_cosine)),
-            (f"{SCORE_LABELS[m.VAL_REL_MSE]} (sum of squared errors / sum of squared target spread)",
+            (_label(m.EMPTY_PROMPT_COSINE, "the empty prompt's, the CFG embedding"), _fmt(r.empty_prompt_cosine)),
+            (_label(m.VAL_REL_MSE, "sum of squared errors / sum of squared target spread", ", 0 is perfect"),
              _fmt(r.val_rel_mse)),
-            (f"{SCORE_LABELS[m.VAL_RMS_COSINE]} (each row over its RMS)", _fmt(r.val_rms_cosine)),
-            (f"{SCORE_LABELS[m.WORST_ROW_COSINE]} (lowest mean centred cosine)",
+            (_label(m.VAL_RMS_COSINE, "each row over its RMS"), _fmt(r.val_rms_cosine)),
+            (_label(m.WORST_ROW_COSINE, "the query row of the lowest mean centred cosine"),
              "n/a" if r.worst_row is None else f"row {r.worst_row}: {_fmt(r.worst_row_cosine)}"),
-            ("GGUF vs checkpoint: per-row cosine, lowest / mean",
+            (f"{GGUF_VS_CHECKPOINT}, scores: difference of the two val centred cosines above (lower is better)",
+             "n/a" if r.gguf_vs_torch is None else format(r.gguf_vs_torch, ".2e")),
+            (f"{GGUF_VS_CHECKPOINT}, outputs: cosine of the two outputs per query row, lowest / mean (higher is "
+             "better, 1 is the same)",
              f"{agree[m.MIN_ROW_COSINE]:.6f} / {agree[m.MEAN_ROW_COSINE]:.6f}" if agree else "n/a"),
-            ("GGUF vs checkpoint: largest difference (of the outputs' RMS)",
-             f"{agree[m.MAX_ABS_DIFF]:.2e} ({agree[m.MAX_ABS_DIFF_RELATIVE]:.2e})" if agree else "n/a"),
+            (f"{GGUF_VS_CHECKPOINT}, outputs: largest difference of any value, and that share of the outputs' RMS "
+             "(lower is better)",
+             f"{agree[m.MAX_ABS_DIFF]:.2e} ({agree[m.MAX_ABS_DIFF_RELATIVE]:.2%} of their RMS)" if agree else "n/a"),
             ("val prompts", str(r.n_prompts) if r.n_prompts is not None else "n/a")]
-    return rows
 
 
 def verdict_rule(r: Report) -> str:

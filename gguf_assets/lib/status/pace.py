@@ -9,6 +9,7 @@ step and this process's steps/s at each log step; a stopped run's newest checkpo
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 from gguf_assets.lib.core import atomic
 from gguf_assets.lib.core.errors import UserError
@@ -17,7 +18,7 @@ from gguf_assets.lib.project.layout import ProjectPaths
 from gguf_assets.lib.project.settings import Settings
 from gguf_assets.lib.status.stages import SHARD_STAGES
 from gguf_assets.lib.status.states import ProjectView, StageState, State, planned_view
-from gguf_assets.lib.telemetry.eta import BusySpan, Pace, pace, work_pace
+from gguf_assets.lib.telemetry.eta import BusySpan, Pace, pace, rates_by_kind, work_pace
 from gguf_assets.lib.training.training_run import (
     SESSION_RUNNING,
     last_checkpoint_step,
@@ -76,6 +77,32 @@ def _busy_span(sidecar, half: str) -> BusySpan | None:
         return None
 
 
+@dataclass(frozen=True)
+class MeasuredRate:
+    """Units per second this machine managed, and what it was measured on, in words."""
+
+    per_second: float
+    source: str
+
+
+def precompute_rate(paths: ProjectPaths, view: ProjectView) -> MeasuredRate | None:
+    """This machine's prompts/s through the whole precompute (every half the mode makes, one after the other), from
+    the sidecars of the shard halves this project computed, current or not (a stale half still timed this machine);
+    None while a half the mode makes has no timed shard."""
+    spans, kinds = [], set()
+    for split in view.splits.values():
+        for plan in split.plans:
+            for half in split.halves[plan.key]:
+                kinds.add(half)
+                if (span := _busy_span(plan.folder(paths) / f"{half}.json", half)) is not None:
+                    spans.append(span)
+    rates = rates_by_kind(spans)
+    if not kinds or set(rates) != kinds:
+        return None
+    return MeasuredRate(1 / sum(1 / rate for rate in rates.values()),
+                        f"{len(spans)} shard halves it computed in this project")
+
+
 def training_pace(paths: ProjectPaths, settings: Settings, view: ProjectView | None = None) -> Pace | None:
     """Steps/s and the ETA of the training these settings make, from its first log step on: the running session's
     last log step while its process trains, else the newest checkpoint's step at the rate of the last log step it
@@ -103,9 +130,9 @@ def _training_pace(paths: ProjectPaths, settings: Settings, adapter_fp: str) -> 
                 float(logged[-1]["steps_per_s"]))
 
 
-def pace_lines(paths: ProjectPaths, settings: Settings, stages: list[StageState],
-               view: ProjectView | None = None) -> list[str]:
-    """What `status` and the studio show under the stages: the precompute's pace while shards are left to make, and
+def stage_paces(paths: ProjectPaths, settings: Settings, stages: list[StageState],
+                view: ProjectView | None = None) -> list[Pace]:
+    """The paces `status` and the studio show under the stages: the precompute's while shards are left to make, and
     training's while the adapter is trained part way or trains now. ``view``: the status_view ``stages`` came from
     (its plans are used; without it, or when it stopped before the shards, they are planned here, once)."""
     state = {s.stage: s.state for s in stages}
@@ -116,4 +143,10 @@ def pace_lines(paths: ProjectPaths, settings: Settings, stages: list[StageState]
         return []
     paces = [_precompute_pace(paths, planned) if wants_precompute else None,
              _training_pace(paths, settings, planned.adapter_fp) if wants_training else None]
-    return [p.text() for p in paces if p is not None]
+    return [p for p in paces if p is not None]
+
+
+def pace_lines(paths: ProjectPaths, settings: Settings, stages: list[StageState],
+               view: ProjectView | None = None) -> list[str]:
+    """stage_paces as `status` prints them, a line each."""
+    return [p.text() for p in stage_paces(paths, settings, stages, view)]

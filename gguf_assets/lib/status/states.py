@@ -16,6 +16,7 @@ from enum import StrEnum
 from pathlib import Path
 
 from gguf_assets.lib.core import atomic
+from gguf_assets.lib.core.console import fill
 from gguf_assets.lib.core.lock import HolderRecord
 from gguf_assets.lib.corpus.corpus_run import corpus_is_current
 from gguf_assets.lib.materials.materials_run import load_manifest, manifest_is_current
@@ -84,6 +85,10 @@ class StageState:
     def resumable(self) -> bool:
         """Whether `run` and the daemon's resume sensor continue it by themselves (see RESUMABLE)."""
         return self.state in RESUMABLE and not self.by_edit
+
+    def console_text(self) -> str:
+        """The stage as `status` prints it: name, state and why, the why wrapped under its own column."""
+        return fill(f"  {self.stage:<12} {self.state:<8} {self.detail}".rstrip(), hanging=22)
 
 
 # The states `run` and the daemon continue by themselves: nothing the user decided differs from what

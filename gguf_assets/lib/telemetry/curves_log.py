@@ -12,18 +12,28 @@ import math
 import time
 from pathlib import Path
 
+from gguf_assets.lib.core.metrics import VAL_CENTRED_COSINE
+
 TENSORBOARD_DIR = "tensorboard"
 # TensorBoard's address, set by `gguf-trainer ui` for the webserver, the daemon and the runs they launch.
 TENSORBOARD_URL_ENV = "GGUF_ASSETS_TENSORBOARD_URL"
 
 
+# The cards the link pins on top: the Time Series dashboard lists the rest by tag, alphabetically, so it would open
+# on the "hardware/" group (CurvesLog's groups: hardware, train, val) with the loss out of sight below it.
+PINNED_TAGS = ("train/loss", f"val/{VAL_CENTRED_COSINE}")
+
+
 def tensorboard_timeseries_url(base: str, *, run: str | None = None) -> str:
-    """TensorBoard's Time Series dashboard, unsmoothed: its default smoothing (0.6) would show a handful of
-    validation points as one smoothed value (0.86 for a real 0.922). TensorBoard 2.x reads ``smoothing`` from
-    the page's query (its webfiles' deserializeQueryParams), and ``runFilter`` selects one run."""
+    """TensorBoard's Time Series dashboard, unsmoothed, opening on the loss: its default smoothing (0.6) would show a
+    handful of validation points as one smoothed value (0.86 for a real 0.922). TensorBoard 2.x reads ``smoothing``
+    and ``pinnedCards`` from the page's query (its webfiles' deserializeQueryParams), and ``runFilter`` selects one
+    run."""
+    import json
     from urllib.parse import urlencode
 
-    query = urlencode({"smoothing": 0, **({"runFilter": run} if run else {})})
+    pinned = json.dumps([{"plugin": "scalars", "tag": tag} for tag in PINNED_TAGS], separators=(",", ":"))
+    query = urlencode({"smoothing": 0, "pinnedCards": pinned, **({"runFilter": run} if run else {})})
     return f"{base.rstrip('/')}/?{query}#timeseries"
 
 

@@ -48,8 +48,8 @@ def _panel(out: list[str], x0: int, title: str, series: list[tuple[str, str, lis
     shown = (lambda v: 10 ** v) if log_y else (lambda v: v)
     out.append(f'<text x="{x0 + 2}" y="24">{shown(sy1):.3g}</text>'
                f'<text x="{x0 + 2}" y="{panel_height - 18}">{shown(sy0):.3g}</text>')
-    out.append(f'<text x="{x0 + pad}" y="{panel_height - 6}">step {sx0}</text>'
-               f'<text x="{x0 + panel_width - 8}" y="{panel_height - 6}" text-anchor="end">{sx1}</text>')
+    out.append(f'<text x="{x0 + pad}" y="{panel_height - 6}">step {_step_text(sx0)}</text>'
+               f'<text x="{x0 + panel_width - 8}" y="{panel_height - 6}" text-anchor="end">{_step_text(sx1)}</text>')
     for i, (label, colour, pts) in enumerate(series):
         if len(pts) > 400:  # keep the embedded image small
             pts = pts[:: math.ceil(len(pts) / 400)] + [pts[-1]]
@@ -61,6 +61,11 @@ def _panel(out: list[str], x0: int, title: str, series: list[tuple[str, str, lis
                         for cx, cy in (xy(x, y).split(",") for x, y in pts)]
             out.append(f'<text x="{x0 + panel_width - 10}" y="{30 + 12 * i}" text-anchor="end" '
                        f'fill="{colour}">{label}</text>')
+
+
+def _step_text(step: float) -> str:
+    """A step as an integer: live figures come as floats (Dagster's metadata), and "1620.0" is no step."""
+    return str(int(step)) if float(step).is_integer() else f"{step:g}"
 
 
 def curves_svg(history: list[dict], *, panel_width: int = 320, panel_height: int = 180) -> str:

@@ -439,6 +439,13 @@ def test_numpy_evaluation_agrees_with_torch_and_report_carries_both(tmp_path: Pa
     assert report.vision_gguf is None
     assert report.student == {"repo": "org/student", "commit": "0123abcd" * 5, "path": str(STUDENT_DIR), "layer": -1}
 
+    # The rows say which way each score is better, which number is relative, and which GGUF-vs-checkpoint row
+    # compares scores and which outputs (#65).
+    rows = score_rows(report)
+    assert all("higher is better" in measure or "lower is better" in measure for measure, _ in rows[:-1]), rows
+    assert [measure.split(":")[0] for measure, _ in rows if measure.startswith("GGUF")] == [
+        "GGUF vs torch checkpoint, scores", "GGUF vs torch checkpoint, outputs", "GGUF vs torch checkpoint, outputs"]
+    assert rows[-2][1] == f"{agree[metrics.MAX_ABS_DIFF]:.2e} ({agree[metrics.MAX_ABS_DIFF_RELATIVE]:.2%} of their RMS)"
     md = (paths.root / "output" / REPORT_MD).read_text(encoding="utf-8")
     for needle in (f"| {report.val_rel_mse:.4f} |", f"| {report.val_rms_cosine:.4f} |",
                    f"| row {report.worst_row}: {report.worst_row_cosine:.4f} |",
@@ -450,7 +457,8 @@ def test_numpy_evaluation_agrees_with_torch_and_report_carries_both(tmp_path: Pa
         metrics.VAL_REL_MSE, metrics.VAL_RMS_COSINE, metrics.WORST_ROW, metrics.WORST_ROW_COSINE,
         metrics.GGUF_VS_CHECKPOINT, *metrics.RETRIEVAL_KEYS)})
     assert older.val_rel_mse is None and older.gguf_vs_checkpoint is None and older.val_retrieval_top1 is None
-    assert dict(score_rows(older))["GGUF vs checkpoint: per-row cosine, lowest / mean"] == "n/a"
+    assert [value for measure, value in score_rows(older) if measure.startswith("GGUF vs torch checkpoint, outputs")] \
+        == ["n/a"] * 2
     assert [value for measure, value in score_rows(older) if measure.startswith("prompt retrieval")] == ["n/a"] * 3
     for needle in ("## Exported files", "## Use it in ggk", "### Per shard", "### The 10 worst val prompts",
                    report.gguf_sha256, report.ggk_command, report.verdict, "`org/student`", "`--tokenizer-pack`",
@@ -494,9 +502,10 @@ def test_a_prompt_blind_adapter_is_refused_good_by_retrieval_at_a_cosine_above_t
     assert "It ignores the prompt" in report.advice
     md = (paths.root / "output" / REPORT_MD).read_text(encoding="utf-8")
     for needle in (f"| prompt retrieval top-1 (own target the nearest, of {n} non-empty val prompts; chance "
-                   f"{1 / n:.3f}) | {report.val_retrieval_top1:.3f} |",
-                   f"| prompt retrieval top-5 (own target among the 5 nearest; chance {5 / n:.3f}) |",
-                   "| prompt retrieval margin (own centred cosine less the mean to the other prompts' targets) |",
+                   f"{1 / n:.3f}; higher is better) | {report.val_retrieval_top1:.3f} |",
+                   f"| prompt retrieval top-5 (own target among the 5 nearest; chance {5 / n:.3f}; higher is better) |",
+                   "| prompt retrieval margin (own centred cosine less the mean to the other prompts' targets; "
+                   "higher is better) |",
                    f"for at least 50% of the non-empty val prompts, a count chance gives less than once in 1,000 "
                    f"({n // 2} of these {n})", report.verdict):
         assert needle in md, needle

@@ -4,12 +4,14 @@ adapter's real state dict."""
 import json
 
 import pytest
-from conftest import cli_env
+from conftest import assert_fits_80_columns, cli_env, unwrapped
 from safetensors import safe_open
 from warm_runs import trainer_run
 
+from gguf_assets.lib.project.seed_reference import DEMO_CPU_TRAINING, DEMO_CPU_TRAINING_SHAPE
 from gguf_assets.lib.project.settings import load_settings, replace, write_project_file
 from gguf_assets.lib.status.estimate import GIB, adapter_params, estimate, kept_steps_text, peak_gib
+from gguf_assets.lib.telemetry.progress import format_seconds
 from gguf_assets.lib.training.adapter import Adapter, AdapterShape
 
 
@@ -51,12 +53,28 @@ def test_the_estimate_counts_the_demo_pairs_weights_and_the_training_state(make_
 
     done = trainer_run(["estimate", str(paths.root)], capture_output=True, text=True, env=cli_env(), timeout=120)
     assert done.returncode == 0 and "peak on one GPU" in done.stdout and "Traceback" not in done.stderr, done.stderr
-    assert [line.split()[0] for line in done.stdout.splitlines()[1:4]] == ["teacher", "student", "adapter"]
-    assert "kept steps on a schedule: off (training.keep_steps_every 0)" in done.stdout.splitlines()  # the default
+    assert_fits_80_columns(done.stdout)  # 361 columns wide before it wrapped
+    printed = unwrapped(done.stdout)
+    assert [line.split()[0] for line in printed[1:4]] == ["teacher", "student", "adapter"]
+    assert "kept steps on a schedule: off (training.keep_steps_every 0)" in printed  # the default
+    # Nothing ran here yet and the demo trains on the CPU: a CPU figure, scaled from the demo's own CPU measurement
+    # (the seed's is a GPU's: "under 1s" for the demo), with the seed's GPU figure for comparison.
+    (training,) = [line for line in printed if line.startswith("  training")]
+    t, demo = settings.training, DEMO_CPU_TRAINING_SHAPE
+    seconds = t.steps / DEMO_CPU_TRAINING.per_second * (t.batch_size * t.depth * t.width ** 2) / (
+        demo["batch_size"] * demo["depth"] * demo["width"] ** 2)
+    assert training.startswith(f"  training on this machine's CPU (training.device is cpu): about "
+                               f"{format_seconds(seconds)} for {t.steps} steps, scaled from the demo's measurement on "
+                               "2 CPU cores (1,200 steps in 1m02s at width 128, depth 1, batch 16)"), training
+    assert "On a GPU like the seed's: under 1s, scaled from the seed's measurement" in training
+    (precompute,) = [line for line in printed if line.startswith("  precompute")]
+    assert precompute.startswith("  precompute on this machine's CPU (precompute.device is cpu): not known before its "
+                                 "first shard"), precompute
     # `status` shows the same peak before the shards are computed ("will it fit?", before anything loads).
     status = trainer_run(["status", str(paths.root)], capture_output=True, text=True, env=cli_env(), timeout=120)
-    (memory,) = [line for line in status.stdout.splitlines() if line.strip().startswith("memory:")]
-    peak = next(line for line in done.stdout.splitlines() if "peak on one GPU" in line).split()[4:6]
+    assert_fits_80_columns(status.stdout)
+    (memory,) = [line for line in unwrapped(status.stdout) if line.strip().startswith("memory:")]
+    peak = next(line for line in printed if "peak on one GPU" in line).split()[4:6]
     assert f"peak on one GPU {' '.join(peak)} (teacher " in memory and "estimate" in memory, status.stdout
 
 
@@ -292,13 +310,13 @@ def test_a_config_only_folder_without_query_rows_gets_a_one_line_answer(make_pro
                        env=cli_env(), timeout=120)
     assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
     assert done.stderr == "", done.stderr  # no library noise (accelerate warned of each GPU named but not here)
-    teacher, student, training = done.stdout.splitlines()[1:4]
+    teacher, student, training = unwrapped(done.stdout)[1:4]
     assert "from config.json on the meta device: no weights here yet" in teacher and "?" not in teacher.split()[1]
     assert "Q = 256 assumed (the usual): add query_rows.safetensors to the teacher folder or set " \
            "materials.query_rows" in training
     status = trainer_run(["status", str(paths.root)], capture_output=True, text=True, env=cli_env(), timeout=120)
     assert "Traceback" not in status.stderr, status.stderr
-    (memory,) = [line for line in status.stdout.splitlines() if line.strip().startswith("memory:")]
+    (memory,) = [line for line in unwrapped(status.stdout) if line.strip().startswith("memory:")]
     assert memory.strip().startswith("memory: peak on one GPU "), status.stdout
 
     (paths.root / "models" / "teacher" / "config.json").unlink()
@@ -321,7 +339,7 @@ def test_an_unreachable_hub_is_one_line_quickly(make_project, monkeypatch):
     started = time.monotonic()
     status = trainer_run(["status", str(paths.root)], capture_output=True, text=True, env=cli_env(), timeout=120)
     assert status.returncode == 0 and "Traceback" not in status.stderr, status.stderr
-    (memory,) = [line for line in status.stdout.splitlines() if line.strip().startswith("memory:")]
+    (memory,) = [line for line in unwrapped(status.stdout) if line.strip().startswith("memory:")]
     assert memory.strip().startswith("memory: not known yet: the estimate needs the hub for org/big-teacher: ")
     assert "cannot be reached" in memory, memory
     assert time.monotonic() - started < 60

@@ -10,7 +10,7 @@ import subprocess
 import xml.etree.ElementTree as ET
 
 import pytest
-from conftest import cli, copy_project
+from conftest import assert_fits_80_columns, cli, copy_project, unwrapped
 
 from gguf_assets.lib.core import atomic, metrics
 from gguf_assets.lib.project import settings_history
@@ -252,7 +252,10 @@ def test_compare_overlays_two_runs_curves(project):
     assert done.returncode == 2 and "the same run twice" in done.stderr  # the label names OTHER
     done = cli("runs", str(project.root), "--compare", first.name, OTHER, "--svg", str(svg))
     assert done.returncode == 0, done.stderr
-    assert svg.read_text() == compared.svg and f"wrote the curves, one chart per score, to {svg}" in done.stdout
+    assert svg.read_text() == compared.svg
+    assert f"wrote the curves, one chart per score, to {svg}" in unwrapped(done.stdout)
+    assert_fits_80_columns(done.stdout)  # the runs by number, not by their 32-column names (98 wide)
+    assert f"run 1: {first.name}\nrun 2: {compared.runs[1].name}" in done.stdout
     table = {cells[0]: cells[1:] for line in done.stdout.split("at the last validation")[1].splitlines()[1:]
              if len(cells := re.split(r" {2,}", line.strip())) == 3}
     last = first.last_scores  # OTHER is a copy of the first run's folder: the same scores

@@ -52,7 +52,7 @@ def test_one_status_question_plans_each_split_once(finished_project, tmp_path, s
     assert status_view(paths, settings).stages == project_status(paths, settings)
 
     split_reads.clear()
-    assert time_lines(paths, settings)[0].endswith("(on this machine)")
+    assert time_lines(paths, settings)[0].endswith("(measured on this machine)")
     assert split_reads == ONCE_PER_SPLIT
 
     # The shard step's console line (defs/precompute.py): planned once, then only the half states are read again.

@@ -44,9 +44,19 @@ def test_precompute_progress_keeps_each_split_and_halfs_newest_figures():
     assert rows[0]["text"] == "train teacher: 800/1600 prompts, 4.50 prompts/s, ETA 2m58s"
 
 
-def test_the_tensorboard_link_opens_the_time_series_unsmoothed_on_one_run():
+def test_the_tensorboard_link_opens_the_time_series_unsmoothed_on_one_run_with_the_loss_pinned():
+    import json
+    from urllib.parse import parse_qs, urlsplit
+
     from gguf_assets.lib.telemetry.curves_log import tensorboard_timeseries_url
 
-    assert tensorboard_timeseries_url("http://127.0.0.1:6006/") == "http://127.0.0.1:6006/?smoothing=0#timeseries"
-    assert tensorboard_timeseries_url("http://h:1", run="64x1-40steps-lr0.004-ab12") == \
-        "http://h:1/?smoothing=0&runFilter=64x1-40steps-lr0.004-ab12#timeseries"
+    for url, run in ((tensorboard_timeseries_url("http://127.0.0.1:6006/"), None),
+                     (tensorboard_timeseries_url("http://h:1", run="64x1-40steps-lr0.004-ab12"),
+                      "64x1-40steps-lr0.004-ab12")):
+        parts = urlsplit(url)
+        query = parse_qs(parts.query)
+        assert parts.path == "/" and parts.fragment == "timeseries" and query["smoothing"] == ["0"], url
+        assert query.get("runFilter") == ([run] if run else None), url
+        # The loss first (the hardware cards sort before it): pinned cards come above every group (#65).
+        assert json.loads(query["pinnedCards"][0]) == [{"plugin": "scalars", "tag": "train/loss"},
+                                                       {"plugin": "scalars", "tag": "val/val_centred_cosine"}]

@@ -37,3 +37,12 @@ def test_a_sparkline_spans_its_width_and_scales_to_its_maximum():
     assert [x for x, _ in points] == [0.0, 30.0, 60.0, 90.0]
     assert [y for _, y in points] == [21.0, 11.0, 1.0, 1.0]  # 0 at the bottom, the maximum (and above) at the top
     assert ET.fromstring(sparkline_svg([], maximum=100.0)).find("{http://www.w3.org/2000/svg}polyline") is None
+
+
+def test_the_step_axis_is_labelled_in_whole_steps_when_the_figures_come_as_floats():
+    """The studio's live curves read Dagster's metadata, whose numbers are floats: the axis said "1620.0"."""
+    history = [{"step": 1500.0, "loss": 1.0}, {"step": 1620.0, "loss": 0.5},
+               {"step": 1620.0, "val_centred_cosine": 0.9}]
+    labels = re.findall(r'text-anchor="end">([^<]+)</text>', curves_svg(history))
+    assert "step 1500" in curves_svg(history) and labels[:2] == ["1620", "1620"], labels
+    assert ".0<" not in curves_svg(history)

@@ -3,6 +3,7 @@ process, a few seconds each."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -137,7 +138,7 @@ def test_lowering_the_steps_mid_run_finishes_now_and_raising_them_after_goes_on_
     assert atomic.read_json(went_on_dir / FINAL_DIR / META_FILE)["parent"] == early.fingerprint
     assert went_on.fingerprint != training_fingerprint(longer, *fps)  # a fresh run to 25 stays another run
 
-    # `gguf-trainer runs`: the early end and the continuation, each on a line of its own below the table.
+    # `gguf-trainer runs`: the early end and the continuation, each on a line of its own in its run's block.
     view = list_runs(ProjectPaths.of(root), longer)
     first, second = (next(r for r in view.runs if r.fingerprint == fp) for fp in (early.fingerprint,
                                                                                  went_on.fingerprint))
@@ -146,9 +147,10 @@ def test_lowering_the_steps_mid_run_finishes_now_and_raising_them_after_goes_on_
     assert (second.step, second.planned_steps, second.parent, second.parent_step) == (25, 25, early.fingerprint, 15)
     capsys.readouterr()
     runs_cli._table(ProjectPaths.of(root), view)
-    printed = capsys.readouterr().out.splitlines()
-    assert f"  {first.name}: ended at step 15: training.steps lowered to 12 (it was planned to 40)" in printed
-    assert f"  {second.name}: continues {first.name} from step 15 (training.steps raised to 25)" in printed
+    printed = capsys.readouterr().out
+    blocks = {block.split()[0]: " ".join(block.split()) for block in re.split(r"\n(?=\S)", printed)}  # unwrapped
+    assert " ended at step 15: training.steps lowered to 12 (it was planned to 40)" in blocks[first.name]
+    assert f" continues {first.name} from step 15 (training.steps raised to 25)" in blocks[second.name]
     assert second.to_json()["parent"] == early.fingerprint and first.to_json()["lowered_to"] == 12
 
     # The same continuation again, on a copy of the project: reused, not trained again.
