@@ -9,7 +9,16 @@ import time
 
 import dagster as dg
 import pytest
-from conftest import CLI, assert_fits_80_columns, cli_env, copy_project, free_port, project_instance, wait_http
+from conftest import (
+    CLI,
+    assert_fits_80_columns,
+    cli_env,
+    copy_project,
+    free_port,
+    project_instance,
+    wait_for,
+    wait_http,
+)
 
 from gguf_assets.lib.core.commands import trainer
 from gguf_assets.lib.training.verdict import GOOD
@@ -338,10 +347,19 @@ def test_a_second_ui_on_the_same_project_names_the_open_one_and_starts_nothing(m
         first = subprocess.Popen([*CLI, "ui", str(paths.root), "--port", str(free_port()), "--studio-port",
                                   str(studio_port), "--no-tensorboard"], stdout=out, stderr=subprocess.STDOUT,
                                  env=cli_env())
+    def daemons() -> list:
+        def this_project_s(proc) -> bool:
+            try:  # another test's daemon may end between the listing and the read
+                return "dagster-daemon" in " ".join(proc.info["cmdline"] or []) and \
+                    str(paths.root) in proc.environ().get("DAGSTER_HOME", "")
+            except psutil.Error:
+                return False
+
+        return [p for p in psutil.process_iter(["cmdline"]) if this_project_s(p)]
+
     try:
-        deadline = time.monotonic() + 120
-        while "Dagster UI for" not in log.read_text() and time.monotonic() < deadline:
-            time.sleep(0.1)
+        # Its daemon starts once the code server it shares with the Dagster UI has loaded the definitions.
+        wait_for(daemons, timeout=120, what="the first ui's daemon", proc=first)
         for round_ in ("open", "killed"):
             # The same ports as the first: the second must not get as far as probing them.
             second = subprocess.run([*CLI, "ui", str(paths.root), "--studio-port", str(studio_port)],
@@ -355,15 +373,7 @@ def test_a_second_ui_on_the_same_project_names_the_open_one_and_starts_nothing(m
                 first.wait(timeout=30)
             else:
                 assert "which is gone while its servers still run" in second.stderr, second.stderr
-        def this_project_s_daemon(proc) -> bool:
-            try:  # another test's daemon may end between the listing and the read
-                return "dagster-daemon" in " ".join(proc.info["cmdline"] or []) and \
-                    str(paths.root) in proc.environ().get("DAGSTER_HOME", "")
-            except psutil.Error:
-                return False
-
-        daemons = [p for p in psutil.process_iter(["cmdline"]) if this_project_s_daemon(p)]
-        assert len(daemons) == 1, daemons
+        assert len(daemons()) == 1, daemons()
     finally:
         if first.poll() is None:
             first.kill()

@@ -55,7 +55,7 @@ def test_the_page_names_the_run_the_lock_holder_record_names(make_project):
     assert materials["state"] == "running" and materials["detail"].startswith("run 1a2b3c4d of all_stages; was ")
 
 
-def test_the_page_and_api_status_share_one_record_of_fourteen_fields(make_project):
+def test_the_page_and_api_status_share_one_record_of_fifteen_fields(make_project):
     """studio.app.PageView is the page's contract: /api/status serves its fields under these names (the page's
     script reads them), and a project.yaml that does not load keeps the last good view with the error on it."""
     from dataclasses import fields
@@ -63,7 +63,7 @@ def test_the_page_and_api_status_share_one_record_of_fourteen_fields(make_projec
     from gguf_assets.studio.app import PageView, Studio
 
     keys = ["project", "settings_error", "stages", "busy", "running", "run_preview", "last_run", "training",
-            "snapshots", "precompute", "pace", "hardware_now", "report", "run_command"]
+            "snapshots", "precompute", "pace", "hardware_now", "report", "run_command", "signal"]
     assert [f.name for f in fields(PageView)] == keys
     paths = make_project(steps=5, mock_teacher=True)
     studio = Studio(paths, feed=ObservationFeed(dg.DagsterInstance.ephemeral()))
