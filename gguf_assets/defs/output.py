@@ -134,7 +134,8 @@ def eval_report(context: dg.AssetExecutionContext, project: ProjectResource) -> 
                 "evaluation": dg.MetadataValue.md(render_evaluation(report)),
                 "exported_files": dg.MetadataValue.md(render_files(report.files, kept_f32=report.kept_f32)),
                 "use_it_in_ggk": dg.MetadataValue.md(render_use_in_ggk(report)),
-                "ggk_command": dg.MetadataValue.text(report.ggk_command),
+                # A code block, not text: the UI shows a long text entry clipped to its column.
+                "ggk_command": dg.MetadataValue.md(f"```\n{report.ggk_command}\n```"),
                 "verdict": report.verdict, "gguf_sha256": report.gguf_sha256}
     # Numeric entries are plotted over time in the UI.
     counts = ("n_prompts", m.WORST_ROW, m.VAL_RETRIEVAL_PROMPTS)
@@ -142,20 +143,20 @@ def eval_report(context: dg.AssetExecutionContext, project: ProjectResource) -> 
                 m.VAL_REL_MSE, m.VAL_RMS_COSINE, m.WORST_ROW_COSINE, *m.RETRIEVAL_KEYS, *counts, "eval_seconds"):
         value = getattr(report, key)
         if value is not None:
-            metadata[key] = int(value) if key in counts else float(value)
+            metadata[key] = int(value) if key in counts else m.shown(value)
     for key, value in (report.gguf_vs_checkpoint or {}).items():
-        metadata[f"{m.GGUF_VS_CHECKPOINT}_{key}"] = float(value)
+        metadata[f"{m.GGUF_VS_CHECKPOINT}_{key}"] = m.shown(value)
     score = report.val_centred_cosine if report.evaluated else report.val_centred_cosine_torch
     checks = [
         dg.AssetCheckResult(check_name="gguf_agrees_with_torch",
                             passed=not report.evaluated or report.gguf_vs_torch < GGUF_TORCH_TOLERANCE,
-                            metadata={"difference": float(report.gguf_vs_torch or 0.0),
+                            metadata={"difference": m.shown(report.gguf_vs_torch or 0.0),
                                       "evaluated": report.evaluated,
-                                      **{key: float(value) for key, value in
+                                      **{key: m.shown(value) for key, value in
                                          (report.gguf_vs_checkpoint or {}).items()}}),
         dg.AssetCheckResult(check_name="val_centred_cosine_threshold", passed=score >= GOOD,
                             severity=dg.AssetCheckSeverity.WARN,
-                            metadata={m.VAL_CENTRED_COSINE: float(score), "threshold": GOOD,
+                            metadata={m.VAL_CENTRED_COSINE: m.shown(score), "threshold": GOOD,
                                       "advice": report.advice}),
         _retrieval_check(report),
     ]
@@ -175,9 +176,10 @@ def _retrieval_check(report: Report) -> dg.AssetCheckResult:
     return dg.AssetCheckResult(
         check_name="prompt_retrieval_above_chance", passed=retrieval_passes(report.val_retrieval_top1, prompts),
         severity=dg.AssetCheckSeverity.WARN,
-        metadata={**{key: getattr(report, key) for key in m.RETRIEVAL_KEYS if getattr(report, key) is not None},
-                  "chance_top1": m.retrieval_chance(prompts), "advice": report.advice,
-                  **({"needed_top1": bar.top1} if bar.top1 is not None else {})})
+        metadata={**{key: m.shown(value) if isinstance(value, float) else value for key in m.RETRIEVAL_KEYS
+                     if (value := getattr(report, key)) is not None},
+                  "chance_top1": m.shown(m.retrieval_chance(prompts)), "advice": report.advice,
+                  **({"needed_top1": m.shown(bar.top1)} if bar.top1 is not None else {})})
 
 
 @dg.asset_check(asset=eval_report, description="The files the report names (the GGUF that was scored, the vision "

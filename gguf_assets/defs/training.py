@@ -10,7 +10,7 @@ from gguf_assets.defs.precompute import train_shards, val_shards
 from gguf_assets.defs.resources import ProjectResource
 from gguf_assets.lib.core.commands import shell_line
 from gguf_assets.lib.core.markdown import markdown_table
-from gguf_assets.lib.core.metrics import EMPTY_PROMPT_COSINE, VAL_CENTRED_COSINE, VAL_LOSS
+from gguf_assets.lib.core.metrics import EMPTY_PROMPT_COSINE, VAL_CENTRED_COSINE, VAL_LOSS, shown
 from gguf_assets.lib.materials.materials_run import load_manifest
 from gguf_assets.lib.precompute.shards import require_current
 from gguf_assets.lib.project.layout import CURVES_FILE, FINAL_DIR
@@ -29,7 +29,10 @@ TABLE_ROWS = 40
 
 
 def _number(value) -> float:
-    return float(value) if isinstance(value, (int, float)) else float("nan")
+    """A figure as metadata: a score to five significant digits (metrics.shown), a count whole, else NaN."""
+    if isinstance(value, float):
+        return shown(value)
+    return float(value) if isinstance(value, int) else float("nan")
 
 
 def _metrics_table(history: list[dict]) -> str:
@@ -74,7 +77,7 @@ def adapter(context: dg.AssetExecutionContext, project: ProjectResource) -> dg.M
         if isinstance(event, (LogStep, Validation)):
             # One observation per log/validate step: Dagster plots each numeric key over time. A LogStep
             # carries the live hardware sample (GPU/CPU/RAM) taken at that step.
-            numbers = {k: float(v) for k, v in event.figures().items() if isinstance(v, (int, float))}
+            numbers = {k: _number(v) for k, v in event.figures().items() if isinstance(v, (int, float))}
             context.log_event(dg.AssetObservation(asset_key=context.asset_key, metadata=numbers))
 
     with hardware:  # samples GPU/CPU/RAM in the background for the run's summary

@@ -109,7 +109,11 @@ def test_the_demo_dag_is_recorded_stage_by_stage_in_the_project_s_dagster(demo_r
     assert "prompt retrieval top-1" in evaluated["evaluation"].value
     retrieval = checks[("eval_report", "prompt_retrieval_above_chance")]
     assert retrieval.passed and retrieval.severity == dg.AssetCheckSeverity.WARN
-    assert evaluated[metrics.VAL_REL_MSE].value == report[metrics.VAL_REL_MSE]
+    # Five significant digits, as the UI shows them (it prints a float's whole repr); the report keeps them all.
+    assert evaluated[metrics.VAL_REL_MSE].value == metrics.shown(report[metrics.VAL_REL_MSE])
+    floats = [value.value for value in evaluated.values() if isinstance(value, dg.FloatMetadataValue)]
+    assert len(floats) > 10 and all(value == metrics.shown(value) for value in floats), floats
+    assert report["ggk_command"] in evaluated["ggk_command"].value  # whole, in a code block
     assert evaluated[metrics.WORST_ROW].value == report[metrics.WORST_ROW]
     assert f"row {report[metrics.WORST_ROW]}: " in evaluated["evaluation"].value
     threshold = checks[("eval_report", "val_centred_cosine_threshold")]

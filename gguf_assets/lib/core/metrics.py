@@ -106,3 +106,12 @@ RETRIEVAL_SCORES: Final = (
 def retrieval_chance(prompts: int, top: int = 1) -> float:
     """The top-``top`` retrieval of an adapter that ignores the prompt, among ``prompts`` val prompts."""
     return min(top, prompts) / prompts
+
+
+SHOWN_DIGITS = 5
+
+
+def shown(value: float) -> float:
+    """A score as Dagster's metadata shows and plots it: five significant digits (0.90695, 1.1136e-03). The UI
+    prints a float's full repr, sixteen digits of which the last eleven say nothing."""
+    return float(f"{value:.{SHOWN_DIGITS}g}")
