@@ -11,6 +11,7 @@ how to add one.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal, get_args, get_origin
 
 from gguf_assets.lib.core.errors import UserError
@@ -108,8 +109,8 @@ def another_value(value, annotation):
     return "other"
 
 
-def expected_fingerprints(paths: ProjectPaths, settings: Settings, view=None, *,
-                          adapter_fp: str | None = None) -> dict[str, str]:
+def expected_fingerprints(paths: ProjectPaths, settings: Settings, view=None, *, adapter_fp: str | None = None,
+                          chain: Chain | None = None, stages: Sequence[str] = STAGES) -> dict[str, str]:
     """Per stage, the fingerprint its result has when made now from these settings and the inputs on disk;
     a stage is missing here while what it is computed from does not exist yet (no materials manifest,
     no corpus).
@@ -123,22 +124,29 @@ def expected_fingerprints(paths: ProjectPaths, settings: Settings, view=None, *,
     adapter fingerprint are used as they are, not computed again (one question, one computation of each).
     ``adapter_fp``: the training run to count as the adapter, one of those the settings stand for
     (training_run.standing_runs) though they prefer another now (`gguf-trainer runs --use` makes it current).
+    ``chain``: the question's chain when there is no view yet. ``stages``: only these stages' fingerprints (and
+    what they chain) are computed.
     """
-    chain = view.chain if view is not None and view.chain is not None else new_chain(paths, settings)
+    if chain is None:
+        chain = view.chain if view is not None and view.chain is not None else new_chain(paths, settings)
     if view is not None and view.chain is None:  # a view planned apart from a status question: its manifest and plans
         chain.known.update(view.learned())
-    out = {"materials": chain.fingerprint("materials")}
+    out: dict[str, str] = {}
+
+    def add(*names: str) -> None:
+        out.update({name: chain.fingerprint(name) for name in names if name in stages})
+
+    add("materials")
     if not paths.materials_manifest.is_file():
         return out
     try:
         materials = chain_materials(chain)
     except (OSError, ValueError, TypeError, UserError):  # damaged: status says so, materials is redone
         return out
-    out["corpus"] = chain.fingerprint("corpus")
+    add("corpus")
     if not all(paths.corpus_file(split).is_file() for split in SPLITS):
         return out
-    for stage in (*SHARD_STAGES, "adapter", "gguf", "eval_report"):
-        out[stage] = chain.fingerprint(stage)
+    add(*SHARD_STAGES, *TRAINING_STAGES)
     if adapter_fp is not None:  # another run than the one the settings prefer: the stages after it chain its own
         out["adapter"] = adapter_fp
         out["gguf"] = gguf_fingerprint(settings, materials, adapter_fp)

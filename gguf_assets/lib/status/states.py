@@ -92,10 +92,11 @@ def project_status(paths: ProjectPaths, settings: Settings) -> list[StageState]:
     return status_view(paths, settings).stages
 
 
-def status_view(paths: ProjectPaths, settings: Settings) -> ProjectView:
+def status_view(paths: ProjectPaths, settings: Settings, chain: Chain | None = None) -> ProjectView:
     """project_status's stages, with the materials manifest, shard plans and half states and the adapter
-    fingerprint it computed them from (each split's corpus is read once, each fingerprint computed once)."""
-    chain = new_chain(paths, settings)
+    fingerprint it computed them from (each split's corpus is read once, each fingerprint computed once).
+    ``chain``: a chain of these settings begun already (fingerprints asked first), whose answers it reuses."""
+    chain = new_chain(paths, settings) if chain is None else chain
     stages = _stages(chain)
     splits = {split: chain.known[f"split:{split}"] for split in SPLITS} if "split:val" in chain.known else None
     return ProjectView(stages, chain.known.get("materials"), splits,
