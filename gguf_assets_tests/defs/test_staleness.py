@@ -183,26 +183,18 @@ def test_one_observation_and_plan_plans_each_split_once(finished_project, tmp_pa
     assert sorted(planned) == ["train", "val"], planned
 
 
-def test_after_a_stage_only_the_later_stages_are_checked_again(finished_project, tmp_path, monkeypatch):
+def test_after_a_stage_only_the_later_stages_are_checked_again(finished_project, tmp_path, monkeypatch,
+                                                                fingerprint_callers):
     """#67: after a stage wrote its result (ProjectResource.result_written), the observation computes only the
     fingerprints of the stages after it, and asks for their states only when one changed (it recomputed the
     whole status, materials and corpus checked again, after every asset)."""
-    import sys
-    from collections import Counter
-
     from gguf_assets.pipeline.settings_observation import observe_settings
 
     paths = copy_project(finished_project[0], tmp_path / "copy")
     monkeypatch.setenv("DAGSTER_HOME", str(paths.dagster_home))
     instance = project_instance(paths)
-    callers: Counter = Counter()
-    fingerprint = atomic.fingerprint
-
-    def counted(value):
-        callers[sys._getframe(1).f_code.co_name] += 1
-        return fingerprint(value)
-
-    monkeypatch.setattr(atomic, "fingerprint", counted)
+    callers = fingerprint_callers
+    callers.clear()
     assert observe_settings(instance, load_settings(paths.root), paths, after="gguf") == []
     # The report's fingerprint chains the export's and the adapter's; the materials and corpus are not checked.
     assert (callers["report_fingerprint"], callers["gguf_fingerprint"]) == (1, 1), callers

@@ -89,27 +89,18 @@ def test_one_status_question_of_a_part_trained_adapter_plans_each_split_once(fin
 
 
 @pytest.mark.slow
-def test_one_status_question_computes_each_fingerprint_once(finished_project, tmp_path, monkeypatch):
+def test_one_status_question_computes_each_fingerprint_once(finished_project, tmp_path, fingerprint_callers):
     """#67: status_view and the observation's expected fingerprints (pipeline/settings_observation.py) are one
     question: each stage's fingerprint is computed once (they computed the corpus's, the export's and the
     report's twice, once to check the stage and once to observe it)."""
-    import sys
-
     from conftest import copy_project
 
-    from gguf_assets.lib.core import atomic
     from gguf_assets.lib.status.stages import expected_fingerprints
 
     paths = copy_project(finished_project[0], tmp_path / "project")
     settings = load_settings(paths.root)
-    callers: Counter = Counter()
-    fingerprint = atomic.fingerprint
-
-    def counted(value):
-        callers[sys._getframe(1).f_code.co_name] += 1
-        return fingerprint(value)
-
-    monkeypatch.setattr(atomic, "fingerprint", counted)
+    callers = fingerprint_callers
+    callers.clear()
     view = status_view(paths, settings)
     expected = expected_fingerprints(paths, settings, view)
     assert all(s.state == "current" for s in view.stages)
@@ -117,6 +108,5 @@ def test_one_status_question_computes_each_fingerprint_once(finished_project, tm
                  "report_fingerprint")
     assert {name: callers[name] for name in per_stage} == dict.fromkeys(per_stage, 1), callers
     assert set(expected) == set(STAGES)
-    # Asked again, the question's answers are the same: nothing was computed from a stale memo.
-    callers.clear()
+    # A question of its own (no view) gets the same fingerprints: the shared chain changed none.
     assert expected_fingerprints(paths, settings) == expected
