@@ -253,6 +253,26 @@ def reference_run(tmp_path_factory, worker_id, demo_materials_root) -> _Referenc
     return _Reference(lambda: _build_finished_project(tmp_path_factory, worker_id, demo_materials_root))
 
 
+@pytest.fixture
+def fingerprint_callers(monkeypatch):
+    """A Counter of the functions that call lib/core/atomic.py ``fingerprint`` (each stage's fingerprint function
+    calls it once per computation), counted from now on."""
+    import sys
+    from collections import Counter
+
+    from gguf_assets.lib.core import atomic
+
+    callers: Counter = Counter()
+    fingerprint = atomic.fingerprint
+
+    def counted(value):
+        callers[sys._getframe(1).f_code.co_name] += 1
+        return fingerprint(value)
+
+    monkeypatch.setattr(atomic, "fingerprint", counted)
+    return callers
+
+
 def project_instance(paths: ProjectPaths):
     """The project's own Dagster instance, opened as the CLI opens it: its dagster.yaml holds no
     path, so DAGSTER_HOME (set here for the rest of the test; make_project restores it) says where."""

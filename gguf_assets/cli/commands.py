@@ -8,6 +8,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 
 from gguf_assets.cli.processes import DAGSTER_NOISE, RUN_CHILD_ENV, WithoutLines, run_in_own_process_group
@@ -190,7 +191,7 @@ def _print_results(paths: ProjectPaths) -> None:
         print(f"val centred cosine: {cosine:.4f}  ({report['verdict']})")
         # Earlier weights that scored higher, each with the command that gives them (on a line of its own, whole).
         for text, command in better_offers(report.get("better_weights") or [], trainer, paths.root):
-            print(fill(f"  {text}", hanging=0))
+            print(textwrap.fill(text, 80, initial_indent="  ", subsequent_indent="  ", break_on_hyphens=False))
             print(f"    {command}")
         if (retrieval := retrieval_text(report)) is not None:
             print(f"prompt retrieval: {retrieval}")

@@ -17,7 +17,7 @@ import dagster as dg
 from gguf_assets.lib.core.markdown import markdown_table
 from gguf_assets.lib.project.layout import ProjectPaths
 from gguf_assets.lib.project.settings import Settings
-from gguf_assets.lib.status.stages import STAGES, expected_fingerprints, stage_keys
+from gguf_assets.lib.status.stages import STAGES, expected_fingerprints, new_chain, stage_keys
 from gguf_assets.lib.status.states import UNFINISHED, ProjectView, status_view
 from gguf_assets.pipeline.private_api import DATA_VERSION_TAG
 
@@ -60,24 +60,25 @@ def observe_settings(instance: dg.DagsterInstance, settings: Settings, paths: Pr
     so Dagster's stale marks follow from them. A stage whose inputs do not exist yet keeps its last
     version. An observation also says why its stage is stale (the keys that changed since its result was
     made, old → new): the same words `gguf-trainer status` prints. The fingerprints and the states come from one
-    status question (``view``: the caller's, when it asked already), each computed once.
+    status question (``view``: the caller's, when it asked already), each computed once; the states are asked
+    only when an observation is written (after a stage, mostly none: only the later fingerprints are computed).
     """
-    changed = []
-    view = status_view(paths, settings) if view is None else view
-    status = {s.stage: s for s in view.stages}
     later = STAGES[STAGES.index(after) + 1:] if after is not None else STAGES
-    for stage, version in expected_fingerprints(paths, settings, view).items():
-        if stage not in later:
-            continue
-        record = instance.get_latest_data_version_record(settings_key(stage), is_source=True)
-        recorded = (record.event_log_entry.tags or {}).get(DATA_VERSION_TAG) if record else None
-        if recorded != version:
-            metadata = settings_metadata(settings, stage)
-            if status[stage].state in UNFINISHED and status[stage].detail:
-                metadata[STALE_BECAUSE] = dg.MetadataValue.text(status[stage].detail)
-            instance.report_runless_asset_event(dg.AssetObservation(
-                asset_key=settings_key(stage), tags={DATA_VERSION_TAG: version}, metadata=metadata))
-            changed.append(stage)
+    chain = new_chain(paths, settings) if view is None else None
+    versions = expected_fingerprints(paths, settings, view, chain=chain, stages=later)
+    changed = [stage for stage, version in versions.items() if _recorded_version(instance, stage) != version]
+    # The states say why a stage is stale: asked only when an observation is written (the chain's answers reused).
+    status = {s.stage: s for s in (view or status_view(paths, settings, chain)).stages} if changed else {}
+    for stage in changed:
+        metadata = settings_metadata(settings, stage)
+        if status[stage].state in UNFINISHED and status[stage].detail:
+            metadata[STALE_BECAUSE] = dg.MetadataValue.text(status[stage].detail)
+        instance.report_runless_asset_event(dg.AssetObservation(
+            asset_key=settings_key(stage), tags={DATA_VERSION_TAG: versions[stage]}, metadata=metadata))
     return changed
 
 
+def _recorded_version(instance: dg.DagsterInstance, stage: str) -> str | None:
+    """The data version last observed for settings/<stage>, or None."""
+    record = instance.get_latest_data_version_record(settings_key(stage), is_source=True)
+    return (record.event_log_entry.tags or {}).get(DATA_VERSION_TAG) if record else None

@@ -181,3 +181,30 @@ def test_one_observation_and_plan_plans_each_split_once(finished_project, tmp_pa
     observe_settings(instance, settings, paths, view=view)
     assert next_work(paths, settings, instance, view) is None  # the finished project: nothing to do
     assert sorted(planned) == ["train", "val"], planned
+
+
+def test_after_a_stage_only_the_later_stages_are_checked_again(finished_project, tmp_path, monkeypatch,
+                                                                fingerprint_callers):
+    """#67: after a stage wrote its result (ProjectResource.result_written), the observation computes only the
+    fingerprints of the stages after it, and asks for their states only when one changed (it recomputed the
+    whole status, materials and corpus checked again, after every asset)."""
+    from gguf_assets.pipeline.settings_observation import observe_settings
+
+    paths = copy_project(finished_project[0], tmp_path / "copy")
+    monkeypatch.setenv("DAGSTER_HOME", str(paths.dagster_home))
+    instance = project_instance(paths)
+    callers = fingerprint_callers
+    callers.clear()
+    assert observe_settings(instance, load_settings(paths.root), paths, after="gguf") == []
+    # The report's fingerprint chains the export's and the adapter's; the materials and corpus are not checked.
+    assert (callers["report_fingerprint"], callers["gguf_fingerprint"]) == (1, 1), callers
+    assert (callers["materials_fingerprint"], callers["corpus_fingerprint"]) == (0, 0), callers
+
+    # A later stage whose fingerprint changed is observed, with why, from the status asked then.
+    write_project_file(paths.root, replace(load_settings(paths.root),
+                                           output={"ggk_command": "ggk --adapter {adapter_gguf}"}))
+    callers.clear()
+    assert observe_settings(instance, load_settings(paths.root), paths, after="gguf") == ["eval_report"]
+    observed = instance.fetch_observations(settings_key("eval_report"), limit=1).records[0]
+    assert "output.ggk_command " in observed.asset_observation.metadata[STALE_BECAUSE].value
+    assert callers["report_fingerprint"] == 1, callers

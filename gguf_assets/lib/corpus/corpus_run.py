@@ -12,10 +12,12 @@ from pathlib import Path
 
 from gguf_assets.lib.core import atomic, verify
 from gguf_assets.lib.core.errors import UserError
+from gguf_assets.lib.materials.materials_run import chain_materials
 from gguf_assets.lib.project import formats
 from gguf_assets.lib.project.layout import SPLITS, ProjectPaths
 from gguf_assets.lib.project.manifests import CorpusManifest, DamagedRecord, MaterialsManifest, read_record
 from gguf_assets.lib.project.settings import Settings
+from gguf_assets.lib.project.stage import Stage
 
 
 def corpus_settings(settings: Settings) -> dict:
@@ -59,13 +61,17 @@ def corpus_manifest(paths: ProjectPaths) -> CorpusManifest:
     return manifest
 
 
-def corpus_is_current(paths: ProjectPaths, settings: Settings, materials: MaterialsManifest) -> bool:
+def corpus_is_current(paths: ProjectPaths, settings: Settings, materials: MaterialsManifest, *,
+                      fingerprint: str | None = None) -> bool:
+    """The corpus on disk was built under ``fingerprint`` (corpus_fingerprint's, computed when not given) and
+    its split files are unchanged."""
     try:
         doc = read_record(paths.corpus_manifest)
         manifest = CorpusManifest.read(paths.corpus_manifest, doc)
     except DamagedRecord:  # status says so; the corpus is built again
         return False
-    if manifest is None or manifest.fingerprint != corpus_fingerprint(paths, settings, materials):
+    fingerprint = corpus_fingerprint(paths, settings, materials) if fingerprint is None else fingerprint
+    if manifest is None or manifest.fingerprint != fingerprint:
         return False
     # By stamp (size, mtime, inode); the content only when those are unsure, then the new stamp is kept.
     if set(manifest.splits) != set(SPLITS):
@@ -75,3 +81,11 @@ def corpus_is_current(paths: ProjectPaths, settings: Settings, materials: Materi
         return False
     verify.store_refreshed(paths.corpus_manifest, doc, {**doc, "splits": {**manifest.splits, **now}})
     return True
+
+
+CORPUS_STAGE = Stage(
+    "corpus", "Corpus", record=lambda paths, settings: paths.corpus_manifest, settings=corpus_stage_settings,
+    fingerprint=lambda chain: corpus_fingerprint(chain.paths, chain.settings, chain_materials(chain)),
+    is_current=lambda chain: corpus_is_current(chain.paths, chain.settings, chain_materials(chain),
+                                               fingerprint=chain.fingerprint("corpus")),
+    stale_because="a prompt source changed (a local prompt file, or a dataset's pin) or the corpus files did")

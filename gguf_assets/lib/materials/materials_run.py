@@ -21,6 +21,7 @@ from gguf_assets.lib.materials.teacher import layout
 from gguf_assets.lib.project.layout import ProjectPaths
 from gguf_assets.lib.project.manifests import DamagedRecord, MaterialsManifest, read_record
 from gguf_assets.lib.project.settings import Settings
+from gguf_assets.lib.project.stage import Chain, Stage
 from gguf_assets.lib.project.teacher_choice import teacher_choice
 
 TOKENIZER_ROLE = "student_tokenizer"  # materials.student_tokenizer: the tokenizer of a GGUF student
@@ -140,3 +141,15 @@ def hashed_files(folder: Path, read=None) -> dict[str, Path]:
     files = {p.relative_to(folder).as_posix(): p for p in folder.rglob("*")
              if p.is_file() and not p.name.startswith(atomic.TEMP_PREFIX)} if folder.is_dir() else {}
     return {rel: p for rel, p in files.items() if read is None or read(rel)}
+
+
+def chain_materials(chain: Chain) -> MaterialsManifest:
+    """The materials manifest, read once per status question (raises as load_manifest does)."""
+    return chain.once("materials", lambda: load_manifest(chain.paths))
+
+
+MATERIALS_STAGE = Stage(
+    "materials", "Materials", record=lambda paths, settings: paths.materials_manifest,
+    settings=materials_settings_key, fingerprint=lambda chain: materials_fingerprint(chain.settings),
+    is_current=lambda chain: manifest_is_current(chain.paths, chain.settings),
+    stale_because="a material changed on disk since it was pinned")

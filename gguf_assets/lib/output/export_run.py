@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from gguf_assets.lib.core import atomic, verify
+from gguf_assets.lib.materials.materials_run import chain_materials
 from gguf_assets.lib.project import formats
 from gguf_assets.lib.project.layout import ProjectPaths, RecordPathError
 from gguf_assets.lib.project.manifests import (
@@ -21,6 +22,7 @@ from gguf_assets.lib.project.manifests import (
     recorded_fingerprint,
 )
 from gguf_assets.lib.project.settings import Settings
+from gguf_assets.lib.project.stage import Stage
 
 GGUF_SUFFIX = ".gguf"
 
@@ -100,9 +102,20 @@ def exported_files_unchanged(paths: ProjectPaths, settings: Settings) -> bool:
     return True
 
 
-def gguf_is_current(paths: ProjectPaths, settings: Settings, materials: MaterialsManifest, adapter_fp: str) -> bool:
-    """The sidecar names the fingerprint the export has when made now from the adapter ``adapter_fp``, and every
-    file it wrote is unchanged."""
+def gguf_is_current(paths: ProjectPaths, settings: Settings, materials: MaterialsManifest, adapter_fp: str, *,
+                    fingerprint: str | None = None) -> bool:
+    """The sidecar names the fingerprint the export has when made now from the adapter ``adapter_fp``
+    (``fingerprint``, when computed already), and every file it wrote is unchanged."""
     sidecar = gguf_path(paths, settings).with_suffix(".json")
-    return (recorded_fingerprint(sidecar) == gguf_fingerprint(settings, materials, adapter_fp)
-            and exported_files_unchanged(paths, settings))
+    fingerprint = gguf_fingerprint(settings, materials, adapter_fp) if fingerprint is None else fingerprint
+    return recorded_fingerprint(sidecar) == fingerprint and exported_files_unchanged(paths, settings)
+
+
+GGUF_STAGE = Stage(
+    "gguf", "GGUF export", record=lambda paths, settings: gguf_path(paths, settings).with_suffix(".json"),
+    settings=gguf_stage_settings,
+    fingerprint=lambda chain: gguf_fingerprint(chain.settings, chain_materials(chain), chain.fingerprint("adapter")),
+    is_current=lambda chain: gguf_is_current(chain.paths, chain.settings, chain_materials(chain),
+                                             chain.fingerprint("adapter"), fingerprint=chain.fingerprint("gguf")),
+    files_changed="an exported file changed on disk or is gone (`gguf-trainer run` exports again)",
+    stale_because="the adapter was retrained since the export")

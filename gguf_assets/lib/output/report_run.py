@@ -6,10 +6,12 @@ to record the fingerprint it is made under.
 from __future__ import annotations
 
 from gguf_assets.lib.core import atomic
+from gguf_assets.lib.precompute.shards import chain_shard_fingerprints
 from gguf_assets.lib.project import formats
 from gguf_assets.lib.project.layout import ProjectPaths
 from gguf_assets.lib.project.manifests import recorded_fingerprint
 from gguf_assets.lib.project.settings import Settings
+from gguf_assets.lib.project.stage import Stage
 
 
 def report_settings(settings: Settings) -> dict:
@@ -30,3 +32,12 @@ def report_fingerprint(settings: Settings, gguf_fp: str, val_fps: list[str]) -> 
 def report_is_current(paths: ProjectPaths, settings: Settings, gguf_fp: str | None, val_fps: list[str]) -> bool:
     """The report names the fingerprint it has when made now from the export ``gguf_fp`` and these val shards."""
     return recorded_fingerprint(paths.report_json(settings)) == report_fingerprint(settings, gguf_fp, val_fps)
+
+
+REPORT_STAGE = Stage(
+    "eval_report", "Evaluation", record=lambda paths, settings: paths.report_json(settings), settings=report_settings,
+    fingerprint=lambda chain: report_fingerprint(chain.settings, chain.fingerprint("gguf"),
+                                                 chain_shard_fingerprints(chain, "val")),
+    is_current=lambda chain: recorded_fingerprint(chain.paths.report_json(chain.settings))
+    == chain.fingerprint("eval_report"),
+    stale_because="the GGUF was exported again, or the val shards changed, since it was evaluated")

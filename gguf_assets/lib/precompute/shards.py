@@ -35,6 +35,7 @@ from gguf_assets.lib.core import atomic, faults, verify
 from gguf_assets.lib.core.errors import UserError
 from gguf_assets.lib.core.f16 import F16_MAX
 from gguf_assets.lib.corpus.corpus import read_split, shard_prompts
+from gguf_assets.lib.materials.materials_run import chain_materials
 from gguf_assets.lib.materials.teacher.layout import LLADA_IMAGE_PIPELINE, QUERY_ROWS, TEACHER_FORWARDS
 from gguf_assets.lib.precompute.half_state import HalfState
 from gguf_assets.lib.project import formats, settings_history
@@ -47,6 +48,7 @@ from gguf_assets.lib.project.layout import (
 )
 from gguf_assets.lib.project.manifests import MaterialsManifest
 from gguf_assets.lib.project.settings import Settings
+from gguf_assets.lib.project.stage import Chain, Stage, StageState, State, older_format, why_stale
 from gguf_assets.lib.project.teacher_choice import teacher_choice
 from gguf_assets.lib.telemetry.hardware import CUDA_VISIBLE_DEVICES
 from gguf_assets.lib.telemetry.progress import Progress
@@ -182,6 +184,94 @@ def shard_fingerprints(paths: ProjectPaths, settings: Settings, materials: Mater
     """A split's shard fingerprints, as they are when made now: what the adapter's and the report's fingerprints
     chain."""
     return planned_fingerprints(settings, plan_shards(paths, settings, materials, split))
+
+
+@dataclass(frozen=True)
+class SplitView:
+    """One split's shards as planned from the corpus, each plan's half states (checked once) and the planned
+    fingerprints (what training and the report chain)."""
+
+    plans: list[ShardPlan]
+    halves: Mapping[str, Mapping[str, HalfState]]  # shard key -> half -> state
+    fingerprints: list[str]
+
+
+def split_view(paths: ProjectPaths, settings: Settings, materials: MaterialsManifest, split: str,
+               plans: list[ShardPlan] | None = None) -> SplitView:
+    """``split`` planned now (it reads the corpus split), or ``plans`` made earlier with their halves checked again."""
+    plans = plan_shards(paths, settings, materials, split) if plans is None else plans
+    return SplitView(plans, {p.key: shard_status(paths, settings, p) for p in plans},
+                     planned_fingerprints(settings, plans))
+
+
+def chain_split(chain: Chain, split: str) -> SplitView:
+    """``split``'s view, planned once per status question."""
+    return chain.once(f"split:{split}", lambda: split_view(chain.paths, chain.settings, chain_materials(chain), split))
+
+
+def chain_shard_fingerprints(chain: Chain, split: str) -> list[str]:
+    """``split``'s planned shard fingerprints: the question's split view's when it has one, else planned alone,
+    once (their halves are not checked)."""
+    if (view := chain.known.get(f"split:{split}")) is not None:
+        return view.fingerprints
+    return chain.once(f"shard_fingerprints:{split}", lambda: shard_fingerprints(chain.paths, chain.settings,
+                                                                                chain_materials(chain), split))
+
+
+def _split_state(stage: Stage, chain: Chain) -> StageState:
+    """A split's state from its shards' half states, with how many are current and why the rest are not."""
+    split = stage.name.removesuffix("_shards")
+    view = chain_split(chain, split)
+    states = {key: set(halves.values()) for key, halves in view.halves.items()}
+    todo = [key for key, st in states.items() if st != {HalfState.CURRENT}]
+    state = _shards_state(states, todo)
+    detail = f"{len(view.plans) - len(todo)}/{len(view.plans)} shards current"
+    if state in (State.STALE, State.DAMAGED):
+        detail += f"; {_why_shards_stale(stage, chain, [p for p in view.plans if p.key in todo])}"
+    return StageState(stage.name, state, detail)
+
+
+def _shards_state(states: dict[str, set[HalfState]], todo: list[str]) -> State:
+    """A split's state from its shards' half states: damaged when a half's bytes changed on disk; stale when
+    one was made under other settings; partial when some shards are done and only unwritten halves are left
+    (a run cut off); missing when none is done."""
+    if not todo:
+        return State.CURRENT
+    left = set().union(*(states[key] for key in todo))
+    if HalfState.CORRUPT in left:
+        return State.DAMAGED
+    if HalfState.STALE in left:
+        return State.STALE
+    return State.PARTIAL if len(todo) < len(states) or HalfState.CURRENT in left else State.MISSING
+
+
+def _why_shards_stale(stage: Stage, chain: Chain, todo: list[ShardPlan]) -> str:
+    """Why the first stale shard is stale: the settings its half was made under, or a changed file."""
+    split = stage.name.removesuffix("_shards")
+    for plan in todo:
+        folder = plan.folder(chain.paths)
+        for half in halves_for_mode(chain.settings.precompute.mode):
+            state = half_status(folder, half, plan.fingerprints[half])
+            if state == HalfState.CORRUPT:
+                return f"shard {split}/{plan.key}: its {half} half changed on disk"
+            if state == HalfState.STALE:
+                if older := older_format(folder / f"{half}.json", "shard"):
+                    return f"shard {split}/{plan.key}: its {half} half was {older}"
+                return why_stale(chain, stage, folder / f"{half}.json",
+                                 f"shard {split}/{plan.key}: its {half} half was made from other prompts or models")
+    return "some shards were made under other settings"
+
+
+def _shards_stage(split: str) -> Stage:
+    """A split's shards as a stage: no one record (each half has its own), so its state is _split_state's."""
+    return Stage(f"{split}_shards", f"{split.capitalize()} shards",
+                 record=lambda paths, settings: paths.root / "shards" / split,
+                 settings=lambda settings: shards_stage_settings(settings, split),
+                 fingerprint=lambda chain: atomic.fingerprint(chain_shard_fingerprints(chain, split)),
+                 state=_split_state)
+
+
+TRAIN_SHARDS_STAGE, VAL_SHARDS_STAGE = _shards_stage("train"), _shards_stage("val")
 
 
 def data_file(folder: Path, half: str) -> Path:

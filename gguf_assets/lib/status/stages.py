@@ -1,39 +1,49 @@
-"""The stages in pipeline order, each one's settings and the fingerprint its result has when made now: composed
-from the stages' own modules, never defined here.
+"""The stages in pipeline order: the list of their records (lib/project/stage.py ``Stage``), each defined in the
+torch-free module of its stage, never here.
 
-Each stage owns, in one torch-free module, the settings its result is computed from, its fingerprint and
-its "is it current" check: lib/materials/materials_run.py, lib/corpus/corpus_run.py, lib/precompute/shards.py,
+Each stage owns, in one module, its title, the record of its result, the settings its result is computed from,
+its fingerprint and its state: lib/materials/materials_run.py, lib/corpus/corpus_run.py, lib/precompute/shards.py,
 lib/training/training_run.py, lib/output/export_run.py and lib/output/report_run.py. A stage's fingerprint
 chains the fingerprints of what it reads, so a change anywhere marks exactly the stages whose results it
-changes, in `status` (lib/status/states.py) as in the Dagster UI (defs/settings.py).
+changes, in `status` (lib/status/states.py) as in the Dagster UI (defs/settings.py). docs/code_layout.md shows
+how to add one.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal, get_args, get_origin
 
-from gguf_assets.lib.core import atomic
 from gguf_assets.lib.core.errors import UserError
-from gguf_assets.lib.corpus.corpus_run import corpus_fingerprint, corpus_stage_settings
-from gguf_assets.lib.materials.materials_run import load_manifest, materials_fingerprint, materials_settings_key
-from gguf_assets.lib.output.export_run import gguf_fingerprint, gguf_stage_settings
-from gguf_assets.lib.output.report_run import report_fingerprint, report_settings
-from gguf_assets.lib.precompute.shards import shard_fingerprints, shards_stage_settings
+from gguf_assets.lib.corpus.corpus_run import CORPUS_STAGE
+from gguf_assets.lib.materials.materials_run import MATERIALS_STAGE, chain_materials
+from gguf_assets.lib.output.export_run import GGUF_STAGE, gguf_fingerprint
+from gguf_assets.lib.output.report_run import REPORT_STAGE, report_fingerprint
+from gguf_assets.lib.precompute.shards import TRAIN_SHARDS_STAGE, VAL_SHARDS_STAGE, chain_shard_fingerprints
 from gguf_assets.lib.project.layout import SPLITS, ProjectPaths
 from gguf_assets.lib.project.settings import SECTIONS, Settings
-from gguf_assets.lib.training.training_run import adapter_stage_settings, run_fingerprint
+from gguf_assets.lib.project.stage import Chain, Stage
+from gguf_assets.lib.training.training_run import ADAPTER_STAGE
 
-# The stages in pipeline order, the one list of them; each group is what one named job runs (defs/jobs.py,
-# pipeline/plan.py): the inputs (on CPU), the shards of each split, then training, export and evaluation.
+# The stages in pipeline order, in steps: a step's stages are asked together, and every stage after an
+# unfinished step waits for it (the shards of both splits are planned before either blocks training).
+STEPS: tuple[tuple[Stage, ...], ...] = ((MATERIALS_STAGE,), (CORPUS_STAGE,), (TRAIN_SHARDS_STAGE, VAL_SHARDS_STAGE),
+                                        (ADAPTER_STAGE,), (GGUF_STAGE,), (REPORT_STAGE,))
+RECORDS = {stage.name: stage for step in STEPS for stage in step}
+# Each group is what one named job runs (defs/jobs.py, pipeline/plan.py): the inputs (on CPU), the shards of each
+# split, then training, export and evaluation.
 INPUT_STAGES = ("materials", "corpus")
 SHARD_STAGES = tuple(f"{split}_shards" for split in SPLITS)
 TRAINING_STAGES = ("adapter", "gguf", "eval_report")
-STAGES = (*INPUT_STAGES, *SHARD_STAGES, *TRAINING_STAGES)
-# Each stage's name as people read it (the studio's stage table, its Run preview and outdated-result line): the
-# one list of them, in STAGES' order.
-STAGE_TITLES = {"materials": "Materials", "corpus": "Corpus", "train_shards": "Train shards",
-                "val_shards": "Val shards", "adapter": "Adapter (training)", "gguf": "GGUF export",
-                "eval_report": "Evaluation"}
+STAGES = tuple(RECORDS)
+assert STAGES == (*INPUT_STAGES, *SHARD_STAGES, *TRAINING_STAGES)
+# Each stage's name as people read it (the studio's stage table, its Run preview and outdated-result line).
+STAGE_TITLES = {name: stage.title for name, stage in RECORDS.items()}
+
+
+def new_chain(paths: ProjectPaths, settings: Settings) -> Chain:
+    """A status question's chain over every stage."""
+    return Chain(paths, settings, RECORDS)
 
 
 def stage_title(stage: str) -> str:
@@ -50,15 +60,7 @@ def stage_settings(settings: Settings) -> dict[str, dict]:
     them, as stale in the UI. Settings that only place a file (output_dir, shard sizes) are here
     too: they make the recorded result missing rather than different.
     """
-    return {
-        "materials": materials_settings_key(settings),
-        "corpus": corpus_stage_settings(settings),
-        "train_shards": shards_stage_settings(settings, "train"),
-        "val_shards": shards_stage_settings(settings, "val"),
-        "adapter": adapter_stage_settings(settings),
-        "gguf": gguf_stage_settings(settings),
-        "eval_report": report_settings(settings),
-    }
+    return {name: stage.settings(settings) for name, stage in RECORDS.items()}
 
 
 def stage_keys(settings: Settings, stage: str) -> list[str]:
@@ -107,8 +109,8 @@ def another_value(value, annotation):
     return "other"
 
 
-def expected_fingerprints(paths: ProjectPaths, settings: Settings, view=None, *,
-                          adapter_fp: str | None = None) -> dict[str, str]:
+def expected_fingerprints(paths: ProjectPaths, settings: Settings, view=None, *, adapter_fp: str | None = None,
+                          chain: Chain | None = None, stages: Sequence[str] = STAGES) -> dict[str, str]:
     """Per stage, the fingerprint its result has when made now from these settings and the inputs on disk;
     a stage is missing here while what it is computed from does not exist yet (no materials manifest,
     no corpus).
@@ -122,27 +124,31 @@ def expected_fingerprints(paths: ProjectPaths, settings: Settings, view=None, *,
     adapter fingerprint are used as they are, not computed again (one question, one computation of each).
     ``adapter_fp``: the training run to count as the adapter, one of those the settings stand for
     (training_run.standing_runs) though they prefer another now (`gguf-trainer runs --use` makes it current).
+    ``chain``: the question's chain when there is no view yet. ``stages``: only these stages' fingerprints (and
+    what they chain) are computed.
     """
-    out = {"materials": materials_fingerprint(settings)}
+    if chain is None:
+        chain = view.chain if view is not None and view.chain is not None else new_chain(paths, settings)
+    if view is not None and view.chain is None:  # a view planned apart from a status question: its manifest and plans
+        chain.known.update(view.learned())
+    out: dict[str, str] = {}
+
+    def add(*names: str) -> None:
+        out.update({name: chain.fingerprint(name) for name in names if name in stages})
+
+    add("materials")
     if not paths.materials_manifest.is_file():
         return out
-    if view is not None and view.materials is not None:
-        materials = view.materials
-    else:
-        try:
-            materials = load_manifest(paths)
-        except (OSError, ValueError, TypeError, UserError):  # damaged: status says so, materials is redone
-            return out
-    out["corpus"] = corpus_fingerprint(paths, settings, materials)
+    try:
+        materials = chain_materials(chain)
+    except (OSError, ValueError, TypeError, UserError):  # damaged: status says so, materials is redone
+        return out
+    add("corpus")
     if not all(paths.corpus_file(split).is_file() for split in SPLITS):
         return out
-    planned = view is not None and view.splits is not None and view.adapter_fp is not None
-    shard_fps = {split: view.splits[split].fingerprints if planned else
-                 shard_fingerprints(paths, settings, materials, split) for split in SPLITS}
-    for split in SPLITS:
-        out[f"{split}_shards"] = atomic.fingerprint(shard_fps[split])
-    out["adapter"] = adapter_fp or (view.adapter_fp if planned else run_fingerprint(paths, settings, shard_fps["train"],
-                                                                                    shard_fps["val"]))
-    out["gguf"] = gguf_fingerprint(settings, materials, out["adapter"])
-    out["eval_report"] = report_fingerprint(settings, out["gguf"], shard_fps["val"])
+    add(*SHARD_STAGES, *TRAINING_STAGES)
+    if adapter_fp is not None:  # another run than the one the settings prefer: the stages after it chain its own
+        out["adapter"] = adapter_fp
+        out["gguf"] = gguf_fingerprint(settings, materials, adapter_fp)
+        out["eval_report"] = report_fingerprint(settings, out["gguf"], chain_shard_fingerprints(chain, "val"))
     return out

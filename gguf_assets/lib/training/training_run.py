@@ -13,7 +13,7 @@ from typing import Any
 
 from gguf_assets.lib.core import atomic, liveness, verify
 from gguf_assets.lib.core.metrics import EMPTY_PROMPT_COSINE, VAL_CENTRED_COSINE, VAL_LOSS
-from gguf_assets.lib.precompute.shards import shard_fingerprints
+from gguf_assets.lib.precompute.shards import chain_shard_fingerprints, shard_fingerprints
 from gguf_assets.lib.project import formats
 from gguf_assets.lib.project.layout import (
     BEST_DIR,
@@ -25,8 +25,17 @@ from gguf_assets.lib.project.layout import (
     ProjectPaths,
     RecordPathError,
 )
-from gguf_assets.lib.project.manifests import MaterialsManifest, recorded
+from gguf_assets.lib.project.manifests import MaterialsManifest, recorded, recorded_fingerprint
 from gguf_assets.lib.project.settings import Settings
+from gguf_assets.lib.project.stage import (
+    Chain,
+    Stage,
+    StageState,
+    State,
+    older_format,
+    record_damage,
+    why_stale,
+)
 
 # Shards shuffled together (lib/training/train_data.py). Part of the data order, hence of the run fingerprint.
 SHUFFLE_WINDOW_SHARDS = 4
@@ -437,3 +446,56 @@ class TrainedAdapter:
         values = {k: v for k, v in summary.items() if k in known and v is not None}
         values["untrained_val_centred_cosine"] = summary.get("untrained_val_centred_cosine", summary.get("untrained"))
         return cls(**values)
+
+
+def _adapter_state(stage: Stage, chain: Chain) -> StageState:
+    """Current (with how it ended when a lowered training.steps ended it); else why not: never trained, trained
+    part way (a checkpoint of this run is kept), its record or final weights damaged, or trained under other
+    settings or shards."""
+    paths, settings, adapter_fp = chain.paths, chain.settings, chain.fingerprint("adapter")
+    if adapter_is_current(paths, adapter_fp):
+        return StageState("adapter", State.CURRENT, _how_it_ended(paths))
+    step = last_checkpoint_step(paths, adapter_fp)
+    if step and parent_of(paths, adapter_fp) and not paths.checkpoints_dir(adapter_fp).is_dir():
+        # training.steps raised after a finished or stopped run: it goes on from that run's newest checkpoint
+        why = why_stale(chain, stage, paths.adapter_manifest, "training.steps changed") \
+            if paths.adapter_manifest.is_file() else "training.steps changed"
+        fact = f"{why}: goes on from step {step} to {settings.training.steps}"
+        return StageState("adapter", State.PARTIAL, f"{fact} (`gguf-trainer run` continues the run from its newest "
+                          "checkpoint)", by_edit=True, fact=fact)
+    trained = f"trained to step {step} of {settings.training.steps}"
+    partial = StageState("adapter", State.PARTIAL, f"{trained} (checkpoint kept; `gguf-trainer run` resumes from it)",
+                         fact=trained) if step else None
+    if not paths.adapter_manifest.is_file():
+        return partial or StageState("adapter", State.MISSING)
+    if damage := record_damage(paths, paths.adapter_manifest):
+        return StageState("adapter", State.DAMAGED, damage)
+    if recorded_fingerprint(paths.adapter_manifest) == adapter_fp:
+        return StageState("adapter", State.DAMAGED, f"{final_weights_stored(paths)} changed on disk since training "
+                          "wrote it (`gguf-trainer run` trains again)")
+    if older := older_format(paths.adapter_manifest, "adapter"):
+        return partial or StageState("adapter", State.STALE, f"the finished adapter was {older}")
+    return partial or StageState("adapter", State.STALE, why_stale(
+        chain, stage, paths.adapter_manifest, "its train or val shards changed since it was trained"))
+
+
+def _how_it_ended(paths: ProjectPaths) -> str:
+    """The current adapter's end when a lowered training.steps ended it ("ended at step 1740 (training.steps
+    lowered to 1600)"), else ""."""
+    try:
+        return ended_early(finished_meta(final_run_dir(paths))) or ""
+    except (OSError, ValueError, KeyError, TypeError):  # RecordPathError included: adapter_is_current read it
+        return ""
+
+
+def _training_blocker(settings: Settings) -> str:
+    mode = settings.precompute.mode
+    return "" if mode == "teacher+student" else f"precompute.mode is {mode!r}; training needs teacher+student"
+
+
+ADAPTER_STAGE = Stage(
+    "adapter", "Adapter (training)", record=lambda paths, settings: paths.adapter_manifest,
+    settings=adapter_stage_settings, state=_adapter_state, blocked_by=_training_blocker,
+    # The training run these settings and the shards as planned now make (run_fingerprint).
+    fingerprint=lambda chain: run_fingerprint(chain.paths, chain.settings, chain_shard_fingerprints(chain, "train"),
+                                              chain_shard_fingerprints(chain, "val")))

@@ -10,6 +10,7 @@ import pytest
 from gguf_assets.lib.precompute import shards
 from gguf_assets.lib.project.settings import load_settings
 from gguf_assets.lib.status.pace import pace_lines, precompute_pace
+from gguf_assets.lib.status.stages import STAGES
 from gguf_assets.lib.status.states import planned_view, project_status, status_view
 from gguf_assets.lib.status.time_estimate import time_lines
 
@@ -85,3 +86,27 @@ def test_one_status_question_of_a_part_trained_adapter_plans_each_split_once(fin
     split_reads.clear()
     assert _status_question(paths, settings) == ["training: 12/40 steps, 2.00 steps/s measured, ETA 14s"]
     assert split_reads == ONCE_PER_SPLIT
+
+
+@pytest.mark.slow
+def test_one_status_question_computes_each_fingerprint_once(finished_project, tmp_path, fingerprint_callers):
+    """#67: status_view and the observation's expected fingerprints (pipeline/settings_observation.py) are one
+    question: each stage's fingerprint is computed once (they computed the corpus's, the export's and the
+    report's twice, once to check the stage and once to observe it)."""
+    from conftest import copy_project
+
+    from gguf_assets.lib.status.stages import expected_fingerprints
+
+    paths = copy_project(finished_project[0], tmp_path / "project")
+    settings = load_settings(paths.root)
+    callers = fingerprint_callers
+    callers.clear()
+    view = status_view(paths, settings)
+    expected = expected_fingerprints(paths, settings, view)
+    assert all(s.state == "current" for s in view.stages)
+    per_stage = ("materials_fingerprint", "corpus_fingerprint", "training_fingerprint", "gguf_fingerprint",
+                 "report_fingerprint")
+    assert {name: callers[name] for name in per_stage} == dict.fromkeys(per_stage, 1), callers
+    assert set(expected) == set(STAGES)
+    # A question of its own (no view) gets the same fingerprints: the shared chain changed none.
+    assert expected_fingerprints(paths, settings) == expected
