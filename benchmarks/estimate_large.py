@@ -56,9 +56,9 @@ def build_pair(root: Path) -> Path:
 
 
 def main() -> int:
+    from gguf_assets.lib.planning.estimate import SPEED_NOTE, estimate_lines, named_gpus, placement_lines
     from gguf_assets.lib.project.layout import ProjectPaths
     from gguf_assets.lib.project.settings import load_settings
-    from gguf_assets.lib.status.estimate import SPEED_NOTE, estimate_lines, named_gpus, placement_lines
 
     with tempfile.TemporaryDirectory() as tmp:
         project = build_pair(Path(tmp))

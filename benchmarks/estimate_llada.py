@@ -62,9 +62,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a cut-down shape (the suite's test)")
     quick = parser.parse_args().quick
     os.environ.setdefault("HF_MODULES_CACHE", tempfile.mkdtemp(prefix="hf-modules-"))
+    from gguf_assets.lib.planning.estimate import estimate_lines
     from gguf_assets.lib.project.layout import ProjectPaths
     from gguf_assets.lib.project.settings import Settings
-    from gguf_assets.lib.status.estimate import estimate_lines
 
     with tempfile.TemporaryDirectory() as tmp:
         repo = shaped_repo(Path(tmp), quick=quick)

@@ -24,7 +24,7 @@ from gguf_assets.lib.output.better import better_weights
 from gguf_assets.lib.project import settings_history
 from gguf_assets.lib.project.layout import FINAL_DIR, META_FILE, WEIGHTS_FILE, ProjectPaths
 from gguf_assets.lib.project.settings import load_settings, replace, write_project_file
-from gguf_assets.lib.status import runs
+from gguf_assets.lib.runs.listing import RunState, read_runs
 from gguf_assets.lib.status.states import State, project_status, with_running
 from gguf_assets.lib.training.training_run import (
     PlannedRun,
@@ -94,9 +94,9 @@ def test_a_lowered_counts_page_says_where_it_ended(lowered, capsys):
 
     assert trainer_main(["status", str(paths.root)]) == 0
     assert any(line.split() == ["adapter", "current", *ENDED.split()] for line in capsys.readouterr().out.splitlines())
-    listed = runs.read_runs(paths)
+    listed = read_runs(paths)
     ended = next(r for r in listed.runs if r.fingerprint == child)
-    assert (ended.state, ended.detail, ended.curve[-1][0]) == (runs.RunState.FINISHED, ENDED, 60)
+    assert (ended.state, ended.detail, ended.curve[-1][0]) == (RunState.FINISHED, ENDED, 60)
     # project.yaml stands for both runs; the current one is the one it means.
     assert [(r.fingerprint, r.made_by_settings, r.current) for r in listed.runs] == [
         (parent, True, False), (child, True, True)]
@@ -138,7 +138,7 @@ def test_a_result_below_earlier_weights_says_so_and_the_offered_commands_give_th
     paths, parent, child = lowered
     parent_report = atomic.read_json(paths.checkpoints_dir(parent) / "export" / "kept.json")["report"]
     report = _export_and_report(paths)
-    name = next(r.name for r in runs.read_runs(paths).runs if r.fingerprint == parent)
+    name = next(r.name for r in read_runs(paths).runs if r.fingerprint == parent)
     # Its best validation (step 50) and the run it continues scored higher.
     assert report.val_centred_cosine < parent_report[VAL_CENTRED_COSINE] - 0.001
     assert [(b["kind"], b["step"], b.get("name")) for b in report.better_weights] == [

@@ -42,16 +42,7 @@ from gguf_assets.lib.materials.materials_run import load_manifest
 from gguf_assets.lib.output import snapshots
 from gguf_assets.lib.output.better import better_offers
 from gguf_assets.lib.output.report import retrieval_text
-from gguf_assets.lib.precompute.shards import require_current
-from gguf_assets.lib.project.layout import ProjectPaths, check_output_folders
-from gguf_assets.lib.project.settings import (
-    SECTION_HINTS,
-    Settings,
-    SettingsError,
-    load_settings,
-    write_project_file,
-)
-from gguf_assets.lib.status.estimate import (
+from gguf_assets.lib.planning.estimate import (
     estimate,
     estimate_lines,
     kept_steps_text,
@@ -62,9 +53,18 @@ from gguf_assets.lib.status.estimate import (
     size_text,
     teacher_check,
 )
+from gguf_assets.lib.planning.time_estimate import time_lines
+from gguf_assets.lib.precompute.shards import require_current
+from gguf_assets.lib.project.layout import ProjectPaths, check_output_folders
+from gguf_assets.lib.project.settings import (
+    SECTION_HINTS,
+    Settings,
+    SettingsError,
+    load_settings,
+    write_project_file,
+)
 from gguf_assets.lib.status.pace import pace_lines
 from gguf_assets.lib.status.states import State, status_view, where_stopped, with_running
-from gguf_assets.lib.status.time_estimate import time_lines
 from gguf_assets.lib.telemetry.curves_log import TENSORBOARD_DIR, TENSORBOARD_URL_ENV, tensorboard_timeseries_url
 from gguf_assets.lib.telemetry.hardware import AUTO_WORKERS as AUTO
 from gguf_assets.lib.training.training_run import planned_adapter_run

@@ -1,5 +1,5 @@
 """`gguf-trainer runs DIR`: the project's training runs as a table, and --diff, --use, --delete, --label and
---compare (lib/status/runs.py does the work; this prints it)."""
+--compare (lib/runs/ does the work; this prints it)."""
 
 from __future__ import annotations
 
@@ -25,8 +25,18 @@ from gguf_assets.lib.core.metrics import (
 )
 from gguf_assets.lib.project.layout import ProjectPaths
 from gguf_assets.lib.project.settings import load_settings
-from gguf_assets.lib.status import runs
-from gguf_assets.lib.status.runs import RunState, compare_scores, shown_value, size_text
+from gguf_assets.lib.runs.changes import delete_run, label_run, use_run
+from gguf_assets.lib.runs.compare import compare_scores
+from gguf_assets.lib.runs.listing import (
+    RunsError,
+    RunState,
+    default_compared,
+    find_run,
+    lineage_lines,
+    read_runs,
+    shown_value,
+    size_text,
+)
 from gguf_assets.lib.status.states import project_status, with_running
 from gguf_assets.lib.telemetry.progress import format_seconds
 
@@ -69,28 +79,28 @@ def cmd_runs(args: argparse.Namespace) -> int:
         raise NoProject(f"{paths.project_file} does not exist: pass a project folder (`gguf-trainer init DIR` makes "
                         "one)")
     if args.svg and args.compare is None:
-        raise runs.RunsError("--svg goes with --compare [RUN...]")
+        raise RunsError("--svg goes with --compare [RUN...]")
     if args.use:
         return _use(paths, args.use, as_json=args.json)
     if args.delete:
-        deleted = runs.delete_run(paths, args.delete)
+        deleted = delete_run(paths, args.delete)
         _out(args.json, {"deleted": deleted.name, "fingerprint": deleted.fingerprint,
                          "freed_bytes": deleted.freed_bytes},
-             f"deleted run {deleted.name}: freed {runs.size_text(deleted.freed_bytes)}")
+             f"deleted run {deleted.name}: freed {size_text(deleted.freed_bytes)}")
         return 0
     if args.label:
-        run = runs.label_run(paths, *args.label)
+        run = label_run(paths, *args.label)
         _out(args.json, run.to_json(), f"labelled {run.name}: {run.label!r}" if run.label
              else f"{run.name} has no label now")
         return 0
-    view = runs.read_runs(paths)
+    view = read_runs(paths)
     if args.diff:
-        return _diff(paths, runs.find_run(view, args.diff), as_json=args.json)
+        return _diff(paths, find_run(view, args.diff), as_json=args.json)
     if args.compare is not None:
-        refs = args.compare or [r.fingerprint for r in runs.default_compared(view)]
+        refs = args.compare or [r.fingerprint for r in default_compared(view)]
         if not refs:
-            raise runs.RunsError(f"{paths.root} has no training runs to compare yet: "
-                                 f"`{trainer('run', paths.root)}` trains one")
+            raise RunsError(f"{paths.root} has no training runs to compare yet: "
+                            f"`{trainer('run', paths.root)}` trains one")
         return _compare(paths, view, refs, svg=args.svg, as_json=args.json)
     if args.json:
         print(json.dumps(view.to_json(), indent=2))
@@ -147,7 +157,7 @@ def _table(paths: ProjectPaths, view) -> None:
         say(f"    vs project.yaml (the run's values): {_vs_settings(r)}")
         if r.state != RunState.FINISHED:
             say(f"    {r.detail}")
-        for line in runs.lineage_lines(r, view):
+        for line in lineage_lines(r, view):
             say(f"    {line}")
     if view.settings_error:
         say(f"project.yaml does not load now, so the runs are listed without their settings diff: "
@@ -184,7 +194,7 @@ def _diff(paths: ProjectPaths, run, *, as_json: bool) -> int:
 
 
 def _use(paths: ProjectPaths, ref: str, *, as_json: bool) -> int:
-    used = runs.use_run(paths, ref)
+    used = use_run(paths, ref)
     if as_json:
         print(json.dumps(used.to_json(), indent=2))
         return 0

@@ -1,5 +1,5 @@
 """What `gguf-trainer runs --use` (and the studio's Use) tell the project's Dagster instance: the results it made
-current again without a run (lib/status/runs.py does the files)."""
+current again without a run (lib/runs/ does the files)."""
 
 import uuid
 
@@ -59,7 +59,7 @@ def record_made_current(instance: dg.DagsterInstance, settings: Settings, paths:
 
 
 def tell_dagster(paths: ProjectPaths, used, get_instance=None) -> str | None:
-    """Record the results ``used`` (lib/status/runs.Used) made current in the project's Dagster instance, so the
+    """Record the results ``used`` (lib/runs/changes.Used) made current in the project's Dagster instance, so the
     UI's stale marks agree with `status`; a line saying what went wrong, or None. The files are the truth: a busy
     or unreachable instance only leaves the marks until the next run. ``get_instance``: the studio's (it has one
     open); the CLI opens the project's own, as `run` does."""

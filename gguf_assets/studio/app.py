@@ -45,17 +45,11 @@ from gguf_assets.lib.project import settings_file, settings_history
 from gguf_assets.lib.project.layout import FINAL_DIR, META_FILE, ProjectPaths
 from gguf_assets.lib.project.presets import PRESETS, preset, set_keys
 from gguf_assets.lib.project.settings import Settings, SettingsError, load_settings, settings_from_text
+from gguf_assets.lib.runs.changes import delete_run, label_run, use_run
+from gguf_assets.lib.runs.compare import compare_runs
+from gguf_assets.lib.runs.listing import list_runs, read_runs, size_text
 from gguf_assets.lib.status.pace import stage_paces
 from gguf_assets.lib.status.run_end import report_score
-from gguf_assets.lib.status.runs import (
-    compare_runs,
-    delete_run,
-    label_run,
-    list_runs,
-    read_runs,
-    size_text,
-    use_run,
-)
 from gguf_assets.lib.status.stages import SHARD_STAGES, stage_title
 from gguf_assets.lib.status.states import (
     ProjectView,
@@ -382,10 +376,10 @@ def machine_view() -> dict:
 
 
 def memory_view(paths: ProjectPaths) -> dict:
-    """The memory estimate (lib/status/estimate.py), as the page's Memory panel shows it, with where the
+    """The memory estimate (lib/planning/estimate.py), as the page's Memory panel shows it, with where the
     teacher would go on this machine's GPUs and what that costs in speed (`gguf-trainer estimate`'s lines). A hub
     id not downloaded yet is read from the hub once (kept in the project's .cache), within a few seconds."""
-    from gguf_assets.lib.status.estimate import (
+    from gguf_assets.lib.planning.estimate import (
         estimate,
         kept_steps_text,
         missing_piece,
@@ -710,11 +704,11 @@ def _settings_routes(studio: Studio) -> list[Route]:
 
 
 def _runs_routes(studio: Studio) -> list[Route]:
-    """The Runs panel: list, compare, use, delete and label training runs (lib/status/runs.py)."""
+    """The Runs panel: list, compare, use, delete and label training runs (lib/runs/)."""
     paths = studio.paths
 
     async def runs_list(_request: Request) -> JSONResponse:
-        """The Runs panel: every training run (lib/status/runs.py), diffed against the project.yaml text whose
+        """The Runs panel: every training run (lib/runs/), diffed against the project.yaml text whose
         sha256 comes with it: "use" names that text, so an edit made since is never overwritten."""
         served = studio.served()
         return JSONResponse({**(await run_in_threadpool(runs_view, paths, served)), "settings_sha256": served.sha256})

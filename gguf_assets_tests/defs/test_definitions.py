@@ -231,10 +231,11 @@ def test_defs_hold_definitions_and_the_cli_studio_and_orchestration_take_only_th
 # functions. The stages follow the data (materials → corpus → precompute → training → output) on the
 # foundation (core, then project: settings, layout, contracts); telemetry (hardware, progress, curves) imports
 # nothing of lib/, and the precompute and training use it, so it sits right above core; status composes every
-# stage's fingerprint and check; the demo builds materials and settings for `gguf-trainer demo` and the tests,
-# and nothing in lib/ may depend on it.
+# stage's fingerprint and check; planning (memory and time) reads the status's measured pace, and runs (list,
+# label, delete, use, compare the training runs) its stages and states; the demo builds materials and settings
+# for `gguf-trainer demo` and the tests, and nothing in lib/ may depend on it.
 LIB_LAYERS = ("core", "telemetry", "project", "materials", "corpus", "precompute", "training", "output", "status",
-              "demo")
+              "planning", "runs", "demo")
 
 
 def _lib_imports_against_the_layers(lib: Path) -> list[str]:

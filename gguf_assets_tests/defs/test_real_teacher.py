@@ -152,7 +152,7 @@ def _without_key(repo, key: str) -> bytes:
 @pytest.mark.slow
 def test_the_code_closure_and_every_check_before_the_weights_refuse_in_run_and_estimate(
         tmp_path, real_repo, demo_materials_root, loopback_hub, capsys):
-    from gguf_assets.lib.status.estimate import teacher_check
+    from gguf_assets.lib.planning.estimate import teacher_check
 
     trusted = _settings(REPO, trust_remote_code=True)
     bad_repos = {

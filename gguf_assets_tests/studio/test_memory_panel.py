@@ -3,8 +3,8 @@ one line when the hub is out of reach (no browser: the view the page renders).""
 
 from conftest import free_port
 
+from gguf_assets.lib.planning.estimate import estimate, size_text
 from gguf_assets.lib.project.settings import load_settings
-from gguf_assets.lib.status.estimate import estimate, size_text
 from gguf_assets.studio.app import memory_view
 
 

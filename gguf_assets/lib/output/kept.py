@@ -1,5 +1,5 @@
 """Each training run keeps its own exported GGUF and report, so going back to a run restores them without
-training or exporting again (`gguf-trainer runs DIR --use RUN`, lib/status/runs.py).
+training or exporting again (`gguf-trainer runs DIR --use RUN`, lib/runs/changes.py).
 
     checkpoints/<fingerprint>/export/<adapter_name>.gguf   a verified copy of the GGUF the export wrote
     checkpoints/<fingerprint>/export/kept.json              its size and sha256, the export's sidecar as

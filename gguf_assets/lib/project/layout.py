@@ -29,7 +29,7 @@ WEIGHTS_FILE = "adapter.safetensors"
 STATE_FILE = "trainer_state.pt"
 META_FILE = "meta.json"
 CURVES_FILE = "curves.svg"
-# Also inside checkpoints/<fingerprint>/, for `gguf-trainer runs` (lib/status/runs.py):
+# Also inside checkpoints/<fingerprint>/, for `gguf-trainer runs` (lib/runs/listing.py):
 SESSION_FILE = "session.json"  # the last training session of the run: running (pid), stopped or failed (why)
 LABEL_FILE = "label.txt"  # the user's label of the run (`gguf-trainer runs DIR --label RUN TEXT`)
 KEPT_DIR = "export"  # the run's own GGUF, export sidecar and report, kept when they were made (lib/output/kept.py)

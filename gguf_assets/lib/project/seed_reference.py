@@ -2,7 +2,7 @@
 their numbers live.
 
 The generated project.yaml quotes the seed's beside the settings they are about (settings.SECTION_HINTS), and
-`gguf-trainer estimate` scales them to a project before anything of it was measured (lib/status/time_estimate.py).
+`gguf-trainer estimate` scales them to a project before anything of it was measured (lib/planning/time_estimate.py).
 """
 
 from __future__ import annotations

@@ -360,7 +360,7 @@ def newest_meta(run_dir: Path) -> dict | None:
 
 class RunOutcome(StrEnum):
     """How a training run stands or ended: the one vocabulary of the session record (session.json's "state"), the
-    Runs list (lib/status/runs.py, `gguf-trainer runs`) and the studio's last-run line (studio/last_run.py). The
+    Runs list (lib/runs/listing.py, `gguf-trainer runs`) and the studio's last-run line (studio/last_run.py). The
     values are the words users read and the files hold."""
 
     FINISHED = "finished"  # final/ is there: the finished weights (a Dagster run: it succeeded)

@@ -233,7 +233,7 @@ def test_student_tokenizer_from_a_hub_repo_fetches_only_its_tokenizer(make_proje
 
 def test_estimate_sizes_a_gguf_student_from_its_own_header_before_the_first_run(make_project, demo_materials_root,
                                                                                 tmp_path):
-    from gguf_assets.lib.status.estimate import estimate
+    from gguf_assets.lib.planning.estimate import estimate
 
     student_gguf = _f16_gguf(demo_materials_root, tmp_path / "pig_clip-f16.gguf")
     paths = _project(make_project, student_gguf)

@@ -23,8 +23,8 @@ def test_the_status_engine_and_every_stage_module_load_no_torch():
     import sys
 
     modules = ["gguf_assets.lib.status.states", "gguf_assets.lib.status.verify_project",
-               "gguf_assets.lib.status.estimate", "gguf_assets.lib.status.pace",
-               "gguf_assets.lib.status.time_estimate", "gguf_assets.lib.materials.materials_run",
+               "gguf_assets.lib.planning.estimate", "gguf_assets.lib.status.pace",
+               "gguf_assets.lib.planning.time_estimate", "gguf_assets.lib.materials.materials_run",
                "gguf_assets.lib.corpus.corpus_run", "gguf_assets.lib.precompute.shards",
                "gguf_assets.lib.training.training_run", "gguf_assets.lib.output.export_run",
                "gguf_assets.lib.output.report_run"]

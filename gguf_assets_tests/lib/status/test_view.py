@@ -7,12 +7,12 @@ from collections import Counter
 
 import pytest
 
+from gguf_assets.lib.planning.time_estimate import time_lines
 from gguf_assets.lib.precompute import shards
 from gguf_assets.lib.project.settings import load_settings
 from gguf_assets.lib.status.pace import pace_lines, precompute_pace
 from gguf_assets.lib.status.stages import STAGES
 from gguf_assets.lib.status.states import planned_view, project_status, status_view
-from gguf_assets.lib.status.time_estimate import time_lines
 
 ONCE_PER_SPLIT = Counter({"train": 1, "val": 1})
 

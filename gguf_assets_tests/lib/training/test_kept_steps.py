@@ -17,7 +17,8 @@ from gguf_assets.lib.output import snapshots
 from gguf_assets.lib.project.layout import FINAL_DIR, META_FILE, WEIGHTS_FILE, ProjectPaths
 from gguf_assets.lib.project.manifests import MaterialsManifest
 from gguf_assets.lib.project.settings import replace, write_project_file
-from gguf_assets.lib.status.runs import compare_runs, default_compared, list_runs
+from gguf_assets.lib.runs.compare import compare_runs
+from gguf_assets.lib.runs.listing import default_compared, list_runs
 from gguf_assets.lib.training import kept_steps as kept
 from gguf_assets.lib.training.events import LogStep, Note
 from gguf_assets.lib.training.train import train_adapter

@@ -6,9 +6,9 @@ import shutil
 import pytest
 
 from gguf_assets.lib.core import atomic
+from gguf_assets.lib.planning.time_estimate import time_lines
 from gguf_assets.lib.project.seed_reference import SEED_PRECOMPUTE, SEED_TRAINING
 from gguf_assets.lib.project.settings import load_settings, replace
-from gguf_assets.lib.status.time_estimate import time_lines
 
 A_GPU = [{"index": 0, "mem_total_gib": 24.0, "mem_used_gib": 0.0}]
 

@@ -1,4 +1,4 @@
-"""Training runs as lib/status/runs.py reads them from disk: names, states, scores, the settings diff, labels,
+"""Training runs as lib/runs/ reads them from disk: names, states, scores, the settings diff, labels,
 deletion and the overlay, on copies of one real finished project (conftest ``finished_project``) and on run
 folders made from its own, plus one real training session stopped part way."""
 
@@ -16,8 +16,8 @@ from gguf_assets.lib.core import atomic, metrics
 from gguf_assets.lib.project import settings_history
 from gguf_assets.lib.project.layout import FINAL_DIR, KEPT_DIR, LABEL_FILE, META_FILE, SESSION_FILE, ProjectPaths
 from gguf_assets.lib.project.settings import load_settings, replace
-from gguf_assets.lib.status import runs
-from gguf_assets.lib.status.runs import RunsError, RunState
+from gguf_assets.lib.runs import changes, compare, listing
+from gguf_assets.lib.runs.listing import RunsError, RunState
 from gguf_assets.lib.status.states import State, project_status
 from gguf_assets.lib.telemetry.curves_log import run_name
 from gguf_assets.lib.telemetry.render import RUN_COLOURS
@@ -31,8 +31,8 @@ def project(finished_project, tmp_path) -> ProjectPaths:
     return copy_project(finished_project[0], tmp_path / "copy")
 
 
-def only_run(paths: ProjectPaths) -> runs.Run:
-    view = runs.list_runs(paths, load_settings(paths.root))
+def only_run(paths: ProjectPaths) -> listing.Run:
+    view = listing.list_runs(paths, load_settings(paths.root))
     assert len(view.runs) == 1, view.runs
     return view.runs[0]
 
@@ -69,7 +69,7 @@ def test_a_finished_run_is_named_scored_kept_and_current(project):
     assert run.curve[0][0] == 0 and run.curve[-1] == (40, pytest.approx(final["val_centred_cosine"]))
     # Its last validation's scores (step 40), as its history holds them.
     last = next(e for e in reversed(final["history"]) if "val_centred_cosine" in e)
-    assert run.last_scores == {"step": 40, **{k: last[k] for k in runs.LAST_SCORE_KEYS}}
+    assert run.last_scores == {"step": 40, **{k: last[k] for k in listing.LAST_SCORE_KEYS}}
     # The torch weights at step 40 are the GGUF's: its report's scores (numpy, f16 matrices) are the same.
     assert run.last_scores["val_rel_mse"] == pytest.approx(report["val_rel_mse"], rel=1e-3)
     assert run.last_scores["worst_row"] == report["worst_row"] in range(final["shape"]["query_rows"])
@@ -85,7 +85,7 @@ def test_the_settings_diff_says_which_keys_change_a_result(project):
     now = load_settings(project.root)
     earlier = replace(now, training={"steps": 10, "log_every": 3, "device": "cuda"},
                       output={"ggk_command": "ggk x", "notify_url": "https://hooks.example.com/services/T0KEN"})
-    diff = {d.key: d for d in runs.settings_diff(earlier, now)}
+    diff = {d.key: d for d in listing.settings_diff(earlier, now)}
     assert set(diff) == {"training.steps", "training.log_every", "training.device", "output.ggk_command",
                          "output.notify_url"}
     assert (diff["training.steps"].run, diff["training.steps"].now) == (10, 40)
@@ -96,7 +96,7 @@ def test_the_settings_diff_says_which_keys_change_a_result(project):
     assert not diff["output.notify_url"].result
     assert diff["output.notify_url"].text().startswith("output.notify_url: https://hooks.example.com in the run, ")
     assert "T0KEN" not in diff["output.notify_url"].text()
-    assert runs.settings_diff(now, now) == []
+    assert listing.settings_diff(now, now) == []
 
 
 def test_how_a_run_ended_is_one_vocabulary_in_the_words_users_read(tmp_path):
@@ -118,8 +118,8 @@ def test_a_run_s_state_comes_from_its_checkpoints_and_its_last_session(project):
     second_run(project, finished=False)
     run_dir = project.checkpoints_dir(OTHER)
 
-    def state() -> runs.Run:
-        view = runs.list_runs(project, load_settings(project.root))
+    def state() -> listing.Run:
+        view = listing.list_runs(project, load_settings(project.root))
         return next(r for r in view.runs if r.fingerprint == OTHER)
 
     run = state()  # no session record (a run from before they were kept): partial, at its newest checkpoint
@@ -159,7 +159,7 @@ def test_the_trainer_records_a_stopped_session_its_settings_and_its_time(project
     assert not result.finished and result.step == 5
     session = atomic.read_json(project.checkpoints_dir(fingerprint) / SESSION_FILE)
     assert (session["state"], session["step"]) == ("stopped", 5)
-    view = runs.list_runs(project, load_settings(project.root))
+    view = listing.list_runs(project, load_settings(project.root))
     run = next(r for r in view.runs if r.fingerprint == fingerprint)
     assert (run.state, run.step, run.steps) == (RunState.STOPPED, 5, 60)
     assert run.name == f"64x1-60steps-lr0.006-{fingerprint[:8]}" and not run.current and not run.made_by_settings
@@ -171,41 +171,42 @@ def test_the_trainer_records_a_stopped_session_its_settings_and_its_time(project
 
 def test_runs_are_found_by_name_fingerprint_start_or_label_and_refused_clearly(project):
     second_run(project, finished=True)
-    view = runs.list_runs(project, load_settings(project.root))
+    view = listing.list_runs(project, load_settings(project.root))
     first = next(r for r in view.runs if r.fingerprint != OTHER)
-    assert runs.find_run(view, first.name) == first and runs.find_run(view, first.fingerprint[:6]) == first
+    assert listing.find_run(view, first.name) == first and listing.find_run(view, first.fingerprint[:6]) == first
     with pytest.raises(RunsError, match="names several runs"):
-        runs.find_run(view, "64x1")
+        listing.find_run(view, "64x1")
     with pytest.raises(RunsError, match="no run 'nope' in .*; its runs: 64x1-"):
-        runs.find_run(view, "nope")
-    labelled = runs.label_run(project, OTHER, "  wider\n try  ")
+        listing.find_run(view, "nope")
+    labelled = changes.label_run(project, OTHER, "  wider\n try  ")
     assert labelled.label == "wider try"
     assert (project.checkpoints_dir(OTHER) / LABEL_FILE).read_text() == "wider try\n"
-    assert runs.find_run(runs.list_runs(project, None), "wider try").fingerprint == OTHER
+    assert listing.find_run(listing.list_runs(project, None), "wider try").fingerprint == OTHER
     with pytest.raises(RunsError, match="at most 200 characters"):
-        runs.label_run(project, OTHER, "x" * 201)
-    assert runs.label_run(project, OTHER, "").label == "" and not (project.checkpoints_dir(OTHER) / LABEL_FILE).exists()
+        changes.label_run(project, OTHER, "x" * 201)
+    assert changes.label_run(project, OTHER, "").label == ""
+    assert not (project.checkpoints_dir(OTHER) / LABEL_FILE).exists()
 
 
 def test_delete_frees_a_run_and_never_the_current_one(project, tmp_path):
     second_run(project, finished=True)
     current = only_run_named(project, current=True)
     with pytest.raises(RunsError, match="is the current run"):
-        runs.delete_run(project, current.name)
+        changes.delete_run(project, current.name)
     assert project.checkpoints_dir(current.fingerprint).is_dir()
     # A file linked from elsewhere too frees nothing when the run goes: the freed figure says so.
     linked = tmp_path / "kept-elsewhere.safetensors"
     os.link(project.checkpoints_dir(OTHER) / FINAL_DIR / "adapter.safetensors", linked)
-    used, freed = runs.disk_usage([project.checkpoints_dir(OTHER)])
+    used, freed = listing.disk_usage([project.checkpoints_dir(OTHER)])
     assert freed == used - linked.stat().st_blocks * 512 and freed > 0
-    deleted = runs.delete_run(project, OTHER)
+    deleted = changes.delete_run(project, OTHER)
     assert (deleted.fingerprint, deleted.freed_bytes) == (OTHER, freed)
     assert not project.checkpoints_dir(OTHER).exists() and not (project.root / "checkpoints" / ".deleting").exists()
-    assert linked.is_file() and [r.fingerprint for r in runs.list_runs(project, None).runs] == [current.fingerprint]
+    assert linked.is_file() and [r.fingerprint for r in listing.list_runs(project, None).runs] == [current.fingerprint]
 
 
-def only_run_named(paths: ProjectPaths, *, current: bool) -> runs.Run:
-    return next(r for r in runs.list_runs(paths, load_settings(paths.root)).runs if r.current == current)
+def only_run_named(paths: ProjectPaths, *, current: bool) -> listing.Run:
+    return next(r for r in listing.list_runs(paths, load_settings(paths.root)).runs if r.current == current)
 
 
 def test_use_refuses_a_run_that_its_settings_no_longer_make(project):
@@ -214,7 +215,7 @@ def test_use_refuses_a_run_that_its_settings_no_longer_make(project):
     before = project.project_file.read_bytes()
     gguf = (project.root / "output" / "demo-adapter.gguf").read_bytes()
     with pytest.raises(RunsError, match="cannot come back: its settings now make another training run"):
-        runs.use_run(project, OTHER)
+        changes.use_run(project, OTHER)
     assert project.project_file.read_bytes() == before
     assert (project.root / "output" / "demo-adapter.gguf").read_bytes() == gguf
     assert only_run_named(project, current=True).fingerprint != OTHER
@@ -222,19 +223,19 @@ def test_use_refuses_a_run_that_its_settings_no_longer_make(project):
 
 def test_compare_overlays_two_runs_curves(project):
     second_run(project, finished=True)
-    runs.label_run(project, OTHER, "<b>copy</b>")
-    view = runs.list_runs(project, load_settings(project.root))
+    changes.label_run(project, OTHER, "<b>copy</b>")
+    view = listing.list_runs(project, load_settings(project.root))
     first = next(r for r in view.runs if r.fingerprint != OTHER)
-    compared, svg = runs.compare_runs(view, [first.name, OTHER])
+    compared, svg = compare.compare_runs(view, [first.name, OTHER])
     root = ET.fromstring(svg)  # well-formed: the label's markup is escaped
     lines = root.findall("{http://www.w3.org/2000/svg}polyline")
     assert len(lines) == 2 and lines[0].get("stroke") != lines[1].get("stroke")
     assert f"{compared[1].name} (&lt;b&gt;copy&lt;/b&gt;)" in svg and compared[0].name in svg
     with pytest.raises(RunsError, match="the same run twice"):
-        runs.compare_runs(view, [OTHER, OTHER[:6]])
+        compare.compare_runs(view, [OTHER, OTHER[:6]])
 
     # Every compared score, step by step: one chart per score, a line per run in each, the run's colour in all.
-    compared = runs.compare_scores(view, [first.name, OTHER])
+    compared = compare.compare_scores(view, [first.name, OTHER])
     assert list(compared.curves) == [s.key for s in metrics.COMPARED]
     history = atomic.read_json(project.checkpoints_dir(first.fingerprint) / FINAL_DIR / META_FILE)["history"]
     rel_mse = [(e["step"], e["val_rel_mse"]) for e in history if "val_rel_mse" in e]
@@ -289,7 +290,7 @@ def test_use_puts_a_run_s_gguf_back_from_its_own_copy_and_never_a_damaged_copy(p
     gguf = project.root / "output" / "demo-adapter.gguf"
     original = gguf.read_bytes()
     gguf.unlink()  # gone from the output folder (deleted by hand, say)
-    used = runs.use_run(project, run.name)
+    used = changes.use_run(project, run.name)
     assert used.changed == ["training.steps 60 → 40"] and project.project_file.read_text() == text
     assert gguf.read_bytes() == original and used.stages == ["adapter", "gguf", "eval_report"]
     assert "restored" not in used.next_run and used.next_run.startswith("nothing")
@@ -300,7 +301,7 @@ def test_use_puts_a_run_s_gguf_back_from_its_own_copy_and_never_a_damaged_copy(p
     data = bytearray(kept.read_bytes())
     data[-5] ^= 0x01  # a flipped bit in its kept copy: it is never put back
     kept.write_bytes(bytes(data))
-    used = runs.use_run(project, run.name)
+    used = changes.use_run(project, run.name)
     assert "its GGUF was not restored" in used.next_run and "sha256 differs" in used.next_run, used.next_run
     assert "exports and evaluates it again from its finished weights, without training" in used.next_run
     assert used.stages == ["adapter"] and not gguf.exists()

@@ -9,9 +9,9 @@ from llada_repo import TINY_LLADA, isolated_remote_code
 from real_llada import build_real_llada_repo
 from safetensors import safe_open
 
+from gguf_assets.lib.planning.estimate import BYTES, GIB, estimate, placement_lines
 from gguf_assets.lib.project.layout import ProjectPaths
 from gguf_assets.lib.project.settings import Settings
-from gguf_assets.lib.status.estimate import BYTES, GIB, estimate, placement_lines
 
 
 @pytest.fixture(scope="module")

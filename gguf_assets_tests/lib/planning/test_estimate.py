@@ -8,9 +8,9 @@ from conftest import assert_fits_80_columns, cli_env, unwrapped
 from safetensors import safe_open
 from warm_runs import trainer_run
 
+from gguf_assets.lib.planning.estimate import GIB, adapter_params, estimate, kept_steps_text, peak_gib
 from gguf_assets.lib.project.seed_reference import DEMO_CPU_TRAINING, DEMO_CPU_TRAINING_SHAPE
 from gguf_assets.lib.project.settings import load_settings, replace, write_project_file
-from gguf_assets.lib.status.estimate import GIB, adapter_params, estimate, kept_steps_text, peak_gib
 from gguf_assets.lib.telemetry.progress import format_seconds
 from gguf_assets.lib.training.adapter import Adapter, AdapterShape
 
@@ -124,9 +124,9 @@ def test_a_30b_class_moe_teacher_and_a_0_6b_student_from_config_json_alone_match
     precompute's own planner puts exactly that many GiB on the devices."""
     import torch
 
+    from gguf_assets.lib.planning.estimate import teacher_placements
     from gguf_assets.lib.precompute.teacher import plan_placement
     from gguf_assets.lib.project.layout import ProjectPaths
-    from gguf_assets.lib.status.estimate import teacher_placements
 
     large = _large_pair_script()
     project = large.build_pair(tmp_path)
@@ -158,8 +158,8 @@ def test_a_30b_class_moe_teacher_and_a_0_6b_student_from_config_json_alone_match
 
 
 def test_the_estimate_says_where_the_teacher_would_go_on_the_gpus_there_are(tmp_path):
+    from gguf_assets.lib.planning.estimate import estimate_lines
     from gguf_assets.lib.project.layout import ProjectPaths
-    from gguf_assets.lib.status.estimate import estimate_lines
 
     project = _large_pair_script().build_pair(tmp_path)
     paths, settings = ProjectPaths.of(project), load_settings(project)
@@ -181,7 +181,7 @@ def test_the_estimate_says_where_the_teacher_would_go_on_the_gpus_there_are(tmp_
 # ---------------------------------------------------------------- "will it fit?" before any weight is downloaded
 
 def test_the_speed_is_the_seeds_measurement_interpolated_by_the_offloaded_share():
-    from gguf_assets.lib.status.estimate import placement_outcome, prompts_per_s
+    from gguf_assets.lib.planning.estimate import placement_outcome, prompts_per_s
 
     assert prompts_per_s(0.0) == pytest.approx(4.5) and prompts_per_s(0.5) == pytest.approx(2.4)
     assert 2.4 < prompts_per_s(0.25) < 4.5 and prompts_per_s(1.0) < 2.4
@@ -227,7 +227,7 @@ def test_hub_ids_are_estimated_from_config_and_headers_without_their_weights(mak
     reads config.json, the index and one header, a few KiB, and counts what the local folders count."""
     from safetensors.torch import load_file
 
-    from gguf_assets.lib.status.estimate import config_params, estimate_lines
+    from gguf_assets.lib.planning.estimate import config_params, estimate_lines
 
     stock = _sharded(demo_materials_root / "teacher")
     rows = load_file(demo_materials_root / "teacher" / "query_rows.safetensors")["query_rows"][:200]
@@ -271,7 +271,7 @@ def test_a_30b_a3b_shaped_hub_teacher_is_estimated_from_its_config_and_index_alo
     config.json and the index (kilobytes), says 57 GB are not downloaded, and places it on --gpus 24,24."""
     from transformers import Qwen3MoeConfig
 
-    from gguf_assets.lib.status.estimate import estimate_lines
+    from gguf_assets.lib.planning.estimate import estimate_lines
 
     large = _large_pair_script()
     config = Qwen3MoeConfig(**large.QWEN3_MOE_30B_A3B).to_json_string().encode()
@@ -370,7 +370,7 @@ def test_a_gated_hub_teacher_is_read_with_the_hf_token_and_without_it_is_one_lin
 
 
 def test_a_teacher_that_would_spill_to_disk_is_said_not_to_fit():
-    from gguf_assets.lib.status.estimate import placement_outcome
+    from gguf_assets.lib.planning.estimate import placement_outcome
 
     assert placement_outcome({"cuda:0": {"layers": 2, "gib": 20.0}, "cpu": {"layers": 2, "gib": 20.0},
                               "disk": {"layers": 1, "gib": 9.5}}).startswith("does not fit: 9.50 GiB would go to disk")
