@@ -276,9 +276,10 @@ def test_compare_overlays_two_runs_curves(project):
     # No RUN (#65): two different runs, the newest and the best other; the SVG goes into the project, its path said.
     default = cli("runs", str(project.root), "--compare")
     assert default.returncode == 0, default.stderr
-    assert re.search(rf"^step +{first.name} +{compared.runs[1].name}$", default.stdout, re.M), default.stdout
+    lines = unwrapped(default.stdout)
+    assert lines[0] == f"run 1: {first.name}" and lines[1].startswith(f"run 2: {compared.runs[1].name}"), lines
     written = project.root / "checkpoints" / "compare.svg"
-    assert default.stdout.splitlines()[-1] == f"wrote the curves, one chart per score, to {written}"
+    assert lines[-1] == f"wrote the curves, one chart per score, to {written}", lines
     assert ET.fromstring(written.read_text()).findall("{http://www.w3.org/2000/svg}g")
 
 
