@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import cli, cli_env, copy_project, pipeline_outputs, wait_for
+from conftest import cli, cli_env, copy_project, pipeline_outputs, unwrapped, wait_for
 from warm_runs import trainer_popen
 
 from gguf_assets.lib.corpus.prompt_files import CorpusError, read_prompt_file
@@ -36,7 +36,7 @@ def status_of(root: Path) -> dict[str, tuple[str, str]]:
     with contextlib.redirect_stdout(printed):
         assert cmd_status(argparse.Namespace(project=str(root))) == 0
     rows = {}
-    for line in printed.getvalue().splitlines():
+    for line in unwrapped(printed.getvalue()):  # the why is wrapped at 80 columns under its own column
         parts = line.split(maxsplit=2)
         if len(parts) >= 2 and parts[0] in ("materials", "corpus", "train_shards", "val_shards", "adapter", "gguf",
                                             "eval_report"):
