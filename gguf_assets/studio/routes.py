@@ -26,6 +26,7 @@ from gguf_assets.lib.core.commands import trainer, venv_tool
 from gguf_assets.lib.core.errors import UserError
 from gguf_assets.lib.core.ggk_contract import ESCAPE_HINT
 from gguf_assets.lib.core.lock import ProjectLocked, holder
+from gguf_assets.lib.core.units import bytes_text
 from gguf_assets.lib.materials.materials_run import load_manifest
 from gguf_assets.lib.output import snapshots  # by module: a test holds take_snapshot to see one change at a time
 from gguf_assets.lib.precompute.shards import require_current
@@ -33,7 +34,7 @@ from gguf_assets.lib.project import settings_file, settings_history
 from gguf_assets.lib.project.layout import ProjectPaths
 from gguf_assets.lib.project.presets import PRESETS, preset, set_keys
 from gguf_assets.lib.project.settings import Settings, SettingsError, load_settings, settings_from_text
-from gguf_assets.lib.status.runs import compare_runs, delete_run, label_run, read_runs, size_text, use_run
+from gguf_assets.lib.status.runs import compare_runs, delete_run, label_run, read_runs, use_run
 from gguf_assets.lib.telemetry.curves_log import tensorboard_timeseries_url
 from gguf_assets.lib.telemetry.hardware import AUTO_WORKERS
 from gguf_assets.lib.training.training_run import planned_adapter_run
@@ -331,7 +332,7 @@ def _runs_routes(studio: Studio) -> list[Route]:
         ref = run_ref(await json_object(request))
         deleted = await run_in_threadpool(delete_run, paths, ref)
         return JSONResponse({"deleted": deleted.name, "fingerprint": deleted.fingerprint,
-                             "freed_bytes": deleted.freed_bytes, "freed": size_text(deleted.freed_bytes)})
+                             "freed_bytes": deleted.freed_bytes, "freed": bytes_text(deleted.freed_bytes)})
 
     @json_change
     async def runs_label(request: Request) -> JSONResponse:

@@ -17,6 +17,7 @@ from gguf_assets.lib.core.commands import trainer
 from gguf_assets.lib.core.errors import UserError
 from gguf_assets.lib.core.lock import holder
 from gguf_assets.lib.core.metrics import EMPTY_PROMPT_COSINE, VAL_CENTRED_COSINE
+from gguf_assets.lib.core.units import bytes_text
 from gguf_assets.lib.materials.hub import token_from_env
 from gguf_assets.lib.materials.hub_shapes import quick_options
 from gguf_assets.lib.output import snapshots
@@ -26,7 +27,7 @@ from gguf_assets.lib.project.layout import FINAL_DIR, META_FILE, ProjectPaths
 from gguf_assets.lib.project.settings import SettingsError, load_settings, settings_from_text
 from gguf_assets.lib.status.pace import stage_paces
 from gguf_assets.lib.status.run_end import report_score
-from gguf_assets.lib.status.runs import list_runs, size_text
+from gguf_assets.lib.status.runs import list_runs
 from gguf_assets.lib.status.stages import SHARD_STAGES, stage_title
 from gguf_assets.lib.status.states import (
     ProjectView,
@@ -256,7 +257,8 @@ def snapshots_view(paths: ProjectPaths, settings, view: ProjectView | None = Non
                                     "source": source(None, file.run)})
         row.update({"planned_steps": entry.get("planned_steps"), VAL_CENTRED_COSINE: entry.get(VAL_CENTRED_COSINE),
                     "eval": (entry.get("eval") or {}).get(VAL_CENTRED_COSINE), "file": str(file.path),
-                    "name": file.name, "size": _size(entry["bytes"]) if isinstance(entry.get("bytes"), int) else None,
+                    "name": file.name,
+                    "size": bytes_text(entry["bytes"]) if isinstance(entry.get("bytes"), int) else None,
                     "missing": not present, "same_file_as": file.same_file_as(paths),
                     "ggk_command": ggk_command_of(file.path) if ggk_command_of and present else None})
     return {"run": fingerprint, "rows": [rows[key] for key in sorted(rows, key=lambda k: (k[0], k[1], k[2]))],
@@ -350,7 +352,7 @@ def report_view(paths: ProjectPaths, settings) -> dict | None:
             "gguf_path": report_doc["gguf_path"], "ggk_command": report.ggk_command,
             "report_json": str(paths.report_json(settings)), "report_md": str(paths.report_md(settings)),
             "files": [{"path": f["path"], "role": f["role"], "is_copy": bool(f.get("copy_of")), "bytes": f["bytes"],
-                       "size": _size(f["bytes"]), "sha256": f["sha256"]} for f in report_doc["files"]],
+                       "size": bytes_text(f["bytes"]), "sha256": f["sha256"]} for f in report_doc["files"]],
             "score_torch": report.val_centred_cosine_torch, "gguf_vs_torch": report.gguf_vs_torch,
             EMPTY_PROMPT_COSINE: report.empty_prompt_cosine, "n_prompts": report.n_prompts,
             "per_shard": report.per_shard, "worst": report.worst[:10], "student": report.student,
@@ -358,13 +360,6 @@ def report_view(paths: ProjectPaths, settings) -> dict | None:
             # The Evaluation panel's table: every score, as report.md lists them (lib/output/report.py).
             "scores": [{"measure": measure, "value": value} for measure, value in score_rows(report)],
             "verdict_rule": verdict_rule(report)}
-
-
-def _size(n: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n} bytes"
 
 
 
@@ -381,5 +376,5 @@ def runs_view(paths: ProjectPaths, served: settings_file.SettingsText) -> dict:
         view = list_runs(paths, None, settings_error=str(exc))
     doc = view.to_json()
     for run in doc["runs"]:
-        run["disk"] = size_text(run["disk_bytes"])
+        run["disk"] = bytes_text(run["disk_bytes"])
     return doc

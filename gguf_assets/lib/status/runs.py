@@ -724,10 +724,3 @@ def compare_scores(view: RunsView, refs: list[str]) -> Comparison:
     drawn = {titles[key]: {name: _drawn(run, runs, by_run[name]) for run, (name, _) in zip(runs, per_run)}
              for key, by_run in curves.items()}
     return Comparison(runs, curves, compare_panels_svg(drawn))
-
-
-def size_text(n: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n} bytes"
