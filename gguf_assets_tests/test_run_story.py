@@ -133,7 +133,7 @@ def _export_and_report(paths: ProjectPaths):
 
 def test_a_result_below_earlier_weights_says_so_and_the_offered_commands_give_them(lowered, capsys):
     from gguf_assets.cli.commands import _print_results
-    from gguf_assets.studio.app import _report_view
+    from gguf_assets.studio.app import report_view
 
     paths, parent, child = lowered
     parent_report = atomic.read_json(paths.checkpoints_dir(parent) / "export" / "kept.json")["report"]
@@ -157,7 +157,7 @@ def test_a_result_below_earlier_weights_says_so_and_the_offered_commands_give_th
     at_parents_end = {**final, "best": atomic.read_json(paths.checkpoints_dir(parent) / FINAL_DIR / META_FILE)["best"]}
     assert [b["kind"] for b in better_weights(paths, at_parents_end, torch_score=final[VAL_CENTRED_COSINE],
                                               gguf_score=report.val_centred_cosine)] == ["parent"]
-    shown = _report_view(paths, load_settings(paths.root))["advice"]
+    shown = report_view(paths, load_settings(paths.root))["advice"]
     best, use = trainer("snapshot", paths.root, "--best"), trainer("runs", paths.root, "--use", name)
     assert f"`{best}`" in shown and f"`{use}`" in shown
     capsys.readouterr()

@@ -23,6 +23,7 @@ from gguf_assets.lib.core.metrics import (
     WORST_ROW_COSINE,
     retrieval_chance,
 )
+from gguf_assets.lib.core.units import bytes_text
 from gguf_assets.lib.project.layout import ProjectPaths
 from gguf_assets.lib.project.settings import load_settings
 from gguf_assets.lib.runs.changes import delete_run, label_run, use_run
@@ -35,7 +36,6 @@ from gguf_assets.lib.runs.listing import (
     lineage_lines,
     read_runs,
     shown_value,
-    size_text,
 )
 from gguf_assets.lib.status.states import project_status, with_running
 from gguf_assets.lib.telemetry.progress import format_seconds
@@ -86,7 +86,7 @@ def cmd_runs(args: argparse.Namespace) -> int:
         deleted = delete_run(paths, args.delete)
         _out(args.json, {"deleted": deleted.name, "fingerprint": deleted.fingerprint,
                          "freed_bytes": deleted.freed_bytes},
-             f"deleted run {deleted.name}: freed {size_text(deleted.freed_bytes)}")
+             f"deleted run {deleted.name}: freed {bytes_text(deleted.freed_bytes)}")
         return 0
     if args.label:
         run = label_run(paths, *args.label)
@@ -153,7 +153,7 @@ def _table(paths: ProjectPaths, view) -> None:
         say(r.name + (f"  label: {r.label}" if r.label else ""))
         say(f"    {r.state}, {r.step}/{r.steps if r.steps else '?'} steps; best val {best}, final val "
             f"{_score(r.final_val_centred_cosine)}")
-        say(f"    wall {wall}, disk {size_text(r.disk_bytes)}; now: {now or '-'}")
+        say(f"    wall {wall}, disk {bytes_text(r.disk_bytes)}; now: {now or '-'}")
         say(f"    vs project.yaml (the run's values): {_vs_settings(r)}")
         if r.state != RunState.FINISHED:
             say(f"    {r.detail}")

@@ -79,11 +79,11 @@ def test_the_page_and_api_status_share_one_record_of_fifteen_fields(make_project
 def test_every_stage_has_its_title_on_the_page():
     """The titles are lib/status/stages.py's one list, in STAGES' order; the studio keeps none of its own."""
     from gguf_assets.lib.status import stages
-    from gguf_assets.studio import app
+    from gguf_assets.studio import views
 
     assert tuple(stages.STAGE_TITLES) == stages.STAGES
-    assert not hasattr(app, "STAGE_TITLES")
-    assert app.stage_title is stages.stage_title and stages.stage_title("adapter") == "Adapter (training)"
+    assert not hasattr(views, "STAGE_TITLES")
+    assert views.stage_title is stages.stage_title and stages.stage_title("adapter") == "Adapter (training)"
 
 
 @pytest.mark.slow  # the suite's finished project (one pipeline run, shared), copied

@@ -26,6 +26,7 @@ from pathlib import Path
 from gguf_assets.lib.core import atomic
 from gguf_assets.lib.core.errors import UserError
 from gguf_assets.lib.core.safetensors_io import safetensors_header
+from gguf_assets.lib.core.units import bytes_text
 from gguf_assets.lib.materials import hub, hub_shapes
 from gguf_assets.lib.materials import query_rows as qr
 from gguf_assets.lib.materials.materials_run import load_manifest
@@ -423,7 +424,7 @@ def kept_steps_text(settings: Settings, lines: list[MemoryLine]) -> str:
     steps = scheduled_steps(every=t.keep_steps_every, first=t.keep_steps_from, last=t.keep_steps_to,
                             planned=t.steps, newest=t.keep_steps_last)
     params = next((line.params for line in lines if line.params is not None), None)
-    size = "size ?" if params is None else _bytes_text(len(steps) * 4 * params)
+    size = "size ?" if params is None else bytes_text(len(steps) * 4 * params)
     schedule = (f"training.keep_steps_every {t.keep_steps_every}" + (f" from {t.keep_steps_from}" if t.keep_steps_from
                                                                       else "")
                 + (f" to {t.keep_steps_to}" if t.keep_steps_to else "")
@@ -431,13 +432,6 @@ def kept_steps_text(settings: Settings, lines: list[MemoryLine]) -> str:
     which = f": steps {', '.join(map(str, steps))}" if 0 < len(steps) <= 6 else (
         f": steps {steps[0]} to {steps[-1]}" if steps else f": none within {t.steps} steps")
     return f"kept steps on a schedule: {len(steps)} file{'' if len(steps) == 1 else 's'}, {size} ({schedule}{which})"
-
-
-def _bytes_text(n: int) -> str:
-    for unit, scale in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n} bytes"
 
 
 def missing_piece(lines: list[MemoryLine]) -> str | None:

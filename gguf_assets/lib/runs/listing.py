@@ -428,10 +428,3 @@ def default_compared(view: RunsView) -> list[Run]:
     partner = next((r for r in others if r.fingerprint == newest.parent), None) or max(
         others, key=lambda r: (r.best_val_centred_cosine is not None, r.best_val_centred_cosine or 0.0), default=None)
     return [partner, newest] if partner is not None else [newest]
-
-
-def size_text(n: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n} bytes"
