@@ -296,7 +296,7 @@ def cmd_ui(args: argparse.Namespace) -> int:
             if stop.signal is None:
                 print(fill(f"Dagster UI for {paths.root} on {base} (Ctrl-C to stop); the whole pipeline: "
                            f"{base}{lineage_path()}"), flush=True)
-                services += start_services([code_server.command()], log_file=output.file, keep_fds=keep)
+                services.append(code_server.start(log_file=output.file, keep_fds=keep))
             if stop.signal is None and code_server.wait_until_serving(services[-1], stop):
                 workspace = code_server.workspace
                 services += start_services([webserver_command(args.host, args.port, args.allow_host,
@@ -362,7 +362,7 @@ def cmd_auto_resume(project: str, *, daemon: bool, ui_port: int | None = None, u
         def serving_code() -> bool:
             """The project's code server for the webserver and the daemon, started at the first one's need."""
             if not services:  # the code server is the first of them
-                services.extend(start_services([code_server.command()], log_file=output.file, keep_fds=keep))
+                services.append(code_server.start(log_file=output.file, keep_fds=keep))
             return code_server.wait_until_serving(services[0], stop)
 
         try:

@@ -190,6 +190,8 @@ def stop_services(procs: list[subprocess.Popen], *, grace_s: float = 10.0) -> No
     right after this one must not find their processes (or ports) still there."""
     for p in procs:
         if p.poll() is None:
+            if before_stop := getattr(p, "before_stop", None):  # a server that a signal does not stop (CodeServer)
+                before_stop()
             os.killpg(p.pid, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     for p in procs:
@@ -304,6 +306,22 @@ class CodeServer:
                                 f"in .dagster/{SERVICES_LOG}")
             time.sleep(0.2)
         return False
+
+    def start(self, *, log_file: Path, keep_fds: tuple[int, ...]) -> subprocess.Popen:
+        """Start it (start_services); ``stop_services`` asks it to stop by its own call before the signal."""
+        (process,) = start_services([self.command()], log_file=log_file, keep_fds=keep_fds)
+        process.before_stop = self.ask_to_stop
+        return process
+
+    def ask_to_stop(self) -> None:
+        """Dagster's ShutdownServer call (pipeline/private_api.py says why a signal is not enough); nothing where it
+        is not serving (yet, or any more)."""
+        if not self.socket.exists():
+            return
+        from gguf_assets.pipeline.private_api import DagsterGrpcClient
+
+        with contextlib.suppress(Exception):  # it may be stopping already: the signal and the wait still follow
+            DagsterGrpcClient(socket=str(self.socket)).shutdown_server(timeout=5)
 
     def close(self) -> None:
         """Once it has stopped: its folder (socket and workspace file) goes."""

@@ -34,6 +34,10 @@ why pyproject.toml pins ``dagster<1.14``.
   whose insert went through before the connection broke is found by its serialized body and not stored twice,
   with only its asset index redone; a run's tag rows that a broken first try left half written are completed.
   dagster-postgres has no retry of its own past opening a connection (docs/cluster.md).
+- ``DagsterGrpcClient``: `ui` and `auto-resume` stop the project's one code server (cli/services.py CodeServer) by
+  its ShutdownServer call, as dagster-webserver and dagster-daemon stop the code servers they start: a Dagster code
+  server does not end on SIGTERM or SIGINT (it waits for a termination event that only that call or a heartbeat
+  timeout sets; measured: still running 10 s after SIGTERM, gone 4 s after the call).
 - ``_execute_run_command_body``, ``ExecuteRunArgs``, ``unpack_value``: the cluster worker's task executes a
   run as dagster-celery's own task does, but only once per run (a second delivery of the task by the broker is
   dropped), which needs the same body dagster-celery calls. ``pack_value``: its test redelivers a task as the
@@ -79,12 +83,14 @@ from dagster._core.storage.tags import HIDDEN_TAG_PREFIX, TagType, get_tag_type
 from dagster._core.types.loadable_target_origin import LoadableTargetOrigin
 from dagster._core.workspace.context import WorkspaceProcessContext
 from dagster._core.workspace.load_target import InProcessWorkspaceLoadTarget, ModuleTarget
+from dagster._grpc.client import DagsterGrpcClient
 from dagster._grpc.types import ExecuteRunArgs
 from dagster._serdes import pack_value, serialize_value, unpack_value
 from dagster._utils.hosted_user_process import recon_job_from_origin
 from sqlalchemy.pool import NullPool
 
 __all__ = [
+    "DagsterGrpcClient",
     "ASSET_CHECK_EVENTS", "ASSET_EVENTS", "ExecuteRunArgs", "RunTagsTable", "SqlEventLogStorageTable",
     "_execute_run_command_body", "pack_value", "serialize_value", "unpack_value",
     "CODE_VERSION_TAG", "DATA_VERSION_IS_USER_PROVIDED_TAG", "DATA_VERSION_TAG", "INPUT_DATA_VERSION_TAG_PREFIX",
