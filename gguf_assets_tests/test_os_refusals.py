@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from conftest import CLI, cli_env, free_port, new_demo_project
+from conftest import CLI, cli_env, free_port, new_demo_project, unwrapped
 from warm_runs import trainer_run
 
 from gguf_assets.lib.core.errors import os_refusal_message
@@ -115,7 +115,8 @@ def test_reading_commands_work_on_a_read_only_project_and_a_repair_is_one_line(u
     assert done.returncode == 0 and done.stdout.startswith("  materials ") and not done.stderr, done.stdout + \
         done.stderr
     done = in_namespace(READ_ONLY, root, "runs", str(root))
-    assert done.returncode == 0 and "has no training runs yet" in done.stdout, done.stdout + done.stderr
+    said = " ".join(unwrapped(done.stdout))
+    assert done.returncode == 0 and "has no training runs yet" in said, done.stdout + done.stderr
     done = in_namespace(READ_ONLY, root, "estimate", str(root))
     assert done.returncode == 0 and "peak on one GPU" in done.stdout, done.stdout + done.stderr
     done = in_namespace(READ_ONLY, root, "verify", str(root))

@@ -38,7 +38,10 @@ class PeakRecorder:
         self._handles: list = []
 
     def __enter__(self) -> PeakRecorder:
-        tokens = {id(linear) for linear in self.model.token_linears()}
+        # The linears that read the prompt's tokens (padding masked); a model without the list (the benchmarks'
+        # older adapter) has its peaks taken over every row.
+        token_linears = getattr(self.model, "token_linears", list)
+        tokens = {id(linear) for linear in token_linears()}
         self._handles.append(self.model.register_forward_pre_hook(self._take_mask, with_kwargs=True))
         self._handles += [module.register_forward_hook(self._recorder(f"{name}.weight", id(module) in tokens))
                           for name, module in self.model.named_modules() if isinstance(module, nn.Linear)]
