@@ -21,14 +21,15 @@ trained by the real trainer (`train.train_adapter`) on one torch thread, and its
 
 "Current" is the trainer8 recipe at the demo's CPU scale (`demo_settings`: ggk's resampler, 128 wide (two of
 ggk's 64-wide heads), 1 block, lr 6e-3, warmup 10 %, cosine to 10 %, AdamW wd 0.01, clip 1.0, whitened MSE
-+ 0.5 (1 - cos), batch 16). ``current-seed1`` and ``-seed2`` are the same with other seeds (of the adapter's
-initialization and the data order): the chance spread.
++ 0.5 (1 - cos), batch 16; since #68 the demo's start, presets.CPU_START). ``current-seed1`` and ``-seed2`` are
+the same with other seeds (of the adapter's initialization and the data order): the chance spread.
 
 ``pre-ggk-adapter`` is the adapter as it was before #55 (benchmarks/pre_ggk_adapter.py: LN_in, a null memory row,
 blocks of cross-attention then self-attention then a tanh-GELU MLP, heads of 16 as the old demo's 4 at width 64,
-so 8 at 128), trained by the same trainer on the same data with the same recipe, steps, batch and width, its loss
-and scores computed by the same code. ggk cannot load it: it is the pre-#55 baseline, printed to say what the
-switch to ggk's resampler cost or gained, never a candidate default.
+so 8 at 128), trained by the same trainer on the same data with the same recipe (with trainer8's start: it has no
+query bank to start at the row means), steps, batch and width, its loss and scores computed by the same code. ggk
+cannot load it: it is the pre-#55 baseline, printed to say what the switch to ggk's resampler cost or gained,
+never a candidate default.
 Variants, each at equal CPU time:
 
     isotropic              training.target_standardization: isotropic (one std, as PHI-S)
@@ -163,6 +164,9 @@ def pre_ggk_model(shape: AdapterShape, *, grad_checkpoint: bool = False) -> nn.M
 
 
 PRE_GGK = "pre-ggk-adapter"
+# trainer8's start: the pre-#55 adapter's (it has no query bank to start at the row means), and every --study row's
+# unless the row changes it.
+TRAINER8_START = {"init": "random", "query_lr_scale": 1.0}
 
 VARIANTS = (
     Variant("current", candidate=False, same_cost=True),
@@ -170,7 +174,7 @@ VARIANTS = (
     Variant("current-seed1", {"seed": 1}, candidate=False, same_cost=True),
     Variant("current-seed2", {"seed": 2}, candidate=False, same_cost=True),
     # The adapter before #55 (not ggk's; the file ggk loads cannot hold it): the same steps, batch, data and width.
-    Variant(PRE_GGK, candidate=False, same_cost=True, build=pre_ggk_model),
+    Variant(PRE_GGK, TRAINER8_START, candidate=False, same_cost=True, build=pre_ggk_model),
     Variant("isotropic", {"target_standardization": "isotropic"}, same_cost=True),
     Variant("relational-0.1", {"relational_weight": 0.1}),
     Variant("relational-0.3", {"relational_weight": 0.3}),
@@ -567,7 +571,6 @@ class PerRowDimMark(Adapter):
 
 
 PRODUCT, MINIMAL, MARK, CPU = "product", "minimal-per-dim", "mark-per-row-dim", "cpu-start"
-TRAINER8_START = {"init": "random", "query_lr_scale": 1.0}  # every study row's, unless the row changes it
 STUDY = (
     Variant(PRODUCT, candidate=False, same_cost=True),
     Variant(MINIMAL, candidate=False, same_cost=True, build=MinimalResampler),
