@@ -21,14 +21,15 @@ trained by the real trainer (`train.train_adapter`) on one torch thread, and its
 
 "Current" is the trainer8 recipe at the demo's CPU scale (`demo_settings`: ggk's resampler, 128 wide (two of
 ggk's 64-wide heads), 1 block, lr 6e-3, warmup 10 %, cosine to 10 %, AdamW wd 0.01, clip 1.0, whitened MSE
-+ 0.5 (1 - cos), batch 16). ``current-seed1`` and ``-seed2`` are the same with other seeds (of the adapter's
-initialization and the data order): the chance spread.
++ 0.5 (1 - cos), batch 16; since #68 the demo's start, presets.CPU_START). ``current-seed1`` and ``-seed2`` are
+the same with other seeds (of the adapter's initialization and the data order): the chance spread.
 
 ``pre-ggk-adapter`` is the adapter as it was before #55 (benchmarks/pre_ggk_adapter.py: LN_in, a null memory row,
 blocks of cross-attention then self-attention then a tanh-GELU MLP, heads of 16 as the old demo's 4 at width 64,
-so 8 at 128), trained by the same trainer on the same data with the same recipe, steps, batch and width, its loss
-and scores computed by the same code. ggk cannot load it: it is the pre-#55 baseline, printed to say what the
-switch to ggk's resampler cost or gained, never a candidate default.
+so 8 at 128), trained by the same trainer on the same data with the same recipe (with trainer8's start: it has no
+query bank to start at the row means), steps, batch and width, its loss and scores computed by the same code. ggk
+cannot load it: it is the pre-#55 baseline, printed to say what the switch to ggk's resampler cost or gained,
+never a candidate default.
 Variants, each at equal CPU time:
 
     isotropic              training.target_standardization: isotropic (one std, as PHI-S)
@@ -60,6 +61,26 @@ independent families (C and D, each) and loses no more than the seed-to-seed spr
 
 The student-layer variants (one other layer, several fused, the product's layer lists) are gone with the
 feature: ggk feeds the adapter the student's final norm and nothing else, so no other layer can be adopted.
+
+--study (#68): where the quality goes in ggk's format. On the demo's shards of families A and C (1,600 train / 200
+val prompts, 256 query rows; real precompute), every row trains with the same data, steps and schedule (the demo's
+recipe, 300 steps; --steps, --training '{"depth": 2, "learning_rate": 1e-3}' for another), once per seed
+(--seeds), and prints its val centred cosine, its delta against ``product`` with the same seed, and prompt
+retrieval over the non-empty val prompts (top-1, top-5, margin; lib/output/gguf_eval.py: Retrieval, on the torch
+model's outputs):
+
+    product                 the product's adapter with trainer8's start (training.init random, query_lr_scale 1)
+    minimal-per-dim         a minimal foldable resampler: ggk's, output standardized per dim, loss per dim
+    mark-per-row-dim        output standardized per (row, dim): not expressible in ggk's file (the mark)
+    init-row-means          training.init: row_means (the untrained adapter outputs each row's mean)
+    query-lr-x10, -x30      training.query_lr_scale: the query rows' own learning rate
+    cpu-start               both (presets.CPU_START): the demo's and the CPU preset's start since #68
+    sigma-floor-0.2         training.sigma_floor 0.2 (0.01 floors nothing on these shards: a line says so)
+    isotropic               training.target_standardization: isotropic
+    no-empty-prompts        trained without the empty (CFG) prompts (1 % of the train set)
+
+    .venv/bin/python benchmarks/bench_quality.py --study              # A and C, seeds 0 and 1: about 25 CPU min
+    .venv/bin/python benchmarks/bench_quality.py --study --quick --pairs A --seeds 0   # a smoke run, seconds
 """
 
 from __future__ import annotations
@@ -80,29 +101,33 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from pre_ggk_adapter import PreGgkAdapter  # benchmarks/, beside this script
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from gguf_assets.lib.core import atomic, verify
+from gguf_assets.lib.core import metrics as m
 from gguf_assets.lib.core.quiet import quiet_libraries
 from gguf_assets.lib.corpus.corpus import build_corpus, read_split
 from gguf_assets.lib.corpus.corpus_run import corpus_fingerprint
 from gguf_assets.lib.demo.demo import TEACHER_HIDDEN_SIZE, build_demo_materials, demo_settings
 from gguf_assets.lib.materials.pinning.resolve import resolve_materials
+from gguf_assets.lib.output.gguf_eval import Retrieval
 from gguf_assets.lib.precompute.shards import ShardBuilder, data_file, plan_shards, precompute_split
-from gguf_assets.lib.project.layout import PROMPTS_FILE, ProjectPaths
+from gguf_assets.lib.project.layout import FINAL_DIR, PROMPTS_FILE, WEIGHTS_FILE, ProjectPaths
+from gguf_assets.lib.project.presets import CPU_START
 from gguf_assets.lib.project.settings import Settings, replace, write_project_file
 from gguf_assets.lib.training import train as train_module
-from gguf_assets.lib.training.adapter import AdapterShape
+from gguf_assets.lib.training.adapter import Adapter, AdapterShape
 from gguf_assets.lib.training.events import LogStep, TrainingEvent
 from gguf_assets.lib.training.train import train_adapter
-from gguf_assets.lib.training.train_data import load_shard, read_half, shard_size, target_stats
+from gguf_assets.lib.training.train_data import load_shard, read_half, shard_batches, shard_size, target_stats
 from gguf_assets.lib.training.training_run import shards_identity, training_fingerprint
 
 MARGIN = 0.01          # val centred cosine a variant must gain on each new family (C, D) to be adopted
 CPU_TOLERANCE = 1.10   # "equal CPU time": at most this much of the current recipe's CPU seconds
 SAME_COST = 0.03       # per-step costs this close count as equal (keeps calibration noise out of the steps)
 CLUSTERS = 32          # k of the k-means in select-clusters
+NO_EMPTY = "no-empty"  # the selection of every train prompt but the empty (CFG) ones
 
 
 @dataclass(frozen=True)
@@ -139,6 +164,9 @@ def pre_ggk_model(shape: AdapterShape, *, grad_checkpoint: bool = False) -> nn.M
 
 
 PRE_GGK = "pre-ggk-adapter"
+# trainer8's start: the pre-#55 adapter's (it has no query bank to start at the row means), and every --study row's
+# unless the row changes it.
+TRAINER8_START = {"init": "random", "query_lr_scale": 1.0}
 
 VARIANTS = (
     Variant("current", candidate=False, same_cost=True),
@@ -146,7 +174,7 @@ VARIANTS = (
     Variant("current-seed1", {"seed": 1}, candidate=False, same_cost=True),
     Variant("current-seed2", {"seed": 2}, candidate=False, same_cost=True),
     # The adapter before #55 (not ggk's; the file ggk loads cannot hold it): the same steps, batch, data and width.
-    Variant(PRE_GGK, candidate=False, same_cost=True, build=pre_ggk_model),
+    Variant(PRE_GGK, TRAINER8_START, candidate=False, same_cost=True, build=pre_ggk_model),
     Variant("isotropic", {"target_standardization": "isotropic"}, same_cost=True),
     Variant("relational-0.1", {"relational_weight": 0.1}),
     Variant("relational-0.3", {"relational_weight": 0.3}),
@@ -177,6 +205,9 @@ FULL = Size(prompts=3200, train=2700, val=300, shard_size=900, query_rows=256, s
             pretrain_steps=300)
 QUICK = Size(prompts=130, train=96, val=24, shard_size=32, query_rows=4, steps=8, calibration_steps=6,
              pretrain_steps=4)
+# The study's (--study): the demo's shards (1,600 / 200 prompts, 256 query rows), a few hundred steps.
+STUDY_SIZE = Size(prompts=1900, train=1600, val=200, shard_size=400, query_rows=256, steps=300, calibration_steps=0,
+                  pretrain_steps=300)
 
 
 # -- materials and shards -----------------------------------------------------------------
@@ -193,8 +224,11 @@ class PairData:
         return self.selected[variant.select] if variant.select else self.shards
 
 
-def prepare_pair(root: Path, pair: Pair, size: Size) -> PairData:
-    """Materials of this family, the corpus, its shards (real precompute) and the three selections."""
+SELECTIONS = ("random", "clusters", "farthest")
+
+
+def prepare_pair(root: Path, pair: Pair, size: Size, *, selections: tuple[str, ...] = SELECTIONS) -> PairData:
+    """Materials of this family, the corpus, its shards (real precompute) and the ``selections``."""
     began = time.process_time()
     build_demo_materials(root / "materials" / "demo", seed=0, n_prompts=size.prompts, query_rows=size.query_rows,
                          student_hidden_size=pair.student_hidden_size, student_layers=pair.student_layers,
@@ -214,7 +248,7 @@ def prepare_pair(root: Path, pair: Pair, size: Size) -> PairData:
         shards[split] = [paths.shard_dir(split, key) for key in keys]
     data = PairData(pair, settings, shards)
     pool = data.shards
-    for select in ("random", "clusters", "farthest"):
+    for select in selections:
         rows = select_prompts(pool["train"], size.train // 3, select)
         data.selected[select] = {"train": write_selection(root / f"shards-select-{select}" / "train", pool["train"],
                                                           rows, size.shard_size),
@@ -243,7 +277,7 @@ def select_prompts(pool: list[Path], n: int, how: str) -> list[tuple[int, int]]:
     The empty prompt keeps its share (the corpus's CFG rows) whatever the method; the other prompts are
     chosen at random, balanced over k-means clusters of their mean student state (round-robin, a random
     member of each cluster in turn), or by farthest-point sampling (each next prompt the one farthest, in
-    cosine distance, from all chosen so far)."""
+    cosine distance, from all chosen so far). ``no-empty``: every train prompt but the empty ones, whatever ``n``."""
     where, means, empty = [], [], []
     for s, folder in enumerate(pool):
         shard = load_shard(folder)
@@ -251,6 +285,8 @@ def select_prompts(pool: list[Path], n: int, how: str) -> list[tuple[int, int]]:
             (empty if text == "" else where).append((s, i))
             if text:
                 means.append(shard.states(i).float().mean(0))
+    if how == NO_EMPTY:
+        return where
     g = torch.Generator().manual_seed(0)
     n_empty = round(n * len(empty) / (len(empty) + len(where)))
     k = n - n_empty
@@ -355,8 +391,10 @@ def variant_model(variant: Variant):
         train_module.build_model = original
 
 
-def train_once(work: Path, data: PairData, variant: Variant, steps: int, *, log_every: int) -> dict:
-    """One real training run; returns its summary, CPU seconds and CPU seconds per step between logs."""
+def train_once(work: Path, data: PairData, variant: Variant, steps: int, *, log_every: int,
+               retrieval: bool = False) -> dict:
+    """One real training run; returns its summary, CPU seconds and CPU seconds per step between logs, and with
+    ``retrieval`` the final weights' prompt retrieval on the val shards (``val_retrieval``)."""
     warmup = variant.training.get("warmup_steps", max(1, steps // 10))
     training = {**variant.training, "steps": steps, "warmup_steps": min(warmup, steps), "log_every": log_every,
                 "validate_every": steps, "checkpoint_every": steps, "keep_checkpoints": 1, "device": "cpu"}
@@ -375,11 +413,36 @@ def train_once(work: Path, data: PairData, variant: Variant, steps: int, *, log_
         summary = train_adapter(ProjectPaths.of(run_root), settings, train_folders=folders["train"],
                                 val_folders=folders["val"], fingerprint=fingerprint, on_event=on_event)
     cpu = time.process_time() - began
+    found = (val_retrieval(ProjectPaths.of(run_root).checkpoints_dir(fingerprint) / FINAL_DIR / WEIGHTS_FILE,
+                           variant, folders["val"]) if retrieval else {})
     shutil.rmtree(run_root, ignore_errors=True)
     # The fastest log window after the first (warm-up) one: a neighbour's burst on a shared machine
     # only ever adds CPU time (caches, memory bandwidth), so the minimum is the steadiest estimate.
     windows = [(t1 - t0) / (s1 - s0) for (s0, t0), (s1, t1) in zip(marks, marks[1:])]
-    return {"summary": summary, "cpu_s": cpu, "cpu_per_step": min(windows)}
+    return {"summary": summary, "cpu_s": cpu, "cpu_per_step": min(windows, default=cpu / steps), **found}
+
+
+@torch.inference_mode()
+def val_retrieval(weights: Path, variant: Variant, val_folders: list[Path]) -> dict:
+    """Prompt retrieval of the trained weights (the variant's model class) over the non-empty val prompts, as the
+    GGUF's evaluation computes it (lib/output/gguf_eval.py: Retrieval), from the torch model's outputs."""
+    state = load_file(str(weights))
+    rows, dim = state["target_centre"].shape
+    shape = AdapterShape(student_dim=state["in_proj.weight"].shape[1], query_rows=rows, target_dim=dim,
+                         width=state["query"].shape[1], depth=len({k.split(".")[1] for k in state if
+                                                                  k.startswith("blocks.")}))
+    model = (variant.build or Adapter)(shape, grad_checkpoint=False)
+    model.load_state_dict(state)
+    model.eval()
+    texts = [t for folder in val_folders for t in load_shard(folder).texts]
+    retrieval = Retrieval(model.target_centre.numpy(), prompts=sum(1 for t in texts if t))
+    for folder in val_folders:
+        for shard, batch_rows, states, mask, targets in shard_batches(folder, device=torch.device("cpu")):
+            pred = model.to_target_space(model(states, mask).float())
+            for j, i in enumerate(batch_rows):
+                if shard.texts[i]:  # the empty prompts are one prompt, the CFG's: not retrieved
+                    retrieval.add(pred[j].numpy(), targets[j].numpy())
+    return {"val_retrieval": retrieval.result()}
 
 
 def step_costs(work: Path, data: PairData, variants: list[Variant], size: Size) -> dict[str, float]:
@@ -479,11 +542,124 @@ def report(rows: list[dict]) -> None:
               "on A or B; defaults unchanged")
 
 
+# -- the ggk-format study (#68) -----------------------------------------------------------------------------------
+
+class MinimalResampler(Adapter):
+    """ggk's resampler with its output standardized per dim (foldable into out_proj, as the product's) and the loss
+    per dim too: whitened MSE + cos, both on (target - mean[D]) / std[D]. The plain baseline #68 measured."""
+
+    def loss_space(self, standardized: torch.Tensor) -> torch.Tensor:
+        return standardized
+
+    def loss_targets(self, targets: torch.Tensor) -> torch.Tensor:
+        return (targets.float() - self.target_mean) / self.target_std
+
+
+class PerRowDimMark(Adapter):
+    """ggk's resampler with its output standardized per (row, dim): y = (target - centre[Q, D]) / std[Q, D], so
+    each query row's mean comes free. Not expressible in ggk's file (no tensor holds a per-row offset or scale:
+    only a map shared by the rows folds into out_proj); printed as the mark to reach."""
+
+    def to_target_space(self, standardized: torch.Tensor) -> torch.Tensor:
+        return standardized * self.loss_std + self.target_centre
+
+    def loss_space(self, standardized: torch.Tensor) -> torch.Tensor:
+        return standardized
+
+    def loss_targets(self, targets: torch.Tensor) -> torch.Tensor:
+        return (targets.float() - self.target_centre) / self.loss_std
+
+
+PRODUCT, MINIMAL, MARK, CPU = "product", "minimal-per-dim", "mark-per-row-dim", "cpu-start"
+STUDY = (
+    Variant(PRODUCT, candidate=False, same_cost=True),
+    Variant(MINIMAL, candidate=False, same_cost=True, build=MinimalResampler),
+    Variant(MARK, candidate=False, same_cost=True, build=PerRowDimMark),
+    # One change at a time to the product, each a setting: the file stays what ggk computes.
+    Variant("init-row-means", {"init": "row_means"}, same_cost=True),
+    Variant("query-lr-x10", {"query_lr_scale": 10.0}, same_cost=True),
+    Variant("query-lr-x30", {"query_lr_scale": 30.0}, same_cost=True),
+    Variant(CPU, CPU_START, same_cost=True),  # both: the demo's and the CPU preset's start since #68
+    Variant("sigma-floor-0.2", {"sigma_floor": 0.2}, same_cost=True),
+    Variant("isotropic", {"target_standardization": "isotropic"}, same_cost=True),
+    Variant("no-empty-prompts", select=NO_EMPTY, same_cost=True),
+)
+
+
+def target_shape_line(data: PairData) -> str:
+    """How much of the targets the query rows' means carry, and what the sigma floor and the empty prompts touch."""
+    stats = target_stats(data.shards["train"], sigma_floor=1e-12)
+    rows_part = float((stats.centre - stats.centre.mean(0)).square().mean())
+    prompt_part = float(stats.loss_std.square().mean())
+    floor = data.settings.training.sigma_floor
+    texts = [t for folder in data.shards["train"] for t in load_shard(folder).texts]
+    share = rows_part / (rows_part + prompt_part)
+    return (f"  targets, pair {data.pair.name}: the query rows' means carry {share:.1%} of the variance; "
+            f"per-(row, dim) std from {float(stats.loss_std.min()):.3g} (sigma_floor {floor:g} floors "
+            f"{int((stats.loss_std < floor).sum())} of {stats.loss_std.numel():,}); {texts.count('')} empty of "
+            f"{len(texts):,} train prompts")
+
+
+def measure_study(root: Path, pair: Pair, size: Size, *, seeds: list[int], training: dict,
+                  only: set[str] | None = None) -> list[dict]:
+    """Every study row on this family's shards, with each seed, at the same steps; prints each as it ends.
+    ``training``: changes to the demo's recipe for every row."""
+    data = prepare_pair(root / f"pair-{pair.name}", pair, size, selections=(NO_EMPTY,))
+    data.settings = replace(data.settings, training={**TRAINER8_START, **training})
+    print(target_shape_line(data), flush=True)
+    rows = []
+    for seed in seeds:
+        for variant in (v for v in STUDY if only is None or v.name in only | {PRODUCT}):
+            variant = Variant(variant.name, {**variant.training, "seed": seed}, variant.select, variant.candidate,
+                              variant.same_cost, variant.build)
+            run = train_once(root / "runs", data, variant, size.steps, log_every=max(1, size.steps // 10),
+                             retrieval=True)
+            found = run["val_retrieval"]
+            rows.append({"pair": pair.name, "variant": variant.name, "seed": seed, "steps": size.steps,
+                         "cpu_s": run["cpu_s"], "cosine": run["summary"].val_centred_cosine,
+                         "top1": found[m.VAL_RETRIEVAL_TOP1], "top5": found[m.VAL_RETRIEVAL_TOP5],
+                         "margin": found[m.VAL_RETRIEVAL_MARGIN], "prompts": found[m.VAL_RETRIEVAL_PROMPTS]})
+            print(f"  {pair.name} {variant.name} seed {seed}: val centred cosine {rows[-1]['cosine']:.4f}, "
+                  f"{run['cpu_s']:.1f} CPU s", file=sys.stderr, flush=True)
+    return rows
+
+
+def study_report(rows: list[dict]) -> None:
+    """The study's table: per family and seed, each row's val centred cosine, its delta against the product with
+    the same seed, and prompt retrieval; then each change's mean delta over the seeds and the product's place
+    between the minimal resampler and the mark."""
+    by = {(r["pair"], r["variant"], r["seed"]): r for r in rows}
+    print(f"{'pair':<4} {'variant':<24} {'seed':>4} {'steps':>5} {'val cos':>7} {'delta':>7} {'top-1':>5} "
+          f"{'top-5':>5} {'margin':>6}")
+    for r in rows:
+        r["delta"] = r["cosine"] - by[(r["pair"], PRODUCT, r["seed"])]["cosine"]
+        print(f"{r['pair']:<4} {r['variant']:<24} {r['seed']:>4} {r['steps']:>5} {r['cosine']:>7.4f} "
+              f"{r['delta']:>+7.4f} {r['top1']:>5.3f} {r['top5']:>5.3f} {r['margin']:>6.4f}")
+    for pair in sorted({r["pair"] for r in rows}):
+        mine = [r for r in rows if r["pair"] == pair]
+        seeds = sorted({r["seed"] for r in mine})
+        spread = max((abs(by[(pair, PRODUCT, s)]["cosine"] - by[(pair, PRODUCT, seeds[0])]["cosine"])
+                      for s in seeds), default=0.0)
+        print(f"pair {pair}, seeds {', '.join(map(str, seeds))}: the product's seed-to-seed spread {spread:.4f}")
+        for name in dict.fromkeys(r["variant"] for r in mine):
+            if name == PRODUCT:
+                continue
+            deltas = [r["delta"] for r in mine if r["variant"] == name]
+            print(f"  {name}: mean delta {sum(deltas) / len(deltas):+.4f} (min {min(deltas):+.4f}, max "
+                  f"{max(deltas):+.4f})")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run, about a minute")
     parser.add_argument("--steps", type=int, help="the current recipe's steps (default: 600, --quick 12)")
-    parser.add_argument("--pairs", default="ABCD", help="the families to measure (default ABCD)")
+    parser.add_argument("--pairs", help="the families to measure (default ABCD; --study: AC)")
+    parser.add_argument("--study", action="store_true",
+                        help="the ggk-format study (#68): the product, the minimal resampler, the per-(row, dim) "
+                             "mark and one change at a time, with prompt retrieval, at the same steps")
+    parser.add_argument("--seeds", default="0,1", help="--study: the seeds each row trains with (default 0,1)")
+    parser.add_argument("--training", default="{}",
+                        help='--study: changes to the demo recipe for every row, as JSON (e.g. \'{"depth": 2}\')')
     parser.add_argument("--variants", help="only these variants, comma-separated (and current, the base)")
     parser.add_argument("--save", type=Path, help="also write the measured rows here (json)")
     parser.add_argument("--merge", type=Path, nargs="+", help="print the table and verdict of saved rows")
@@ -492,21 +668,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", type=Path, help="build everything here and keep it")
     args = parser.parse_args(argv)
     if args.merge:
-        report([row for path in args.merge for row in json.loads(path.read_text())])
+        saved = [row for path in args.merge for row in json.loads(path.read_text())]
+        (study_report if saved and "seed" in saved[0] else report)(saved)
         return 0
     torch.set_num_threads(1)  # CPU seconds comparable between runs and machines, whatever the neighbours do
     quiet_libraries()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    size = QUICK if args.quick else FULL
+    size = QUICK if args.quick else STUDY_SIZE if args.study else FULL
+    pairs = args.pairs or ("AC" if args.study else "ABCD")
     if args.steps:
         size = Size(**{**size.__dict__, "steps": args.steps})
     began = time.process_time()
     root = args.keep or Path(tempfile.mkdtemp(prefix="bench-quality-"))
     rows: list[dict] = []
     try:
-        for pair in (p for p in PAIRS if p.name in args.pairs):
-            rows += measure_pair(root, pair, size, train=not args.order_only,
-                                 only=set(args.variants.split(",")) if args.variants else None)
+        only = set(args.variants.split(",")) if args.variants else None
+        for pair in (p for p in PAIRS if p.name in pairs):
+            if args.study:
+                rows += measure_study(root, pair, size, seeds=[int(x) for x in args.seeds.split(",")],
+                                      training=json.loads(args.training), only=only)
+            else:
+                rows += measure_pair(root, pair, size, train=not args.order_only, only=only)
     finally:
         if args.keep is None:
             shutil.rmtree(root, ignore_errors=True)
@@ -514,7 +696,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.save:
         atomic.write_json(args.save, rows)
-    report(rows)
+    (study_report if args.study else report)(rows)
     print(f"benchmark CPU time: {time.process_time() - began:.0f} s (torch threads {torch.get_num_threads()})")
     return 0
 

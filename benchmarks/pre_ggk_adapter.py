@@ -17,7 +17,7 @@ MHA over ``heads`` heads of W / heads (W / 16 unless given: the old demo's 4 hea
 scaled by sqrt(W / heads). Everything the current trainer and evaluator read is the product Adapter's, copied:
 the buffers (``target_centre`` [Q, D], ``target_std`` [D], ``loss_std`` [Q, D]), ``target_mean``,
 ``to_target_space``, ``loss_space``, ``loss_targets`` and ``folded_out_proj``, so the loss and the val centred
-cosine are computed exactly as for the product's adapter.
+cosine are computed exactly as for the product's adapter; and ``token_linears``, which validation reads.
 """
 
 from __future__ import annotations
@@ -97,3 +97,9 @@ class PreGgkAdapter(TargetStatistics):
             else:
                 x = block(x, memory, memory_mask)
         return self.out_proj(self.out_norm(x))
+
+    def token_linears(self) -> list[nn.Linear]:
+        """The linears whose input rows are the prompt's tokens, one per mask entry (the trainer's validation records
+        input peaks by them, lib/training/input_peaks.py): in_proj alone. The cross-attentions' k and v read the
+        null row too, so theirs are recorded over every row, padding included: nothing of this adapter is exported."""
+        return [self.in_proj]

@@ -149,6 +149,34 @@ def test_quality_benchmark_prints_its_table_and_applies_its_own_rule():
         assert not winners(-2e-4), out
 
 
+@pytest.mark.slow  # about 12 CPU s: one family built, 20 tiny runs
+def test_quality_study_prints_every_row_with_its_retrieval_and_its_delta():
+    """bench_quality.py --study --quick (#68): per seed, the product, the minimal resampler, the per-(row, dim) mark
+    and each change, in that order, each with its val centred cosine, its delta against the product of the same
+    seed and prompt retrieval; the targets' line; and each row's mean delta over the seeds."""
+    out = _run("bench_quality.py", "--study", "--quick", "--pairs", "A", "--seeds", "0,1")
+    share, lowest, floor, floored, values, empty, train = _figures(
+        out, "targets, pair A: the query rows' means carry #% of the variance; per-(row, dim) std from # "
+             "(sigma_floor # floors # of #); # empty of # train prompts")
+    assert 0 < share < 100 and lowest > 0 and floor == 0.01 and 0 <= floored <= values and 0 < empty < train, out
+    lines = out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["pair", "variant"])
+    rows = [line.split() for line in lines[header + 1:header + 21]]
+    names = ["product", "minimal-per-dim", "mark-per-row-dim", "init-row-means", "query-lr-x10", "query-lr-x30",
+             "cpu-start", "sigma-floor-0.2", "isotropic", "no-empty-prompts"]
+    assert [(r[0], r[1], int(r[2])) for r in rows] == [("A", n, seed) for seed in (0, 1) for n in names], out
+    by = {(r[1], int(r[2])): [float(x) for x in r[3:]] for r in rows}
+    for (name, seed), (steps, cosine, delta, top1, top5, margin) in by.items():
+        assert steps == 8 and -1 <= cosine <= 1 and abs(delta - (cosine - by[("product", seed)][1])) <= 2e-4, name
+        assert 0 <= top1 <= top5 <= 1 and -2 <= margin <= 2, name
+    spread = _figures(out, "pair A, seeds 0, 1: the product's seed-to-seed spread #")[0]
+    assert spread == pytest.approx(abs(by[("product", 1)][1] - by[("product", 0)][1]), abs=2e-4)
+    for name in names[1:]:
+        mean, low, high = _figures(out, f"{name}: mean delta # (min #, max #)")
+        deltas = [by[(name, seed)][2] for seed in (0, 1)]
+        assert [mean, low, high] == pytest.approx([sum(deltas) / 2, min(deltas), max(deltas)], abs=2e-4), name
+
+
 @pytest.mark.slow  # about 3 s: 200,000 prompts written, read 3 times, built twice; 20,000 read as .json and .jsonl
 def test_corpus_benchmark_prints_its_ratios_and_applies_its_own_rule():
     """bench_corpus.py --quick: the build against plain line reading, time and peak RSS, a .json list read

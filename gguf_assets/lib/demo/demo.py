@@ -42,6 +42,7 @@ from gguf_assets.lib.core.ggk_contract import (
 from gguf_assets.lib.core.quiet import quiet_libraries
 from gguf_assets.lib.demo import DEMO_STEPS
 from gguf_assets.lib.materials.ggk_tokenizer import byte_symbols, qwen2_pre_tokenizer, tokenizer_from_merges
+from gguf_assets.lib.project.presets import CPU_START
 from gguf_assets.lib.project.settings import Corpus, Materials, Output, Precompute, Settings, Training
 
 if TYPE_CHECKING:
@@ -645,7 +646,8 @@ def demo_settings(*, steps: int = DEMO_STEPS, mock_teacher: bool = False):
     Material paths are relative to the project folder, so the project can be moved. The
     student is read as ggk reads it (its final-norm states over ggk's LLaDA-Image template), the
     teacher reads the prompt as LLaDA-Image renders it (so both see the template, as the real
-    teacher does), and the adapter is small (128 wide: two of ggk's 64-wide heads, 1 block).
+    teacher does), and the adapter is small (128 wide: two of ggk's 64-wide heads, 1 block), starting at the
+    query rows' means with their own learning rate (CPU_START).
     """
     return Settings(
         materials=Materials(teacher="materials/demo/teacher", student="materials/demo/student",
@@ -655,7 +657,7 @@ def demo_settings(*, steps: int = DEMO_STEPS, mock_teacher: bool = False):
                               prompt_template=LLADA_IMAGE,
                               teacher_batch=32, token_budget=16384, student_batch=64, mock_teacher=mock_teacher),
         training=Training(width=128, depth=1, steps=steps, batch_size=16, learning_rate=6e-3,
-                          warmup_steps=max(1, steps // 10), device="cpu", log_every=max(1, steps // 20),
+                          warmup_steps=max(1, steps // 10), **CPU_START, device="cpu", log_every=max(1, steps // 20),
                           validate_every=max(1, steps // 4), checkpoint_every=max(1, steps // 4)),
         output=Output(adapter_name="demo-adapter"),
     )

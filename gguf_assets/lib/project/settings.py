@@ -329,6 +329,11 @@ class Training(_Section):
     relational_weight: float = Field(0.0, ge=0.0, description=(
         "weight of a term matching the batch's prompt-to-prompt centred cosines of the predictions to the "
         "targets' (0 = off)"))
+    init: Literal["random", "row_means"] = Field("random", description=(
+        "how the adapter starts: random (trainer8's) or row_means (the untrained adapter outputs each query row's "
+        "train mean, so training learns only what the prompt adds; the same module and file)"))
+    query_lr_scale: float = Field(1.0, gt=0.0, description=(
+        "the query rows' learning rate as a multiple of training.learning_rate (trainer8: 1)"))
     layer_fusion: Literal["concat", "mix"] = Field("concat", description=(
         "no effect: it fused several student layers, which ggk cannot feed (kept so old project files load)"))
     grad_checkpoint: bool = Field(False, description="recompute activations in backward to save memory")

@@ -45,6 +45,8 @@ from gguf_assets.lib.core.ggk_contract import (
 NORM_EPS = ADAPTER_LAYER_NORM_EPS
 MLP_RATIO = ADAPTER_MLP_RATIO
 HEAD_DIM = ADAPTER_HEAD_DIM
+QUERY_INIT_SCALE = 0.02  # the query rows' RMS at initialization, whichever training.init
+RANDOM_INIT, ROW_MEANS_INIT = "random", "row_means"  # training.init
 
 
 @dataclass(frozen=True)
@@ -159,7 +161,7 @@ class Adapter(TargetStatistics):
         self.shape = shape
         self.grad_checkpoint = grad_checkpoint
         w = shape.width
-        self.query = nn.Parameter(torch.randn(shape.query_rows, w) * 0.02)
+        self.query = nn.Parameter(torch.randn(shape.query_rows, w) * QUERY_INIT_SCALE)
         self.in_proj = nn.Linear(shape.student_dim, w)
         self.blocks = nn.ModuleList(ResamplerBlock(w) for _ in range(shape.depth))
         self.ln_out = nn.LayerNorm(w, eps=NORM_EPS)
@@ -180,10 +182,76 @@ class Adapter(TargetStatistics):
                 q = block(q, kv, mask)
         return self.out_proj(self.ln_out(q))
 
+    def query_bank(self) -> list[nn.Parameter]:
+        """The parameters training.query_lr_scale applies to: the query rows."""
+        return [self.query]
+
+    def residual_outputs(self) -> list[nn.Linear]:
+        """The last linear of each residual branch (self_attn.o, cross_attn.o, mlp.2): at zero, a block passes its
+        rows through unchanged."""
+        return [linear for block in self.blocks for linear in (block.self_attn.o, block.cross_attn.o, block.mlp[2])]
+
     def token_linears(self) -> list[nn.Linear]:
         """The linears whose input rows are the prompt's tokens ([B, L, *], padded in a batch): in_proj and each
         cross-attention's k and v. Every other linear reads the query rows."""
         return [self.in_proj, *(linear for block in self.blocks for linear in (block.cross_attn.k, block.cross_attn.v))]
+
+
+LR_SCALE = "lr_scale"  # an optimizer parameter group's learning rate, as a multiple of the schedule's
+
+
+def parameter_groups(model: Adapter, *, query_lr_scale: float) -> list[dict]:
+    """The optimizer's parameter groups: one (trainer8's), or the query rows at ``query_lr_scale`` times the
+    schedule's learning rate (training.query_lr_scale) beside the rest."""
+    if query_lr_scale == 1.0:
+        return [{"params": list(model.parameters())}]
+    bank = {id(p) for p in model.query_bank()}
+    return [{"params": model.query_bank(), LR_SCALE: query_lr_scale},
+            {"params": [p for p in model.parameters() if id(p) not in bank]}]
+
+
+@torch.no_grad()
+def start_at_row_means(model: Adapter, *, seed: int) -> None:
+    """training.init: row_means. The untrained adapter outputs each query row's train mean (``target_centre``) for
+    every prompt, so training starts from the prompt-independent part the teacher's rows carry (on the demo's
+    shards the row means are 78 to 84 % of the targets' variance) and learns only what the prompt adds. Only the
+    starting weights change: the module, the file and ggk's function are the same. Needs the target statistics set.
+
+    - The last linear of every residual branch starts at zero, so the rows leave the blocks as the query bank
+      entered them (the first step's gradient reaches those linears, and through them the rest).
+    - The query rows get zero mean and the same RMS (QUERY_INIT_SCALE) over the width, so ln_out scales every row
+      by the same factor, and they span the row means' column space: M = (centre - mean) / std [Q, D], the row
+      means in the output's standardized units, has rank r <= min(Q, D); its top min(r, W - 2) singular directions
+      go in as coordinates of an orthonormal basis of the zero-mean width space, one more coordinate evens the
+      rows' norms, and the rest carry small seeded noise that tells apart rows with equal means.
+    - out_proj maps ln_out(query) onto M by least squares: exactly when r <= W - 2 (the seed's 256 rows at width
+      1024; the demo's 64 dims at width 128)."""
+    q_rows, width = model.query.shape  # width: a multiple of 64, so r = 0 still leaves room
+    # On the CPU in float64, whatever the training device (CUDA's lstsq takes full-rank inputs only).
+    centre = model.target_centre.detach().cpu().double()
+    means = (centre - centre.mean(0)) / model.target_std.detach().cpu().double()
+    u, s, _ = torch.linalg.svd(means, full_matrices=False)
+    rank = min(width - 2, int((s > s[0] * 1e-6).sum()) if s.numel() and s[0] > 0 else 0)
+    spans = u[:, :rank] * s[:rank]  # [Q, r]: each row's coordinates in the row means' column space
+    g = torch.Generator().manual_seed(seed)
+    # An orthonormal basis of the width vectors with zero mean (the ones direction, which LayerNorm removes, first).
+    basis = torch.linalg.qr(torch.cat([torch.ones(width, 1, dtype=torch.float64),
+                                       torch.randn(width, width - 1, generator=g, dtype=torch.float64)], 1))[0][:, 1:]
+    norm2 = float(width)  # each row's squared norm in these coordinates: variance 1 over the width
+    spans = spans * math.sqrt(norm2 / 2) / spans.norm(dim=1).max().clamp_min(1e-30)
+    noise = torch.randn(q_rows, width - 2 - rank, generator=g, dtype=torch.float64) * QUERY_INIT_SCALE
+    fill = (norm2 - spans.square().sum(1) - noise.square().sum(1)).clamp_min(0).sqrt()
+    rows = (torch.cat([spans, noise, fill[:, None]], 1) @ basis.T * QUERY_INIT_SCALE).float()  # RMS 0.02, mean 0
+    ln_out = model.ln_out
+    features = F.layer_norm(rows, (width,), ln_out.weight.detach().cpu(), ln_out.bias.detach().cpu(), ln_out.eps)
+    # The minimum-norm fit: LayerNorm's ones direction (zero but for rounding) must get no weight.
+    fit = torch.linalg.pinv(features.double(), rtol=1e-6) @ means  # [W, D]
+    model.query.copy_(rows)
+    for linear in model.residual_outputs():
+        linear.weight.zero_()
+        linear.bias.zero_()
+    model.out_proj.weight.copy_(fit.T)
+    model.out_proj.bias.zero_()
 
 
 def adapter_loss(pred: torch.Tensor, standardized_targets: torch.Tensor, *, cosine_weight: float,

@@ -57,7 +57,8 @@ def _call_optimizer_methods_directly() -> bool:
     return True
 
 
-def adamw(parameters: Iterable[torch.nn.Parameter], *, lr: float, weight_decay: float) -> torch.optim.AdamW:
+def adamw(parameters: Iterable[torch.nn.Parameter] | Iterable[dict], *, lr: float,
+          weight_decay: float) -> torch.optim.AdamW:
     if "torch._dynamo" not in sys.modules and _ADAM_STEP is not None and _call_optimizer_methods_directly():
         return _AdamW(parameters, lr=lr, weight_decay=weight_decay)
     return torch.optim.AdamW(parameters, lr=lr, weight_decay=weight_decay)  # loaded already: nothing to save

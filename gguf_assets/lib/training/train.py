@@ -34,10 +34,14 @@ from gguf_assets.lib.telemetry.hardware import resolve_device
 from gguf_assets.lib.telemetry.progress import format_seconds
 from gguf_assets.lib.telemetry.render import curves_svg
 from gguf_assets.lib.training.adapter import (
+    LR_SCALE,
+    ROW_MEANS_INIT,
     Adapter,
     AdapterShape,
     adapter_loss,
     lr_at,
+    parameter_groups,
+    start_at_row_means,
 )
 from gguf_assets.lib.training.checkpoints import (
     Resumed,
@@ -347,7 +351,8 @@ class _TrainingRun:
         self.work = step_work(batch_size=t.batch_size, query_rows=shape.query_rows, width=shape.width)
         self.precision = step_precision(t.precision, self.device, work=self.work)
         self.model = build_model(shape, seed=t.seed, grad_checkpoint=t.grad_checkpoint).to(self.device)
-        self.optimizer = adamw(self.model.parameters(), lr=t.learning_rate, weight_decay=t.weight_decay)
+        self.optimizer = adamw(parameter_groups(self.model, query_lr_scale=t.query_lr_scale), lr=t.learning_rate,
+                               weight_decay=t.weight_decay)
         self.sizes = [shard_size(f) for f in self.train_folders]
         train_id, val_id = shards_identity(self.train_folders), shards_identity(self.val_folders)
         # The whole settings snapshot too (by its hash): `gguf-trainer runs` diffs a run against project.yaml by it,
@@ -389,6 +394,8 @@ class _TrainingRun:
             self.model.target_centre.copy_(stats.centre)
             self.model.target_std.copy_(stats.output_std)
             self.model.loss_std.copy_(stats.loss_std)
+            if t.init == ROW_MEANS_INIT:  # from the statistics, so only here: a resume has its weights
+                start_at_row_means(self.model, seed=t.seed)
             untrained = self._evaluate(self.model)
             resumed.untrained = untrained[VAL_CENTRED_COSINE]
             self.note(f"untrained adapter: val centred cosine {resumed.untrained:.4f}")
@@ -528,7 +535,7 @@ class _TrainingRun:
         """
         t, model = self.t, self.model
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group.get(LR_SCALE, 1.0)
         batch = self.stream.batch(self.step)
         states, mask = batch.states.to(self.device), batch.mask.to(self.device)
         targets = batch.targets.to(self.device)

@@ -47,7 +47,8 @@ NON_RESULT_KEYS = ("device", "precision", "grad_checkpoint", "log_every", "valid
                    "heads", "layer_fusion")
 # Result settings added after runs existed, with the value that means "as before": they enter the
 # fingerprint only when set otherwise, so a new key never retrains an existing project.
-OFF_VALUES = {"ema_decay": 0.0, "target_standardization": "per_row_dim", "relational_weight": 0.0}
+OFF_VALUES = {"ema_decay": 0.0, "target_standardization": "per_row_dim", "relational_weight": 0.0, "init": "random",
+              "query_lr_scale": 1.0}
 
 
 def training_settings(settings: Settings) -> dict:

@@ -494,8 +494,9 @@ def test_ema_off_leaves_the_fingerprint_and_the_weights_as_before(shard_sets, re
 def test_each_recipe_variant_key_set_otherwise_is_a_new_run(shard_sets, reference):
     """At their defaults they are left out of the fingerprint (the pinned value above); set, they count."""
     prints = {fingerprint_for(replace(SETTINGS, training=change), shard_sets)
-              for change in ({"target_standardization": "isotropic"}, {"relational_weight": 0.5})}
-    assert len(prints) == 2 and reference["summary"].fingerprint not in prints
+              for change in ({"target_standardization": "isotropic"}, {"relational_weight": 0.5},
+                             {"init": "row_means"}, {"query_lr_scale": 10.0})}
+    assert len(prints) == 4 and reference["summary"].fingerprint not in prints
 
 
 def test_isotropic_standardization_scales_every_row_and_dim_by_one_std(shard_sets, reference, tmp_path):
@@ -517,6 +518,105 @@ def test_isotropic_standardization_scales_every_row_and_dim_by_one_std(shard_set
     assert torch.allclose(default.target_std, variance.mean(0).sqrt().float(), rtol=1e-4)
     assert default.loss_std.std() > 0.1 * default.loss_std.mean()  # it really is per (row, dim)
     assert summary.val_centred_cosine > summary.untrained_val_centred_cosine + 0.15, summary
+
+
+# -- the start at the row means and the query rows' learning rate (#68) ----------------------------------------
+
+def _with_row_means(shape, centre: torch.Tensor, std: torch.Tensor, seed: int = 0):
+    from gguf_assets.lib.training.adapter import Adapter, start_at_row_means
+
+    torch.manual_seed(seed)
+    model = Adapter(shape)
+    model.target_centre.copy_(centre)
+    model.target_std.copy_(std)
+    start_at_row_means(model, seed=seed)
+    return model
+
+
+def test_the_row_means_start_outputs_each_rows_mean_whatever_the_prompt():
+    """training.init: row_means. Untrained, the adapter gives every prompt the train targets' per-row mean, here with
+    more rows (Q 96) than the width (64): the row means have rank <= D (16), which the width holds. ggk's function of
+    the same weights (the export folds the per-dim standardization into out_proj) gives the same."""
+    from gguf_assets.lib.training.adapter import AdapterShape
+
+    g = torch.Generator().manual_seed(5)
+    rows, dim = 96, TARGET_DIM
+    centre = torch.randn(rows, 4, generator=g) @ torch.randn(4, dim, generator=g) * 3 + torch.randn(dim, generator=g)
+    centre = centre + torch.randn(rows, dim, generator=g) * 0.5  # full rank 16, strong per-row means
+    std = torch.rand(dim, generator=g) + 0.2
+    model = _with_row_means(AdapterShape(student_dim=STUDENT_DIM, query_rows=rows, target_dim=dim, width=64,
+                                         depth=2), centre, std).eval()
+    assert float(model.query.detach().square().mean().sqrt()) == pytest.approx(0.02, rel=1e-3)  # the usual RMS
+    states = torch.randn(3, 7, STUDENT_DIM, generator=g)
+    mask = torch.ones(3, 7, dtype=torch.bool)
+    mask[1, 4:] = False
+    with torch.no_grad():
+        out = model.to_target_space(model(states, mask))
+        weight, bias = model.folded_out_proj()
+        folded = model.ln_out(model.query) @ weight.T + bias
+    assert (out - centre).abs().max() < 1e-3 * centre.abs().max()
+    assert torch.allclose(folded, centre, atol=1e-3 * float(centre.abs().max()))
+
+
+def test_the_row_means_start_fits_the_widths_share_of_a_higher_rank():
+    """With more row-mean directions than the width holds (rank 80 > W - 2 = 62), the start gives the best the width
+    can: what is left is no more than the singular values beyond the 62nd carry."""
+    from gguf_assets.lib.training.adapter import AdapterShape
+
+    g = torch.Generator().manual_seed(6)
+    rows = dim = 80
+    centre = torch.randn(rows, dim, generator=g)
+    centre = centre - centre.mean(0)
+    model = _with_row_means(AdapterShape(student_dim=STUDENT_DIM, query_rows=rows, target_dim=dim, width=64,
+                                         depth=1), centre, torch.ones(dim)).eval()
+    with torch.no_grad():
+        out = model.to_target_space(model(torch.randn(1, 5, STUDENT_DIM, generator=g), torch.ones(1, 5,
+                                                                                                  dtype=torch.bool)))
+    left = float((out[0] - centre).square().sum())
+    beyond = float(torch.linalg.svdvals(centre.double())[62:].square().sum())
+    assert beyond * 0.99 <= left <= beyond * 1.01
+
+
+def test_a_run_from_the_row_means_starts_at_them_and_learns(shard_sets, reference, tmp_path):
+    settings = replace(SETTINGS, training={"init": "row_means"})
+    summary = train(tmp_path, shard_sets, settings)
+    assert summary.finished and summary.fingerprint != reference["summary"].fingerprint
+    # Untrained, each prompt's output is its rows' means: nothing of the prompt, centred cosine about 0.
+    assert abs(summary.untrained_val_centred_cosine) < 0.05, summary
+    assert summary.val_centred_cosine > summary.untrained_val_centred_cosine + 0.15, summary
+    model, _ = load_final(ProjectPaths.of(tmp_path).checkpoints_dir(summary.fingerprint))
+    untouched, _ = load_final(reference["run_dir"])
+    assert set(model.state_dict()) == set(untouched.state_dict())  # the same tensors: the same file
+
+
+def test_query_lr_scale_steps_the_query_rows_that_many_times_as_far(shard_sets, tmp_path):
+    """Adam's first step moves each weight by about the learning rate, whatever its gradient's size: the query rows
+    move query_lr_scale times as far as with 1, every other weight exactly as far. A stop and resume of the run with
+    two parameter groups is bit-identical."""
+    from gguf_assets.lib.training.train import adapter_shape, build_model
+
+    one_step = {"steps": 1, "warmup_steps": 0, "validate_every": 1, "checkpoint_every": 1}
+    start = build_model(adapter_shape(SETTINGS, shard_sets["train"]), seed=SETTINGS.training.seed).state_dict()
+    moved = {}
+    for scale in (1.0, 10.0):
+        settings = replace(SETTINGS, training={**one_step, "query_lr_scale": scale})
+        summary = train(tmp_path / str(scale), shard_sets, settings)
+        model, _ = load_final(ProjectPaths.of(tmp_path / str(scale)).checkpoints_dir(summary.fingerprint))
+        moved[scale] = {k: v - start[k] for k, v in model.state_dict().items()
+                        if k not in ("target_centre", "target_std", "loss_std")}
+    ratio = moved[10.0]["query"] / moved[1.0]["query"]
+    assert torch.allclose(ratio, torch.full_like(ratio, 10.0), rtol=1e-3)
+    assert all(torch.equal(moved[10.0][k], moved[1.0][k]) for k in moved[1.0] if k != "query")
+
+    settings = replace(SETTINGS, training={"query_lr_scale": 10.0})
+    whole = train(tmp_path / "whole", shard_sets, settings)
+    train(tmp_path / "paused", shard_sets, settings, stop_after=13)
+    resumed = train(tmp_path / "paused", shard_sets, settings)
+
+    def final_weights(root: Path, summary: TrainedAdapter) -> bytes:
+        return (ProjectPaths.of(root).checkpoints_dir(summary.fingerprint) / FINAL_DIR / WEIGHTS_FILE).read_bytes()
+
+    assert final_weights(tmp_path / "paused", resumed) == final_weights(tmp_path / "whole", whole)
 
 
 def test_relational_loss_measures_the_batchs_similarity_structure():
