@@ -509,7 +509,8 @@ def evaluate_gguf(gguf_path: Path, shards: list[Path], centre: np.ndarray, *,
         "seconds": time.perf_counter() - began,
         "gguf": str(gguf_path),
     }
+    top1 = result[m.VAL_RETRIEVAL_TOP1]  # None with under two non-empty val prompts
     logger.info("evaluated %s on %d prompts: val centred cosine %.5f, relative MSE %.5f, prompt retrieval top-1 %s",
                 gguf_path, len(scored), result[m.VAL_CENTRED_COSINE], result[m.VAL_REL_MSE],
-                result[m.VAL_RETRIEVAL_TOP1])
+                "not measured" if top1 is None else f"{top1:.3f}")
     return result
