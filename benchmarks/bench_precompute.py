@@ -51,7 +51,8 @@ import torch
 from gguf_assets.lib.core.quiet import quiet_libraries
 from gguf_assets.lib.demo.demo import build_demo_materials, demo_settings, iter_prompts
 from gguf_assets.lib.precompute.batching import fixed_batches, pack_batches, padding_efficiency
-from gguf_assets.lib.precompute.shards import HALVES, ShardBuilder, ShardPlan
+from gguf_assets.lib.precompute.shards import ShardBuilder
+from gguf_assets.lib.precompute.shards_run import HALVES, ShardPlan
 from gguf_assets.lib.precompute.teacher import HFTeacher
 from gguf_assets.lib.project.layout import ProjectPaths
 from gguf_assets.lib.project.manifests import MaterialsManifest

@@ -112,7 +112,8 @@ from gguf_assets.lib.corpus.corpus_run import corpus_fingerprint
 from gguf_assets.lib.demo.demo import TEACHER_HIDDEN_SIZE, build_demo_materials, demo_settings
 from gguf_assets.lib.materials.pinning.resolve import resolve_materials
 from gguf_assets.lib.output.gguf_eval import Retrieval
-from gguf_assets.lib.precompute.shards import ShardBuilder, data_file, plan_shards, precompute_split
+from gguf_assets.lib.precompute.shards import ShardBuilder, precompute_split
+from gguf_assets.lib.precompute.shards_run import data_file, plan_shards
 from gguf_assets.lib.project.layout import FINAL_DIR, PROMPTS_FILE, WEIGHTS_FILE, ProjectPaths
 from gguf_assets.lib.project.presets import CPU_START
 from gguf_assets.lib.project.settings import Settings, replace, write_project_file

@@ -282,7 +282,8 @@ def part_eta(tmp: Path, *, shards: int, shard_size: int) -> bool:
     from gguf_assets.lib.corpus.corpus_run import corpus_fingerprint
     from gguf_assets.lib.demo.demo import build_demo_materials
     from gguf_assets.lib.materials.pinning.resolve import resolve_materials
-    from gguf_assets.lib.precompute.shards import plan_shards, precompute_split
+    from gguf_assets.lib.precompute.shards import precompute_split
+    from gguf_assets.lib.precompute.shards_run import plan_shards
     from gguf_assets.lib.project.settings import load_settings
     from gguf_assets.lib.status.pace import precompute_pace
     from gguf_assets.lib.telemetry.progress import format_seconds

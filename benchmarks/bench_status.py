@@ -34,7 +34,8 @@ from gguf_assets.lib.corpus.corpus import build_corpus
 from gguf_assets.lib.corpus.corpus_run import corpus_fingerprint
 from gguf_assets.lib.demo.demo import build_demo_materials, demo_settings
 from gguf_assets.lib.materials.pinning.resolve import resolve_materials
-from gguf_assets.lib.precompute.shards import _write_half, data_file, plan_shards
+from gguf_assets.lib.precompute.shards import _write_half
+from gguf_assets.lib.precompute.shards_run import data_file, plan_shards
 from gguf_assets.lib.project.layout import ProjectPaths
 from gguf_assets.lib.project.settings import replace, write_project_file
 

@@ -45,7 +45,8 @@ from gguf_assets.lib.corpus.corpus import build_corpus
 from gguf_assets.lib.corpus.corpus_run import corpus_fingerprint
 from gguf_assets.lib.demo.demo import QUERY_ROWS_FILENAME, QUERY_ROWS_TENSOR, build_demo_materials, demo_settings
 from gguf_assets.lib.materials.pinning.resolve import resolve_materials
-from gguf_assets.lib.precompute.shards import plan_shards, precompute_split, require_current
+from gguf_assets.lib.precompute.shards import precompute_split
+from gguf_assets.lib.precompute.shards_run import plan_shards, require_current
 from gguf_assets.lib.project.layout import ProjectPaths
 from gguf_assets.lib.project.settings import Settings, replace, write_project_file
 

@@ -132,6 +132,15 @@ def cli_env(**extra: str) -> dict:
     return {**{k: v for k, v in os.environ.items() if k not in dropped}, **extra}
 
 
+def assert_clean_console(out: str) -> None:
+    """No stack trace, no library load report or progress bar, no colour codes, no doubled line."""
+    assert "Traceback" not in out and "LOAD REPORT" not in out and "Loading weights" not in out, out
+    assert "\x1b[" not in out, out
+    lines = [line for line in out.splitlines() if line.strip()]
+    doubled = [a for a, b in zip(lines, lines[1:]) if a.split(" ", 1)[-1] == b.split(" ", 1)[-1]]
+    assert not doubled, doubled
+
+
 def assert_fits_80_columns(text: str) -> None:
     """Terminal output in 80 columns: every line, but one that holds a command to paste (the tool's console script and
     its words, lib/core/commands.py shell_line), which stays whole however long, alone or after a short label, and

@@ -117,7 +117,7 @@ def _export_and_report(paths: ProjectPaths):
     from gguf_assets.lib.output.gguf_eval import evaluate_gguf, training_centre
     from gguf_assets.lib.output.report import build_report
     from gguf_assets.lib.output.report_run import report_fingerprint
-    from gguf_assets.lib.precompute.shards import require_current, shard_fingerprints
+    from gguf_assets.lib.precompute.shards_run import require_current, shard_fingerprints
     from gguf_assets.lib.training.training_run import final_weights
 
     settings = load_settings(paths.root)

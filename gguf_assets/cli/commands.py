@@ -54,7 +54,7 @@ from gguf_assets.lib.planning.estimate import (
     teacher_check,
 )
 from gguf_assets.lib.planning.time_estimate import time_lines
-from gguf_assets.lib.precompute.shards import require_current
+from gguf_assets.lib.precompute.shards_run import require_current
 from gguf_assets.lib.project.layout import ProjectPaths, check_output_folders
 from gguf_assets.lib.project.settings import (
     SECTION_HINTS,

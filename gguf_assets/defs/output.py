@@ -21,7 +21,7 @@ from gguf_assets.lib.output.report import (
     render_use_in_ggk,
 )
 from gguf_assets.lib.output.report_run import report_fingerprint
-from gguf_assets.lib.precompute.shards import require_current, shard_fingerprints
+from gguf_assets.lib.precompute.shards_run import require_current, shard_fingerprints
 from gguf_assets.lib.project.manifests import Report
 from gguf_assets.lib.training.verdict import GOOD, LISTENS_TOP1, retrieval_bar, retrieval_passes
 from gguf_assets.pipeline import groups

@@ -4,7 +4,7 @@ One run covers a range of shards (single-run backfill policy) so thousands of sh
 mean thousands of runs. Each shard partition gets one materialization per run, carrying that
 shard's own figures (prompts, tokens, seconds, prompts/s, truncations, device map, hardware);
 while the run goes, progress and live hardware arrive as observations. A killed run loses no
-shard it finished: the planner goes by the files (lib/precompute/shards.py), and the next run records it.
+shard it finished: the planner goes by the files (lib/precompute/shards_run.py), and the next run records it.
 """
 
 import math
@@ -18,7 +18,8 @@ from gguf_assets.lib.core import atomic
 from gguf_assets.lib.core.markdown import markdown_table
 from gguf_assets.lib.materials.materials_run import load_manifest
 from gguf_assets.lib.precompute.half_state import HalfState
-from gguf_assets.lib.precompute.shards import ShardReport, plan_shards, precompute_split, shard_status
+from gguf_assets.lib.precompute.shards import ShardReport, precompute_split
+from gguf_assets.lib.precompute.shards_run import plan_shards, shard_status
 from gguf_assets.lib.status.pace import PACE_NOT_YET, precompute_pace
 from gguf_assets.lib.status.states import planned_view
 from gguf_assets.lib.telemetry.hardware import pin_to_gpu

@@ -12,7 +12,7 @@ from gguf_assets.lib.core.commands import shell_line
 from gguf_assets.lib.core.markdown import markdown_table
 from gguf_assets.lib.core.metrics import EMPTY_PROMPT_COSINE, VAL_CENTRED_COSINE, VAL_LOSS, shown
 from gguf_assets.lib.materials.materials_run import load_manifest
-from gguf_assets.lib.precompute.shards import require_current
+from gguf_assets.lib.precompute.shards_run import require_current
 from gguf_assets.lib.project.layout import CURVES_FILE, FINAL_DIR
 from gguf_assets.lib.telemetry.curves_log import TENSORBOARD_URL_ENV, run_folder, run_name, tensorboard_timeseries_url
 from gguf_assets.lib.telemetry.hardware import HardwareSampler

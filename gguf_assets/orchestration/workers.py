@@ -12,7 +12,7 @@ from gguf_assets.lib.core.commands import trainer
 from gguf_assets.lib.core.lock import admit_runs
 from gguf_assets.lib.materials.materials_run import load_manifest
 from gguf_assets.lib.precompute.half_state import HalfState
-from gguf_assets.lib.precompute.shards import plan_shards, shard_status
+from gguf_assets.lib.precompute.shards_run import plan_shards, shard_status
 from gguf_assets.lib.project.layout import ProjectPaths
 from gguf_assets.lib.project.settings import Settings
 from gguf_assets.lib.telemetry.hardware import AUTO_WORKERS, visible_gpus

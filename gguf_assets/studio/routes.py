@@ -29,7 +29,7 @@ from gguf_assets.lib.core.lock import ProjectLocked, holder
 from gguf_assets.lib.core.units import bytes_text
 from gguf_assets.lib.materials.materials_run import load_manifest
 from gguf_assets.lib.output import snapshots  # by module: a test holds take_snapshot to see one change at a time
-from gguf_assets.lib.precompute.shards import require_current
+from gguf_assets.lib.precompute.shards_run import require_current
 from gguf_assets.lib.project import settings_file, settings_history
 from gguf_assets.lib.project.layout import ProjectPaths
 from gguf_assets.lib.project.presets import PRESETS, preset, set_keys

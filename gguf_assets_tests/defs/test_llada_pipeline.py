@@ -16,7 +16,7 @@ from real_llada import pipeline_settings as _settings
 
 from gguf_assets.lib.materials.materials_run import MaterialsError
 from gguf_assets.lib.materials.pinning.resolve import resolve_materials
-from gguf_assets.lib.precompute.shards import half_fingerprint
+from gguf_assets.lib.precompute.shards_run import half_fingerprint
 from gguf_assets.lib.project.settings import load_settings, replace, write_project_file
 
 REPO = "inclusionAI/LLaDA-Image-Turbo"

@@ -33,7 +33,7 @@ from gguf_assets.lib.core import atomic
 from gguf_assets.lib.materials.materials_run import MaterialsError, load_manifest, manifest_is_current
 from gguf_assets.lib.materials.pinning.resolve import resolve_materials
 from gguf_assets.lib.precompute.llada_teacher import LLaDAImageTeacher
-from gguf_assets.lib.precompute.shards import half_fingerprint
+from gguf_assets.lib.precompute.shards_run import half_fingerprint
 from gguf_assets.lib.project.layout import REPORT_JSON
 from gguf_assets.lib.project.settings import load_settings, replace, write_project_file
 from gguf_assets.lib.status.stages import STAGES

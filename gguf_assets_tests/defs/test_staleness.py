@@ -161,7 +161,7 @@ def test_one_observation_and_plan_plans_each_split_once(finished_project, tmp_pa
     when one had changed, and the plan asked for the status once more. One status question now serves all three."""
     from conftest import copy_project, project_instance
 
-    from gguf_assets.lib.precompute import shards
+    from gguf_assets.lib.precompute import shards_run
     from gguf_assets.lib.project.settings import load_settings
     from gguf_assets.lib.status import states
     from gguf_assets.lib.status.states import status_view
@@ -171,9 +171,9 @@ def test_one_observation_and_plan_plans_each_split_once(finished_project, tmp_pa
     paths = copy_project(finished_project[0], tmp_path / "copy")
     settings = load_settings(paths.root)
     planned = []
-    real = shards.plan_shards
+    real = shards_run.plan_shards
     counting = lambda *a, **k: planned.append(a[3]) or real(*a, **k)  # noqa: E731
-    monkeypatch.setattr(shards, "plan_shards", counting)
+    monkeypatch.setattr(shards_run, "plan_shards", counting)
     monkeypatch.setattr(states, "plan_shards", counting)
     monkeypatch.setenv("DAGSTER_HOME", str(paths.dagster_home))
     instance = project_instance(paths)

@@ -19,6 +19,7 @@ import pytest
 from conftest import (
     CLI,
     FAULT_SETTINGS,
+    assert_clean_console,
     cli_env,
     copy_project,
     pipeline_outputs,
@@ -26,7 +27,6 @@ from conftest import (
     unwrapped,
     wait_for,
 )
-from test_console import assert_clean_console
 from warm_runs import trainer_popen, trainer_run
 
 from gguf_assets.pipeline.run_tags import PID_TAG
@@ -277,7 +277,7 @@ def test_an_edit_during_training_affects_only_the_next_run(shards_done_project):
     mid-training. The run trains its 40 steps at the rate it started with and exports under the name it started
     with; the console says the edit is for the next run, and status names the edit as the reason. (training.steps
     is the one setting a run follows while it trains: lowered to its step or below, the run ends there, #57;
-    orchestration/test_snapshots.py.)"""
+    cli/test_snapshots.py.)"""
     from gguf_assets.lib.project.settings import load_settings, replace, write_project_file
     from gguf_assets.lib.status.states import project_status
 

@@ -92,15 +92,15 @@ def test_one_poll_of_the_page_reads_each_corpus_split_once(finished_project, tmp
     the corpus is read once per split per poll, with shards left to make and the adapter part trained."""
     from conftest import copy_project
 
-    from gguf_assets.lib.precompute import shards
+    from gguf_assets.lib.precompute import shards_run
     from gguf_assets.studio.app import project_view
 
     paths = copy_project(finished_project[0], tmp_path / "project")
     paths.adapter_manifest.unlink()  # trained to its last checkpoint, not recorded: Run would resume it
     shutil.rmtree(paths.root / "shards/val/00000")
     reads: Counter = Counter()
-    read_split = shards.read_split
-    monkeypatch.setattr(shards, "read_split", lambda p, split: reads.update([split]) or read_split(p, split))
+    read_split = shards_run.read_split
+    monkeypatch.setattr(shards_run, "read_split", lambda p, split: reads.update([split]) or read_split(p, split))
     view = project_view(paths, ObservationFeed(dg.DagsterInstance.ephemeral()))
     assert reads == Counter({"train": 1, "val": 1})
     assert view.run_preview.startswith("Run starts at Val shards (missing) and resumes training from step ")

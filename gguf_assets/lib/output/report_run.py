@@ -6,7 +6,7 @@ to record the fingerprint it is made under.
 from __future__ import annotations
 
 from gguf_assets.lib.core import atomic
-from gguf_assets.lib.precompute.shards import chain_shard_fingerprints
+from gguf_assets.lib.precompute.shards_run import chain_shard_fingerprints
 from gguf_assets.lib.project import formats
 from gguf_assets.lib.project.layout import ProjectPaths
 from gguf_assets.lib.project.manifests import recorded_fingerprint

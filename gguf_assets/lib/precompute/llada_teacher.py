@@ -14,7 +14,7 @@ The facts (DESIGN.md §10, the pipeline's ``_encode_text``), per prompt:
 Two things the peer app gets wrong, and this module does not:
 - The projection's self-attention has no mask in the original, which is run one prompt at a time. In a padded batch
   the padding would leak into every prompt's rows, so the batch masks the projection's keys to each prompt's own
-  rows: the batched targets equal the one-prompt ones (gguf_assets_tests/lib/test_llada_teacher.py).
+  rows: the batched targets equal the one-prompt ones (gguf_assets_tests/lib/precompute/test_llada_teacher.py).
 - The backbone is the repo's own code (remote code, only with materials.trust_remote_code). Under transformers 5 it
   needs the 4.x "default" rope function registered, and its non-persistent rotary tables (``inv_freq``) may come
   out of the meta-device load uninitialised: every table is recomputed from the module's own rope function and

@@ -1,6 +1,6 @@
 """Format versions of the stored results, and the prompt file formats, in one place.
 
-Each enters its stage's fingerprint (lib/corpus/corpus_run.py, lib/precompute/shards.py,
+Each enters its stage's fingerprint (lib/corpus/corpus_run.py, lib/precompute/shards_run.py,
 lib/training/training_run.py, lib/output/export_run.py, lib/output/report_run.py): bumping one
 marks that stage, and what depends on it, stale in every project, so results written by older
 code are recomputed instead of silently reused. Bump one when a change alters what its stage

@@ -1,7 +1,7 @@
 """A stage of the pipeline as one record, and the one decision of its state.
 
 Each stage's record lives in the torch-free module of its stage (materials_run.MATERIALS_STAGE, corpus_run,
-precompute/shards, training_run, export_run, report_run); lib/status/stages.py lists them in pipeline order and
+shards_run, training_run, export_run, report_run); lib/status/stages.py lists them in pipeline order and
 lib/status/states.py asks each for its state. A record holds the stage's name and title, the file that records
 its result, its slice of project.yaml, its fingerprint (from its inputs' fingerprints, through the question's
 Chain) and its state with why. Most stages take their state from ``recorded_state``: current, else missing, else

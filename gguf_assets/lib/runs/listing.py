@@ -15,7 +15,7 @@ from gguf_assets.lib.core.errors import UserError
 from gguf_assets.lib.core.metrics import VAL_CENTRED_COSINE
 from gguf_assets.lib.materials.materials_run import load_manifest
 from gguf_assets.lib.output.kept import kept_gguf, read_kept
-from gguf_assets.lib.precompute.shards import shard_fingerprints
+from gguf_assets.lib.precompute.shards_run import shard_fingerprints
 from gguf_assets.lib.project import settings_history
 from gguf_assets.lib.project.layout import FINAL_DIR, LABEL_FILE, META_FILE, SPLITS, STEP_DIR, ProjectPaths
 from gguf_assets.lib.project.settings import SECTIONS, Settings, SettingsError, replace, shown_setting

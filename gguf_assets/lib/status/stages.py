@@ -2,11 +2,11 @@
 torch-free module of its stage, never here.
 
 Each stage owns, in one module, its title, the record of its result, the settings its result is computed from,
-its fingerprint and its state: lib/materials/materials_run.py, lib/corpus/corpus_run.py, lib/precompute/shards.py,
-lib/training/training_run.py, lib/output/export_run.py and lib/output/report_run.py. A stage's fingerprint
-chains the fingerprints of what it reads, so a change anywhere marks exactly the stages whose results it
-changes, in `status` (lib/status/states.py) as in the Dagster UI (defs/settings.py). docs/code_layout.md shows
-how to add one.
+its fingerprint and its state: lib/materials/materials_run.py, lib/corpus/corpus_run.py,
+lib/precompute/shards_run.py, lib/training/training_run.py, lib/output/export_run.py and lib/output/report_run.py.
+A stage's fingerprint chains the fingerprints of what it reads, so a change anywhere marks exactly the stages
+whose results it changes, in `status` (lib/status/states.py) as in the Dagster UI (defs/settings.py).
+docs/code_layout.md shows how to add one.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from gguf_assets.lib.corpus.corpus_run import CORPUS_STAGE
 from gguf_assets.lib.materials.materials_run import MATERIALS_STAGE, chain_materials
 from gguf_assets.lib.output.export_run import GGUF_STAGE, gguf_fingerprint
 from gguf_assets.lib.output.report_run import REPORT_STAGE, report_fingerprint
-from gguf_assets.lib.precompute.shards import TRAIN_SHARDS_STAGE, VAL_SHARDS_STAGE, chain_shard_fingerprints
+from gguf_assets.lib.precompute.shards_run import TRAIN_SHARDS_STAGE, VAL_SHARDS_STAGE, chain_shard_fingerprints
 from gguf_assets.lib.project.layout import SPLITS, ProjectPaths
 from gguf_assets.lib.project.settings import SECTIONS, Settings
 from gguf_assets.lib.project.stage import Chain, Stage

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from gguf_assets.lib.core.lock import HolderRecord
 from gguf_assets.lib.materials.materials_run import load_manifest
-from gguf_assets.lib.precompute.shards import (  # noqa: F401  plan_shards: where tests count the planning
+from gguf_assets.lib.precompute.shards_run import (  # noqa: F401  plan_shards: where tests count the planning
     ShardPlan,
     SplitView,
     plan_shards,

@@ -24,7 +24,7 @@ from pathlib import Path
 from gguf_assets.lib.core import atomic
 from gguf_assets.lib.materials import hub
 from gguf_assets.lib.output.export_run import delivered_file, gguf_path
-from gguf_assets.lib.precompute.shards import HALVES, data_file
+from gguf_assets.lib.precompute.shards_run import HALVES, data_file
 from gguf_assets.lib.project.layout import (
     BEST_DIR,
     FINAL_DIR,

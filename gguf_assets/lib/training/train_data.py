@@ -56,7 +56,7 @@ class ShardCorrupt(TrainingError):
 
 def read_half(folder: Path, half: str, *, stats: ReadStats | None = None) -> dict[str, torch.Tensor]:
     """A shard half's tensors, their content checked against the sha256 recorded when it was written."""
-    from gguf_assets.lib.precompute.shards import data_file, forget_half
+    from gguf_assets.lib.precompute.shards_run import data_file, forget_half
 
     path = data_file(folder, half)
     record_file = folder / f"{half}.json"  # required_current() made sure it is there; hand-made shards may lack it

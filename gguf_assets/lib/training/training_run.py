@@ -13,7 +13,7 @@ from typing import Any
 
 from gguf_assets.lib.core import atomic, liveness, verify
 from gguf_assets.lib.core.metrics import EMPTY_PROMPT_COSINE, VAL_CENTRED_COSINE, VAL_LOSS
-from gguf_assets.lib.precompute.shards import chain_shard_fingerprints, shard_fingerprints
+from gguf_assets.lib.precompute.shards_run import chain_shard_fingerprints, shard_fingerprints
 from gguf_assets.lib.project import formats
 from gguf_assets.lib.project.layout import (
     BEST_DIR,

@@ -310,7 +310,7 @@ def test_a_dropped_connection_resumes_the_tensor_from_what_arrived(make_project,
 
 
 def test_the_targets_fingerprint_follows_the_rows_content_only_when_the_setting_is_set():
-    from gguf_assets.lib.precompute.shards import half_fingerprint
+    from gguf_assets.lib.precompute.shards_run import half_fingerprint
     from gguf_assets.lib.project.manifests import MaterialsManifest
 
     base = settings_from_dict({"materials": {"teacher": "a/b", "student": "c/d"}})

@@ -15,16 +15,8 @@ from gguf_assets.lib.corpus.corpus import build_corpus
 from gguf_assets.lib.corpus.corpus_run import corpus_fingerprint
 from gguf_assets.lib.demo.demo import TEACHER_LAYERS
 from gguf_assets.lib.materials.pinning.resolve import resolve_materials
-from gguf_assets.lib.precompute.shards import (
-    HALVES,
-    ShardBuilder,
-    ShardError,
-    build_shards,
-    plan_shards,
-    precompute_split,
-    require_current,
-    shard_status,
-)
+from gguf_assets.lib.precompute.shards import ShardBuilder, build_shards, precompute_split
+from gguf_assets.lib.precompute.shards_run import HALVES, ShardError, plan_shards, require_current, shard_status
 from gguf_assets.lib.precompute.teacher import PrecomputeOutOfMemory
 from gguf_assets.lib.project.settings import load_settings, replace, write_project_file
 from gguf_assets.lib.telemetry.hardware import HardwareSampler, NvmlReader
@@ -153,7 +145,7 @@ def test_the_student_half_holds_the_final_norm_states_of_ggks_token_ids(project)
 
     from gguf_assets.lib.core.ggk_contract import llada_image_pieces, rendered_prompt
     from gguf_assets.lib.materials.ggk_tokenizer import GgkTokenizer
-    from gguf_assets.lib.precompute.shards import half_settings
+    from gguf_assets.lib.precompute.shards_run import half_settings
     from gguf_assets.lib.precompute.student import ggk_token_ids
 
     paths, settings, materials = project

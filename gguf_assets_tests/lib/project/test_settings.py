@@ -393,7 +393,7 @@ def test_a_prompt_template_without_the_prompt_is_refused(tmp_path, template):
 @pytest.mark.parametrize("template", ["{prompt}", "a photo of {prompt}", "llada-image"])
 def test_the_teachers_template_holds_the_prompt_or_is_ggks(tmp_path, template):
     """The template is the teacher's alone (the student's text is always ggk's template, whatever it says)."""
-    from gguf_assets.lib.precompute.shards import half_settings
+    from gguf_assets.lib.precompute.shards_run import half_settings
 
     text, _ = _edit_line(render_yaml(_valid()), "precompute", "prompt_template", f"  prompt_template: '{template}'")
     _write(tmp_path, text)

@@ -146,7 +146,7 @@ def test_a_run_s_state_comes_from_its_checkpoints_and_its_last_session(project):
 def test_the_trainer_records_a_stopped_session_its_settings_and_its_time(project):
     """A real training session (the finished project's shards, 60 steps) paused after 5 steps."""
     from gguf_assets.lib.materials.materials_run import load_manifest
-    from gguf_assets.lib.precompute.shards import require_current
+    from gguf_assets.lib.precompute.shards_run import require_current
     from gguf_assets.lib.training.train import train_adapter
     from gguf_assets.lib.training.training_run import adapter_fingerprint
 

@@ -32,7 +32,7 @@ def _fingerprints(paths, settings, materials) -> dict:
     from gguf_assets.lib.materials.materials_run import materials_fingerprint
     from gguf_assets.lib.output.export_run import gguf_fingerprint
     from gguf_assets.lib.output.report_run import report_fingerprint
-    from gguf_assets.lib.precompute.shards import HALVES, half_fingerprint
+    from gguf_assets.lib.precompute.shards_run import HALVES, half_fingerprint
     from gguf_assets.lib.training.training_run import training_fingerprint
 
     halves = [half_fingerprint(half, settings, materials, "prompts") for half in HALVES]

@@ -18,17 +18,20 @@ def test_status_shows_the_stage_a_run_works_on_as_running():
 
 def test_the_status_engine_and_every_stage_module_load_no_torch():
     """`status` reads records and fingerprints only: each stage's own module (settings, fingerprint, "is it
-    current") and the engine above them import no torch, transformers or dagster (they cost seconds)."""
+    current") and the engine above them import no torch, transformers or dagster (they cost seconds), nor a
+    stage's builder (the shards' is lib/precompute/shards.py; its facts are shards_run.py's)."""
     import subprocess
     import sys
 
-    modules = ["gguf_assets.lib.status.states", "gguf_assets.lib.status.verify_project",
-               "gguf_assets.lib.planning.estimate", "gguf_assets.lib.status.pace",
-               "gguf_assets.lib.planning.time_estimate", "gguf_assets.lib.materials.materials_run",
-               "gguf_assets.lib.corpus.corpus_run", "gguf_assets.lib.precompute.shards",
-               "gguf_assets.lib.training.training_run", "gguf_assets.lib.output.export_run",
-               "gguf_assets.lib.output.report_run"]
+    modules = ["gguf_assets.lib.status.states", "gguf_assets.lib.status.stages",
+               "gguf_assets.lib.status.verify_project", "gguf_assets.lib.planning.estimate",
+               "gguf_assets.lib.status.pace", "gguf_assets.lib.planning.time_estimate",
+               "gguf_assets.lib.materials.materials_run", "gguf_assets.lib.corpus.corpus_run",
+               "gguf_assets.lib.precompute.shards_run", "gguf_assets.lib.training.training_run",
+               "gguf_assets.lib.output.export_run", "gguf_assets.lib.output.report_run"]
+    builders = {"gguf_assets.lib.precompute.shards"}
     code = (f"import sys, {', '.join(modules)}; "
-            "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transformers', 'dagster'}))")
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transformers', 'dagster'}), "
+            f"sorted(set(sys.modules) & {builders!r}))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
-    assert done.stdout.strip() == "[]", done.stdout + done.stderr
+    assert done.stdout.strip() == "[] []", done.stdout + done.stderr

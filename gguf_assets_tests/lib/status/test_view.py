@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 
 from gguf_assets.lib.planning.time_estimate import time_lines
-from gguf_assets.lib.precompute import shards
+from gguf_assets.lib.precompute import shards_run
 from gguf_assets.lib.project.settings import load_settings
 from gguf_assets.lib.status.pace import pace_lines, precompute_pace
 from gguf_assets.lib.status.stages import STAGES
@@ -19,15 +19,15 @@ ONCE_PER_SPLIT = Counter({"train": 1, "val": 1})
 
 @pytest.fixture
 def split_reads(monkeypatch) -> Counter:
-    """How often each corpus split is read: every shard plan reads its split (lib/precompute/shards.py)."""
+    """How often each corpus split is read: every shard plan reads its split (lib/precompute/shards_run.py)."""
     reads: Counter = Counter()
-    read_split = shards.read_split
+    read_split = shards_run.read_split
 
     def counted(paths, split):
         reads[split] += 1
         return read_split(paths, split)
 
-    monkeypatch.setattr(shards, "read_split", counted)
+    monkeypatch.setattr(shards_run, "read_split", counted)
     return reads
 
 

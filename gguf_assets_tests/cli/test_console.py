@@ -11,6 +11,7 @@ import dagster as dg
 import pytest
 from conftest import (
     CLI,
+    assert_clean_console,
     assert_fits_80_columns,
     cli_env,
     copy_project,
@@ -22,17 +23,6 @@ from conftest import (
 
 from gguf_assets.lib.core.commands import trainer
 from gguf_assets.lib.training.verdict import GOOD
-
-ANSI = re.compile(r"\x1b\[")
-
-
-def assert_clean_console(out: str) -> None:
-    """No stack trace, no library load report or progress bar, no colour codes, no doubled line."""
-    assert "Traceback" not in out and "LOAD REPORT" not in out and "Loading weights" not in out, out
-    assert not ANSI.search(out), out
-    lines = [line for line in out.splitlines() if line.strip()]
-    doubled = [a for a, b in zip(lines, lines[1:]) if a.split(" ", 1)[-1] == b.split(" ", 1)[-1]]
-    assert not doubled, doubled
 
 
 @pytest.mark.slow  # the finished reference project, so that status walks every stage
