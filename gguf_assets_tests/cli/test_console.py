@@ -335,8 +335,8 @@ def test_a_second_ui_on_the_same_project_names_the_open_one_and_starts_nothing(m
     log = tmp_path / "first.log"
     with open(log, "w") as out:
         first = subprocess.Popen([*CLI, "ui", str(paths.root), "--port", str(free_port()), "--studio-port",
-                                  str(studio_port), "--no-tensorboard"], stdout=out, stderr=subprocess.STDOUT,
-                                 env=cli_env())
+                                  str(studio_port), "--no-tensorboard", "--no-spare-run"],  # no run starts here
+                                 stdout=out, stderr=subprocess.STDOUT, env=cli_env())
     def daemons() -> list:
         def this_project_s(proc) -> bool:
             try:  # another test's daemon may end between the listing and the read
