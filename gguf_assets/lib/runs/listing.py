@@ -103,6 +103,9 @@ class Run:
     # Its kept report's prompt retrieval (metrics.RETRIEVAL_KEYS: the GGUF's, measured by the evaluation only); {}
     # without a kept report, None where the report is older than retrieval.
     gguf_retrieval: dict[str, float | int | None] = field(default_factory=dict)
+    # A snapshot of this run, compared as a run (lib/runs/compare.py): {file, step, weights, run (the run's name),
+    # validated (its torch scores at that step), evaluated (its GGUF was scored)}. None: the run itself.
+    snapshot: dict | None = None
 
     def to_json(self) -> dict:
         doc = asdict(self)
