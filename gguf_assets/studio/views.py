@@ -347,7 +347,7 @@ def report_view(paths: ProjectPaths, settings) -> dict | None:
     report_doc = paths.located_doc(report.to_json())
     score = report_score(report)
     # Read from the report as the export recorded them (sizes, sha256): nothing is hashed again per page load.
-    # The advice's commands (better weights: lib/output/better.py) for this project's folder, to paste anywhere.
+    # The advice's commands (better weights: lib/training/better.py) for this project's folder, to paste anywhere.
     return {"verdict": report.verdict, "advice": shown_advice(report, trainer, paths.root), "score": score,
             "score_source": report.score_source,
             "gguf_path": report_doc["gguf_path"], "ggk_command": report.ggk_command,

@@ -14,7 +14,6 @@ from gguf_assets.lib.core.commands import trainer
 from gguf_assets.lib.core.errors import UserError
 from gguf_assets.lib.core.metrics import VAL_CENTRED_COSINE
 from gguf_assets.lib.materials.materials_run import load_manifest
-from gguf_assets.lib.output.kept import kept_gguf, read_kept
 from gguf_assets.lib.precompute.shards import shard_fingerprints
 from gguf_assets.lib.project import settings_history
 from gguf_assets.lib.project.layout import FINAL_DIR, LABEL_FILE, META_FILE, SPLITS, STEP_DIR, ProjectPaths
@@ -25,8 +24,10 @@ from gguf_assets.lib.training.training_run import (
     RunOutcome,
     ended_early,
     history_to_the_end,
+    kept_gguf,
     newest_meta,
     reached_step,
+    read_kept,
     read_lineage,
     read_session,
     run_fingerprint,
