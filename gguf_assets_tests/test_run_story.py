@@ -20,12 +20,12 @@ from gguf_assets.lib.core import atomic
 from gguf_assets.lib.core.commands import shell_line, trainer
 from gguf_assets.lib.core.lock import HolderRecord, RunningRun
 from gguf_assets.lib.core.metrics import VAL_CENTRED_COSINE
-from gguf_assets.lib.output.better import better_weights
 from gguf_assets.lib.project import settings_history
 from gguf_assets.lib.project.layout import FINAL_DIR, META_FILE, WEIGHTS_FILE, ProjectPaths
 from gguf_assets.lib.project.settings import load_settings, replace, write_project_file
 from gguf_assets.lib.runs.listing import RunState, read_runs
 from gguf_assets.lib.status.states import State, project_status, with_running
+from gguf_assets.lib.training.better import better_weights
 from gguf_assets.lib.training.training_run import (
     PlannedRun,
     continuation_fingerprint,

@@ -40,7 +40,6 @@ from gguf_assets.lib.materials.hub import token_from_env
 from gguf_assets.lib.materials.hub_shapes import quick_options
 from gguf_assets.lib.materials.materials_run import load_manifest
 from gguf_assets.lib.output import snapshots
-from gguf_assets.lib.output.better import better_offers
 from gguf_assets.lib.output.report import retrieval_text
 from gguf_assets.lib.planning.estimate import (
     estimate,
@@ -67,6 +66,7 @@ from gguf_assets.lib.status.pace import pace_lines
 from gguf_assets.lib.status.states import State, status_view, where_stopped, with_running
 from gguf_assets.lib.telemetry.curves_log import TENSORBOARD_DIR, TENSORBOARD_URL_ENV, tensorboard_timeseries_url
 from gguf_assets.lib.telemetry.hardware import AUTO_WORKERS as AUTO
+from gguf_assets.lib.training.better import better_offers
 from gguf_assets.lib.training.training_run import planned_adapter_run
 from gguf_assets.orchestration.cluster import (
     QUEUES,

@@ -61,8 +61,9 @@ def add_parser(sub) -> None:
     what.add_argument("--compare", nargs="*", metavar="RUN",
                       help="runs' scores step by step (val centred cosine, relative MSE, cosine after RMSNorm, worst "
                            "query row, empty prompt) and at their last validation, and their GGUF's (prompt retrieval "
-                           "too); the curves go to an SVG. No RUN: the newest run and the one it continues (else the "
-                           "best other)")
+                           "too); the curves go to an SVG. A RUN may be a snapshot, compared like a run (its run's "
+                           "curve to its step, its GGUF's evaluation): its file's name (demo-adapter-step35.gguf) or "
+                           "RUN@STEP. No RUN: the newest run and the one it continues (else the best other)")
     p.add_argument("--svg", metavar="FILE", help="with --compare: write the curves, one chart per score, to FILE "
                                                  f"(default: {COMPARE_SVG} in the project; its path is printed)")
     p.add_argument("--json", action="store_true", help="print the runs as JSON (for tools)")
@@ -168,7 +169,7 @@ def _table(paths: ProjectPaths, view) -> None:
     if view.runs:
         say(f"current: its GGUF and report are in the output folder. More: `{trainer('runs', paths.root)}` with "
             "--diff RUN, --use RUN, --delete RUN, --label RUN TEXT or --compare [RUN...] (RUN: a name, its "
-            "start, or a label)")
+            "start, or a label; --compare takes snapshots too: a snapshot GGUF's name, or RUN@STEP)")
 
 
 def _diff(paths: ProjectPaths, run, *, as_json: bool) -> int:
@@ -218,12 +219,13 @@ def _compare_rows(runs: list, gguf_label: str) -> list[tuple[str, list[str] | No
     """`runs --compare`'s table: (label, a cell per run), or (a heading, None)."""
     by_step = [dict(r.curve) for r in runs]
     rows: list[tuple[str, list[str] | None]] = [("val centred cosine by step (0: untrained)", None),
-                                                ("step", [f"run {n}" for n in range(1, len(runs) + 1)])]
+                                                ("step", [_numbered(r, n) for n, r in enumerate(runs, 1)])]
     rows += [(str(step), [_score(s.get(step)) for s in by_step]) for step in sorted(set().union(*by_step))]
     rows += [("best", ["-" if r.best_val_centred_cosine is None else f"{r.best_val_centred_cosine:.4f}@{r.best_step}"
                        for r in runs]),
              ("final", [_score(r.final_val_centred_cosine) for r in runs]),
-             ("", None), ("at the last validation (raw target space; relative MSE: lower is better)", None),
+             ("", None), ("at the last validation (raw target space; relative MSE: lower is better;", None),
+             ("  a snapshot: its GGUF's evaluation, else its step's validation)", None),
              ("step", ["-" if r.last_scores.get("step") is None else str(r.last_scores["step"]) for r in runs])]
     for score in COMPARED:
         cells = []
@@ -294,8 +296,21 @@ def _compare(paths: ProjectPaths, view, refs: list[str], *, svg: str | None, as_
     svg = str(Path(svg) if svg else _write_svg(paths, compared.svg))
     # The runs by number: their names are 30 columns and more.
     for number, r in enumerate(compared.runs, 1):
-        say(f"run {number}: {r.name}" + (f"  label: {r.label}" if r.label else ""))
+        if r.snapshot is None:
+            say(f"run {number}: {r.name}" + (f"  label: {r.label}" if r.label else ""))
+        else:
+            say(f"snapshot {number}: {r.name}, step {r.step} ({r.snapshot['weights']}) of run {r.snapshot['run']}")
     gguf_label = next(s.label for s in COMPARED if s.key == VAL_CENTRED_COSINE) + " of its GGUF"
     _print_compare_table(_compare_rows(compared.runs, gguf_label))
+    for number, r in enumerate(compared.runs, 1):
+        if r.snapshot is not None and not r.snapshot["evaluated"]:
+            again = ["--best"] if r.snapshot["weights"] == "best" else ["--step", str(r.step)]
+            say(f"snapshot {number} has no GGUF evaluation yet: `{trainer('snapshot', paths.root, *again, '--eval')}` "
+                "scores it (or Evaluate in the studio's Snapshots list)")
     say(f"wrote the curves, one chart per score, to {svg}")
     return 0
+
+
+def _numbered(run, number: int) -> str:
+    """A compared run's column: ``run 1``, or ``snapshot 2``."""
+    return f"{'run' if run.snapshot is None else 'snapshot'} {number}"

@@ -16,12 +16,14 @@ from gguf_assets.lib.precompute.shards_run import plan_shards, shard_status
 from gguf_assets.lib.project.layout import ProjectPaths
 from gguf_assets.lib.project.settings import Settings
 from gguf_assets.lib.telemetry.hardware import AUTO_WORKERS, visible_gpus
+from gguf_assets.lib.training.training_run import RunOutcome
 from gguf_assets.orchestration.cluster import GPU_QUEUE, QUEUE_TAG
 from gguf_assets.orchestration.instance import CODE_LOCATION, create_run, open_workspace
 from gguf_assets.orchestration.outages import PipelineFailed, through_outages
 from gguf_assets.orchestration.run_outcomes import failure_message, wait_for_runs
 from gguf_assets.pipeline import run_tags
 from gguf_assets.pipeline.plan import Work, split_range
+from gguf_assets.pipeline.run_end import STOPPED_MESSAGE, notify_workers_end
 from gguf_assets.pipeline.run_tags import ADMITTED_TAG, GPU_TAG, INTERRUPTED_TAG, LEADER_TAG, WORKER_TAG
 
 
@@ -67,12 +69,14 @@ def run_workers(paths: ProjectPaths, instance, work: Work, settings: Settings, g
             for run_id in run_ids:
                 if not instance.get_run_by_id(run_id).is_finished:
                     instance.run_launcher.terminate(run_id)
+            _tell_stop(paths, settings, instance, run_ids, STOPPED_MESSAGE, echo)
             raise
     failed = [instance.get_run_by_id(r) for r in run_ids]
     failed = [run for run in failed if run.status != dg.DagsterRunStatus.SUCCESS]
     if failed:
         split = "train" if "train" in work.assets[0] else "val"
         lines = [worker_failure(paths, settings, instance, run, split) for run in failed]
+        notify_workers_end(paths, settings, failed, RunOutcome.FAILED, "; ".join(lines), echo)
         raise PipelineFailed("\n".join(lines) + f"\nThe shards finished so far are kept (the other workers' too); "
                              f"`{trainer('run', paths.root)}` continues with the rest. Logs: "
                              f"`{trainer('ui', paths.root)}`.")
@@ -110,6 +114,8 @@ def run_on_workers(paths: ProjectPaths, instance, workspace, work: Work, setting
         elif going:
             echo(f"stopped following; {len(going)} run(s) go on on the workers ({', '.join(r[:8] for r in going)}): "
                  f"`{trainer('status', paths.root)}` shows what they finished, Terminate in the Dagster UI stops them")
+        _tell_stop(paths, settings, instance, run_ids, STOPPED_MESSAGE if cancel_on_stop or not going else
+                   f"stopped following; {len(going)} worker run(s) go on, and no next job starts", echo)
         raise
     finished = [instance.get_run_by_id(r) for r in run_ids]
     failed = [run for run in finished if run.status != dg.DagsterRunStatus.SUCCESS]
@@ -122,8 +128,16 @@ def run_on_workers(paths: ProjectPaths, instance, workspace, work: Work, setting
     split = next((s for s in ("train", "val") if work.assets == (f"{s}_shards",)), None)
     lines = [worker_failure(paths, settings, instance, run, split) if split else
              f"run {run.run_id[:8]} of {work.job}: {failure_message(instance, run.run_id)}" for run in failed]
+    notify_workers_end(paths, settings, failed, RunOutcome.FAILED, "; ".join(lines), echo)
     raise PipelineFailed("\n".join(lines) + f"\nWhat finished is kept; `{trainer('run', paths.root)}` continues. "
                          f"Logs: `{trainer('ui', paths.root)}`.")
+
+
+def _tell_stop(paths: ProjectPaths, settings: Settings, instance, run_ids: list[str], message: str,
+               echo: Callable[[str], None]) -> None:
+    """A stop ended the pipeline while its worker runs ran: its one notice (pipeline/run_end.py)."""
+    notify_workers_end(paths, settings, [instance.get_run_by_id(r) for r in run_ids], RunOutcome.STOPPED, message,
+                       echo)
 
 
 def worker_failure(paths: ProjectPaths, settings: Settings, instance, run, split: str) -> str:

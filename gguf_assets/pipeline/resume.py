@@ -65,6 +65,7 @@ def _worker_lost(instance: dg.DagsterInstance, run: dg.DagsterRun) -> str | None
 def mark_interrupted_runs(instance: dg.DagsterInstance) -> list[str]:
     """Mark dead runs as failed with the reason and free their pool slots; returns their ids."""
     marked = []
+    told_leaders: set[str] = set()  # one notice per pipeline of worker runs (pipeline/run_end.py)
     for record in instance.get_run_records(filters=dg.RunsFilter(statuses=ACTIVE)):
         reason = _is_cut_off(record, instance)
         if reason is None:
@@ -76,7 +77,8 @@ def mark_interrupted_runs(instance: dg.DagsterInstance) -> list[str]:
         instance.event_log_storage.free_concurrency_slots_for_run(run.run_id)
         instance.add_run_tags(run.run_id, {INTERRUPTED_TAG: "true"})
         marked.append(run.run_id)
-        notify_interrupted(run, reason)  # its own process, which tells a run's end, is gone (pipeline/run_end.py)
+        # its own process, which tells a run's end, is gone (pipeline/run_end.py)
+        notify_interrupted(run, reason, told_leaders)
     return marked
 
 

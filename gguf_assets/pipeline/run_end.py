@@ -18,6 +18,12 @@ cannot tell is a run whose process died (kill -9, out of memory, a reboot): ``ma
 Which ends are told: every failed or stopped run (its pipeline stops there), and a finished run that worked on
 training, export or evaluation (a finished materials or shards run is a pipeline going on). Only a run that wrote
 the report carries a score.
+
+One pipeline, one notice: with `gguf-trainer run --workers N` (and on a cluster) a job's shards run as several worker
+runs at once, and the pipeline ends when the last of them has: one failing leaves the others to finish their shards,
+and a stop ends them all. So a worker run never tells its own end; the leader that launched and follows them
+(orchestration/workers.py) tells the pipeline's, once (``notify_workers_end``). A worker run marked failed after its
+process died is told only when its leader is gone too (nobody else would tell it), once per leader.
 """
 
 from __future__ import annotations
@@ -28,12 +34,14 @@ from collections.abc import Callable
 import dagster as dg
 
 from gguf_assets.lib.core.errors import UserError
+from gguf_assets.lib.core.liveness import holder_is_gone
 from gguf_assets.lib.core.webhook import DEFAULT_TIMEOUT_S, post_json, shown_url
 from gguf_assets.lib.project.layout import ProjectPaths
 from gguf_assets.lib.project.settings import Settings, SettingsError, load_settings
 from gguf_assets.lib.status.run_end import run_end_notice
 from gguf_assets.lib.status.stages import TRAINING_STAGES
 from gguf_assets.lib.training.training_run import RunOutcome
+from gguf_assets.pipeline import run_tags
 from gguf_assets.pipeline.environment import project_dir_from_env
 from gguf_assets.pipeline.messages import user_message
 from gguf_assets.pipeline.names import TRAIN_AND_EXPORT
@@ -65,6 +73,14 @@ def step_failure_line(instance, run_id: str) -> str | None:
     return None
 
 
+STOPPED_MESSAGE = "stopped on purpose; the next run continues from where it stopped"
+
+
+def told_by_its_leader(run: dg.DagsterRun) -> bool:
+    """A shard worker's run: its pipeline's end is its leader's to tell (the module's note)."""
+    return run_tags.get(run.tags, run_tags.WORKER_TAG) is not None
+
+
 def ending_outcome(instance, run_id: str) -> tuple[RunOutcome, str]:
     """How the run ending in this process ends, as Dagster records it a moment later (its steps are over, its
     status not yet written), and why: stopped when a stop was asked (the run is CANCELING) or interrupted a step,
@@ -73,7 +89,7 @@ def ending_outcome(instance, run_id: str) -> tuple[RunOutcome, str]:
     failures = _step_failures(instance, run_id)
     stopping = run is not None and run.status in (dg.DagsterRunStatus.CANCELING, dg.DagsterRunStatus.CANCELED)
     if stopping or any(_interrupted(record) for record in failures):
-        return RunOutcome.STOPPED, "stopped on purpose; the next run continues from where it stopped"
+        return RunOutcome.STOPPED, STOPPED_MESSAGE
     if failures:
         return RunOutcome.FAILED, step_failure_line(instance, run_id) or "a step failed"
     return RunOutcome.FINISHED, ""
@@ -128,12 +144,38 @@ def notify_run_end(paths: ProjectPaths, settings: Settings | None, run: dg.Dagst
 def notify_ending_run(instance, paths: ProjectPaths, settings: Settings, run: dg.DagsterRun, run_log=None) -> None:
     """Tell the end of the run this process executes, from its teardown (RunBookkeeping.end; ``run_log``: the
     run's logger, so the line is in its log)."""
+    if told_by_its_leader(run):
+        return
     said = {} if run_log is None else {"say_sent": run_log.info, "say_failed": run_log.warning}
     notify_run_end(paths, settings, run, lambda: ending_outcome(instance, run.run_id), **said)
 
 
-def notify_interrupted(run: dg.DagsterRun, reason: str) -> None:
-    """Tell the end of a run whose process died (mark_interrupted_runs has just marked it failed)."""
+def notify_workers_end(paths: ProjectPaths, settings: Settings, ended_by: list[dg.DagsterRun], outcome: RunOutcome,
+                       message: str, say_failed: Callable[[str], None]) -> None:
+    """Tell, once, the end of a pipeline whose job ran as worker runs (from their leader, when it stops following
+    them: they all ended, or a stop ended them). ``ended_by``: the runs that ended it (the failed ones; for a stop,
+    all), the first named in the notice; runs of a job that did not need splitting tell their own end."""
+    if ended_by and told_by_its_leader(ended_by[0]):
+        notify_run_end(paths, settings, ended_by[0], lambda: (outcome, message), say_failed=say_failed)
+
+
+def _leader_gone(run: dg.DagsterRun) -> bool:
+    """Whether the `gguf-trainer run` that launched a worker run on this machine has gone (a cluster's worker runs
+    name none: the process that follows them tells their end)."""
+    leader = run_tags.get(run.tags, run_tags.LEADER_TAG)
+    return bool(leader) and leader.isdigit() and holder_is_gone(
+        holder_boot_id=run_tags.get(run.tags, run_tags.BOOT_TAG) or "", holder_pid=int(leader))
+
+
+def notify_interrupted(run: dg.DagsterRun, reason: str, told_leaders: set[str]) -> None:
+    """Tell the end of a run whose process died (mark_interrupted_runs has just marked it failed). A worker run's
+    end is its leader's to tell, unless that leader is gone too: then the first of its runs marked tells it
+    (``told_leaders``: the leaders whose runs were told of in this marking)."""
+    if told_by_its_leader(run):
+        leader = run_tags.get(run.tags, run_tags.LEADER_TAG)
+        if leader in told_leaders or not _leader_gone(run):
+            return
+        told_leaders.add(leader)
     try:
         folder = project_dir_from_env()
     except UserError:  # DAGSTER_HOME of another project: every run here refuses to start, saying so

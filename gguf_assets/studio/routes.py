@@ -35,7 +35,7 @@ from gguf_assets.lib.project.layout import ProjectPaths
 from gguf_assets.lib.project.presets import PRESETS, preset, set_keys
 from gguf_assets.lib.project.settings import Settings, SettingsError, load_settings, settings_from_text
 from gguf_assets.lib.runs.changes import delete_run, label_run, use_run
-from gguf_assets.lib.runs.compare import compare_runs
+from gguf_assets.lib.runs.compare import compare_runs, compared_scores
 from gguf_assets.lib.runs.listing import read_runs
 from gguf_assets.lib.telemetry.curves_log import tensorboard_timeseries_url
 from gguf_assets.lib.telemetry.hardware import AUTO_WORKERS
@@ -350,7 +350,8 @@ def _runs_routes(studio: Studio) -> list[Route]:
         if not refs:
             raise BadRequest("name the runs to compare: ?run=A&run=B")
         compared, svg = compare_runs(await run_in_threadpool(read_runs, paths), refs)
-        return JSONResponse({"runs": [r.name for r in compared], "svg": svg})
+        return JSONResponse({"runs": [r.name for r in compared], "svg": svg,
+                             "scores": [compared_scores(r) for r in compared]})
 
     return [Route("/api/runs", runs_list), Route("/api/runs/compare", runs_compare),
             Route("/api/runs/use", runs_use, methods=["POST"]),

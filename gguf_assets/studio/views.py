@@ -25,6 +25,7 @@ from gguf_assets.lib.output.report import ggk_line, read_report, score_rows, sho
 from gguf_assets.lib.project import settings_file
 from gguf_assets.lib.project.layout import FINAL_DIR, META_FILE, ProjectPaths
 from gguf_assets.lib.project.settings import SettingsError, load_settings, settings_from_text
+from gguf_assets.lib.runs.compare import snapshot_choices
 from gguf_assets.lib.runs.listing import list_runs
 from gguf_assets.lib.status.pace import stage_paces
 from gguf_assets.lib.status.run_end import report_score
@@ -346,7 +347,7 @@ def report_view(paths: ProjectPaths, settings) -> dict | None:
     report_doc = paths.located_doc(report.to_json())
     score = report_score(report)
     # Read from the report as the export recorded them (sizes, sha256): nothing is hashed again per page load.
-    # The advice's commands (better weights: lib/output/better.py) for this project's folder, to paste anywhere.
+    # The advice's commands (better weights: lib/training/better.py) for this project's folder, to paste anywhere.
     return {"verdict": report.verdict, "advice": shown_advice(report, trainer, paths.root), "score": score,
             "score_source": report.score_source,
             "gguf_path": report_doc["gguf_path"], "ggk_command": report.ggk_command,
@@ -377,4 +378,5 @@ def runs_view(paths: ProjectPaths, served: settings_file.SettingsText) -> dict:
     doc = view.to_json()
     for run in doc["runs"]:
         run["disk"] = bytes_text(run["disk_bytes"])
+    doc["compare_snapshots"] = snapshot_choices(view)  # Compare offers them beside the runs
     return doc

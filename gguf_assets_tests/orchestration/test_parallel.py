@@ -123,42 +123,52 @@ def test_killing_only_the_workers_leader_refuses_a_new_run_until_its_workers_are
 
 @pytest.mark.slow  # a `run --workers 2` and a `run` (about 60 s)
 def test_a_killed_worker_is_named_with_its_shard_and_the_next_run_continues(make_project, reference_run):
-    """kill -9 of one worker run's process: the leader does not wait for it forever, says which worker and
-    which shard, and that `run` continues; the next `run` finishes byte-identical."""
+    """kill -9 of one worker run's process, while the other fails on its own (a full disk at its second shard
+    write): the leader does not wait for the killed one forever, says which worker and which shard, and that `run`
+    continues; the webhook (output.notify_url) hears of the pipeline's end once, from the leader, not once per
+    worker run (#65); the next `run` finishes byte-identical."""
     import signal
     import subprocess
 
     from conftest import CLI, FAULT_SETTINGS, cli_env, pipeline_outputs, project_instance, wait_for
     from warm_runs import trainer_run
+    from webhook_server import webhook_receiver
 
     from gguf_assets.pipeline import run_tags
 
-    paths = make_project(**FAULT_SETTINGS)
-    proc = subprocess.Popen([*CLI, "run", str(paths.root), "--workers", "2"], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            env=cli_env(GGUF_ASSETS_FAULT="shard-write@1:stall:15"))
-    try:
-        instance = project_instance(paths)
+    with webhook_receiver() as hook:
+        paths = make_project(**FAULT_SETTINGS, output={"notify_url": hook.url})
+        proc = subprocess.Popen([*CLI, "run", str(paths.root), "--workers", "2"], stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                                env=cli_env(GGUF_ASSETS_FAULT="shard-write@1:stall:15,shard-write@2:enospc"))
+        try:
+            instance = project_instance(paths)
 
-        def worker_pid() -> int | None:
-            for run in instance.get_runs():
-                if run_tags.get(run.tags, run_tags.WORKER_TAG) == "1/2" and run_tags.get(run.tags, run_tags.PID_TAG):
-                    return int(run_tags.get(run.tags, run_tags.PID_TAG))
-            return None
+            def worker_pid() -> int | None:
+                for run in instance.get_runs():
+                    if run_tags.get(run.tags, run_tags.WORKER_TAG) == "1/2" and run_tags.get(run.tags,
+                                                                                              run_tags.PID_TAG):
+                        return int(run_tags.get(run.tags, run_tags.PID_TAG))
+                return None
 
-        wait_for(lambda: worker_pid() is not None and (paths.root / "shards/train/00000/prompts.jsonl").is_file(),
-                 timeout=180, what="worker 1 at its first shard", proc=proc)
-        os.kill(worker_pid(), signal.SIGKILL)
-        out, _ = proc.communicate(timeout=240)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            wait_for(lambda: worker_pid() is not None and (paths.root / "shards/train/00000/prompts.jsonl").is_file(),
+                     timeout=180, what="worker 1 at its first shard", proc=proc)
+            os.kill(worker_pid(), signal.SIGKILL)
+            out, _ = proc.communicate(timeout=240)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
     assert proc.returncode == 1, out
     assert "Traceback" not in out, out
     assert "worker 1/2 (run " in out and "stopped, at shard train/00000: its process was killed" in out, out
+    assert "worker 2/2 (run " in out and "No space left on device" in out, out
     assert "gguf-trainer run " in out and "continues with the rest" in out, out
     assert "\x1b[" not in out and "code_server" not in out, out  # no library noise on the console
+    ((_, notice),) = hook.posts
+    workers = {run.run_id for run in instance.get_runs() if run_tags.get(run.tags, run_tags.WORKER_TAG)}
+    assert (notice["outcome"], notice["job"]) == ("failed", "precompute_train_shards") and notice["run_id"] in workers
+    assert "worker 1/2 (run " in notice["message"] and "worker 2/2 (run " in notice["message"], notice
     done = trainer_run(["run", str(paths.root)], capture_output=True, text=True, env=cli_env(), timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     assert pipeline_outputs(paths.root) == reference_run[0]

@@ -19,7 +19,7 @@ from gguf_assets.orchestration.instance import instance_env
 from gguf_assets.orchestration.launching import run_pipeline
 from gguf_assets.orchestration.outages import PipelineFailed
 from gguf_assets.pipeline.resume import mark_interrupted_runs
-from gguf_assets.pipeline.run_tags import BOOT_TAG, PID_TAG
+from gguf_assets.pipeline.run_tags import BOOT_TAG, LEADER_TAG, PID_TAG, WORKER_TAG
 
 pytestmark = pytest.mark.slow  # three small Dagster runs on a copy of the finished project (about 20 s)
 
@@ -111,3 +111,27 @@ def test_a_run_whose_process_died_is_told_when_it_is_marked_failed(project):
     assert notice["message"] == f"interrupted: its process (pid {gone.pid}) is gone or the machine rebooted since it " \
                                 "started"
     assert os.path.basename(paths.root) == notice["project"] and str(paths.root) not in str(notice)
+
+
+def test_worker_runs_cut_off_together_are_told_once_and_not_while_their_leader_lives(project):
+    """#65: one pipeline, one notice. The worker runs of `run --workers 2` whose processes died are told of when
+    they are marked failed only if their leader (`gguf-trainer run`) is gone too, and then once for the pipeline,
+    not once per worker run; while the leader lives, it tells the pipeline's end itself."""
+    paths, instance = project
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+
+    def workers(leader: int) -> list[str]:
+        return [create_run_with_status(instance, status=dg.DagsterRunStatus.STARTED,
+                                       tags={PID_TAG: str(gone.pid), BOOT_TAG: boot_id(), LEADER_TAG: str(leader),
+                                             WORKER_TAG: f"{n}/2"}).run_id for n in (1, 2)]
+
+    with webhook_receiver() as hook:
+        _set_output(paths.root, notify_url=hook.url)
+        led = workers(os.getpid())  # their leader lives (this process): it tells the end
+        assert sorted(mark_interrupted_runs(instance)) == sorted(led)
+        assert hook.posts == []
+        orphans = workers(gone.pid)  # their leader died with them
+        assert sorted(mark_interrupted_runs(instance)) == sorted(orphans)
+    ((_, notice),) = hook.posts
+    assert notice["outcome"] == "failed" and notice["run_id"] in orphans, notice

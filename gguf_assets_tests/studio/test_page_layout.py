@@ -497,6 +497,22 @@ def test_a_snapshot_is_taken_evaluated_and_deleted_from_the_training_panel(studi
     studio.shot(page, "phone-snapshot-evaluated")
     page.set_viewport_size(WIDE)
 
+    # Compare (#65): the Runs panel's lists offer the snapshot below the runs; compared with its run, its row under
+    # the curves holds its GGUF's evaluation, and its line is its point at step 40.
+    from gguf_assets.lib.runs.listing import read_runs
+
+    (run,) = read_runs(studio.paths).runs
+    page.reload()  # the Runs panel lists what is there when it loads
+    page.click('nav a[href="#runs"]')
+    page.select_option("#runs-b", gguf.name)
+    page.click("#runs-compare")
+    compared = page.locator("#runs-scores tbody tr")
+    expect(compared).to_have_count(2)
+    cells = compared.nth(1).locator("td").all_inner_texts()
+    assert [cells[0], cells[1], cells[4]] == [f"{gguf.name} (snapshot of {run.name})", "40",
+                                              f"{entry['eval']['val_centred_cosine']:.4f}"], cells
+    expect(page.locator("#runs-svg circle")).to_have_count(3)
+
     row.get_by_role("button", name="Delete").click()
     expect(message).to_have_text(f"deleted {gguf}", timeout=answered)
     expect(row.locator("td.snapshot-file")).to_have_text("no GGUF yet")

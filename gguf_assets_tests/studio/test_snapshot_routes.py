@@ -106,6 +106,22 @@ def test_snapshot_evaluate_and_delete_through_the_studio_routes(finished_project
         row = _call(base + "/api/status")[1]["snapshots"]["rows"][2]
         assert row["eval"] == score and snapshots.read_snapshots(run_dir)[0]["eval"]["val_centred_cosine"] == score
 
+        # Compare (#65): the Runs panel offers the snapshot beside the run, and compares it like one: its curve is the
+        # run's to step 40 (beside the run, its point there), its scores its GGUF's evaluation.
+        listed = _call(base + "/api/runs")[1]
+        (name,) = [r["name"] for r in listed["runs"]]
+        assert listed["compare_snapshots"] == [{"ref": gguf.name, "text": f"{gguf.name} (step 40 of {name})"}]
+        status, compared = _call(f"{base}/api/runs/compare?run={run}&run={gguf.name}")
+        assert status == 200 and compared["runs"] == [name, gguf.name], compared
+        assert compared["svg"].count("<polyline") == 2 and compared["svg"].count("<circle") == 3  # 20, 40; 40
+        of_run, of_snapshot = compared["scores"]
+        assert (of_snapshot["step"], of_snapshot["gguf"], of_snapshot["final"]) == (40, score,
+                                                                                    entry["val_centred_cosine"])
+        assert of_snapshot["val_retrieval_top1"] == evaluated["eval"]["val_retrieval_top1"] is not None
+        assert of_snapshot["snapshot"]["evaluated"] and of_run["snapshot"] is None
+        status, answer = _call(f"{base}/api/runs/compare?run={run[:8]}@7")
+        assert status == 400 and answer["error"].startswith(f"run {name} has no snapshot GGUF of step 7"), answer
+
         # One change at a time: a second one while a snapshot is under way is refused, not queued.
         entered, release = threading.Event(), threading.Event()
 

@@ -17,13 +17,13 @@ import logging
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from gguf_assets.lib.core import atomic, verify
 from gguf_assets.lib.output.export_run import gguf_path
 from gguf_assets.lib.project.layout import KEPT_DIR, KEPT_FILE, REPORT_JSON, REPORT_MD, ProjectPaths
 from gguf_assets.lib.project.manifests import ExportSidecar
 from gguf_assets.lib.project.settings import Settings
+from gguf_assets.lib.training.training_run import kept_dir, kept_gguf, read_kept
 
 log = logging.getLogger(__name__)
 
@@ -40,23 +40,6 @@ def copy_verified(source: Path, folder: Path, *, sha256: str) -> Path:
             raise OSError(f"copy of {source} to {target} does not match its sha256; nothing was replaced "
                           f"(check the disk at {folder})")
     return target
-
-
-def kept_dir(paths: ProjectPaths, fingerprint: str) -> Path:
-    return paths.checkpoints_dir(fingerprint) / KEPT_DIR
-
-
-def read_kept(paths: ProjectPaths, fingerprint: str) -> dict[str, Any] | None:
-    """The run's kept.json, or None when it kept nothing (or the record cannot be read)."""
-    try:
-        doc = atomic.read_json(kept_dir(paths, fingerprint) / KEPT_FILE)
-    except (OSError, ValueError):
-        return None
-    return doc if isinstance(doc, dict) and isinstance(doc.get("gguf"), dict) else None
-
-
-def kept_gguf(paths: ProjectPaths, fingerprint: str, kept: dict) -> Path:
-    return kept_dir(paths, fingerprint) / Path(kept["gguf"]["file"]).name
 
 
 def keep_export(paths: ProjectPaths, sidecar: ExportSidecar) -> Path | None:

@@ -20,14 +20,14 @@ from gguf_assets.lib.core import metrics as m
 from gguf_assets.lib.core.commands import shell_line
 from gguf_assets.lib.core.ggk_contract import ESCAPE_HINT, USER_FILES
 from gguf_assets.lib.core.markdown import markdown_table, user_text
-from gguf_assets.lib.output.better import better_advice, better_weights, shortfall
 from gguf_assets.lib.output.kept import keep_report
 from gguf_assets.lib.project import settings_history
 from gguf_assets.lib.project.layout import REPORT_JSON, REPORT_MD, ProjectPaths
 from gguf_assets.lib.project.manifests import DamagedRecord, ExportSidecar, MaterialsManifest, Report
 from gguf_assets.lib.project.settings import Settings
+from gguf_assets.lib.training.better import better_advice, better_weights, with_better_weights
 from gguf_assets.lib.training.training_run import final_run_dir, finished_meta
-from gguf_assets.lib.training.verdict import GOOD, GOOD_VERDICT, LISTENS_TOP1, retrieval_bar, validation_curve, verdict
+from gguf_assets.lib.training.verdict import GOOD, LISTENS_TOP1, retrieval_bar, validation_curve, verdict
 
 # ggk's flags (gk-diffuser.cpp), for the "use it in ggk" table.
 VISION_FLAG = "--llm_vision"
@@ -133,7 +133,7 @@ def build_report(paths: ProjectPaths, settings: Settings, materials: MaterialsMa
                            steps=settings.training.steps, retrieval=retrieval)
     better = better_weights(paths, final_meta, torch_score=torch_score,
                             gguf_score=evaluation[m.VAL_CENTRED_COSINE] if evaluation else None)
-    text, advice = with_better_weights(text, advice, better)
+    text, advice = with_better_weights(text, advice, better, stored_command, STORED_PROJECT)
     others = evaluation if evaluation else _last_validation(final_meta)
     student = materials.student
     ggk_files = {"adapter": adapter_file["path"], "vision_encoder": vision_file["path"] if vision_file else None,
@@ -189,15 +189,6 @@ STORED_PROJECT = "."
 
 def stored_command(*words: object) -> str:
     return shell_line("gguf-trainer", *words)
-
-
-def with_better_weights(text: str, advice: str, better: list[dict]) -> tuple[str, str]:
-    """The verdict and advice when earlier weights scored higher (lib/output/better.py): the verdict says so, and
-    the advice starts with where they are; "use it" advice gives way to it (the recipe advice stays)."""
-    if not better:
-        return text, advice
-    recipe = "" if text.startswith(GOOD_VERDICT) else f" {advice}"
-    return f"{text} {shortfall(better)}", better_advice(better, stored_command, STORED_PROJECT) + recipe
 
 
 def shown_advice(report: Report, command: Callable[..., str], project: object) -> str:

@@ -165,7 +165,7 @@ class Report(_JsonFields):
     val_retrieval_top5: float | None = None
     val_retrieval_margin: float | None = None
     val_retrieval_prompts: int | None = None
-    # Weights that scored higher than these (lib/output/better.py): the run's best validation, the run it continues;
+    # Weights that scored higher than these (lib/training/better.py): the run's best validation, the run it continues;
     # [] when none did, and in reports made before it.
     better_weights: list[dict] = field(default_factory=list)
 

@@ -14,7 +14,6 @@ from gguf_assets.lib.core.commands import trainer
 from gguf_assets.lib.core.errors import UserError
 from gguf_assets.lib.core.metrics import VAL_CENTRED_COSINE
 from gguf_assets.lib.materials.materials_run import load_manifest
-from gguf_assets.lib.output.kept import kept_gguf, read_kept
 from gguf_assets.lib.precompute.shards_run import shard_fingerprints
 from gguf_assets.lib.project import settings_history
 from gguf_assets.lib.project.layout import FINAL_DIR, LABEL_FILE, META_FILE, SPLITS, STEP_DIR, ProjectPaths
@@ -25,8 +24,10 @@ from gguf_assets.lib.training.training_run import (
     RunOutcome,
     ended_early,
     history_to_the_end,
+    kept_gguf,
     newest_meta,
     reached_step,
+    read_kept,
     read_lineage,
     read_session,
     run_fingerprint,
@@ -103,6 +104,9 @@ class Run:
     # Its kept report's prompt retrieval (metrics.RETRIEVAL_KEYS: the GGUF's, measured by the evaluation only); {}
     # without a kept report, None where the report is older than retrieval.
     gguf_retrieval: dict[str, float | int | None] = field(default_factory=dict)
+    # A snapshot of this run, compared as a run (lib/runs/compare.py): {file, step, weights, run (the run's name),
+    # validated (its torch scores at that step), evaluated (its GGUF was scored)}. None: the run itself.
+    snapshot: dict | None = None
 
     def to_json(self) -> dict:
         doc = asdict(self)

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from gguf_assets.lib.core import atomic, faults
+from gguf_assets.lib.core.commands import trainer
 from gguf_assets.lib.core.metrics import EMPTY_PROMPT_COSINE, VAL_CENTRED_COSINE, VAL_LOSS
 from gguf_assets.lib.project import formats, settings_history
 from gguf_assets.lib.project.layout import (
@@ -43,6 +44,7 @@ from gguf_assets.lib.training.adapter import (
     parameter_groups,
     start_at_row_means,
 )
+from gguf_assets.lib.training.better import better_weights, with_better_weights
 from gguf_assets.lib.training.checkpoints import (
     Resumed,
     final_is_intact,
@@ -662,6 +664,10 @@ class _TrainingRun:
         save_weights(self.run_dir / FINAL_DIR, model=self.judged, step=self.step, meta=summary,
                      extra={CURVES_FILE: self._write_curves()})
         end_session(self.run_dir)
+        # Weights that scored higher (its best validation, the run it continues): said as the report says them, with
+        # this project's commands. Only the note: final/meta.json keeps the trainer's own verdict and advice.
+        better = better_weights(self.paths, summary, torch_score=final[VAL_CENTRED_COSINE], gguf_score=None)
+        text, advice = with_better_weights(text, advice, better, trainer, self.paths.root)
         self.note(f"training finished: {text} {advice}")
         self.emit(Finished(step=self.step, val_centred_cosine=final[VAL_CENTRED_COSINE]))
         return summary

@@ -18,6 +18,8 @@ from gguf_assets.lib.project import formats
 from gguf_assets.lib.project.layout import (
     BEST_DIR,
     FINAL_DIR,
+    KEPT_DIR,
+    KEPT_FILE,
     META_FILE,
     SESSION_FILE,
     STEP_DIR,
@@ -315,6 +317,25 @@ def finished_meta(run_dir: Path) -> dict | None:
     except (OSError, ValueError):
         return None
     return meta if isinstance(meta, dict) else None
+
+
+def kept_dir(paths: ProjectPaths, fingerprint: str) -> Path:
+    """Where a run keeps its own exported GGUF and report (lib/output/kept.py writes them; read here too, for
+    lib/training/better.py, which offers a parent run's)."""
+    return paths.checkpoints_dir(fingerprint) / KEPT_DIR
+
+
+def read_kept(paths: ProjectPaths, fingerprint: str) -> dict[str, Any] | None:
+    """The run's kept.json, or None when it kept nothing (or the record cannot be read)."""
+    try:
+        doc = atomic.read_json(kept_dir(paths, fingerprint) / KEPT_FILE)
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) and isinstance(doc.get("gguf"), dict) else None
+
+
+def kept_gguf(paths: ProjectPaths, fingerprint: str, kept: dict) -> Path:
+    return kept_dir(paths, fingerprint) / Path(kept["gguf"]["file"]).name
 
 
 def ended_early(meta: dict | None) -> str | None:

@@ -283,6 +283,73 @@ def test_compare_overlays_two_runs_curves(project):
     assert ET.fromstring(written.read_text()).findall("{http://www.w3.org/2000/svg}g")
 
 
+def test_a_snapshot_compares_like_a_run_its_curve_cut_at_its_step_and_its_gguf_s_scores(project, capsys):
+    """#65: `runs --compare` takes a snapshot where it takes a run, by its file's name or as RUN@STEP: its curve is its
+    run's cut at its step (with its step's validation), its scores its GGUF's evaluation (an unevaluated one: its
+    step's validation, and the command that scores it); beside its own run, its line is its point at its step."""
+    from gguf_assets.cli import main as trainer_main
+    from gguf_assets.lib.core.commands import trainer
+    from gguf_assets.lib.output.snapshots import read_snapshots
+
+    run = only_run(project)
+    root = str(project.root)
+    assert trainer_main(["snapshot", root, "--step", "35", "--eval"]) == 0  # a checkpoint's step, evaluated
+    assert trainer_main(["snapshot", root, "--step", "30"]) == 0  # not evaluated
+    capsys.readouterr()
+    at30, at35 = read_snapshots(project.checkpoints_dir(run.fingerprint))
+    evaluated = at35["eval"]
+    svg = project.root.parent / "compare.svg"
+    assert trainer_main(["runs", root, "--compare", run.name, "output/demo-adapter-step35.gguf",
+                         f"{run.fingerprint[:8]}@30", "--svg", str(svg)]) == 0
+    out = capsys.readouterr().out
+    assert_fits_80_columns(out)
+    lines = unwrapped(out)
+    assert lines[:3] == [f"run 1: {run.name}", f"snapshot 2: demo-adapter-step35.gguf, step 35 (step35) of run "
+                         f"{run.name}", f"snapshot 3: demo-adapter-step30.gguf, step 30 (step30) of run {run.name}"]
+    by_step_rows, after = out.split("at the last validation")
+    rows = {cells[0]: cells[1:] for line in by_step_rows.splitlines()
+            if len(cells := re.split(r" {2,}", line.strip())) == 4}
+    by_step = dict(run.curve)
+    # By step: the run's validations (every 20 steps) to each snapshot's step, then the snapshot's own validation.
+    assert rows["step"] == ["run 1", "snapshot 2", "snapshot 3"]
+    assert rows["20"] == [f"{by_step[20]:.4f}"] * 3
+    assert rows["30"] == ["-", "-", f"{at30['val_centred_cosine']:.4f}"]
+    assert rows["35"] == ["-", f"{at35['val_centred_cosine']:.4f}", "-"]
+    assert rows["40"] == [f"{by_step[40]:.4f}", "-", "-"]
+    assert rows["final"] == [f"{run.final_val_centred_cosine:.4f}", f"{at35['val_centred_cosine']:.4f}",
+                             f"{at30['val_centred_cosine']:.4f}"]
+    # Its scores: its GGUF's evaluation; the unevaluated one's, its step's validation (no relative MSE there).
+    last = {cells[0]: cells[1:] for line in after.splitlines() if len(cells := re.split(r" {2,}", line.strip())) == 4}
+    assert last["step"] == ["40", "35", "30"]
+    assert last["val relative MSE"] == [f"{run.last_scores['val_rel_mse']:.4f}", f"{evaluated['val_rel_mse']:.4f}",
+                                        "-"]
+    assert last["val centred cosine of its GGUF"] == [f"{run.gguf_val_centred_cosine:.4f}",
+                                                      f"{evaluated['val_centred_cosine']:.4f}", "-"]
+    assert last["top-1"] == [f"{run.gguf_retrieval['val_retrieval_top1']:.3f}",
+                             f"{evaluated['val_retrieval_top1']:.3f}", "-"]
+    scores_it = trainer("snapshot", project.root, "--step", "30", "--eval")
+    assert f"snapshot 3 has no GGUF evaluation yet: `{scores_it}` scores it" in " ".join(lines), lines
+    # Beside its own run, a snapshot's line is its point at its step: the history is the run's, drawn once.
+    chart = ET.fromstring(svg.read_text()).findall("{http://www.w3.org/2000/svg}g")[0]
+    points = [line.get("points").split() for line in chart.findall("{http://www.w3.org/2000/svg}polyline")]
+    assert [len(p) for p in points] == [2, 1, 1], points
+    # For tools: the snapshot's record comes with it.
+    assert trainer_main(["runs", root, "--compare", f"{run.name}@35", "--json"]) == 0
+    (compared,) = json.loads(capsys.readouterr().out)["runs"]
+    assert compared["snapshot"] == {"file": "output/demo-adapter-step35.gguf", "step": 35, "weights": "step35",
+                                    "run": run.name, "evaluated": True,
+                                    "validated": {"val_centred_cosine": at35["val_centred_cosine"],
+                                                  "empty_prompt_cosine": at35["empty_prompt_cosine"]}}
+    # Refused in one line, naming what there is.
+    assert trainer_main(["runs", root, "--compare", f"{run.name}@7"]) == 2
+    assert (f"run {run.name} has no snapshot GGUF of step 7; its snapshots: demo-adapter-step30.gguf, "
+            "demo-adapter-step35.gguf") in capsys.readouterr().err
+    assert trainer_main(["runs", root, "--compare", "demo-adapter-step9.gguf", "demo-adapter-step35.gguf"]) == 2
+    assert "no snapshot GGUF named 'demo-adapter-step9.gguf'" in capsys.readouterr().err
+    assert trainer_main(["runs", root, "--compare", "demo-adapter-step35.gguf", f"{run.name}@35"]) == 2
+    assert "the same run twice (or the same snapshot)" in capsys.readouterr().err
+
+
 def test_use_puts_a_run_s_gguf_back_from_its_own_copy_and_never_a_damaged_copy(project):
     run = only_run(project)
     text = project.project_file.read_text()

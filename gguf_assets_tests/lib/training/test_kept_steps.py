@@ -198,3 +198,29 @@ def test_a_continuation_lowered_back_to_its_parents_count_stands_for_it_and_comp
     validations = [cosine for step, cosine in second.curve if step > 0]  # the axis spans them, not the untrained 0
     assert y_labels == pytest.approx([max(validations), min(validations)], abs=1e-3), (y_labels, second.curve)
     assert min(validations) > second.curve[0][1] + 0.01
+
+
+def test_the_trainer_s_closing_note_offers_better_weights_as_the_report_does(tmp_path, shards):
+    """#65: a continuation that ends below the run it continues says so in the trainer's own closing note, with the
+    command that makes the parent's result current again (lib/training/better.py, the report's words), for this
+    project's folder."""
+    from gguf_assets.lib.core.commands import trainer
+    from gguf_assets.lib.training.better import better_weights, shortfall
+
+    root = tmp_path / "project"
+    short = replace(SETTINGS, training={"steps": 20})
+    parent, parent_dir = _train(root, shards, short)
+    # The parent ended higher than 20 more steps will take its child (as a lowered or unlucky continuation would).
+    parent_final = parent_dir / FINAL_DIR / META_FILE
+    atomic.write_json(parent_final, {**atomic.read_json(parent_final), "val_centred_cosine": 0.99})
+    events = []
+    child, child_dir = _train(root, shards, replace(SETTINGS, training={"steps": 40}), on_event=events.append)
+    (note,) = [e.message for e in events if isinstance(e, Note) and e.message.startswith("training finished: ")]
+    meta = atomic.read_json(child_dir / FINAL_DIR / META_FILE)
+    better = better_weights(ProjectPaths.of(root), meta, torch_score=meta["val_centred_cosine"], gguf_score=None)
+    assert [(b["kind"], b["run"], b["score"]) for b in better] == [("parent", parent.fingerprint, 0.99)]
+    parent_name = better[0]["name"]
+    assert f"{meta['verdict']} {shortfall(better)}" in note, note
+    assert "But earlier weights scored higher (the run it continues: 0.9900)." in note
+    assert f"The run it continues, {parent_name}, scored 0.9900 (torch), above this run's " in note
+    assert f"`{trainer('runs', root, '--use', parent_name)}`." in note, note

@@ -1,8 +1,9 @@
 """Weights that scored higher than the delivered ones: the run's own best validation (a run whose score fell after
 its best, or a run ended early by a lowered training.steps), or the run it continues (a continuation that ended
-below where its parent had got). The report says so beside its verdict and names the command that gives them
-(`gguf-trainer snapshot DIR --best`; the parent's kept GGUF and `gguf-trainer runs DIR --use NAME`), and
-`gguf-trainer run`'s closing lines and the studio's Result say the same.
+below where its parent had got). The trainer's closing note (lib/training/train.py) and the report say so beside
+their verdict and name the command that gives them (`gguf-trainer snapshot DIR --best`; the parent's kept GGUF and
+`gguf-trainer runs DIR --use NAME`); `gguf-trainer run`'s closing lines and the studio's Result say the same. Here,
+under the output layer, so that the trainer reads it too.
 
 Scores are compared like for like: the best validation against the delivered weights' own torch score (the same
 evaluator, so best at the final step is never "better"), the parent's GGUF against the delivered GGUF where both
@@ -16,10 +17,10 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from gguf_assets.lib.core import metrics as m
-from gguf_assets.lib.output.kept import kept_gguf, read_kept
 from gguf_assets.lib.project.layout import ProjectPaths, RecordPathError
 from gguf_assets.lib.telemetry.curves_log import run_name
-from gguf_assets.lib.training.training_run import finished_meta, parent_of
+from gguf_assets.lib.training.training_run import finished_meta, kept_gguf, parent_of, read_kept
+from gguf_assets.lib.training.verdict import GOOD_VERDICT
 
 # Less than this above the delivered score is not worth another file: it shows in neither the verdict's three
 # decimals nor, often, between two evaluations of the same weights in another precision.
@@ -85,6 +86,17 @@ def shortfall(found: list[dict]) -> str:
     parts = [f"its best validation, step {f['step']}: {f['score']:.4f}" if f["kind"] == BEST else
              f"the run it continues: {f['score']:.4f}" for f in found]
     return f"But earlier weights scored higher ({'; '.join(parts)})."
+
+
+def with_better_weights(text: str, advice: str, better: list[dict], command: Command,
+                        project: object) -> tuple[str, str]:
+    """The verdict and advice when earlier weights scored higher (``better``, from ``better_weights``): the verdict
+    says so, and the advice starts with where they are (``command``, ``project``: as ``better_advice``); "use it"
+    advice gives way to it (the recipe advice stays)."""
+    if not better:
+        return text, advice
+    recipe = "" if text.startswith(GOOD_VERDICT) else f" {advice}"
+    return f"{text} {shortfall(better)}", better_advice(better, command, project) + recipe
 
 
 def better_advice(found: list[dict], command: Command, project: object) -> str:
