@@ -1,5 +1,5 @@
 """What the studio page's title says, and what its browser notification follows: the project's state in one line
-(``⏳ 1740/2400 · demo`` while it trains, ``✓ 0.907 · demo`` once the pipeline is done, ``✗ failed · demo``), from the
+(``⏳ 1740/2400 · demo`` while it trains, ``✓ 0.914 · demo`` once the pipeline is done, ``✗ failed · demo``), from the
 page's own view (studio/page.py's PageView), so a tab in the background tells the user when training ends.
 
 The page notifies (when the user allowed it) once per run, when the state becomes finished or failed after it was

@@ -20,7 +20,7 @@ NOTICE_EVENT = "gguf_assets.run_end"
 
 
 def signal_line(outcome: str, what: str, project: str) -> str:
-    """``⏳ 1740/2400 · demo``, ``✓ 0.907 · demo``: the outcome's mark, what to say of it, the project's name."""
+    """``⏳ 1740/2400 · demo``, ``✓ 0.914 · demo``: the outcome's mark, what to say of it, the project's name."""
     return " · ".join(part for part in (f"{MARKS.get(outcome, '')} {what}".strip(), project) if part)
 
 
