@@ -29,7 +29,8 @@ differ by less than 1e-3 (the eval_report check's bound; they differ by about 1e
 check takes at most 10x the write alone (median of the rounds).
 
     .venv/bin/python benchmarks/bench_export.py            # the evaluation with the full-size adapter (minutes)
-    .venv/bin/python benchmarks/bench_export.py --quick    # the evaluation with a small one (the test runs this)
+    .venv/bin/python benchmarks/bench_export.py --quick    # the evaluation with a small one, each timing fewer
+                                                           # times (the test runs this)
     .venv/bin/python benchmarks/bench_export.py --export-only  # the export alone, the f16 check at the seed's shape
 """
 
@@ -215,7 +216,9 @@ def f16_check(root: Path, shape: AdapterShape, *, prompts: int, measure_prompts:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="the evaluation with a small adapter and shards")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int,
+                        help="timed runs of each evaluation (the best counts) and export rounds / 3 (default 3, "
+                             "--quick 1: 3 export rounds)")
     parser.add_argument("--export-only", action="store_true", help="skip the evaluation comparison (minutes)")
     parser.add_argument("--val-prompts", type=int, default=None,
                         help=f"val prompts of the f16 check (default {SEED_VAL_PROMPTS:,}, the seed's; with --quick "
@@ -229,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
                              "(OPENBLAS_NUM_THREADS, set before numpy loads). On a small shared machine teams of 2+ "
                              "threads stall on busy neighbours, which swamps the ratios with noise.")
     args = parser.parse_args(argv)
+    args.repeats = args.repeats or (1 if args.quick else 3)
     if args.threads:
         torch.set_num_threads(args.threads)
     eval_shape, n_shards, n_prompts = (QUICK_SHAPE, 2, 16) if args.quick else (FULL_SHAPE, 2, 48)

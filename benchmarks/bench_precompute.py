@@ -22,7 +22,7 @@ Prints four figures, each against a baseline measured in the same run:
     .venv/bin/python benchmarks/bench_precompute.py [--prompts 256] [--repeats 3] [--device cpu] [--threads N]
                                                     [--middle-prompts 64]
     .venv/bin/python benchmarks/bench_precompute.py --quick    # 48 prompts (16 in the middle-layer case),
-                                                               # 2 repeats, 1 thread (the test runs this)
+                                                               # 1 repeat, 1 thread (the test runs this)
 
 Each timing is the best of --repeats interleaved runs, which keeps other processes' noise out.
 
@@ -251,9 +251,9 @@ def pipeline_seconds(builder: ShardBuilder, prompts: list[str]) -> tuple[float, 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="48 prompts, 2 repeats, 1 torch thread: a smoke run")
+    parser.add_argument("--quick", action="store_true", help="48 prompts, 1 repeat, 1 torch thread: a smoke run")
     parser.add_argument("--prompts", type=int, help="prompts in the shard (default 256, --quick 48)")
-    parser.add_argument("--repeats", type=int, help="interleaved runs of each timing (default 3, --quick 2)")
+    parser.add_argument("--repeats", type=int, help="interleaved runs of each timing (default 3, --quick 1)")
     parser.add_argument("--middle-prompts", type=int,
                         help=f"prompts the middle-layer teacher reads (default {MIDDLE_PROMPTS}, --quick 16)")
     parser.add_argument("--device", default="cpu")
@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
                              "OpenMP teams of 2+ threads stall on busy neighbours: minutes instead of seconds)")
     args = parser.parse_args(argv)
     args.prompts = args.prompts or (48 if args.quick else 256)
-    args.repeats = args.repeats or (2 if args.quick else 3)
+    args.repeats = args.repeats or (1 if args.quick else 3)
     args.middle_prompts = args.middle_prompts or (16 if args.quick else MIDDLE_PROMPTS)
     args.threads = (1 if args.quick else 0) if args.threads is None else args.threads
     if args.threads:

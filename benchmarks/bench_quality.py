@@ -204,7 +204,7 @@ class Size:
 
 FULL = Size(prompts=3200, train=2700, val=300, shard_size=900, query_rows=256, steps=600, calibration_steps=60,
             pretrain_steps=300)
-QUICK = Size(prompts=130, train=96, val=24, shard_size=32, query_rows=4, steps=8, calibration_steps=6,
+QUICK = Size(prompts=100, train=64, val=16, shard_size=64, query_rows=4, steps=4, calibration_steps=4,
              pretrain_steps=4)
 # The study's (--study): the demo's shards (1,600 / 200 prompts, 256 query rows), a few hundred steps.
 STUDY_SIZE = Size(prompts=1900, train=1600, val=200, shard_size=400, query_rows=256, steps=300, calibration_steps=0,
@@ -653,7 +653,7 @@ def study_report(rows: list[dict]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run, about a minute")
-    parser.add_argument("--steps", type=int, help="the current recipe's steps (default: 600, --quick 12)")
+    parser.add_argument("--steps", type=int, help="the current recipe's steps (default: 600, --quick 4)")
     parser.add_argument("--pairs", help="the families to measure (default ABCD; --study: AC)")
     parser.add_argument("--study", action="store_true",
                         help="the ggk-format study (#68): the product, the minimal resampler, the per-(row, dim) "

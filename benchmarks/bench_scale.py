@@ -215,12 +215,12 @@ def graphql_seconds(base: str, query: str, repeats: int = 3) -> tuple[float, dic
     return statistics.median(times), data[-1]
 
 
-def ui_query_seconds(paths) -> tuple[float, float, dict]:
+def ui_query_seconds(paths, repeats: int = 3) -> tuple[float, float, dict]:
     """The UI's asset query and train_shards partition query on the real webserver: (assets s, partitions s,
     the partition stats it answered)."""
     with webserver(paths) as base:
-        assets_s, _ = graphql_seconds(base, ASSETS_QUERY)
-        parts_s, answer = graphql_seconds(base, PARTITIONS_QUERY)
+        assets_s, _ = graphql_seconds(base, ASSETS_QUERY, repeats)
+        parts_s, answer = graphql_seconds(base, PARTITIONS_QUERY, repeats)
     return assets_s, parts_s, answer["assetNodeOrError"]["partitionStats"]
 
 
@@ -241,11 +241,11 @@ def status_seconds(paths, repeats: int = 3) -> tuple[float, float]:
     return min(walls), time.perf_counter() - began
 
 
-def part_pipeline(tmp: Path, *, prompts: int, shard_size: int, steps: int, mock_teacher: bool = False) -> bool:
+def part_pipeline(tmp: Path, *, prompts: int, val: int, shard_size: int, steps: int, mock_teacher: bool = False,
+                  repeats: int = 3) -> bool:
     from gguf_assets.lib.demo.demo import build_demo_materials
     from gguf_assets.lib.status.stages import STAGES
 
-    val = max(shard_size // 2, 100)
     models = "the demo's tiny student and a mock teacher" if mock_teacher else "the demo's tiny real models"
     print(f"\n## pipeline: {prompts} prompts ({prompts - val} train, {val} val), shard size {shard_size}, "
           f"{steps} steps, {models}")
@@ -265,9 +265,9 @@ def part_pipeline(tmp: Path, *, prompts: int, shard_size: int, steps: int, mock_
     partitions, overhead, compute = shard_overheads(instance)
     print(f"whole `run`: {wall:.1f} s; shard partitions: {partitions}, shard compute {compute:.1f} s; per partition "
           f"on top of its compute: {overhead:.3f} s")
-    status_wall, status_inproc = status_seconds(paths)
+    status_wall, status_inproc = status_seconds(paths, repeats)
     print(f"status: {status_wall:.2f} s as a command ({status_inproc:.3f} s of it the status itself)")
-    assets_s, parts_s, stats = ui_query_seconds(paths)
+    assets_s, parts_s, stats = ui_query_seconds(paths, repeats)
     print(f"GraphQL: assets {assets_s:.3f} s, train_shards partitions {parts_s:.3f} s "
           f"({stats['numMaterialized']}/{stats['numPartitions']} materialized)")
     expected = -(-(prompts - val) // shard_size)
@@ -327,7 +327,7 @@ def part_eta(tmp: Path, *, shards: int, shard_size: int) -> bool:
     return ok
 
 
-def part_partitions(tmp: Path, *, partitions: int) -> bool:
+def part_partitions(tmp: Path, *, partitions: int, repeats: int = 3) -> bool:
     import dagster as dg
     from bench_status import build_project
 
@@ -350,13 +350,13 @@ def part_partitions(tmp: Path, *, partitions: int) -> bool:
                 "prompts": 1, "seconds": 0.01}))
     print(f"built in {time.perf_counter() - began:.0f} s")
     settings = load_settings(paths.root)
-    status_wall, status_inproc = status_seconds(paths)
+    status_wall, status_inproc = status_seconds(paths, repeats)
     began = time.perf_counter()
     work = next_work(paths, settings, instance)
     planning = time.perf_counter() - began
     if work is None or work.job != "train_export_evaluate":
         raise RuntimeError(f"with every shard current the next work is training, not {work}")
-    assets_s, parts_s, stats = ui_query_seconds(paths)
+    assets_s, parts_s, stats = ui_query_seconds(paths, repeats)
     print(f"status: {status_wall:.2f} s as a command ({status_inproc:.3f} s in-process); planning (next_work with "
           f"every shard current): {planning:.3f} s")
     print(f"GraphQL: train_shards partitions {parts_s:.3f} s ({stats['numMaterialized']}/{stats['numPartitions']}), "
@@ -427,20 +427,24 @@ def _stop_worker(proc: subprocess.Popen) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="small: 300 prompts, mock teacher, 100 partitions")
+    parser.add_argument("--quick", action="store_true",
+                        help="small: 60 prompts, mock teacher, 100 partitions, each timing once")
     parser.add_argument("--part", nargs="+", choices=("pipeline", "partitions", "cluster", "eta", "all"),
                         default=["all"],
                         help="which parts (several may be named)")
     args = parser.parse_args(argv)
+    repeats = 1 if args.quick else 3  # timings of `status` and of the GraphQL queries: the best of, the median of
     ok = True
     with tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp:
         tmp = Path(tmp)
         os.chmod(tmp, 0o755)  # the Postgres server's own user must reach its folder
         if {"pipeline", "all"} & set(args.part):
-            ok &= part_pipeline(tmp, prompts=300 if args.quick else 60_000, shard_size=100 if args.quick else 1000,
-                                steps=40 if args.quick else 20_000, mock_teacher=args.quick)
+            # Quick: 2 train shards and 1 val shard, each of 20 prompts (what the test checks the stages on).
+            ok &= part_pipeline(tmp, prompts=60 if args.quick else 60_000, val=20 if args.quick else 500,
+                                shard_size=20 if args.quick else 1000, steps=8 if args.quick else 20_000,
+                                mock_teacher=args.quick, repeats=repeats)
         if {"partitions", "all"} & set(args.part):
-            ok &= part_partitions(tmp, partitions=100 if args.quick else 10_000)
+            ok &= part_partitions(tmp, partitions=100 if args.quick else 10_000, repeats=repeats)
         if {"eta", "all"} & set(args.part):
             ok &= part_eta(tmp, shards=4 if args.quick else 8, shard_size=100 if args.quick else 400)
         if {"cluster", "all"} & set(args.part):

@@ -289,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         dims = dict(query_rows=64, target_dim=128, student_dim=64)
         prompts, base_shards = 50, 2
-        training = Training(width=64, depth=1, steps=60, batch_size=16, warmup_steps=5, device="cpu",
+        training = Training(width=64, depth=1, steps=40, batch_size=16, warmup_steps=5, device="cpu",
                             log_every=10, validate_every=10_000, checkpoint_every=10_000)
     else:
         dims = dict(query_rows=256, target_dim=512, student_dim=256)
@@ -322,10 +322,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"reader, page cache evicted: read_torch {reader['reader_mb_per_s']:.0f} MB/s, raw sequential "
               f"reads {reader['raw_mb_per_s']:.0f} MB/s over {reader['mb']:.0f} MB -> ratio "
               f"{reader['reader_vs_raw']:.2f} (the reference pace needs about 200 MB/s)")
-    rows = shared_rows_speedup(rounds=args.rounds, steps=4 if args.quick else 10)
+    rows = shared_rows_speedup(rounds=args.rounds, steps=2 if args.quick else 10)
     print(f"demo-shaped step: query rows shared by the batch {rows['shared_ms']:.1f} ms, copied per prompt "
           f"{rows['per_prompt_ms']:.1f} ms -> speedup {rows['per_prompt_ms'] / rows['shared_ms']:.2f}x")
-    bf16 = bf16_speedup(rounds=args.rounds, steps=4 if args.quick else 10)
+    bf16 = bf16_speedup(rounds=args.rounds, steps=2 if args.quick else 10)
     print(f"demo-shaped step: bf16 autocast {bf16['bf16_ms']:.1f} ms, f32 {bf16['fp32_ms']:.1f} ms -> speedup "
           f"{bf16['fp32_ms'] / bf16['bf16_ms']:.2f}x (bf16 hardware: {bf16['hardware'] or 'none, emulated'}; "
           f"training.precision auto picks {bf16['auto']} here)")

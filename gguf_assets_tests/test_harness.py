@@ -83,6 +83,67 @@ def test_idle_by_minute_puts_each_readings_idle_time_in_its_minute():
     assert suite_cpu.idle_by_minute(readings) == [10.5, 0.5, 8.0]
 
 
+def test_suite_cpu_counts_a_warm_fork_to_the_test_that_asked_for_it(tmp_path):
+    """A process the warm loader forks shows the loader's command line and environment in /proc, so no test there:
+    suite_cpu.py reads its test from the fork log (warm_runs.py's _note_fork), by pid and start time, so that a
+    reused pid is not taken for it."""
+    suite_cpu = _suite_cpu_module()
+    seen = {("41", "900"): suite_cpu.Seen(3.0, "python warm_runs.py SOCKET", "-"),
+            ("42", "950"): suite_cpu.Seen(1.0, "python warm_runs.py SOCKET", "-"),
+            ("43", "990"): suite_cpu.Seen(2.0, "python x.py", "t.py::cold")}
+    log = tmp_path / "forks.tsv"
+    log.write_text("41\t900\tt.py::test_a\n42\t949\tt.py::test_b\n")
+    suite_cpu.attribute_forks(seen, str(log))
+    assert [s.test for s in seen.values()] == ["t.py::test_a", "-", "t.py::cold"]
+    suite_cpu.attribute_forks(seen, str(tmp_path / "none.tsv"))  # no fork was noted: no file, nothing changes
+    assert "t.py::test_a" in suite_cpu.report(seen, 1.0, 6.0, 0.0, tests=5)
+
+
+def test_a_warm_script_starts_as_a_cold_one_and_ends_with_its_status(tmp_path, monkeypatch):
+    """warm_runs.py's scripts (the benchmarks' tests run them so): forked by the loader, a script sees what
+    `python SCRIPT ARGS` sees (its name "__main__", __file__, sys.argv, its folder first on sys.path, so a module
+    beside it imports, the folder it runs in, stdout's buffering), writes stdout and stderr apart, and ends with the
+    cold run's status, from sys.exit or from an exception it does not catch (whose last line it prints), after its
+    threads and atexit functions, as Python ends (the fork skips the teardown of what the loader loaded). The fork is
+    noted for scripts/suite_cpu.py under the test that asked; an environment the loader's libraries would read
+    differently starts the script cold."""
+    from warm_runs import FORK_LOG_ENV, WarmRun, script_popen, script_run
+
+    folder = tmp_path / "scripts"
+    folder.mkdir()
+    (folder / "beside.py").write_text("WHERE = 'beside the script'\n")
+    script = folder / "probe.py"
+    script.write_text(
+        "import atexit\nimport os\nimport sys\nimport threading\nimport time\n\nfrom beside import WHERE\n\n"
+        "print(__name__, __file__, sys.argv, sys.path[0], WHERE, sys.stdout.line_buffering, os.getcwd())\n"
+        "print('to stderr', file=sys.stderr)\n"
+        "atexit.register(print, 'atexit, after the thread')\n"
+        "threading.Thread(target=lambda: (time.sleep(0.2), print('a thread ends after the script'))).start()\n"
+        "if sys.argv[1] == 'raise':\n    raise RuntimeError('the script s own error')\n"
+        "sys.exit(int(sys.argv[1]) if sys.argv[1].isdigit() else sys.argv[1])\n")
+    env = dict(os.environ)
+    for args in (["3"], ["0"], ["raise"], ["a message for stderr"]):
+        warm = script_run(script, args, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        cold = subprocess.run([sys.executable, str(script), *args], env=env, cwd=tmp_path, capture_output=True,
+                              text=True, timeout=120)
+        assert cold.stdout.startswith(f"__main__ {script} ") and str(folder) in cold.stdout, cold.stdout
+        assert cold.stdout.endswith("a thread ends after the script\natexit, after the thread\n"), cold.stdout
+        assert (warm.returncode, warm.stdout) == (cold.returncode, cold.stdout), (warm, cold)
+        assert warm.stderr.splitlines()[0] == "to stderr" and warm.stderr.splitlines()[-1:] == \
+            cold.stderr.splitlines()[-1:], (warm.stderr, cold.stderr)
+
+    log = tmp_path / "forks.tsv"
+    monkeypatch.setenv(FORK_LOG_ENV, str(log))
+    forked = script_popen(script, ["0"], env=env, stdout=subprocess.DEVNULL)
+    forked.wait(timeout=120)
+    test = os.environ["PYTEST_CURRENT_TEST"].split(" ")[0]
+    assert isinstance(forked, WarmRun) and log.read_text().split("\t")[::2] == [str(forked.pid), f"{test}\n"]
+
+    cold = script_popen(script, ["0"], env={**env, "HF_HOME": str(tmp_path / "hf-home")}, stdout=subprocess.DEVNULL)
+    assert not isinstance(cold, WarmRun) and cold.args == [sys.executable, str(script), "0"]
+    assert cold.wait(timeout=120) == 0
+
+
 def test_suite_cpu_names_the_suites_processes_by_kind():
     suite_cpu = _suite_cpu_module()
     kinds = {

@@ -13,6 +13,15 @@ thin parent that `gguf-trainer run` puts in front of the work (it prints "starti
 SIGTERM, and dies with its child): the tests of that parent, of Ctrl-C, of the console and of what a cold start
 prints keep starting `gguf-trainer run` cold.
 
+The loader forks a Python script too (``script_run``, ``script_popen``: the benchmarks' tests): the fork runs it as
+``python SCRIPT ARGS`` would (``runpy.run_path`` under the name "__main__", sys.argv, the script's folder first on
+sys.path in place of this file's), with the stdio, exit status and signals above. What the script sets up itself
+(logging's configuration, torch's threads, signal handlers) it sets up in the fork as it would cold. What the
+loader's imports set up stays, where the script would not have imported that module: a warnings filter (Dagster's
+BetaWarning, ignored by gguf_assets.defs) or a library's logger, so a warning that a cold start prints on stderr may
+be missing. Its stdout and status are a cold start's (estimate_large.py, estimate_llada.py --quick, gpu_check.py
+--tiny and bench_quality.py --study --quick printed the same bytes both ways, but for their timings).
+
 A request whose environment differs from the loader's in a variable that a loaded library reads when it is
 imported (HF_HOME, OMP_NUM_THREADS, ...) is started cold instead, as is every request when the loader cannot be
 started: a warm run never runs with settings other than those of a cold one.
@@ -27,6 +36,7 @@ import gc
 import importlib
 import json
 import os
+import runpy
 import select
 import shutil
 import signal
@@ -54,6 +64,7 @@ PRELOAD = (*spare_run.PRELOAD, "gguf_assets.cli.commands", "gguf_assets.defs.mat
            "gguf_assets.lib.output.gguf_eval", "accelerate", "transformers.modeling_utils",
            "transformers.models.qwen3.modeling_qwen3", "transformers.models.qwen3_moe.modeling_qwen3_moe")
 _REQUEST_BYTES = 1 << 20
+FORK_LOG_ENV = "SUITE_CPU_FORK_LOG"  # scripts/suite_cpu.py's: where the forks' tests are noted (_note_fork)
 
 
 # Set by torch itself in a process that loaded its compiler (some tests do), not read by what the loader loads.
@@ -80,7 +91,7 @@ def _become_run(request: dict, fds: list[int]) -> None:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
-    sys.argv = ["gguf-trainer", *request["argv"]]
+    sys.stdout.reconfigure(line_buffering=os.isatty(1))  # as Python sets up its stdout at start
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -143,6 +154,44 @@ def serve(path: str) -> list[str]:
             os.close(set_up_read)
             _send(conn, {"pid": pid})
             runs[pid] = conn
+
+
+def run_script(argv: list[str]) -> None:
+    """In a forked run: ``python SCRIPT ARGS`` (``argv``), as a cold interpreter runs it: sys.argv as given, the
+    script's folder first on sys.path, ``__file__`` absolute. Its SystemExit, or an exception it does not catch,
+    ends this process as it ends a cold one; an end with a status (0 to 255) skips the interpreter's teardown
+    (``_end``)."""
+    script = os.path.abspath(argv[0])
+    sys.argv = list(argv)
+    sys.path[0] = os.path.dirname(os.path.realpath(script))  # this file's folder, where the loader started
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as stop:
+        if not (stop.code is None or isinstance(stop.code, int) and 0 <= stop.code <= 255):
+            raise  # Python's own way: a message printed, status 1
+        _end(stop.code or 0)
+    _end(0)
+
+
+def _end(status: int) -> None:
+    """Exit as Python exits (waiting for the threads that are not daemons, then the atexit functions, then stdout
+    and stderr flushed; 120 when stdout cannot be), without its teardown: tearing down the modules the loader
+    loaded writes to nearly every page the fork shares with the loader, 0.33 CPU s for a script that prints one
+    line (0.02 s cold). Lost with it: what objects' __del__ would do at exit, such as flushing a file the script
+    left open."""
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    try:
+        sys.stdout.flush()
+    except Exception:  # as Python's exit: the status says so
+        status = 120
+    try:
+        sys.stderr.flush()
+    except Exception:
+        pass
+    os._exit(status)
 
 
 def _send(conn: socket.socket, message: dict) -> None:
@@ -213,6 +262,7 @@ class WarmRun(subprocess.Popen):
             self._socket.connect(self._loader.socket_path)
             socket.send_fds(self._socket, [json.dumps(request).encode()], fds)
             self.pid = json.loads(self._socket.recv(4096))["pid"]
+            _note_fork(self.pid)
         finally:
             self._close_pipe_fds(p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)
         self._child_created = True
@@ -242,6 +292,23 @@ class WarmRun(subprocess.Popen):
         return self.returncode
 
 
+def _note_fork(pid: int) -> None:
+    """For scripts/suite_cpu.py, when it runs the tests: the fork's test, which its /proc entry cannot name (its
+    environment there is the loader's)."""
+    log = os.environ.get(FORK_LOG_ENV)
+    if not log:
+        return
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as proc_stat:
+            stat = proc_stat.read()
+    except OSError:  # ended already
+        return
+    started = stat[stat.rindex(")") + 2:].split()[19]
+    test = os.environ.get("PYTEST_CURRENT_TEST", "-").split(" ")[0]
+    with open(log, "a", encoding="utf-8") as out:  # one short line: appended whole beside other writers
+        out.write(f"{pid}\t{started}\t{test}\n")
+
+
 # Before any test changes the environment: the loader's, and the one a request must match in IMPORT_TIME_PREFIXES.
 _LOADER = WarmRuns(dict(os.environ))
 
@@ -259,12 +326,37 @@ def trainer_popen(args: list[str], *, env: dict[str, str], warm: bool = True, **
     return subprocess.Popen([*CLI, *args], env=env, **kwargs)
 
 
+def script_popen(script: str | os.PathLike, args: list[str], *, env: dict[str, str],
+                 **kwargs) -> subprocess.Popen:
+    """subprocess.Popen of ``python SCRIPT ARGS`` (``script`` a .py file): a warm process when the environment suits
+    the loader (the module docstring's rule), else the script itself, cold."""
+    argv = [os.fspath(script), *args]
+    if not argv[0].endswith(".py"):
+        raise ValueError(f"not a Python script: {argv[0]}")
+    if _LOADER.suits(env):
+        return WarmRun(_LOADER, argv, env=env, **kwargs)
+    return subprocess.Popen([sys.executable, *argv], env=env, **kwargs)
+
+
 def trainer_run(args: list[str], *, env: dict[str, str], timeout: float | None = None, check: bool = False,
                 capture_output: bool = False, **kwargs) -> subprocess.CompletedProcess:
     """subprocess.run of ``trainer_popen``."""
     if capture_output:
         kwargs.update(stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    with trainer_popen(args, env=env, **kwargs) as process:
+    return _finished(trainer_popen(args, env=env, **kwargs), timeout=timeout, check=check)
+
+
+def script_run(script: str | os.PathLike, args: list[str], *, env: dict[str, str], timeout: float | None = None,
+               check: bool = False, capture_output: bool = False, **kwargs) -> subprocess.CompletedProcess:
+    """subprocess.run of ``script_popen``."""
+    if capture_output:
+        kwargs.update(stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return _finished(script_popen(script, args, env=env, **kwargs), timeout=timeout, check=check)
+
+
+def _finished(process: subprocess.Popen, *, timeout: float | None, check: bool) -> subprocess.CompletedProcess:
+    """What subprocess.run returns for ``process``, run to its end (killed after ``timeout``, and raised)."""
+    with process:
         try:
             stdout, stderr = process.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -279,6 +371,10 @@ def trainer_run(args: list[str], *, env: dict[str, str], timeout: float | None =
 
 if __name__ == "__main__":
     _argv = serve(sys.argv[1])
-    from gguf_assets import cli
+    if _argv[0].endswith(".py"):  # script_popen's: no gguf-trainer command is named so
+        run_script(_argv)
+    else:
+        sys.argv = ["gguf-trainer", *_argv]
+        from gguf_assets import cli
 
-    sys.exit(cli.main(_argv))
+        sys.exit(cli.main(_argv))

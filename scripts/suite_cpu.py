@@ -9,6 +9,10 @@ and the test it ran for (PYTEST_CURRENT_TEST, which a test's subprocesses inheri
 `gguf-trainer run`, a Dagster code server, Chromium, ...), beside the whole machine's busy and idle CPU seconds over
 the same time (/proc/stat): what no reading caught (the kernel's threads, a process shorter than one reading, such as
 many a hub child of about 0.2 s) is the difference. Linux only. The exit status is the command's.
+
+A process the tests' warm loader forks (gguf_assets_tests/warm_runs.py) keeps the loader's command line and
+environment in /proc, so it names no test there: the tests' side notes each fork's pid and test in the file that
+FORK_LOG_ENV names (set here for the command), and its CPU counts to that test.
 """
 
 from __future__ import annotations
@@ -18,12 +22,14 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from collections import defaultdict
 from dataclasses import dataclass
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 YOUNG_READINGS = 8  # a process's command line is read again at each of its first readings (see read_processes)
+FORK_LOG_ENV = "SUITE_CPU_FORK_LOG"  # warm_runs.py appends "pid<TAB>start time<TAB>test" a fork
 GGUF_TRAINER = re.compile(r"(?:-m gguf_assets\.cli|/gguf-trainer|gguf_assets/cli\.py) (\S+)")
 
 
@@ -111,6 +117,20 @@ def read_processes(seen: dict[tuple[str, str], Seen], skip: int) -> None:
             continue  # it ended between the listing and the reading
 
 
+def attribute_forks(seen: dict[tuple[str, str], Seen], fork_log: str) -> None:
+    """The tests of the warm loader's forks, from ``fork_log``'s lines (pid, start time as /proc/PID/stat gives it,
+    test)."""
+    try:
+        with open(fork_log, encoding="utf-8") as log:
+            lines = log.read().splitlines()
+    except FileNotFoundError:
+        return
+    for line in lines:
+        pid, started, test = line.split("\t", 2)
+        if (pid, started) in seen:
+            seen[(pid, started)].test = test
+
+
 def idle_by_minute(readings: list[tuple[float, float]]) -> list[float]:
     """The machine's idle CPU seconds in each minute of the command's wall time, from ``(seconds since the start,
     idle CPU seconds since boot)`` readings (the first at the start, the last at the end): where the suite leaves a
@@ -168,14 +188,20 @@ def main(argv: list[str]) -> int:
     busy0, idle0 = machine_cpu_s()
     began = time.monotonic()
     idle_readings = [(0.0, idle0)]
-    child = subprocess.Popen(command)
-    while child.poll() is None:
-        read_processes(seen, skip=os.getpid())
-        idle_readings.append((time.monotonic() - began, machine_cpu_s()[1]))
-        time.sleep(args.every)
-    wall = time.monotonic() - began
-    busy1, idle1 = machine_cpu_s()
-    idle_readings.append((wall, idle1))
+    fork_log = tempfile.NamedTemporaryFile(prefix="suite-cpu-forks-", delete=False)
+    fork_log.close()
+    try:
+        child = subprocess.Popen(command, env={**os.environ, FORK_LOG_ENV: fork_log.name})
+        while child.poll() is None:
+            read_processes(seen, skip=os.getpid())
+            idle_readings.append((time.monotonic() - began, machine_cpu_s()[1]))
+            time.sleep(args.every)
+        wall = time.monotonic() - began
+        busy1, idle1 = machine_cpu_s()
+        idle_readings.append((wall, idle1))
+        attribute_forks(seen, fork_log.name)
+    finally:
+        os.unlink(fork_log.name)
     print(report(seen, wall, busy1 - busy0, idle1 - idle0, args.tests, idle_by_minute(idle_readings)),
           file=sys.stderr)
     if args.raw:
