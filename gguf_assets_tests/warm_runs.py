@@ -12,6 +12,8 @@ GGUF_ASSETS_RUN_CHILD set); signals, kill -9 and the exit status behave as for t
 thin parent that `gguf-trainer run` puts in front of the work (it prints "starting", forwards Ctrl-C and
 SIGTERM, and dies with its child): the tests of that parent, of Ctrl-C, of the console and of what a cold start
 prints keep starting `gguf-trainer run` cold.
+A fork ends as Python ends (threads joined, atexit functions, stdio flushed) but skips the interpreter's teardown
+of what the loader loaded (``_end``: about 0.3 CPU s a fork), whether it ran a command or a script.
 
 The loader forks a Python script too (``script_run``, ``script_popen``: the benchmarks' tests): the fork runs it as
 ``python SCRIPT ARGS`` would (``runpy.run_path`` under the name "__main__", sys.argv, the script's folder first on
@@ -164,13 +166,33 @@ def run_script(argv: list[str]) -> None:
     script = os.path.abspath(argv[0])
     sys.argv = list(argv)
     sys.path[0] = os.path.dirname(os.path.realpath(script))  # this file's folder, where the loader started
-    try:
+
+    def as_main() -> None:  # what the script's module holds at its end is no status
         runpy.run_path(script, run_name="__main__")
+
+    _run_then_end(as_main)
+
+
+def run_command(argv: list[str]) -> None:
+    """In a forked run: `gguf-trainer ARGS` (``argv``), from the same entry as the command's own process
+    (``cli.main``), ended as ``run_script`` ends a script."""
+    sys.argv = ["gguf-trainer", *argv]
+    from gguf_assets import cli
+
+    _run_then_end(lambda: cli.main(argv))
+
+
+def _run_then_end(run) -> None:
+    """``run()``, then this process ends with its status (what it returns, or its SystemExit's code) as a cold one
+    does; a status of 0 to 255 skips the interpreter's teardown (``_end``), anything else (a message, an exception
+    ``run`` does not catch) takes Python's own way."""
+    try:
+        code = run()
     except SystemExit as stop:
-        if not (stop.code is None or isinstance(stop.code, int) and 0 <= stop.code <= 255):
-            raise  # Python's own way: a message printed, status 1
-        _end(stop.code or 0)
-    _end(0)
+        code = stop.code
+    if not (code is None or isinstance(code, int) and 0 <= code <= 255):
+        raise SystemExit(code)  # Python's own way: a message printed, status 1
+    _end(code or 0)
 
 
 def _end(status: int) -> None:
@@ -374,7 +396,4 @@ if __name__ == "__main__":
     if _argv[0].endswith(".py"):  # script_popen's: no gguf-trainer command is named so
         run_script(_argv)
     else:
-        sys.argv = ["gguf-trainer", *_argv]
-        from gguf_assets import cli
-
-        sys.exit(cli.main(_argv))
+        run_command(_argv)
