@@ -566,7 +566,7 @@ def _print_snapshots(paths: ProjectPaths, run_dir, output_dir) -> None:
     say(f"snapshot GGUFs in {output_dir}: {len(lineage.files) or 'none'}")
     for file in lineage.files:
         e = file.entry
-        score, evaluated = e.get(VAL_CENTRED_COSINE), (e.get("eval") or {}).get(VAL_CENTRED_COSINE)
+        score, evaluated = e.get(VAL_CENTRED_COSINE), file.evaluation(paths).get(VAL_CENTRED_COSINE)
         same = file.same_file_as(paths)
         say(f"  {file.name}: step {e.get('step')} of {e.get('planned_steps')} ({e.get('weights')})"
             + (f" of run {file.run}" if file.run != run_dir.name else "")

@@ -257,7 +257,7 @@ def snapshots_view(paths: ProjectPaths, settings, view: ProjectView | None = Non
         row = rows.setdefault(key, {"step": key[0], "weights": key[1], "run": file.run,
                                     "source": source(None, file.run)})
         row.update({"planned_steps": entry.get("planned_steps"), VAL_CENTRED_COSINE: entry.get(VAL_CENTRED_COSINE),
-                    "eval": (entry.get("eval") or {}).get(VAL_CENTRED_COSINE), "file": str(file.path),
+                    "eval": file.evaluation(paths).get(VAL_CENTRED_COSINE), "file": str(file.path),
                     "name": file.name,
                     "size": bytes_text(entry["bytes"]) if isinstance(entry.get("bytes"), int) else None,
                     "missing": not present, "same_file_as": file.same_file_as(paths),

@@ -17,6 +17,7 @@ from warm_runs import trainer_popen, trainer_run
 from gguf_assets.cli import main as trainer_main
 from gguf_assets.lib.core import atomic, faults
 from gguf_assets.lib.output.snapshots import read_snapshots
+from gguf_assets.lib.project.layout import REPORT_JSON
 
 pytestmark = pytest.mark.slow  # a whole pipeline
 
@@ -98,7 +99,6 @@ def test_a_snapshot_mid_run_changes_nothing_and_a_kill_during_one_leaves_no_gguf
 def test_lowering_the_steps_mid_run_ends_it_now_with_an_exported_and_evaluated_gguf(shards_done_project, tmp_path):
     import dagster as dg
 
-    from gguf_assets.lib.project.layout import REPORT_JSON
     from gguf_assets.lib.project.settings import load_settings, replace, write_project_file
     from gguf_assets.studio.app import ObservationFeed, project_view
 
@@ -151,6 +151,20 @@ def test_deleting_one_snapshot_of_a_step_leaves_the_other_and_best_at_the_end_is
     assert best.is_file() and plain.is_file()
     assert "the same file as output/demo-adapter.gguf" in said, said
     assert best.samefile(output / "demo-adapter.gguf") and not plain.samefile(best)
+    # The run's report scored those very bytes: the list, the studio and Compare give the best file that score.
+    from gguf_assets.lib.project.settings import load_settings
+    from gguf_assets.lib.runs import compare, listing
+    from gguf_assets.studio.app import snapshots_view
+
+    scored = atomic.read_json(output / REPORT_JSON)["val_centred_cosine"]
+    assert trainer_main(["snapshot", str(paths.root), "--list"]) == 0
+    best_line = capsys.readouterr().out.split("demo-adapter-best-step40.gguf:")[1].split("\n  demo")[0]
+    assert best_line.startswith(" step 40 of 40 (best), val centred cosine") and f"GGUF eval {scored:.4f}" in best_line
+    settings = load_settings(paths.root)
+    rows = {row["name"]: row for row in snapshots_view(paths, settings)["rows"] if row.get("name")}
+    assert rows[best.name]["eval"] == scored and rows[plain.name]["eval"] is None, rows
+    compared = compare.find_compared(listing.list_runs(paths, settings), best.name)
+    assert compared.gguf_val_centred_cosine == scored and compared.snapshot["evaluated"], compared.snapshot
 
     assert trainer_main(["snapshot", str(paths.root), "--delete", best.name]) == 0
     listed = capsys.readouterr().out

@@ -38,7 +38,14 @@ from pathlib import Path
 
 from gguf_assets.lib.core import atomic, verify
 from gguf_assets.lib.core.errors import UserError
-from gguf_assets.lib.core.metrics import EMPTY_PROMPT_COSINE, VAL_CENTRED_COSINE, VAL_LOSS
+from gguf_assets.lib.core.metrics import (
+    EMPTY_PROMPT_COSINE,
+    RETRIEVAL_KEYS,
+    VAL_CENTRED_COSINE,
+    VAL_LOSS,
+    VAL_REL_MSE,
+    VAL_RMS_COSINE,
+)
 from gguf_assets.lib.output.snapshot_names import remove_dead_snapshot_temps, snapshot_path  # noqa: F401
 from gguf_assets.lib.project.layout import (
     BEST_DIR,
@@ -53,7 +60,14 @@ from gguf_assets.lib.project.layout import (
 from gguf_assets.lib.project.manifests import MaterialsManifest
 from gguf_assets.lib.project.settings import Settings
 from gguf_assets.lib.training import kept_steps as kept
-from gguf_assets.lib.training.training_run import RunOutcome, parent_of, read_lineage, read_session, session_alive
+from gguf_assets.lib.training.training_run import (
+    RunOutcome,
+    parent_of,
+    read_kept,
+    read_lineage,
+    read_session,
+    session_alive,
+)
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +149,29 @@ class SnapshotFile:
             return other if other and os.path.samefile(self.path, paths.located(str(other))) else None
         except OSError:
             return None
+
+    def evaluation(self, paths: ProjectPaths) -> dict:
+        return snapshot_evaluation(paths, self.run, self.entry)
+
+
+# The scores of an evaluation that a snapshot entry's "eval" holds (evaluate_snapshot's scalars).
+_EVALUATION_KEYS = (VAL_CENTRED_COSINE, EMPTY_PROMPT_COSINE, VAL_REL_MSE, VAL_RMS_COSINE, *RETRIEVAL_KEYS)
+
+
+def snapshot_evaluation(paths: ProjectPaths, run: str, entry: dict) -> dict:
+    """The GGUF evaluation of the snapshot ``entry`` (in run ``run``'s snapshots.json): its own (``--eval``), or,
+    for best at the final step (a hard link to the run's GGUF), the run's report's, when the report scored those
+    very bytes (the kept export's sha256 is the entry's) and evaluated the GGUF; {} when nothing scored it."""
+    if isinstance(entry.get("eval"), dict):
+        return entry["eval"]
+    if not entry.get("same_file_as") or not isinstance(entry.get("sha256"), str):
+        return {}
+    kept_record = read_kept(paths, run)
+    report = (kept_record or {}).get("report")
+    if not isinstance(report, dict) or not report.get("evaluated") or \
+            kept_record["gguf"].get("sha256") != entry["sha256"] or report.get("gguf_sha256") != entry["sha256"]:
+        return {}
+    return {key: report.get(key) for key in _EVALUATION_KEYS} | {"by": "the run's report (the same file)"}
 
 
 @dataclass(frozen=True)
@@ -434,8 +471,9 @@ def take_snapshot(paths: ProjectPaths, settings: Settings, materials: MaterialsM
              "asked": source.asked, VAL_CENTRED_COSINE: meta.get(VAL_CENTRED_COSINE),
              EMPTY_PROMPT_COSINE: meta.get(EMPTY_PROMPT_COSINE), VAL_LOSS: meta.get(VAL_LOSS),
              **verify.record(target, sha256), **same_file, "at": round(time.time(), 1)}
-    if evaluate:
-        entry["eval"] = evaluate_snapshot(target, val_folders, source.folder / WEIGHTS_FILE)
+    if evaluate:  # best at the final step: the run's report scored this very file already
+        entry["eval"] = snapshot_evaluation(paths, source.run_dir.name, entry) or evaluate_snapshot(
+            target, val_folders, source.folder / WEIGHTS_FILE)
     record_snapshot(paths, run_dir, entry, source_run=source.run_dir, output_dir=output_dir)
     return entry
 

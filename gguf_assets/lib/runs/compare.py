@@ -28,10 +28,11 @@ VALIDATED_KEYS = (metrics.VAL_CENTRED_COSINE, metrics.EMPTY_PROMPT_COSINE)
 def _snapshot_entries(view: RunsView) -> list[tuple[Run, dict]]:
     """Every snapshot GGUF the runs list (each in the snapshots.json of the run whose weights it holds), oldest
     first; a record this product did not write (no whole step, no file) is left out."""
-    from gguf_assets.lib.output.snapshots import read_snapshots
+    from gguf_assets.lib.output.snapshots import read_snapshots, snapshot_evaluation
 
     paths = ProjectPaths.of(view.root)
-    found = [(run, entry) for run in view.runs for entry in read_snapshots(paths.checkpoints_dir(run.fingerprint))
+    found = [(run, {**entry, "eval": snapshot_evaluation(paths, run.fingerprint, entry)}) for run in view.runs
+             for entry in read_snapshots(paths.checkpoints_dir(run.fingerprint))
              if isinstance(entry.get("step"), int) and not isinstance(entry.get("step"), bool)
              and isinstance(entry.get("file"), str) and entry["file"]]
     return sorted(found, key=lambda pair: pair[1]["at"] if isinstance(pair[1].get("at"), (int, float)) else 0)
