@@ -10,6 +10,7 @@ Restarts and outages of Postgres and Redis during the shards, the training and t
 GGUF export are ridden out, byte-identical too.
 """
 
+import json
 import os
 import signal
 import socket
@@ -118,13 +119,22 @@ def _run_by(pid_tag: str | None, worker: Worker) -> bool:
         return False
 
 
+@pytest.fixture
+def webhook():
+    from webhook_server import webhook_receiver
+
+    with webhook_receiver() as hook:
+        yield hook
+
+
 def test_two_workers_run_the_pipeline_and_a_killed_worker_s_shards_are_done_again(make_project, reference_run,
-                                                                                   servers, tmp_path, monkeypatch):
+                                                                                   servers, tmp_path, monkeypatch,
+                                                                                   webhook):
     import dagster as dg
 
     from gguf_assets.pipeline import run_tags
 
-    paths = make_project(**FAULT_SETTINGS)
+    paths = make_project(**FAULT_SETTINGS, output={"notify_url": webhook.url})
     done = subprocess.run([*CLI, "cluster", str(paths.root), "--celery-broker-env", REDIS_ENV], capture_output=True,
                           text=True, env=cli_env(), timeout=60)
     assert done.returncode == 0 and f"export {REDIS_ENV}=" in done.stdout and "worker" in done.stdout, done.stdout
@@ -189,6 +199,13 @@ def test_two_workers_run_the_pipeline_and_a_killed_worker_s_shards_are_done_agai
     assert {name.split("@")[0] for name in workers_of.values()} == {"gguf-a", "gguf-b"}, workers_of
     assert {r.job_name for r in runs} == {"materials_and_corpus", "precompute_train_shards", "precompute_val_shards",
                                           "train_export_evaluate"}
+    # One pipeline, one notice (#65), sent by the worker whose run scored the GGUF: the killed worker's run, whose
+    # shards went back to the queue, was no end of the pipeline and is not told.
+    ((_, notice),) = webhook.posts
+    scored = next(r for r in runs if r.job_name == "train_export_evaluate")
+    assert (notice["outcome"], notice["run_id"]) == ("finished", scored.run_id), notice
+    report = json.loads((paths.root / "output" / "report.json").read_text())
+    assert notice["val_centred_cosine"] == report["val_centred_cosine"] is not None, notice
     assert not (paths.dagster_home / "history" / "runs.db").exists()  # every record went to Postgres, none to SQLite
     # A second run finds everything current, from the records in Postgres: no new run.
     again = subprocess.run([*CLI, "run", str(paths.root)], capture_output=True, text=True, env=cli_env(**servers),

@@ -172,3 +172,45 @@ def test_a_killed_worker_is_named_with_its_shard_and_the_next_run_continues(make
     done = trainer_run(["run", str(paths.root)], capture_output=True, text=True, env=cli_env(), timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     assert pipeline_outputs(paths.root) == reference_run[0]
+
+
+@pytest.mark.slow  # a `run --workers 2` stopped at its first shards (about 30 s)
+def test_a_stopped_workers_pipeline_is_told_once_as_stopped(make_project):
+    """#65: Ctrl-C to `run --workers 2` while both worker runs write their first shard: the leader stops them, and
+    the webhook (output.notify_url) hears of the pipeline's end once, as stopped, from the leader; the worker runs'
+    own ends (their teardowns run before Dagster records them canceled) send nothing."""
+    import signal
+    import subprocess
+
+    from conftest import CLI, FAULT_SETTINGS, cli_env, project_instance, wait_for
+    from webhook_server import webhook_receiver
+
+    from gguf_assets.pipeline import run_tags
+    from gguf_assets.pipeline.run_end import STOPPED_MESSAGE
+
+    with webhook_receiver() as hook:
+        paths = make_project(**FAULT_SETTINGS, output={"notify_url": hook.url})
+        proc = subprocess.Popen([*CLI, "run", str(paths.root), "--workers", "2"], stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                                env=cli_env(GGUF_ASSETS_FAULT="shard-write@1:stall:30"))
+        try:
+            firsts = [paths.root / f"shards/train/{key}/prompts.jsonl" for key in ("00000", "00002")]
+            wait_for(lambda: all(f.is_file() for f in firsts), timeout=180, what="both workers at their first shard",
+                     proc=proc)
+            proc.send_signal(signal.SIGINT)
+            out, _ = proc.communicate(timeout=120)
+            instance = project_instance(paths)
+            workers = [r.run_id for r in instance.get_runs() if run_tags.get(r.tags, run_tags.WORKER_TAG)]
+            wait_for(lambda: all(instance.get_run_by_id(r).is_finished for r in workers), timeout=120,
+                     what="the worker runs to end")
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    assert proc.returncode == 130 and "Traceback" not in out, out
+    assert len(workers) == 2 and all(instance.get_run_by_id(r).status == dg.DagsterRunStatus.CANCELED
+                                     for r in workers), [instance.get_run_by_id(r).status for r in workers]
+    ((_, notice),) = hook.posts
+    assert (notice["outcome"], notice["job"], notice["message"]) == ("stopped", "precompute_train_shards",
+                                                                    STOPPED_MESSAGE), notice
+    assert notice["run_id"] in workers, notice
