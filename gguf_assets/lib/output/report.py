@@ -27,7 +27,14 @@ from gguf_assets.lib.project.manifests import DamagedRecord, ExportSidecar, Mate
 from gguf_assets.lib.project.settings import Settings
 from gguf_assets.lib.training.better import better_advice, better_weights, with_better_weights
 from gguf_assets.lib.training.training_run import final_run_dir, finished_meta
-from gguf_assets.lib.training.verdict import GOOD, LISTENS_TOP1, retrieval_bar, validation_curve, verdict
+from gguf_assets.lib.training.verdict import (
+    GOOD,
+    LISTENS_TOP1,
+    retrieval_bar,
+    training_start,
+    validation_curve,
+    verdict,
+)
 
 # ggk's flags (gk-diffuser.cpp), for the "use it in ggk" table.
 VISION_FLAG = "--llm_vision"
@@ -130,7 +137,8 @@ def build_report(paths: ProjectPaths, settings: Settings, materials: MaterialsMa
     # Prompt retrieval is the GGUF evaluation's only: without it the verdict reads the cosine alone.
     retrieval = {key: evaluation.get(key) for key in m.RETRIEVAL_KEYS} if evaluation else None
     text, advice = verdict(score, validation_curve(final_meta.get("history") or []), width=settings.training.width,
-                           steps=settings.training.steps, retrieval=retrieval)
+                           steps=settings.training.steps, retrieval=retrieval,
+                           start=training_start(settings.training))
     better = better_weights(paths, final_meta, torch_score=torch_score,
                             gguf_score=evaluation[m.VAL_CENTRED_COSINE] if evaluation else None)
     text, advice = with_better_weights(text, advice, better, stored_command, STORED_PROJECT)

@@ -104,7 +104,7 @@ from gguf_assets.lib.training.training_run import (
     write_session,
 )
 from gguf_assets.lib.training.val_scores import ValScores
-from gguf_assets.lib.training.verdict import validation_curve, verdict
+from gguf_assets.lib.training.verdict import training_start, validation_curve, verdict
 
 log = logging.getLogger(__name__)
 
@@ -651,7 +651,8 @@ class _TrainingRun:
         final = self._evaluate(self.judged)
         end = {"step": self.step, VAL_CENTRED_COSINE: final[VAL_CENTRED_COSINE]}
         curve = validation_curve([*self.history, end])
-        text, advice = verdict(final[VAL_CENTRED_COSINE], curve, width=self.t.width, steps=self.t.steps)
+        text, advice = verdict(final[VAL_CENTRED_COSINE], curve, width=self.t.width, steps=self.t.steps,
+                               start=training_start(self.t))
         if self.lowered_to is not None:
             remember_lowered(self.paths, self.fingerprint, self.lowered_to)
         early = {} if self.lowered_to is None else {"planned_steps": self.t.steps, "lowered_to": self.lowered_to}

@@ -25,3 +25,22 @@ def test_a_good_score_says_use_it_and_no_curve_gives_the_general_advice():
     assert verdict(GOOD, [(1, 0.1), (2, GOOD)], width=64, steps=2)[1].startswith("Use it")
     text, advice = verdict(0.5)
     assert "training.width: 1536" in advice and "flattened" not in advice
+
+
+def test_below_good_a_run_not_started_at_the_row_means_is_told_of_that_start_and_one_that_did_is_not():
+    """#68: the hidden task's form scored 0.836 with trainer8's start; the row-means start with the query rows at
+    10x the lr gained +0.03 to +0.10 at the same cost on CPU-scale runs. Below GOOD the advice says so, naming the
+    keys; a run that started there, or a good one, is not told."""
+    from gguf_assets.lib.project.presets import CPU_START
+    from gguf_assets.lib.project.settings import Settings
+    from gguf_assets.lib.training.verdict import training_start
+
+    trainer8 = training_start(Settings().training)
+    assert trainer8 == {"init": "random", "query_lr_scale": 1.0}
+    curve = [(100, 0.70), (800, 0.836)]
+    _, advice = verdict(0.836, curve, width=128, steps=800, start=trainer8)
+    assert "training.init: row_means, training.query_lr_scale: 10 (the CPU scale preset's" in advice, advice
+    assert advice.startswith("It was still rising"), advice  # after the curve's own advice
+    assert "row_means" not in verdict(0.836, curve, width=128, steps=800, start=dict(CPU_START))[1]
+    assert "row_means" not in verdict(0.95, curve, width=128, steps=800, start=trainer8)[1]
+    assert "row_means" not in verdict(0.836, curve, width=128, steps=800)[1]  # start unknown: said nowhere
