@@ -151,7 +151,7 @@ def test_quality_benchmark_prints_its_table_and_applies_its_own_rule():
         assert not winners(-2e-4), out
 
 
-@pytest.mark.slow  # about 3 CPU s: one family built, 20 runs of 4 steps
+@pytest.mark.slow  # about 4 CPU s: one family built, 32 runs of 4 steps
 def test_quality_study_prints_every_row_with_its_retrieval_and_its_delta():
     """bench_quality.py --study --quick (#68): per seed, the product, the minimal resampler, the per-(row, dim) mark
     and each change, in that order, each with its val centred cosine, its delta against the product of the same
@@ -163,9 +163,10 @@ def test_quality_study_prints_every_row_with_its_retrieval_and_its_delta():
     assert 0 < share < 100 and lowest > 0 and floor == 0.01 and 0 <= floored <= values and 0 < empty < train, out
     lines = out.splitlines()
     header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["pair", "variant"])
-    rows = [line.split() for line in lines[header + 1:header + 21]]
     names = ["product", "minimal-per-dim", "mark-per-row-dim", "init-row-means", "query-lr-x10", "query-lr-x30",
-             "cpu-start", "sigma-floor-0.2", "isotropic", "no-empty-prompts"]
+             "cpu-start", "sigma-floor-0.2", "isotropic", "no-empty-prompts", "cosine-weight-0", "grad-clip-off",
+             "grad-clip-10", "cpu-start-no-clip", "weight-decay-0", "ema-0.999"]
+    rows = [line.split() for line in lines[header + 1:header + 1 + 2 * len(names)]]
     assert [(r[0], r[1], int(r[2])) for r in rows] == [("A", n, seed) for seed in (0, 1) for n in names], out
     by = {(r[1], int(r[2])): [float(x) for x in r[3:]] for r in rows}
     for (name, seed), (steps, cosine, delta, top1, top5, margin) in by.items():
