@@ -110,7 +110,8 @@ def verdict(val_centred_cosine: float, curve: list[tuple[int, float]] | None = N
     measured, and the verdict reads the cosine alone. ``start``: the run's ``training_start``; below GOOD, a run
     that did not start at CPU_START is told of it."""
     text, advice = _verdict(val_centred_cosine, curve, width=width, steps=steps, retrieval=retrieval)
-    if val_centred_cosine < GOOD and start is not None and start != CPU_START:
+    # Not to an adapter that ignores the prompt: its pairs are what to check, not its start.
+    if val_centred_cosine < GOOD and start is not None and start != CPU_START and not _at_chance(retrieval):
         advice += START_ADVICE
     return text, advice
 
@@ -152,12 +153,20 @@ def _retrieval_shortfall(retrieval: dict) -> tuple[str, str] | None:
     if retrieval_passes(top1, prompts):
         return None
     why = f"prompt retrieval top-1 {top1:.3f} is below {bar.top1:.3f} (chance {retrieval_chance(prompts):.3f})"
-    if _chance_tail(round(top1 * prompts), prompts) > CHANCE_P:  # no better than chance
+    if _at_chance(retrieval):
         return why, ("It ignores the prompt: its outputs do not tell the val prompts apart, and its cosine is what "
                      "all prompts' targets share. Check that each shard pairs a prompt with its own teacher output "
                      "and that the teacher reads the prompt, then train again.")
     return why, ("It reads the prompt, but not enough to tell most val prompts apart: train longer (training.steps) "
                  "or widen the adapter (training.width), and look at the report's worst val prompts.")
+
+
+def _at_chance(retrieval: dict | None) -> bool:
+    """Prompt retrieval no better than chance, where it was measured on enough prompts to tell."""
+    if retrieval is None:
+        return False
+    prompts, top1 = int(retrieval.get(VAL_RETRIEVAL_PROMPTS) or 0), float(retrieval.get(VAL_RETRIEVAL_TOP1) or 0.0)
+    return retrieval_bar(prompts).hits is not None and _chance_tail(round(top1 * prompts), prompts) > CHANCE_P
 
 
 def _late_gain(curve: list[tuple[int, float]]) -> tuple[float | None, int]:
