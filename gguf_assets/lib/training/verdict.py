@@ -131,6 +131,8 @@ def _verdict(val_centred_cosine: float, curve: list[tuple[int, float]] | None, *
     text = f"Not there yet: val centred cosine {val_centred_cosine:.3f} is below {GOOD}."
     if shortfall is not None:
         text += f" And {shortfall[0]}."
+        if _at_chance(retrieval):  # no more steps or width fix an adapter that does not read the prompt
+            return text, shortfall[1]
     gain, span = _late_gain(curve or [])
     if gain is not None and gain >= RISING and steps:
         return text, (f"It was still rising ({gain:+.3f} over the last {span} steps): train longer first "

@@ -44,9 +44,10 @@ def test_below_good_a_run_not_started_at_the_row_means_is_told_of_that_start_and
     assert "row_means" not in verdict(0.836, curve, width=128, steps=800, start=dict(CPU_START))[1]
     assert "row_means" not in verdict(0.95, curve, width=128, steps=800, start=trainer8)[1]
     assert "row_means" not in verdict(0.836, curve, width=128, steps=800)[1]  # start unknown: said nowhere
-    # An adapter whose retrieval is at chance is not sent to its start: its verdict names the retrieval instead.
+    # An adapter whose retrieval is at chance is sent to its pairs, not to its start or to more steps.
     blind = {"val_retrieval_top1": 0.0, "val_retrieval_prompts": 60}
     text, advice = verdict(0.836, curve, width=128, steps=800, start=trainer8, retrieval=blind)
-    assert "row_means" not in advice and "prompt retrieval top-1 0.000" in text, (text, advice)
+    assert "prompt retrieval top-1 0.000" in text and advice.startswith("It ignores the prompt"), (text, advice)
+    assert "row_means" not in advice and "training.steps" not in advice, advice
     heard = {"val_retrieval_top1": 0.3, "val_retrieval_prompts": 60}
     assert "row_means" in verdict(0.836, curve, width=128, steps=800, start=trainer8, retrieval=heard)[1]
