@@ -160,16 +160,14 @@ _EVALUATION_KEYS = (VAL_CENTRED_COSINE, EMPTY_PROMPT_COSINE, VAL_REL_MSE, VAL_RM
 
 def snapshot_evaluation(paths: ProjectPaths, run: str, entry: dict) -> dict:
     """The GGUF evaluation of the snapshot ``entry`` (in run ``run``'s snapshots.json): its own (``--eval``), or,
-    for best at the final step (a hard link to the run's GGUF), the run's report's, when the report scored those
-    very bytes (the kept export's sha256 is the entry's) and evaluated the GGUF; {} when nothing scored it."""
+    for best at the final step (a hard link to the run's GGUF), the report the run kept, when it evaluated those
+    very bytes (its GGUF's sha256 is the entry's); {} when nothing scored it."""
     if isinstance(entry.get("eval"), dict):
         return entry["eval"]
     if not entry.get("same_file_as") or not isinstance(entry.get("sha256"), str):
         return {}
-    kept_record = read_kept(paths, run)
-    report = (kept_record or {}).get("report")
-    if not isinstance(report, dict) or not report.get("evaluated") or \
-            kept_record["gguf"].get("sha256") != entry["sha256"] or report.get("gguf_sha256") != entry["sha256"]:
+    report = (read_kept(paths, run) or {}).get("report")
+    if not isinstance(report, dict) or not report.get("evaluated") or report.get("gguf_sha256") != entry["sha256"]:
         return {}
     return {key: report.get(key) for key in _EVALUATION_KEYS} | {"by": "the run's report (the same file)"}
 
